@@ -1,0 +1,35 @@
+"""pagedkv's pure core: the paged-KV state machine.
+
+No torch, numpy, clocks, randomness or I/O here: every transition is a function
+``(state, event) -> Result[Step, KVError]`` over persistent data.
+"""
+
+from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
+from pagedkv.core.digest import digest
+from pagedkv.core.errors import ErrorCode, KVError, RequestId
+from pagedkv.core.metadata import KVMetadata, Phase, RowMetadata, Segment, publish
+from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.state import KVState, Step, free_queue, initial_state, request_blocks
+from pagedkv.core.transitions import (
+    Admitted,
+    Appended,
+    Committed,
+    Released,
+    ReleaseReason,
+    WasReset,
+    admit,
+    append,
+    append_decode,
+    append_many,
+    commit,
+    release,
+    reset,
+)
+
+__all__ = [
+    "Admitted", "Appended", "CacheConfig", "Committed", "ErrorCode", "GroupKind", "GroupSpec",
+    "InvalidConfig", "KVError", "KVMetadata", "KVState", "Phase", "ReleaseReason", "Released",
+    "RequestId", "RequestSpec", "RowMetadata", "RowSpec", "Segment", "Step", "WasReset", "admit",
+    "append", "append_decode", "append_many", "commit", "digest", "free_queue", "initial_state",
+    "publish", "release", "request_blocks", "reset",
+]  # fmt: skip

@@ -1,0 +1,101 @@
+"""Geometry: block size, pool size and KV cache groups.
+
+Block 0 is the null block: never allocated, it stands for positions a windowed
+group no longer holds. So a pool of ``num_blocks`` has ``num_blocks - 1`` usable
+blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pagedkv.core.errors import is_int
+
+
+class GroupKind(StrEnum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_LOCAL = "chunked_local"
+
+
+class InvalidConfig(ValueError):
+    """A geometry that cannot describe a pool (raised at construction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV cache group: layers that share block ids and one attention kind.
+
+    >>> GroupSpec("local", GroupKind.SLIDING_WINDOW, window=32).window
+    32
+    """
+
+    name: str
+    kind: GroupKind = GroupKind.FULL
+    window: int | None = None  # sliding_window: a token sees itself and window - 1 before it
+    chunk: int | None = None  # chunked_local: a token sees its chunk from the chunk's start
+
+    def __post_init__(self) -> None:
+        if type(self.name) is not str or not self.name:
+            raise InvalidConfig(f"group name must be a non-empty string, got {self.name!r}")
+        if self.kind not in tuple(GroupKind):
+            raise InvalidConfig(f"group {self.name!r}: unknown kind {self.kind!r}")
+        object.__setattr__(self, "kind", GroupKind(self.kind))
+        need = {GroupKind.SLIDING_WINDOW: "window", GroupKind.CHUNKED_LOCAL: "chunk"}.get(self.kind)
+        for key in ("window", "chunk"):
+            value = getattr(self, key)
+            if key == need:
+                if not is_int(value) or value < 1:
+                    raise InvalidConfig(f"group {self.name!r}: {key} must be a positive integer, got {value!r}")
+            elif value is not None:
+                raise InvalidConfig(f"group {self.name!r}: kind {self.kind.value} takes no {key}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The pool's geometry and the limits admission enforces.
+
+    >>> c = CacheConfig(block_size=16, num_blocks=9)
+    >>> c.usable_blocks, c.groups[0].kind.value
+    (8, 'full')
+    """
+
+    block_size: int
+    num_blocks: int  # including the null block 0
+    groups: tuple[GroupSpec, ...] = field(default=(GroupSpec("full"),))
+    enable_prefix_caching: bool = False
+    max_rows_per_request: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise InvalidConfig(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not is_int(self.num_blocks) or self.num_blocks < 2:
+            raise InvalidConfig(
+                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {self.num_blocks!r}"
+            )
+        groups = tuple(self.groups)
+        if not groups:
+            raise InvalidConfig("groups must name at least one KV cache group")
+        for g in groups:
+            if not isinstance(g, GroupSpec):
+                raise InvalidConfig(f"groups must hold GroupSpec values, got {g!r}")
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise InvalidConfig(f"group names must be unique, got {names}")
+        object.__setattr__(self, "groups", groups)
+        if type(self.enable_prefix_caching) is not bool:
+            raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        for key in ("max_rows_per_request", "max_model_len"):
+            value = getattr(self, key)
+            if value is not None and (not is_int(value) or value < 1):
+                raise InvalidConfig(f"{key} must be a positive integer or null, got {value!r}")
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one group needs for ``num_tokens`` positions: ceil(n / block_size)."""
+        return -(-num_tokens // self.block_size)

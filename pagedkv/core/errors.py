@@ -1,0 +1,60 @@
+"""Typed refusals of the core.
+
+A refused input is a value, not an exception: every transition returns
+``Failure(KVError)`` and leaves the caller holding the old state. A broken
+invariant is a bug and raises ``AssertionError`` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+RequestId = str | int
+
+
+class ErrorCode(StrEnum):
+    """The error codes of trace contract version 1 (see docs/trace.md)."""
+
+    NO_CAPACITY = "NO_CAPACITY"  # temporary: fits once blocks are freed
+    UNSCHEDULABLE = "UNSCHEDULABLE"  # permanent: never fits this pool / limits
+    DUPLICATE_REQUEST = "DUPLICATE_REQUEST"
+    UNKNOWN_REQUEST = "UNKNOWN_REQUEST"
+    INVALID = "INVALID"
+    STALE_METADATA = "STALE_METADATA"  # raised by the shell's worker
+    CONFLICTING_METADATA = "CONFLICTING_METADATA"  # raised by the shell's worker
+
+
+@dataclass(frozen=True, slots=True)
+class KVError:
+    """Why a transition was refused, with the numbers that explain it.
+
+    >>> e = KVError(ErrorCode.NO_CAPACITY, "needs 4 blocks, 2 free", requested=4, available=2)
+    >>> e.permanent
+    False
+    """
+
+    code: ErrorCode
+    message: str
+    request: RequestId | None = None
+    field: str | None = None
+    requested: int | None = None
+    available: int | None = None
+
+    @property
+    def permanent(self) -> bool:
+        """Only ``NO_CAPACITY`` can succeed later, once blocks are freed."""
+        return self.code is not ErrorCode.NO_CAPACITY
+
+
+def invalid(message: str, *, request: RequestId | None = None, field: str | None = None) -> KVError:
+    return KVError(ErrorCode.INVALID, message, request=request, field=field)
+
+
+def is_int(value: object) -> bool:
+    """A JSON-style integer: ``int`` but not ``bool`` (``True`` is an int in Python)."""
+    return type(value) is int
+
+
+def is_request_id(value: object) -> bool:
+    return type(value) is str or type(value) is int

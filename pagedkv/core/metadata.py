@@ -1,0 +1,171 @@
+"""The metadata snapshot the core hands the shell for one forward.
+
+Immutable, small, picklable; no tensors. ``publish`` builds it and takes no
+generation: the snapshot carries the latest one, which is what a worker checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
+from pagedkv.core.spec import Span
+from pagedkv.core.state import Blocks, KVState, Step
+
+
+class Phase(StrEnum):
+    PREFILL = "prefill"  # prefill, chunk of it, or a first denoising step
+    DENOISE = "denoise"  # a later denoising step: only the target span is rewritten
+    DECODE = "decode"  # one query token per row
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Query positions ``[q_start, q_end)`` and the key bound they see.
+
+    Causal: position p sees keys ``[0, p]`` (``kv_end`` is the segment's end).
+    Full: every query sees keys ``[0, kv_end)``, the end of its full span.
+    Positions are absolute within the row.
+    """
+
+    causal: bool
+    q_start: int
+    q_end: int
+    kv_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowMetadata:
+    request_id: RequestId
+    row: int
+    block_ids: Blocks  # per group, ceil(row length / block_size) ids; 0 = null
+    seq_len: int  # keys of this forward end here
+    query_len: int
+    kv_start_pos: int  # first query position
+    slots: tuple[int, ...]  # group 0 slot of each query position
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVMetadata:
+    """Everything a worker needs to install for one forward."""
+
+    generation: int
+    epoch: int
+    block_size: int
+    phase: Phase
+    rows: tuple[RowMetadata, ...]
+
+    @property
+    def num_query_tokens(self) -> int:
+        return sum(r.query_len for r in self.rows)
+
+
+def segments_of(spans: Sequence[Span], seq_len: int, q_start: int) -> tuple[Segment, ...]:
+    """Cut the query ``[q_start, seq_len)`` into causal gaps and full spans.
+
+    >>> [(s.causal, s.q_start, s.q_end, s.kv_end) for s in segments_of([(4, 8)], 10, 0)]
+    [(True, 0, 4, 4), (False, 4, 8, 8), (True, 8, 10, 10)]
+    >>> [(s.causal, s.q_start, s.kv_end) for s in segments_of([(4, 8)], 8, 6)]
+    [(False, 6, 8)]
+    """
+    pieces: list[tuple[bool, int, int]] = []
+    pos = 0
+    for a, b in spans:
+        if a >= seq_len:
+            break
+        b = min(b, seq_len)
+        if a > pos:
+            pieces.append((True, pos, a))
+        pieces.append((False, a, b))
+        pos = b
+    if pos < seq_len:
+        pieces.append((True, pos, seq_len))
+    return tuple(Segment(causal, max(a, q_start), b, b) for causal, a, b in pieces if b > q_start)
+
+
+def slots_of(blocks: Sequence[int], block_size: int, start: int, count: int) -> tuple[int, ...]:
+    """Slot of position p: ``blocks[p // block_size] * block_size + p % block_size``.
+
+    >>> slots_of([3, 1], 16, 17, 2)
+    (17, 18)
+    """
+    return tuple(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
+
+
+def publish(
+    state: KVState, request_ids: Sequence[RequestId], phase: Phase | str
+) -> Result[Step[KVMetadata], KVError]:
+    """Build the snapshot for one forward over every row of ``request_ids``.
+
+    Prefill: the query is the uncomputed rest of each row
+    (``kv_start_pos = computed``). Denoise (diffusion rows): the query is the
+    target span, keys end at ``prefix_len + target_len``. Decode: the last token.
+    Every row of one forward must have the same sequence of causal flags.
+    """
+    if phase not in _PHASES:
+        return Failure(invalid(f"phase must be one of {sorted(_PHASES)}, got {phase!r}", field="phase"))
+    phase = Phase(phase)
+    if not isinstance(request_ids, (list, tuple)) or not request_ids:
+        return Failure(invalid("publish needs a non-empty list of request ids", field="requests"))
+    seen: set[RequestId] = set()
+    for rid in request_ids:
+        if not is_request_id(rid):
+            return Failure(invalid(f"request id must be a string or an integer, got {rid!r}", field="requests"))
+        if rid in seen:
+            return Failure(invalid(f"request {rid!r} is named twice in one publish", request=rid, field="requests"))
+        seen.add(rid)
+    bs = state.config.block_size
+    rows: list[RowMetadata] = []
+    structure: tuple[bool, ...] | None = None
+    for rid in request_ids:
+        req = state.requests.get(rid)
+        if req is None:
+            return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid))
+        for i, slot in enumerate(req.slots):
+            layout = req.layouts[i]
+            length = state.row_len[slot]
+            blocks = state.row_blocks[slot]
+            if phase is Phase.PREFILL:
+                seq_len = length
+                start = state.row_computed[slot]
+                if start >= seq_len:
+                    return Failure(invalid(f"request {rid!r} row {i}: all {seq_len} tokens are computed; "
+                                           "nothing to prefill", request=rid, field="phase"))  # fmt: skip
+            elif phase is Phase.DENOISE:
+                if layout.prefix_len is None or layout.target_len is None:
+                    return Failure(invalid(f"request {rid!r} row {i} is not a diffusion row; it cannot denoise",
+                                           request=rid, field="phase"))  # fmt: skip
+                start = layout.prefix_len
+                seq_len = layout.prefix_len + layout.target_len
+            else:
+                if layout.is_diffusion:
+                    return Failure(invalid(f"request {rid!r} row {i} is a diffusion row; it cannot decode",
+                                           request=rid, field="phase"))  # fmt: skip
+                seq_len = length
+                start = length - 1
+            segments = segments_of(layout.spans, seq_len, start)
+            flags = tuple(s.causal for s in segments)
+            if structure is None:
+                structure = flags
+            elif flags != structure:
+                return Failure(invalid(
+                    f"request {rid!r} row {i} has segments {_flags(flags)} but the forward's first row has "
+                    f"{_flags(structure)}; rows of one forward need the same segment structure",
+                    request=rid, field="requests"))  # fmt: skip
+            query = seq_len - start
+            rows.append(RowMetadata(
+                rid, i, blocks, seq_len, query, start, slots_of(blocks[0], bs, start, query), segments))  # fmt: skip
+    meta = KVMetadata(state.generation, state.epoch, bs, phase, tuple(rows))
+    return Success(Step(state, meta))
+
+
+_PHASES = frozenset(p.value for p in Phase)
+
+
+def _flags(flags: tuple[bool, ...]) -> str:
+    return "[" + ", ".join("causal" if f else "full" for f in flags) + "]"

@@ -1,0 +1,124 @@
+"""What an engine asks the core for: a request of one or more rows.
+
+A row is one sequence of KV positions. CFG branches of a diffusion request are
+rows of one request, admitted together. A row may carry its token ids (needed
+for prefix caching) or only a count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedkv.core.errors import KVError, RequestId, invalid, is_int, is_request_id
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """One row: ``num_tokens`` positions, optionally their token ids.
+
+    ``prefix_len``/``target_len`` (given together) make it a diffusion row: a
+    stable prefix kept across denoising steps and a target span rewritten at
+    each. ``spans`` are sorted, non-overlapping ``[start, end)`` full-attention
+    spans; the rest of the row is causal.
+
+    >>> RowSpec.of_tokens([5, 6, 7]).num_tokens
+    3
+    """
+
+    num_tokens: int
+    tokens: tuple[int, ...] | None = None
+    prefix_len: int | None = None
+    target_len: int | None = None
+    spans: tuple[Span, ...] = ()
+
+    @staticmethod
+    def of_tokens(
+        tokens: Sequence[int],
+        *,
+        prefix_len: int | None = None,
+        target_len: int | None = None,
+        spans: Sequence[Span] = (),
+    ) -> RowSpec:
+        return RowSpec(len(tokens), tuple(tokens), prefix_len, target_len, tuple(tuple(s) for s in spans))  # type: ignore[misc]
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.target_len is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A request to admit: all of its rows get their blocks, or none do.
+
+    ``extra_keys`` carry what else decides the KV content (adapter id, cache
+    salt, content hashes of non-text inputs); prefix-cache hashes include them.
+    """
+
+    request_id: RequestId
+    rows: tuple[RowSpec, ...]
+    extra_keys: tuple[str, ...] = ()
+
+
+def check_request_spec(spec: object) -> KVError | None:
+    """``None`` when ``spec`` is well formed, else the ``INVALID`` error saying why.
+
+    Only the shape of the spec is judged here; limits and capacity are the
+    admission's business.
+
+    >>> check_request_spec(RequestSpec("a", (RowSpec(0),))).message
+    "request 'a' row 0: num_tokens must be a positive integer, got 0"
+    """
+    if not isinstance(spec, RequestSpec):
+        return invalid(f"admit needs a RequestSpec, got {type(spec).__name__}")
+    rid = spec.request_id
+    if not is_request_id(rid):
+        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+    if not isinstance(spec.rows, tuple) or not spec.rows:
+        return invalid(f"request {rid!r} must have at least one row", request=rid, field="rows")
+    if not isinstance(spec.extra_keys, tuple) or any(type(k) is not str for k in spec.extra_keys):
+        return invalid(f"request {rid!r}: extra_keys must be strings", request=rid, field="extra_keys")
+    for i, row in enumerate(spec.rows):
+        err = _check_row(row, f"request {rid!r} row {i}")
+        if err is not None:
+            return KVError(err.code, err.message, request=rid, field=err.field)
+    return None
+
+
+def _check_row(row: object, where: str) -> KVError | None:
+    if not isinstance(row, RowSpec):
+        return invalid(f"{where}: rows must be RowSpec values, got {type(row).__name__}", field="rows")
+    n = row.num_tokens
+    if not is_int(n) or n < 1:
+        return invalid(f"{where}: num_tokens must be a positive integer, got {n!r}", field="num_tokens")
+    if row.tokens is not None:
+        if not isinstance(row.tokens, tuple) or len(row.tokens) != n:
+            return invalid(f"{where}: tokens must be a tuple of num_tokens ({n}) ids", field="tokens")
+        for t in row.tokens:
+            if not is_int(t) or t < 0:
+                return invalid(f"{where}: token ids must be non-negative integers, got {t!r}", field="tokens")
+    p, t = row.prefix_len, row.target_len
+    if (p is None) != (t is None):
+        return invalid(f"{where}: prefix_len and target_len come together", field="prefix_len")
+    if p is not None and t is not None:
+        if not is_int(p) or p < 0:
+            return invalid(f"{where}: prefix_len must be a non-negative integer, got {p!r}", field="prefix_len")
+        if not is_int(t) or t < 1:
+            return invalid(f"{where}: target_len must be a positive integer, got {t!r}", field="target_len")
+        if p + t > n:
+            return invalid(f"{where}: prefix_len + target_len = {p + t} exceeds seq_len {n}", field="target_len")
+    if not isinstance(row.spans, tuple):
+        return invalid(f"{where}: spans must be a tuple of [start, end) pairs", field="spans")
+    end_prev = 0
+    for s in row.spans:
+        if not (isinstance(s, tuple) and len(s) == 2 and is_int(s[0]) and is_int(s[1])):
+            return invalid(f"{where}: a span must be a [start, end) pair of integers, got {s!r}", field="spans")
+        a, b = s
+        if not 0 <= a < b <= n:
+            return invalid(f"{where}: span [{a}, {b}) is empty or outside the row [0, {n})", field="spans")
+        if a < end_prev:
+            return invalid(f"{where}: span [{a}, {b}) is unsorted or overlaps the span before it", field="spans")
+        end_prev = b
+    return None

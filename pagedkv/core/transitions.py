@@ -1,0 +1,346 @@
+"""The transitions of the block pool: admit, append, commit, release, reset.
+
+Each is a module-level function ``(state, event) -> Result[Step, KVError]``.
+A ``Failure`` means the caller still holds the old state, untouched; a
+``Success`` carries the next state and the effect the shell needs. The old
+state stays valid either way: states are values.
+
+Allocation order is part of the contract (traces pin block ids): rows in
+order, then groups in order, then positions ascending, each block popped from
+the head of the free queue. Release pushes a request's blocks to the tail
+positions descending over all its rows and groups (rows, then groups, in order
+within one position), so a prefix outlives its suffix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.spec import RequestSpec, check_request_spec
+from pagedkv.core.state import Blocks, KVState, Request, RowLayout, Step, Txn, initial_state
+
+# One row's growth in an append: a token count, or the token ids themselves.
+Growth = int | Sequence[int]
+
+
+class ReleaseReason(StrEnum):
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request_id: RequestId
+    generation: int
+    cached_tokens: tuple[int, ...]  # per row: tokens whose KV came from the prefix cache
+    blocks: tuple[Blocks, ...]  # per row, per group
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    # (request, generation it took) for every request that got new blocks, in order
+    allocations: tuple[tuple[RequestId, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    request_id: RequestId
+    generation: int | None  # taken only when the block layout changed
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    request_id: RequestId
+    reason: ReleaseReason
+    generation: int
+    freed_blocks: int  # blocks that went back to the free queue
+
+
+@dataclass(frozen=True, slots=True)
+class WasReset:
+    epoch: int
+    released: tuple[RequestId, ...]
+
+
+def _fail(code: ErrorCode, message: str, rid: RequestId | None, **numbers: int) -> Failure[KVError]:
+    return Failure(KVError(code, message, request=rid, **numbers))  # type: ignore[arg-type]
+
+
+# -- admit -------------------------------------------------------------------
+
+
+def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
+    """Reserve every block of every row and group of ``spec``, or nothing.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> rows = (RowSpec(8, prefix_len=4, target_len=4),) * 2  # two CFG rows
+    >>> step = admit(s, RequestSpec("img", rows)).unwrap()
+    >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
+    (1, (((1, 2),), ((3, 4),)), 4)
+    """
+    err = check_request_spec(spec)
+    if err is not None:
+        return Failure(err)
+    cfg = state.config
+    rid = spec.request_id
+    rows = spec.rows
+    limit = cfg.max_rows_per_request
+    if limit is not None and len(rows) > limit:
+        return _fail(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {rid!r} has {len(rows)} rows, over max_rows_per_request {limit}",
+            rid, requested=len(rows), available=limit,
+        )  # fmt: skip
+    if cfg.max_model_len is not None:
+        for i, row in enumerate(rows):
+            if row.num_tokens > cfg.max_model_len:
+                return _fail(
+                    ErrorCode.UNSCHEDULABLE,
+                    f"request {rid!r} row {i} has {row.num_tokens} tokens, over max_model_len {cfg.max_model_len}",
+                    rid, requested=row.num_tokens, available=cfg.max_model_len,
+                )  # fmt: skip
+    per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
+    need = len(cfg.groups) * sum(per_row)
+    if need > cfg.usable_blocks:
+        return _fail(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {rid!r} needs {need} blocks; the pool has {cfg.usable_blocks} usable blocks in all",
+            rid, requested=need, available=cfg.usable_blocks,
+        )  # fmt: skip
+    if rid in state.requests:
+        return _fail(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", rid)
+    if need > state.num_free:
+        return _fail(
+            ErrorCode.NO_CAPACITY,
+            f"request {rid!r} needs {need} blocks; {state.num_free} are free",
+            rid, requested=need, available=state.num_free,
+        )  # fmt: skip
+
+    txn = Txn(state)
+    slots = []
+    blocks = []
+    ngroups = len(cfg.groups)
+    for row, nb in zip(rows, per_row):
+        rb = tuple(tuple(txn.pop_free() for _ in range(nb)) for _ in range(ngroups))
+        slots.append(txn.new_slot(row.num_tokens, 0, rb))
+        blocks.append(rb)
+    gen = txn.next_generation()
+    layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
+    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen))
+    effect = Admitted(rid, gen, (0,) * len(rows), tuple(blocks))
+    return Success(Step(txn.done(), effect))
+
+
+# -- append ------------------------------------------------------------------
+
+
+def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Result[Step[Appended], KVError]:
+    """Grow each row of one request: ``rows[i]`` is a token count or the token ids.
+
+    Blocks are allocated only when a row's last block fills; the request then
+    takes the next generation.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap().state
+    >>> step = append(s, "a", [[17]]).unwrap()  # position 4 opens a second block
+    >>> step.effect.allocations, step.state.free_blocks
+    ((('a', 2),), 6)
+    """
+    return append_many(state, ((request_id, rows),))
+
+
+def append_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]
+) -> Result[Step[Appended], KVError]:
+    """Several appends as one transition: all of them, in order, or none."""
+    txn = Txn(state)
+    allocations: list[tuple[RequestId, int]] = []
+    for rid, rows in items:
+        result = _grow(txn, rid, rows)
+        if isinstance(result, KVError):
+            return Failure(result)
+        if result:
+            allocations.append((rid, result))
+    return Success(Step(txn.done(), Appended(tuple(allocations))))
+
+
+def append_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Appended], KVError]:
+    """One decode step's bookkeeping: every row of every named request grows by one token."""
+    txn = Txn(state)
+    allocations: list[tuple[RequestId, int]] = []
+    for rid in request_ids:
+        result = _grow(txn, rid, None)
+        if isinstance(result, KVError):
+            return Failure(result)
+        if result:
+            allocations.append((rid, result))
+    return Success(Step(txn.done(), Appended(tuple(allocations))))
+
+
+_ONES = [(1,) * n for n in range(9)]
+
+
+def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | int:
+    """Apply one request's growth to ``txn``; the generation taken, 0 if none, or the error."""
+    if not is_request_id(rid):
+        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+    req = txn.base.requests.get(rid)
+    if req is None:
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)
+    if rows is None:  # append_decode: one token per row
+        rows = _ONES[len(req.slots)] if len(req.slots) < len(_ONES) else (1,) * len(req.slots)
+    if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
+        return invalid(f"append to request {rid!r} must give one entry per row ({len(req.slots)})",
+                       request=rid, field="tokens")  # fmt: skip
+    cfg = txn.config
+    bs = cfg.block_size
+    row_len, row_blocks = txn.row_len, txn.row_blocks
+    need = 0
+    grown: list[tuple[int, int, int]] = []  # (slot, new length, new blocks per group)
+    for i, item in enumerate(rows):
+        if type(item) is int:
+            n = item
+            if n < 0:
+                return invalid(f"request {rid!r} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
+        elif isinstance(item, (list, tuple)):
+            for t in item:
+                if not is_int(t) or t < 0:
+                    return invalid(f"request {rid!r} row {i}: token ids must be non-negative integers, got {t!r}",
+                                   request=rid, field="tokens")  # fmt: skip
+            n = len(item)
+        else:
+            return invalid(f"request {rid!r} row {i}: growth must be a count or a list of token ids, got {item!r}",
+                           request=rid, field="tokens")  # fmt: skip
+        if n == 0:
+            continue
+        if req.layouts[i].is_diffusion:
+            return invalid(f"request {rid!r} row {i} is a diffusion row; its length is fixed at admission",
+                           request=rid, field="tokens")  # fmt: skip
+        slot = req.slots[i]
+        new_len = row_len[slot] + n
+        if cfg.max_model_len is not None and new_len > cfg.max_model_len:
+            return invalid(f"request {rid!r} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
+                           request=rid, field="tokens")  # fmt: skip
+        extra = -(-new_len // bs) - len(row_blocks[slot][0])
+        need += extra
+        grown.append((slot, new_len, extra))
+    need *= len(cfg.groups)
+    if need > txn.num_free:
+        return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
+                       request=rid, requested=need, available=txn.num_free)  # fmt: skip
+    for slot, new_len, extra in grown:
+        row_len[slot] = new_len
+        if extra:
+            pop = txn.pop_free
+            row_blocks[slot] = tuple(g + tuple(pop() for _ in range(extra)) for g in row_blocks[slot])
+    if not need:
+        return 0
+    gen = txn.next_generation()
+    txn.requests.set(rid, replace(req, generation=gen))
+    return gen
+
+
+# -- commit ------------------------------------------------------------------
+
+
+def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Result[Step[Committed], KVError]:
+    """Mark tokens computed: ``computed[i]`` is row i's absolute count, never decreasing.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(6),))).unwrap().state
+    >>> commit(s, "a", [6]).unwrap().effect.generation is None
+    True
+    >>> commit(s, "a", [7]).failure().code.value
+    'INVALID'
+    """
+    if not is_request_id(request_id):
+        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+    req = state.requests.get(request_id)
+    if req is None:
+        return _fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+    if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
+        return Failure(invalid(f"commit of request {request_id!r} must give one count per row ({len(req.slots)})",
+                               request=request_id, field="computed"))  # fmt: skip
+    for i, (slot, c) in enumerate(zip(req.slots, computed)):
+        before, seq_len = state.row_computed[slot], state.row_len[slot]
+        if not is_int(c) or not before <= c <= seq_len:
+            return Failure(invalid(
+                f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
+                request=request_id, field="computed"))  # fmt: skip
+    txn = Txn(state)
+    for slot, c in zip(req.slots, computed):
+        txn.row_computed[slot] = c
+    return Success(Step(txn.done(), Committed(request_id, None)))
+
+
+# -- release -----------------------------------------------------------------
+
+
+def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) -> Result[Step[Released], KVError]:
+    """Drop every block reference of a request, tail first; the request is gone.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(8),))).unwrap().state
+    >>> step = release(s, "a", "finished").unwrap()
+    >>> step.effect.freed_blocks, step.effect.generation
+    (2, 2)
+    """
+    if reason not in _REASONS:
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+    if not is_request_id(request_id):
+        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+    req = state.requests.get(request_id)
+    if req is None:
+        return _fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+    txn = Txn(state)
+    before = txn.num_free
+    _free_tail_first(txn, req)
+    txn.requests.remove(request_id)
+    gen = txn.next_generation()
+    freed = txn.num_free - before
+    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed)))
+
+
+_REASONS = frozenset(r.value for r in ReleaseReason)
+
+
+def _free_tail_first(txn: Txn, req: Request) -> None:
+    rows = [txn.row_blocks[s] for s in req.slots]
+    longest = max(len(g) for r in rows for g in r)
+    unref = txn.unref
+    for pos in range(longest - 1, -1, -1):
+        for r in rows:
+            for g in r:
+                if pos < len(g) and g[pos]:
+                    unref(g[pos])
+    for s in req.slots:
+        txn.free_slot(s)
+
+
+# -- reset -------------------------------------------------------------------
+
+
+def reset(state: KVState) -> Result[Step[WasReset], KVError]:
+    """Reinitialise: every request dropped, the pool empty, a new epoch.
+
+    Generations go on from where they were (they are never reused), so a
+    worker can tell every snapshot of the old epoch from the new ones.
+    """
+    nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1)
+    released = tuple(sorted(state.requests.keys(), key=_id_order))
+    return Success(Step(nxt, WasReset(nxt.epoch, released)))
+
+
+def _id_order(rid: RequestId) -> tuple[str, str | int]:
+    return (type(rid).__name__, rid)

@@ -100,8 +100,11 @@ def replay(lines: Iterable[str]) -> Iterator[EventResult]:
         changed = result.pop("_changed")
         if changed:
             last_digest = digest(state)
-        result["digest"] = last_digest
-        ordered = {"i": i, **result}
+        ordered = {"i": i}
+        for key in ("op", "ok", "error", "generation", "free_blocks"):
+            ordered[key] = result.pop(key)
+        ordered["digest"] = last_digest
+        ordered.update(result)  # the op's own fields come last
         divergence = None
         if expect is not None:
             divergence = first_mismatch(expect, ordered, "")

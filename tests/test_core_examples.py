@@ -1,0 +1,196 @@
+"""Example tests that pin the documented numbers of the core (issue 2, DESIGN.md)."""
+
+import pickle
+
+import pytest
+
+from pagedkv.core import (
+    CacheConfig, ErrorCode, GroupSpec, InvalidConfig, RequestSpec, RowSpec, admit, append, append_decode,
+    append_many, commit, digest, free_queue, initial_state, publish, release, request_blocks, reset,
+)  # fmt: skip
+
+
+def pool(block_size: int = 4, usable: int = 8, **kw: object) -> object:
+    return initial_state(CacheConfig(block_size=block_size, num_blocks=usable + 1, **kw))  # type: ignore[arg-type]
+
+
+CFG_ROWS = (RowSpec(8, prefix_len=4, target_len=4),) * 2
+
+
+def test_cfg_request_takes_four_blocks_and_release_gives_them_back() -> None:
+    s0 = pool()
+    step = admit(s0, RequestSpec("img", CFG_ROWS)).unwrap()
+    assert step.effect.generation == 1
+    assert step.effect.blocks == (((1, 2),), ((3, 4),))
+    assert step.state.free_blocks == 4
+    back = release(step.state, "img", "finished").unwrap()
+    assert back.effect.freed_blocks == 4
+    assert back.state.free_blocks == 8
+    # tail first: position 1 of both rows, then position 0
+    assert free_queue(back.state) == [5, 6, 7, 8, 2, 4, 1, 3]
+    assert s0.free_blocks == 8 and step.state.free_blocks == 4  # old snapshots unchanged
+
+
+def test_unschedulable_changes_nothing() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(8),))).unwrap().state
+    before = digest(s)
+    err = admit(s, RequestSpec("big", (RowSpec(20, prefix_len=10, target_len=10),) * 2)).failure()
+    assert err.code is ErrorCode.UNSCHEDULABLE and err.permanent
+    assert (err.requested, err.available) == (10, 8)
+    assert digest(s) == before
+
+
+def test_no_capacity_when_it_would_fit_later() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(24),))).unwrap().state  # 6 of 8 blocks
+    err = admit(s, RequestSpec("b", (RowSpec(12),))).failure()
+    assert err.code is ErrorCode.NO_CAPACITY and not err.permanent
+    assert (err.requested, err.available) == (3, 2)
+    s = release(s, "a", "finished").unwrap().state
+    assert admit(s, RequestSpec("b", (RowSpec(12),))).unwrap().state.free_blocks == 5
+
+
+def test_readmitting_a_released_id_gets_a_larger_generation() -> None:
+    s = pool()
+    first = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap()
+    s = release(first.state, "a", "cancelled").unwrap().state
+    again = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap()
+    assert first.effect.generation == 1 and again.effect.generation == 3
+
+
+def test_publish_slots_of_a_row_with_block_table_3_1() -> None:
+    s = initial_state(CacheConfig(block_size=16, num_blocks=4))
+    s = admit(s, RequestSpec("a", (RowSpec(16),))).unwrap().state  # block 1
+    s = admit(s, RequestSpec("b", (RowSpec(16),))).unwrap().state  # block 2
+    s = release(s, "a", "finished").unwrap().state  # free queue: 3, 1
+    s = admit(s, RequestSpec("c", (RowSpec(19),))).unwrap().state
+    assert request_blocks(s, "c") == (((3, 1),),)
+    s = commit(s, "c", [17]).unwrap().state
+    row = publish(s, ["c"], "prefill").unwrap().effect.rows[0]
+    assert (row.kv_start_pos, row.query_len, row.seq_len) == (17, 2, 19)
+    assert row.slots == (17, 18)
+
+
+def test_duplicate_and_unknown_requests() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(4),))).unwrap().state
+    assert admit(s, RequestSpec("a", (RowSpec(4),))).failure().code is ErrorCode.DUPLICATE_REQUEST
+    assert append(s, "zz", [1]).failure().code is ErrorCode.UNKNOWN_REQUEST
+    assert commit(s, "zz", [1]).failure().code is ErrorCode.UNKNOWN_REQUEST
+    assert release(s, "zz", "error").failure().code is ErrorCode.UNKNOWN_REQUEST
+    assert publish(s, ["zz"], "decode").failure().code is ErrorCode.UNKNOWN_REQUEST
+
+
+def test_limits_are_unschedulable() -> None:
+    s = pool(max_rows_per_request=2, max_model_len=10)
+    assert admit(s, RequestSpec("a", (RowSpec(1),) * 3)).failure().code is ErrorCode.UNSCHEDULABLE
+    assert admit(s, RequestSpec("a", (RowSpec(11),))).failure().code is ErrorCode.UNSCHEDULABLE
+    s = admit(s, RequestSpec("a", (RowSpec(10),))).unwrap().state
+    err = append(s, "a", [1]).failure()  # an append that passes max_model_len is INVALID
+    assert err.code is ErrorCode.INVALID and "max_model_len" in err.message
+
+
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        ((), "at least one row"),
+        ((RowSpec(0),), "positive"),
+        ((RowSpec(-3),), "positive"),
+        ((RowSpec(True),), "positive"),  # type: ignore[arg-type]
+        ((RowSpec(8, prefix_len=4),), "together"),
+        ((RowSpec(8, prefix_len=5, target_len=4),), "exceeds seq_len"),
+        ((RowSpec(8, prefix_len=-1, target_len=4),), "prefix_len"),
+        ((RowSpec(8, prefix_len=4, target_len=0),), "target_len"),
+        ((RowSpec(8, spans=((4, 6), (2, 3))),), "unsorted"),
+        ((RowSpec(8, spans=((2, 5), (4, 6))),), "overlaps"),
+        ((RowSpec(8, spans=((6, 9),)),), "outside"),
+        ((RowSpec(8, spans=((3, 3),)),), "empty"),
+        ((RowSpec(3, tokens=(1, 2)),), "tokens"),
+        ((RowSpec(2, tokens=(1, -2)),), "non-negative"),
+    ],
+)
+def test_malformed_specs_are_invalid_and_change_nothing(rows: tuple[RowSpec, ...], needle: str) -> None:
+    s = admit(pool(), RequestSpec("x", (RowSpec(5),))).unwrap().state
+    before = digest(s)
+    err = admit(s, RequestSpec("new", rows)).failure()
+    assert err.code is ErrorCode.INVALID and needle in err.message
+    assert digest(s) == before
+
+
+def test_append_allocates_only_when_a_block_fills() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(3), RowSpec(4)))).unwrap().state
+    step = append(s, "a", [1, 0]).unwrap()  # row 0 reaches 4: still one block
+    assert step.effect.allocations == () and step.state.generation == 1
+    step = append(step.state, "a", [[7, 8], 1]).unwrap()  # both rows cross into a second block
+    assert step.effect.allocations == (("a", 2),)
+    assert request_blocks(step.state, "a") == (((1, 3),), ((2, 4),))
+
+
+def test_append_refusals() -> None:
+    s = admit(pool(), RequestSpec("d", (RowSpec(8, prefix_len=4, target_len=4),))).unwrap().state
+    s = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap().state
+    assert "diffusion" in append(s, "d", [1]).failure().message
+    assert append(s, "a", [1, 1]).failure().code is ErrorCode.INVALID
+    assert append(s, "a", [-1]).failure().code is ErrorCode.INVALID
+    assert append(s, "a", ["x"]).failure().code is ErrorCode.INVALID  # type: ignore[list-item]
+    err = append(s, "a", [100]).failure()
+    assert err.code is ErrorCode.NO_CAPACITY and (err.requested, err.available) == (25, 5)
+
+
+def test_batched_appends_are_all_or_nothing() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(4),))).unwrap().state
+    s = admit(s, RequestSpec("b", (RowSpec(4),))).unwrap().state
+    before = digest(s)
+    assert append_many(s, [("a", [1]), ("nope", [1])]).failure().code is ErrorCode.UNKNOWN_REQUEST
+    assert digest(s) == before
+    step = append_decode(s, ["a", "b"]).unwrap()
+    assert step.effect.allocations == (("a", 3), ("b", 4))
+    assert step.state == append_many(s, [("a", [1]), ("b", [1])]).unwrap().state
+
+
+def test_commit_is_absolute_and_never_decreases() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(6),))).unwrap().state
+    s = commit(s, "a", [4]).unwrap().state
+    assert commit(s, "a", [3]).failure().code is ErrorCode.INVALID
+    assert commit(s, "a", [7]).failure().code is ErrorCode.INVALID
+    assert digest(commit(s, "a", [4]).unwrap().state) == digest(s)
+    assert publish(commit(s, "a", [6]).unwrap().state, ["a"], "prefill").failure().code is ErrorCode.INVALID
+
+
+def test_release_reasons() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(4),))).unwrap().state
+    for reason in ("finished", "cancelled", "error", "preempted"):
+        assert release(s, "a", reason).unwrap().effect.reason.value == reason
+    assert release(s, "a", "bored").failure().code is ErrorCode.INVALID
+
+
+def test_reset_starts_a_new_epoch_and_keeps_generations_growing() -> None:
+    s = admit(pool(), RequestSpec("a", (RowSpec(4),))).unwrap().state
+    step = reset(s).unwrap()
+    assert step.effect.released == ("a",)
+    assert (step.state.epoch, step.state.generation, step.state.free_blocks) == (1, 1, 8)
+    assert admit(step.state, RequestSpec("a", (RowSpec(4),))).unwrap().effect.generation == 2
+
+
+def test_phases_and_segments() -> None:
+    s = admit(pool(), RequestSpec("d", (RowSpec(8, prefix_len=4, target_len=3, spans=((4, 7),)),))).unwrap().state
+    pre = publish(s, ["d"], "prefill").unwrap().effect.rows[0]
+    assert [(g.causal, g.q_start, g.q_end, g.kv_end) for g in pre.segments] == [
+        (True, 0, 4, 4), (False, 4, 7, 7), (True, 7, 8, 8)]  # fmt: skip
+    den = publish(s, ["d"], "denoise").unwrap().effect.rows[0]
+    assert (den.seq_len, den.query_len, den.kv_start_pos) == (7, 3, 4)
+    assert [(g.causal, g.q_start, g.q_end, g.kv_end) for g in den.segments] == [(False, 4, 7, 7)]
+    assert publish(s, ["d"], "decode").failure().code is ErrorCode.INVALID
+    assert publish(s, ["d", "d"], "denoise").failure().code is ErrorCode.INVALID
+    assert publish(s, [], "denoise").failure().code is ErrorCode.INVALID
+    assert publish(s, ["d"], "warp").failure().code is ErrorCode.INVALID
+    meta = publish(s, ["d"], "denoise").unwrap().effect
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def test_bad_configs_raise_a_typed_error() -> None:
+    for kw in ({"block_size": 0, "num_blocks": 4}, {"block_size": 4, "num_blocks": 1},
+               {"block_size": 4, "num_blocks": 4, "groups": ()},
+               {"block_size": 4, "num_blocks": 4, "max_model_len": 0}):  # fmt: skip
+        with pytest.raises(InvalidConfig):
+            CacheConfig(**kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfig):
+        GroupSpec("w", "sliding_window")  # type: ignore[arg-type]

@@ -122,10 +122,14 @@ def publish(
     bs = state.config.block_size
     rows: list[RowMetadata] = []
     structure: tuple[bool, ...] | None = None
-    for rid in request_ids:
+    requests = []
+    for rid in request_ids:  # every id resolves before any row is judged
         req = state.requests.get(rid)
         if req is None:
             return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid))
+        requests.append(req)
+    for req in requests:
+        rid = req.request_id
         for i, slot in enumerate(req.slots):
             layout = req.layouts[i]
             length = state.row_len[slot]

@@ -96,9 +96,9 @@ def _check_row(row: object, where: str) -> KVError | None:
     if row.tokens is not None:
         if not isinstance(row.tokens, tuple) or len(row.tokens) != n:
             return invalid(f"{where}: tokens must be a tuple of num_tokens ({n}) ids", field="tokens")
-        for t in row.tokens:
-            if not is_int(t) or t < 0:
-                return invalid(f"{where}: token ids must be non-negative integers, got {t!r}", field="tokens")
+        for tok in row.tokens:
+            if not is_int(tok) or tok < 0:
+                return invalid(f"{where}: token ids must be non-negative integers, got {tok!r}", field="tokens")
     p, t = row.prefix_len, row.target_len
     if (p is None) != (t is None):
         return invalid(f"{where}: prefix_len and target_len come together", field="prefix_len")

@@ -52,6 +52,7 @@ class Request:
     layouts: tuple[RowLayout, ...]
     extra_keys: tuple[str, ...]
     generation: int  # the latest generation this request's block layout took
+    decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ def parse_header(line: str) -> CacheConfig:
         if not isinstance(groups_raw, list) or not all(isinstance(g, dict) for g in groups_raw):
             raise InvalidConfig("groups must be a list of objects")
         groups = tuple(
-            GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))  # type: ignore[arg-type]
+            GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))
             for g in groups_raw
         )
         return CacheConfig(
@@ -100,7 +100,7 @@ def replay(lines: Iterable[str]) -> Iterator[EventResult]:
         changed = result.pop("_changed")
         if changed:
             last_digest = digest(state)
-        ordered = {"i": i}
+        ordered: dict[str, Any] = {"i": i}
         for key in ("op", "ok", "error", "generation", "free_blocks"):
             ordered[key] = result.pop(key)
         ordered["digest"] = last_digest
@@ -226,7 +226,7 @@ def _admitted(e: Admitted) -> dict[str, Any]:
     return {"cached_tokens": list(e.cached_tokens), "blocks": _lists(e.blocks)}
 
 
-def _blocks(state: KVState, rid: Any) -> list[Any]:
+def _blocks(state: KVState, rid: Any) -> Any:
     return _lists(request_blocks(state, rid))
 
 

@@ -134,7 +134,9 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
         blocks.append(rb)
     gen = txn.next_generation()
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
-    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen))
+    # the decode fast path serves one-row requests that may grow
+    decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
+    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen, decode_slot))
     effect = Admitted(rid, gen, (0,) * len(rows), tuple(blocks))
     return Success(Step(txn.done(), effect))
 
@@ -174,11 +176,35 @@ def append_many(
 
 
 def append_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Appended], KVError]:
-    """One decode step's bookkeeping: every row of every named request grows by one token."""
+    """One decode step's bookkeeping: every row of every named request grows by one token.
+
+    Equivalent to ``append_many`` with one token per row (a test holds them
+    equal), with a fast path for the common case: a single-row request that
+    does not cross a block boundary costs one map read and one vector set.
+    Every group list holds exactly ceil(len / block_size) ids, so a row of
+    length L needs a new block for token L + 1 exactly when L % block_size == 0.
+    """
     txn = Txn(state)
+    get = state.requests.get
+    row_len = txn.row_len
+    bs = state.config.block_size
+    limit = state.config.max_model_len
     allocations: list[tuple[RequestId, int]] = []
+    if limit is None:
+        limit = 1 << 62
     for rid in request_ids:
-        result = _grow(txn, rid, None)
+        try:
+            req = get(rid)
+        except TypeError:  # an unhashable id: the general path says INVALID
+            req = None
+        if req is not None:
+            slot = req.decode_slot
+            if slot >= 0:
+                length = row_len[slot]
+                if length % bs and length < limit:
+                    row_len[slot] = length + 1
+                    continue
+        result = _grow(txn, rid, None)  # the general path: errors, boundaries, several rows
         if isinstance(result, KVError):
             return Failure(result)
         if result:
@@ -316,14 +342,33 @@ _REASONS = frozenset(r.value for r in ReleaseReason)
 
 
 def _free_tail_first(txn: Txn, req: Request) -> None:
+    """Drop one reference to each block, positions descending over all rows and
+    groups (rows, then groups, in order within one position); a block whose
+    last reference goes joins the tail of the free queue."""
     rows = [txn.row_blocks[s] for s in req.slots]
-    longest = max(len(g) for r in rows for g in r)
-    unref = txn.unref
-    for pos in range(longest - 1, -1, -1):
-        for r in rows:
-            for g in r:
-                if pos < len(g) and g[pos]:
-                    unref(g[pos])
+    if len(rows) == 1 and len(rows[0]) == 1:
+        order: Iterable[int] = reversed(rows[0][0])
+    else:
+        longest = max(len(g) for r in rows for g in r)
+        order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
+    refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
+    tail = prv[0]
+    freed = 0
+    for b in order:
+        if not b:
+            continue  # the null block stands for a position a windowed group let go
+        rc = refcount[b] - 1
+        assert rc >= 0, f"block {b} released more often than it was referenced"
+        refcount[b] = rc
+        if rc == 0:  # inline push_free: append b after the tail
+            nxt[tail] = b
+            prv[b] = tail
+            tail = b
+            freed += 1
+    if freed:
+        nxt[tail] = 0
+        prv[0] = tail
+        txn.num_free += freed
     for s in req.slots:
         txn.free_slot(s)
 

@@ -1,0 +1,1 @@
+"""Reference models that run on the shell (a Llama-family decoder, a DiT-style model)."""

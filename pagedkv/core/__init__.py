@@ -14,6 +14,7 @@ from pagedkv.core.transitions import (
     Admitted,
     Appended,
     Committed,
+    PrefixCacheReset,
     Released,
     ReleaseReason,
     WasReset,
@@ -24,12 +25,16 @@ from pagedkv.core.transitions import (
     commit,
     release,
     reset,
+    reset_prefix_cache,
 )
+from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagedkv.core.hashing import hash_block, root_hash
 
 __all__ = [
     "Admitted", "Appended", "CacheConfig", "Committed", "ErrorCode", "GroupKind", "GroupSpec",
     "InvalidConfig", "KVError", "KVMetadata", "KVState", "Phase", "ReleaseReason", "Released",
     "RequestId", "RequestSpec", "RowMetadata", "RowSpec", "Segment", "Step", "WasReset", "admit",
     "append", "append_decode", "append_many", "commit", "digest", "free_queue", "initial_state",
-    "publish", "release", "request_blocks", "reset",
+    "publish", "release", "request_blocks", "reset", "reset_prefix_cache", "PrefixCacheReset",
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "hash_block", "root_hash",
 ]  # fmt: skip

@@ -51,6 +51,25 @@ class GroupSpec:
             elif value is not None:
                 raise InvalidConfig(f"group {self.name!r}: kind {self.kind.value} takes no {key}")
 
+    def first_visible_block(self, position: int, block_size: int) -> int:
+        """The first block any query at ``position`` or later can still see.
+
+        Blocks before it hold nothing a future token reads: a windowed group
+        lets them go (the null block takes their place).
+
+        >>> GroupSpec("w", GroupKind.SLIDING_WINDOW, window=32).first_visible_block(112, 16)
+        5
+        >>> GroupSpec("c", GroupKind.CHUNKED_LOCAL, chunk=32).first_visible_block(112, 16)
+        6
+        """
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            assert self.window is not None
+            return max(0, position - self.window + 1) // block_size
+        if self.kind is GroupKind.CHUNKED_LOCAL:
+            assert self.chunk is not None
+            return (position // self.chunk) * self.chunk // block_size
+        return 0
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
@@ -67,8 +86,11 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     max_rows_per_request: int | None = None
     max_model_len: int | None = None
+    hash_namespace: str = "pagedkv"  # the root of every block-hash chain
 
     def __post_init__(self) -> None:
+        if type(self.hash_namespace) is not str:
+            raise InvalidConfig(f"hash_namespace must be a string, got {self.hash_namespace!r}")
         if not is_int(self.block_size) or self.block_size < 1:
             raise InvalidConfig(f"block_size must be a positive integer, got {self.block_size!r}")
         if not is_int(self.num_blocks) or self.num_blocks < 2:

@@ -22,6 +22,7 @@ def canonical(state: KVState) -> tuple[object, ...]:
         cfg.enable_prefix_caching,
         cfg.max_rows_per_request,
         cfg.max_model_len,
+        cfg.hash_namespace,
     )
     requests = []
     for rid in sorted(state.requests.keys(), key=lambda r: (type(r).__name__, r)):
@@ -34,10 +35,13 @@ def canonical(state: KVState) -> tuple[object, ...]:
                 layout.target_len,
                 layout.spans,
                 state.row_blocks[slot],
+                None if (toks := state.row_tokens[slot]) is None else tuple(toks),
+                tuple(h.hex() for h in state.row_hashes[slot]),
             )
             for slot, layout in zip(req.slots, req.layouts)
         )
-        requests.append((type(rid).__name__, rid, req.extra_keys, req.generation, rows))
+        requests.append((type(rid).__name__, rid, req.extra_keys, req.generation, req.cache_epoch, rows))
+    cache = tuple(sorted((g, h.hex(), b) for (g, h), b in state.cache.items()))
     return (
         "pagedkv-state/1",
         config,
@@ -46,6 +50,10 @@ def canonical(state: KVState) -> tuple[object, ...]:
         tuple(state.refcount),
         tuple(free_queue(state)),
         tuple(requests),
+        cache,
+        state.cache_epoch,
+        state.prefix_queries,
+        state.prefix_hits,
     )
 
 

@@ -24,6 +24,8 @@ from pyrsistent.typing import PMapEvolver, PVectorEvolver
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import RequestId
+from pagedkv.core.events import BlockRemoved, KVEvent
+from pagedkv.core.hashing import BlockHash, CacheKey
 from pagedkv.core.spec import Span
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
@@ -53,6 +55,7 @@ class Request:
     extra_keys: tuple[str, ...]
     generation: int  # the latest generation this request's block layout took
     decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
+    cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +75,29 @@ class KVState:
     slot_top: int
     generation: int  # latest generation issued; 0 before any
     epoch: int
+    # -- prefix cache (empty unless config.enable_prefix_caching) --
+    cache: PMap[CacheKey, int]  # (group, block hash) -> block id
+    block_key: PVector[CacheKey | None]  # by block id: its key in the cache index, if any
+    row_tokens: PVector[PVector[int] | None]  # by row slot: known token ids (a prefix of the row)
+    row_hashes: PVector[tuple[BlockHash, ...]]  # by row slot: chain hashes of its blocks hashed so far
+    cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
+    prefix_queries: int  # tokens looked up at admission
+    prefix_hits: int  # of which came from the cache
 
     @property
     def free_blocks(self) -> int:
         """Length of the free queue (the null block is never counted)."""
         return self.num_free
+
+    @property
+    def usage(self) -> float:
+        """Referenced blocks over usable blocks (cached blocks nobody holds count as free)."""
+        usable = self.config.num_blocks - 1
+        return (usable - self.num_free) / usable
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +108,7 @@ class Step(Generic[E]):
     effect: E
 
 
-def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0) -> KVState:
+def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, cache_epoch: int = 0) -> KVState:
     """An empty pool: every usable block free, in id order.
 
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -111,6 +132,13 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0) -
         slot_top=0,
         generation=generation,
         epoch=epoch,
+        cache=pmap(),
+        block_key=pvector([None] * n),
+        row_tokens=pvector(),
+        row_hashes=pvector(),
+        cache_epoch=cache_epoch,
+        prefix_queries=0,
+        prefix_hits=0,
     )
 
 
@@ -141,6 +169,7 @@ class Txn:
     __slots__ = (
         "config", "base", "refcount", "nxt", "prv", "num_free", "requests",
         "row_len", "row_computed", "row_blocks", "slot_stack", "slot_top", "generation",
+        "cache", "block_key", "row_tokens", "row_hashes", "prefix_queries", "prefix_hits", "events",
     )  # fmt: skip
 
     def __init__(self, s: KVState) -> None:
@@ -157,6 +186,13 @@ class Txn:
         self.slot_stack: PVectorEvolver[int] = s.slot_stack.evolver()
         self.slot_top = s.slot_top
         self.generation = s.generation
+        self.cache: PMapEvolver[CacheKey, int] = s.cache.evolver()
+        self.block_key: PVectorEvolver[CacheKey | None] = s.block_key.evolver()
+        self.row_tokens: PVectorEvolver[PVector[int] | None] = s.row_tokens.evolver()
+        self.row_hashes: PVectorEvolver[tuple[BlockHash, ...]] = s.row_hashes.evolver()
+        self.prefix_queries = s.prefix_queries
+        self.prefix_hits = s.prefix_hits
+        self.events: list[KVEvent] = []
 
     def done(self) -> KVState:
         b = self.base
@@ -174,6 +210,13 @@ class Txn:
             slot_top=self.slot_top,
             generation=self.generation,
             epoch=b.epoch,
+            cache=self.cache.persistent(),
+            block_key=self.block_key.persistent(),
+            row_tokens=self.row_tokens.persistent(),
+            row_hashes=self.row_hashes.persistent(),
+            cache_epoch=b.cache_epoch,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
         )
 
     def next_generation(self) -> int:
@@ -191,6 +234,11 @@ class Txn:
         prv[after] = 0
         self.num_free -= 1
         self.refcount[b] = 1
+        key = self.block_key[b]
+        if key is not None:  # evict: the block's old content is about to be overwritten
+            self.cache.remove(key)
+            self.block_key[b] = None
+            self.events.append(BlockRemoved(key[1], key[0], b))
         return b
 
     def push_free(self, b: int) -> None:
@@ -202,6 +250,16 @@ class Txn:
         nxt[b] = 0
         prv[0] = b
         self.num_free += 1
+
+    def is_cached(self, key: CacheKey) -> bool:
+        return key in self.cache  # type: ignore[operator]  # the evolver has __contains__; its stub lacks it
+
+    def take_hit(self, b: int) -> None:
+        """One more reference to a cached block; out of the free queue if nobody held it."""
+        rc = self.refcount[b]
+        if rc == 0:
+            self.unlink_free(b)
+        self.refcount[b] = rc + 1
 
     def unlink_free(self, b: int) -> None:
         """Take ``b`` out of the middle of the free queue (a prefix-cache hit)."""
@@ -219,24 +277,32 @@ class Txn:
             self.push_free(b)
 
     # -- row slots ----------------------------------------------------------
-    def new_slot(self, seq_len: int, computed: int, blocks: Blocks) -> int:
+    def new_slot(
+        self, seq_len: int, computed: int, blocks: Blocks, tokens: PVector[int] | None, hashes: tuple[BlockHash, ...]
+    ) -> int:
         if self.slot_top:
             self.slot_top -= 1
             slot = self.slot_stack[self.slot_top]
             self.row_len[slot] = seq_len
             self.row_computed[slot] = computed
             self.row_blocks[slot] = blocks
+            self.row_tokens[slot] = tokens
+            self.row_hashes[slot] = hashes
             return slot
         slot = len(self.row_len)
         self.row_len.append(seq_len)
         self.row_computed.append(computed)
         self.row_blocks.append(blocks)
+        self.row_tokens.append(tokens)
+        self.row_hashes.append(hashes)
         return slot
 
     def free_slot(self, slot: int) -> None:
         self.row_len[slot] = 0
         self.row_computed[slot] = 0
         self.row_blocks[slot] = ()
+        self.row_tokens[slot] = None
+        self.row_hashes[slot] = ()
         if self.slot_top < len(self.slot_stack):
             self.slot_stack[self.slot_top] = slot
         else:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from returns.result import Failure, Result, Success
+from returns.result import Failure, Result
 
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.digest import digest
@@ -20,7 +20,7 @@ from pagedkv.core.errors import KVError, invalid, is_int
 from pagedkv.core.metadata import KVMetadata, publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, initial_state, request_blocks
-from pagedkv.core.transitions import Admitted, admit, append, commit, release, reset
+from pagedkv.core.transitions import Admitted, admit, append, commit, release, reset, reset_prefix_cache
 
 TRACE_VERSION = 1
 OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache")
@@ -60,6 +60,7 @@ def parse_header(line: str) -> CacheConfig:
             enable_prefix_caching=cfg.get("enable_prefix_caching", False),
             max_rows_per_request=cfg.get("max_rows_per_request"),
             max_model_len=cfg.get("max_model_len"),
+            hash_namespace=cfg.get("hash_namespace", "pagedkv"),
         )
     except InvalidConfig as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None
@@ -189,8 +190,7 @@ def _apply(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVSta
         )
     if op == "reset":
         return reset(state).map(lambda s: (s.state, {}))
-    # reset_prefix_cache: with no cached hash in the pool there is nothing to drop
-    return Success((state, {}))
+    return reset_prefix_cache(state).map(lambda s: (s.state, {}))
 
 
 def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:

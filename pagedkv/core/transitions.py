@@ -18,9 +18,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from pyrsistent import pmap, pvector
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
+from pagedkv.core.hashing import hash_block, root_hash
+from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import Blocks, KVState, Request, RowLayout, Step, Txn, initial_state
 
@@ -41,18 +45,22 @@ class Admitted:
     generation: int
     cached_tokens: tuple[int, ...]  # per row: tokens whose KV came from the prefix cache
     blocks: tuple[Blocks, ...]  # per row, per group
+    events: tuple[KVEvent, ...] = ()  # evictions its allocation caused
 
 
 @dataclass(frozen=True, slots=True)
 class Appended:
     # (request, generation it took) for every request that got new blocks, in order
     allocations: tuple[tuple[RequestId, int], ...]
+    events: tuple[KVEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Committed:
     request_id: RequestId
-    generation: int | None  # taken only when the block layout changed
+    generation: int | None  # taken only when the block layout changed (a windowed group let blocks go)
+    freed_blocks: int = 0
+    events: tuple[KVEvent, ...] = ()  # blocks stored in the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,13 @@ class Released:
 class WasReset:
     epoch: int
     released: tuple[RequestId, ...]
+    events: tuple[KVEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    dropped: int  # hashes dropped from the cache index
+    events: tuple[KVEvent, ...] = ()
 
 
 def _fail(code: ErrorCode, message: str, rid: RequestId | None, **numbers: int) -> Failure[KVError]:
@@ -117,6 +132,9 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
         )  # fmt: skip
     if rid in state.requests:
         return _fail(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", rid)
+    hit = find_hit(state, spec)
+    held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
+    need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
     if need > state.num_free:
         return _fail(
             ErrorCode.NO_CAPACITY,
@@ -125,19 +143,30 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
         )  # fmt: skip
 
     txn = Txn(state)
+    for row_ids in hit.ids:  # hits first, so popping new blocks never evicts one of them
+        for group_ids in row_ids:
+            for b in group_ids:
+                if b:
+                    txn.take_hit(b)
+    caching = cfg.enable_prefix_caching
+    cached = hit.num_blocks * cfg.block_size
     slots = []
     blocks = []
-    ngroups = len(cfg.groups)
-    for row, nb in zip(rows, per_row):
-        rb = tuple(tuple(txn.pop_free() for _ in range(nb)) for _ in range(ngroups))
-        slots.append(txn.new_slot(row.num_tokens, 0, rb))
+    for row, nb, row_ids, hashes in zip(rows, per_row, hit.ids, hit.hashes):
+        fresh = nb - hit.num_blocks
+        rb = tuple(group_ids + tuple(txn.pop_free() for _ in range(fresh)) for group_ids in row_ids)
+        tokens = pvector(row.tokens) if caching and row.tokens is not None else None
+        slots.append(txn.new_slot(row.num_tokens, cached, rb, tokens, hashes))
         blocks.append(rb)
+    if caching:
+        txn.prefix_queries += sum(row.num_tokens for row in rows)
+        txn.prefix_hits += cached * len(rows)
     gen = txn.next_generation()
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
     # the decode fast path serves one-row requests that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
-    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen, decode_slot))
-    effect = Admitted(rid, gen, (0,) * len(rows), tuple(blocks))
+    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen, decode_slot, state.cache_epoch))
+    effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
 
 
@@ -172,7 +201,7 @@ def append_many(
             return Failure(result)
         if result:
             allocations.append((rid, result))
-    return Success(Step(txn.done(), Appended(tuple(allocations))))
+    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
 
 
 def append_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Appended], KVError]:
@@ -209,7 +238,7 @@ def append_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[St
             return Failure(result)
         if result:
             allocations.append((rid, result))
-    return Success(Step(txn.done(), Appended(tuple(allocations))))
+    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
 
 
 _ONES = [(1,) * n for n in range(9)]
@@ -232,6 +261,7 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
     row_len, row_blocks = txn.row_len, txn.row_blocks
     need = 0
     grown: list[tuple[int, int, int]] = []  # (slot, new length, new blocks per group)
+    grown_items: list[Growth] = []
     for i, item in enumerate(rows):
         if type(item) is int:
             n = item
@@ -259,11 +289,16 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         extra = -(-new_len // bs) - len(row_blocks[slot][0])
         need += extra
         grown.append((slot, new_len, extra))
+        grown_items.append(item)
     need *= len(cfg.groups)
     if need > txn.num_free:
         return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
                        request=rid, requested=need, available=txn.num_free)  # fmt: skip
-    for slot, new_len, extra in grown:
+    row_tokens = txn.row_tokens
+    for (slot, new_len, extra), item in zip(grown, grown_items):
+        tokens = row_tokens[slot]
+        if tokens is not None and len(tokens) == row_len[slot] and isinstance(item, (list, tuple)):
+            row_tokens[slot] = tokens.extend(item)  # still tracking: the ids stay aligned with positions
         row_len[slot] = new_len
         if extra:
             pop = txn.pop_free
@@ -304,9 +339,84 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
                 f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
                 request=request_id, field="computed"))  # fmt: skip
     txn = Txn(state)
-    for slot, c in zip(req.slots, computed):
+    caching = state.config.enable_prefix_caching and req.cache_epoch == state.cache_epoch
+    dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
+    for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c
-    return Success(Step(txn.done(), Committed(request_id, None)))
+        if caching:
+            _cache_full_blocks(txn, req, i, slot, c)
+        _drop_invisible(txn, req, i, slot, c, dropped)
+    gen = None
+    before = txn.num_free
+    if dropped:
+        dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
+        for _, _, _, b in dropped:
+            txn.unref(b)
+        gen = txn.next_generation()
+        txn.requests.set(request_id, replace(req, generation=gen))
+    effect = Committed(request_id, gen, txn.num_free - before, tuple(txn.events))
+    return Success(Step(txn.done(), effect))
+
+
+def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
+    """Put row i's newly full computed blocks into the cache index (once per content)."""
+    tokens = txn.row_tokens[slot]
+    if tokens is None:
+        return
+    cfg = txn.config
+    bs = cfg.block_size
+    layout = req.layouts[i]
+    cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
+    full = min(computed, cacheable, len(tokens)) // bs
+    chain = txn.row_hashes[slot]
+    if full <= len(chain):
+        return
+    blocks = txn.row_blocks[slot]
+    parent = chain[-1] if chain else root_hash(cfg.hash_namespace)
+    new = list(chain)
+    for j in range(len(chain), full):
+        ids = tuple(tokens[j * bs : (j + 1) * bs])
+        h = hash_block(parent, ids, req.extra_keys)
+        for g in range(len(cfg.groups)):
+            b = blocks[g][j]
+            key = (g, h)
+            if not b or txn.block_key[b] is not None or txn.is_cached(key):
+                continue  # let go already, already cached, or the same content sits in another block
+            txn.cache.set(key, b)
+            txn.block_key[b] = key
+            txn.events.append(BlockStored(h, parent if j else None, ids, g, b))
+        new.append(h)
+        parent = h
+    txn.row_hashes[slot] = tuple(new)
+
+
+def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
+                    dropped: list[tuple[int, int, int, int]]) -> None:  # fmt: skip
+    """Null the blocks of row i that no future query of a windowed group can see.
+
+    Future queries start at ``computed`` (a diffusion row: at ``prefix_len``
+    too, since every denoising step recomputes its target). The null positions
+    of a group are always a prefix of its list, so the scan walks back from the
+    new boundary only over blocks still held.
+    """
+    cfg = txn.config
+    layout = req.layouts[i]
+    future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
+    blocks = txn.row_blocks[slot]
+    groups = list(blocks)
+    changed = False
+    for g, gs in enumerate(cfg.groups):
+        first = gs.first_visible_block(future, cfg.block_size)
+        ids = groups[g]
+        j = first - 1
+        while j >= 0 and ids[j]:
+            dropped.append((j, i, g, ids[j]))
+            j -= 1
+        if j < first - 1:
+            groups[g] = (0,) * first + ids[first:]
+            changed = True
+    if changed:
+        txn.row_blocks[slot] = tuple(groups)
 
 
 # -- release -----------------------------------------------------------------
@@ -382,9 +492,34 @@ def reset(state: KVState) -> Result[Step[WasReset], KVError]:
     Generations go on from where they were (they are never reused), so a
     worker can tell every snapshot of the old epoch from the new ones.
     """
-    nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1)
+    nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1,
+                        cache_epoch=state.cache_epoch + 1)  # fmt: skip
     released = tuple(sorted(state.requests.keys(), key=_id_order))
-    return Success(Step(nxt, WasReset(nxt.epoch, released)))
+    events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) else ()
+    return Success(Step(nxt, WasReset(nxt.epoch, released, events)))
+
+
+def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError]:
+    """Drop every hash (after a weight update, say); works while requests run.
+
+    Cached blocks nobody holds become plain free blocks where they stand in the
+    free queue; held ones stay with their owners but can no longer be hit. The
+    requests running now never insert again: their KV may predate the reset.
+    Costs O(cached blocks), never a scan of the pool.
+
+    >>> from pagedkv.core import CacheConfig, initial_state
+    >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
+    0
+    """
+    if not len(state.cache):
+        nxt = replace(state, cache_epoch=state.cache_epoch + 1)
+        return Success(Step(nxt, PrefixCacheReset(0)))
+    txn = Txn(state)
+    for b in state.cache.values():
+        txn.block_key[b] = None
+    dropped = len(state.cache)
+    nxt = replace(txn.done(), cache=pmap(), cache_epoch=state.cache_epoch + 1)
+    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),))))
 
 
 def _id_order(rid: RequestId) -> tuple[str, str | int]:

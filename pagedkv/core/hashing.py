@@ -1,0 +1,47 @@
+"""Chained block hashes for the prefix cache.
+
+A full block's hash is ``H(parent hash, its token ids, extra keys)``, with a
+fixed root per namespace, so a hash names the whole prefix up to and including
+its block. BLAKE2b over a ``repr`` of ints and strings: stable across processes
+and machines (never Python's salted ``hash()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+BlockHash = bytes
+CacheKey = tuple[int, BlockHash]  # (group index, block hash)
+
+
+def root_hash(namespace: str) -> BlockHash:
+    """The parent of every first block in ``namespace``.
+
+    >>> root_hash("pagedkv").hex()[:8] == root_hash("pagedkv").hex()[:8] != root_hash("other").hex()[:8]
+    True
+    """
+    return hashlib.blake2b(b"pagedkv-root/1/" + namespace.encode(), digest_size=16).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[str, ...]) -> BlockHash:
+    """The hash of one full block given its parent's.
+
+    >>> r = root_hash("pagedkv")
+    >>> hash_block(r, [1, 2], ()) == hash_block(r, (1, 2), ()) != hash_block(r, [1, 2], ("lora:7",))
+    True
+    """
+    payload = repr((tuple(token_ids), extra_keys)).encode()
+    return hashlib.blake2b(parent + payload, digest_size=16).digest()
+
+
+def hash_chain(
+    root: BlockHash, token_ids: Sequence[int], block_size: int, num_blocks: int, extra_keys: tuple[str, ...]
+) -> list[BlockHash]:
+    """Hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+    out: list[BlockHash] = []
+    parent = root
+    for j in range(num_blocks):
+        parent = hash_block(parent, token_ids[j * block_size : (j + 1) * block_size], extra_keys)
+        out.append(parent)
+    return out

@@ -1,0 +1,88 @@
+"""Prefix-cache lookup at admission.
+
+The hit of a request is a whole number of blocks, common to all its rows (CFG
+rows share one boundary). A row's hit is at most ``(seq_len - 1) // block_size``
+blocks, so at least its last token is computed (a diffusion row: at most
+``prefix_len // block_size``, only its stable prefix is cacheable); a row with
+no token ids never hits. With full-attention groups the hit is the longest run
+of blocks every full group has cached, scanned left to right; windowed groups
+then cut it back, right to left, until each also holds every block a query at
+the hit boundary can see. Last, the hit is cut back until every row keeps the
+same segment structure from the boundary on (CFG rows of different prefix
+lengths stay one batched forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.core.config import GroupKind
+from pagedkv.core.hashing import BlockHash, hash_block, root_hash
+from pagedkv.core.metadata import segments_of
+from pagedkv.core.spec import RequestSpec
+from pagedkv.core.state import KVState
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    num_blocks: int  # common hit length in blocks
+    hashes: tuple[tuple[BlockHash, ...], ...]  # per row: chain hashes of the hit blocks
+    ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
+
+
+def find_hit(state: KVState, spec: RequestSpec) -> Hit:
+    cfg = state.config
+    rows = spec.rows
+    ngroups = len(cfg.groups)
+    if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows):
+        return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
+    bs = cfg.block_size
+    cache = state.cache
+    full = [g for g, gs in enumerate(cfg.groups) if gs.kind is GroupKind.FULL]
+    windowed = [g for g, gs in enumerate(cfg.groups) if gs.kind is not GroupKind.FULL]
+    root = root_hash(cfg.hash_namespace)
+    chains: list[list[BlockHash]] = []
+    limit: int | None = None
+    for row in rows:
+        assert row.tokens is not None
+        cap = (row.prefix_len if row.prefix_len is not None else row.num_tokens - 1) // bs
+        if limit is not None:
+            cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
+        chain: list[BlockHash] = []
+        parent = root
+        for j in range(cap):
+            h = hash_block(parent, row.tokens[j * bs : (j + 1) * bs], spec.extra_keys)
+            if any((g, h) not in cache for g in full):
+                break
+            chain.append(h)
+            parent = h
+        chains.append(chain)
+        limit = len(chain)
+    hit = limit or 0
+
+    def windows_hold(n: int) -> bool:
+        for g in windowed:
+            first = cfg.groups[g].first_visible_block(n * bs, bs)
+            if any((g, chain[j]) not in cache for chain in chains for j in range(first, n)):
+                return False
+        return True
+
+    while hit and not windows_hold(hit):
+        hit -= 1
+    # A hit never splits a request's rows into different segment structures: rows
+    # that could share one forward from position 0 (CFG branches) still can.
+    def structure(row_index: int, n: int) -> tuple[bool, ...]:
+        row = rows[row_index]
+        return tuple(seg.causal for seg in segments_of(row.spans, row.num_tokens, n * bs))
+
+    if len(rows) > 1 and len({structure(r, 0) for r in range(len(rows))}) == 1:
+        while hit and len({structure(r, hit) for r in range(len(rows))}) > 1:
+            hit -= 1
+    ids = []
+    for chain in chains:
+        per_group = []
+        for g, gs in enumerate(cfg.groups):
+            first = gs.first_visible_block(hit * bs, bs)
+            per_group.append(tuple(cache[(g, chain[j])] if j >= first else 0 for j in range(hit)))
+        ids.append(tuple(per_group))
+    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids))

@@ -1,0 +1,129 @@
+"""Prefix caching and hybrid groups: the rules of issue 3 pinned with exact numbers."""
+
+from pathlib import Path
+
+import pytest
+
+from pagedkv.cli import main
+from pagedkv.core import (
+    AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit,
+    append, commit, digest, free_queue, hash_block, initial_state, release, request_blocks, reset,
+    reset_prefix_cache, root_hash,
+)  # fmt: skip
+
+TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
+def test_pinned_traces_replay_without_divergence(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(trace), "--json"]) == 0, capsys.readouterr().err
+
+
+def caching(usable: int = 8, block_size: int = 4, **kw: object) -> object:
+    return initial_state(CacheConfig(block_size=block_size, num_blocks=usable + 1, enable_prefix_caching=True,
+                                     **kw))  # type: ignore[arg-type]  # fmt: skip
+
+
+def tokens_row(*ids: int) -> RowSpec:
+    return RowSpec.of_tokens(list(ids))
+
+
+def test_commit_stores_each_full_block_once_with_its_chain() -> None:
+    s = admit(caching(), RequestSpec("a", (tokens_row(*range(1, 11)),))).unwrap().state
+    step = commit(s, "a", [10]).unwrap()
+    root = root_hash("pagedkv")
+    h0 = hash_block(root, [1, 2, 3, 4], ())
+    h1 = hash_block(h0, [5, 6, 7, 8], ())
+    assert step.effect.events == (BlockStored(h0, None, (1, 2, 3, 4), 0, 1), BlockStored(h1, h0, (5, 6, 7, 8), 0, 2))
+    assert dict(step.state.cache) == {(0, h0): 1, (0, h1): 2}
+    # an identical block committed by another request is not stored twice
+    s = admit(step.state, RequestSpec("b", (tokens_row(1, 2, 3, 4),))).unwrap().state  # full hit stops short
+    assert request_blocks(s, "b") == (((4,),),)  # 4 tokens: a hit may take at most (4 - 1) // 4 = 0 blocks
+    assert commit(s, "b", [4]).unwrap().effect.events == ()
+    assert len(commit(s, "b", [4]).unwrap().state.cache) == 2
+
+
+def test_eviction_is_reported_and_the_hash_is_gone() -> None:
+    s = admit(caching(usable=2), RequestSpec("a", (tokens_row(1, 2, 3, 4, 5),))).unwrap().state
+    s = commit(s, "a", [5]).unwrap().state
+    s = release(s, "a", "finished").unwrap().state
+    assert free_queue(s) == [2, 1]  # tail first: the prefix block 1 outlives the suffix
+    step = admit(s, RequestSpec("b", (RowSpec(4),))).unwrap()
+    assert step.effect.blocks == (((2,),),) and step.effect.events == ()
+    step = admit(step.state, RequestSpec("c", (RowSpec(4),))).unwrap()
+    (ev,) = step.effect.events
+    assert isinstance(ev, BlockRemoved) and ev.block_id == 1 and len(step.state.cache) == 0
+
+
+def test_metrics() -> None:
+    s = admit(caching(), RequestSpec("a", (tokens_row(*range(1, 10)),))).unwrap().state
+    s = commit(s, "a", [9]).unwrap().state
+    s = admit(s, RequestSpec("b", (tokens_row(*range(1, 10)),))).unwrap().state
+    assert (s.prefix_queries, s.prefix_hits) == (18, 8)
+    assert s.prefix_hit_rate == pytest.approx(8 / 18)
+    assert s.usage == pytest.approx(4 / 8)  # blocks 1, 2 shared; 3 and one new block for b
+
+
+def test_reset_prefix_cache_while_requests_run() -> None:
+    s = admit(caching(), RequestSpec("a", (tokens_row(*range(1, 10)),))).unwrap().state
+    s = commit(s, "a", [4]).unwrap().state
+    s = admit(s, RequestSpec("x", (tokens_row(*range(50, 55)),))).unwrap().state
+    s = commit(s, "x", [5]).unwrap().state
+    s = release(s, "x", "finished").unwrap().state  # its cached block 3 is unreferenced, in the free queue
+    before = free_queue(s)
+    step = reset_prefix_cache(s).unwrap()
+    assert step.effect.dropped == 2 and step.effect.events == (AllBlocksCleared(),)
+    s = step.state
+    assert len(s.cache) == 0 and free_queue(s) == before  # unreferenced cached blocks are plain free blocks now
+    assert request_blocks(s, "a") == (((1, 2, 3),),)
+    # the running request keeps its blocks but no longer inserts: its KV predates the reset
+    s2 = commit(s, "a", [9]).unwrap()
+    assert s2.effect.events == () and len(s2.state.cache) == 0
+    # a new request caches again
+    s = admit(s2.state, RequestSpec("b", (tokens_row(*range(1, 10)),))).unwrap().state
+    assert admit(s, RequestSpec("q", (tokens_row(1),))).unwrap().effect.cached_tokens == (0,)
+    assert commit(s, "b", [9]).unwrap().effect.events != ()
+
+
+def test_rows_without_token_ids_never_hit() -> None:
+    s = admit(caching(usable=16), RequestSpec("a", (tokens_row(*range(1, 10)),))).unwrap().state
+    s = commit(s, "a", [9]).unwrap().state
+    mixed = RequestSpec("m", (tokens_row(*range(1, 10)), RowSpec(9)))
+    assert admit(s, mixed).unwrap().effect.cached_tokens == (0, 0)
+
+
+def test_appended_token_ids_are_cached_after_commit_but_counts_stop_tracking() -> None:
+    s = admit(caching(), RequestSpec("a", (tokens_row(1, 2, 3),))).unwrap().state
+    s = append(s, "a", [[4, 5]]).unwrap().state
+    step = commit(s, "a", [5]).unwrap()
+    assert [e.token_ids for e in step.effect.events if isinstance(e, BlockStored)] == [(1, 2, 3, 4)]
+    s = append(step.state, "a", [3]).unwrap().state  # ids unknown from position 5 on
+    s = append(s, "a", [[9]]).unwrap().state
+    assert commit(s, "a", [9]).unwrap().effect.events == ()
+
+
+def test_window_of_112_tokens_keeps_7_full_and_2_window_blocks() -> None:
+    cfg = CacheConfig(block_size=16, num_blocks=40, groups=(
+        GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=32)))  # fmt: skip
+    s = admit(initial_state(cfg), RequestSpec("a", (RowSpec(112),))).unwrap().state
+    step = commit(s, "a", [112]).unwrap()
+    full, swa = request_blocks(step.state, "a")[0]
+    assert sum(b != 0 for b in full) == 7 and sum(b != 0 for b in swa) == 2
+    assert step.effect.freed_blocks == 5 and step.effect.generation == 2
+
+
+def test_a_diffusion_row_keeps_the_window_its_target_needs() -> None:
+    cfg = CacheConfig(block_size=4, num_blocks=30, groups=(
+        GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=4)))  # fmt: skip
+    s = admit(initial_state(cfg), RequestSpec("d", (RowSpec(24, prefix_len=16, target_len=8),))).unwrap().state
+    s = commit(s, "d", [24]).unwrap().state
+    # every later denoising step queries from position 16: blocks from (16 - 4 + 1) // 4 = 3 stay
+    assert request_blocks(s, "d")[0][1] == (0, 0, 0, 10, 11, 12)
+
+
+def test_reset_clears_the_cache_and_keeps_generations() -> None:
+    s = admit(caching(), RequestSpec("a", (tokens_row(*range(1, 10)),))).unwrap().state
+    s = commit(s, "a", [9]).unwrap().state
+    step = reset(s).unwrap()
+    assert step.effect.events == (AllBlocksCleared(),) and len(step.state.cache) == 0
+    assert step.state.generation == s.generation and digest(step.state) != digest(s)

@@ -149,6 +149,7 @@ def free_queue(state: KVState) -> list[int]:
     while b:
         out.append(b)
         b = state.free_next[b]
+        assert len(out) < state.config.num_blocks, "the free queue has a cycle (a block was freed twice)"
     return out
 
 

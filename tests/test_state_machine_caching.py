@@ -1,0 +1,292 @@
+"""The core with prefix caching and windowed groups, against a content oracle.
+
+The oracle tracks what KV each block holds: when a row's owner computes a full
+block, the block holds (group, the row's token prefix up to the block's end,
+extra keys). A prefix hit must hand a row blocks whose content is exactly its
+own prefix: a hash kept after its block was evicted, a block freed while still
+visible, a hit evicted by its own admission all break that. Beside it, the
+structural invariants: the pool is whole, the cache index is a bijection, a
+windowed group's live range never shows the null block, failures change nothing.
+"""
+
+from __future__ import annotations
+
+from itertools import count
+from typing import Any
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from returns.result import Failure, Success
+
+from pagedkv.core import (
+    Admitted, Appended, Committed, Released, CacheConfig, GroupKind, GroupSpec, KVState, RequestSpec, RowSpec, admit, append_decode, append_many, commit,
+    digest, free_queue, initial_state, release, request_blocks, reset, reset_prefix_cache,
+)  # fmt: skip
+
+IDS = ["a", "b", "c", "d", "e"]
+BASES = [[0, 1, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]]  # shared prefixes hit
+GROUPINGS = {
+    "full": (GroupSpec("full"),),
+    "full+swa": (GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3)),
+    "full+local": (GroupSpec("full"), GroupSpec("local", GroupKind.CHUNKED_LOCAL, chunk=4)),
+    "swa": (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=2),),
+}
+_opaque = count()
+
+
+class _Everything:
+    """Stands in for st.data() in `finish`: draws each row's full length."""
+
+    def __init__(self, state: KVState, req: Any) -> None:
+        self.lens = iter([state.row_len[s] for s in req.slots])
+
+    def draw(self, strategy: object) -> int:
+        return next(self.lens)
+
+
+class CachingMachine(RuleBasedStateMachine):
+    @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)))
+    def setup(self, bs: int, usable: int, grouping: str) -> None:
+        self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
+                               enable_prefix_caching=True)  # fmt: skip
+        self.state = initial_state(self.cfg)
+        self.content: dict[int, object] = {}  # block id -> what its KV holds
+        self.tokens: dict[Any, list[list[int] | None]] = {}  # per request, per row: known token ids
+        self.extra: dict[Any, tuple[str, ...]] = {}
+        self.history: list[tuple[KVState, str]] = []
+        self.max_gen = 0
+
+    def step(self, result: Any) -> Any:
+        before = digest(self.state)
+        if isinstance(result, Failure):
+            assert result.failure().message
+            assert digest(self.state) == before, "a refused transition changed the state"
+            return None
+        assert isinstance(result, Success)
+        self.history = (self.history + [(self.state, before)])[-3:]
+        old, self.state = self.state, result.unwrap().state
+        effect = result.unwrap().effect
+        changed_layout = (
+            isinstance(effect, (Admitted, Released)) or (isinstance(effect, Appended) and bool(effect.allocations))
+            or (isinstance(effect, Committed) and self._nulled(old, self.state))
+        )  # fmt: skip
+        if changed_layout:
+            assert self.state.generation > old.generation, "a layout change reused a generation"
+        elif not hasattr(effect, "released"):
+            assert self.state.generation == old.generation, "a generation was taken without a layout change"
+        return effect
+
+    @staticmethod
+    def _nulled(old: KVState, new: KVState) -> bool:
+        """Did a commit put the null block anywhere the old state had a real one?"""
+        return any(0 in ids and ids != old.row_blocks[slot][g]
+                   for req in new.requests.values() for slot in req.slots
+                   for g, ids in enumerate(new.row_blocks[slot]))  # fmt: skip
+
+    def expected_content(self, rid: Any, row: int, group: int, j: int) -> object:
+        toks = self.tokens[rid][row]
+        req = self.state.requests[rid]
+        layout = req.layouts[row]
+        end = (j + 1) * self.cfg.block_size
+        if toks is None or len(toks) < end or (layout.prefix_len is not None and end > layout.prefix_len):
+            return ("opaque", next(_opaque))  # unknown ids, or a diffusion target rewritten every step
+        return (group, tuple(toks[:end]), self.extra[rid])
+
+    @rule(rid=st.sampled_from(IDS), data=st.data(), extra=st.sampled_from([(), ("img:1",)]))
+    def admit(self, rid: Any, data: st.DataObject, extra: tuple[str, ...]) -> None:
+        rows = []
+        for _ in range(data.draw(st.integers(1, 2))):
+            base = data.draw(st.sampled_from(BASES))
+            toks = base[: data.draw(st.integers(0, 8))] + data.draw(st.lists(st.integers(0, 1), max_size=2))
+            toks = toks or [0]
+            kind = data.draw(st.sampled_from(["ids", "ids", "count", "diffusion"]))
+            if kind == "count":
+                rows.append(RowSpec(len(toks)))
+            elif kind == "diffusion" and len(toks) >= 2:
+                t = data.draw(st.integers(1, len(toks) - 1))
+                rows.append(RowSpec.of_tokens(toks, prefix_len=len(toks) - t, target_len=t))
+            else:
+                rows.append(RowSpec.of_tokens(toks))
+        result = admit(self.state, RequestSpec(rid, tuple(rows), extra))
+        event(f"admit {'ok' if isinstance(result, Success) else result.failure().code.value}")
+        effect = self.step(result)
+        if effect is None:
+            return
+        if any(effect.cached_tokens):
+            event("admit with a prefix hit")
+        if effect.events:
+            event("admit evicted a cached block")
+        self.tokens[rid] = [list(r.tokens) if r.tokens is not None else None for r in rows]
+        self.extra[rid] = extra
+        bs = self.cfg.block_size
+        for i, (cached, row_blocks) in enumerate(zip(effect.cached_tokens, effect.blocks)):
+            hit = cached // bs
+            for g, ids in enumerate(row_blocks):
+                for j, b in enumerate(ids):
+                    if j < hit and b:
+                        assert self.content.get(b) == self.expected_content(rid, i, g, j), (
+                            f"hit block {b} at position {j} holds {self.content.get(b)!r}")
+                    elif j >= hit:
+                        self.content[b] = None  # fresh: garbage until computed
+
+    def _fresh_after_append(self, before: dict[Any, Any]) -> None:
+        for rid in self.state.requests.keys():
+            for i, row in enumerate(request_blocks(self.state, rid)):
+                for g, ids in enumerate(row):
+                    old = before.get(rid, ((),) * 0)
+                    old_len = len(old[i][g]) if old else 0
+                    for b in ids[old_len:]:
+                        self.content[b] = None
+
+    def _snapshot(self) -> dict[Any, Any]:
+        return {rid: request_blocks(self.state, rid) for rid in self.state.requests.keys()}
+
+    @rule(items=st.lists(st.tuples(st.sampled_from(IDS), st.lists(
+        st.one_of(st.integers(0, 2), st.lists(st.integers(0, 1), max_size=3)), min_size=1, max_size=2)),
+        min_size=1, max_size=2))  # fmt: skip
+    def append(self, items: list[tuple[Any, list[Any]]]) -> None:
+        before = self._snapshot()
+        lens = {rid: [self.state.row_len[s] for s in self.state.requests[rid].slots] for rid in before}
+        if self.step(append_many(self.state, items)) is None:
+            return
+        for rid, growth in items:
+            for i, item in enumerate(growth):
+                toks = self.tokens[rid][i]
+                if toks is not None and len(toks) == lens[rid][i] and isinstance(item, list):
+                    toks.extend(item)
+                lens[rid][i] += item if isinstance(item, int) else len(item)
+        self._fresh_after_append(before)
+
+    @rule(rids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
+    def decode(self, rids: list[Any]) -> None:
+        before = self._snapshot()
+        if self.step(append_decode(self.state, rids)) is not None:
+            self._fresh_after_append(before)
+
+    @rule(rid=st.sampled_from(IDS), data=st.data())
+    def commit(self, rid: Any, data: st.DataObject) -> None:
+        req = self.state.requests.get(rid)
+        if req is None:
+            assert isinstance(commit(self.state, rid, [1]), Failure)
+            return
+        old = [self.state.row_computed[s] for s in req.slots]
+        new = [data.draw(st.integers(c, self.state.row_len[s])) for c, s in zip(old, req.slots)]
+        blocks = request_blocks(self.state, rid)
+        effect = self.step(commit(self.state, rid, new))
+        if effect is None:
+            return
+        if effect.freed_blocks:
+            event("commit let window blocks go")
+        bs = self.cfg.block_size
+        for i, (c0, c1) in enumerate(zip(old, new)):
+            for j in range(c0 // bs, c1 // bs):  # blocks that became full and computed now
+                for g, ids in enumerate(blocks[i]):
+                    if ids[j]:
+                        self.content[ids[j]] = self.expected_content(rid, i, g, j)
+
+    @rule(rid=st.sampled_from(IDS), data=st.data())
+    def admit_again(self, rid: Any, data: st.DataObject) -> None:
+        self.admit(rid, data, ())
+
+    @rule(rid=st.sampled_from(IDS))
+    def finish(self, rid: Any) -> None:
+        """Compute everything, then release: what leaves cached blocks in the free queue."""
+        req = self.state.requests.get(rid)
+        if req is None:
+            return
+        data = _Everything(self.state, req)
+        self.commit(rid, data)  # type: ignore[arg-type]
+        self.release(rid, "finished")
+
+    @rule(first=st.sampled_from(IDS), second=st.sampled_from(IDS), data=st.data())
+    def reuse(self, first: Any, second: Any, data: st.DataObject) -> None:
+        """Admit, compute and finish one request, then admit another on the same prompt base."""
+        self.admit(first, data, ())
+        self.finish(first)
+        self.admit(second, data, ())
+
+    @rule(rid=st.sampled_from(IDS), reason=st.sampled_from(["finished", "cancelled", "error", "preempted"]))
+    def release(self, rid: Any, reason: str) -> None:
+        self.step(release(self.state, rid, reason))
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.step(reset_prefix_cache(self.state))
+        assert len(self.state.cache) == 0
+
+    @rule()
+    def reset(self) -> None:
+        self.step(reset(self.state))
+        self.content.clear()
+
+    # -- invariants ------------------------------------------------------------
+    @invariant()
+    def pool_is_whole_and_cache_is_a_bijection(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        s = self.state
+        held: dict[int, int] = {}
+        for rid in s.requests.keys():
+            for row in request_blocks(s, rid):
+                for ids in row:
+                    for b in ids:
+                        if b:
+                            held[b] = held.get(b, 0) + 1
+        free = free_queue(s)
+        assert len(free) == len(set(free)) == s.free_blocks
+        assert set(free).isdisjoint(held) and set(free) | set(held) == set(range(1, s.config.num_blocks))
+        assert all(s.refcount[b] == held.get(b, 0) for b in range(s.config.num_blocks))
+        for key, b in s.cache.items():
+            assert s.block_key[b] == key, "a cached hash maps to a block that does not carry it"
+        assert sum(k is not None for k in s.block_key) == len(s.cache), "a block carries a hash the index lost"
+
+    @invariant()
+    def window_live_ranges_hold_real_blocks(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        s = self.state
+        bs = s.config.block_size
+        for rid, req in s.requests.items():
+            for i, slot in enumerate(req.slots):
+                layout = req.layouts[i]
+                c = s.row_computed[slot]
+                future = min(c, layout.prefix_len) if layout.prefix_len is not None else c
+                for g, ids in enumerate(s.row_blocks[slot]):
+                    assert len(ids) == -(-s.row_len[slot] // bs)
+                    gs = s.config.groups[g]
+                    # written out here, apart from the code: the first key a query at `future` or later reads
+                    if gs.kind is GroupKind.SLIDING_WINDOW:
+                        lowest = future - gs.window + 1  # type: ignore[operator]
+                    elif gs.kind is GroupKind.CHUNKED_LOCAL:
+                        lowest = future // gs.chunk * gs.chunk  # type: ignore[operator]
+                    else:
+                        lowest = 0
+                    for j, b in enumerate(ids):
+                        visible = (j + 1) * bs - 1 >= lowest
+                        assert (b != 0) == visible, f"group {g} block {j} of {ids}: visible={visible}"
+
+    @invariant()
+    def shared_blocks_hold_the_same_prefix(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        where: dict[int, tuple[int, int]] = {}
+        for rid in self.state.requests.keys():
+            for row in request_blocks(self.state, rid):
+                for g, ids in enumerate(row):
+                    for j, b in enumerate(ids):
+                        if b:
+                            assert where.setdefault(b, (g, j)) == (g, j), "one block at two positions or groups"
+
+    @invariant()
+    def history_and_generations(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        assert self.state.generation >= self.max_gen
+        self.max_gen = self.state.generation
+        for old, d in self.history:
+            assert digest(old) == d
+
+
+CachingMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
+test_caching_state_machine = CachingMachine.TestCase

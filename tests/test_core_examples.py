@@ -194,3 +194,18 @@ def test_bad_configs_raise_a_typed_error() -> None:
             CacheConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(InvalidConfig):
         GroupSpec("w", "sliding_window")  # type: ignore[arg-type]
+
+
+def test_check_invariants_reports_broken_states() -> None:
+    from dataclasses import replace
+
+    from pagedkv.core.invariants import check_invariants
+
+    s = admit(pool(), RequestSpec("a", (RowSpec(8),))).unwrap().state
+    assert check_invariants(s) == []
+    leaked = replace(s, refcount=s.refcount.set(1, 2))
+    assert "block 1: refcount 2, 1 references held" in check_invariants(leaked)
+    cycle = replace(s, free_next=s.free_next.set(8, 3))
+    assert "the free queue has a cycle" in check_invariants(cycle)
+    lost = replace(s, num_free=s.num_free - 1)
+    assert any("num_free" in m for m in check_invariants(lost))

@@ -12,6 +12,7 @@ from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
+from pagedkv.core.invariants import check_invariants
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from returns.result import Failure, Success
 
@@ -240,30 +241,22 @@ class CoreMachine(RuleBasedStateMachine):
     def pool_is_whole(self) -> None:
         if not hasattr(self, "state"):
             return
-        s = self.state
-        usable = set(range(1, s.config.num_blocks))
-        held: dict[int, int] = {}
-        for rid in s.requests.keys():
-            for row in request_blocks(s, rid):
-                for group in row:
-                    for b in group:
-                        held[b] = held.get(b, 0) + 1
-        free = free_queue(s)
-        assert len(free) == len(set(free)), "a block is in the free queue twice"
-        assert set(free).isdisjoint(held), "a block is both free and referenced"
-        assert set(free) | set(held) == usable, "a block is neither free nor referenced (leaked)"
-        assert all(n == 1 for n in held.values()), "a block is in two live rows"
-        assert [s.refcount[b] for b in range(s.config.num_blocks)] == [held.get(b, 0) for b in range(s.config.num_blocks)]
-        assert s.refcount[0] == 0 and 0 not in free
+        assert check_invariants(self.state) == []
+        held = [b for rid in self.state.requests.keys() for row in request_blocks(self.state, rid) for g in row for b in g]
+        assert len(held) == len(set(held)), "a block is in two live rows (no prefix cache here)"
 
     @invariant()
     def generations_never_go_back_and_old_snapshots_never_change(self) -> None:
-        if not hasattr(self, "state"):
-            return
-        assert self.state.generation >= self.max_gen
-        self.max_gen = self.state.generation
-        for old, d in self.history:
-            assert digest(old) == d
+        if hasattr(self, "state"):
+            self.max_gen = check_history(self.state, self.history, self.max_gen)
+
+
+def check_history(state: KVState, history: list[tuple[KVState, str]], max_gen: int) -> int:
+    """Generations never go back, and old snapshots never change; the new high-water mark."""
+    assert state.generation >= max_gen
+    for old, d in history:
+        assert digest(old) == d, "an old snapshot changed"
+    return state.generation
 
 
 CoreMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)

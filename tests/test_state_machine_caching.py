@@ -16,6 +16,8 @@ from typing import Any
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
+from pagedkv.core.invariants import check_invariants
+from tests.test_state_machine import check_history
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from returns.result import Failure, Success
 
@@ -223,23 +225,8 @@ class CachingMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------
     @invariant()
     def pool_is_whole_and_cache_is_a_bijection(self) -> None:
-        if not hasattr(self, "state"):
-            return
-        s = self.state
-        held: dict[int, int] = {}
-        for rid in s.requests.keys():
-            for row in request_blocks(s, rid):
-                for ids in row:
-                    for b in ids:
-                        if b:
-                            held[b] = held.get(b, 0) + 1
-        free = free_queue(s)
-        assert len(free) == len(set(free)) == s.free_blocks
-        assert set(free).isdisjoint(held) and set(free) | set(held) == set(range(1, s.config.num_blocks))
-        assert all(s.refcount[b] == held.get(b, 0) for b in range(s.config.num_blocks))
-        for key, b in s.cache.items():
-            assert s.block_key[b] == key, "a cached hash maps to a block that does not carry it"
-        assert sum(k is not None for k in s.block_key) == len(s.cache), "a block carries a hash the index lost"
+        if hasattr(self, "state"):
+            assert check_invariants(self.state) == []
 
     @invariant()
     def window_live_ranges_hold_real_blocks(self) -> None:
@@ -280,12 +267,8 @@ class CachingMachine(RuleBasedStateMachine):
 
     @invariant()
     def history_and_generations(self) -> None:
-        if not hasattr(self, "state"):
-            return
-        assert self.state.generation >= self.max_gen
-        self.max_gen = self.state.generation
-        for old, d in self.history:
-            assert digest(old) == d
+        if hasattr(self, "state"):
+            self.max_gen = check_history(self.state, self.history, self.max_gen)
 
 
 CachingMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)

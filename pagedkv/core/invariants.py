@@ -1,0 +1,69 @@
+"""The invariants every reachable state keeps, as one pure check.
+
+Used by the state-machine tests after every step and by the model checker in
+every state it explores. Returns what is broken (empty when all hold); it never
+raises on a broken state, so a checker can report it with its trace.
+"""
+
+from __future__ import annotations
+
+from pagedkv.core.state import KVState
+
+
+def check_invariants(state: KVState) -> list[str]:
+    """Violations of the pool, cache and window invariants; ``[]`` when all hold.
+
+    >>> from pagedkv.core import CacheConfig, initial_state
+    >>> check_invariants(initial_state(CacheConfig(block_size=4, num_blocks=9)))
+    []
+    """
+    s = state
+    cfg = s.config
+    n = cfg.num_blocks
+    bad: list[str] = []
+    held = [0] * n
+    for rid, req in s.requests.items():
+        for i, slot in enumerate(req.slots):
+            length, computed = s.row_len[slot], s.row_computed[slot]
+            if not 0 <= computed <= length:
+                bad.append(f"request {rid!r} row {i}: computed {computed} outside [0, {length}]")
+            layout = req.layouts[i]
+            future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
+            for g, ids in enumerate(s.row_blocks[slot]):
+                if len(ids) != cfg.blocks_for(length):
+                    bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
+                first = cfg.groups[g].first_visible_block(future, cfg.block_size)
+                for j, b in enumerate(ids):
+                    if not 0 <= b < n:
+                        bad.append(f"request {rid!r} row {i} group {g}: block id {b} out of range")
+                        continue
+                    if (b == 0) != (j < first):
+                        what = "the null block in its live range" if b == 0 else "a block no query can see"
+                        bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
+                    if b:
+                        held[b] += 1
+    free: list[int] = []
+    b = s.free_next[0]
+    while b and len(free) < n:
+        free.append(b)
+        b = s.free_next[b]
+    if b:
+        bad.append("the free queue has a cycle")
+    in_free = set(free)
+    if len(in_free) != len(free):
+        bad.append("a block is in the free queue twice")
+    if len(free) != s.num_free:
+        bad.append(f"num_free is {s.num_free} but the free queue holds {len(free)}")
+    if 0 in in_free or s.refcount[0] != 0:
+        bad.append("the null block is free or referenced")
+    for blk in range(1, n):
+        if s.refcount[blk] != held[blk]:
+            bad.append(f"block {blk}: refcount {s.refcount[blk]}, {held[blk]} references held")
+        if (blk in in_free) == (held[blk] > 0):
+            bad.append(f"block {blk} is {'both free and referenced' if held[blk] else 'neither free nor referenced'}")
+    for key, blk in s.cache.items():
+        if s.block_key[blk] != key:
+            bad.append(f"cached hash of group {key[0]} maps to block {blk}, which does not carry it")
+    if sum(k is not None for k in s.block_key) != len(s.cache):
+        bad.append("a block carries a hash the cache index lost")
+    return bad

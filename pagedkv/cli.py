@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
+from pagedkv.core.check import CheckConfig, check
+from pagedkv.core.config import InvalidConfig
 from pagedkv.core.trace import TraceHeaderError, replay
 
 
@@ -16,13 +19,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("replay", help="re-run a trace (contract version 1) through the core")
     p.add_argument("file", help="a JSON Lines trace; - reads standard input")
     p.add_argument("--json", action="store_true", help="print one JSON result object per event")
+    p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
+    c = sub.add_parser("check", help="model-check every reachable state of a small configuration")
+    d = CheckConfig()
+    c.add_argument("--block-size", type=int, default=d.block_size)
+    c.add_argument("--blocks", type=int, default=d.usable_blocks, help="usable blocks (the null block comes on top)")
+    c.add_argument("--requests", type=int, default=d.requests, help="request ids in the alphabet")
+    c.add_argument("--rows", type=int, default=d.max_rows, help="max rows per request")
+    c.add_argument("--window", type=int, default=d.window, help="sliding-window group size; 0: one full group only")
+    c.add_argument("--no-prefix-caching", action="store_true")
+    c.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    c.add_argument("--max-states", type=int, default=d.max_states)
+    c.add_argument("--max-depth", type=int, default=None)
+    c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
+    c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
     args = parser.parse_args(argv)
     if args.command == "replay":
-        return _replay(args.file, args.json)
+        return _replay(args.file, args.json, args.check)
+    if args.command == "check":
+        return _check(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
-def _replay(path: str, as_json: bool) -> int:
+def _check(args: argparse.Namespace) -> int:
+    try:
+        cfg = CheckConfig(
+            block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
+            window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
+            max_states=args.max_states, max_depth=args.max_depth,
+        )  # fmt: skip
+        cfg.cache_config()
+    except InvalidConfig as e:
+        print(f"pagedkv check: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = check(cfg)
+    seconds = time.perf_counter() - t0
+    bound = "exhaustive" if result.exhaustive else "stopped at a bound"
+    print(f"states explored: {result.states}")
+    print(f"depth reached:   {result.depth}")
+    print(f"transitions:     {result.transitions}")
+    print(f"states/second:   {result.states / seconds:.0f}")
+    print(f"seconds:         {seconds:.1f} ({bound})")
+    if result.violation:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(result.trace) + "\n")
+        print(f"VIOLATION after {len(result.trace) - 1} events:", file=sys.stderr)
+        for v in result.violation:
+            print(f"  {v}", file=sys.stderr)
+        print(f"counterexample written to {args.out} (pagedkv replay --check {args.out})", file=sys.stderr)
+    else:
+        print("violations:      0")
+    if args.json:
+        print(json.dumps({"states": result.states, "depth": result.depth, "violations": int(bool(result.violation)),
+                          "seconds": round(seconds, 3), "exhaustive": result.exhaustive}))  # fmt: skip
+    return 1 if result.violation else 0
+
+
+def _replay(path: str, as_json: bool, check_invariants: bool = False) -> int:
     try:
         if path == "-":
             lines = sys.stdin.read().splitlines()
@@ -38,14 +92,17 @@ def _replay(path: str, as_json: bool) -> int:
     try:
         if not as_json:
             out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")
-        for ev in replay(lines):
+        for ev in replay(lines, check=check_invariants):
             events += 1
             r = ev.result
             failures += not r["ok"]
-            if ev.divergence is not None:
+            problem = ev.divergence
+            if ev.violations:
+                problem = "invariant broken: " + "; ".join(ev.violations)
+            if problem is not None:
                 divergences += 1
                 if first is None:
-                    first = f"line {ev.line} (event {r['i']}, {r['op']}): {ev.divergence}"
+                    first = f"line {ev.line} (event {r['i']}, {r['op']}): {problem}"
             if as_json:
                 out.write(json.dumps(r) + "\n")
             else:

@@ -17,6 +17,7 @@ from returns.result import Failure, Result
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.digest import digest
 from pagedkv.core.errors import KVError, invalid, is_int
+from pagedkv.core.invariants import check_invariants
 from pagedkv.core.metadata import KVMetadata, publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, initial_state, request_blocks
@@ -78,12 +79,14 @@ class EventResult:
     result: dict[str, Any]
     divergence: str | None  # first mismatch against the event's "expect", if any
     state: KVState
+    violations: tuple[str, ...] = ()  # broken invariants after the event (replay with check=True)
 
 
-def replay(lines: Iterable[str]) -> Iterator[EventResult]:
+def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult]:
     """Run a whole trace. Raises ``TraceHeaderError`` before the first event if the header is bad.
 
-    Blank lines are skipped and not counted; every other line is an event.
+    Blank lines are skipped and not counted; every other line is an event. With
+    ``check``, every invariant is checked after every event (O(pool) each).
     """
     it = iter(enumerate(lines, start=1))
     for lineno, line in it:
@@ -109,7 +112,8 @@ def replay(lines: Iterable[str]) -> Iterator[EventResult]:
         divergence = None
         if expect is not None:
             divergence = first_mismatch(expect, ordered, "")
-        yield EventResult(lineno, ordered, divergence, state)
+        violations = tuple(check_invariants(state)) if check and changed else ()
+        yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
 
 

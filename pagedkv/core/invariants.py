@@ -7,7 +7,18 @@ raises on a broken state, so a checker can report it with its trace.
 
 from __future__ import annotations
 
+from pagedkv.core.config import GroupKind, GroupSpec
 from pagedkv.core.state import KVState
+
+
+def _lowest_visible(group: GroupSpec, future: int) -> int:
+    """The first position a query at ``future`` or later reads. Written out here on purpose,
+    apart from ``GroupSpec.first_visible_block``, so that a bug there cannot hide from this check."""
+    if group.kind is GroupKind.SLIDING_WINDOW and group.window is not None:
+        return future - group.window + 1
+    if group.kind is GroupKind.CHUNKED_LOCAL and group.chunk is not None:
+        return future // group.chunk * group.chunk
+    return 0
 
 
 def check_invariants(state: KVState) -> list[str]:
@@ -29,19 +40,28 @@ def check_invariants(state: KVState) -> list[str]:
                 bad.append(f"request {rid!r} row {i}: computed {computed} outside [0, {length}]")
             layout = req.layouts[i]
             future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
+            hashes = s.row_hashes[slot]
             for g, ids in enumerate(s.row_blocks[slot]):
                 if len(ids) != cfg.blocks_for(length):
                     bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
-                first = cfg.groups[g].first_visible_block(future, cfg.block_size)
+                lowest = _lowest_visible(cfg.groups[g], future)
                 for j, b in enumerate(ids):
                     if not 0 <= b < n:
                         bad.append(f"request {rid!r} row {i} group {g}: block id {b} out of range")
                         continue
-                    if (b == 0) != (j < first):
+                    visible = (j + 1) * cfg.block_size - 1 >= lowest
+                    if (b != 0) != visible:
                         what = "the null block in its live range" if b == 0 else "a block no query can see"
                         bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
                     if b:
                         held[b] += 1
+                        key = s.block_key[b]
+                        if j >= len(hashes) and key is not None:
+                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries a "
+                                       "hash its row never computed (a stale cache entry)")  # fmt: skip
+                        elif j < len(hashes) and key is not None and key != (g, hashes[j]):
+                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries "
+                                       "another prefix's hash")  # fmt: skip
     free: list[int] = []
     b = s.free_next[0]
     while b and len(free) < n:

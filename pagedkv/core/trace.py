@@ -96,6 +96,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
     last_digest = digest(state)
+    previous_generation = state.generation
     i = 0
     for lineno, line in it:
         if not line.strip():
@@ -112,7 +113,12 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         divergence = None
         if expect is not None:
             divergence = first_mismatch(expect, ordered, "")
-        violations = tuple(check_invariants(state)) if check and changed else ()
+        violations: tuple[str, ...] = ()
+        if check and changed:
+            violations = tuple(check_invariants(state))
+            if ordered["op"] in ("admit", "release") and ordered["generation"] <= previous_generation:
+                violations += (f"a successful {ordered['op']} must take a new generation",)
+        previous_generation = state.generation
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
 

@@ -6,7 +6,7 @@ generation: the snapshot carries the latest one, which is what a worker checks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -98,7 +98,11 @@ def slots_of(blocks: Sequence[int], block_size: int, start: int, count: int) -> 
 
 
 def publish(
-    state: KVState, request_ids: Sequence[RequestId], phase: Phase | str
+    state: KVState,
+    request_ids: Sequence[RequestId],
+    phase: Phase | str,
+    *,
+    query_limits: Mapping[RequestId, int] | None = None,
 ) -> Result[Step[KVMetadata], KVError]:
     """Build the snapshot for one forward over every row of ``request_ids``.
 
@@ -106,6 +110,8 @@ def publish(
     (``kv_start_pos = computed``). Denoise (diffusion rows): the query is the
     target span, keys end at ``prefix_len + target_len``. Decode: the last token.
     Every row of one forward must have the same sequence of causal flags.
+    ``query_limits`` caps a prefill's query per request (chunked prefill): the
+    keys of that forward end where its chunk ends.
     """
     if phase not in _PHASES:
         return Failure(invalid(f"phase must be one of {sorted(_PHASES)}, got {phase!r}", field="phase"))
@@ -140,6 +146,12 @@ def publish(
                 if start >= seq_len:
                     return Failure(invalid(f"request {rid!r} row {i}: all {seq_len} tokens are computed; "
                                            "nothing to prefill", request=rid, field="phase"))  # fmt: skip
+                limit = query_limits.get(rid) if query_limits else None
+                if limit is not None:
+                    if type(limit) is not int or limit < 1:
+                        return Failure(invalid(f"query limit of request {rid!r} must be a positive integer",
+                                               request=rid, field="query_limits"))  # fmt: skip
+                    seq_len = min(seq_len, start + limit)
             elif phase is Phase.DENOISE:
                 if layout.prefix_len is None or layout.target_len is None:
                     return Failure(invalid(f"request {rid!r} row {i} is not a diffusion row; it cannot denoise",

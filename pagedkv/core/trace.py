@@ -19,12 +19,17 @@ from pagedkv.core.digest import digest
 from pagedkv.core.errors import KVError, invalid, is_int
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.scheduler import (
+    SchedState, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, sched_digest, submit,
+)  # fmt: skip
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, initial_state, request_blocks
 from pagedkv.core.transitions import Admitted, admit, append, commit, release, reset, reset_prefix_cache
 
 TRACE_VERSION = 1
 OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache")
+SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
+SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "watermark_blocks", "allow_overtaking")
 
 
 class TraceHeaderError(ValueError):
@@ -32,7 +37,12 @@ class TraceHeaderError(ValueError):
 
 
 def parse_header(line: str) -> CacheConfig:
-    """The pool config of a trace's first line.
+    """The pool config of a trace's first line."""
+    return parse_trace_header(line)[0]
+
+
+def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
+    """The pool config of a trace's first line, and the scheduler's when the trace drives one.
 
     >>> parse_header('{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9}}').usable_blocks
     8
@@ -54,6 +64,13 @@ def parse_header(line: str) -> CacheConfig:
             GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))
             for g in groups_raw
         )
+        sched_raw = cfg.get("scheduler")
+        sched = None
+        if sched_raw is not None:
+            if not isinstance(sched_raw, dict):
+                raise InvalidConfig('"scheduler" must be an object')
+            known = {k: sched_raw[k] for k in SCHEDULER_KEYS if k in sched_raw}
+            sched = SchedulerConfig(**known)
         return CacheConfig(
             block_size=cfg.get("block_size"),  # type: ignore[arg-type]
             num_blocks=cfg.get("num_blocks"),  # type: ignore[arg-type]
@@ -62,8 +79,8 @@ def parse_header(line: str) -> CacheConfig:
             max_rows_per_request=cfg.get("max_rows_per_request"),
             max_model_len=cfg.get("max_model_len"),
             hash_namespace=cfg.get("hash_namespace", "pagedkv"),
-        )
-    except InvalidConfig as e:
+        ), sched
+    except (InvalidConfig, TypeError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None
 
 
@@ -78,7 +95,7 @@ class EventResult:
     line: int  # 1-based line in the file
     result: dict[str, Any]
     divergence: str | None  # first mismatch against the event's "expect", if any
-    state: KVState
+    state: KVState | SchedState
     violations: tuple[str, ...] = ()  # broken invariants after the event (replay with check=True)
 
 
@@ -91,12 +108,13 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
     it = iter(enumerate(lines, start=1))
     for lineno, line in it:
         if line.strip():
-            state = initial_state(parse_header(line))
+            cache, sched = parse_trace_header(line)
+            state: KVState | SchedState = initial_state(cache) if sched is None else new_scheduler(cache, sched)
             break
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
-    last_digest = digest(state)
-    previous_generation = state.generation
+    last_digest = _digest(state)
+    previous_generation = _kv(state).generation
     i = 0
     for lineno, line in it:
         if not line.strip():
@@ -104,7 +122,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         state, result, expect = run_line(state, line, lineno)
         changed = result.pop("_changed")
         if changed:
-            last_digest = digest(state)
+            last_digest = _digest(state)
         ordered: dict[str, Any] = {"i": i}
         for key in ("op", "ok", "error", "generation", "free_blocks"):
             ordered[key] = result.pop(key)
@@ -115,15 +133,25 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             divergence = first_mismatch(expect, ordered, "")
         violations: tuple[str, ...] = ()
         if check and changed:
-            violations = tuple(check_invariants(state))
+            violations = tuple(check_invariants(_kv(state)))
             if ordered["op"] in ("admit", "release") and ordered["generation"] <= previous_generation:
                 violations += (f"a successful {ordered['op']} must take a new generation",)
-        previous_generation = state.generation
+        previous_generation = _kv(state).generation
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
 
 
-def run_line(state: KVState, line: str, lineno: int) -> tuple[KVState, dict[str, Any], dict[str, Any] | None]:
+def _kv(state: KVState | SchedState) -> KVState:
+    return state.kv if isinstance(state, SchedState) else state
+
+
+def _digest(state: KVState | SchedState) -> str:
+    return sched_digest(state) if isinstance(state, SchedState) else digest(state)
+
+
+def run_line(
+    state: KVState | SchedState, line: str, lineno: int
+) -> tuple[KVState | SchedState, dict[str, Any], dict[str, Any] | None]:
     """Apply one event line; returns the next state, the partial result and the expect object."""
     op: Any = None
     expect: dict[str, Any] | None = None
@@ -139,30 +167,33 @@ def run_line(state: KVState, line: str, lineno: int) -> tuple[KVState, dict[str,
         if not isinstance(event["expect"], dict):
             return state, _failed(state, op_out, invalid(f"line {lineno}: \"expect\" must be an object")), None
         expect = event["expect"]
-    if op not in OPS:
-        return state, _failed(state, op_out, invalid(f"line {lineno}: unknown op {op!r}; ops are {list(OPS)}")), expect
-    outcome = _apply(state, op, event)
+    ops = SCHEDULER_OPS if isinstance(state, SchedState) else OPS
+    if op not in ops:
+        other = "a trace with a scheduler" if isinstance(state, SchedState) else "a trace without a scheduler"
+        why = f"line {lineno}: op {op!r} is not one of {list(ops)} ({other})"
+        return state, _failed(state, op_out, invalid(why)), expect
+    outcome = _apply_sched(state, op, event) if isinstance(state, SchedState) else _apply(state, op, event)
     if isinstance(outcome, Failure):
         err = outcome.failure()
         err = KVError(err.code, f"line {lineno}: {err.message}", err.request, err.field, err.requested, err.available)
         return state, _failed(state, op, err), expect
     new_state, extra = outcome.unwrap()
     result: dict[str, Any] = {
-        "op": op, "ok": True, "error": None, "generation": new_state.generation,
-        "free_blocks": new_state.free_blocks, "_changed": new_state is not state, **extra,
+        "op": op, "ok": True, "error": None, "generation": _kv(new_state).generation,
+        "free_blocks": _kv(new_state).free_blocks, "_changed": new_state is not state, **extra,
     }  # fmt: skip
     return new_state, result, expect
 
 
 _EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
-                 "publish": ("rows",)}  # fmt: skip
+                 "publish": ("rows",), "schedule": ("plan",), "output": ("finished",)}  # fmt: skip
 
 
-def _failed(state: KVState, op: str | None, err: KVError) -> dict[str, Any]:
+def _failed(state: KVState | SchedState, op: str | None, err: KVError) -> dict[str, Any]:
     result: dict[str, Any] = {
         "op": op, "ok": False,
         "error": {"code": err.code.value, "permanent": err.permanent, "message": err.message},
-        "generation": state.generation, "free_blocks": state.free_blocks, "_changed": False,
+        "generation": _kv(state).generation, "free_blocks": _kv(state).free_blocks, "_changed": False,
     }  # fmt: skip
     for key in _EXTRA_FIELDS.get(op or "", ()):
         result[key] = None
@@ -201,6 +232,56 @@ def _apply(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVSta
     if op == "reset":
         return reset(state).map(lambda s: (s.state, {}))
     return reset_prefix_cache(state).map(lambda s: (s.state, {}))
+
+
+def _apply_sched(
+    state: SchedState, op: str, ev: Mapping[str, Any]
+) -> Result[tuple[SchedState, dict[str, Any]], KVError]:
+    if op == "schedule":
+        return schedule(state).map(lambda sp: (sp[0], {"plan": plan_json(sp[1])}))
+    if op == "output":
+        sampled = ev.get("sampled", [])
+        fin = ev.get("finished", [])
+        if not isinstance(sampled, list) or any(not isinstance(p, list) or len(p) != 2 for p in sampled):
+            return Failure(invalid('output "sampled" must be a list of [request, token] pairs', field="sampled"))
+        if not isinstance(fin, list):
+            return Failure(invalid('output "finished" must be a list of request ids', field="finished"))
+        try:
+            pairs = {rid: tok for rid, tok in sampled}
+            stop = set(fin)
+        except TypeError:
+            return Failure(invalid("request ids must be strings or integers", field="sampled"))
+        return on_output(state, pairs, stop).map(lambda so: (so[0], {"finished": [list(x) for x in so[1]]}))
+    if "request" not in ev:
+        return Failure(invalid(f'{op} needs a "request" id', field="request"))
+    rid = ev["request"]
+    if op in ("cancel", "error"):
+        return cancel(state, rid, "cancelled" if op == "cancel" else "error").map(lambda s: (s, {}))
+    # submit
+    extra = ev.get("extra_keys", [])
+    if not isinstance(extra, list) or any(type(k) is not str for k in extra):
+        return Failure(invalid('"extra_keys" must be a list of strings', field="extra_keys"))
+    if "rows" in ev:
+        spec = _admit_spec(ev)
+        if isinstance(spec, KVError):
+            return Failure(spec)
+        req = SeqRequest(rid, rows=spec.rows, steps=ev.get("steps", 1), extra_keys=tuple(extra))
+    else:
+        prompt = ev.get("prompt")
+        if not isinstance(prompt, list):
+            return Failure(invalid('submit needs "prompt" (token ids) or "rows" (a diffusion request)', field="prompt"))
+        req = SeqRequest(rid, tuple(prompt), max_tokens=ev.get("max_tokens", 16), extra_keys=tuple(extra))
+    return submit(state, req).map(lambda s: (s, {}))
+
+
+def plan_json(plan: StepPlan) -> dict[str, Any]:
+    """A step plan as the trace output prints it."""
+    return {
+        "step": plan.step, "decode": list(plan.decode), "prefill": [list(p) for p in plan.prefill],
+        "diffusion": [{"request": d.request_id, "steps": d.steps} for d in plan.diffusion],
+        "preempted": list(plan.preempted), "finished": [list(f) for f in plan.finished],
+        "tokens": plan.num_tokens,
+    }  # fmt: skip
 
 
 def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
@@ -285,3 +366,40 @@ def first_mismatch(expected: Any, actual: Any, path: str) -> str | None:
     if type(expected) is not type(actual) and not (is_int(expected) and type(actual) is float) or expected != actual:
         return f"{path}: expected {json.dumps(expected)}, got {json.dumps(actual)}"
     return None
+
+
+# -- recording a scheduler run -------------------------------------------------
+
+
+def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, Any]:
+    """The first line of a scheduler trace (contract v1 with a "scheduler" config)."""
+    groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {}),
+               **({"chunk": g.chunk} if g.chunk else {})} for g in cache.groups]  # fmt: skip
+    return {"pagedkv_trace": TRACE_VERSION, "config": {
+        "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
+        "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
+        "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
+        "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
+
+
+def submit_event(req: SeqRequest) -> dict[str, Any]:
+    ev: dict[str, Any] = {"op": "submit", "request": req.request_id}
+    if req.rows is not None:
+        rows = []
+        for r in req.rows:
+            row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
+            if r.prefix_len is not None:
+                row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+            if r.spans:
+                row["spans"] = [list(sp) for sp in r.spans]
+            rows.append(row)
+        ev.update(rows=rows, steps=req.steps)
+    else:
+        ev.update(prompt=list(req.prompt), max_tokens=req.max_tokens)
+    if req.extra_keys:
+        ev["extra_keys"] = list(req.extra_keys)
+    return ev
+
+
+def output_event(sampled: Mapping[Any, int], finished: Iterable[Any] = ()) -> dict[str, Any]:
+    return {"op": "output", "sampled": [[rid, tok] for rid, tok in sampled.items()], "finished": list(finished)}

@@ -1,0 +1,149 @@
+"""The pure scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+
+from returns.result import Failure
+
+from pagedkv.core import CacheConfig, RowSpec, digest
+from pagedkv.core.invariants import check_invariants
+from pagedkv.core.scheduler import (
+    SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit,
+)  # fmt: skip
+
+
+def model(tokens: tuple[int, ...]) -> int:
+    """A deterministic stand-in for a model: the next token is a function of the whole sequence."""
+    return hashlib.blake2b(repr(tokens).encode(), digest_size=2).digest()[0] % 50
+
+
+def run(state: SchedState, max_steps: int = 200) -> tuple[SchedState, dict[object, tuple[int, ...]], list[object]]:
+    outputs: dict[object, tuple[int, ...]] = {}
+    preempted: list[object] = []
+    for _ in range(max_steps):
+        state, plan = schedule(state).unwrap()
+        preempted += plan.preempted
+        assert plan.num_tokens <= state.config.max_num_batched_tokens or len(plan.diffusion) == 1
+        sampled = {}
+        for kind, rid, q in state.scheduled:
+            req = state.requests[rid]
+            slot = state.kv.requests[rid].slots[0] if kind != "diffusion" else None
+            if kind == "decode" or (kind == "prefill" and state.kv.row_computed[slot] + q == state.kv.row_len[slot]):
+                sampled[rid] = model(req.prompt + req.output)
+        for rid in sampled:
+            outputs[rid] = state.requests[rid].output + (sampled[rid],)
+        state, _ = on_output(state, sampled).unwrap()
+        assert check_invariants(state.kv) == []
+        if not state.requests:
+            break
+    return state, outputs, preempted
+
+
+def llm(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> SeqRequest:
+    return SeqRequest(rid, tuple(range(base, base + n)), max_tokens=max_tokens)
+
+
+def test_budget_decodes_first_and_chunked_prefill() -> None:
+    s = new_scheduler(CacheConfig(block_size=4, num_blocks=33), SchedulerConfig(max_num_batched_tokens=8))
+    s = submit(s, llm("a", 6)).unwrap()
+    s = submit(s, llm("b", 12)).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.prefill == (("a", 6), ("b", 2)) and plan.decode == ()
+    assert [r.query_len for r in plan.metadata[0].rows] == [6, 2]
+    assert [r.seq_len for r in plan.metadata[0].rows] == [6, 2]  # keys end where the chunk ends
+    s, _ = on_output(s, {"a": 7}).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.decode == ("a",) and plan.prefill == (("b", 7),)
+    assert plan.metadata[1].rows[0].kv_start_pos == 6
+
+
+def test_preemption_by_recompute_leaves_outputs_unchanged() -> None:
+    reqs = [llm(f"r{i}", 5 + i, max_tokens=10, base=10 * i) for i in range(4)]
+    roomy = new_scheduler(CacheConfig(block_size=2, num_blocks=101, enable_prefix_caching=True))
+    tight = new_scheduler(CacheConfig(block_size=2, num_blocks=16, enable_prefix_caching=True))
+    for r in reqs:
+        roomy, tight = submit(roomy, r).unwrap(), submit(tight, r).unwrap()
+    roomy, out_roomy, pre_roomy = run(roomy)
+    tight, out_tight, pre_tight = run(tight)
+    assert pre_roomy == [] and len(pre_tight) >= 1, pre_tight
+    assert out_tight == out_roomy and all(len(o) == 10 for o in out_tight.values())
+    assert dict(tight.finished) == {r.request_id: "finished" for r in reqs}
+    assert tight.kv.free_blocks == 15 and roomy.kv.free_blocks == 100
+
+
+def test_the_newest_running_request_is_preempted_and_goes_to_the_front() -> None:
+    s = new_scheduler(CacheConfig(block_size=2, num_blocks=5))  # 4 usable blocks
+    s = submit(s, llm("old", 4, max_tokens=5)).unwrap()
+    s = submit(s, llm("new", 4, max_tokens=5)).unwrap()
+    s = submit(s, llm("later", 1, max_tokens=1)).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.prefill == (("old", 4), ("new", 4))
+    s, _ = on_output(s, {"old": 1, "new": 2}).unwrap()
+    s, plan = schedule(s).unwrap()  # old's 5th token needs a block: new is preempted
+    assert plan.preempted == ("new",) and plan.decode == ("old",)
+    assert list(s.waiting) == ["new", "later"]
+    assert s.requests["new"].output == (2,)  # resumes from prompt + (2,)
+
+
+def test_no_capacity_waits_at_the_head_unless_overtaking_is_allowed() -> None:
+    for overtaking, admitted in ((False, ()), (True, (("small", 2),))):
+        s = new_scheduler(CacheConfig(block_size=2, num_blocks=6), SchedulerConfig(allow_overtaking=overtaking))
+        s = submit(s, llm("a", 6)).unwrap()
+        s, _ = schedule(s).unwrap()
+        s, _ = on_output(s, {"a": 1}).unwrap()
+        s = submit(s, llm("big", 6)).unwrap()
+        s = submit(s, llm("small", 2)).unwrap()
+        s, plan = schedule(s).unwrap()
+        assert plan.prefill == admitted
+        assert s.waiting.left == "big"
+
+
+def test_unschedulable_ends_the_request_with_that_code() -> None:
+    s = new_scheduler(CacheConfig(block_size=2, num_blocks=4))
+    s = submit(s, llm("huge", 40)).unwrap()
+    s = submit(s, llm("ok", 2)).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.finished == (("huge", "UNSCHEDULABLE"),) and plan.prefill == (("ok", 2),)
+    assert s.finished["huge"] == "UNSCHEDULABLE"
+
+
+def test_diffusion_runs_at_request_level_with_its_phases() -> None:
+    rows = (RowSpec(10, prefix_len=6, target_len=4, spans=((6, 10),)), RowSpec(8, prefix_len=4, target_len=4,
+                                                                            spans=((4, 8),)))  # fmt: skip
+    s = new_scheduler(CacheConfig(block_size=4, num_blocks=13))
+    s = submit(s, SeqRequest("img", rows=rows, steps=3)).unwrap()
+    s, plan = schedule(s).unwrap()
+    (run_,) = plan.diffusion
+    assert run_.phases == ("prefill", "denoise", "denoise")
+    assert [r.query_len for r in run_.first.rows] == [10, 8]
+    assert run_.later is not None and [(r.kv_start_pos, r.query_len) for r in run_.later.rows] == [(6, 4), (4, 4)]
+    assert s.kv.free_blocks == 7
+    s, ended = on_output(s, {}).unwrap()
+    assert ended == (("img", "finished"),) and s.kv.free_blocks == 12
+
+
+def test_cancel_and_error_release_everything() -> None:
+    s = new_scheduler(CacheConfig(block_size=2, num_blocks=20))
+    s = submit(s, llm("a", 5)).unwrap()
+    s = submit(s, llm("b", 5)).unwrap()
+    s = submit(s, llm("w", 5)).unwrap()
+    s, _ = schedule(s).unwrap()
+    s = cancel(s, "a").unwrap()
+    s = cancel(s, "w").unwrap()
+    s = cancel(s, "b", "error").unwrap()
+    assert s.kv.free_blocks == 19 and not s.requests and s.scheduled == ()
+    assert dict(s.finished) == {"a": "cancelled", "w": "cancelled", "b": "error"}
+    assert isinstance(cancel(s, "a"), Failure)
+
+
+def test_refusals_change_nothing() -> None:
+    s = new_scheduler(CacheConfig(block_size=2, num_blocks=20))
+    s = submit(s, llm("a", 5)).unwrap()
+    assert submit(s, llm("a", 5)).failure().code.value == "DUPLICATE_REQUEST"
+    assert submit(s, SeqRequest("e", ())).failure().code.value == "INVALID"
+    s, _ = schedule(s).unwrap()
+    before = digest(s.kv)
+    assert schedule(s).failure().code.value == "INVALID"  # the last plan awaits its on_output
+    assert on_output(s, {}).failure().field == "sampled"
+    assert digest(s.kv) == before

@@ -113,7 +113,7 @@ def publish(
     ``query_limits`` caps a prefill's query per request (chunked prefill): the
     keys of that forward end where its chunk ends.
     """
-    if phase not in _PHASES:
+    if not isinstance(phase, str) or phase not in _PHASES:
         return Failure(invalid(f"phase must be one of {sorted(_PHASES)}, got {phase!r}", field="phase"))
     phase = Phase(phase)
     if not isinstance(request_ids, (list, tuple)) or not request_ids:

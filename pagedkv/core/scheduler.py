@@ -171,7 +171,7 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
 
 def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") -> Result[SchedState, KVError]:
     """End a waiting or running request (``reason``: cancelled or error); its blocks go back."""
-    if reason not in ("cancelled", "error"):
+    if not isinstance(reason, str) or reason not in ("cancelled", "error"):
         return Failure(invalid(f"cancel reason must be cancelled or error, got {reason!r}", field="reason"))
     if not is_request_id(request_id) or request_id not in state.requests:
         return _err(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not waiting or running", None)

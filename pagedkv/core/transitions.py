@@ -432,7 +432,7 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     >>> step.effect.freed_blocks, step.effect.generation
     (2, 2)
     """
-    if reason not in _REASONS:
+    if not isinstance(reason, str) or reason not in _REASONS:
         return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
     if not is_request_id(request_id):
         return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))

@@ -100,18 +100,14 @@ def test_soak_ten_thousand_random_events_leave_every_block_free() -> None:
             cancelled += 1
         else:
             if s.scheduled:
-                sampled = {}
-                for kind, rid, q in s.scheduled:
-                    slot = s.kv.requests[rid].slots[0]
-                    if kind == "decode" or s.kv.row_computed[slot] + q == s.kv.row_len[slot]:
-                        sampled[rid] = rng.randrange(50)
+                sampled = {rid: rng.randrange(50) for rid in plan.samples}
                 stop = [r for r in sampled if rng.random() < 0.05]
                 s, _ = on_output(s, sampled, stop).unwrap()
             else:
                 s, plan = schedule(s).unwrap()
                 preempted += len(plan.preempted)
     if s.scheduled:
-        s, _ = on_output(s, {rid: 1 for _, rid, _ in s.scheduled}).unwrap()
+        s, _ = on_output(s, {rid: 1 for rid in plan.samples}).unwrap()
     for rid in sorted(s.requests.keys()):
         s = cancel(s, rid).unwrap()
     assert preempted > 0 and cancelled > 0, (preempted, cancelled)

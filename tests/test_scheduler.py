@@ -25,12 +25,7 @@ def run(state: SchedState, max_steps: int = 200) -> tuple[SchedState, dict[objec
         state, plan = schedule(state).unwrap()
         preempted += plan.preempted
         assert plan.num_tokens <= state.config.max_num_batched_tokens or len(plan.diffusion) == 1
-        sampled = {}
-        for kind, rid, q in state.scheduled:
-            req = state.requests[rid]
-            slot = state.kv.requests[rid].slots[0] if kind != "diffusion" else None
-            if kind == "decode" or (kind == "prefill" and state.kv.row_computed[slot] + q == state.kv.row_len[slot]):
-                sampled[rid] = model(req.prompt + req.output)
+        sampled = {rid: model(state.requests[rid].prompt + state.requests[rid].output) for rid in plan.samples}
         for rid in sampled:
             outputs[rid] = state.requests[rid].output + (sampled[rid],)
         state, _ = on_output(state, sampled).unwrap()

@@ -39,14 +39,7 @@ def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:
         expected.append(plan_json(plan))
         lines.append({"op": "schedule", "expect": {"plan": plan_json(plan), "digest": sched_digest(s),
                                                    "free_blocks": s.kv.free_blocks}})  # fmt: skip
-        sampled = {}
-        for kind, rid, q in s.scheduled:
-            req = s.requests[rid]
-            if kind == "diffusion":
-                continue
-            slot = s.kv.requests[rid].slots[0]
-            if kind == "decode" or s.kv.row_computed[slot] + q == s.kv.row_len[slot]:
-                sampled[rid] = model(req.prompt + req.output)
+        sampled = {rid: model(s.requests[rid].prompt + s.requests[rid].output) for rid in plan.samples}
         stop = [rid for rid, tok in sampled.items() if tok == 0]  # an "EOS"
         s, _ = on_output(s, sampled, stop).unwrap()
         lines.append({**output_event(sampled, stop), "expect": {"digest": sched_digest(s)}})

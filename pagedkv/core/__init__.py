@@ -23,6 +23,7 @@ from pagedkv.core.transitions import (
     append_decode,
     append_many,
     commit,
+    commit_many,
     release,
     reset,
     reset_prefix_cache,
@@ -34,7 +35,7 @@ __all__ = [
     "Admitted", "Appended", "CacheConfig", "Committed", "ErrorCode", "GroupKind", "GroupSpec",
     "InvalidConfig", "KVError", "KVMetadata", "KVState", "Phase", "ReleaseReason", "Released",
     "RequestId", "RequestSpec", "RowMetadata", "RowSpec", "Segment", "Step", "WasReset", "admit",
-    "append", "append_decode", "append_many", "commit", "digest", "free_queue", "initial_state",
+    "append", "append_decode", "append_many", "commit", "commit_many", "digest", "free_queue", "initial_state",
     "publish", "release", "request_blocks", "reset", "reset_prefix_cache", "PrefixCacheReset",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "hash_block", "root_hash",
 ]  # fmt: skip

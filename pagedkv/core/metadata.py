@@ -164,8 +164,12 @@ def publish(
                                            request=rid, field="phase"))  # fmt: skip
                 seq_len = length
                 start = length - 1
-            segments = segments_of(layout.spans, seq_len, start)
-            flags = tuple(s.causal for s in segments)
+            if phase is Phase.DECODE and not layout.spans:  # the common case, without the general cut
+                segments: tuple[Segment, ...] = (Segment(True, start, seq_len, seq_len),)
+                flags: tuple[bool, ...] = _CAUSAL
+            else:
+                segments = segments_of(layout.spans, seq_len, start)
+                flags = tuple(s.causal for s in segments)
             if structure is None:
                 structure = flags
             elif flags != structure:
@@ -181,6 +185,7 @@ def publish(
 
 
 _PHASES = frozenset(p.value for p in Phase)
+_CAUSAL = (True,)
 
 
 def _flags(flags: tuple[bool, ...]) -> str:

@@ -33,7 +33,7 @@ from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, 
 from pagedkv.core.metadata import KVMetadata, publish
 from pagedkv.core.spec import RequestSpec, RowSpec, check_request_spec
 from pagedkv.core.state import KVState, initial_state
-from pagedkv.core.transitions import admit, append, commit, release
+from pagedkv.core.transitions import admit, append, append_many, commit_many, release
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,7 @@ class StepPlan:
     preempted: tuple[RequestId, ...]
     finished: tuple[tuple[RequestId, str], ...]  # ended by schedule itself (a permanent refusal)
     metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows'
+    samples: tuple[RequestId, ...] = ()  # requests whose forward yields a token: on_output wants it
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +119,8 @@ class StepPlan:
         return not (self.decode or self.prefill or self.diffusion)
 
 
-Scheduled = tuple[str, RequestId, int]  # (kind: prefill | decode | diffusion, request, query tokens)
+# (kind: prefill | decode | diffusion, request, query tokens, computed count after it, samples a token?)
+Scheduled = tuple[str, RequestId, int, int, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,7 @@ class SchedState:
     kv: KVState
     waiting: PDeque[RequestId]
     running: tuple[RequestId, ...]  # in admission order: the newest is last
+    prefilling: frozenset[RequestId]  # running requests whose prompt is not computed yet
     requests: PMap[RequestId, SeqRequest]  # waiting and running
     finished: PMap[RequestId, str]  # how each ended: finished, cancelled, error, or a refusal's code
     scheduled: tuple[Scheduled, ...]  # the last plan, until its on_output
@@ -135,7 +138,7 @@ class SchedState:
 
 
 def new_scheduler(cache: CacheConfig, config: SchedulerConfig = SchedulerConfig()) -> SchedState:
-    return SchedState(config, initial_state(cache), pdeque(), (), pmap(), pmap(), (), 0, 0)
+    return SchedState(config, initial_state(cache), pdeque(), (), frozenset(), pmap(), pmap(), (), 0, 0)
 
 
 def _err(code: ErrorCode, message: str, rid: RequestId | None = None) -> Failure[KVError]:
@@ -180,7 +183,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         kv = release(kv, request_id, reason).unwrap().state
     return Success(replace(
         state, kv=kv, waiting=_without(state.waiting, request_id),
-        running=tuple(r for r in state.running if r != request_id),
+        running=tuple(r for r in state.running if r != request_id), prefilling=state.prefilling - {request_id},
         requests=state.requests.discard(request_id), finished=state.finished.set(request_id, reason),
         scheduled=tuple(s for s in state.scheduled if s[1] != request_id),
     ))  # fmt: skip
@@ -208,23 +211,30 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
     prefill: list[tuple[RequestId, int]] = []
     preempted: list[RequestId] = []
     ended: list[tuple[RequestId, str]] = []
+    prefilling = state.prefilling
 
     def preempt(victim: RequestId) -> None:
-        nonlocal kv, waiting
+        nonlocal kv, waiting, prefilling
         kv = release(kv, victim, "preempted").unwrap().state
+        prefilling = prefilling - {victim}
         running.remove(victim)
         waiting = waiting.appendleft(victim)
         preempted.append(victim)
         if victim in decode:
             decode.remove(victim)
 
-    # 1. decodes, oldest first: one token each
-    for rid in list(running):
+    # 1. decodes, oldest first: one token each. The whole batch as one transition when it
+    # fits; request by request (preempting as needed) when it does not.
+    candidates = [rid for rid in running if rid not in prefilling][:budget]
+    batch = append_many(kv, [(rid, [[requests[rid].output[-1]]]) for rid in candidates])
+    if isinstance(batch, Success):
+        kv = batch.unwrap().state
+        decode.extend(candidates)
+        budget -= len(candidates)
+        candidates = []
+    for rid in candidates:
         if rid not in running or budget < 1:
             continue
-        slot = kv.requests[rid].slots[0]
-        if kv.row_computed[slot] < kv.row_len[slot]:
-            continue  # still prefilling
         token = requests[rid].output[-1]
         while True:
             grown = append(kv, rid, [[token]])
@@ -247,9 +257,9 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
                 break
     # 2. chunked prefills of running requests
     for rid in running:
-        slot = kv.requests[rid].slots[0]
-        remaining = kv.row_len[slot] - kv.row_computed[slot]
-        if remaining > 0 and rid not in decode and budget > 0:
+        if rid in prefilling and budget > 0:
+            slot = kv.requests[rid].slots[0]
+            remaining = kv.row_len[slot] - kv.row_computed[slot]
             q = min(remaining, budget) if cfg.chunked_prefill else (remaining if remaining <= budget else 0)
             if q:
                 prefill.append((rid, q))
@@ -299,6 +309,7 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
                 break
             kv = step.state
             running.append(rid)
+            prefilling = prefilling | {rid}
             prefill.append((rid, q))
             budget -= q
         waiting = waiting.popleft()
@@ -310,12 +321,19 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
         metadata.append(publish(kv, [r for r, _ in prefill], "prefill", query_limits=limits).unwrap().effect)
     if decode:
         metadata.append(publish(kv, decode, "decode").unwrap().effect)
-    scheduled = tuple(("decode", r, 1) for r in decode) + tuple(("prefill", r, q) for r, q in prefill) + tuple(
-        ("diffusion", d.request_id, 0) for d in diffusion)  # fmt: skip
+    scheduled: list[Scheduled] = []
+    for rid in decode:
+        scheduled.append(("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True))
+    for rid, q in prefill:
+        slot = kv.requests[rid].slots[0]
+        target = kv.row_computed[slot] + q
+        scheduled.append(("prefill", rid, q, target, target == kv.row_len[slot]))
+    for d in diffusion:
+        scheduled.append(("diffusion", d.request_id, 0, 0, False))
     plan = StepPlan(state.step, tuple(decode), tuple(prefill), tuple(diffusion), tuple(preempted), tuple(ended),
-                    tuple(metadata))  # fmt: skip
-    new = replace(state, kv=kv, waiting=waiting, running=tuple(running), requests=requests, finished=finished,
-                  scheduled=scheduled, step=state.step + 1)  # fmt: skip
+                    tuple(metadata), tuple(e[1] for e in scheduled if e[4]))  # fmt: skip
+    new = replace(state, kv=kv, waiting=waiting, running=tuple(running), prefilling=prefilling, requests=requests,
+                  finished=finished, scheduled=tuple(scheduled), step=state.step + 1)  # fmt: skip
     return Success((new, plan))
 
 
@@ -334,45 +352,44 @@ def on_output(
     """
     stop = set(finished)
     kv = state.kv
-    needs = []
-    for kind, rid, q in state.scheduled:
-        if kind == "diffusion":
-            continue
-        slot = kv.requests[rid].slots[0]
-        if kind == "decode" or kv.row_computed[slot] + q == kv.row_len[slot]:
-            needs.append(rid)
+    needs = [rid for kind, rid, _, _, samples in state.scheduled if samples]
     for rid in needs:
         tok = sampled.get(rid)
         if not is_int(tok) or tok < 0:  # type: ignore[operator]
             return Failure(invalid(f"request {rid!r} computed its last token this step; on_output needs its "
                                    f"sampled token id, got {tok!r}", request=rid, field="sampled"))  # fmt: skip
-    requests = state.requests
-    running = list(state.running)
-    done = state.finished
-    ended: list[tuple[RequestId, str]] = []
-    for kind, rid, q in state.scheduled:
-        req = requests[rid]
-        kreq = kv.requests[rid]
+    commits = []
+    for kind, rid, _, target, _ in state.scheduled:
         if kind == "diffusion":
-            kv = commit(kv, rid, [kv.row_len[s] for s in kreq.slots]).unwrap().state
-            kv = release(kv, rid, "finished").unwrap().state
-            requests = requests.discard(rid)
-            done = done.set(rid, "finished")
-            ended.append((rid, "finished"))
-            continue
-        slot = kreq.slots[0]
-        kv = commit(kv, rid, [kv.row_computed[slot] + q]).unwrap().state
-        if rid in needs:
+            commits.append((rid, [kv.row_len[x] for x in kv.requests[rid].slots]))
+        else:
+            commits.append((rid, [target]))
+    kv = commit_many(kv, commits).unwrap().state  # one transition for the whole step
+    requests = state.requests.evolver()
+    ending: list[RequestId] = []
+    prefilling = state.prefilling
+    for kind, rid, _, _, samples in state.scheduled:
+        if kind == "diffusion":
+            ending.append(rid)
+        elif samples:
+            if kind == "prefill":
+                prefilling = prefilling - {rid}
+            req = requests[rid]
             req = replace(req, output=req.output + (sampled[rid],))
-            requests = requests.set(rid, req)
+            requests.set(rid, req)
             if rid in stop or len(req.output) >= req.max_tokens:
-                kv = release(kv, rid, "finished").unwrap().state
-                running.remove(rid)
-                requests = requests.discard(rid)
-                done = done.set(rid, "finished")
-                ended.append((rid, "finished"))
-    new = replace(state, kv=kv, running=tuple(running), requests=requests, finished=done, scheduled=())
-    return Success((new, tuple(ended)))
+                ending.append(rid)
+    done = state.finished
+    for rid in ending:
+        kv = release(kv, rid, "finished").unwrap().state
+        requests.remove(rid)
+        done = done.set(rid, "finished")
+    gone = set(ending)
+    running = tuple(r for r in state.running if r not in gone) if gone else state.running
+    ended = tuple((rid, "finished") for rid in ending)
+    new = replace(state, kv=kv, running=running, prefilling=prefilling, requests=requests.persistent(), finished=done,
+                  scheduled=())  # fmt: skip
+    return Success((new, ended))
 
 
 # -- digest ------------------------------------------------------------------
@@ -384,7 +401,8 @@ def sched_canonical(state: SchedState) -> tuple[Any, ...]:
     fin = tuple(sorted(((type(r).__name__, r, how) for r, how in state.finished.items())))
     return ("pagedkv-scheduler/1", state.config.max_num_seqs, state.config.max_num_batched_tokens,
             state.config.chunked_prefill, state.config.watermark_blocks, state.config.allow_overtaking,
-            canonical(state.kv), tuple(state.waiting), state.running, reqs, fin, state.scheduled, state.step,
+            canonical(state.kv), tuple(state.waiting), state.running, tuple(sorted(state.prefilling, key=str)), reqs,
+            fin, state.scheduled, state.step,
             state.arrivals)  # fmt: skip
 
 

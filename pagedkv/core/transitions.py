@@ -324,22 +324,45 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
     >>> commit(s, "a", [7]).failure().code.value
     'INVALID'
     """
-    if not is_request_id(request_id):
-        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
-    req = state.requests.get(request_id)
-    if req is None:
-        return _fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
-    if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
-        return Failure(invalid(f"commit of request {request_id!r} must give one count per row ({len(req.slots)})",
-                               request=request_id, field="computed"))  # fmt: skip
-    for i, (slot, c) in enumerate(zip(req.slots, computed)):
-        before, seq_len = state.row_computed[slot], state.row_len[slot]
-        if not is_int(c) or not before <= c <= seq_len:
-            return Failure(invalid(
-                f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
-                request=request_id, field="computed"))  # fmt: skip
     txn = Txn(state)
-    caching = state.config.enable_prefix_caching and req.cache_epoch == state.cache_epoch
+    result = _commit_one(txn, request_id, computed)
+    if isinstance(result, KVError):
+        return Failure(result)
+    return Success(Step(txn.done(), result))
+
+
+def commit_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+) -> Result[Step[tuple[Committed, ...]], KVError]:
+    """Several commits as one transition (a step's outputs): all of them, in order, or none."""
+    txn = Txn(state)
+    effects = []
+    for rid, computed in items:
+        result = _commit_one(txn, rid, computed)
+        if isinstance(result, KVError):
+            return Failure(result)
+        effects.append(result)
+    return Success(Step(txn.done(), tuple(effects)))
+
+
+def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
+    if not is_request_id(request_id):
+        return invalid(f"request id must be a string or an integer, got {request_id!r}", field="request")
+    base = txn.base
+    req = base.requests.get(request_id)
+    if req is None:
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request=request_id)
+    if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
+        return invalid(f"commit of request {request_id!r} must give one count per row ({len(req.slots)})",
+                       request=request_id, field="computed")  # fmt: skip
+    for i, (slot, c) in enumerate(zip(req.slots, computed)):
+        before, seq_len = txn.row_computed[slot], txn.row_len[slot]
+        if not is_int(c) or not before <= c <= seq_len:
+            return invalid(
+                f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
+                request=request_id, field="computed")  # fmt: skip
+    first_event = len(txn.events)
+    caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c
@@ -347,15 +370,14 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
             _cache_full_blocks(txn, req, i, slot, c)
         _drop_invisible(txn, req, i, slot, c, dropped)
     gen = None
-    before = txn.num_free
+    before_free = txn.num_free
     if dropped:
         dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
         for _, _, _, b in dropped:
             txn.unref(b)
         gen = txn.next_generation()
         txn.requests.set(request_id, replace(req, generation=gen))
-    effect = Committed(request_id, gen, txn.num_free - before, tuple(txn.events))
-    return Success(Step(txn.done(), effect))
+    return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
 
 
 def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:

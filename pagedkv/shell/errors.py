@@ -1,0 +1,30 @@
+"""The shell's errors: a refused install carries the core's typed error."""
+
+from __future__ import annotations
+
+from pagedkv.core.errors import ErrorCode, KVError
+
+
+class ShellError(Exception):
+    """A refused shell operation; ``error`` has the code (``STALE_METADATA``, ...) and the numbers."""
+
+    def __init__(self, error: KVError) -> None:
+        super().__init__(f"{error.code.value}: {error.message}")
+        self.error = error
+
+    @property
+    def code(self) -> ErrorCode:
+        return self.error.code
+
+
+class BackendUnavailable(ShellError):
+    """An attention backend whose package is missing: the message names what to install."""
+
+    def __init__(self, name: str, install: str, reason: str) -> None:
+        super().__init__(KVError(ErrorCode.INVALID, f"attention backend {name!r} is unavailable ({reason}); "
+                                                    f"install it with: {install}"))  # fmt: skip
+        self.backend = name
+
+
+def refuse(code: ErrorCode, message: str, **kw: object) -> ShellError:
+    return ShellError(KVError(code, message, **kw))  # type: ignore[arg-type]

@@ -1,0 +1,222 @@
+"""The worker: installs the core's metadata snapshots into persistent device buffers.
+
+Every check runs before any write, so a refused install leaves every buffer as
+it was. Generation rules (DESIGN.md): an older generation is ``STALE_METADATA``;
+the same generation with the same snapshot is a no-op; a request whose block
+lists at the same generation differ, or at a newer generation do not extend
+(or, in windowed groups, null out) what is installed, is ``CONFLICTING_METADATA``;
+a newer extending snapshot writes only the new block ids. A newer epoch (a core
+``reset``) drops everything installed.
+
+Buffers are sized once (``max_rows`` x ``max_blocks_per_row``; ``max_tokens``
+query tokens), so their addresses never change and a captured CUDA graph can
+replay over new values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.core.config import CacheConfig, GroupKind
+from pagedkv.core.errors import ErrorCode, RequestId
+from pagedkv.core.metadata import KVMetadata, RowMetadata
+from pagedkv.shell.errors import ShellError, refuse
+
+RowKey = tuple[RequestId, int]  # (request, row)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """What one installed forward hands the attention backend: views of the worker's buffers,
+    rows in the snapshot's order, tokens in query order."""
+
+    metadata: KVMetadata
+    num_rows: int
+    num_tokens: int
+    block_tables: torch.Tensor  # (groups, num_rows, max_blocks_per_row) int32
+    seq_lens: torch.Tensor  # (num_rows,) int32: keys end here
+    kv_start: torch.Tensor  # (num_rows,) int32: first query position
+    query_start_loc: torch.Tensor  # (num_rows + 1,) int32: cumulative query lengths
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: group-0 slot of each query token
+    positions: torch.Tensor  # (num_tokens,) int64: absolute position of each query token
+
+
+class Worker:
+    """One rank's view of the block tables. ``install`` before each forward; ``remove`` on release."""
+
+    def __init__(self, config: CacheConfig, *, max_rows: int, max_blocks_per_row: int, max_tokens: int,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+        self.config = config
+        self.num_groups = len(config.groups)
+        self.windowed = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
+        dev = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=dev)
+        # persistent buffers: by buffer row (what is installed), and in forward order (what kernels read)
+        self.row_tables = torch.zeros((self.num_groups, max_rows, max_blocks_per_row), **i32)  # type: ignore[arg-type]
+        self.block_tables = torch.zeros((self.num_groups, max_rows, max_blocks_per_row), **i32)  # type: ignore[arg-type]
+        self.seq_lens = torch.zeros(max_rows, **i32)  # type: ignore[arg-type]
+        self.kv_start = torch.zeros(max_rows, **i32)  # type: ignore[arg-type]
+        self.query_start_loc = torch.zeros(max_rows + 1, **i32)  # type: ignore[arg-type]
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=dev)  # padding: null block slot 0
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.generation = 0
+        self.epoch: int | None = None
+        self.rows: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]] = {}  # -> (buffer row, installed blocks)
+        self.request_generation: dict[RequestId, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.last: tuple[KVMetadata, ForwardBatch] | None = None
+
+    # -- install ---------------------------------------------------------------
+    def install(self, meta: KVMetadata) -> ForwardBatch:
+        """Validate ``meta`` completely, then write it; raises ``ShellError`` and writes nothing if refused."""
+        if self.last is not None and self.last[0] is meta:
+            return self.last[1]
+        if not isinstance(meta, KVMetadata):
+            raise refuse(ErrorCode.INVALID, f"install needs KVMetadata, got {type(meta).__name__}")
+        if self.last is not None and self.last[0] == meta:
+            return self.last[1]  # the same generation and snapshot: a no-op
+        new_epoch = self.epoch is None or meta.epoch > self.epoch
+        if not new_epoch and meta.epoch < self.epoch:  # type: ignore[operator]
+            raise refuse(ErrorCode.STALE_METADATA, f"snapshot of epoch {meta.epoch}; epoch {self.epoch} is installed")
+        if not new_epoch and meta.generation < self.generation:
+            raise refuse(ErrorCode.STALE_METADATA,
+                         f"snapshot of generation {meta.generation}; generation {self.generation} is installed")
+        installed = {} if new_epoch else self.rows
+        req_gen = {} if new_epoch else self.request_generation
+        self._check(meta, installed, req_gen)
+        return self._write(meta, new_epoch)
+
+    def _check(self, meta: KVMetadata, installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+               req_gen: dict[RequestId, int]) -> None:  # fmt: skip
+        cfg = self.config
+        if meta.block_size != cfg.block_size:
+            raise refuse(ErrorCode.INVALID, f"snapshot block size {meta.block_size}, pool block size {cfg.block_size}")
+        rows = meta.rows
+        if not rows:
+            raise refuse(ErrorCode.INVALID, "a snapshot with no rows")
+        if len(rows) > self.max_rows:
+            raise refuse(ErrorCode.INVALID, f"{len(rows)} rows, buffers hold {self.max_rows}")
+        tokens = sum(r.query_len for r in rows)
+        if tokens > self.max_tokens:
+            raise refuse(ErrorCode.INVALID, f"{tokens} query tokens, buffers hold {self.max_tokens}")
+        seen: set[RowKey] = set()
+        new_rows = 0
+        for r in rows:
+            key = (r.request_id, r.row)
+            where = f"request {r.request_id!r} row {r.row}"
+            if key in seen:
+                raise refuse(ErrorCode.INVALID, f"{where} appears twice", request=r.request_id)
+            seen.add(key)
+            self._check_row(r, where)
+            old = installed.get(key)
+            if old is None:
+                new_rows += 1
+                continue
+            gen = req_gen.get(r.request_id, 0)
+            if meta.generation == gen and r.block_ids != old[1]:
+                raise refuse(ErrorCode.CONFLICTING_METADATA,
+                             f"{where}: generation {gen} is installed with other block ids", request=r.request_id)
+            if not self._extends(old[1], r.block_ids):
+                raise refuse(ErrorCode.CONFLICTING_METADATA,
+                             f"{where}: generation {meta.generation} does not extend what generation {gen} installed",
+                             request=r.request_id)  # fmt: skip
+        if new_rows > (len(self.free_rows) if installed is self.rows else self.max_rows):
+            raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.free_rows)} buffer rows free")
+
+    def _check_row(self, r: RowMetadata, where: str) -> None:
+        cfg = self.config
+        if len(r.block_ids) != self.num_groups:
+            raise refuse(ErrorCode.INVALID, f"{where}: {len(r.block_ids)} groups, the pool has {self.num_groups}")
+        nb = len(r.block_ids[0])
+        for g, ids in enumerate(r.block_ids):
+            if len(ids) != nb or nb > self.max_blocks:
+                raise refuse(ErrorCode.INVALID, f"{where}: {len(ids)} blocks in group {g}; rows hold {self.max_blocks}")
+            for b in ids:
+                if type(b) is not int or not 0 <= b < cfg.num_blocks:
+                    raise refuse(ErrorCode.INVALID, f"{where}: block id {b!r} outside [0, {cfg.num_blocks})")
+        if not (0 <= r.kv_start_pos and r.query_len >= 1 and r.kv_start_pos + r.query_len == r.seq_len):
+            raise refuse(ErrorCode.INVALID, f"{where}: lengths start {r.kv_start_pos} + query {r.query_len} "
+                                            f"!= seq_len {r.seq_len}")  # fmt: skip
+        if r.seq_len > nb * cfg.block_size:
+            raise refuse(ErrorCode.INVALID, f"{where}: seq_len {r.seq_len} exceeds its {nb} blocks")
+        if len(r.slots) != r.query_len:
+            raise refuse(ErrorCode.INVALID, f"{where}: {len(r.slots)} slots for {r.query_len} query tokens")
+        if any(r.block_ids[0][p // cfg.block_size] == 0 for p in (r.kv_start_pos, r.seq_len - 1)):
+            raise refuse(ErrorCode.INVALID, f"{where}: a query position sits in the null block")
+
+    def _extends(self, old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> bool:
+        for g, (a, b) in enumerate(zip(old, new)):
+            if len(b) < len(a):
+                return False
+            for x, y in zip(a, b):
+                if x != y and not (y == 0 and self.windowed[g]):
+                    return False
+        return True
+
+    def _write(self, meta: KVMetadata, new_epoch: bool) -> ForwardBatch:
+        if new_epoch:
+            self.rows.clear()
+            self.request_generation.clear()
+            self.free_rows = list(range(self.max_rows - 1, -1, -1))
+            self.epoch = meta.epoch
+            self.generation = 0
+        order = []
+        for r in meta.rows:
+            key = (r.request_id, r.row)
+            entry = self.rows.get(key)
+            if entry is None:
+                brow, old = self.free_rows.pop(), tuple(() for _ in r.block_ids)
+            else:
+                brow, old = entry
+            for g, (a, b) in enumerate(zip(old, r.block_ids)):
+                # only ids that changed: new positions, and window positions that went null
+                changed = [i for i in range(len(b)) if i >= len(a) or a[i] != b[i]]
+                if changed:
+                    idx = torch.tensor(changed)
+                    self.row_tables[g, brow].index_copy_(0, idx, torch.tensor([b[i] for i in changed],
+                                                                              dtype=torch.int32))  # fmt: skip
+            self.rows[key] = (brow, r.block_ids)
+            self.request_generation[r.request_id] = meta.generation
+            order.append(brow)
+        n = len(meta.rows)
+        rows_idx = torch.tensor(order, device=self.row_tables.device)
+        torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
+        lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in meta.rows], dtype=torch.int32)
+        self.seq_lens[:n].copy_(lens[:, 0])
+        self.kv_start[:n].copy_(lens[:, 1])
+        torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
+        tokens = int(lens[:, 2].sum())
+        self.slot_mapping[:tokens].copy_(torch.tensor([s for r in meta.rows for s in r.slots], dtype=torch.int64))
+        self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
+        self.positions[:tokens].copy_(torch.tensor(
+            [p for r in meta.rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
+        self.generation = max(self.generation, meta.generation)
+        batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
+                             self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens])  # fmt: skip
+        self.last = (meta, batch)
+        return batch
+
+    # -- remove ----------------------------------------------------------------
+    def remove(self, request_ids: list[RequestId] | tuple[RequestId, ...]) -> int:
+        """Forget released requests; their buffer rows go back. Idempotent: unknown ids count 0."""
+        gone = set(request_ids)
+        keys = [k for k in self.rows if k[0] in gone]
+        for k in keys:
+            brow, _ = self.rows.pop(k)
+            self.row_tables[:, brow].zero_()
+            self.free_rows.append(brow)
+        for rid in gone:
+            self.request_generation.pop(rid, None)
+        if keys:
+            self.last = None
+        return len(keys)
+
+    def require(self, batch: ForwardBatch | None) -> ForwardBatch:
+        """A paged forward without installed metadata is an error, never a dense run."""
+        if batch is None:
+            raise ShellError(refuse(ErrorCode.INVALID, "a paged forward needs installed metadata "
+                                                       "(Worker.install); it never runs dense").error)  # fmt: skip
+        return batch

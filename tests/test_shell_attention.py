@@ -192,3 +192,10 @@ def test_flash_attn_backend_matches_torch_on_cuda() -> None:
 def test_npu_backend_matches_torch_on_ascend() -> None:
     pytest.importorskip("torch_npu", reason="torch-npu is not installed here (pip install 'pagedkv[npu]', Ascend only)")
     pytest.skip("no Ascend device on these machines to run it")  # pragma: no cover
+
+
+def test_the_documented_model_runner_runs() -> None:
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "shell_runner.py"), run_name="__main__")

@@ -110,11 +110,13 @@ class Worker:
             if key in seen:
                 raise refuse(ErrorCode.INVALID, f"{where} appears twice", request=r.request_id)
             seen.add(key)
-            self._check_row(r, where)
             old = installed.get(key)
+            self._check_row(r, where, same_blocks=old is not None and old[1] is r.block_ids)
             if old is None:
                 new_rows += 1
                 continue
+            if old[1] is r.block_ids:
+                continue  # the very block lists installed (the core reuses unchanged ones): nothing to compare
             gen = req_gen.get(r.request_id, 0)
             if meta.generation == gen and r.block_ids != old[1]:
                 raise refuse(ErrorCode.CONFLICTING_METADATA,
@@ -126,12 +128,12 @@ class Worker:
         if new_rows > (len(self.free_rows) if installed is self.rows else self.max_rows):
             raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.free_rows)} buffer rows free")
 
-    def _check_row(self, r: RowMetadata, where: str) -> None:
+    def _check_row(self, r: RowMetadata, where: str, *, same_blocks: bool = False) -> None:
         cfg = self.config
         if len(r.block_ids) != self.num_groups:
             raise refuse(ErrorCode.INVALID, f"{where}: {len(r.block_ids)} groups, the pool has {self.num_groups}")
         nb = len(r.block_ids[0])
-        for g, ids in enumerate(r.block_ids):
+        for g, ids in enumerate(() if same_blocks else r.block_ids):  # installed lists were checked then
             if len(ids) != nb or nb > self.max_blocks:
                 raise refuse(ErrorCode.INVALID, f"{where}: {len(ids)} blocks in group {g}; rows hold {self.max_blocks}")
             for b in ids:
@@ -171,7 +173,7 @@ class Worker:
                 brow, old = self.free_rows.pop(), tuple(() for _ in r.block_ids)
             else:
                 brow, old = entry
-            for g, (a, b) in enumerate(zip(old, r.block_ids)):
+            for g, (a, b) in enumerate(zip(old, r.block_ids) if old is not r.block_ids else ()):
                 # only ids that changed: new positions, and window positions that went null
                 changed = [i for i in range(len(b)) if i >= len(a) or a[i] != b[i]]
                 if changed:

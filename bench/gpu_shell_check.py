@@ -1,0 +1,88 @@
+"""The shell on a CUDA device, in one call: pool sizing by memory fraction (a profiled forward),
+installs into device buffers, and the torch reference attention over device pages against a
+float64 dense reference on the CPU, in fp32 and bf16. Prints a table; exits 1 on a failed check.
+
+    python bench/gpu_shell_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit_many, initial_state, publish
+from pagedkv.core.metadata import slots_of
+from pagedkv.shell.attention import LayerAttention, get_backend
+from pagedkv.shell.pool import PagePool, size_pool
+from pagedkv.shell.worker import Worker
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    dev = torch.device("cuda")
+    rows = []
+    ok = True
+    # 1. sizing: 90% of the device minus what a profile forward of the largest shape allocates
+    def profile() -> None:
+        x = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
+        (x @ x.T).sum().item()
+
+    s = size_pool(num_layers=30, block_size=16, kv_heads=3, head_dim=64, dtype=torch.bfloat16, device=dev,
+                  memory_fraction=0.5, profile=profile)  # fmt: skip
+    peak = torch.cuda.max_memory_allocated(dev)
+    rows.append(("size_pool (fraction 0.5)", f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak "
+                                             f"{peak / 2**20:.0f} MiB", "ok"))  # fmt: skip
+    # 2. a core-built forward, installed on the device, attended over device pages
+    bs, kvh, heads, d = 16, 4, 16, 64
+    cfg = CacheConfig(block_size=bs, num_blocks=257)
+    st = initial_state(cfg)
+    lens = [37, 300, 129, 16]
+    for i, n in enumerate(lens):
+        st = admit(st, RequestSpec(i, (RowSpec(n),))).unwrap().state
+    st = commit_many(st, [(i, [n - 5]) for i, n in enumerate(lens)]).unwrap().state  # 5 tokens each left to prefill
+    meta = publish(st, list(range(len(lens))), "prefill").unwrap().effect
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        g = torch.Generator().manual_seed(0)
+        pool = PagePool(cfg, num_layers=1, kv_heads=kvh, head_dim=d, dtype=dtype, device=dev)
+        worker = Worker(cfg, max_rows=8, max_blocks_per_row=32, max_tokens=64, device=dev)
+        t0 = time.perf_counter()
+        batch = worker.install(meta)
+        torch.cuda.synchronize()
+        install_ms = (time.perf_counter() - t0) * 1e3
+        ks, vs, qs = [], [], []
+        for r in meta.rows:
+            k = torch.randn(r.seq_len, kvh, d, generator=g)
+            v = torch.randn(r.seq_len, kvh, d, generator=g)
+            slots = torch.tensor(slots_of(r.block_ids[0], bs, 0, r.seq_len), device=dev)
+            pool.write(0, k.to(dev), v.to(dev), slots)
+            ks.append(k.to(dtype).double())
+            vs.append(v.to(dtype).double())
+            qs.append(torch.randn(r.query_len, heads, d, generator=g))
+        q = torch.cat(qs).to(dev, dtype)
+        layer = LayerAttention(0, cfg.groups[0], scale=d**-0.5)
+        out = get_backend("torch").forward(q, pool.k[0], pool.v[0], batch, layer).double().cpu()
+        refs = []
+        for r, k, v, qr in zip(meta.rows, ks, vs, qs):
+            qd = qr.to(dtype).double()
+            for i, pos in enumerate(range(r.kv_start_pos, r.seq_len)):
+                kk = k[: pos + 1].repeat_interleave(heads // kvh, 1)
+                vv = v[: pos + 1].repeat_interleave(heads // kvh, 1)
+                w = torch.softmax(torch.einsum("hd,khd->hk", qd[i], kk) * layer.scale, -1)
+                refs.append(torch.einsum("hk,khd->hd", w, vv))
+        ref = torch.stack(refs)
+        err = ((out - ref).norm() / ref.norm()).item()
+        good = err < tol and torch.isfinite(out).all().item()
+        ok &= bool(good)
+        rows.append((f"torch backend over pages, {str(dtype)[6:]}", f"rel err {err:.2e} (< {tol}), install "
+                                                                    f"{install_ms:.2f} ms", "ok" if good else "FAIL"))  # fmt: skip
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'check':<34} {'result':<58} status")
+    for a, b, c in rows:
+        print(f"{a:<34} {b:<58} {c}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,7 +93,7 @@ class TorchBackend:
             scores = torch.einsum("qhd,khd->hqk", qr, k) * layer.scale
             if layer.softcap:
                 scores = torch.tanh(scores / layer.softcap) * layer.softcap
-            scores = scores.masked_fill(~mask[None], float("-inf"))
+            scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))  # masks are built on the host
             probs = torch.softmax(scores, dim=-1)
             out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out

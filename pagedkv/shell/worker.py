@@ -166,6 +166,7 @@ class Worker:
             self.epoch = meta.epoch
             self.generation = 0
         order = []
+        dev = self.row_tables.device
         for r in meta.rows:
             key = (r.request_id, r.row)
             entry = self.rows.get(key)
@@ -177,16 +178,17 @@ class Worker:
                 # only ids that changed: new positions, and window positions that went null
                 changed = [i for i in range(len(b)) if i >= len(a) or a[i] != b[i]]
                 if changed:
-                    idx = torch.tensor(changed)
-                    self.row_tables[g, brow].index_copy_(0, idx, torch.tensor([b[i] for i in changed],
-                                                                              dtype=torch.int32))  # fmt: skip
+                    idx = torch.tensor(changed, device=dev)
+                    vals = torch.tensor([b[i] for i in changed], dtype=torch.int32, device=dev)
+                    self.row_tables[g, brow].index_copy_(0, idx, vals)
             self.rows[key] = (brow, r.block_ids)
             self.request_generation[r.request_id] = meta.generation
             order.append(brow)
         n = len(meta.rows)
         rows_idx = torch.tensor(order, device=self.row_tables.device)
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
-        lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in meta.rows], dtype=torch.int32)
+        lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in meta.rows], dtype=torch.int32,
+                            device=dev)  # fmt: skip
         self.seq_lens[:n].copy_(lens[:, 0])
         self.kv_start[:n].copy_(lens[:, 1])
         torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])

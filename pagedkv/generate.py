@@ -1,0 +1,119 @@
+"""``pagedkv generate``: SmolLM2-135M-Instruct served through pagedkv on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+PROGRESS_WIDTH = 30
+
+
+def add_parser(sub: Any) -> None:
+    g = sub.add_parser("generate", help="generate with SmolLM2-135M-Instruct through the paged KV cache")
+    g.add_argument("prompt", nargs="*", help="prompts (or use --prompts)")
+    g.add_argument("--prompts", help='JSON Lines, one {"prompt": str, "max_tokens"?: n, "system"?: str} per line')
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
+    g.add_argument("--json", action="store_true", help='one {"prompt", "text", "token_ids", "finish_reason"} per request')
+    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--kv-cache-memory", type=float, default=256, help="KV cache budget in MiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--trace", help="record the scheduler's inputs as a trace (contract v1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    items: list[dict[str, Any]] = [{"prompt": p} for p in args.prompt]
+    if args.prompts:
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        obj = json.loads(line)
+                        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                            raise ValueError(f'line {n}: expected {{"prompt": str, ...}}')
+                        items.append(obj)
+        except (OSError, ValueError) as e:
+            print(f"pagedkv generate: {args.prompts}: {e}", file=sys.stderr)
+            return 2
+    if not items:
+        print("pagedkv generate: give prompts as arguments or with --prompts FILE", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pagedkv generate: --device cuda, but no CUDA device is available", file=sys.stderr)
+        return 2
+    from pagedkv.models.gguf import ModelFileMissing
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine, SamplingParams
+
+    t0 = time.perf_counter()
+    try:
+        model, meta = Llama.smollm2(device=args.device)
+    except ModelFileMissing as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    load_s = time.perf_counter() - t0
+    trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
+    engine = Engine(model, tok, block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace)  # fmt: skip
+    requests = []
+    for i, it in enumerate(items):
+        text = it["prompt"]
+        if args.chat:
+            messages = ([{"role": "system", "content": it["system"]}] if it.get("system") else [])
+            text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
+        elif it.get("system"):
+            text = it["system"] + "\n" + text
+        params = SamplingParams(max_tokens=int(it.get("max_tokens", args.max_tokens)), temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)  # fmt: skip
+        requests.append((text, tok.encode(text), params))
+    done = 0
+    quiet = args.json
+
+    def progress(_: object) -> None:
+        nonlocal done
+        done += 1
+        if not quiet:
+            bar = "#" * (PROGRESS_WIDTH * done // len(requests))
+            print(f"\r[{bar:<{PROGRESS_WIDTH}}] {done}/{len(requests)}", end="" if done < len(requests) else "\n",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    t1 = time.perf_counter()
+    completions = engine.generate(requests, on_finish=progress)
+    gen_s = time.perf_counter() - t1
+    if trace is not None:
+        trace.close()
+    if args.json:
+        for it, c in zip(items, completions):
+            print(json.dumps({"prompt": it["prompt"], "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))  # fmt: skip
+        return 0
+    for i, (it, c) in enumerate(zip(items, completions)):
+        print(f"--- [{i}] {it['prompt']}")
+        print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens cached)")
+    st = engine.stats
+    kv = engine.state.kv
+    print("--- summary")
+    print(f"requests            {len(completions)}")
+    print(f"prompt tokens       {st.prompt_tokens}")
+    print(f"generated tokens    {st.generated_tokens}")
+    print(f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + st.prompt_tokens) / gen_s:.1f} "
+          f"with prompts) on {args.device}; model load {load_s:.1f} s")  # fmt: skip
+    print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
+    print(f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
+          f"of the pool: {engine.sizing})")  # fmt: skip
+    print(f"preemptions         {st.preemptions}")
+    print(f"engine steps        {st.steps}")
+    return 0

@@ -1,0 +1,126 @@
+"""SmolLM2 through pagedkv against transformers, an implementation nobody here wrote.
+
+transformers loads the same GGUF file (about a minute here): one load per test session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
+from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path  # noqa: E402
+
+try:
+    MODEL_FILE = smollm2_path()
+except FileNotFoundError as e:  # pragma: no cover - CI installs it
+    pytest.skip(str(e), allow_module_level=True)
+
+from pagedkv.models.llama import Llama  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+
+SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
+           ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
+NEW = 32
+
+
+@pytest.fixture(scope="session")
+def hf() -> tuple[object, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = os.path.dirname(MODEL_FILE)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_FILE)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def ours() -> tuple[Llama, Tokenizer]:
+    model, meta = Llama.smollm2()
+    return model, Tokenizer(meta)  # type: ignore[arg-type]
+
+
+def prompt_text(tok: Tokenizer, prompt: str, system: str | None) -> str:
+    if system == "raw":
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tok.apply_chat_template(messages)
+
+
+@pytest.fixture(scope="session")
+def reference(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> list[list[int]]:
+    model, _ = hf
+    _, tok = ours
+    out = []
+    for prompt, system in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt_text(tok, prompt, system))])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
+                                 pad_token_id=tok.eos_token_id)  # fmt: skip
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def engine(ours: tuple[Llama, Tokenizer], **kw: object) -> Engine:
+    model, tok = ours
+    return Engine(model, tok, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> None:
+    _, ref = hf
+    _, tok = ours
+    for text in ["Hello, world!", "  spaces  and\ttabs\n", "1234567 + 89 = ?", "naïve café — ünïcödé ✓",
+                 "<|im_start|>user\nhi<|im_end|>", prompt_text(tok, "What is 12 times 12?", SYSTEM)]:  # fmt: skip
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_transformers_one_at_a_time_and_batched_with_preemption(
+    ours: tuple[Llama, Tokenizer], reference: list[list[int]]
+) -> None:
+    _, tok = ours
+    requests = [(t, tok.encode(t), SamplingParams(max_tokens=NEW)) for t in (prompt_text(tok, p, s) for p, s in PROMPTS)]
+    for req, ref in zip(requests, reference):
+        (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate([req])
+        assert c.token_ids == ref, (req[0], tok.decode(c.token_ids), tok.decode(ref))
+    # all together in a pool of 9 usable 16-token blocks: 4 requests of up to 5 blocks each must preempt
+    e = engine(ours, kv_cache_memory_bytes=10 * 737280, enable_prefix_caching=True)
+    done = e.generate(requests)
+    assert e.stats.preemptions > 0
+    assert [c.token_ids for c in done] == reference
+
+
+@pytest.mark.slow
+def test_a_cached_system_prompt_hits_and_gives_the_same_tokens(ours: tuple[Llama, Tokenizer],
+                                                              reference: list[list[int]]) -> None:  # fmt: skip
+    _, tok = ours
+    e = engine(ours, kv_cache_memory_bytes=32 << 20)
+    first = prompt_text(tok, "How many legs does a spider have?", SYSTEM)
+    e.generate([(first, tok.encode(first), SamplingParams(max_tokens=4))])
+    text = prompt_text(tok, *PROMPTS[1])
+    (c,) = e.generate([(text, tok.encode(text), SamplingParams(max_tokens=NEW))])
+    assert c.cached_tokens >= 16 and e.state.kv.prefix_hits >= 16  # the shared system prompt's blocks
+    assert c.token_ids == reference[1]
+
+
+@pytest.mark.slow
+def test_generate_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    from pathlib import Path
+
+    from pagedkv.cli import main
+
+    p = Path(str(tmp_path)) / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "What is the capital of France?", "max_tokens": 12}) + "\n")
+    assert main(["generate", "--chat", "--json", "--prompts", str(p), "--max-tokens", "4"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    out = json.loads(line)
+    assert set(out) == {"prompt", "text", "token_ids", "finish_reason"}
+    assert out["text"].strip() == "The capital of France is Paris." and out["finish_reason"] == "stop"
+    assert main(["generate"]) == 2

@@ -63,6 +63,9 @@ class TorchBackend:
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         bs = k_pages.shape[1]
         heads, kv_heads = q.shape[1], k_pages.shape[2]
+        rows = batch.metadata.rows
+        if all(r.query_len == 1 and len(r.segments) == 1 for r in rows):
+            return self._decode(q, k_pages, v_pages, batch, layer)
         out = torch.empty_like(q)
         tables = batch.block_tables[layer.group]
         qsl = batch.query_start_loc.tolist()
@@ -97,6 +100,33 @@ class TorchBackend:
             probs = torch.softmax(scores, dim=-1)
             out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out
+
+
+    def _decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
+                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+        """Every row has one query token: all rows at once over their gathered pages."""
+        bs, kv_heads, d = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
+        n, heads = q.shape[0], q.shape[1]
+        seq_lens = batch.seq_lens.long()
+        nb = -(-int(seq_lens.max()) // bs)
+        tables = batch.block_tables[layer.group, :n, :nb].long()  # (rows, blocks)
+        k = k_pages[tables].reshape(n, nb * bs, kv_heads, d).float()  # (rows, keys, kv_heads, d)
+        v = v_pages[tables].reshape(n, nb * bs, kv_heads, d).float()
+        keys = torch.arange(nb * bs, device=q.device)
+        visible = keys[None, :] < seq_lens[:, None]  # (rows, keys); a lone query sees [lo, seq_len)
+        if layer.spec.kind is not GroupKind.FULL:
+            lows = torch.tensor([lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows],
+                                device=q.device)  # fmt: skip
+            visible &= keys[None, :] >= lows[:, None]
+        hidden = ~visible[:, :, None, None]
+        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)  # never let unread slots into the sums
+        qg = q.float().view(n, kv_heads, heads // kv_heads, d)  # GQA: query heads grouped by their KV head
+        scores = torch.einsum("nvgd,nkvd->nvgk", qg, k) * layer.scale
+        if layer.softcap:
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.einsum("nvgk,nkvd->nvgd", torch.softmax(scores, dim=-1), v)
+        return out.reshape(n, heads, d).to(q.dtype)
 
 
 @dataclass(frozen=True, slots=True)

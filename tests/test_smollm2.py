@@ -124,3 +124,19 @@ def test_generate_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: ob
     assert set(out) == {"prompt", "text", "token_ids", "finish_reason"}
     assert out["text"].strip() == "The capital of France is Paris." and out["finish_reason"] == "stop"
     assert main(["generate"]) == 2
+
+
+@pytest.mark.slow
+def test_llm_api_and_a_hugging_face_state_dict(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> None:
+    """The whole-request API; and a model built from transformers' own state dict and config gives the same tokens."""
+    from pagedkv.llm import LLM
+    from pagedkv.models.gguf import LlamaConfig
+
+    model, tok = ours
+    (c,) = LLM(model, tok).generate(["What is the capital of France?"], SamplingParams(max_tokens=12), chat=True)
+    assert c.text.strip() == "The capital of France is Paris."
+    ref_model, _ = hf
+    cfg = LlamaConfig.from_hf_config(ref_model.config.to_dict())  # type: ignore[attr-defined]
+    from_hf = Llama(cfg, {k: v.detach() for k, v in ref_model.state_dict().items()})  # type: ignore[attr-defined]
+    (c2,) = LLM(from_hf, tok).generate(["What is the capital of France?"], SamplingParams(max_tokens=12), chat=True)
+    assert c2.token_ids == c.token_ids

@@ -54,6 +54,19 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @staticmethod
+    def from_hf_config(c: dict[str, Any]) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` of a Llama checkpoint (with its state dict, ``Llama(config, sd)``)."""
+        return LlamaConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+            rope_theta=(c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 1e4)),  # transformers 5
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
+            tie_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
+            eos_token_id=c.get("eos_token_id"),
+        )  # fmt: skip
+
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's row permutation of Q/K.

@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("file", help="a JSON Lines trace; - reads standard input")
     p.add_argument("--json", action="store_true", help="print one JSON result object per event")
     p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
+    p.add_argument("--page-map", help="draw which request holds which block, event by event, to this PNG")
     c = sub.add_parser("check", help="model-check every reachable state of a small configuration")
     d = CheckConfig()
     c.add_argument("--block-size", type=int, default=d.block_size)
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
     if args.command == "replay":
-        return _replay(args.file, args.json, args.check)
+        return _replay(args.file, args.json, args.check, args.page_map)
     if args.command == "check":
         return _check(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
@@ -83,7 +84,7 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if result.violation else 0
 
 
-def _replay(path: str, as_json: bool, check_invariants: bool = False) -> int:
+def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_path: str | None = None) -> int:
     try:
         if path == "-":
             lines = sys.stdin.read().splitlines()
@@ -99,8 +100,11 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False) -> int:
     try:
         if not as_json:
             out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")
+        states = []
         for ev in replay(lines, check=check_invariants):
             events += 1
+            if page_map_path:
+                states.append(getattr(ev.state, "kv", ev.state))
             r = ev.result
             failures += not r["ok"]
             problem = ev.divergence
@@ -119,6 +123,14 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False) -> int:
         return 2
     if not as_json:
         out.write(f"{events} events, {failures} refused, {divergences} diverged from expect\n")
+    if page_map_path and states:
+        from pagedkv.plot import page_map
+
+        try:
+            page_map(states, page_map_path, title=f"pagedkv replay {path}")
+        except RuntimeError as e:
+            print(f"pagedkv replay: {e}", file=sys.stderr)
+            return 2
     if first is not None:
         print(f"pagedkv replay: first divergence at {first}", file=sys.stderr)
         if divergences > 1:

@@ -28,6 +28,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--trace", help="record the scheduler's inputs as a trace (contract v1)")
+    g.add_argument("--page-map", help="draw which request holds which block over time to this PNG (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
     engine = Engine(model, tok, block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                     max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace)  # fmt: skip
+    if args.page_map:
+        engine.kv_history = []
     requests = []
     for i, it in enumerate(items):
         text = it["prompt"]
@@ -95,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     gen_s = time.perf_counter() - t1
     if trace is not None:
         trace.close()
+    if args.page_map:
+        from pagedkv.plot import page_map
+
+        page_map(engine.kv_history or [engine.state.kv], args.page_map)
     if args.json:
         for it, c in zip(items, completions):
             print(json.dumps({"prompt": it["prompt"], "text": c.text, "token_ids": c.token_ids,

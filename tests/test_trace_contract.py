@@ -172,3 +172,10 @@ def test_readable_table_without_json(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:4] == ["i", "line", "op", "result"]
     assert "NO_CAPACITY" in out and "0 diverged from expect" in out
+
+
+def test_replay_draws_a_page_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib", reason="the page map needs matplotlib (pip install 'pagedkv[plot]')")
+    out = tmp_path / "map.png"
+    assert main(["replay", str(EXAMPLE), "--page-map", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -79,7 +79,7 @@ class Engine:
         self.requests: dict[RequestId, tuple[Completion, SamplingParams, torch.Generator]] = {}
         self.stats = EngineStats()
         self.trace = trace
-        self.block_log: list[dict[str, Any]] = []  # per step: which request holds which blocks
+        self.kv_history: list[Any] | None = None  # set to [] to keep the core's snapshot after every step
         if trace is not None:
             trace.write(json.dumps(scheduler_header(self.cache, sched)) + "\n")
 
@@ -152,6 +152,8 @@ class Engine:
             self.trace.write(json.dumps(output_event(sampled, stop)) + "\n")
         if ended:
             self.worker.remove([rid for rid, _ in ended])
+        if self.kv_history is not None:
+            self.kv_history.append(self.state.kv)
         for rid, _ in ended:
             comp, params, _ = self.requests[rid]
             comp.finish_reason = comp.finish_reason or "length"

@@ -34,10 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--max-depth", type=int, default=None)
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
     c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
+    from pagedkv.denoise import add_parser as add_denoise
     from pagedkv.generate import add_parser
 
     add_parser(sub)
+    add_denoise(sub)
     args = parser.parse_args(argv)
+    if args.command == "denoise":
+        from pagedkv.denoise import run as run_denoise
+
+        return run_denoise(args)
     if args.command == "generate":
         from pagedkv.generate import run
 

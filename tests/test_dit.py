@@ -134,3 +134,11 @@ def test_through_the_scheduler_and_prefix_reuse_by_content() -> None:
                              extra_keys=other[0].content_key())).unwrap()  # fmt: skip
     s, plan = schedule(s).unwrap()
     assert [r.kv_start_pos for r in plan.diffusion[0].first.rows] == [0, 0]
+
+
+def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.cli import main
+
+    assert main(["denoise", "--requests", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "img-0" in out and "img-1" in out and "per-step ms" in out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,7 @@ class DiTRunner:
 
     def __init__(self, model: DiT, pool: PagePool, worker: Worker, backend: AttentionBackend) -> None:
         self.model, self.pool, self.worker, self.backend = model, pool, worker, backend
+        self.step_seconds: list[float] = []  # wall time of each denoising step of the last run
 
     def run(self, rows: list[DiTRow], images: list[torch.Tensor], steps: int, first: KVMetadata,
             later: KVMetadata | None, cfg_scale: float = 4.0) -> list[torch.Tensor]:  # fmt: skip
@@ -166,12 +168,15 @@ class DiTRunner:
         if steps > 1 and later is None:
             raise refuse(ErrorCode.INVALID, "later denoising steps need the denoise metadata")
         history = []
+        self.step_seconds = []
         for s in range(steps):
+            t0 = time.perf_counter()
             t = 1.0 - s / steps
             batch = self.worker.install(first if s == 0 else later)  # type: ignore[arg-type]
             preds = self.model.paged_step(rows, images, t, batch, self.pool, self.backend)
             images = euler(images, preds, steps, cfg_scale)
             history.append(images[0])
+            self.step_seconds.append(time.perf_counter() - t0)
         return history
 
     def step(self, *_: object, **__: object) -> None:

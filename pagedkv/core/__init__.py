@@ -24,6 +24,8 @@ from pagedkv.core.transitions import (
     append_many,
     commit,
     commit_many,
+    mark_ready,
+    MarkedReady,
     release,
     reset,
     reset_prefix_cache,
@@ -35,7 +37,7 @@ __all__ = [
     "Admitted", "Appended", "CacheConfig", "Committed", "ErrorCode", "GroupKind", "GroupSpec",
     "InvalidConfig", "KVError", "KVMetadata", "KVState", "Phase", "ReleaseReason", "Released",
     "RequestId", "RequestSpec", "RowMetadata", "RowSpec", "Segment", "Step", "WasReset", "admit",
-    "append", "append_decode", "append_many", "commit", "commit_many", "digest", "free_queue", "initial_state",
+    "append", "append_decode", "append_many", "commit", "commit_many", "mark_ready", "MarkedReady", "digest", "free_queue", "initial_state",
     "publish", "release", "request_blocks", "reset", "reset_prefix_cache", "PrefixCacheReset",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "hash_block", "root_hash",
 ]  # fmt: skip

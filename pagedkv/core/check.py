@@ -168,7 +168,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
                 groups.append(tuple(rename[b] for b in ids))
             toks = s.row_tokens[slot]
             rows.append((s.row_len[slot], s.row_computed[slot], layout, tuple(groups),
-                         None if toks is None else tuple(toks), s.row_hashes[slot]))  # fmt: skip
+                         None if toks is None else tuple(toks), s.row_hashes[slot], s.row_pending[slot]))  # fmt: skip
         requests.append((rid, req.extra_keys, req.cache_epoch == s.cache_epoch, tuple(rows)))
     for b in range(1, s.config.num_blocks):  # a broken state may hold ids nobody lists; keep them apart
         rename.setdefault(b, len(rename))

@@ -37,6 +37,7 @@ def canonical(state: KVState) -> tuple[object, ...]:
                 state.row_blocks[slot],
                 None if (toks := state.row_tokens[slot]) is None else tuple(toks),
                 tuple(h.hex() for h in state.row_hashes[slot]),
+                (state.row_pending[slot][0], tuple(sorted(state.row_pending[slot][1]))),
             )
             for slot, layout in zip(req.slots, req.layouts)
         )

@@ -177,6 +177,10 @@ def publish(
                     f"request {rid!r} row {i} has segments {_flags(flags)} but the forward's first row has "
                     f"{_flags(structure)}; rows of one forward need the same segment structure",
                     request=rid, field="requests"))  # fmt: skip
+            _, pending = state.row_pending[slot]
+            if pending and min(pending) * bs < seq_len:
+                return Failure(invalid(f"request {rid!r} row {i}: block position {min(pending)} is pending (its KV "
+                                       "has not arrived); attention cannot read it", request=rid, field="pending"))  # fmt: skip
             query = seq_len - start
             rows.append(RowMetadata(
                 rid, i, blocks, seq_len, query, start, slots_of(blocks[0], bs, start, query), segments))  # fmt: skip

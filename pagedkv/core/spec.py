@@ -33,6 +33,7 @@ class RowSpec:
     prefix_len: int | None = None
     target_len: int | None = None
     spans: tuple[Span, ...] = ()
+    pending_tokens: int = 0  # KV of tokens [0, n) arrives from elsewhere (an AR stage): destination blocks
 
     @staticmethod
     def of_tokens(
@@ -41,8 +42,10 @@ class RowSpec:
         prefix_len: int | None = None,
         target_len: int | None = None,
         spans: Sequence[Span] = (),
+        pending_tokens: int = 0,
     ) -> RowSpec:
-        return RowSpec(len(tokens), tuple(tokens), prefix_len, target_len, tuple(tuple(s) for s in spans))  # type: ignore[misc]
+        return RowSpec(len(tokens), tuple(tokens), prefix_len, target_len, tuple(tuple(s) for s in spans),  # type: ignore[misc]
+                       pending_tokens)  # fmt: skip
 
     @property
     def is_diffusion(self) -> bool:
@@ -109,6 +112,9 @@ def _check_row(row: object, where: str) -> KVError | None:
             return invalid(f"{where}: target_len must be a positive integer, got {t!r}", field="target_len")
         if p + t > n:
             return invalid(f"{where}: prefix_len + target_len = {p + t} exceeds seq_len {n}", field="target_len")
+    if not is_int(row.pending_tokens) or not 0 <= row.pending_tokens <= n:
+        return invalid(f"{where}: pending_tokens must be an integer in [0, {n}], got {row.pending_tokens!r}",
+                       field="pending_tokens")  # fmt: skip
     if not isinstance(row.spans, tuple):
         return invalid(f"{where}: spans must be a tuple of [start, end) pairs", field="spans")
     end_prev = 0

@@ -29,6 +29,8 @@ from pagedkv.core.hashing import BlockHash, CacheKey
 from pagedkv.core.spec import Span
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
+Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)
+NO_PENDING: Pending = (0, frozenset())
 E = TypeVar("E")
 
 
@@ -80,6 +82,7 @@ class KVState:
     block_key: PVector[CacheKey | None]  # by block id: its key in the cache index, if any
     row_tokens: PVector[PVector[int] | None]  # by row slot: known token ids (a prefix of the row)
     row_hashes: PVector[tuple[BlockHash, ...]]  # by row slot: chain hashes of its blocks hashed so far
+    row_pending: PVector[Pending]  # by row slot: KV arriving from elsewhere (tokens, block positions not ready)
     cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of which came from the cache
@@ -136,6 +139,7 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
         block_key=pvector([None] * n),
         row_tokens=pvector(),
         row_hashes=pvector(),
+        row_pending=pvector(),
         cache_epoch=cache_epoch,
         prefix_queries=0,
         prefix_hits=0,
@@ -170,7 +174,7 @@ class Txn:
     __slots__ = (
         "config", "base", "refcount", "nxt", "prv", "num_free", "requests",
         "row_len", "row_computed", "row_blocks", "slot_stack", "slot_top", "generation",
-        "cache", "block_key", "row_tokens", "row_hashes", "prefix_queries", "prefix_hits", "events",
+        "cache", "block_key", "row_tokens", "row_hashes", "row_pending", "prefix_queries", "prefix_hits", "events",
     )  # fmt: skip
 
     def __init__(self, s: KVState) -> None:
@@ -191,6 +195,7 @@ class Txn:
         self.block_key: PVectorEvolver[CacheKey | None] = s.block_key.evolver()
         self.row_tokens: PVectorEvolver[PVector[int] | None] = s.row_tokens.evolver()
         self.row_hashes: PVectorEvolver[tuple[BlockHash, ...]] = s.row_hashes.evolver()
+        self.row_pending: PVectorEvolver[Pending] = s.row_pending.evolver()
         self.prefix_queries = s.prefix_queries
         self.prefix_hits = s.prefix_hits
         self.events: list[KVEvent] = []
@@ -215,6 +220,7 @@ class Txn:
             block_key=self.block_key.persistent(),
             row_tokens=self.row_tokens.persistent(),
             row_hashes=self.row_hashes.persistent(),
+            row_pending=self.row_pending.persistent(),
             cache_epoch=b.cache_epoch,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
@@ -279,7 +285,8 @@ class Txn:
 
     # -- row slots ----------------------------------------------------------
     def new_slot(
-        self, seq_len: int, computed: int, blocks: Blocks, tokens: PVector[int] | None, hashes: tuple[BlockHash, ...]
+        self, seq_len: int, computed: int, blocks: Blocks, tokens: PVector[int] | None, hashes: tuple[BlockHash, ...],
+        pending: Pending = NO_PENDING,
     ) -> int:
         if self.slot_top:
             self.slot_top -= 1
@@ -289,6 +296,7 @@ class Txn:
             self.row_blocks[slot] = blocks
             self.row_tokens[slot] = tokens
             self.row_hashes[slot] = hashes
+            self.row_pending[slot] = pending
             return slot
         slot = len(self.row_len)
         self.row_len.append(seq_len)
@@ -296,6 +304,7 @@ class Txn:
         self.row_blocks.append(blocks)
         self.row_tokens.append(tokens)
         self.row_hashes.append(hashes)
+        self.row_pending.append(pending)
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -304,6 +313,7 @@ class Txn:
         self.row_blocks[slot] = ()
         self.row_tokens[slot] = None
         self.row_hashes[slot] = ()
+        self.row_pending[slot] = NO_PENDING
         if self.slot_top < len(self.slot_stack):
             self.slot_stack[self.slot_top] = slot
         else:

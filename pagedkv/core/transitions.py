@@ -26,7 +26,7 @@ from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
 from pagedkv.core.hashing import hash_block, root_hash
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import Blocks, KVState, Request, RowLayout, Step, Txn, initial_state
+from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, RowLayout, Step, Txn, initial_state
 
 # One row's growth in an append: a token count, or the token ids themselves.
 Growth = int | Sequence[int]
@@ -156,7 +156,10 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
         fresh = nb - hit.num_blocks
         rb = tuple(group_ids + tuple(txn.pop_free() for _ in range(fresh)) for group_ids in row_ids)
         tokens = pvector(row.tokens) if caching and row.tokens is not None else None
-        slots.append(txn.new_slot(row.num_tokens, cached, rb, tokens, hashes))
+        p = row.pending_tokens
+        # destination blocks: what the prefix cache already holds is present; the rest arrives
+        pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
+        slots.append(txn.new_slot(row.num_tokens, max(cached, p), rb, tokens, hashes, pending))
         blocks.append(rb)
     if caching:
         txn.prefix_queries += sum(row.num_tokens for row in rows)
@@ -503,6 +506,43 @@ def _free_tail_first(txn: Txn, req: Request) -> None:
         txn.num_free += freed
     for s in req.slots:
         txn.free_slot(s)
+
+
+# -- destination blocks (AR -> DiT) ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MarkedReady:
+    request_id: RequestId
+    row: int
+    ready: tuple[int, ...]  # block positions that became ready
+    pending: tuple[int, ...]  # block positions still pending
+
+
+def mark_ready(state: KVState, request_id: RequestId, row: int, start: int, end: int) -> Result[Step[MarkedReady], KVError]:
+    """KV of tokens ``[start, end)`` of a row arrived: its pending blocks covered by it are ready.
+
+    A block is covered when the range holds all of its arriving tokens (the last pending block
+    may be partial: it holds tokens up to the row's ``pending_tokens``). Marking again is a no-op.
+    """
+    if not is_request_id(request_id):
+        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+    req = state.requests.get(request_id)
+    if req is None:
+        return _fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+    if not is_int(row) or not 0 <= row < len(req.slots):
+        return Failure(invalid(f"request {request_id!r} has no row {row!r}", request=request_id, field="row"))
+    slot = req.slots[row]
+    arriving, pending = state.row_pending[slot]
+    if not (is_int(start) and is_int(end) and 0 <= start < end <= arriving):
+        return Failure(invalid(f"request {request_id!r} row {row}: [{start!r}, {end!r}) is not inside the "
+                               f"arriving range [0, {arriving})", request=request_id, field="range"))  # fmt: skip
+    bs = state.config.block_size
+    ready = frozenset(j for j in pending if start <= j * bs and min((j + 1) * bs, arriving) <= end)
+    txn = Txn(state)
+    txn.row_pending[slot] = (arriving, pending - ready)
+    effect = MarkedReady(request_id, row, tuple(sorted(ready)), tuple(sorted(pending - ready)))
+    return Success(Step(txn.done(), effect))
 
 
 # -- reset -------------------------------------------------------------------

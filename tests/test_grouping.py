@@ -55,8 +55,8 @@ def test_state_layers_raise_the_attention_block_size() -> None:
 
 
 def test_refusals() -> None:
-    with pytest.raises(InvalidConfig, match="bytes per token"):
-        plan_groups([full(0), LayerSpec("small", kv_heads=1, head_dim=64)], 16)
+    with pytest.raises(InvalidConfig, match="do not divide"):
+        plan_groups([full(0), LayerSpec("odd", kv_heads=1, head_dim=96)], 16)  # 4096 and 384 bytes per token
     with pytest.raises(InvalidConfig, match="at least 2"):
         num_blocks_for_budget(100, plan_groups([full(0)], 16))
     with pytest.raises(InvalidConfig, match="unique"):
@@ -70,3 +70,16 @@ def test_a_planned_hybrid_pool_runs_in_the_core() -> None:
     s = commit(s, "a", [112]).unwrap().state
     full_ids, swa_ids = request_blocks(s, "a")[0]
     assert sum(map(bool, full_ids)) == 7 and sum(map(bool, swa_ids)) == 2
+
+
+def test_mla_pages_unify_beside_plain_kv_pages() -> None:
+    """An MLA layer's page holds (block_size, latent_dim); beside K/V pages its block takes more tokens."""
+    mla = [LayerSpec(f"mla{i}", LayerKind.MLA, latent_dim=512 + 64) for i in range(4)]  # DeepSeek-V2: 576, bf16
+    plan = plan_groups(mla, 16)
+    assert plan.page_bytes == 16 * 576 * 2 and plan.groups[0].block_size == 16
+    mixed = plan_groups(mla + [LayerSpec(f"full{i}", kv_heads=1, head_dim=576) for i in range(4)], 16)
+    # K/V: 2 * 576 * 2 = 2304 bytes per token, MLA 1152: the MLA group takes 32 tokens per block, one page size
+    assert [(g.kind.value, g.block_size) for g in mixed.groups] == [("mla", 32), ("full", 16)]
+    assert mixed.page_bytes == 16 * 2304
+    with pytest.raises(InvalidConfig, match="one block size"):
+        mixed.cache_config(100)

@@ -17,6 +17,7 @@ class GroupKind(StrEnum):
     FULL = "full"
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL = "chunked_local"
+    MLA = "mla"  # multi-head latent attention: one latent vector per token; allocates like full attention
 
 
 class InvalidConfig(ValueError):
@@ -50,6 +51,11 @@ class GroupSpec:
                     raise InvalidConfig(f"group {self.name!r}: {key} must be a positive integer, got {value!r}")
             elif value is not None:
                 raise InvalidConfig(f"group {self.name!r}: kind {self.kind.value} takes no {key}")
+
+    @property
+    def is_windowed(self) -> bool:
+        """Does this group let blocks go once no future query can see them?"""
+        return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
 
     def first_visible_block(self, position: int, block_size: int) -> int:
         """The first block any query at ``position`` or later can still see.

@@ -33,6 +33,7 @@ class LayerKind(StrEnum):
     FULL = "full"
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL = "chunked_local"
+    MLA = "mla"  # one latent vector (KV LoRA rank + decoupled RoPE part) per token, no heads
     MAMBA = "mamba"
 
 
@@ -49,10 +50,14 @@ class LayerSpec:
     chunk: int | None = None
     kv_sharing_target: str | None = None  # this layer reads that layer's KV
     state_bytes: int | None = None  # Mamba: bytes of its state per request
+    latent_dim: int | None = None  # MLA: kv_lora_rank + qk_rope_head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in this layer."""
+        """What one token costs in this layer's pages: K and V, or one latent vector for MLA."""
+        if self.kind is LayerKind.MLA:
+            assert self.latent_dim is not None
+            return self.latent_dim * self.dtype_bytes
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
@@ -63,6 +68,7 @@ class PlannedGroup:
     window: int | None
     chunk: int | None
     layers: tuple[str, ...]  # fewer than layers_per_group in a padded group
+    block_size: int = 0  # tokens per block of this group (page sizes unified across groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,10 @@ class GroupPlan:
         """The core's geometry for this plan (attention groups; the core allocates no state blocks)."""
         if any(g.kind is LayerKind.MAMBA for g in self.groups):
             raise InvalidConfig("the plan has state (Mamba) groups; the core allocates attention groups only")
+        sizes = {g.block_size for g in self.groups}
+        if len(sizes) > 1:
+            raise InvalidConfig(f"page sizes are unified with block sizes {sorted(sizes)} tokens; the core "
+                                "allocates one block size for every group")  # fmt: skip
         groups = tuple(GroupSpec(g.name, GroupKind(g.kind.value), g.window, g.chunk) for g in self.groups)
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks, groups=groups, **limits)  # type: ignore[arg-type]
 
@@ -125,9 +135,15 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
         raise InvalidConfig("no layer has KV of its own")
     attention = [layer for layer in owners if layer.kind is not LayerKind.MAMBA]
     per_token = {layer.bytes_per_token for layer in attention}
-    if len(per_token) > 1:
-        raise InvalidConfig(f"attention layers differ in KV bytes per token {sorted(per_token)}; "
-                            "one page size needs them equal")  # fmt: skip
+    # page-size unification (vLLM): a kind with fewer bytes per token takes more tokens per block
+    largest = max(per_token) if per_token else 0
+    for b in per_token:
+        if largest % b:
+            raise InvalidConfig(f"attention layers' bytes per token {sorted(per_token)} do not divide; "
+                                "their pages cannot be made one size")  # fmt: skip
+    if len(per_token) > 1 and any(layer.kind is LayerKind.MAMBA for layer in owners):
+        raise InvalidConfig("state layers beside attention layers of different page sizes are not planned")
+    per_token = {largest} if per_token else per_token
     state_sizes = []
     for layer in owners:
         if layer.kind is LayerKind.MAMBA:
@@ -137,18 +153,21 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
     bs = block_size
     state_padding = 0
     if attention:
-        page = bs * per_token.pop()
+        page = bs * largest
         if state_sizes:
             while page < max(state_sizes):  # raise the attention block size until a page holds a state
                 bs = (bs // BLOCK_ALIGN + 1) * BLOCK_ALIGN
-                page = bs * attention[0].bytes_per_token
+                page = bs * largest
             state_padding = page - min(state_sizes)
     else:
         page = max(state_sizes)
     # one list of layers per kind (kind, window, chunk), in order of first appearance
     kinds: dict[tuple[LayerKind, int | None, int | None], list[str]] = {}
+    tokens_per_block: dict[tuple[LayerKind, int | None, int | None], int] = {}
     for layer in owners:
-        kinds.setdefault((layer.kind, layer.window, layer.chunk), []).append(layer.name)
+        key = (layer.kind, layer.window, layer.chunk)
+        kinds.setdefault(key, []).append(layer.name)
+        tokens_per_block[key] = bs if layer.kind is LayerKind.MAMBA else page // layer.bytes_per_token
     size = min(len(v) for v in kinds.values())
     groups = []
     padding = 0
@@ -157,9 +176,10 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
             chunk_layers = tuple(members[k : k + size])
             padding += size - len(chunk_layers)
             suffix = f"{kind.value}" + (f"{window}" if window else "") + (f"{chunk}" if chunk else "")
-            groups.append(PlannedGroup(f"{suffix}.{k // size}", kind, window, chunk, chunk_layers))
+            groups.append(PlannedGroup(f"{suffix}.{k // size}", kind, window, chunk, chunk_layers,
+                                       tokens_per_block[(kind, window, chunk)]))  # fmt: skip
     # full groups first: the hit lookup scans them left to right before the windowed ones cut back
-    groups.sort(key=lambda g: g.kind is not LayerKind.FULL)
+    groups.sort(key=lambda g: g.kind not in (LayerKind.FULL, LayerKind.MLA))
     return GroupPlan(tuple(groups), size, bs, page, tuple(shared), padding, state_padding)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.config import GroupKind
 from pagedkv.core.hashing import BlockHash, hash_block, root_hash
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
@@ -38,8 +37,8 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     bs = cfg.block_size
     cache = state.cache
-    full = [g for g, gs in enumerate(cfg.groups) if gs.kind is GroupKind.FULL]
-    windowed = [g for g, gs in enumerate(cfg.groups) if gs.kind is not GroupKind.FULL]
+    full = [g for g, gs in enumerate(cfg.groups) if not gs.is_windowed]  # full attention and MLA
+    windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
     root = root_hash(cfg.hash_namespace)
     chains: list[list[BlockHash]] = []
     limit: int | None = None

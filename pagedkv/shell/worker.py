@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.core.config import CacheConfig, GroupKind
+from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.metadata import KVMetadata, RowMetadata
 from pagedkv.shell.errors import ShellError, refuse
@@ -50,7 +50,7 @@ class Worker:
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.config = config
         self.num_groups = len(config.groups)
-        self.windowed = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self.windowed = tuple(g.is_windowed for g in config.groups)
         self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
         dev = torch.device(device)
         i32 = dict(dtype=torch.int32, device=dev)

@@ -33,6 +33,7 @@ class LayerAttention:
     spec: GroupSpec  # its kind: full, sliding_window(window), chunked_local(chunk)
     scale: float
     softcap: float | None = None
+    kv_index: tuple[int, ...] | None = None  # query head -> local KV head, when not contiguous groups (TP shards)
 
 
 class AttentionBackend(Protocol):
@@ -78,7 +79,10 @@ class TorchBackend:
             k = k_pages.index_select(0, ids).reshape(-1, kv_heads, k_pages.shape[3])[: seq_len - first_block * bs]
             v = v_pages.index_select(0, ids).reshape(-1, kv_heads, v_pages.shape[3])[: seq_len - first_block * bs]
             k, v = k.float(), v.float()
-            if heads != kv_heads:  # GQA: each KV head serves heads // kv_heads query heads
+            if layer.kv_index is not None:  # an explicit head map (a tensor-parallel shard)
+                idx = torch.tensor(layer.kv_index, device=k.device)
+                k, v = k.index_select(1, idx), v.index_select(1, idx)
+            elif heads != kv_heads:  # GQA: each KV head serves heads // kv_heads query heads
                 k = k.repeat_interleave(heads // kv_heads, dim=1)
                 v = v.repeat_interleave(heads // kv_heads, dim=1)
             qr = q[qsl[r] : qsl[r + 1]].float()  # (query, heads, head_dim)
@@ -120,6 +124,9 @@ class TorchBackend:
             visible &= keys[None, :] >= lows[:, None]
         hidden = ~visible[:, :, None, None]
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)  # never let unread slots into the sums
+        if layer.kv_index is not None:  # a shard's explicit head map: one KV head per query head
+            idx = torch.tensor(layer.kv_index, device=k.device)
+            k, v, kv_heads = k.index_select(2, idx), v.index_select(2, idx), heads
         qg = q.float().view(n, kv_heads, heads // kv_heads, d)  # GQA: query heads grouped by their KV head
         scores = torch.einsum("nvgd,nkvd->nvgk", qg, k) * layer.scale
         if layer.softcap:

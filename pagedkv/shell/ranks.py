@@ -1,0 +1,86 @@
+"""Launching several ranks (torch.multiprocessing) for SmolLM2 through pagedkv."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedkv.core.invariants import check_invariants
+from pagedkv.core.scheduler import cancel
+from pagedkv.models.llama import Llama
+from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.shell.attention import get_backend
+from pagedkv.shell.distributed import Leader, TPLlama, describe, follow, init
+from pagedkv.shell.engine import Engine, SamplingParams
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.worker import Worker
+
+Request = tuple[str, list[int], SamplingParams]
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: list[Request], engine_kw: dict[str, Any],
+               fail_rank: int | None, fail_at: int | None, timeout_s: float) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    init(rank, world, init_file, timeout_s)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        full, meta = Llama.smollm2()
+        tok = Tokenizer(meta)  # type: ignore[arg-type]
+        model = TPLlama(full, rank, world) if world > 1 else full
+        if rank == 0:
+            leader = Leader(model)
+            eng = Engine(leader, tok, **engine_kw)  # type: ignore[arg-type]
+            leader.worker = eng.worker
+            dist.broadcast_object_list([eng.cache], src=0)  # the geometry every rank allocates
+            t0 = time.perf_counter()
+            try:
+                done = eng.generate(requests)
+                result["completions"] = [(c.token_ids, c.finish_reason) for c in done]
+                Leader.stop()
+            except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere
+                result["error"] = describe(e)
+                step_ids = {rid for _, rid, *_ in eng.state.scheduled}
+                for rid in sorted(eng.state.requests.keys(), key=str):
+                    eng.state = cancel(eng.state, rid, "error" if rid in step_ids else "cancelled").unwrap()
+                    eng.worker.remove([rid])
+            result["seconds"] = time.perf_counter() - t0
+            result["broadcast_seconds"] = leader.broadcast_seconds
+            result["steps"] = eng.stats.steps
+            kv = eng.state.kv
+            result["pool_whole"] = kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == []
+            result["finished"] = dict(eng.state.finished)
+        else:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            cache = box[0]
+            c = model.config
+            pool = PagePool(cache, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+            worker = Worker(cache, max_rows=engine_kw.get("max_num_seqs", 16),
+                            max_blocks_per_row=-(-c.max_position // cache.block_size),
+                            max_tokens=engine_kw.get("max_num_batched_tokens", 2048))  # fmt: skip
+            result["steps"] = follow(model, pool, worker, get_backend("torch"), cache.groups[0],  # type: ignore[arg-type]
+                                     fail_at if rank == fail_rank else None)  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        result["error"] = describe(e)
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001, S110 - a broken group may not tear down cleanly
+            pass
+
+
+def run_ranks(world: int, requests: list[Request], *, fail_rank: int | None = None, fail_at: int | None = None,
+              timeout_s: float = 60.0, **engine_kw: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``requests`` on ``world`` ranks over gloo; every rank's result dict, rank 0 first."""
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "store")
+        mp.spawn(_rank_main, args=(world, init_file, d, requests, engine_kw, fail_rank, fail_at, timeout_s),
+                 nprocs=world, join=True)  # fmt: skip
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]

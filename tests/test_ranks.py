@@ -1,0 +1,48 @@
+"""Several ranks over gloo: the same tokens as one rank; a failing rank stops the others cleanly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.models.gguf import smollm2_path
+
+try:
+    smollm2_path()
+except FileNotFoundError as e:  # pragma: no cover
+    pytest.skip(str(e), allow_module_level=True)
+
+from pagedkv.models.llama import Llama  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import SamplingParams  # noqa: E402
+from pagedkv.shell.ranks import run_ranks  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[tuple[str, list[int], SamplingParams]]:
+    _, meta = Llama.smollm2()
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [(t, tok.encode(t), SamplingParams(max_tokens=12)) for t in texts]
+
+
+@pytest.mark.slow
+def test_two_and_three_ranks_give_the_tokens_of_one(requests: list) -> None:
+    kw = dict(kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
+    one = run_ranks(1, requests, **kw)[0]["completions"]
+    for world in (2, 3):
+        results = run_ranks(world, requests, **kw)
+        assert all("error" not in r for r in results), results
+        assert results[0]["completions"] == one
+        assert results[0]["pool_whole"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_stops_every_rank_and_the_pool_stays_whole(requests: list) -> None:
+    results = run_ranks(3, requests, fail_rank=1, fail_at=2, timeout_s=20, kv_cache_memory_bytes=16 << 20,
+                        max_num_seqs=4)  # fmt: skip
+    assert "injected" in results[1]["error"]
+    assert results[0]["error"] and results[2]["error"]  # the others stop with an error, none hangs
+    assert results[0]["pool_whole"]
+    assert "error" in results[0]["finished"].values()  # the step's requests were released with reason error

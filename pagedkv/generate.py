@@ -28,6 +28,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--trace", help="record the scheduler's inputs as a trace (contract v1)")
+    g.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (torch.distributed, gloo on the CPU)")
     g.add_argument("--page-map", help="draw which request holds which block over time to this PNG (needs matplotlib)")
 
 
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=int(it.get("max_tokens", args.max_tokens)), temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)  # fmt: skip
         requests.append((text, tok.encode(text), params))
+    if args.ranks > 1:
+        return _run_ranks(args, items, requests, tok)
     done = 0
     quiet = args.json
 
@@ -123,4 +126,30 @@ def run(args: argparse.Namespace) -> int:
           f"of the pool: {engine.sizing})")  # fmt: skip
     print(f"preemptions         {st.preemptions}")
     print(f"engine steps        {st.steps}")
+    return 0
+
+
+def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]], requests: list[Any], tok: Any) -> int:
+    from pagedkv.shell.ranks import run_ranks
+
+    t0 = time.perf_counter()
+    results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                        enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
+    lead = results[0]
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if r.get("error")]
+    if errors:
+        print("pagedkv generate: " + "; ".join(errors), file=sys.stderr)
+        return 1
+    for it, (ids, reason) in zip(items, lead["completions"]):
+        text = tok.decode(ids)
+        if args.json:
+            print(json.dumps({"prompt": it["prompt"], "text": text, "token_ids": ids, "finish_reason": reason}))
+        else:
+            print(f"--- {it['prompt']}\n{text.strip()}  ({len(ids)} tokens, {reason})")
+    if not args.json:
+        generated = sum(len(ids) for ids, _ in lead["completions"])
+        print(f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "
+              f"broadcast {lead['broadcast_seconds'] / max(lead['steps'], 1) * 1e3:.2f} ms a step; wall "
+              f"{time.perf_counter() - t0:.1f} s with start-up")  # fmt: skip
     return 0

@@ -4,6 +4,8 @@ are written to the page pool once per layer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +80,41 @@ class Llama:
             x = x + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
         last = (batch.query_start_loc[1:] - 1).long().to(self.device)
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+
+
+def random_llama(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Llama:  # fmt: skip
+    """A Llama of ``config``'s shapes with seeded random weights (timing and equality runs where the real
+    weights cannot go)."""
+    g = torch.Generator().manual_seed(seed)
+    c = config
+    kv = c.num_kv_heads * c.head_dim
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    sd = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size), "model.norm.weight": torch.ones(c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": torch.ones(c.hidden_size),
+                   p + "post_attention_layernorm.weight": torch.ones(c.hidden_size),
+                   p + "self_attn.q_proj.weight": w(c.hidden_size, c.hidden_size), p + "self_attn.k_proj.weight": w(kv, c.hidden_size),
+                   p + "self_attn.v_proj.weight": w(kv, c.hidden_size), p + "self_attn.o_proj.weight": w(c.hidden_size, c.hidden_size),
+                   p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
+                   p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
+                   p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size)})  # fmt: skip
+    return Llama(replace(c, tie_embeddings=True), sd, dtype=dtype, device=device)
+
+
+SMOLLM2_SHAPES = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                             num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5, max_position=8192)  # fmt: skip
+
+
+class IdTokenizer:
+    """For runs on token ids alone (random weights): no stop tokens, ids decode to their numbers."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_id = -1
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))

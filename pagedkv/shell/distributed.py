@@ -140,9 +140,11 @@ def follow(model: TPLlama, pool: PagePool, worker: Worker, backend: AttentionBac
         steps += 1
 
 
-def init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+def init(rank: int, world: int, init_file: str, timeout_s: float = 60.0, backend: str = "gloo") -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
 
 

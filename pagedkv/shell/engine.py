@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -80,6 +81,7 @@ class Engine:
         self.stats = EngineStats()
         self.trace = trace
         self.kv_history: list[Any] | None = None  # set to [] to keep the core's snapshot after every step
+        self.step_hook: list[tuple[int, int, float]] | None = None  # (decode rows, prefill tokens, seconds) a step
         if trace is not None:
             trace.write(json.dumps(scheduler_header(self.cache, sched)) + "\n")
 
@@ -106,6 +108,7 @@ class Engine:
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
         """One engine step; the completions that finished in it."""
+        t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
         if self.trace is not None:
             self.trace.write('{"op": "schedule"}\n')
@@ -154,6 +157,10 @@ class Engine:
             self.worker.remove([rid for rid, _ in ended])
         if self.kv_history is not None:
             self.kv_history.append(self.state.kv)
+        if self.step_hook is not None:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            self.step_hook.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
         for rid, _ in ended:
             comp, params, _ = self.requests[rid]
             comp.finish_reason = comp.finish_reason or "length"

@@ -1,0 +1,105 @@
+"""Paged decode attention in Triton (CUDA), split-KV, GQA, over the shell's page layout.
+
+Grid (sequence, KV head, split): each program streams its split's keys tile by tile through the
+block table, for all the query heads of its KV head at once (so each K/V byte is read once), with
+an online softmax; a second kernel merges the splits by their log-sum-exp. Pages are
+``(num_blocks, block_size, kv_heads, head_dim)``; any block size that divides the 64-token tile or
+is a multiple of it... the tile is a power of two and the block size a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU machines
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        Q, K, V, TABLE, LENS, OUT, LSE, scale,
+        stride_tb, max_blocks,
+        KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        seq_len = tl.load(LENS + b)
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(seq_len - WINDOW, 0)
+        span = seq_len - lo
+        per = tl.cdiv(tl.cdiv(span, SPLITS), TILE) * TILE
+        start = lo + s * per
+        end = tl.minimum(start + per, seq_len)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        hmask = g < G
+        # q: (GP, D), the G query heads of this KV head
+        q = tl.load(Q + (b * KVH * G + kvh * G + g)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        t = tl.arange(0, TILE)
+        for off in range(start, end, TILE):
+            pos = off + t
+            valid = pos < end
+            blk = tl.load(TABLE + b * stride_tb + pos // BS, mask=valid, other=0)
+            row = (blk.to(tl.int64) * BS + pos % BS) * KVH + kvh  # token slot, this KV head
+            k = tl.load(K + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (GP, TILE)
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        heads = b * KVH * G + kvh * G + g
+        tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
+                 mask=hmask[:, None])  # fmt: skip
+        tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf")),
+                 mask=hmask)  # fmt: skip
+
+    @triton.jit
+    def _merge_kernel(OUT, LSE, RES, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+        h = tl.program_id(0)
+        s = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        lse = tl.load(LSE + h * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))
+        w = tl.where(s < SPLITS, w, 0.0)
+        part = tl.load(OUT + (h * SPLITS + s)[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+        tl.store(RES + h * D + d, tl.sum(part * w[:, None], 0) / tl.sum(w, 0))
+
+
+def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float | None = None, *, splits: int = 8, tile: int = 64,
+                 window: int = 0) -> torch.Tensor:  # fmt: skip
+    """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence."""
+    if triton is None:
+        raise RuntimeError("the Triton decode kernel needs triton and a CUDA device")
+    B, H, D = q.shape
+    _, bs, kvh, _ = k_pages.shape
+    G = H // kvh
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    _split_kernel[(B, kvh, splits)](
+        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale,
+        block_table.stride(0), block_table.shape[1],
+        KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
+    return res.to(q.dtype)

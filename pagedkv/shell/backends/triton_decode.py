@@ -27,7 +27,7 @@ if triton is not None:
         Q, K, V, TABLE, LENS, OUT, LSE, scale,
         stride_tb, max_blocks,
         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -56,13 +56,13 @@ if triton is not None:
             row = (blk.to(tl.int64) * BS + pos % BS) * KVH + kvh  # token slot, this KV head
             k = tl.load(K + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(V + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (GP, TILE)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         heads = b * KVH * G + kvh * G + g
         tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
@@ -98,6 +98,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale,
         block_table.stride(0), block_table.shape[1],
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
         num_warps=4, num_stages=3,
     )  # fmt: skip
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)

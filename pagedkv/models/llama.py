@@ -40,6 +40,12 @@ class Llama:
                 ("down", "mlp.down_proj.weight"))})  # fmt: skip
         hd = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
+        # the head layout this instance computes (a tensor-parallel shard narrows it; see shell/distributed.py)
+        self.n_heads, self.n_kv_heads, self.kv_index = config.num_heads, config.num_kv_heads, None
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of a row-parallel projection's shards: nothing to sum on one rank."""
+        return partial
 
     @classmethod
     def smollm2(cls, **kw: object) -> tuple[Llama, dict[str, object]]:
@@ -67,17 +73,17 @@ class Llama:
         hd = c.head_dim
         pos = batch.positions.to(self.device)
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
-        attn = LayerAttention(group=0, spec=group, scale=hd**-0.5)
+        attn = LayerAttention(group=0, spec=group, scale=hd**-0.5, kv_index=self.kv_index)
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            q = self._rope((h @ L["q"].T).view(-1, c.num_heads, hd), pos)
-            k = self._rope((h @ L["k"].T).view(-1, c.num_kv_heads, hd), pos)
-            v = (h @ L["v"].T).view(-1, c.num_kv_heads, hd)
+            q = self._rope((h @ L["q"].T).view(-1, self.n_heads, hd), pos)
+            k = self._rope((h @ L["k"].T).view(-1, self.n_kv_heads, hd), pos)
+            v = (h @ L["v"].T).view(-1, self.n_kv_heads, hd)
             pool.write(i, k, v, batch.slot_mapping)  # this step's K/V, once, before attention reads the pages
             a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
-            x = x + a.reshape(x.shape[0], -1) @ L["o"].T
+            x = x + self._reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
             h = self._rms(x, L["ln2"])
-            x = x + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
+            x = x + self._reduce((F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device)
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
 

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pagedkv.core.config import GroupSpec
 from pagedkv.models.llama import Llama
-from pagedkv.shell.attention import AttentionBackend, LayerAttention
+from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.pool import PagePool
 from pagedkv.shell.worker import ForwardBatch, Worker
 
@@ -54,7 +53,8 @@ class TPLlama(Llama):
     def __init__(self, full: Llama, rank: int, world: int) -> None:
         c = full.config
         self.rank, self.world = rank, world
-        self.q_heads, self.kv_heads, self.kv_index = head_plan(c.num_heads, c.num_kv_heads, world, rank)
+        self.q_heads, self.kv_heads, kv_index = head_plan(c.num_heads, c.num_kv_heads, world, rank)
+        self.n_heads, self.n_kv_heads, self.kv_index = len(self.q_heads), len(self.kv_heads), kv_index
         self.config = replace(c, num_kv_heads=len(self.kv_heads))  # this rank's pages hold its KV heads
         self.dtype, self.device = full.dtype, full.device
         self.embed, self.lm_head, self.norm, self.inv_freq = full.embed, full.lm_head, full.norm, full.inv_freq
@@ -73,30 +73,9 @@ class TPLlama(Llama):
                 "down": L["down"][:, ff],
             })  # fmt: skip
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                group: GroupSpec) -> torch.Tensor:  # fmt: skip
-        c = self.config
-        hd = c.head_dim
-        pos = batch.positions.to(self.device)
-        x = self.embed[tokens.to(self.device)]
-        attn = LayerAttention(group=0, spec=group, scale=hd**-0.5, kv_index=self.kv_index)
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            q = self._rope((h @ L["q"].T).view(-1, len(self.q_heads), hd), pos)
-            k = self._rope((h @ L["k"].T).view(-1, len(self.kv_heads), hd), pos)
-            v = (h @ L["v"].T).view(-1, len(self.kv_heads), hd)
-            pool.write(i, k, v, batch.slot_mapping)
-            a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
-            part = a.reshape(x.shape[0], -1) @ L["o"].T
-            dist.all_reduce(part)  # row-parallel output projection: sum the shards
-            x = x + part
-            h = self._rms(x, L["ln2"])
-            part = (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
-            dist.all_reduce(part)
-            x = x + part
-        last = (batch.query_start_loc[1:] - 1).long().to(self.device)
-        return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial)  # row-parallel output and down projections: sum the shards
+        return partial
 
 
 class Leader:

@@ -1,0 +1,39 @@
+"""The ``triton`` backend: decode forwards through the Triton split-KV kernel (no host syncs, so a
+CUDA graph can capture them); every other phase (prefill, chunked prefill, denoising steps) through
+the ``torch`` reference over the same pages, until the multi-token Triton kernel lands."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.core.config import GroupKind
+from pagedkv.shell.attention import LayerAttention, TorchBackend
+from pagedkv.shell.errors import BackendUnavailable
+from pagedkv.shell.worker import ForwardBatch
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, splits: int = 8) -> None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise BackendUnavailable(self.name, "pip install triton (with a CUDA build of torch)", str(e)) from None
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(self.name, "a CUDA device", "no CUDA device is available")
+        from pagedkv.shell.backends.triton_decode import paged_decode
+
+        self._decode, self._reference, self.splits = paged_decode, TorchBackend(), splits
+        self.decode_only = False  # set by a graph capture: every forward is a decode forward
+
+    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
+                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+        spec = layer.spec
+        if spec.kind is GroupKind.CHUNKED_LOCAL or layer.kv_index is not None or layer.softcap:
+            return self._reference.forward(q, k_pages, v_pages, batch, layer)
+        if self.decode_only or all(r.query_len == 1 and len(r.segments) == 1 for r in batch.metadata.rows):
+            window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
+            return self._decode(q, k_pages, v_pages, batch.block_tables[layer.group], batch.seq_lens, layer.scale,
+                                splits=self.splits, window=window)  # fmt: skip
+        return self._reference.forward(q, k_pages, v_pages, batch, layer)

@@ -104,3 +104,84 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
     return res.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _varlen_kernel(
+        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb,
+        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+        BM: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        mt = tl.program_id(2)
+        q0 = tl.load(CU_Q + r)
+        qlen = tl.load(CU_Q + r + 1) - q0
+        kv_len = tl.load(KV_LENS + r)
+        if mt * BM < qlen:
+            m = tl.arange(0, BM * GP)
+            tok = mt * BM + m // GP
+            g = m % GP
+            rowmask = (tok < qlen) & (g < G)
+            pos = kv_len - qlen + tok  # bottom-right aligned: the last query sits at kv_len - 1
+            d = tl.arange(0, D)
+            qptr = Q + ((q0 + tok) * H + kvh * G + g)[:, None] * D + d[None, :]
+            q = tl.load(qptr, mask=rowmask[:, None], other=0.0)
+            m_i = tl.full([BM * GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM * GP], tl.float32)
+            acc = tl.zeros([BM * GP, D], tl.float32)
+            first_q = kv_len - qlen + mt * BM
+            lo = 0
+            if WINDOW > 0:
+                lo = tl.maximum(first_q - WINDOW + 1, 0) // TILE * TILE
+            hi = kv_len
+            if CAUSAL:
+                hi = tl.minimum(kv_len, first_q + BM)
+            t = tl.arange(0, TILE)
+            for off in range(lo, hi, TILE):
+                key = off + t
+                valid = key < hi
+                blk = tl.load(TABLE + r * stride_tb + key // BS, mask=valid, other=0)
+                row = (blk.to(tl.int64) * BS + key % BS) * KVH + kvh
+                k = tl.load(K + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+                ok = valid[None, :]
+                if CAUSAL:
+                    ok = ok & (key[None, :] <= pos[:, None])
+                if WINDOW > 0:
+                    ok = ok & (key[None, :] > pos[:, None] - WINDOW)
+                qk = tl.where(ok, qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(qk - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+                m_i = m_new
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(OUT + ((q0 + tok) * H + kvh * G + g)[:, None] * D + d[None, :], out, mask=rowmask[:, None])
+
+
+def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int, *, causal: bool,
+                 scale: float, window: int = 0) -> torch.Tensor:  # fmt: skip
+    """flash-attn varlen semantics over pages: q (tokens, heads, d); row r's queries are the last
+    ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all."""
+    if triton is None:
+        raise RuntimeError("the Triton kernels need triton and a CUDA device")
+    T, H, D = q.shape
+    _, bs, kvh, _ = k_pages.shape
+    G = H // kvh
+    GP = triton.next_power_of_2(G)
+    BM = max(1, 64 // GP)
+    out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    rows = cu_seqlens_q.numel() - 1
+    _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
+        q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
+        scale, block_table.stride(0), H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32, CAUSAL=causal,
+        WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out.to(q.dtype)

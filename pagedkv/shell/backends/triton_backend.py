@@ -32,16 +32,15 @@ class TritonBackend:
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL or layer.kv_index is not None or layer.softcap:
-            table = batch.block_tables[layer.group]
+            return self._reference.forward(q, k_pages, v_pages, batch, layer)
+        table = batch.block_tables[layer.group]
         window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
+        if self.decode_only or all(r.query_len == 1 and len(r.segments) == 1 for r in batch.metadata.rows):
+            return self._decode(q, k_pages, v_pages, table, batch.seq_lens, layer.scale, splits=self.splits,
+                                window=window)  # fmt: skip
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             return self._varlen(qp, k_pages, v_pages, table, call.cu_seqlens_q, call.kv_lens, call.max_seqlen_q,
                                 causal=call.causal, scale=layer.scale, window=window)  # fmt: skip
 
         return run_segments(q, batch, kernel)  # several query tokens: one native call per segment
-        if self.decode_only or all(r.query_len == 1 and len(r.segments) == 1 for r in batch.metadata.rows):
-            window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
-            return self._decode(q, k_pages, v_pages, batch.block_tables[layer.group], batch.seq_lens, layer.scale,
-                                splits=self.splits, window=window)  # fmt: skip
-        return self._reference.forward(q, k_pages, v_pages, batch, layer)

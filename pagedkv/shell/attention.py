@@ -164,7 +164,7 @@ def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
             index = None  # the batched layout as it stands
         else:
             index = torch.cat([torch.arange(qsl[r] + s.q_start - row.kv_start_pos, qsl[r] + s.q_end - row.kv_start_pos)
-                               for r, (row, s) in enumerate(zip(rows, segs))])  # fmt: skip
+                               for r, (row, s) in enumerate(zip(rows, segs))]).to(batch.seq_lens.device)  # fmt: skip
         calls.append(SegmentCall(segs[0].causal, index, cu.to(batch.seq_lens.device),
                                  torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
                                  max(lens), max(kv)))  # fmt: skip

@@ -1,6 +1,6 @@
 """Attention over pages, behind one small interface, selected by name.
 
-``get_backend("torch" | "flash_attn" | "npu")`` returns an ``AttentionBackend``;
+``get_backend("torch" | "flash_attn" | "npu" | "triton")`` returns an ``AttentionBackend``;
 one that cannot run here raises ``BackendUnavailable`` naming what to install.
 There is no silent dense fallback: a paged forward needs an installed
 ``ForwardBatch``.
@@ -195,7 +195,11 @@ def get_backend(name: str) -> AttentionBackend:
         from pagedkv.shell.backends.npu import NpuBackend
 
         return NpuBackend()
-    raise BackendUnavailable(name, "one of: torch, flash_attn, npu", "no backend by that name")
+    if name == "triton":
+        from pagedkv.shell.backends.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton", "no backend by that name")
 
 
 def default_scale(head_dim: int) -> float:

@@ -29,9 +29,12 @@ def main() -> None:
                     device=dev)  # fmt: skip
     worker = Worker(cfg, max_rows=64, max_blocks_per_row=40, max_tokens=64 * 600, device=dev)
     backend = TritonBackend()
+    from pagedkv.shell.backends.triton_decode import kv_write
+
+    pool.fused_write = kv_write  # the slot-mapping write as one kernel
     group = cfg.groups[0]
     print(f"{torch.cuda.get_device_name()}; SmolLM2 shapes, random weights, bf16, triton backend, 512-token contexts")
-    print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16}")
+    print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}")
     graphs = None
     s = initial_state(cfg)
     ids = list(range(64))
@@ -52,7 +55,39 @@ def main() -> None:
         replay = graphs.decode(tokens, batch).float()
         t_graph = triton.testing.do_bench(lambda: graphs.decode(tokens, batch), return_mode="median")
         diff = ((replay - eager).norm() / eager.norm()).item()
-        print(f"{batch_size:>6} {t_eager:>9.3f} {t_graph:>9.3f} {t_eager / t_graph:>12.2f} {diff:>16.1e}")
+        t_hf = hf_step(batch_size)
+        print(f"{batch_size:>6} {t_eager:>9.3f} {t_graph:>9.3f} {t_eager / t_graph:>12.2f} {diff:>16.1e} {t_hf:>16.3f}")
+
+
+def hf_step(batch_size: int) -> float:
+    """transformers' own decode step (LlamaForCausalLM, its KV cache) for the same shapes, bf16: one new token per
+    sequence after a 511-token prompt."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return float("nan")
+    c = SMOLLM2_SHAPES
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                      rope_theta=c.rope_theta, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, c.vocab_size, (batch_size, 511), device="cuda")
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            model(nxt, past_key_values=past, use_cache=True)
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1))
+            past.crop(511)  # back to the prompt, so every timed step is the same step
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":

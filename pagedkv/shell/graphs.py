@@ -55,7 +55,11 @@ class GraphDecoder:
         return next(b for b in self.buckets if b >= n and b in self.graphs)
 
     def decode(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of an installed decode batch (rows, vocab), by graph replay."""
+        """Logits of an installed decode batch (rows, vocab), by graph replay (recaptured first when the
+        pool was reinitialised: a new epoch)."""
+        if self.worker.epoch != self.epoch:
+            self.graphs.clear()
+            self.capture(batch.metadata)
         n = batch.num_rows
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]
         b = static_tokens.numel()

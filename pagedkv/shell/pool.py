@@ -83,6 +83,7 @@ class PagePool:
         # zeros: block 0 (the null block) and padding slots hold finite values, never garbage
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.fused_write: object = None  # e.g. triton_decode.kv_write: (k, v, k_pages, v_pages, slots) -> None
 
     @property
     def bytes(self) -> int:
@@ -93,6 +94,9 @@ class PagePool:
 
         Padding tokens map to slots of the null block, never to -1, so no index is negative.
         """
+        if self.fused_write is not None:  # one kernel for K and V (the triton backend on CUDA)
+            self.fused_write(k, v, self.k[layer], self.v[layer], slot_mapping)  # type: ignore[operator]
+            return
         flat = (-1, self.kv_heads, self.head_dim)
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))

@@ -185,3 +185,26 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kv_write_kernel(K, V, KC, VC, SLOTS, W: tl.constexpr, BW: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        i = tl.arange(0, BW)
+        m = i < W
+        tl.store(KC + slot * W + i, tl.load(K + t * W + i, mask=m), mask=m)
+        tl.store(VC + slot * W + i, tl.load(V + t * W + i, mask=m), mask=m)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor) -> None:
+    """The slot-mapping K/V write as one kernel: token t's (kv_heads, head_dim) goes to slot ``slots[t]``."""
+    if triton is None:
+        raise RuntimeError("the Triton kernels need triton and a CUDA device")
+    T = k.shape[0]
+    W = k[0].numel()
+    if T:
+        _kv_write_kernel[(T,)](k.contiguous().to(k_pages.dtype), v.contiguous().to(v_pages.dtype), k_pages, v_pages,
+                               slots, W=W, BW=triton.next_power_of_2(W))  # fmt: skip

@@ -32,6 +32,15 @@ def main() -> None:
     from pagedkv.shell.backends.triton_decode import kv_write
 
     pool.fused_write = kv_write  # the slot-mapping write as one kernel
+    kp, vp = torch.randn(33, 16, 3, 64, device=dev, dtype=torch.bfloat16), torch.randn(33, 16, 3, 64, device=dev,
+                                                                                   dtype=torch.bfloat16)  # fmt: skip
+    k, v = torch.randn(40, 3, 64, device=dev), torch.randn(40, 3, 64, device=dev)
+    slots = torch.randperm(33 * 16, device=dev)[:40]
+    a, b = kp.clone(), vp.clone()
+    kv_write(k, v, a, b, slots)
+    kp.view(-1, 3, 64).index_copy_(0, slots, k.bfloat16())
+    vp.view(-1, 3, 64).index_copy_(0, slots, v.bfloat16())
+    print(f"fused KV write == index_copy_: {torch.equal(a, kp) and torch.equal(b, vp)}")
     group = cfg.groups[0]
     print(f"{torch.cuda.get_device_name()}; SmolLM2 shapes, random weights, bf16, triton backend, 512-token contexts")
     print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}")

@@ -1,8 +1,10 @@
 """``LLM``: the whole-request API over the engine.
 
->>> llm = LLM()                                                            # doctest: +SKIP
->>> [c.text for c in llm.generate(["What is the capital of France?"], chat=True)]  # doctest: +SKIP
-['The capital of France is Paris.']
+Usage (loads SmolLM2, so it is shown here and run in tests/test_smollm2.py rather than as a doctest)::
+
+    llm = LLM()
+    [c.text for c in llm.generate(["What is the capital of France?"], chat=True)]
+    # ['The capital of France is Paris.']
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Pure like the rest of the core: the CLI (``pagedkv check``) times and prints.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +180,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
     )
 
 
-def _takes_generation(effect: object, before: KVState, after: KVState) -> bool | None:
+def _takes_generation(effect: object) -> bool | None:
     """Must this transition take a generation (True), must it not (False), or either (None)?"""
     if isinstance(effect, (Admitted, Released)):
         return True
@@ -242,7 +242,7 @@ def check(
                 parents[k2] = (key, ev.to_json(state))
                 result.states += 1
                 broken = invariants(new)
-                must = _takes_generation(step.effect, state, new)
+                must = _takes_generation(step.effect)
                 if must is True and new.generation <= state.generation:
                     broken = broken + [f"{ev.name} changed a block layout without a new generation"]
                 elif must is False and new.generation != state.generation:
@@ -277,6 +277,3 @@ def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> l
         "max_model_len": c.max_model_len}}  # fmt: skip
     return [json.dumps(header)] + [json.dumps(e) for e in reversed(events)]
 
-
-def iter_trace(result: CheckResult) -> Iterator[str]:
-    yield from result.trace

@@ -57,6 +57,20 @@ class GroupSpec:
         """Does this group let blocks go once no future query can see them?"""
         return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
 
+    def first_visible_position(self, position: int) -> int:
+        """The first key a query at ``position`` reads (0 unless the group is windowed).
+
+        >>> GroupSpec("w", GroupKind.SLIDING_WINDOW, window=32).first_visible_position(112)
+        81
+        """
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            assert self.window is not None
+            return max(0, position - self.window + 1)
+        if self.kind is GroupKind.CHUNKED_LOCAL:
+            assert self.chunk is not None
+            return position // self.chunk * self.chunk
+        return 0
+
     def first_visible_block(self, position: int, block_size: int) -> int:
         """The first block any query at ``position`` or later can still see.
 
@@ -68,13 +82,7 @@ class GroupSpec:
         >>> GroupSpec("c", GroupKind.CHUNKED_LOCAL, chunk=32).first_visible_block(112, 16)
         6
         """
-        if self.kind is GroupKind.SLIDING_WINDOW:
-            assert self.window is not None
-            return max(0, position - self.window + 1) // block_size
-        if self.kind is GroupKind.CHUNKED_LOCAL:
-            assert self.chunk is not None
-            return (position // self.chunk) * self.chunk // block_size
-        return 0
+        return self.first_visible_position(position) // block_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,12 +46,8 @@ class AttentionBackend(Protocol):
 
 
 def lowest_visible_key(spec: GroupSpec, position: int) -> int:
-    """The first key a query at ``position`` sees in a windowed group (0 for full attention)."""
-    if spec.kind is GroupKind.SLIDING_WINDOW and spec.window is not None:
-        return max(0, position - spec.window + 1)
-    if spec.kind is GroupKind.CHUNKED_LOCAL and spec.chunk is not None:
-        return position // spec.chunk * spec.chunk
-    return 0
+    """The first key a query at ``position`` sees: the core's rule, ``GroupSpec.first_visible_position``."""
+    return spec.first_visible_position(position)
 
 
 class TorchBackend:

@@ -187,7 +187,7 @@ class Engine:
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:  # fmt: skip
         order = []
-        for i, (text, ids, params) in enumerate(prompts):
+        for text, ids, params in prompts:
             rid = f"req-{len(self.requests)}"
             self.add_request(rid, text, ids, params)
             order.append(rid)

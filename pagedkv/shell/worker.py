@@ -22,7 +22,7 @@ import torch
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.metadata import KVMetadata, RowMetadata
-from pagedkv.shell.errors import ShellError, refuse
+from pagedkv.shell.errors import refuse
 
 RowKey = tuple[RequestId, int]  # (request, row)
 
@@ -221,6 +221,6 @@ class Worker:
     def require(self, batch: ForwardBatch | None) -> ForwardBatch:
         """A paged forward without installed metadata is an error, never a dense run."""
         if batch is None:
-            raise ShellError(refuse(ErrorCode.INVALID, "a paged forward needs installed metadata "
-                                                       "(Worker.install); it never runs dense").error)  # fmt: skip
+            raise refuse(ErrorCode.INVALID, "a paged forward needs installed metadata (Worker.install); "
+                                            "it never runs dense")  # fmt: skip
         return batch

@@ -3,8 +3,8 @@
 Grid (sequence, KV head, split): each program streams its split's keys tile by tile through the
 block table, for all the query heads of its KV head at once (so each K/V byte is read once), with
 an online softmax; a second kernel merges the splits by their log-sum-exp. Pages are
-``(num_blocks, block_size, kv_heads, head_dim)``; any block size that divides the 64-token tile or
-is a multiple of it... the tile is a power of two and the block size a power of two >= 16.
+``(num_blocks, block_size, kv_heads, head_dim)``; a tile gathers its keys through the block table
+token by token, so any block size from 16 works (tested: 16 and 128).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, LENS, OUT, LSE, scale,
-        stride_tb, max_blocks,
+        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb,
         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -95,8 +94,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(B, kvh, splits)](
-        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale,
-        block_table.stride(0), block_table.shape[1],
+        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale, block_table.stride(0),
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
         num_warps=4, num_stages=3,

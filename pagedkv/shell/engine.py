@@ -79,6 +79,7 @@ class Engine:
         self.backend = get_backend(backend)
         self.requests: dict[RequestId, tuple[Completion, SamplingParams, torch.Generator]] = {}
         self.stats = EngineStats()
+        self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
         self.trace = trace
         self.kv_history: list[Any] | None = None  # set to [] to keep the core's snapshot after every step
         self.step_hook: list[tuple[int, int, float]] | None = None  # (decode rows, prefill tokens, seconds) a step
@@ -146,10 +147,11 @@ class Engine:
             elif params.stop and any(s in self.tokenizer.decode(comp.token_ids) for s in params.stop):
                 comp.finish_reason = "stop"
                 stop.append(rid)
-        for rid, q in plan.prefill:
-            if rid in sampled:
-                self.requests[rid][0].cached_tokens = max(self.requests[rid][0].cached_tokens,
-                                                          len(self.requests[rid][0].prompt_token_ids) - q)  # fmt: skip
+        for meta in plan.metadata:  # a request's first prefill starts where its prefix-cache hit ended
+            for row in meta.rows:
+                if meta.phase == "prefill" and row.request_id not in self._prefilled:
+                    self._prefilled.add(row.request_id)
+                    self.requests[row.request_id][0].cached_tokens = row.kv_start_pos
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         if self.trace is not None:
             self.trace.write(json.dumps(output_event(sampled, stop)) + "\n")

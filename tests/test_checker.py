@@ -71,7 +71,7 @@ def _double_free(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Txn.free_slot
 
     def free_slot(self: Txn, slot: int) -> None:
-        blocks = self.row_blocks[slot]
+        blocks = self.rows[slot].blocks
         if blocks and blocks[0] and blocks[0][-1]:
             self.push_free(blocks[0][-1])  # the last block goes back a second time
         original(self, slot)

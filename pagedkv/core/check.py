@@ -25,7 +25,7 @@ from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.errors import KVError
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, Step, free_queue, initial_state
+from pagedkv.core.state import KVState, Step, free_queue, initial_state, row_token_ids
 from pagedkv.core.transitions import (
     Admitted, Appended, Committed, Released, admit, append, commit, release, reset_prefix_cache,
 )  # fmt: skip
@@ -161,19 +161,19 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
         rows = []
         for slot, layout in zip(req.slots, req.layouts):
             groups = []
-            for ids in s.row_blocks[slot]:
+            record = s.rows[slot]
+            for ids in record.blocks:
                 for b in ids:
                     if b not in rename:
                         rename[b] = len(rename)
                 groups.append(tuple(rename[b] for b in ids))
-            toks = s.row_tokens[slot]
-            rows.append((s.row_len[slot], s.row_computed[slot], layout, tuple(groups),
-                         None if toks is None else tuple(toks), s.row_hashes[slot], s.row_pending[slot]))  # fmt: skip
+            rows.append((s.row_len[slot], s.row_computed[slot], layout, tuple(groups), row_token_ids(s, slot),
+                         record.hashes, record.pending))  # fmt: skip
         requests.append((rid, req.extra_keys, req.cache_epoch == s.cache_epoch, tuple(rows)))
     for b in range(1, s.config.num_blocks):  # a broken state may hold ids nobody lists; keep them apart
         rename.setdefault(b, len(rename))
     return (
-        tuple(s.block_key[b] for b in free),  # which free blocks still hold a hash, in queue order
+        tuple(s.block_key.get(b) for b in free),  # which free blocks still hold a hash, in queue order
         tuple(requests),
         tuple(sorted((k, rename[b]) for k, b in s.cache.items())),
         tuple(s.refcount[b] for b in rename),  # in renamed order: a dict keeps insertion order

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pagedkv.core.state import KVState, free_queue
+from pagedkv.core.state import KVState, free_queue, row_token_ids
 
 
 def canonical(state: KVState) -> tuple[object, ...]:
@@ -34,10 +34,10 @@ def canonical(state: KVState) -> tuple[object, ...]:
                 layout.prefix_len,
                 layout.target_len,
                 layout.spans,
-                state.row_blocks[slot],
-                None if (toks := state.row_tokens[slot]) is None else tuple(toks),
-                tuple(h.hex() for h in state.row_hashes[slot]),
-                (state.row_pending[slot][0], tuple(sorted(state.row_pending[slot][1]))),
+                (record := state.rows[slot]).blocks,
+                row_token_ids(state, slot),
+                tuple(h.hex() for h in record.hashes),
+                (record.pending[0], tuple(sorted(record.pending[1]))),
             )
             for slot, layout in zip(req.slots, req.layouts)
         )

@@ -56,5 +56,17 @@ def is_int(value: object) -> bool:
     return type(value) is int
 
 
+TOKEN_ID_LIMIT = 1 << 64  # token ids are unsigned 64-bit integers (the core packs them in eight bytes)
+
+
+def is_token_id(value: object) -> bool:
+    """An integer in ``[0, 2**64)`` (never a bool).
+
+    >>> is_token_id(7), is_token_id(-1), is_token_id(2**64), is_token_id(True)
+    (True, False, False, False)
+    """
+    return type(value) is int and 0 <= value < TOKEN_ID_LIMIT
+
+
 def is_request_id(value: object) -> bool:
     return type(value) is str or type(value) is int

@@ -40,8 +40,20 @@ def check_invariants(state: KVState) -> list[str]:
                 bad.append(f"request {rid!r} row {i}: computed {computed} outside [0, {length}]")
             layout = req.layouts[i]
             future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
-            hashes = s.row_hashes[slot]
-            for g, ids in enumerate(s.row_blocks[slot]):
+            record = s.rows[slot]
+            hashes = record.hashes
+            tail = s.row_tail[slot]
+            if tail is not None and (record.chunks is None or len(tail) % 8):
+                bad.append(f"request {rid!r} row {i}: a token tail without token chunks, or not whole ids")
+            elif record.chunks is not None:
+                known = record.chunked + (len(tail) // 8 if tail is not None else 0)
+                if sum(map(len, record.chunks)) != record.chunked or known > length:
+                    bad.append(f"request {rid!r} row {i}: {known} known token ids for {length} tokens")
+                elif tail is not None and known != length:
+                    bad.append(f"request {rid!r} row {i}: token ids tracked but {known} known of {length}")
+                elif tail and known // cfg.block_size != record.chunked // cfg.block_size:
+                    bad.append(f"request {rid!r} row {i}: the token tail spans a full block (it was not chunked)")
+            for g, ids in enumerate(record.blocks):
                 if len(ids) != cfg.blocks_for(length):
                     bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
                 lowest = _lowest_visible(cfg.groups[g], future)
@@ -55,7 +67,7 @@ def check_invariants(state: KVState) -> list[str]:
                         bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
                     if b:
                         held[b] += 1
-                        key = s.block_key[b]
+                        key = s.block_key.get(b)
                         if j >= len(hashes) and key is not None:
                             bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries a "
                                        "hash its row never computed (a stale cache entry)")  # fmt: skip
@@ -82,8 +94,8 @@ def check_invariants(state: KVState) -> list[str]:
         if (blk in in_free) == (held[blk] > 0):
             bad.append(f"block {blk} is {'both free and referenced' if held[blk] else 'neither free nor referenced'}")
     for key, blk in s.cache.items():
-        if s.block_key[blk] != key:
+        if s.block_key.get(blk) != key:
             bad.append(f"cached hash of group {key[0]} maps to block {blk}, which does not carry it")
-    if sum(k is not None for k in s.block_key) != len(s.cache):
+    if len(s.block_key) != len(s.cache):
         bad.append("a block carries a hash the cache index lost")
     return bad

@@ -134,12 +134,14 @@ def publish(
         if req is None:
             return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid))
         requests.append(req)
+    row_len, records = state.row_len, state.rows
     for req in requests:
         rid = req.request_id
         for i, slot in enumerate(req.slots):
             layout = req.layouts[i]
-            length = state.row_len[slot]
-            blocks = state.row_blocks[slot]
+            length = row_len[slot]
+            record = records[slot]
+            blocks = record.blocks
             if phase is Phase.PREFILL:
                 seq_len = length
                 start = state.row_computed[slot]
@@ -177,7 +179,7 @@ def publish(
                     f"request {rid!r} row {i} has segments {_flags(flags)} but the forward's first row has "
                     f"{_flags(structure)}; rows of one forward need the same segment structure",
                     request=rid, field="requests"))  # fmt: skip
-            _, pending = state.row_pending[slot]
+            _, pending = record.pending
             if pending and min(pending) * bs < seq_len:
                 return Failure(invalid(f"request {rid!r} row {i}: block position {min(pending)} is pending (its KV "
                                        "has not arrived); attention cannot read it", request=rid, field="pending"))  # fmt: skip

@@ -18,15 +18,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from pyrsistent import pmap, pvector
+from immutables import Map
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
 from pagedkv.core.hashing import hash_block, root_hash
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, RowLayout, Step, Txn, initial_state
+from pagedkv.core.state import (
+    NO_PENDING, SLOT_SHIFT, Blocks, KVState, Pending, Request, Row, RowLayout, Step, Txn, initial_state, pack_ids,
+    unpack_ids,
+)  # fmt: skip
 
 # One row's growth in an append: a token count, or the token ids themselves.
 Growth = int | Sequence[int]
@@ -155,11 +158,14 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     for row, nb, row_ids, hashes in zip(rows, per_row, hit.ids, hit.hashes):
         fresh = nb - hit.num_blocks
         rb = tuple(group_ids + tuple(txn.pop_free() for _ in range(fresh)) for group_ids in row_ids)
-        tokens = pvector(row.tokens) if caching and row.tokens is not None else None
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
-        slots.append(txn.new_slot(row.num_tokens, max(cached, p), rb, tokens, hashes, pending))
+        if caching and row.tokens is not None:  # the ids stay known while the row grows by ids
+            record, tail = Row(rb, (row.tokens,), row.num_tokens, hashes, pending), b""
+        else:
+            record, tail = Row(rb, None, 0, hashes, pending), None
+        slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
         blocks.append(rb)
     if caching:
         txn.prefix_queries += sum(row.num_tokens for row in rows)
@@ -207,41 +213,80 @@ def append_many(
     return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
 
 
-def append_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Appended], KVError]:
-    """One decode step's bookkeeping: every row of every named request grows by one token.
+def append_decode(
+    state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None = None
+) -> Result[Step[Appended], KVError]:
+    """One decode step's growth: every row of every named request grows by one token.
 
+    ``tokens[k]``, when given, is the id of request k's new token (every row of
+    it gets that id, as CFG branches do); without ids the rows grow by a count.
     Equivalent to ``append_many`` with one token per row (a test holds them
-    equal), with a fast path for the common case: a single-row request that
-    does not cross a block boundary costs one map read and one vector set.
-    Every group list holds exactly ceil(len / block_size) ids, so a row of
-    length L needs a new block for token L + 1 exactly when L % block_size == 0.
+    equal), at the cost of a dict update a request for the common case: a
+    one-row request whose new token neither opens nor fills a block. Every
+    group list holds exactly ceil(len / block_size) ids, so a row of length L
+    needs a new block for token L + 1 exactly when L % block_size == 0.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(3),))).unwrap().state
+    >>> step = append_decode(s, ["a"], [42]).unwrap()
+    >>> step.effect.allocations, step.state.row_len[0]
+    ((), 4)
     """
+    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+    toks = _token_ids(tokens, len(ids))
+    if isinstance(toks, KVError):
+        return Failure(toks)
     txn = Txn(state)
+    cfg = state.config
+    bs = cfg.block_size
+    limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
     get = state.requests.get
-    row_len = txn.row_len
-    bs = state.config.block_size
-    limit = state.config.max_model_len
+    lens = txn.row_len.own_all() if ids else ()
+    tails = txn.row_tail.own_all() if ids and toks is not None and cfg.enable_prefix_caching else None
+    mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
-    if limit is None:
-        limit = 1 << 62
-    for rid in request_ids:
+    for k, rid in enumerate(ids):
         try:
             req = get(rid)
         except TypeError:  # an unhashable id: the general path says INVALID
             req = None
-        if req is not None:
-            slot = req.decode_slot
-            if slot >= 0:
-                length = row_len[slot]
-                if length % bs and length < limit:
-                    row_len[slot] = length + 1
-                    continue
-        result = _grow(txn, rid, None)  # the general path: errors, boundaries, several rows
+        if req is not None and (slot := req.decode_slot) >= 0:
+            leaf = lens[slot >> SLOT_SHIFT]
+            n = leaf[slot & mask]
+            r = n % bs
+            if r and r != bs - 1 and n < limit:  # no block opens, none fills: one integer, maybe a few bytes
+                leaf[slot & mask] = n + 1
+                if tails is not None:
+                    tail_leaf = tails[slot >> SLOT_SHIFT]
+                    tail = tail_leaf[slot & mask]
+                    if tail is not None:
+                        tail_leaf[slot & mask] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                continue
+        result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
         if isinstance(result, KVError):
             return Failure(result)
         if result:
             allocations.append((rid, result))
     return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+
+
+def _num_rows(req: Request | None) -> int:
+    return len(req.slots) if req is not None else 1
+
+
+def _token_ids(tokens: Sequence[int] | None, count: int) -> Sequence[int] | None | KVError:
+    """The batch's token ids, checked once for the whole call."""
+    if tokens is None:
+        return None
+    toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    if len(toks) != count:
+        return invalid(f"a decode step needs one token id per request: {count} requests, {len(toks)} ids",
+                       field="tokens")  # fmt: skip
+    if toks and (set(map(type, toks)) != {int} or min(toks) < 0 or max(toks) >= 1 << 64):
+        bad = next(t for t in toks if not is_token_id(t))
+        return invalid(f"token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
+    return toks
 
 
 _ONES = [(1,) * n for n in range(9)]
@@ -261,10 +306,9 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
                        request=rid, field="tokens")  # fmt: skip
     cfg = txn.config
     bs = cfg.block_size
-    row_len, row_blocks = txn.row_len, txn.row_blocks
+    row_len, records = txn.row_len, txn.rows
     need = 0
-    grown: list[tuple[int, int, int]] = []  # (slot, new length, new blocks per group)
-    grown_items: list[Growth] = []
+    grown: list[tuple[int, int, int, Growth]] = []  # (slot, new length, new blocks per group, growth)
     for i, item in enumerate(rows):
         if type(item) is int:
             n = item
@@ -272,8 +316,8 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
                 return invalid(f"request {rid!r} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
         elif isinstance(item, (list, tuple)):
             for t in item:
-                if not is_int(t) or t < 0:
-                    return invalid(f"request {rid!r} row {i}: token ids must be non-negative integers, got {t!r}",
+                if not is_token_id(t):
+                    return invalid(f"request {rid!r} row {i}: token ids must be non-negative integers below 2**64, got {t!r}",
                                    request=rid, field="tokens")  # fmt: skip
             n = len(item)
         else:
@@ -289,27 +333,43 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
             return invalid(f"request {rid!r} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
                            request=rid, field="tokens")  # fmt: skip
-        extra = -(-new_len // bs) - len(row_blocks[slot][0])
+        extra = -(-new_len // bs) - len(records[slot].blocks[0])
         need += extra
-        grown.append((slot, new_len, extra))
-        grown_items.append(item)
+        grown.append((slot, new_len, extra, item))
     need *= len(cfg.groups)
     if need > txn.num_free:
         return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
                        request=rid, requested=need, available=txn.num_free)  # fmt: skip
-    row_tokens = txn.row_tokens
-    for (slot, new_len, extra), item in zip(grown, grown_items):
-        tokens = row_tokens[slot]
-        if tokens is not None and len(tokens) == row_len[slot] and isinstance(item, (list, tuple)):
-            row_tokens[slot] = tokens.extend(item)  # still tracking: the ids stay aligned with positions
+    tails = txn.row_tail
+    for slot, new_len, extra, item in grown:
+        record = records[slot]
+        tail = tails[slot]
+        if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
+            chunks = record.chunks
+            assert chunks is not None
+            if isinstance(item, (list, tuple)):
+                tail += pack_ids(item)
+                known = record.chunked + (len(tail) >> 3)
+                if known // bs > record.chunked // bs:  # the open block filled: its ids join the chunks
+                    cut = (known // bs * bs - record.chunked) << 3
+                    record = replace(record, chunks=chunks + (unpack_ids(tail[:cut]),), chunked=known // bs * bs)
+                    tail = tail[cut:]
+                tails[slot] = tail
+            else:
+                if tail:
+                    record = replace(record, chunks=chunks + (unpack_ids(tail),),
+                                     chunked=record.chunked + (len(tail) >> 3))  # fmt: skip
+                tails[slot] = None
         row_len[slot] = new_len
         if extra:
             pop = txn.pop_free
-            row_blocks[slot] = tuple(g + tuple(pop() for _ in range(extra)) for g in row_blocks[slot])
+            record = replace(record, blocks=tuple(g + tuple(pop() for _ in range(extra)) for g in record.blocks))
+        if record is not records[slot]:
+            records[slot] = record
     if not need:
         return 0
     gen = txn.next_generation()
-    txn.requests.set(rid, replace(req, generation=gen))
+    txn.requests[rid] = replace(req, generation=gen)
     return gen
 
 
@@ -348,6 +408,116 @@ def commit_many(
     return Success(Step(txn.done(), tuple(effects)))
 
 
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """What a batch decode transition (``commit_decode``, ``decode_step``) did."""
+
+    # (request, generation it took) for every request whose block layout changed, in order
+    allocations: tuple[tuple[RequestId, int], ...]
+    freed_blocks: int = 0  # blocks windowed groups let go
+    events: tuple[KVEvent, ...] = ()  # blocks stored in the prefix cache, evictions
+
+
+def commit_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Decoded], KVError]:
+    """The forward computed every position of the named requests: each row is
+    committed through its length (full blocks enter the prefix cache).
+
+    Equivalent to ``commit_many`` with each row's length (a test holds them
+    equal); costs a dict update a request unless a block completes.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(3),))).unwrap().state
+    >>> commit_decode(s, ["a"]).unwrap().state.row_computed[0]
+    3
+    """
+    return decode_step(state, request_ids, None, append_tokens=False)
+
+
+def decode_step(
+    state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None, *, append_tokens: bool = True
+) -> Result[Step[Decoded], KVError]:
+    """One decode step as one transition: the forward computed every position of
+    the named requests, and ``tokens[k]`` was sampled for request k.
+
+    Each row is committed through its length (blocks that fill are hashed and
+    enter the prefix cache, so prefix caching stays exact), then grows by its
+    request's sampled token (``None``: by a count), opening a block when the
+    last one is full. The same as ``commit_many`` then ``append_many`` (a test
+    holds them equal), at the cost of a dict update a request in the common
+    case. All of it, or nothing.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True))
+    >>> s = admit(s, RequestSpec("a", (RowSpec.of_tokens([1, 2, 3]),))).unwrap().state
+    >>> s = decode_step(s, ["a"], [4]).unwrap().state   # 1 2 3 computed; 4 appended
+    >>> step = decode_step(s, ["a"], [5]).unwrap()      # block [1 2 3 4] fills and is cached; 5 opens a block
+    >>> len(step.state.cache), step.effect.allocations, step.state.row_len[0]
+    (1, (('a', 2),), 5)
+    """
+    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+    toks = _token_ids(tokens, len(ids))
+    if isinstance(toks, KVError):
+        return Failure(toks)
+    txn = Txn(state)
+    cfg = state.config
+    bs = cfg.block_size
+    limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
+    fast = not any(g.is_windowed for g in cfg.groups)  # full attention only: no window logic at all
+    get = state.requests.get
+    lens = txn.row_len.own_all() if ids else ()
+    done = txn.row_computed.own_all() if ids else ()
+    tails = txn.row_tail.own_all() if ids and toks is not None and cfg.enable_prefix_caching else None
+    mask = (1 << SLOT_SHIFT) - 1
+    allocations: list[tuple[RequestId, int]] = []
+    freed = 0
+    for k, rid in enumerate(ids):
+        try:
+            req = get(rid)
+        except TypeError:  # an unhashable id: the general path says INVALID
+            req = None
+        if fast and req is not None and (slot := req.decode_slot) >= 0:
+            leaf, o = lens[slot >> SLOT_SHIFT], slot & mask
+            n = leaf[o]
+            done_leaf = done[slot >> SLOT_SHIFT]
+            if done_leaf[o] // bs == n // bs:  # committing through n completes no block
+                if not append_tokens:
+                    done_leaf[o] = n
+                    continue
+                r = n % bs
+                if r and r != bs - 1 and n < limit:  # and the new token neither opens nor fills one
+                    done_leaf[o] = n
+                    leaf[o] = n + 1
+                    if tails is not None:
+                        tail_leaf = tails[slot >> SLOT_SHIFT]
+                        tail = tail_leaf[o]
+                        if tail is not None:
+                            tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                    continue
+        # the general path: errors, block boundaries, windows, several rows
+        if req is None or not is_request_id(rid):
+            return Failure(_unknown(rid))
+        committed = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots])
+        if isinstance(committed, KVError):
+            return Failure(committed)
+        freed += committed.freed_blocks
+        gen = committed.generation
+        if append_tokens:
+            grown = _grow(txn, rid, None if toks is None else [[toks[k]]] * len(req.slots))
+            if isinstance(grown, KVError):
+                return Failure(grown)
+            gen = grown or gen
+        if gen:
+            allocations.append((rid, gen))
+    return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
+
+
+def _unknown(rid: object) -> KVError:
+    if not is_request_id(rid):
+        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+    return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)  # type: ignore[arg-type]
+
+
 def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
     if not is_request_id(request_id):
         return invalid(f"request id must be a string or an integer, got {request_id!r}", field="request")
@@ -366,12 +536,14 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
                 request=request_id, field="computed")  # fmt: skip
     first_event = len(txn.events)
     caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch
+    windowed = any(g.is_windowed for g in base.config.groups)
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c
         if caching:
             _cache_full_blocks(txn, req, i, slot, c)
-        _drop_invisible(txn, req, i, slot, c, dropped)
+        if windowed:
+            _drop_invisible(txn, req, i, slot, c, dropped)
     gen = None
     before_free = txn.num_free
     if dropped:
@@ -379,40 +551,63 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         for _, _, _, b in dropped:
             txn.unref(b)
         gen = txn.next_generation()
-        txn.requests.set(request_id, replace(req, generation=gen))
+        txn.requests[request_id] = replace(req, generation=gen)
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
+
+
+def _block_ids(record: Row, tail: bytes | None, j: int, bs: int) -> tuple[int, ...]:
+    """The token ids of block j of a row: from its chunks, walked back from the newest, and its tail."""
+    start, end = j * bs, (j + 1) * bs
+    assert record.chunks is not None
+    parts: list[tuple[int, ...]] = []
+    if end > record.chunked and tail:
+        parts.append(unpack_ids(tail[(max(start, record.chunked) - record.chunked) << 3 : (end - record.chunked) << 3]))
+    pos = record.chunked
+    for chunk in reversed(record.chunks):
+        first = pos - len(chunk)
+        if first < end and pos > start:
+            parts.append(chunk[max(start - first, 0) : min(end, pos) - first])
+        if first <= start:
+            break
+        pos = first
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(t for part in reversed(parts) for t in part)
 
 
 def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
     """Put row i's newly full computed blocks into the cache index (once per content)."""
-    tokens = txn.row_tokens[slot]
-    if tokens is None:
+    record = txn.rows[slot]
+    if record.chunks is None:
         return
     cfg = txn.config
     bs = cfg.block_size
+    tail = txn.row_tail[slot]
+    known = record.chunked + (len(tail) >> 3 if tail is not None else 0)
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
-    full = min(computed, cacheable, len(tokens)) // bs
-    chain = txn.row_hashes[slot]
+    full = min(computed, cacheable, known) // bs
+    chain = record.hashes
     if full <= len(chain):
         return
-    blocks = txn.row_blocks[slot]
+    blocks = record.blocks
     parent = chain[-1] if chain else root_hash(cfg.hash_namespace)
     new = list(chain)
+    cache, block_key = txn.cache, txn.block_key
     for j in range(len(chain), full):
-        ids = tuple(tokens[j * bs : (j + 1) * bs])
+        ids = _block_ids(record, tail, j, bs)
         h = hash_block(parent, ids, req.extra_keys)
         for g in range(len(cfg.groups)):
             b = blocks[g][j]
             key = (g, h)
-            if not b or txn.block_key[b] is not None or txn.is_cached(key):
+            if not b or b in block_key or key in cache:
                 continue  # let go already, already cached, or the same content sits in another block
-            txn.cache.set(key, b)
-            txn.block_key[b] = key
+            cache[key] = b
+            block_key[b] = key
             txn.events.append(BlockStored(h, parent if j else None, ids, g, b))
         new.append(h)
         parent = h
-    txn.row_hashes[slot] = tuple(new)
+    txn.rows[slot] = replace(record, hashes=tuple(new))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
@@ -427,8 +622,8 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
     cfg = txn.config
     layout = req.layouts[i]
     future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
-    blocks = txn.row_blocks[slot]
-    groups = list(blocks)
+    record = txn.rows[slot]
+    groups = list(record.blocks)
     changed = False
     for g, gs in enumerate(cfg.groups):
         first = gs.first_visible_block(future, cfg.block_size)
@@ -441,7 +636,7 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
             groups[g] = (0,) * first + ids[first:]
             changed = True
     if changed:
-        txn.row_blocks[slot] = tuple(groups)
+        txn.rows[slot] = replace(record, blocks=tuple(groups))
 
 
 # -- release -----------------------------------------------------------------
@@ -467,10 +662,43 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     txn = Txn(state)
     before = txn.num_free
     _free_tail_first(txn, req)
-    txn.requests.remove(request_id)
+    del txn.requests[request_id]
     gen = txn.next_generation()
     freed = txn.num_free - before
     return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed)))
+
+
+def release_many(
+    state: KVState, request_ids: Iterable[RequestId], reason: ReleaseReason | str
+) -> Result[Step[tuple[Released, ...]], KVError]:
+    """Several releases as one transition, in order (the requests a step ended): all, or none.
+
+    The same as releasing them one after another: each takes its own generation.
+
+    >>> from pagedkv.core import CacheConfig, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(admit(s, RequestSpec("a", (RowSpec(8),))).unwrap().state, RequestSpec("b", (RowSpec(2),))).unwrap().state
+    >>> [(r.request_id, r.generation, r.freed_blocks) for r in release_many(s, ["a", "b"], "finished").unwrap().effect]
+    [('a', 3, 2), ('b', 4, 1)]
+    """
+    if not isinstance(reason, str) or reason not in _REASONS:
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+    why = ReleaseReason(reason)
+    txn = Txn(state)
+    out = []
+    gone: set[RequestId] = set()
+    for rid in request_ids:
+        if not is_request_id(rid):
+            return Failure(invalid(f"request id must be a string or an integer, got {rid!r}", field="request"))
+        req = state.requests.get(rid)
+        if req is None or rid in gone:
+            return _fail(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", rid)
+        gone.add(rid)
+        before = txn.num_free
+        _free_tail_first(txn, req)
+        del txn.requests[rid]
+        out.append(Released(rid, why, txn.next_generation(), txn.num_free - before))
+    return Success(Step(txn.done(), tuple(out)))
 
 
 _REASONS = frozenset(r.value for r in ReleaseReason)
@@ -480,7 +708,8 @@ def _free_tail_first(txn: Txn, req: Request) -> None:
     """Drop one reference to each block, positions descending over all rows and
     groups (rows, then groups, in order within one position); a block whose
     last reference goes joins the tail of the free queue."""
-    rows = [txn.row_blocks[s] for s in req.slots]
+    records = txn.rows
+    rows = [records[s].blocks for s in req.slots]
     if len(rows) == 1 and len(rows[0]) == 1:
         order: Iterable[int] = reversed(rows[0][0])
     else:
@@ -533,14 +762,15 @@ def mark_ready(state: KVState, request_id: RequestId, row: int, start: int, end:
     if not is_int(row) or not 0 <= row < len(req.slots):
         return Failure(invalid(f"request {request_id!r} has no row {row!r}", request=request_id, field="row"))
     slot = req.slots[row]
-    arriving, pending = state.row_pending[slot]
+    record = state.rows[slot]
+    arriving, pending = record.pending
     if not (is_int(start) and is_int(end) and 0 <= start < end <= arriving):
         return Failure(invalid(f"request {request_id!r} row {row}: [{start!r}, {end!r}) is not inside the "
                                f"arriving range [0, {arriving})", request=request_id, field="range"))  # fmt: skip
     bs = state.config.block_size
     ready = frozenset(j for j in pending if start <= j * bs and min((j + 1) * bs, arriving) <= end)
     txn = Txn(state)
-    txn.row_pending[slot] = (arriving, pending - ready)
+    txn.rows[slot] = replace(record, pending=(arriving, pending - ready))
     effect = MarkedReady(request_id, row, tuple(sorted(ready)), tuple(sorted(pending - ready)))
     return Success(Step(txn.done(), effect))
 
@@ -567,21 +797,15 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     Cached blocks nobody holds become plain free blocks where they stand in the
     free queue; held ones stay with their owners but can no longer be hit. The
     requests running now never insert again: their KV may predate the reset.
-    Costs O(cached blocks), never a scan of the pool.
+    Costs O(1): the index and its reverse are simply emptied.
 
     >>> from pagedkv.core import CacheConfig, initial_state
     >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
     0
     """
-    if not len(state.cache):
-        nxt = replace(state, cache_epoch=state.cache_epoch + 1)
-        return Success(Step(nxt, PrefixCacheReset(0)))
-    txn = Txn(state)
-    for b in state.cache.values():
-        txn.block_key[b] = None
     dropped = len(state.cache)
-    nxt = replace(txn.done(), cache=pmap(), cache_epoch=state.cache_epoch + 1)
-    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),))))
+    nxt = replace(state, cache=Map(), block_key=Map(), cache_epoch=state.cache_epoch + 1)
+    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if dropped else ())))
 
 
 def _id_order(rid: RequestId) -> tuple[str, str | int]:

@@ -243,7 +243,8 @@ def append_decode(
     limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
     get = state.requests.get
     lens = txn.row_len.own_all() if ids else ()
-    tails = txn.row_tail.own_all() if ids and toks is not None and cfg.enable_prefix_caching else None
+    tails = txn.row_tail.own_all() if ids and cfg.enable_prefix_caching else None
+    records = txn.rows
     mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
     for k, rid in enumerate(ids):
@@ -252,17 +253,24 @@ def append_decode(
         except TypeError:  # an unhashable id: the general path says INVALID
             req = None
         if req is not None and (slot := req.decode_slot) >= 0:
-            leaf = lens[slot >> SLOT_SHIFT]
-            n = leaf[slot & mask]
-            r = n % bs
-            if r and r != bs - 1 and n < limit:  # no block opens, none fills: one integer, maybe a few bytes
-                leaf[slot & mask] = n + 1
-                if tails is not None:
-                    tail_leaf = tails[slot >> SLOT_SHIFT]
-                    tail = tail_leaf[slot & mask]
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            leaf = lens[hi]
+            n = leaf[o]
+            if n % bs and n < limit:  # no block opens: one integer, maybe a few bytes
+                if tails is None:
+                    leaf[o] = n + 1
+                    continue
+                tail_leaf = tails[hi]
+                tail = tail_leaf[o]
+                if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
+                    leaf[o] = n + 1
                     if tail is not None:
-                        tail_leaf[slot & mask] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
-                continue
+                        tail += toks[k].to_bytes(8, "little")  # type: ignore[index]
+                        if (n + 1) % bs == 0:  # the token filled the block: its ids join the chunks
+                            records[slot] = records[slot].with_chunk(unpack_ids(tail))
+                            tail = b""
+                        tail_leaf[o] = tail
+                    continue
         result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
         if isinstance(result, KVError):
             return Failure(result)
@@ -345,31 +353,28 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         record = records[slot]
         tail = tails[slot]
         if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
-            chunks = record.chunks
-            assert chunks is not None
             if isinstance(item, (list, tuple)):
                 tail += pack_ids(item)
                 known = record.chunked + (len(tail) >> 3)
                 if known // bs > record.chunked // bs:  # the open block filled: its ids join the chunks
                     cut = (known // bs * bs - record.chunked) << 3
-                    record = replace(record, chunks=chunks + (unpack_ids(tail[:cut]),), chunked=known // bs * bs)
+                    record = record.with_chunk(unpack_ids(tail[:cut]))
                     tail = tail[cut:]
                 tails[slot] = tail
             else:
                 if tail:
-                    record = replace(record, chunks=chunks + (unpack_ids(tail),),
-                                     chunked=record.chunked + (len(tail) >> 3))  # fmt: skip
+                    record = record.with_chunk(unpack_ids(tail))
                 tails[slot] = None
         row_len[slot] = new_len
         if extra:
             pop = txn.pop_free
-            record = replace(record, blocks=tuple(g + tuple(pop() for _ in range(extra)) for g in record.blocks))
+            record = record.with_blocks(tuple(g + tuple(pop() for _ in range(extra)) for g in record.blocks))
         if record is not records[slot]:
             records[slot] = record
     if not need:
         return 0
     gen = txn.next_generation()
-    txn.requests[rid] = replace(req, generation=gen)
+    txn.requests[rid] = req.at_generation(gen)
     return gen
 
 
@@ -467,7 +472,9 @@ def decode_step(
     get = state.requests.get
     lens = txn.row_len.own_all() if ids else ()
     done = txn.row_computed.own_all() if ids else ()
-    tails = txn.row_tail.own_all() if ids and toks is not None and cfg.enable_prefix_caching else None
+    # token tails: written when ids arrive; a count stops a row's ids (the general path does that)
+    tails = txn.row_tail.own_all() if ids and append_tokens and cfg.enable_prefix_caching else None
+    records = txn.rows
     mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
     freed = 0
@@ -477,23 +484,30 @@ def decode_step(
         except TypeError:  # an unhashable id: the general path says INVALID
             req = None
         if fast and req is not None and (slot := req.decode_slot) >= 0:
-            leaf, o = lens[slot >> SLOT_SHIFT], slot & mask
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            leaf, done_leaf = lens[hi], done[hi]
             n = leaf[o]
-            done_leaf = done[slot >> SLOT_SHIFT]
             if done_leaf[o] // bs == n // bs:  # committing through n completes no block
                 if not append_tokens:
                     done_leaf[o] = n
                     continue
-                r = n % bs
-                if r and r != bs - 1 and n < limit:  # and the new token neither opens nor fills one
-                    done_leaf[o] = n
-                    leaf[o] = n + 1
-                    if tails is not None:
-                        tail_leaf = tails[slot >> SLOT_SHIFT]
-                        tail = tail_leaf[o]
+                if n % bs and n < limit:  # and the new token goes into the open block
+                    if tails is None:
+                        done_leaf[o] = n
+                        leaf[o] = n + 1
+                        continue
+                    tail_leaf = tails[hi]
+                    tail = tail_leaf[o]
+                    if tail is None or toks is not None:
+                        done_leaf[o] = n
+                        leaf[o] = n + 1
                         if tail is not None:
-                            tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
-                    continue
+                            tail += toks[k].to_bytes(8, "little")  # type: ignore[index]
+                            if (n + 1) % bs == 0:  # the token filled the block: its ids join the chunks
+                                records[slot] = records[slot].with_chunk(unpack_ids(tail))
+                                tail = b""
+                            tail_leaf[o] = tail
+                        continue
         # the general path: errors, block boundaries, windows, several rows
         if req is None or not is_request_id(rid):
             return Failure(_unknown(rid))
@@ -551,7 +565,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         for _, _, _, b in dropped:
             txn.unref(b)
         gen = txn.next_generation()
-        txn.requests[request_id] = replace(req, generation=gen)
+        txn.requests[request_id] = req.at_generation(gen)
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
 
 
@@ -607,7 +621,7 @@ def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int)
             txn.events.append(BlockStored(h, parent if j else None, ids, g, b))
         new.append(h)
         parent = h
-    txn.rows[slot] = replace(record, hashes=tuple(new))
+    txn.rows[slot] = record.with_hashes(tuple(new))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
@@ -636,7 +650,7 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
             groups[g] = (0,) * first + ids[first:]
             changed = True
     if changed:
-        txn.rows[slot] = replace(record, blocks=tuple(groups))
+        txn.rows[slot] = record.with_blocks(tuple(groups))
 
 
 # -- release -----------------------------------------------------------------
@@ -770,7 +784,7 @@ def mark_ready(state: KVState, request_id: RequestId, row: int, start: int, end:
     bs = state.config.block_size
     ready = frozenset(j for j in pending if start <= j * bs and min((j + 1) * bs, arriving) <= end)
     txn = Txn(state)
-    txn.rows[slot] = replace(record, pending=(arriving, pending - ready))
+    txn.rows[slot] = record.with_pending((arriving, pending - ready))
     effect = MarkedReady(request_id, row, tuple(sorted(ready)), tuple(sorted(pending - ready)))
     return Success(Step(txn.done(), effect))
 

@@ -1,0 +1,137 @@
+"""pagedkv's core beside vLLM's KV cache manager, through ../shared/peers/bench_peers.py.
+
+The harness drives every peer with the same continuous-batching trace and
+times the bookkeeping only. This adapter drives pagedkv through its public API
+the way an engine does: one ``decode_step`` for the whole running batch a step
+(each row's last token computed and hashed where a block fills, the sampled
+token appended), one ``release_many`` for the requests a step ended, and per
+admission ``admit`` then a ``decode_step`` for the prompt's computed KV and the
+first sampled token. The state is a value; a refused admission keeps the old one.
+
+    bash ../shared/peers/setup_venv.sh "$PEERS_VENV"
+    "$PEERS_VENV"/bin/pip install -e . --no-deps && "$PEERS_VENV"/bin/pip install pyrsistent returns immutables
+    "$PEERS_VENV"/bin/python ../shared/peers/bench_peers.py --peers null,vllm,bench/peers.py:Adapter \\
+        --n 64,256,1024 --repeats 3 --out peers.json
+    python bench/peers.py peers.json          # the table of ratios (GC on, and GC off from a --gc-off run)
+
+The harness calls ``decode(handle, token)`` once per request and wants to know
+at once whether a block was there. The adapter answers that the way the core
+would (a token opens a block when its row's length is a multiple of the block
+size) and queues the token; the queue goes to the core as one transition
+before anything else happens (an admission, a release, the next step).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from returns.result import Success
+
+from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, decode_step, initial_state, release_many
+
+
+class Handle:
+    __slots__ = ("rid", "length")
+
+    def __init__(self, rid: int, length: int) -> None:
+        self.rid = rid
+        self.length = length  # tokens in the row, the queued one included
+
+
+class Adapter:
+    name = "pagedkv"
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks + 1, enable_prefix_caching=True,
+                          max_model_len=max_model_len)  # fmt: skip
+        self.state = initial_state(cfg)  # +1: pagedkv's block 0 is the null block, as vLLM's is
+        self.block_size = block_size
+        self.ids: list[int] = []  # the step's queued decodes: request ids and their sampled tokens
+        self.tokens: list[int] = []
+        self.handles: list[Handle] = []
+        self.opening = 0  # blocks the queued decodes open
+        self.ending: list[int] = []  # the step's queued releases
+        self.last_hit_tokens = 0
+        self.phases: dict[str, list[int]] = {}
+
+    def _flush(self) -> None:
+        if self.ids:
+            self.state = decode_step(self.state, self.ids, self.tokens).unwrap().state
+            for h in self.handles:
+                h.length += 1
+            self.ids, self.tokens, self.handles, self.opening = [], [], [], 0
+        if self.ending:
+            self.state = release_many(self.state, self.ending, "finished").unwrap().state
+            self.ending = []
+
+    def begin_step(self) -> None:
+        self._flush()
+
+    def admit(self, spec: Any, first_token: int) -> Handle | None:
+        self._flush()
+        admitted = admit(self.state, RequestSpec(spec.idx, (RowSpec.of_tokens(spec.prompt),)))
+        if not isinstance(admitted, Success):
+            return None
+        step = admitted.unwrap()
+        first = decode_step(step.state, [spec.idx], [first_token])  # the prompt computed, its first token sampled
+        if not isinstance(first, Success):
+            return None  # no block for the first token: the pool keeps the state before the admission
+        self.state = first.unwrap().state
+        self.last_hit_tokens = step.effect.cached_tokens[0]
+        return Handle(spec.idx, len(spec.prompt) + 1)
+
+    def decode(self, h: Handle, token: int) -> bool:
+        if h.length % self.block_size == 0:  # this token opens a block
+            if self.state.free_blocks - self.opening < 1:
+                self._flush()  # the queued releases give their blocks back first
+                if self.state.free_blocks < 1:
+                    return False
+            self.opening += 1
+        self.ids.append(h.rid)
+        self.tokens.append(token)
+        self.handles.append(h)
+        return True
+
+    def free(self, h: Handle) -> None:
+        if self.ids:
+            self._flush()
+        self.ending.append(h.rid)
+
+
+def table(paths: list[str]) -> str:
+    """Same-repeat ratios of pagedkv's step to vLLM's (and nano-vllm's, where it ran), per N and GC
+    setting, from bench_peers.py's JSON files; medians over the repeats."""
+    lines = ["| GC | N | pagedkv step µs | vLLM step µs | pagedkv / vLLM | nano-vllm / vLLM | admit µs p / v | "
+             "free µs p / v | pagedkv GC runs a step (gen 0/1/2) | vLLM GC runs a step | prefix hit p / v |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for path in paths:
+        data = json.load(open(path))
+        runs = data["runs"]
+        ours = next(k for k in runs if k.endswith(":Adapter") and "peers.py" in k)
+        steps = data["args"]["steps"]
+        gc = "off" if data["args"].get("gc_off") else "on"
+        for n in sorted(runs[ours], key=int):
+            p, v = runs[ours][n], runs["vllm"][n]
+            ratio = _median([a["step_p50_us"] / b["step_p50_us"] for a, b in zip(p["reps"], v["reps"])])
+            nano = "-"
+            if "nanovllm" in runs:
+                q = runs["nanovllm"][n]
+                nano = f"{_median([a['step_p50_us'] / b['step_p50_us'] for a, b in zip(q['reps'], v['reps'])]):.2f}x"
+            ours_gc = "/".join(f"{c / steps:.2f}" for c in p["gc_collections_gen012"])
+            vllm_gc = f"{sum(v['gc_collections_gen012']) / steps:.2f}"
+            lines.append(f"| {gc} | {n} | {p['step_p50_us']:.0f} | {v['step_p50_us']:.0f} | {ratio:.2f}x | {nano} | "
+                         f"{p['admit_p50_us']:.0f} / {v['admit_p50_us']:.0f} | {p['free_p50_us']:.1f} / "
+                         f"{v['free_p50_us']:.1f} | {ours_gc} | {vllm_gc} | "
+                         f"{p['prefix_hit_frac']:.4f} / {v['prefix_hit_frac']:.4f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1:]))

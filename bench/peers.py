@@ -61,10 +61,14 @@ class Adapter:
             self.state = decode_step(self.state, self.ids, self.tokens).unwrap().state
             for h in self.handles:
                 h.length += 1
-            self.ids, self.tokens, self.handles, self.opening = [], [], [], 0
+            # the same lists, emptied: a new list of N items a step is N references for the GC to walk
+            self.ids.clear()
+            self.tokens.clear()
+            self.handles.clear()
+            self.opening = 0
         if self.ending:
             self.state = release_many(self.state, self.ending, "finished").unwrap().state
-            self.ending = []
+            self.ending.clear()
 
     def begin_step(self) -> None:
         self._flush()

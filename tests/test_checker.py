@@ -97,16 +97,19 @@ def _refcount_left_by_refused_admission(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _hash_kept_after_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
-    def pop_free(self: Txn) -> int:
-        b = self.nxt[0]
-        after = self.nxt[b]
-        self.nxt[0] = after
-        self.prv[after] = 0
-        self.num_free -= 1
-        self.refcount[b] = 1
-        return b  # the cache entry of b survives: a later hit reads someone else's KV
+    def pop_blocks(self: Txn, k: int) -> tuple[int, ...]:
+        out = []
+        for _ in range(k):
+            b = self.nxt[0]
+            after = self.nxt[b]
+            self.nxt[0] = after
+            self.prv[after] = 0
+            self.num_free -= 1
+            self.refcount[b] = 1
+            out.append(b)  # the cache entry of b survives: a later hit reads someone else's KV
+        return tuple(out)
 
-    monkeypatch.setattr(Txn, "pop_free", pop_free)
+    monkeypatch.setattr(Txn, "pop_blocks", pop_blocks)
 
 
 def _window_block_freed_while_visible(monkeypatch: pytest.MonkeyPatch) -> None:

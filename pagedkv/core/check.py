@@ -173,7 +173,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
     for b in range(1, s.config.num_blocks):  # a broken state may hold ids nobody lists; keep them apart
         rename.setdefault(b, len(rename))
     return (
-        tuple(s.block_key.get(b) for b in free),  # which free blocks still hold a hash, in queue order
+        tuple(s.cache.key_of(b) for b in free),  # which free blocks still hold a hash, in queue order
         tuple(requests),
         tuple(sorted((k, rename[b]) for k, b in s.cache.items())),
         tuple(s.refcount[b] for b in rename),  # in renamed order: a dict keeps insertion order

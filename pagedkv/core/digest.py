@@ -36,12 +36,13 @@ def canonical(state: KVState) -> tuple[object, ...]:
                 layout.spans,
                 (record := state.rows[slot]).blocks,
                 row_token_ids(state, slot),
-                tuple(h.hex() for h in record.hashes),
+                tuple(record.hash_at(j).hex() for j in range(record.num_hashed)),
                 (record.pending[0], tuple(sorted(record.pending[1]))),
             )
             for slot, layout in zip(req.slots, req.layouts)
         )
-        requests.append((type(rid).__name__, rid, req.extra_keys, req.generation, req.cache_epoch, rows))
+        generation = state.row_generation[req.slots[0]]
+        requests.append((type(rid).__name__, rid, req.extra_keys, generation, req.cache_epoch, rows))
     cache = tuple(sorted((g, h.hex(), b) for (g, h), b in state.cache.items()))
     return (
         "pagedkv-state/1",

@@ -41,18 +41,20 @@ def check_invariants(state: KVState) -> list[str]:
             layout = req.layouts[i]
             future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
             record = s.rows[slot]
-            hashes = record.hashes
+            hashes = [record.hash_at(j) for j in range(record.num_hashed)]
             tail = s.row_tail[slot]
-            if tail is not None and (record.chunks is None or len(tail) % 8):
-                bad.append(f"request {rid!r} row {i}: a token tail without token chunks, or not whole ids")
-            elif record.chunks is not None:
+            if len(record.hashes) % 16 or (record.ids is not None and len(record.ids) % 8):
+                bad.append(f"request {rid!r} row {i}: ids or hashes that are not whole")
+            if tail is not None and (record.ids is None or len(tail) % 8):
+                bad.append(f"request {rid!r} row {i}: a token tail without token ids, or not whole ids")
+            elif record.ids is not None:
                 known = record.chunked + (len(tail) // 8 if tail is not None else 0)
-                if sum(map(len, record.chunks)) != record.chunked or known > length:
+                if known > length:
                     bad.append(f"request {rid!r} row {i}: {known} known token ids for {length} tokens")
                 elif tail is not None and known != length:
                     bad.append(f"request {rid!r} row {i}: token ids tracked but {known} known of {length}")
-                elif tail and known // cfg.block_size != record.chunked // cfg.block_size:
-                    bad.append(f"request {rid!r} row {i}: the token tail spans a full block (it was not chunked)")
+                elif tail and (known - 1) // cfg.block_size != record.chunked // cfg.block_size:
+                    bad.append(f"request {rid!r} row {i}: the token tail reaches past the row's last block")
             for g, ids in enumerate(record.blocks):
                 if len(ids) != cfg.blocks_for(length):
                     bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
@@ -67,7 +69,7 @@ def check_invariants(state: KVState) -> list[str]:
                         bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
                     if b:
                         held[b] += 1
-                        key = s.block_key.get(b)
+                        key = s.cache.key_of(b)
                         if j >= len(hashes) and key is not None:
                             bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries a "
                                        "hash its row never computed (a stale cache entry)")  # fmt: skip
@@ -93,9 +95,13 @@ def check_invariants(state: KVState) -> list[str]:
             bad.append(f"block {blk}: refcount {s.refcount[blk]}, {held[blk]} references held")
         if (blk in in_free) == (held[blk] > 0):
             bad.append(f"block {blk} is {'both free and referenced' if held[blk] else 'neither free nor referenced'}")
+    entries = 0
     for key, blk in s.cache.items():
-        if s.block_key.get(blk) != key:
+        entries += 1
+        if s.cache.key_of(blk) != key:
             bad.append(f"cached hash of group {key[0]} maps to block {blk}, which does not carry it")
-    if len(s.block_key) != len(s.cache):
+    if entries != len(s.cache):
+        bad.append(f"the cache index counts {len(s.cache)} entries but holds {entries}")
+    if sum(w != 0 for w in s.cache.where) != entries:
         bad.append("a block carries a hash the cache index lost")
     return bad

@@ -8,15 +8,18 @@ Layout, chosen for the decode step with CPython's GC on (bench/peers.py):
   a doubly linked list over block ids with block 0 (the null block, never free)
   as the sentinel: ``free_next[0]`` is the head, ``free_prev[0]`` the tail.
   Popping the head, pushing the tail and unlinking any block are O(1) writes.
-- The prefix-cache index (``cache``: (group, hash) -> block) and its reverse
-  (``block_key``: block -> (group, hash), only for cached blocks) and the
-  requests are ``immutables.Map`` values: a HAMT in C whose update copies a
-  path of small nodes, so a step's garbage stays small.
+- The prefix-cache index (``cache``: (group, hash) -> block, and back) is a
+  ``PrefixIndex``: small untracked dicts in a ``Vec``, and integer ``Vec``
+  values by block (see index.py).
+- The requests are an ``immutables.Map`` (a HAMT in C: a lookup costs what a
+  dict's does); a request's record never changes after its admission, so the
+  map changes only when requests come and go. What changes while it runs (its
+  generation) is an integer ``Vec`` by row slot.
 - Per row slot, what changes every step (``row_len``, ``row_computed``) is an
   integer ``Vec``; the token ids of the row's open block (``row_tail``) are
   ``bytes`` (eight little-endian bytes an id), which the GC does not track;
-  what changes once a block or less (block lists, token chunks, hashes,
-  pending KV) is one ``Row`` record.
+  what changes once a block or less (block lists, token ids and hashes as
+  bytes, pending KV) is one ``Row`` record.
 
 Nothing here grows a GC-tracked container per token: a decode step writes a few
 integers and bytes per request.
@@ -35,12 +38,12 @@ from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.events import BlockRemoved, KVEvent
 from pagedkv.core.hashing import BlockHash, CacheKey
+from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
 from pagedkv.core.spec import Span
 from pagedkv.core.vec import Vec, VecEdit
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
 Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)
-Chunks = tuple[tuple[int, ...], ...]  # token ids in pieces: the admission's, then one piece per block filled
 NO_PENDING: Pending = (0, frozenset())
 E = TypeVar("E")
 SLOT_SHIFT = 5  # row vectors grow one slot at a time: leaves of 32
@@ -67,48 +70,54 @@ class Request:
     slots: tuple[int, ...]
     layouts: tuple[RowLayout, ...]
     extra_keys: tuple[str, ...]
-    generation: int  # the latest generation this request's block layout took
     decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
     cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
-
-    def at_generation(self, generation: int) -> Request:
-        return Request(self.request_id, self.slots, self.layouts, self.extra_keys, generation, self.decode_slot,
-                       self.cache_epoch)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     """What a row changes at most once a block: its block lists, token ids, hashes, pending KV.
 
-    Known token ids are ``chunks`` (positions ``[0, chunked)``) followed by the
-    row's tail bytes (``KVState.row_tail``); ``chunks is None`` for a row
-    without ids (or with prefix caching off), and a tail of ``None`` means the
-    ids stopped at ``chunked`` (the row grew by a count).
+    Token ids and hashes are ``bytes`` (eight little-endian bytes an id, sixteen a hash), which
+    the GC does not track. Known ids are ``ids`` (positions ``[0, chunked)``: the admission's,
+    then each block the row moved past) followed by the row's tail (``KVState.row_tail``: the
+    ids of its last block so far). ``ids is None`` for a row without ids (or with prefix caching
+    off); a tail of ``None`` means the ids stopped at ``chunked`` (the row grew by a count).
     """
 
     blocks: Blocks
-    chunks: Chunks | None
-    chunked: int
-    hashes: tuple[BlockHash, ...]  # chain hashes of its blocks hashed so far
+    ids: bytes | None
+    hashes: bytes  # chain hashes of its blocks hashed so far, 16 bytes each
     pending: Pending = NO_PENDING
+
+    @property
+    def chunked(self) -> int:
+        return len(self.ids) >> 3 if self.ids is not None else 0
+
+    @property
+    def num_hashed(self) -> int:
+        return len(self.hashes) >> 4
+
+    def hash_at(self, j: int) -> BlockHash:
+        return self.hashes[j << 4 : (j + 1) << 4]
 
     # the changes a transition makes (explicit constructors: dataclasses.replace costs ~4 us)
     def with_blocks(self, blocks: Blocks) -> Row:
-        return Row(blocks, self.chunks, self.chunked, self.hashes, self.pending)
+        return Row(blocks, self.ids, self.hashes, self.pending)
 
-    def with_hashes(self, hashes: tuple[BlockHash, ...]) -> Row:
-        return Row(self.blocks, self.chunks, self.chunked, hashes, self.pending)
+    def with_hashes(self, hashes: bytes) -> Row:
+        return Row(self.blocks, self.ids, hashes, self.pending)
 
-    def with_chunk(self, chunk: tuple[int, ...]) -> Row:
-        """The ids of a filled block (or the rest of a tail) join the chunks."""
-        assert self.chunks is not None
-        return Row(self.blocks, self.chunks + (chunk,), self.chunked + len(chunk), self.hashes, self.pending)
+    def with_ids(self, more: bytes) -> Row:
+        """Ids the row moved past (a tail's) join ``ids``."""
+        assert self.ids is not None
+        return Row(self.blocks, self.ids + more, self.hashes, self.pending)
 
     def with_pending(self, pending: Pending) -> Row:
-        return Row(self.blocks, self.chunks, self.chunked, self.hashes, pending)
+        return Row(self.blocks, self.ids, self.hashes, pending)
 
 
-EMPTY_ROW = Row((), None, 0, ())
+EMPTY_ROW = Row((), None, b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +132,15 @@ class KVState:
     requests: Map[RequestId, Request]
     row_len: Vec[int]  # by row slot: seq_len
     row_computed: Vec[int]  # by row slot: tokens whose KV is written
-    row_tail: Vec[bytes | None]  # by row slot: ids of positions [chunked, len) packed, or None
+    row_tail: Vec[bytes | None]  # by row slot: packed ids of positions [chunked, len), or None
     rows: Vec[Row]  # by row slot
+    row_generation: Vec[int]  # by row slot: the latest generation its request's block layout took
     slot_stack: Vec[int]  # free row slots: entries [0, slot_top) are live
     slot_top: int
     generation: int  # latest generation issued; 0 before any
     epoch: int
     # -- prefix cache (empty unless config.enable_prefix_caching) --
-    cache: Map[CacheKey, int]  # (group, block hash) -> block id
-    block_key: Map[int, CacheKey]  # block id -> its key in the cache index, for cached blocks only
+    cache: PrefixIndex  # (group, block hash) -> block id, and cache.key_of(block)
     cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of which came from the cache
@@ -194,7 +203,8 @@ def _pending_of(state: KVState, slot: int) -> Pending:
 
 
 def _hashes_of(state: KVState, slot: int) -> tuple[BlockHash, ...]:
-    return state.rows[slot].hashes
+    row = state.rows[slot]
+    return tuple(row.hash_at(j) for j in range(row.num_hashed))
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
@@ -211,11 +221,10 @@ def unpack_ids(data: bytes) -> tuple[int, ...]:
 def row_token_ids(state: KVState, slot: int) -> tuple[int, ...] | None:
     """The known token ids of a row (a prefix of it), or None if it has none."""
     row = state.rows[slot]
-    if row.chunks is None:
+    if row.ids is None:
         return None
-    out: tuple[int, ...] = tuple(t for chunk in row.chunks for t in chunk)
     tail = state.row_tail[slot]
-    return out + unpack_ids(tail) if tail else out
+    return unpack_ids(row.ids + tail if tail else row.ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,12 +256,12 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
         row_computed=Vec.of((), ints=True, shift=SLOT_SHIFT),
         row_tail=Vec.of((), ints=False, shift=SLOT_SHIFT),
         rows=Vec.of((), ints=False, shift=SLOT_SHIFT),
+        row_generation=Vec.of((), ints=True, shift=SLOT_SHIFT),
         slot_stack=Vec.of((), ints=True, shift=SLOT_SHIFT),
         slot_top=0,
         generation=generation,
         epoch=epoch,
-        cache=Map(),
-        block_key=Map(),
+        cache=PrefixIndex.empty(n, len(config.groups)),
         cache_epoch=cache_epoch,
         prefix_queries=0,
         prefix_hits=0,
@@ -269,6 +278,11 @@ def free_queue(state: KVState) -> list[int]:
         b = nxt[b]
         assert len(out) < state.config.num_blocks, "the free queue has a cycle (a block was freed twice)"
     return out
+
+
+def request_generation(state: KVState, request_id: RequestId) -> int:
+    """The latest generation an admitted request's block layout took."""
+    return state.row_generation[state.requests[request_id].slots[0]]
 
 
 def request_blocks(state: KVState, request_id: RequestId) -> tuple[Blocks, ...]:
@@ -289,7 +303,7 @@ class Txn:
 
     __slots__ = (
         "config", "base", "refcount", "nxt", "prv", "num_free", "_requests", "row_len", "row_computed", "row_tail",
-        "rows", "slot_stack", "slot_top", "generation", "_cache", "_block_key", "prefix_queries", "prefix_hits",
+        "rows", "row_generation", "slot_stack", "slot_top", "generation", "_index", "prefix_queries", "prefix_hits",
         "events",
     )  # fmt: skip
 
@@ -305,11 +319,11 @@ class Txn:
         self.row_computed: VecEdit[int] = VecEdit(s.row_computed)
         self.row_tail: VecEdit[bytes | None] = VecEdit(s.row_tail)
         self.rows: VecEdit[Row] = VecEdit(s.rows)
+        self.row_generation: VecEdit[int] = VecEdit(s.row_generation)
         self.slot_stack: VecEdit[int] = VecEdit(s.slot_stack)
         self.slot_top = s.slot_top
         self.generation = s.generation
-        self._cache: MapMutation[CacheKey, int] | None = None
-        self._block_key: MapMutation[int, CacheKey] | None = None
+        self._index: PrefixIndexEdit | None = None
         self.prefix_queries = s.prefix_queries
         self.prefix_hits = s.prefix_hits
         self.events: list[KVEvent] = []
@@ -322,16 +336,10 @@ class Txn:
         return self._requests
 
     @property
-    def cache(self) -> MapMutation[CacheKey, int]:
-        if self._cache is None:
-            self._cache = self.base.cache.mutate()
-        return self._cache
-
-    @property
-    def block_key(self) -> MapMutation[int, CacheKey]:
-        if self._block_key is None:
-            self._block_key = self.base.block_key.mutate()
-        return self._block_key
+    def index(self) -> PrefixIndexEdit:
+        if self._index is None:
+            self._index = self.base.cache.edit()
+        return self._index
 
     def done(self) -> KVState:
         b = self.base
@@ -346,12 +354,12 @@ class Txn:
             row_computed=self.row_computed.persistent(),
             row_tail=self.row_tail.persistent(),
             rows=self.rows.persistent(),
+            row_generation=self.row_generation.persistent(),
             slot_stack=self.slot_stack.persistent(),
             slot_top=self.slot_top,
             generation=self.generation,
             epoch=b.epoch,
-            cache=b.cache if self._cache is None else self._cache.finish(),
-            block_key=b.block_key if self._block_key is None else self._block_key.finish(),
+            cache=b.cache if self._index is None else self._index.persistent(),
             cache_epoch=b.cache_epoch,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
@@ -362,22 +370,35 @@ class Txn:
         return self.generation
 
     # -- free queue ---------------------------------------------------------
+    def pop_blocks(self, k: int) -> tuple[int, ...]:
+        """Take ``k`` blocks from the head of the free queue (least recently freed), one reference
+        each; a cached one leaves the index (its content is about to be overwritten)."""
+        if not k:
+            return ()
+        nxt = self.nxt
+        sh, m = nxt.shift, nxt.mask
+        leaves = nxt.leaves
+        out = []
+        b = leaves[0][0]
+        for _ in range(k):
+            assert b != 0, "a pop on an empty free queue: capacity was not checked"
+            out.append(b)
+            b = leaves[b >> sh][b & m]
+        nxt[0] = b
+        self.prv[b] = 0
+        self.num_free -= k
+        own = self.refcount.own
+        where = (self.base.cache if self._index is None else self._index).where
+        for x in out:
+            own(x >> sh)[x & m] = 1
+            if where[x]:
+                g, h = self.index.evict(x)  # type: ignore[misc]
+                self.events.append(BlockRemoved(h, g, x))
+        return tuple(out)
+
     def pop_free(self) -> int:
-        """Take the head of the free queue (least recently freed) with one reference."""
-        nxt, prv = self.nxt, self.prv
-        b = nxt[0]
-        assert b != 0, "pop_free on an empty free queue: capacity was not checked"
-        after = nxt[b]
-        nxt[0] = after
-        prv[after] = 0
-        self.num_free -= 1
-        self.refcount[b] = 1
-        key = (self.base.block_key if self._block_key is None else self._block_key).get(b)
-        if key is not None:  # evict: the block's old content is about to be overwritten
-            del self.cache[key]
-            del self.block_key[b]
-            self.events.append(BlockRemoved(key[1], key[0], b))
-        return b
+        """Take the head of the free queue with one reference."""
+        return self.pop_blocks(1)[0]
 
     def push_free(self, b: int) -> None:
         """Append ``b`` at the tail of the free queue (most recently freed)."""
@@ -390,7 +411,7 @@ class Txn:
         self.num_free += 1
 
     def is_cached(self, key: CacheKey) -> bool:
-        return key in (self.base.cache if self._cache is None else self._cache)
+        return key in (self.base.cache if self._index is None else self._index)
 
     def take_hit(self, b: int) -> None:
         """One more reference to a cached block; out of the free queue if nobody held it."""
@@ -415,7 +436,7 @@ class Txn:
             self.push_free(b)
 
     # -- row slots ----------------------------------------------------------
-    def new_slot(self, seq_len: int, computed: int, row: Row, tail: bytes | None) -> int:
+    def new_slot(self, seq_len: int, computed: int, row: Row, tail: bytes | None, generation: int = 0) -> int:
         if self.slot_top:
             self.slot_top -= 1
             slot = self.slot_stack[self.slot_top]
@@ -423,10 +444,12 @@ class Txn:
             self.row_computed[slot] = computed
             self.row_tail[slot] = tail
             self.rows[slot] = row
+            self.row_generation[slot] = generation
             return slot
         self.row_computed.append(computed)
         self.row_tail.append(tail)
         self.rows.append(row)
+        self.row_generation.append(generation)
         return self.row_len.append(seq_len)
 
     def free_slot(self, slot: int) -> None:
@@ -434,6 +457,7 @@ class Txn:
         self.row_computed[slot] = 0
         self.row_tail[slot] = None
         self.rows[slot] = EMPTY_ROW
+        self.row_generation[slot] = 0
         if self.slot_top < len(self.slot_stack):
             self.slot_stack[self.slot_top] = slot
         else:

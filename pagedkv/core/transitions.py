@@ -17,19 +17,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
-from immutables import Map
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
 from pagedkv.core.hashing import hash_block, root_hash
+from pagedkv.core.index import PrefixIndex
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import (
     NO_PENDING, SLOT_SHIFT, Blocks, KVState, Pending, Request, Row, RowLayout, Step, Txn, initial_state, pack_ids,
     unpack_ids,
 )  # fmt: skip
+from pagedkv.core.vec import VecEdit
 
 # One row's growth in an append: a token count, or the token ids themselves.
 Growth = int | Sequence[int]
@@ -157,14 +159,14 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     blocks = []
     for row, nb, row_ids, hashes in zip(rows, per_row, hit.ids, hit.hashes):
         fresh = nb - hit.num_blocks
-        rb = tuple(group_ids + tuple(txn.pop_free() for _ in range(fresh)) for group_ids in row_ids)
+        rb = tuple(group_ids + txn.pop_blocks(fresh) for group_ids in row_ids)
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
         if caching and row.tokens is not None:  # the ids stay known while the row grows by ids
-            record, tail = Row(rb, (row.tokens,), row.num_tokens, hashes, pending), b""
+            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
         else:
-            record, tail = Row(rb, None, 0, hashes, pending), None
+            record, tail = Row(rb, None, b"".join(hashes), pending), None
         slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
         blocks.append(rb)
     if caching:
@@ -174,7 +176,8 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
     # the decode fast path serves one-row requests that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
-    txn.requests.set(rid, Request(rid, tuple(slots), layouts, spec.extra_keys, gen, decode_slot, state.cache_epoch))
+    txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch)
+    txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
 
@@ -242,9 +245,8 @@ def append_decode(
     bs = cfg.block_size
     limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
     get = state.requests.get
-    lens = txn.row_len.own_all() if ids else ()
-    tails = txn.row_tail.own_all() if ids and cfg.enable_prefix_caching else None
-    records = txn.rows
+    lens = _batch_leaves(txn.row_len, len(ids))
+    tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
     mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
     for k, rid in enumerate(ids):
@@ -256,7 +258,7 @@ def append_decode(
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
-            if n % bs and n < limit:  # no block opens: one integer, maybe a few bytes
+            if n % bs and n < limit:  # no block opens: one integer, maybe eight bytes
                 if tails is None:
                     leaf[o] = n + 1
                     continue
@@ -264,12 +266,8 @@ def append_decode(
                 tail = tail_leaf[o]
                 if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
                     leaf[o] = n + 1
-                    if tail is not None:
-                        tail += toks[k].to_bytes(8, "little")  # type: ignore[index]
-                        if (n + 1) % bs == 0:  # the token filled the block: its ids join the chunks
-                            records[slot] = records[slot].with_chunk(unpack_ids(tail))
-                            tail = b""
-                        tail_leaf[o] = tail
+                    if tail is not None:  # the open block's ids: the tail
+                        tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                     continue
         result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
         if isinstance(result, KVError):
@@ -277,6 +275,24 @@ def append_decode(
         if result:
             allocations.append((rid, result))
     return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+
+
+class _OwnOnRead:
+    """Leaves owned one at a time, when a batch is too small to be worth owning them all."""
+
+    __slots__ = ("own",)
+
+    def __init__(self, edit: VecEdit[Any]) -> None:
+        self.own = edit.own
+
+    def __getitem__(self, k: int) -> Any:
+        return self.own(k)
+
+
+def _batch_leaves(edit: VecEdit[Any], batch: int) -> Any:
+    """Writable leaves for a batch loop: all of them at once for a large batch (a decode step
+    writes every row), else each on first use."""
+    return edit.own_all() if batch * 2 >= len(edit.leaves) else _OwnOnRead(edit)
 
 
 def _num_rows(req: Request | None) -> int:
@@ -355,26 +371,25 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
             if isinstance(item, (list, tuple)):
                 tail += pack_ids(item)
-                known = record.chunked + (len(tail) >> 3)
-                if known // bs > record.chunked // bs:  # the open block filled: its ids join the chunks
-                    cut = (known // bs * bs - record.chunked) << 3
-                    record = record.with_chunk(unpack_ids(tail[:cut]))
+                last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
+                if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
+                    cut = (last_block - record.chunked) << 3
+                    record = record.with_ids(tail[:cut])
                     tail = tail[cut:]
                 tails[slot] = tail
             else:
                 if tail:
-                    record = record.with_chunk(unpack_ids(tail))
+                    record = record.with_ids(tail)
                 tails[slot] = None
         row_len[slot] = new_len
         if extra:
-            pop = txn.pop_free
-            record = record.with_blocks(tuple(g + tuple(pop() for _ in range(extra)) for g in record.blocks))
+            record = record.with_blocks(tuple(g + txn.pop_blocks(extra) for g in record.blocks))
         if record is not records[slot]:
             records[slot] = record
     if not need:
         return 0
     gen = txn.next_generation()
-    txn.requests[rid] = req.at_generation(gen)
+    txn.row_generation[req.slots[0]] = gen
     return gen
 
 
@@ -469,12 +484,12 @@ def decode_step(
     bs = cfg.block_size
     limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
     fast = not any(g.is_windowed for g in cfg.groups)  # full attention only: no window logic at all
+    ngroups = len(cfg.groups)
     get = state.requests.get
-    lens = txn.row_len.own_all() if ids else ()
-    done = txn.row_computed.own_all() if ids else ()
+    lens = _batch_leaves(txn.row_len, len(ids))
+    done = _batch_leaves(txn.row_computed, len(ids))
     # token tails: written when ids arrive; a count stops a row's ids (the general path does that)
-    tails = txn.row_tail.own_all() if ids and append_tokens and cfg.enable_prefix_caching else None
-    records = txn.rows
+    tails = _batch_leaves(txn.row_tail, len(ids)) if append_tokens and cfg.enable_prefix_caching else None
     mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
     freed = 0
@@ -498,16 +513,16 @@ def decode_step(
                         continue
                     tail_leaf = tails[hi]
                     tail = tail_leaf[o]
-                    if tail is None or toks is not None:
+                    if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
                         done_leaf[o] = n
                         leaf[o] = n + 1
-                        if tail is not None:
-                            tail += toks[k].to_bytes(8, "little")  # type: ignore[index]
-                            if (n + 1) % bs == 0:  # the token filled the block: its ids join the chunks
-                                records[slot] = records[slot].with_chunk(unpack_ids(tail))
-                                tail = b""
-                            tail_leaf[o] = tail
+                        if tail is not None:  # the open block's ids: the tail
+                            tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
+            elif append_tokens and n % bs == 0 and n < limit and ngroups <= txn.num_free:
+                # a block boundary: the full block is hashed, the token opens the next one
+                allocations.append((rid, _decode_boundary(txn, req, slot, n, None if toks is None else toks[k])))
+                continue
         # the general path: errors, block boundaries, windows, several rows
         if req is None or not is_request_id(rid):
             return Failure(_unknown(rid))
@@ -524,6 +539,27 @@ def decode_step(
         if gen:
             allocations.append((rid, gen))
     return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
+
+
+def _decode_boundary(txn: Txn, req: Request, slot: int, n: int, token: int | None) -> int:
+    """One full-attention decode row at a block boundary (n % block_size == 0, a block free per
+    group): commit through n (the block that filled is hashed), then the token opens a new block.
+    What ``_commit_one`` then ``_grow`` do for it, in one record; returns the generation taken."""
+    txn.row_computed[slot] = n
+    base = txn.base
+    record = txn.rows[slot]
+    tail = txn.row_tail[slot]
+    if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
+        record = _hash_full_blocks(txn, req, 0, slot, n, record, tail)
+    if tail is not None:
+        if tail:  # the full block's ids join the row's ids
+            record = record.with_ids(tail)
+        txn.row_tail[slot] = None if token is None else token.to_bytes(8, "little")
+    txn.rows[slot] = record.with_blocks(tuple(g + txn.pop_blocks(1) for g in record.blocks))
+    txn.row_len[slot] = n + 1
+    gen = txn.next_generation()
+    txn.row_generation[slot] = gen
+    return gen
 
 
 def _unknown(rid: object) -> KVError:
@@ -565,63 +601,63 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         for _, _, _, b in dropped:
             txn.unref(b)
         gen = txn.next_generation()
-        txn.requests[request_id] = req.at_generation(gen)
+        txn.row_generation[req.slots[0]] = gen
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
 
 
-def _block_ids(record: Row, tail: bytes | None, j: int, bs: int) -> tuple[int, ...]:
-    """The token ids of block j of a row: from its chunks, walked back from the newest, and its tail."""
-    start, end = j * bs, (j + 1) * bs
-    assert record.chunks is not None
-    parts: list[tuple[int, ...]] = []
-    if end > record.chunked and tail:
-        parts.append(unpack_ids(tail[(max(start, record.chunked) - record.chunked) << 3 : (end - record.chunked) << 3]))
-    pos = record.chunked
-    for chunk in reversed(record.chunks):
-        first = pos - len(chunk)
-        if first < end and pos > start:
-            parts.append(chunk[max(start - first, 0) : min(end, pos) - first])
-        if first <= start:
-            break
-        pos = first
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(t for part in reversed(parts) for t in part)
+def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> tuple[int, ...]:
+    """The token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
+    assert record.ids is not None
+    c = record.chunked
+    if end <= c:
+        blob = record.ids[start << 3 : end << 3]
+    elif start >= c:
+        blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
+    else:
+        blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
+    return unpack_ids(blob)
 
 
 def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
     """Put row i's newly full computed blocks into the cache index (once per content)."""
     record = txn.rows[slot]
-    if record.chunks is None:
-        return
+    new = _hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
+    if new is not record:
+        txn.rows[slot] = new
+
+
+def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row,
+                      tail: bytes | None) -> Row:  # fmt: skip
+    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record."""
+    if record.ids is None:
+        return record
     cfg = txn.config
     bs = cfg.block_size
-    tail = txn.row_tail[slot]
     known = record.chunked + (len(tail) >> 3 if tail is not None else 0)
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
     full = min(computed, cacheable, known) // bs
-    chain = record.hashes
-    if full <= len(chain):
-        return
+    done = record.num_hashed
+    if full <= done:
+        return record
     blocks = record.blocks
-    parent = chain[-1] if chain else root_hash(cfg.hash_namespace)
-    new = list(chain)
-    cache, block_key = txn.cache, txn.block_key
-    for j in range(len(chain), full):
-        ids = _block_ids(record, tail, j, bs)
-        h = hash_block(parent, ids, req.extra_keys)
-        for g in range(len(cfg.groups)):
-            b = blocks[g][j]
-            key = (g, h)
-            if not b or b in block_key or key in cache:
-                continue  # let go already, already cached, or the same content sits in another block
-            cache[key] = b
-            block_key[b] = key
-            txn.events.append(BlockStored(h, parent if j else None, ids, g, b))
+    parent = record.hashes[-16:] if done else root_hash(cfg.hash_namespace)
+    new = [record.hashes]
+    add = txn.index.add
+    events = txn.events
+    extra = req.extra_keys
+    span = _token_span(record, tail, done * bs, full * bs)  # ids of every block to hash, unpacked once
+    for j in range(done, full):
+        ids = span[(j - done) * bs : (j - done + 1) * bs]
+        h = hash_block(parent, ids, extra)
+        for g, group_blocks in enumerate(blocks):
+            b = group_blocks[j]
+            # not let go already, not cached already, and no other block holds the same content
+            if b and add(g, h, b):
+                events.append(BlockStored(h, parent if j else None, ids, g, b))
         new.append(h)
         parent = h
-    txn.rows[slot] = record.with_hashes(tuple(new))
+    return record.with_hashes(b"".join(new))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
@@ -730,21 +766,23 @@ def _free_tail_first(txn: Txn, req: Request) -> None:
         longest = max(len(g) for r in rows for g in r)
         order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
     refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
+    sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     tail = prv[0]
     freed = 0
     for b in order:
         if not b:
             continue  # the null block stands for a position a windowed group let go
-        rc = refcount[b] - 1
+        leaf = refcount.own(b >> sh)
+        rc = leaf[b & m] - 1
         assert rc >= 0, f"block {b} released more often than it was referenced"
-        refcount[b] = rc
-        if rc == 0:  # inline push_free: append b after the tail
-            nxt[tail] = b
-            prv[b] = tail
+        leaf[b & m] = rc
+        if rc == 0:  # push b after the tail
+            nxt.own(tail >> sh)[tail & m] = b
+            prv.own(b >> sh)[b & m] = tail
             tail = b
             freed += 1
     if freed:
-        nxt[tail] = 0
+        nxt.own(tail >> sh)[tail & m] = 0
         prv[0] = tail
         txn.num_free += freed
     for s in req.slots:
@@ -811,14 +849,15 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     Cached blocks nobody holds become plain free blocks where they stand in the
     free queue; held ones stay with their owners but can no longer be hit. The
     requests running now never insert again: their KV may predate the reset.
-    Costs O(1): the index and its reverse are simply emptied.
+    Costs O(sqrt(pool)): the index is replaced by an empty one (whose leaves are shared).
 
     >>> from pagedkv.core import CacheConfig, initial_state
     >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
     0
     """
     dropped = len(state.cache)
-    nxt = replace(state, cache=Map(), block_key=Map(), cache_epoch=state.cache_epoch + 1)
+    nxt = replace(state, cache=PrefixIndex.empty(state.config.num_blocks, len(state.config.groups)),
+                  cache_epoch=state.cache_epoch + 1)  # fmt: skip
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if dropped else ())))
 
 

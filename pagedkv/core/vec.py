@@ -63,6 +63,18 @@ class Vec(Generic[T]):
         leaves = tuple(make(data[k : k + size]) for k in range(0, len(data), size))
         return Vec(leaves, len(data), sh, ints)
 
+    @staticmethod
+    def filled(value: T, n: int, *, ints: bool, shift: int | None = None) -> Vec[T]:
+        """``n`` copies of ``value`` in O(sqrt(n)): every full leaf is the same (immutable) object."""
+        sh = leaf_shift(n) if shift is None else shift
+        size = 1 << sh
+        def make(k: int) -> Any:
+            return array("q", [value]) * k if ints else (value,) * k  # type: ignore[type-var]
+
+        full, rest = divmod(n, size)
+        leaves = (make(size),) * full + ((make(rest),) if rest else ())
+        return Vec(leaves, n, sh, ints)
+
     def __len__(self) -> int:
         return self.n
 
@@ -127,6 +139,20 @@ class VecEdit(Generic[T]):
             self.leaves[k] = array("q", leaf) if self.ints else list(leaf)
             owned.add(k)
         self.leaves[k][i & self.mask] = value
+
+    def own(self, k: int) -> Any:
+        """Leaf ``k``, writable: copied on its first ``own`` (a loop that writes a few entries keeps
+        ``leaves[k]`` and writes ``leaf[i & mask]`` itself)."""
+        owned = self.owned
+        if owned is None:
+            self.leaves = list(self.leaves)
+            owned = self.owned = set()
+        if k in owned:
+            return self.leaves[k]
+        leaf = self.leaves[k]
+        leaf = self.leaves[k] = array("q", leaf) if self.ints else list(leaf)
+        owned.add(k)
+        return leaf
 
     def own_all(self) -> list[Any]:
         """Copy every leaf now and return them, for a loop that writes everywhere

@@ -48,18 +48,20 @@ class PrefixIndex:
     (True, True, None, 1)
     """
 
-    __slots__ = ("buckets", "where", "size", "mask")
+    __slots__ = ("buckets", "where", "size", "mask", "root")
 
-    def __init__(self, buckets: tuple[Vec[dict[BlockHash, int]], ...], where: Vec[int], size: int) -> None:
+    def __init__(self, buckets: tuple[Vec[dict[BlockHash, int]], ...], where: Vec[int], size: int,
+                 root: BlockHash) -> None:  # fmt: skip
         self.buckets = buckets
         self.where = where  # by block: 0, or group * len(buckets[0]) + bucket + 1
         self.size = size
         self.mask = len(buckets[0]) - 1
+        self.root = root  # the parent of every first block (root_hash of the pool's namespace)
 
     @staticmethod
-    def empty(num_blocks: int, num_groups: int) -> PrefixIndex:
+    def empty(num_blocks: int, num_groups: int, root: BlockHash = b"") -> PrefixIndex:
         bucket_vec = Vec.filled(_EMPTY, bucket_count(num_blocks), ints=False, shift=_BUCKET_SHIFT)
-        return PrefixIndex((bucket_vec,) * num_groups, Vec.filled(0, num_blocks, ints=True), 0)
+        return PrefixIndex((bucket_vec,) * num_groups, Vec.filled(0, num_blocks, ints=True), 0, root)
 
     def __len__(self) -> int:
         return self.size
@@ -178,7 +180,7 @@ class PrefixIndexEdit:
         if not self.copied:
             return base
         buckets = tuple(b if e is None else e.persistent() for b, e in zip(base.buckets, self.buckets))
-        out = PrefixIndex(buckets, self.where.persistent(), self.size)
+        out = PrefixIndex(buckets, self.where.persistent(), self.size, base.root)
         self.base, self.buckets, self.copied = out, [None] * len(buckets), set()
         self.where = VecEdit(out.where)
         return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.hashing import BlockHash, hash_block, root_hash
+from pagedkv.core.hashing import BlockHash, hash_block
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState
@@ -39,7 +39,7 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     cache = state.cache
     full = [g for g, gs in enumerate(cfg.groups) if not gs.is_windowed]  # full attention and MLA
     windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
-    root = root_hash(cfg.hash_namespace)
+    root = state.cache.root
     chains: list[list[BlockHash]] = []
     limit: int | None = None
     for row in rows:

@@ -37,7 +37,7 @@ from immutables import Map, MapMutation
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.events import BlockRemoved, KVEvent
-from pagedkv.core.hashing import BlockHash, CacheKey
+from pagedkv.core.hashing import BlockHash, CacheKey, root_hash
 from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
 from pagedkv.core.spec import Span
 from pagedkv.core.vec import Vec, VecEdit
@@ -261,7 +261,7 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
         slot_top=0,
         generation=generation,
         epoch=epoch,
-        cache=PrefixIndex.empty(n, len(config.groups)),
+        cache=PrefixIndex.empty(n, len(config.groups), root_hash(config.hash_namespace)),
         cache_epoch=cache_epoch,
         prefix_queries=0,
         prefix_hits=0,

@@ -23,7 +23,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
-from pagedkv.core.hashing import hash_block, root_hash
+from pagedkv.core.hashing import hash_block
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -521,7 +521,9 @@ def decode_step(
                         continue
             elif append_tokens and n % bs == 0 and n < limit and ngroups <= txn.num_free:
                 # a block boundary: the full block is hashed, the token opens the next one
-                allocations.append((rid, _decode_boundary(txn, req, slot, n, None if toks is None else toks[k])))
+                token = None if toks is None else toks[k]
+                tail_leaf = tails[hi] if tails is not None else None
+                allocations.append((rid, _decode_boundary(txn, req, slot, n, token, leaf, done_leaf, tail_leaf)))
                 continue
         # the general path: errors, block boundaries, windows, several rows
         if req is None or not is_request_id(rid):
@@ -541,22 +543,46 @@ def decode_step(
     return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
 
 
-def _decode_boundary(txn: Txn, req: Request, slot: int, n: int, token: int | None) -> int:
+def _decode_boundary(txn: Txn, req: Request, slot: int, n: int, token: int | None, leaf: Any, done_leaf: Any,
+                     tail_leaf: Any) -> int:  # fmt: skip
     """One full-attention decode row at a block boundary (n % block_size == 0, a block free per
     group): commit through n (the block that filled is hashed), then the token opens a new block.
-    What ``_commit_one`` then ``_grow`` do for it, in one record; returns the generation taken."""
-    txn.row_computed[slot] = n
+    What ``_commit_one`` then ``_grow`` do for it, in one record; returns the generation taken.
+    ``leaf``, ``done_leaf`` and ``tail_leaf`` are the row's writable leaves of the length, computed
+    and tail vectors (``tail_leaf`` None without prefix caching)."""
+    o = slot & ((1 << SLOT_SHIFT) - 1)
+    done_leaf[o] = n
     base = txn.base
     record = txn.rows[slot]
-    tail = txn.row_tail[slot]
-    if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
-        record = _hash_full_blocks(txn, req, 0, slot, n, record, tail)
-    if tail is not None:
-        if tail:  # the full block's ids join the row's ids
-            record = record.with_ids(tail)
-        txn.row_tail[slot] = None if token is None else token.to_bytes(8, "little")
-    txn.rows[slot] = record.with_blocks(tuple(g + txn.pop_blocks(1) for g in record.blocks))
-    txn.row_len[slot] = n + 1
+    tail = tail_leaf[o] if tail_leaf is not None else None
+    ids, hashes = record.ids, record.hashes
+    bs = base.config.block_size
+    if ids is not None and base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
+        j = n // bs - 1  # the block that filled
+        if tail is not None and len(tail) == bs << 3 and len(hashes) == j << 4:
+            # the common case: the tail holds exactly that block, and every block before is hashed
+            block_ids = unpack_ids(tail)
+            parent = hashes[-16:] if j else base.cache.root
+            h = hash_block(parent, block_ids, req.extra_keys)
+            add = txn.index.add
+            for g, group_blocks in enumerate(record.blocks):
+                b = group_blocks[j]
+                if b and add(g, h, b):
+                    txn.events.append(BlockStored(h, parent if j else None, block_ids, g, b))
+            hashes += h
+        else:
+            hashes = _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
+    if tail is not None:  # the full block's ids join the row's ids; the token starts the next block
+        assert ids is not None, "a row with a token tail has token ids"
+        ids += tail
+        tail_leaf[o] = None if token is None else token.to_bytes(8, "little")
+    blocks = record.blocks
+    if len(blocks) == 1:
+        new_blocks: Blocks = (blocks[0] + txn.pop_blocks(1),)
+    else:
+        new_blocks = tuple(g + txn.pop_blocks(1) for g in blocks)
+    txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending)
+    leaf[o] = n + 1
     gen = txn.next_generation()
     txn.row_generation[slot] = gen
     return gen
@@ -641,7 +667,7 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
     if full <= done:
         return record
     blocks = record.blocks
-    parent = record.hashes[-16:] if done else root_hash(cfg.hash_namespace)
+    parent = record.hashes[-16:] if done else txn.base.cache.root
     new = [record.hashes]
     add = txn.index.add
     events = txn.events
@@ -856,8 +882,8 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     0
     """
     dropped = len(state.cache)
-    nxt = replace(state, cache=PrefixIndex.empty(state.config.num_blocks, len(state.config.groups)),
-                  cache_epoch=state.cache_epoch + 1)  # fmt: skip
+    empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
+    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if dropped else ())))
 
 

@@ -58,6 +58,8 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
         chains.append(chain)
         limit = len(chain)
     hit = limit or 0
+    if not hit:  # the common case: the first block already misses
+        return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
 
     def windows_hold(n: int) -> bool:
         for g in windowed:

@@ -20,20 +20,22 @@ by the next ``on_output``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pyrsistent import PDeque, PMap, pdeque, pmap
+from immutables import Map
+from pyrsistent import PDeque, pdeque
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.digest import canonical
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.outputs import TokenLog, TokenLogEdit
 from pagedkv.core.spec import RequestSpec, RowSpec, check_request_spec
 from pagedkv.core.state import KVState, initial_state
-from pagedkv.core.transitions import admit, append, append_many, commit_many, release
+from pagedkv.core.transitions import admit, append, append_decode, commit_decode, commit_many, release, release_many
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,24 +123,79 @@ class StepPlan:
 
 # (kind: prefill | decode | diffusion, request, query tokens, computed count after it, samples a token?)
 Scheduled = tuple[str, RequestId, int, int, bool]
+Prefilled = tuple[RequestId, int, int, bool]  # (request, query tokens, computed count after it, samples a token?)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedState:
+    """The scheduler's state, a value like the core's.
+
+    Shaped for the common step (every running request decodes one token): what a
+    request is (prompt, limits) sits in ``seqs`` and never changes while it runs;
+    what it generated sits in ``log`` (bytes by slot); the last plan is kept as
+    its decode batch, its prefill chunks and its diffusion runs.
+    """
+
     config: SchedulerConfig
     kv: KVState
     waiting: PDeque[RequestId]
     running: tuple[RequestId, ...]  # in admission order: the newest is last
     prefilling: frozenset[RequestId]  # running requests whose prompt is not computed yet
-    requests: PMap[RequestId, SeqRequest]  # waiting and running
-    finished: PMap[RequestId, str]  # how each ended: finished, cancelled, error, or a refusal's code
-    scheduled: tuple[Scheduled, ...]  # the last plan, until its on_output
+    seqs: Map[RequestId, SeqRequest]  # waiting and running, as submitted (output empty)
+    log: TokenLog  # waiting and running: the ids each generated so far
+    finished: Map[RequestId, str]  # how each ended: finished, cancelled, error, or a refusal's code
+    sched_decode: tuple[RequestId, ...]  # the last plan, until its on_output: its decodes,
+    sched_prefill: tuple[Prefilled, ...]  # its prefill chunks,
+    sched_diffusion: tuple[RequestId, ...]  # and its diffusion runs
     step: int
     arrivals: int
 
+    @property
+    def requests(self) -> Requests:
+        """Waiting and running requests by id, each with what it has generated (``output``)."""
+        return Requests(self.seqs, self.log)
+
+    @property
+    def scheduled(self) -> tuple[Scheduled, ...]:
+        """The last plan's entries until its on_output: decodes, then prefill chunks, then diffusion runs."""
+        kv = self.kv
+        out: list[Scheduled] = [("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True)
+                                for rid in self.sched_decode]  # fmt: skip
+        out += [("prefill", rid, q, target, samples) for rid, q, target, samples in self.sched_prefill]
+        out += [("diffusion", rid, 0, 0, False) for rid in self.sched_diffusion]
+        return tuple(out)
+
+
+class Requests(Mapping[RequestId, SeqRequest]):
+    """``SchedState.requests``: a read-only view that puts each request's output back in its record."""
+
+    __slots__ = ("seqs", "log")
+
+    def __init__(self, seqs: Map[RequestId, SeqRequest], log: TokenLog) -> None:
+        self.seqs = seqs
+        self.log = log
+
+    def __getitem__(self, rid: RequestId) -> SeqRequest:
+        seq = self.seqs[rid]
+        return SeqRequest(seq.request_id, seq.prompt, seq.max_tokens, seq.rows, seq.steps, seq.extra_keys,
+                          self.log.tokens(rid), seq.arrival)  # fmt: skip
+
+    def __contains__(self, rid: object) -> bool:
+        try:
+            return rid in self.seqs
+        except TypeError:
+            return False
+
+    def __iter__(self) -> Iterator[RequestId]:
+        return iter(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
 
 def new_scheduler(cache: CacheConfig, config: SchedulerConfig = SchedulerConfig()) -> SchedState:
-    return SchedState(config, initial_state(cache), pdeque(), (), frozenset(), pmap(), pmap(), (), 0, 0)
+    return SchedState(config, initial_state(cache), pdeque(), (), frozenset(), Map(), TokenLog.empty(), Map(), (), (),
+                      (), 0, 0)  # fmt: skip
 
 
 def _err(code: ErrorCode, message: str, rid: RequestId | None = None) -> Failure[KVError]:
@@ -165,27 +222,38 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
     err = check_request_spec(replace(request, output=()).spec())
     if err is not None:
         return Failure(err)
-    if rid in state.requests:
+    if rid in state.seqs:
         return _err(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already waiting or running", rid)
     req = replace(request, output=(), arrival=state.arrivals)
-    return Success(replace(state, waiting=state.waiting.append(rid), requests=state.requests.set(rid, req),
-                           finished=state.finished.discard(rid), arrivals=state.arrivals + 1))  # fmt: skip
+    log = state.log.edit()
+    log.add(rid)
+    return Success(replace(state, waiting=state.waiting.append(rid), seqs=state.seqs.set(rid, req),
+                           log=log.persistent(), finished=_discard(state.finished, rid),
+                           arrivals=state.arrivals + 1))  # fmt: skip
+
+
+def _discard(m: Map[RequestId, str], rid: RequestId) -> Map[RequestId, str]:
+    return m.delete(rid) if rid in m else m
 
 
 def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") -> Result[SchedState, KVError]:
     """End a waiting or running request (``reason``: cancelled or error); its blocks go back."""
     if not isinstance(reason, str) or reason not in ("cancelled", "error"):
         return Failure(invalid(f"cancel reason must be cancelled or error, got {reason!r}", field="reason"))
-    if not is_request_id(request_id) or request_id not in state.requests:
+    if not is_request_id(request_id) or request_id not in state.seqs:
         return _err(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not waiting or running", None)
     kv = state.kv
     if request_id in kv.requests:
         kv = release(kv, request_id, reason).unwrap().state
+    log = state.log.edit()
+    log.drop(request_id)
     return Success(replace(
         state, kv=kv, waiting=_without(state.waiting, request_id),
         running=tuple(r for r in state.running if r != request_id), prefilling=state.prefilling - {request_id},
-        requests=state.requests.discard(request_id), finished=state.finished.set(request_id, reason),
-        scheduled=tuple(s for s in state.scheduled if s[1] != request_id),
+        seqs=state.seqs.delete(request_id), log=log.persistent(), finished=state.finished.set(request_id, reason),
+        sched_decode=tuple(r for r in state.sched_decode if r != request_id),
+        sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
+        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id),
     ))  # fmt: skip
 
 
@@ -198,14 +266,16 @@ def _without(q: PDeque[RequestId], rid: RequestId) -> PDeque[RequestId]:
 
 def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
     """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output."""
-    if state.scheduled:
+    if state.sched_decode or state.sched_prefill or state.sched_diffusion:
         return Failure(invalid(f"step {state.step} has not had its on_output yet", field="op"))
     cfg = state.config
     kv = state.kv
     budget = cfg.max_num_batched_tokens
     running = list(state.running)
     waiting = state.waiting
-    requests = state.requests
+    seqs = state.seqs
+    log = state.log
+    log_edit: TokenLogEdit | None = None  # opened only when a request ends here
     finished = state.finished
     decode: list[RequestId] = []
     prefill: list[tuple[RequestId, int]] = []
@@ -223,10 +293,10 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
         if victim in decode:
             decode.remove(victim)
 
-    # 1. decodes, oldest first: one token each. The whole batch as one transition when it
-    # fits; request by request (preempting as needed) when it does not.
-    candidates = [rid for rid in running if rid not in prefilling][:budget]
-    batch = append_many(kv, [(rid, [[requests[rid].output[-1]]]) for rid in candidates])
+    # 1. decodes, oldest first: one token each (its last sampled id). The whole batch as one
+    # transition when it fits; request by request (preempting as needed) when it does not.
+    candidates = [rid for rid in running if rid not in prefilling][:budget] if prefilling else running[:budget]
+    batch = append_decode(kv, candidates, log.last_many(candidates))
     if isinstance(batch, Success):
         kv = batch.unwrap().state
         decode.extend(candidates)
@@ -235,7 +305,7 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
     for rid in candidates:
         if rid not in running or budget < 1:
             continue
-        token = requests[rid].output[-1]
+        token = log.last(rid)
         while True:
             grown = append(kv, rid, [[token]])
             if isinstance(grown, Success):
@@ -247,7 +317,9 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
             if err.code is not ErrorCode.NO_CAPACITY:  # max_model_len reached: it cannot go on
                 kv = release(kv, rid, "error").unwrap().state
                 running.remove(rid)
-                requests = requests.discard(rid)
+                seqs = seqs.delete(rid)
+                log_edit = log_edit or log.edit()
+                log_edit.drop(rid)
                 finished = finished.set(rid, err.code.value)
                 ended.append((rid, err.code.value))
                 break
@@ -256,7 +328,7 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
             if victim == rid:
                 break
     # 2. chunked prefills of running requests
-    for rid in running:
+    for rid in running if prefilling else ():
         if rid in prefilling and budget > 0:
             slot = kv.requests[rid].slots[0]
             remaining = kv.row_len[slot] - kv.row_computed[slot]
@@ -269,8 +341,9 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
     skipped: list[RequestId] = []
     while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
         rid = waiting.left
-        req = requests[rid]
-        admitted = admit(kv, req.spec())
+        req = seqs[rid]
+        output = (log if log_edit is None else log_edit).tokens(rid) if req.rows is None else ()
+        admitted = admit(kv, replace(req, output=output).spec() if output else req.spec())
         nothing_yet = not (decode or prefill or diffusion)
         if isinstance(admitted, Failure):
             err = admitted.failure()
@@ -281,7 +354,9 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
                 waiting = waiting.popleft()
                 continue
             waiting = waiting.popleft()
-            requests = requests.discard(rid)
+            seqs = seqs.delete(rid)
+            log_edit = log_edit or log.edit()
+            log_edit.drop(rid)
             finished = finished.set(rid, err.code.value)
             ended.append((rid, err.code.value))
             continue
@@ -303,7 +378,7 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
             diffusion.append(DiffusionRun(rid, req.steps, first, later))
             budget -= tokens
         else:
-            remaining = len(req.prompt) + len(req.output) - cached
+            remaining = len(req.prompt) + len(output) - cached
             q = min(remaining, budget) if cfg.chunked_prefill else remaining
             if q > budget and not nothing_yet:
                 break
@@ -321,19 +396,17 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
         metadata.append(publish(kv, [r for r, _ in prefill], "prefill", query_limits=limits).unwrap().effect)
     if decode:
         metadata.append(publish(kv, decode, "decode").unwrap().effect)
-    scheduled: list[Scheduled] = []
-    for rid in decode:
-        scheduled.append(("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True))
+    chunks: list[Prefilled] = []
     for rid, q in prefill:
         slot = kv.requests[rid].slots[0]
         target = kv.row_computed[slot] + q
-        scheduled.append(("prefill", rid, q, target, target == kv.row_len[slot]))
-    for d in diffusion:
-        scheduled.append(("diffusion", d.request_id, 0, 0, False))
+        chunks.append((rid, q, target, target == kv.row_len[slot]))
+    samples = tuple(decode) + tuple(rid for rid, _, _, last in chunks if last)
     plan = StepPlan(state.step, tuple(decode), tuple(prefill), tuple(diffusion), tuple(preempted), tuple(ended),
-                    tuple(metadata), tuple(e[1] for e in scheduled if e[4]))  # fmt: skip
-    new = replace(state, kv=kv, waiting=waiting, running=tuple(running), prefilling=prefilling, requests=requests,
-                  finished=finished, scheduled=tuple(scheduled), step=state.step + 1)  # fmt: skip
+                    tuple(metadata), samples)  # fmt: skip
+    new = SchedState(cfg, kv, waiting, tuple(running), prefilling, seqs, log if log_edit is None else log_edit.persistent(),
+                     finished, tuple(decode), tuple(chunks), tuple(d.request_id for d in diffusion), state.step + 1,
+                     state.arrivals)  # fmt: skip
     return Success((new, plan))
 
 
@@ -352,43 +425,47 @@ def on_output(
     """
     stop = set(finished)
     kv = state.kv
-    needs = [rid for kind, rid, _, _, samples in state.scheduled if samples]
-    for rid in needs:
-        tok = sampled.get(rid)
-        if not is_int(tok) or tok < 0:  # type: ignore[operator]
+    decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
+    get = sampled.get
+    for rid in (*decode, *(c[0] for c in chunks if c[3])):
+        tok = get(rid)
+        if not is_token_id(tok):
             return Failure(invalid(f"request {rid!r} computed its last token this step; on_output needs its "
                                    f"sampled token id, got {tok!r}", request=rid, field="sampled"))  # fmt: skip
-    commits = []
-    for kind, rid, _, target, _ in state.scheduled:
-        if kind == "diffusion":
-            commits.append((rid, [kv.row_len[x] for x in kv.requests[rid].slots]))
-        else:
-            commits.append((rid, [target]))
-    kv = commit_many(kv, commits).unwrap().state  # one transition for the whole step
-    requests = state.requests.evolver()
+    # the step's commits: the decode batch in one transition, the prefill chunks and diffusion runs in another
+    if decode:
+        kv = commit_decode(kv, decode).unwrap().state
+    if chunks or runs:
+        commits = [(rid, [target]) for rid, _, target, _ in chunks]
+        commits += [(rid, [kv.row_len[x] for x in kv.requests[rid].slots]) for rid in runs]
+        kv = commit_many(kv, commits).unwrap().state
+    log = state.log.edit()
+    seqs = state.seqs
     ending: list[RequestId] = []
     prefilling = state.prefilling
-    for kind, rid, _, _, samples in state.scheduled:
-        if kind == "diffusion":
+    for rid in decode:
+        log.append(rid, sampled[rid])
+        if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
             ending.append(rid)
-        elif samples:
-            if kind == "prefill":
-                prefilling = prefilling - {rid}
-            req = requests[rid]
-            req = replace(req, output=req.output + (sampled[rid],))
-            requests.set(rid, req)
-            if rid in stop or len(req.output) >= req.max_tokens:
+    for rid, _, _, samples in chunks:
+        if samples:
+            prefilling = prefilling - {rid}
+            log.append(rid, sampled[rid])
+            if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
                 ending.append(rid)
+    ending.extend(runs)
     done = state.finished
-    for rid in ending:
-        kv = release(kv, rid, "finished").unwrap().state
-        requests.remove(rid)
-        done = done.set(rid, "finished")
+    if ending:
+        kv = release_many(kv, ending, "finished").unwrap().state
+        for rid in ending:
+            seqs = seqs.delete(rid)
+            log.drop(rid)
+            done = done.set(rid, "finished")
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
     ended = tuple((rid, "finished") for rid in ending)
-    new = replace(state, kv=kv, running=running, prefilling=prefilling, requests=requests.persistent(), finished=done,
-                  scheduled=())  # fmt: skip
+    new = SchedState(state.config, kv, state.waiting, running, prefilling, seqs, log.persistent(), done, (), (), (),
+                     state.step, state.arrivals)  # fmt: skip
     return Success((new, ended))
 
 

@@ -172,10 +172,13 @@ class Engine:
 
     def _tokens(self, meta: Any) -> torch.Tensor:
         ids: list[int] = []
-        for row in meta.rows:
-            req = self.state.requests[row.request_id]
-            seq = req.prompt + req.output  # what this row's positions hold
-            ids.extend(seq[row.kv_start_pos : row.seq_len])
+        seqs, log = self.state.seqs, self.state.log
+        for row in meta.rows:  # what the row's query positions hold: its prompt, then what it generated
+            prompt = seqs[row.request_id].prompt
+            start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
+            ids.extend(prompt[start:end])
+            if end > p:
+                ids.extend(log.ids(row.request_id, max(start - p, 0), end - p))
         return torch.tensor(ids)
 
     def _text(self, comp: Completion, params: SamplingParams) -> str:

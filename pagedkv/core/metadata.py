@@ -16,7 +16,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
 from pagedkv.core.spec import Span
-from pagedkv.core.state import NO_PENDING, Blocks, KVState, Request, Step
+from pagedkv.core.state import NO_PENDING, SLOT_SHIFT, Blocks, KVState, Request, Step
 
 
 class Phase(StrEnum):
@@ -258,7 +258,8 @@ def _decode_columns(state: KVState, requests: list[Request]) -> DecodeRows | Non
     """A decode forward's rows as columns, when every request is one causal row with nothing
     pending (the common decode); None sends the forward down the general path."""
     bs = state.config.block_size
-    row_len, records = state.row_len, state.rows
+    len_leaves, row_leaves = state.row_len.leaves, state.rows.leaves  # (slot vectors: leaves of 2**SLOT_SHIFT)
+    mask = (1 << SLOT_SHIFT) - 1
     lens = array("q")
     slots = array("q")
     blocks = []
@@ -266,12 +267,13 @@ def _decode_columns(state: KVState, requests: list[Request]) -> DecodeRows | Non
         slot = req.decode_slot
         if slot < 0 or req.layouts[0].spans:
             return None
-        record = records[slot]
+        record = row_leaves[slot >> SLOT_SHIFT][slot & mask]
         if record.pending is not NO_PENDING and record.pending[1]:
             return None
-        n = row_len[slot]
+        n = len_leaves[slot >> SLOT_SHIFT][slot & mask]
         lens.append(n)
-        slots.append(record.blocks[0][(n - 1) // bs] * bs + (n - 1) % bs)
+        last = n - 1
+        slots.append(record.blocks[0][last // bs] * bs + last % bs)
         blocks.append(record.blocks)
     return DecodeRows(tuple(r.request_id for r in requests), tuple(blocks), lens, slots)
 

@@ -71,8 +71,13 @@ class TokenLog:
         return unpack_ids(done[start << 3 : end << 3] + recent[: max(0, end - split) << 3])
 
     def last_many(self, rids: Sequence[RequestId]) -> list[int]:
-        slot_of, recent = self.slot_of, self.recent
-        return [int.from_bytes(recent[slot_of[r]][-8:], "little") for r in rids]
+        """The last id each of ``rids`` generated (each has generated one)."""
+        get, leaves, mask = self.slot_of.__getitem__, self.recent.leaves, (1 << _SHIFT) - 1
+        out = []
+        for r in rids:
+            slot = get(r)
+            out.append(int.from_bytes(leaves[slot >> _SHIFT][slot & mask][-8:], "little"))
+        return out
 
     def edit(self) -> TokenLogEdit:
         return TokenLogEdit(self)
@@ -112,6 +117,28 @@ class TokenLogEdit:
         else:
             self.free.append(slot)
         self.free_top += 1
+
+    def append_many(self, rids: Sequence[RequestId], tokens: Sequence[int]) -> list[int]:
+        """``tokens[k]`` joins what ``rids[k]`` generated; how many each has now. (A step's batch:
+        every leaf is copied once, then written in place.)"""
+        if len(rids) * 2 < len(self.recent.leaves):
+            for rid, tok in zip(rids, tokens):
+                self.append(rid, tok)
+            return [self.count(rid) for rid in rids]
+        get, recent, mask = self.slots.__getitem__, self.recent.own_all(), (1 << _SHIFT) - 1
+        done = self.done
+        counts = []
+        for rid, tok in zip(rids, tokens):
+            slot = get(rid)
+            leaf, o = recent[slot >> _SHIFT], slot & mask
+            ids = leaf[o]
+            if len(ids) >= _RECENT:
+                done[slot] += ids
+                ids = b""
+            ids += tok.to_bytes(8, "little")
+            leaf[o] = ids
+            counts.append((len(done[slot]) + len(ids)) >> 3)
+        return counts
 
     def append(self, rid: RequestId, token: int) -> None:
         slot = self.slots[rid]

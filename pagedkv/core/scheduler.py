@@ -30,7 +30,9 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.digest import canonical
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import (
+    TOKEN_ID_LIMIT, ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id,
+)  # fmt: skip
 from pagedkv.core.metadata import KVMetadata, publish
 from pagedkv.core.outputs import TokenLog, TokenLogEdit
 from pagedkv.core.spec import RequestSpec, RowSpec, check_request_spec
@@ -427,7 +429,9 @@ def on_output(
     kv = state.kv
     decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
     get = sampled.get
-    for rid in (*decode, *(c[0] for c in chunks if c[3])):
+    toks: list[Any] = [get(rid) for rid in decode]  # checked at C speed; the loop below names a bad one
+    ok = not toks or (set(map(type, toks)) == {int} and min(toks) >= 0 and max(toks) < TOKEN_ID_LIMIT)
+    for rid in (*(() if ok else decode), *(c[0] for c in chunks if c[3])):
         tok = get(rid)
         if not is_token_id(tok):
             return Failure(invalid(f"request {rid!r} computed its last token this step; on_output needs its "
@@ -443,9 +447,10 @@ def on_output(
     seqs = state.seqs
     ending: list[RequestId] = []
     prefilling = state.prefilling
-    for rid in decode:
-        log.append(rid, sampled[rid])
-        if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
+    counts = log.append_many(decode, toks)
+    limit = seqs.__getitem__
+    for rid, n in zip(decode, counts):
+        if n >= limit(rid).max_tokens or rid in stop:
             ending.append(rid)
     for rid, _, _, samples in chunks:
         if samples:

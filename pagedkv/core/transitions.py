@@ -248,6 +248,7 @@ def append_decode(
     lens = _batch_leaves(txn.row_len, len(ids))
     tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
     mask = (1 << SLOT_SHIFT) - 1
+    ngroups = len(cfg.groups)
     allocations: list[tuple[RequestId, int]] = []
     for k, rid in enumerate(ids):
         try:
@@ -269,6 +270,13 @@ def append_decode(
                     if tail is not None:  # the open block's ids: the tail
                         tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                     continue
+            elif n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
+                # position n opens a block in every group
+                record = txn.rows[slot]
+                token = None if toks is None else toks[k]
+                tail_leaf = tails[hi] if tails is not None else None
+                allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
+                continue
         result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
         if isinstance(result, KVError):
             return Failure(result)
@@ -519,11 +527,21 @@ def decode_step(
                         if tail is not None:  # the open block's ids: the tail
                             tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
-            elif append_tokens and n % bs == 0 and n < limit and ngroups <= txn.num_free:
-                # a block boundary: the full block is hashed, the token opens the next one
-                token = None if toks is None else toks[k]
+            elif not append_tokens:  # a block filled: hash it
+                done_leaf[o] = n
+                record = txn.rows[slot]
+                hashes = _hash_filled(txn, req, slot, n, record, txn.row_tail[slot])
+                if hashes is not record.hashes:
+                    txn.rows[slot] = record.with_hashes(hashes)
+                continue
+            elif n % bs == 0 and n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
+                # a block boundary: the block that filled is hashed, the token opens the next one
+                done_leaf[o] = n
+                record = txn.rows[slot]
                 tail_leaf = tails[hi] if tails is not None else None
-                allocations.append((rid, _decode_boundary(txn, req, slot, n, token, leaf, done_leaf, tail_leaf)))
+                hashes = _hash_filled(txn, req, slot, n, record, tail_leaf[o] if tail_leaf is not None else None)
+                token = None if toks is None else toks[k]
+                allocations.append((rid, _open_block(txn, slot, n, token, record, hashes, leaf, tail_leaf)))
                 continue
         # the general path: errors, block boundaries, windows, several rows
         if req is None or not is_request_id(rid):
@@ -543,36 +561,40 @@ def decode_step(
     return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
 
 
-def _decode_boundary(txn: Txn, req: Request, slot: int, n: int, token: int | None, leaf: Any, done_leaf: Any,
-                     tail_leaf: Any) -> int:  # fmt: skip
-    """One full-attention decode row at a block boundary (n % block_size == 0, a block free per
-    group): commit through n (the block that filled is hashed), then the token opens a new block.
-    What ``_commit_one`` then ``_grow`` do for it, in one record; returns the generation taken.
-    ``leaf``, ``done_leaf`` and ``tail_leaf`` are the row's writable leaves of the length, computed
-    and tail vectors (``tail_leaf`` None without prefix caching)."""
-    o = slot & ((1 << SLOT_SHIFT) - 1)
-    done_leaf[o] = n
+def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: bytes | None) -> bytes:
+    """A one-row decode request commits through ``n``: its hashes once the blocks that filled are
+    hashed and cached. The common case costs one hash: the tail holds exactly the block that
+    filled (block n / block_size - 1) and every block before it is hashed."""
     base = txn.base
-    record = txn.rows[slot]
-    tail = tail_leaf[o] if tail_leaf is not None else None
-    ids, hashes = record.ids, record.hashes
+    hashes = record.hashes
+    if record.ids is None or not base.config.enable_prefix_caching or req.cache_epoch != base.cache_epoch:
+        return hashes
     bs = base.config.block_size
-    if ids is not None and base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
-        j = n // bs - 1  # the block that filled
-        if tail is not None and len(tail) == bs << 3 and len(hashes) == j << 4:
-            # the common case: the tail holds exactly that block, and every block before is hashed
-            block_ids = unpack_ids(tail)
-            parent = hashes[-16:] if j else base.cache.root
-            h = hash_block(parent, block_ids, req.extra_keys)
-            add = txn.index.add
-            for g, group_blocks in enumerate(record.blocks):
-                b = group_blocks[j]
-                if b and add(g, h, b):
-                    txn.events.append(BlockStored(h, parent if j else None, block_ids, g, b))
-            hashes += h
-        else:
-            hashes = _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
-    if tail is not None:  # the full block's ids join the row's ids; the token starts the next block
+    j = n // bs - 1
+    if tail is None or len(tail) != bs << 3 or len(hashes) != j << 4:
+        return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
+    block_ids = unpack_ids(tail)
+    parent = hashes[-16:] if j else base.cache.root
+    h = hash_block(parent, block_ids, req.extra_keys)
+    add = txn.index.add
+    for g, group_blocks in enumerate(record.blocks):
+        b = group_blocks[j]
+        if b and add(g, h, b):
+            txn.events.append(BlockStored(h, parent if j else None, block_ids, g, b))
+    return hashes + h
+
+
+def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, hashes: bytes, leaf: Any,
+                tail_leaf: Any) -> int:  # fmt: skip
+    """A one-row full-attention row grows to n + 1 where position n opens a block in every group
+    (n % block_size == 0, the blocks are free): the tail's ids join the row's, the token starts
+    the new tail. What ``_grow`` does for it, in one record; returns the generation taken.
+    ``leaf`` and ``tail_leaf`` are the row's writable leaves of the length and tail vectors
+    (``tail_leaf`` None without prefix caching)."""
+    o = slot & ((1 << SLOT_SHIFT) - 1)
+    ids = record.ids
+    tail = tail_leaf[o] if tail_leaf is not None else None
+    if tail is not None:
         assert ids is not None, "a row with a token tail has token ids"
         ids += tail
         tail_leaf[o] = None if token is None else token.to_bytes(8, "little")

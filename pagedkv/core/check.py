@@ -25,9 +25,9 @@ from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.errors import KVError
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, Step, free_queue, initial_state, row_token_ids
+from pagedkv.core.state import KVState, Step, free_queue, initial_state
 from pagedkv.core.transitions import (
-    Admitted, Appended, Committed, Released, admit, append, commit, release, reset_prefix_cache,
+    Admitted, Appended, Committed, Decoded, Released, admit, append, commit, decode_step, release, reset_prefix_cache,
 )  # fmt: skip
 
 
@@ -60,12 +60,13 @@ class Event:
 
     name: str
     apply: Callable[[KVState], Result[Step[Any], KVError] | None]  # None: cannot apply here (skipped)
-    to_json: Callable[[KVState], dict[str, Any]]
+    to_json: Callable[[KVState], dict[str, Any] | list[dict[str, Any]]]  # its trace line (or lines) there
 
 
 def default_alphabet(cfg: CheckConfig) -> list[Event]:
     """Admit each id with a few specs (shared prefixes, CFG rows, a diffusion row), append a
-    token of two kinds, commit all or one more token, release, and reset the prefix cache."""
+    token of two kinds, commit all or one more token, a decode step (commit all, then append:
+    the batch transition engines run every step), release, and reset the prefix cache."""
     rows = [
         ((RowSpec.of_tokens([1, 1, 1]),), ()),
         ((RowSpec.of_tokens([1, 1, 2]),), ()),
@@ -84,6 +85,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         for tok in (1, 2, None):  # None: a count, the token id unknown
             events.append(Event(f"append {rid} {tok}", _append(rid, tok), _append_json(rid, tok)))
         events.append(Event(f"commit {rid} all", _commit(rid, None), _commit_json(rid, None)))
+        for tok in (1, None):  # the same states as commit-all then append, reached by the decode fast paths
+            events.append(Event(f"decode {rid} {tok}", _decode(rid, tok), _decode_json(rid, tok)))
         events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
         events.append(Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid,
                                                                      "reason": "finished"})))  # fmt: skip
@@ -145,6 +148,16 @@ def _commit_json(rid: str, step: int | None) -> Callable[[KVState], dict[str, An
     return lambda s: {"op": "commit", "request": rid, "computed": _targets(s, rid, step)}
 
 
+def _decode(rid: str, tok: int | None) -> Callable[[KVState], Any]:
+    tokens = None if tok is None else [tok]
+    return lambda s: decode_step(s, [rid], tokens) if rid in s.requests else None
+
+
+def _decode_json(rid: str, tok: int | None) -> Callable[[KVState], list[dict[str, Any]]]:
+    """A decode step in trace contract v1: the commit of every row, then the append it equals."""
+    return lambda s: [_commit_json(rid, None)(s), _append_json(rid, tok)(s)]
+
+
 def _release(rid: str) -> Callable[[KVState], Any]:
     return lambda s: release(s, rid, "finished") if rid in s.requests else None
 
@@ -156,27 +169,31 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
     for b in free:
         rename[b] = len(rename)
     requests = []
+    row_len, computed, records, tails = list(s.row_len), list(s.row_computed), list(s.rows), list(s.row_tail)
     for rid in sorted(s.requests.keys(), key=lambda r: (type(r).__name__, r)):
         req = s.requests[rid]
         rows = []
         for slot, layout in zip(req.slots, req.layouts):
             groups = []
-            record = s.rows[slot]
+            record = records[slot]
             for ids in record.blocks:
                 for b in ids:
                     if b not in rename:
                         rename[b] = len(rename)
                 groups.append(tuple(rename[b] for b in ids))
-            rows.append((s.row_len[slot], s.row_computed[slot], layout, tuple(groups), row_token_ids(s, slot),
-                         record.hashes, record.pending))  # fmt: skip
+            tail = tails[slot]
+            known = None if record.ids is None else record.ids + tail if tail else record.ids  # the ids, packed
+            rows.append((row_len[slot], computed[slot], layout, tuple(groups), known, record.hashes, record.pending))
         requests.append((rid, req.extra_keys, req.cache_epoch == s.cache_epoch, tuple(rows)))
     for b in range(1, s.config.num_blocks):  # a broken state may hold ids nobody lists; keep them apart
         rename.setdefault(b, len(rename))
+    cache = s.cache
+    refcount = list(s.refcount)
     return (
-        tuple(s.cache.key_of(b) for b in free),  # which free blocks still hold a hash, in queue order
+        tuple(cache.key_of(b) for b in free) if len(cache) else (),  # which free blocks still hold a hash, in order
         tuple(requests),
-        tuple(sorted((k, rename[b]) for k, b in s.cache.items())),
-        tuple(s.refcount[b] for b in rename),  # in renamed order: a dict keeps insertion order
+        tuple(sorted((k, rename[b]) for k, b in cache.items())),
+        tuple(refcount[b] for b in rename),  # in renamed order: a dict keeps insertion order
     )
 
 
@@ -184,7 +201,7 @@ def _takes_generation(effect: object) -> bool | None:
     """Must this transition take a generation (True), must it not (False), or either (None)?"""
     if isinstance(effect, (Admitted, Released)):
         return True
-    if isinstance(effect, Appended):
+    if isinstance(effect, (Appended, Decoded)):
         return bool(effect.allocations)
     if isinstance(effect, Committed):
         return None  # takes one exactly when a window let blocks go; the window invariant covers the layout
@@ -215,7 +232,7 @@ def check(
     """
     events = alphabet if alphabet is not None else default_alphabet(cfg)
     start = initial_state(cfg.cache_config())
-    parents: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]] | None] = {canonical_key(start): None}
+    parents: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any] | None] = {canonical_key(start): None}
     result = CheckResult(states=1)
     broken = invariants(start)
     if broken:
@@ -267,7 +284,7 @@ def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> l
     link = parents[key]
     while link is not None:
         key, ev = link
-        events.append(ev)
+        events.extend(reversed(ev) if isinstance(ev, list) else (ev,))  # (reversed below, with the rest)
         link = parents[key]
     c = cfg.cache_config()
     groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {})} for g in c.groups]

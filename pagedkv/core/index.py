@@ -34,9 +34,9 @@ def bucket_count(num_blocks: int) -> int:
     """A power of two near an eighth of the pool (a full cache holds about eight hashes a bucket).
 
     >>> bucket_count(65_536), bucket_count(7)
-    (8192, 32)
+    (8192, 4)
     """
-    return 1 << max(5, (max(num_blocks, 1) // 8).bit_length() - 1)
+    return 1 << max(2, (max(num_blocks, 1) // 8).bit_length() - 1)
 
 
 class PrefixIndex:
@@ -85,9 +85,11 @@ class PrefixIndex:
         return self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
 
     def items(self) -> Iterator[tuple[CacheKey, int]]:
+        if not self.size:
+            return
         for g, vec in enumerate(self.buckets):
             for bucket in vec:
-                for h, b in bucket.items():
+                for h, b in bucket.items() if bucket else ():
                     if type(h) is bytes:  # (the block -> hash entries are the same pairs, reversed)
                         yield (g, h), b
 

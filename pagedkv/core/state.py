@@ -271,12 +271,14 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
 def free_queue(state: KVState) -> list[int]:
     """The free queue from head (next to be allocated) to tail. O(free blocks)."""
     out = []
-    nxt = state.free_next
-    b = nxt[0]
+    vec = state.free_next
+    leaves, sh, m = vec.leaves, vec.shift, (1 << vec.shift) - 1
+    limit = state.config.num_blocks
+    b = leaves[0][0]
     while b:
         out.append(b)
-        b = nxt[b]
-        assert len(out) < state.config.num_blocks, "the free queue has a cycle (a block was freed twice)"
+        b = leaves[b >> sh][b & m]
+        assert len(out) < limit, "the free queue has a cycle (a block was freed twice)"
     return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -84,8 +85,7 @@ class Vec(Generic[T]):
         return self.leaves[i >> self.shift][i & ((1 << self.shift) - 1)]  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[T]:
-        for leaf in self.leaves:
-            yield from leaf
+        return chain.from_iterable(self.leaves)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Vec) and self.n == other.n and list(self) == list(other)

@@ -175,3 +175,48 @@ def test_without_a_plant_the_free_queue_is_whole() -> None:
     from pagedkv.core import initial_state
 
     assert free_queue(initial_state(SMALL.cache_config())) == [1, 2, 3, 4]
+
+
+# -- planted bugs in the decode fast paths (full attention only: windowed groups take the general path) --
+
+FULL = CheckConfig(usable_blocks=3, requests=2, max_model_len=6, window=None)  # 9,076 states
+
+
+def _boundary_keeps_its_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = transitions._open_block
+
+    def open_block(txn: Txn, slot: int, n: int, token: int | None, record: Any, hashes: bytes, leaf: Any,
+                   tail_leaf: Any) -> int:  # fmt: skip
+        if tail_leaf is not None:
+            o = slot & 31
+            tail = tail_leaf[o]
+            gen = original(txn, slot, n, token, record, hashes, leaf, tail_leaf)
+            if tail is not None and token is not None:
+                tail_leaf[o] = tail + token.to_bytes(8, "little")  # the full block's ids stay in the tail too
+            return gen
+        return original(txn, slot, n, token, record, hashes, leaf, tail_leaf)
+
+    monkeypatch.setattr(transitions, "_open_block", open_block)
+
+
+def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = transitions._open_block
+
+    def open_block(txn: Txn, *args: Any) -> int:
+        before = txn.generation
+        original(txn, *args)
+        txn.generation = before  # the new block is installed under the old generation
+        return before
+
+    monkeypatch.setattr(transitions, "_open_block", open_block)
+
+
+@pytest.mark.parametrize("plant", [_boundary_keeps_its_tail, _boundary_without_a_generation])
+def test_the_checker_catches_a_planted_bug_in_the_decode_fast_path(plant: Callable[[pytest.MonkeyPatch], None],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    clean = check(FULL)
+    assert clean.violation == [] and clean.states == 9076
+    plant(monkeypatch)
+    result = check(FULL)
+    assert result.violation, "the checker missed a decode fast-path bug"
+    assert any("decode" in line or "append" in line for line in result.trace[1:])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+from time import perf_counter_ns
 from typing import Any
 
 from returns.result import Success
@@ -33,11 +34,12 @@ from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, decode_step, 
 
 
 class Handle:
-    __slots__ = ("rid", "length")
+    __slots__ = ("rid", "length", "queued")
 
     def __init__(self, rid: int, length: int) -> None:
         self.rid = rid
-        self.length = length  # tokens in the row, the queued one included
+        self.length = length  # tokens in the row, before its queued token
+        self.queued = False  # a token of it waits in this step's batch
 
 
 class Adapter:
@@ -54,20 +56,26 @@ class Adapter:
         self.opening = 0  # blocks the queued decodes open
         self.ending: list[int] = []  # the step's queued releases
         self.last_hit_tokens = 0
-        self.phases: dict[str, list[int]] = {}
+        # per request: the admission (admit + the prompt's commit and first token) and the release,
+        # apart from the queued decode batch a call may flush first (bench_peers.py reports p50s)
+        self.phases: dict[str, list[int]] = {"admission": [], "release": []}
 
     def _flush(self) -> None:
         if self.ids:
             self.state = decode_step(self.state, self.ids, self.tokens).unwrap().state
             for h in self.handles:
                 h.length += 1
+                h.queued = False
             # the same lists, emptied: a new list of N items a step is N references for the GC to walk
             self.ids.clear()
             self.tokens.clear()
             self.handles.clear()
             self.opening = 0
         if self.ending:
+            t0 = perf_counter_ns()
             self.state = release_many(self.state, self.ending, "finished").unwrap().state
+            per = (perf_counter_ns() - t0) // len(self.ending)
+            self.phases["release"].extend([per] * len(self.ending))
             self.ending.clear()
 
     def begin_step(self) -> None:
@@ -75,6 +83,7 @@ class Adapter:
 
     def admit(self, spec: Any, first_token: int) -> Handle | None:
         self._flush()
+        t0 = perf_counter_ns()
         admitted = admit(self.state, RequestSpec(spec.idx, (RowSpec.of_tokens(spec.prompt),)))
         if not isinstance(admitted, Success):
             return None
@@ -83,10 +92,13 @@ class Adapter:
         if not isinstance(first, Success):
             return None  # no block for the first token: the pool keeps the state before the admission
         self.state = first.unwrap().state
+        self.phases["admission"].append(perf_counter_ns() - t0)
         self.last_hit_tokens = step.effect.cached_tokens[0]
         return Handle(spec.idx, len(spec.prompt) + 1)
 
     def decode(self, h: Handle, token: int) -> bool:
+        if h.queued:  # a second token of one request before the step ended (the harness's context scan):
+            self._flush()  # the first one's step is over
         if h.length % self.block_size == 0:  # this token opens a block
             if self.state.free_blocks - self.opening < 1:
                 self._flush()  # the queued releases give their blocks back first
@@ -96,6 +108,7 @@ class Adapter:
         self.ids.append(h.rid)
         self.tokens.append(token)
         self.handles.append(h)
+        h.queued = True
         return True
 
     def free(self, h: Handle) -> None:
@@ -106,9 +119,10 @@ class Adapter:
 
 def table(paths: list[str]) -> str:
     """Same-repeat ratios of pagedkv's step to vLLM's (and nano-vllm's, where it ran), per N and GC
-    setting, from bench_peers.py's JSON files; medians over the repeats."""
-    lines = ["| GC | N | pagedkv step µs | vLLM step µs | pagedkv / vLLM | nano-vllm / vLLM | admit µs p / v | "
-             "free µs p / v | pagedkv GC runs a step (gen 0/1/2) | vLLM GC runs a step | prefix hit p / v |",
+    setting, from bench_peers.py's JSON files; medians over the repeats. Admission and release are
+    per request: vLLM's admit and free calls against this adapter's admission and release phases."""
+    lines = ["| GC | N | pagedkv step µs | vLLM step µs | pagedkv / vLLM | nano-vllm / vLLM | admission µs p / v | "
+             "release µs p / v | GC runs a step p (gen 0/1/2) | GC runs a step v | prefix-hit fraction p / v |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for path in paths:
         data = json.load(open(path))
@@ -123,11 +137,13 @@ def table(paths: list[str]) -> str:
             if "nanovllm" in runs:
                 q = runs["nanovllm"][n]
                 nano = f"{_median([a['step_p50_us'] / b['step_p50_us'] for a, b in zip(q['reps'], v['reps'])]):.2f}x"
+            ph = p.get("phases_p50_us", {})
+            adm, rel = ph.get("admission", float("nan")), ph.get("release", float("nan"))
             ours_gc = "/".join(f"{c / steps:.2f}" for c in p["gc_collections_gen012"])
             vllm_gc = f"{sum(v['gc_collections_gen012']) / steps:.2f}"
             lines.append(f"| {gc} | {n} | {p['step_p50_us']:.0f} | {v['step_p50_us']:.0f} | {ratio:.2f}x | {nano} | "
-                         f"{p['admit_p50_us']:.0f} / {v['admit_p50_us']:.0f} | {p['free_p50_us']:.1f} / "
-                         f"{v['free_p50_us']:.1f} | {ours_gc} | {vllm_gc} | "
+                         f"{adm:.0f} / {v['admit_p50_us']:.0f} ({adm / v['admit_p50_us']:.2f}x) | "
+                         f"{rel:.1f} / {v['free_p50_us']:.1f} ({rel / v['free_p50_us']:.2f}x) | {ours_gc} | {vllm_gc} | "
                          f"{p['prefix_hit_frac']:.4f} / {v['prefix_hit_frac']:.4f} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine, SamplingParams, freeze_startup
 
     t0 = time.perf_counter()
     try:
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace)  # fmt: skip
     if args.page_map:
         engine.kv_history = []
+    freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = []
     for i, it in enumerate(items):
         text = it["prompt"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Completion, Engine, SamplingParams
+from pagedkv.shell.engine import Completion, Engine, SamplingParams, freeze_startup
 
 
 class LLM:
@@ -29,6 +29,7 @@ class LLM:
             raise ValueError("a model of your own needs its tokenizer")
         self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, **engine)
+        freeze_startup()  # the app's GC policy: the weights and the start-up state are never walked again
 
     def generate(self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  *, chat: bool = False) -> list[Completion]:  # fmt: skip

@@ -2,13 +2,17 @@
 
 A full block's hash is ``H(parent hash, its token ids, extra keys)``, with a
 fixed root per namespace, so a hash names the whole prefix up to and including
-its block. BLAKE2b over a ``repr`` of ints and strings: stable across processes
-and machines (never Python's salted ``hash()``).
+its block. BLAKE2b-128 over the parent, the number of ids, the ids as eight
+little-endian bytes each (the form the core keeps them in, so hashing a block
+costs one digest, not a formatting of its ids) and the extra keys' ``repr``:
+stable across processes and machines (never Python's salted ``hash()``), and
+injective (fixed-width parts first, the variable one last).
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -31,8 +35,24 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[st
     >>> hash_block(r, [1, 2], ()) == hash_block(r, (1, 2), ()) != hash_block(r, [1, 2], ("lora:7",))
     True
     """
-    payload = repr((tuple(token_ids), extra_keys)).encode()
-    return hashlib.blake2b(parent + payload, digest_size=16).digest()
+    return hash_packed(parent, array("Q", token_ids).tobytes(), extra_blob(extra_keys))
+
+
+def extra_blob(extra_keys: tuple[str, ...]) -> bytes:
+    """The extra keys as they enter a hash (computed once a request)."""
+    return repr(extra_keys).encode()
+
+
+def hash_packed(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash:
+    """``hash_block`` of ids already packed (eight little-endian bytes each) and keys already
+    encoded (``extra_blob``).
+
+    >>> r = root_hash("pagedkv")
+    >>> hash_packed(r, (5).to_bytes(8, "little"), extra_blob(())) == hash_block(r, [5], ())
+    True
+    """
+    return hashlib.blake2b(parent + (len(packed_ids) >> 3).to_bytes(4, "little") + packed_ids + extra,
+                           digest_size=16).digest()  # fmt: skip
 
 
 def hash_chain(

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.hashing import BlockHash, hash_block
+from pagedkv.core.hashing import BlockHash, extra_blob, hash_packed
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState
+from pagedkv.core.state import KVState, pack_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,8 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     root = state.cache.root
     chains: list[list[BlockHash]] = []
     limit: int | None = None
+    extra = extra_blob(spec.extra_keys)
+    width = bs << 3  # bytes of one block's packed ids
     for row in rows:
         assert row.tokens is not None
         cap = (row.prefix_len if row.prefix_len is not None else row.num_tokens - 1) // bs
@@ -49,8 +51,9 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
             cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
         chain: list[BlockHash] = []
         parent = root
+        packed = pack_ids(row.tokens[: cap * bs])
         for j in range(cap):
-            h = hash_block(parent, row.tokens[j * bs : (j + 1) * bs], spec.extra_keys)
+            h = hash_packed(parent, packed[j * width : (j + 1) * width], extra)
             if any((g, h) not in cache for g in full):
                 break
             chain.append(h)

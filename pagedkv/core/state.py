@@ -72,6 +72,7 @@ class Request:
     extra_keys: tuple[str, ...]
     decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
     cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
+    extra: bytes = b"()"  # extra_keys as they enter block hashes (hashing.extra_blob)
 
 
 @dataclass(frozen=True, slots=True)

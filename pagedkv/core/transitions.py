@@ -23,7 +23,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
-from pagedkv.core.hashing import hash_block
+from pagedkv.core.hashing import extra_blob, hash_packed
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -176,7 +176,8 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
     # the decode fast path serves one-row requests that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
-    txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch)
+    txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
+                                extra_blob(spec.extra_keys))  # fmt: skip
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
@@ -573,14 +574,13 @@ def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: b
     j = n // bs - 1
     if tail is None or len(tail) != bs << 3 or len(hashes) != j << 4:
         return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
-    block_ids = unpack_ids(tail)
     parent = hashes[-16:] if j else base.cache.root
-    h = hash_block(parent, block_ids, req.extra_keys)
+    h = hash_packed(parent, tail, req.extra)
     add = txn.index.add
     for g, group_blocks in enumerate(record.blocks):
         b = group_blocks[j]
         if b and add(g, h, b):
-            txn.events.append(BlockStored(h, parent if j else None, block_ids, g, b))
+            txn.events.append(BlockStored(h, parent if j else None, unpack_ids(tail), g, b))
     return hashes + h
 
 
@@ -653,8 +653,8 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
 
 
-def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> tuple[int, ...]:
-    """The token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
+def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
+    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
     assert record.ids is not None
     c = record.chunked
     if end <= c:
@@ -663,7 +663,7 @@ def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> tuple[
         blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
     else:
         blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
-    return unpack_ids(blob)
+    return blob
 
 
 def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
@@ -693,16 +693,17 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
     new = [record.hashes]
     add = txn.index.add
     events = txn.events
-    extra = req.extra_keys
-    span = _token_span(record, tail, done * bs, full * bs)  # ids of every block to hash, unpacked once
+    extra = req.extra
+    span = _token_span(record, tail, done * bs, full * bs)  # the packed ids of every block to hash
+    width = bs << 3
     for j in range(done, full):
-        ids = span[(j - done) * bs : (j - done + 1) * bs]
-        h = hash_block(parent, ids, extra)
+        packed = span[(j - done) * width : (j - done + 1) * width]
+        h = hash_packed(parent, packed, extra)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content
             if b and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, ids, g, b))
+                events.append(BlockStored(h, parent if j else None, unpack_ids(packed), g, b))
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))

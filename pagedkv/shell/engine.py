@@ -196,16 +196,22 @@ class Engine:
             rid = f"req-{len(self.requests)}"
             self.add_request(rid, text, ids, params)
             order.append(rid)
-        thresholds = gc.get_threshold()
-        gc.set_threshold(100_000, 50, 100)  # the core's persistent nodes make gen-0 GC costly mid-step
-        try:
-            while self.has_unfinished():
-                for comp in self.step():
-                    if on_finish is not None:
-                        on_finish(comp)
-        finally:
-            gc.set_threshold(*thresholds)
+        while self.has_unfinished():
+            for comp in self.step():
+                if on_finish is not None:
+                    on_finish(comp)
         return [self.requests[rid][0] for rid in order]
+
+
+def freeze_startup() -> None:
+    """What a serving process should do once its model, pools and engine exist: collect, then move
+    everything alive into CPython's permanent generation (``gc.freeze``, as vLLM's engine core
+    does), so full collections never walk the weights' and the start-up state's objects again.
+    The core does not need it (its step leaves little for the GC to walk, with the GC on at
+    default thresholds: bench/peers.py); it is the process's policy, so the app calls it, never
+    the library on its own."""
+    gc.collect()
+    gc.freeze()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

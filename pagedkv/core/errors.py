@@ -7,6 +7,8 @@ invariant is a bug and raises ``AssertionError`` instead.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -66,6 +68,24 @@ def is_token_id(value: object) -> bool:
     (True, False, False, False)
     """
     return type(value) is int and 0 <= value < TOKEN_ID_LIMIT
+
+
+def are_token_ids(ids: Sequence[object]) -> bool:
+    """Every item a token id, judged at C speed: the types, then the range (what an unsigned
+    64-bit array takes). Callers name the first bad one with ``is_token_id`` when it is False.
+
+    >>> are_token_ids([1, 2]), are_token_ids([1, -2]), are_token_ids([1, True]), are_token_ids([])
+    (True, False, False, True)
+    """
+    if not ids:
+        return True
+    if set(map(type, ids)) != {int}:
+        return False
+    try:
+        array("Q", ids)  # type: ignore[type-var]
+    except OverflowError:
+        return False
+    return True
 
 
 def is_request_id(value: object) -> bool:

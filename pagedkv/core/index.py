@@ -115,42 +115,42 @@ class PrefixIndex:
 
 
 class PrefixIndexEdit:
-    """A transition's working copy of a ``PrefixIndex``: buckets are copied on their first write."""
+    """A transition's working copy of a ``PrefixIndex``: an overlay of what it changed, folded
+    into new buckets once, by ``persistent``.
 
-    __slots__ = ("base", "buckets", "copied", "where", "size", "mask")
+    ``keys`` has the last word on every key the transition touched (its block, or 0: dropped),
+    ``blocks`` on every block (its key, or None). A bucket is then copied once for all the
+    transition's changes in it, and every leaf of the locator vector once.
+    """
+
+    __slots__ = ("base", "keys", "blocks", "size")
 
     def __init__(self, base: PrefixIndex) -> None:
         self.base = base
-        self.buckets: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)
-        self.copied: set[int] = set()  # locators (bucket << GROUP_BITS | group) of the buckets this edit copied
-        self.where: VecEdit[int] = VecEdit(base.where)
+        self.keys: dict[CacheKey, int] = {}
+        self.blocks: dict[int, CacheKey | None] = {}
         self.size = base.size
-        self.mask = base.mask
-
-    def _bucket(self, g: int, k: int) -> dict[Any, Any]:
-        edit = self.buckets[g]
-        return self.base.buckets[g][k] if edit is None else edit[k]
-
-    def __contains__(self, key: CacheKey) -> bool:
-        g, h = key
-        return h in self._bucket(g, (h[0] | h[1] << 8 | h[2] << 16) & self.mask)
 
     def get(self, key: CacheKey) -> int | None:
-        g, h = key
-        return self._bucket(g, (h[0] | h[1] << 8 | h[2] << 16) & self.mask).get(h)
+        b = self.keys.get(key)
+        if b is not None:
+            return b or None
+        return self.base.get(key)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return self.get(key) is not None
 
     def is_cached(self, block: int) -> bool:
-        return self.where[block] != 0
+        blocks = self.blocks
+        if block in blocks:
+            return blocks[block] is not None
+        return self.base.where[block] != 0
 
-    def _writable(self, g: int, k: int, loc: int) -> dict[Any, Any]:
-        edit = self.buckets[g]
-        if edit is None:
-            edit = self.buckets[g] = VecEdit(self.base.buckets[g])
-        if loc in self.copied:
-            return edit[k]
-        bucket = edit[k] = dict(edit[k])  # (a copy of an untracked dict stays untracked)
-        self.copied.add(loc)
-        return bucket
+    def key_of(self, block: int) -> CacheKey | None:
+        blocks = self.blocks
+        if block in blocks:
+            return blocks[block]
+        return self.base.key_of(block)
 
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""
@@ -159,38 +159,58 @@ class PrefixIndexEdit:
 
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
-        k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
-        edit = self.buckets[g]
-        bucket = self.base.buckets[g][k] if edit is None else edit[k]
-        if h in bucket or self.where[block]:
+        key = (g, h)
+        if self.get(key) is not None or self.is_cached(block):
             return False  # the same content sits in another block, or this block holds another
-        loc = k << GROUP_BITS | g
-        bucket = self._writable(g, k, loc)
-        bucket[h] = block
-        bucket[block] = h  # the reverse entry, for eviction
-        self.where[block] = loc + 1
+        self.keys[key] = block
+        self.blocks[block] = key
         self.size += 1
         return True
 
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
-        loc = self.where[block] - 1
-        if loc < 0:
+        key = self.key_of(block)
+        if key is None:
             return None
-        g = loc & GROUP_MASK
-        bucket = self._writable(g, loc >> GROUP_BITS, loc)
-        h = bucket.pop(block)
-        del bucket[h]
-        self.where[block] = 0
+        self.keys[key] = 0
+        self.blocks[block] = None
         self.size -= 1
-        return g, h
+        return key
 
     def persistent(self) -> PrefixIndex:
         base = self.base
-        if not self.copied:
+        if not self.keys:
             return base
-        buckets = tuple(b if e is None else e.persistent() for b, e in zip(base.buckets, self.buckets))
-        out = PrefixIndex(buckets, self.where.persistent(), self.size, base.root)
-        self.base, self.buckets, self.copied = out, [None] * len(buckets), set()
-        self.where = VecEdit(out.where)
+        mask = base.mask
+        # per bucket: the old pairs of every key touched go, then the new ones come
+        touched: dict[tuple[int, int], list[tuple[BlockHash, int]]] = {}
+        for (g, h), b in self.keys.items():
+            touched.setdefault((g, (h[0] | h[1] << 8 | h[2] << 16) & mask), []).append((h, b))
+        edits: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)
+        for (g, k), changes in touched.items():
+            edit = edits[g]
+            if edit is None:
+                edit = edits[g] = VecEdit(base.buckets[g])
+            bucket = dict(edit[k])  # (a copy of an untracked dict stays untracked)
+            for h, _ in changes:  # every old pair of a key touched goes first
+                old = bucket.pop(h, None)
+                if old is not None:
+                    del bucket[old]
+            for h, b in changes:
+                if b:
+                    bucket[h] = b
+                    bucket[b] = h  # the reverse entry, for eviction
+            edit[k] = bucket
+        where = VecEdit(base.where)
+        sh, m = where.shift, where.mask
+        leaves = where.own_many({b >> sh for b in self.blocks})
+        for b, key in self.blocks.items():
+            if key is None:
+                leaves[b >> sh][b & m] = 0
+            else:
+                g, h = key
+                leaves[b >> sh][b & m] = (((h[0] | h[1] << 8 | h[2] << 16) & mask) << GROUP_BITS | g) + 1
+        buckets = tuple(v if e is None else e.persistent() for v, e in zip(base.buckets, edits))
+        out = PrefixIndex(buckets, where.persistent(), self.size, base.root)
+        self.base, self.keys, self.blocks = out, {}, {}
         return out

@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.digest import canonical
 from pagedkv.core.errors import (
-    TOKEN_ID_LIMIT, ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id,
+    ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id,
 )  # fmt: skip
 from pagedkv.core.metadata import KVMetadata, publish
 from pagedkv.core.outputs import TokenLog, TokenLogEdit
@@ -430,7 +430,7 @@ def on_output(
     decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
     get = sampled.get
     toks: list[Any] = [get(rid) for rid in decode]  # checked at C speed; the loop below names a bad one
-    ok = not toks or (set(map(type, toks)) == {int} and min(toks) >= 0 and max(toks) < TOKEN_ID_LIMIT)
+    ok = are_token_ids(toks)
     for rid in (*(() if ok else decode), *(c[0] for c in chunks if c[3])):
         tok = get(rid)
         if not is_token_id(tok):

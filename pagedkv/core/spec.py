@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.errors import TOKEN_ID_LIMIT, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id
 
 Span = tuple[int, int]
 
@@ -99,8 +99,8 @@ def _check_row(row: object, where: str) -> KVError | None:
     if row.tokens is not None:
         if not isinstance(row.tokens, tuple) or len(row.tokens) != n:
             return invalid(f"{where}: tokens must be a tuple of num_tokens ({n}) ids", field="tokens")
-        toks = row.tokens  # judged at C speed; the loop below only names the first bad id
-        if set(map(type, toks)) != {int} or min(toks) < 0 or max(toks) >= TOKEN_ID_LIMIT:
+        toks = row.tokens  # judged at C speed (the types, then the range as unsigned 64-bit); the loop names a bad id
+        if not are_token_ids(toks):
             bad = next(t for t in toks if not is_token_id(t))
             return invalid(f"{where}: token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
     p, t = row.prefix_len, row.target_len

@@ -300,38 +300,102 @@ class Txn:
 
     Lives inside one transition function and never escapes it, so the core
     stays pure from the outside: the base state is never touched, and a
-    refused transition simply drops its Txn. Vector edits copy nothing until
-    their first write; map mutations are opened on first write.
+    refused transition simply drops its Txn. Each vector's edit and each map's
+    mutation is opened on its first use, and copies nothing until its first
+    write; ``done`` builds the next state from what was opened.
     """
 
     __slots__ = (
-        "config", "base", "refcount", "nxt", "prv", "num_free", "_requests", "row_len", "row_computed", "row_tail",
-        "rows", "row_generation", "slot_stack", "slot_top", "generation", "_index", "prefix_queries", "prefix_hits",
-        "events",
+        "config", "base", "num_free", "slot_top", "generation", "prefix_queries", "prefix_hits", "events",
+        "_refcount", "_nxt", "_prv", "_row_len", "_row_computed", "_row_tail", "_rows", "_row_generation",
+        "_slot_stack", "_requests", "_index",
     )  # fmt: skip
 
     def __init__(self, s: KVState) -> None:
         self.base = s
         self.config = s.config
-        self.refcount: VecEdit[int] = VecEdit(s.refcount)
-        self.nxt: VecEdit[int] = VecEdit(s.free_next)
-        self.prv: VecEdit[int] = VecEdit(s.free_prev)
         self.num_free = s.num_free
-        self._requests: MapMutation[RequestId, Request] | None = None
-        self.row_len: VecEdit[int] = VecEdit(s.row_len)
-        self.row_computed: VecEdit[int] = VecEdit(s.row_computed)
-        self.row_tail: VecEdit[bytes | None] = VecEdit(s.row_tail)
-        self.rows: VecEdit[Row] = VecEdit(s.rows)
-        self.row_generation: VecEdit[int] = VecEdit(s.row_generation)
-        self.slot_stack: VecEdit[int] = VecEdit(s.slot_stack)
         self.slot_top = s.slot_top
         self.generation = s.generation
-        self._index: PrefixIndexEdit | None = None
         self.prefix_queries = s.prefix_queries
         self.prefix_hits = s.prefix_hits
         self.events: list[KVEvent] = []
+        self._refcount: VecEdit[int] | None = None
+        self._nxt: VecEdit[int] | None = None
+        self._prv: VecEdit[int] | None = None
+        self._row_len: VecEdit[int] | None = None
+        self._row_computed: VecEdit[int] | None = None
+        self._row_tail: VecEdit[bytes | None] | None = None
+        self._rows: VecEdit[Row] | None = None
+        self._row_generation: VecEdit[int] | None = None
+        self._slot_stack: VecEdit[int] | None = None
+        self._requests: MapMutation[RequestId, Request] | None = None
+        self._index: PrefixIndexEdit | None = None
 
-    # map mutations, opened on the first write (immutables' MapMutation)
+    # -- the working copies, each opened on its first use ------------------------
+    @property
+    def refcount(self) -> VecEdit[int]:
+        e = self._refcount
+        if e is None:
+            e = self._refcount = VecEdit(self.base.refcount)
+        return e
+
+    @property
+    def nxt(self) -> VecEdit[int]:  # the free queue's forward links
+        e = self._nxt
+        if e is None:
+            e = self._nxt = VecEdit(self.base.free_next)
+        return e
+
+    @property
+    def prv(self) -> VecEdit[int]:  # and its backward links
+        e = self._prv
+        if e is None:
+            e = self._prv = VecEdit(self.base.free_prev)
+        return e
+
+    @property
+    def row_len(self) -> VecEdit[int]:
+        e = self._row_len
+        if e is None:
+            e = self._row_len = VecEdit(self.base.row_len)
+        return e
+
+    @property
+    def row_computed(self) -> VecEdit[int]:
+        e = self._row_computed
+        if e is None:
+            e = self._row_computed = VecEdit(self.base.row_computed)
+        return e
+
+    @property
+    def row_tail(self) -> VecEdit[bytes | None]:
+        e = self._row_tail
+        if e is None:
+            e = self._row_tail = VecEdit(self.base.row_tail)
+        return e
+
+    @property
+    def rows(self) -> VecEdit[Row]:
+        e = self._rows
+        if e is None:
+            e = self._rows = VecEdit(self.base.rows)
+        return e
+
+    @property
+    def row_generation(self) -> VecEdit[int]:
+        e = self._row_generation
+        if e is None:
+            e = self._row_generation = VecEdit(self.base.row_generation)
+        return e
+
+    @property
+    def slot_stack(self) -> VecEdit[int]:
+        e = self._slot_stack
+        if e is None:
+            e = self._slot_stack = VecEdit(self.base.slot_stack)
+        return e
+
     @property
     def requests(self) -> MapMutation[RequestId, Request]:
         if self._requests is None:
@@ -347,25 +411,25 @@ class Txn:
     def done(self) -> KVState:
         b = self.base
         return KVState(
-            config=b.config,
-            refcount=self.refcount.persistent(),
-            free_next=self.nxt.persistent(),
-            free_prev=self.prv.persistent(),
-            num_free=self.num_free,
-            requests=b.requests if self._requests is None else self._requests.finish(),
-            row_len=self.row_len.persistent(),
-            row_computed=self.row_computed.persistent(),
-            row_tail=self.row_tail.persistent(),
-            rows=self.rows.persistent(),
-            row_generation=self.row_generation.persistent(),
-            slot_stack=self.slot_stack.persistent(),
-            slot_top=self.slot_top,
-            generation=self.generation,
-            epoch=b.epoch,
-            cache=b.cache if self._index is None else self._index.persistent(),
-            cache_epoch=b.cache_epoch,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
+            b.config,
+            b.refcount if self._refcount is None else self._refcount.persistent(),
+            b.free_next if self._nxt is None else self._nxt.persistent(),
+            b.free_prev if self._prv is None else self._prv.persistent(),
+            self.num_free,
+            b.requests if self._requests is None else self._requests.finish(),
+            b.row_len if self._row_len is None else self._row_len.persistent(),
+            b.row_computed if self._row_computed is None else self._row_computed.persistent(),
+            b.row_tail if self._row_tail is None else self._row_tail.persistent(),
+            b.rows if self._rows is None else self._rows.persistent(),
+            b.row_generation if self._row_generation is None else self._row_generation.persistent(),
+            b.slot_stack if self._slot_stack is None else self._slot_stack.persistent(),
+            self.slot_top,
+            self.generation,
+            b.epoch,
+            b.cache if self._index is None else self._index.persistent(),
+            b.cache_epoch,
+            self.prefix_queries,
+            self.prefix_hits,
         )
 
     def next_generation(self) -> int:
@@ -391,10 +455,10 @@ class Txn:
         self.prv[b] = 0
         self.num_free -= k
         own = self.refcount.own
-        where = (self.base.cache if self._index is None else self._index).where
+        cached = (self.base.cache if self._index is None else self._index).is_cached
         for x in out:
             own(x >> sh)[x & m] = 1
-            if where[x]:
+            if cached(x):
                 g, h = self.index.evict(x)  # type: ignore[misc]
                 self.events.append(BlockRemoved(h, g, x))
         return tuple(out)
@@ -456,11 +520,9 @@ class Txn:
         return self.row_len.append(seq_len)
 
     def free_slot(self, slot: int) -> None:
-        self.row_len[slot] = 0
-        self.row_computed[slot] = 0
+        """The slot's numbers stay until ``new_slot`` writes them; its objects go now (their memory)."""
         self.row_tail[slot] = None
         self.rows[slot] = EMPTY_ROW
-        self.row_generation[slot] = 0
         if self.slot_top < len(self.slot_stack):
             self.slot_stack[self.slot_top] = slot
         else:

@@ -21,7 +21,9 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import (
+    ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id,
+)  # fmt: skip
 from pagedkv.core.events import AllBlocksCleared, BlockStored, KVEvent
 from pagedkv.core.hashing import extra_blob, hash_packed
 from pagedkv.core.index import PrefixIndex
@@ -316,7 +318,7 @@ def _token_ids(tokens: Sequence[int] | None, count: int) -> Sequence[int] | None
     if len(toks) != count:
         return invalid(f"a decode step needs one token id per request: {count} requests, {len(toks)} ids",
                        field="tokens")  # fmt: skip
-    if toks and (set(map(type, toks)) != {int} or min(toks) < 0 or max(toks) >= 1 << 64):
+    if not are_token_ids(toks):
         bad = next(t for t in toks if not is_token_id(t))
         return invalid(f"token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
     return toks
@@ -810,30 +812,36 @@ def _free_tail_first(txn: Txn, req: Request) -> None:
     records = txn.rows
     rows = [records[s].blocks for s in req.slots]
     if len(rows) == 1 and len(rows[0]) == 1:
-        order: Iterable[int] = reversed(rows[0][0])
+        order: Sequence[int] = rows[0][0][::-1]
     else:
         longest = max(len(g) for r in rows for g in r)
         order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
     refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
-    tail = prv[0]
-    freed = 0
+    counts = refcount.own_many({b >> sh for b in order})  # each leaf copied once, then written in place
+    freed: list[int] = []
     for b in order:
         if not b:
             continue  # the null block stands for a position a windowed group let go
-        leaf = refcount.own(b >> sh)
+        leaf = counts[b >> sh]
         rc = leaf[b & m] - 1
         assert rc >= 0, f"block {b} released more often than it was referenced"
         leaf[b & m] = rc
-        if rc == 0:  # push b after the tail
-            nxt.own(tail >> sh)[tail & m] = b
-            prv.own(b >> sh)[b & m] = tail
-            tail = b
-            freed += 1
-    if freed:
-        nxt.own(tail >> sh)[tail & m] = 0
-        prv[0] = tail
-        txn.num_free += freed
+        if not rc:
+            freed.append(b)
+    if freed:  # the freed blocks, in this order, go after the tail of the free queue
+        prev = prv[0]
+        ks = {b >> sh for b in freed}
+        after = prv.own_many(ks)
+        ks.add(prev >> sh)
+        before = nxt.own_many(ks)
+        for b in freed:
+            before[prev >> sh][prev & m] = b
+            after[b >> sh][b & m] = prev
+            prev = b
+        before[prev >> sh][prev & m] = 0
+        prv[0] = prev
+        txn.num_free += len(freed)
     for s in req.slots:
         txn.free_slot(s)
 

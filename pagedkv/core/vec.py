@@ -154,6 +154,20 @@ class VecEdit(Generic[T]):
         owned.add(k)
         return leaf
 
+    def own_many(self, ks: Iterable[int]) -> list[Any]:
+        """Own the leaves ``ks`` (copying those not owned yet) and return every leaf: the ones in
+        ``ks`` may be written in place."""
+        owned = self.owned
+        if owned is None:
+            self.leaves = list(self.leaves)
+            owned = self.owned = set()
+        leaves = self.leaves
+        for k in ks:
+            if k not in owned:
+                leaves[k] = array("q", leaves[k]) if self.ints else list(leaves[k])
+                owned.add(k)
+        return leaves  # type: ignore[no-any-return]
+
     def own_all(self) -> list[Any]:
         """Copy every leaf now and return them, for a loop that writes everywhere
         (a decode step touches every row): ``leaves[i >> shift][i & mask] = x``."""

@@ -26,6 +26,7 @@ from pagedkv.core.vec import Vec, VecEdit
 
 _EMPTY: dict[Any, Any] = {}  # the shared empty bucket: never written (edits copy a bucket first)
 _BUCKET_SHIFT = 5  # leaves of 32 buckets
+_BUCKET_MASK = (1 << _BUCKET_SHIFT) - 1
 GROUP_BITS = 6  # a locator keeps the group in its low bits: up to 64 KV cache groups
 GROUP_MASK = (1 << GROUP_BITS) - 1
 
@@ -160,10 +161,25 @@ class PrefixIndexEdit:
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
         key = (g, h)
-        if self.get(key) is not None or self.is_cached(block):
-            return False  # the same content sits in another block, or this block holds another
+        b = self.keys.get(key)
+        base = self.base
+        if b is None:  # untouched by this edit: the base decides (leaves read directly: a hot path)
+            vec = base.buckets[g]
+            k = (h[0] | h[1] << 8 | h[2] << 16) & base.mask
+            if h in vec.leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]:
+                return False  # the same content sits in another block
+        elif b:
+            return False
+        blocks = self.blocks
+        if block in blocks:
+            if blocks[block] is not None:
+                return False  # this block holds another content
+        else:
+            where = base.where
+            if where.leaves[block >> where.shift][block & ((1 << where.shift) - 1)]:
+                return False
         self.keys[key] = block
-        self.blocks[block] = key
+        blocks[block] = key
         self.size += 1
         return True
 
@@ -191,7 +207,8 @@ class PrefixIndexEdit:
             edit = edits[g]
             if edit is None:
                 edit = edits[g] = VecEdit(base.buckets[g])
-            bucket = dict(edit[k])  # (a copy of an untracked dict stays untracked)
+            leaf = edit.own(k >> _BUCKET_SHIFT)
+            bucket = dict(leaf[k & _BUCKET_MASK])  # (a copy of an untracked dict stays untracked)
             for h, _ in changes:  # every old pair of a key touched goes first
                 old = bucket.pop(h, None)
                 if old is not None:
@@ -200,7 +217,7 @@ class PrefixIndexEdit:
                 if b:
                     bucket[h] = b
                     bucket[b] = h  # the reverse entry, for eviction
-            edit[k] = bucket
+            leaf[k & _BUCKET_MASK] = bucket
         where = VecEdit(base.where)
         sh, m = where.shift, where.mask
         leaves = where.own_many({b >> sh for b in self.blocks})

@@ -697,15 +697,16 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
     events = txn.events
     extra = req.extra
     span = _token_span(record, tail, done * bs, full * bs)  # the packed ids of every block to hash
+    ids = unpack_ids(span)  # (the events carry them as ints)
     width = bs << 3
     for j in range(done, full):
-        packed = span[(j - done) * width : (j - done + 1) * width]
-        h = hash_packed(parent, packed, extra)
+        i = j - done
+        h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content
             if b and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, unpack_ids(packed), g, b))
+                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b))
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))

@@ -136,7 +136,7 @@ class VecEdit(Generic[T]):
             owned = self.owned = set()
         if k not in owned:
             leaf = self.leaves[k]
-            self.leaves[k] = array("q", leaf) if self.ints else list(leaf)
+            self.leaves[k] = leaf[:] if self.ints else list(leaf)
             owned.add(k)
         self.leaves[k][i & self.mask] = value
 
@@ -150,7 +150,7 @@ class VecEdit(Generic[T]):
         if k in owned:
             return self.leaves[k]
         leaf = self.leaves[k]
-        leaf = self.leaves[k] = array("q", leaf) if self.ints else list(leaf)
+        leaf = self.leaves[k] = leaf[:] if self.ints else list(leaf)
         owned.add(k)
         return leaf
 
@@ -162,10 +162,14 @@ class VecEdit(Generic[T]):
             self.leaves = list(self.leaves)
             owned = self.owned = set()
         leaves = self.leaves
-        for k in ks:
-            if k not in owned:
-                leaves[k] = array("q", leaves[k]) if self.ints else list(leaves[k])
-                owned.add(k)
+        fresh = [k for k in ks if k not in owned]
+        if self.ints:
+            for k in fresh:
+                leaves[k] = leaves[k][:]  # (a slice of an array is a new array)
+        else:
+            for k in fresh:
+                leaves[k] = list(leaves[k])
+        owned.update(fresh)
         return leaves  # type: ignore[no-any-return]
 
     def own_all(self) -> list[Any]:
@@ -179,7 +183,7 @@ class VecEdit(Generic[T]):
         if len(owned) < len(leaves):
             for k, leaf in enumerate(leaves):
                 if k not in owned:
-                    leaves[k] = array("q", leaf) if self.ints else list(leaf)
+                    leaves[k] = leaf[:] if self.ints else list(leaf)
             owned.update(range(len(leaves)))
         return leaves  # type: ignore[no-any-return]
 

@@ -7,11 +7,11 @@ new 65,536-entry vector behind pays for all of it in each collection (83% of a
 step at 1,024 running requests, measured; see bench/RESULTS.md).
 
 A ``Vec`` is a tuple of leaves of ``2**shift`` entries. Integer leaves are
-``array('q')`` (not a GC container at all); object leaves are tuples (untracked
-by the GC once their items are). An edit copies the top tuple once and each
-leaf it touches once, so a transition costs O(leaves + entries written): with
-leaves of about sqrt(n) entries, a 65,536-block pool copies 256 pointers and a
-few 2 KiB leaves per transition, never the pool.
+``array('q')`` (the GC never walks their items); object leaves are tuples
+(untracked by the GC once their items are). An edit copies the top tuple once
+and each leaf it touches once, so a transition costs O(leaves + entries
+written): a 65,536-block pool copies 64 pointers and a few 8 KiB leaves per
+transition, never the pool.
 
 A ``VecEdit`` is the private working copy a transition writes through; it never
 escapes the transition, and ``persistent()`` hands back a new ``Vec`` that
@@ -30,12 +30,16 @@ T = TypeVar("T")
 
 
 def leaf_shift(n: int) -> int:
-    """log2 of the leaf size for ``n`` entries: about sqrt(n), at least 32.
+    """log2 of the leaf size for ``n`` entries: about n**(2/3), from 32 up to 1024.
 
-    >>> leaf_shift(10), leaf_shift(65_536), leaf_shift(10**6)
-    (5, 8, 10)
+    A transition pays for the top tuple (n / leaf entries, copied once) and for each leaf it
+    writes (copied once, ~100 ns up to 1,024 integers): few, large leaves keep the first small
+    without making the second dear.
+
+    >>> leaf_shift(10), leaf_shift(4_096), leaf_shift(65_536), leaf_shift(10**6)
+    (5, 8, 10, 10)
     """
-    return max(5, (max(n, 1) - 1).bit_length() // 2)
+    return min(10, max(5, 2 * (max(n, 1) - 1).bit_length() // 3))
 
 
 class Vec(Generic[T]):

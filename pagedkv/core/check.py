@@ -164,37 +164,44 @@ def _release(rid: str) -> Callable[[KVState], Any]:
 
 def canonical_key(s: KVState) -> tuple[Any, ...]:
     """The state up to a renaming of block ids and its monotone counters."""
-    rename = {0: 0}
     free = free_queue(s)
-    for b in free:
-        rename[b] = len(rename)
+    rename = dict(zip(free, range(1, len(free) + 1)))  # block ids in order of appearance: the free queue,
+    rename[0] = 0  # then each request's (by id)
     requests = []
     row_len, computed, records, tails = list(s.row_len), list(s.row_computed), list(s.rows), list(s.row_tail)
-    for rid in sorted(s.requests.keys(), key=lambda r: (type(r).__name__, r)):
+    epoch = s.cache_epoch
+    for rid in sorted(s.requests.keys(), key=_id_key):
         req = s.requests[rid]
         rows = []
         for slot, layout in zip(req.slots, req.layouts):
-            groups = []
             record = records[slot]
+            groups = []
             for ids in record.blocks:
                 for b in ids:
                     if b not in rename:
                         rename[b] = len(rename)
-                groups.append(tuple(rename[b] for b in ids))
+                groups.append(tuple(map(rename.__getitem__, ids)))
             tail = tails[slot]
             known = None if record.ids is None else record.ids + tail if tail else record.ids  # the ids, packed
             rows.append((row_len[slot], computed[slot], layout, tuple(groups), known, record.hashes, record.pending))
-        requests.append((rid, req.extra_keys, req.cache_epoch == s.cache_epoch, tuple(rows)))
-    for b in range(1, s.config.num_blocks):  # a broken state may hold ids nobody lists; keep them apart
-        rename.setdefault(b, len(rename))
+        requests.append((rid, req.extra_keys, req.cache_epoch == epoch, tuple(rows)))
+    n = s.config.num_blocks
+    if len(rename) < n:  # a broken state may hold ids nobody lists; keep them apart
+        for b in range(1, n):
+            if b not in rename:
+                rename[b] = len(rename)
     cache = s.cache
     refcount = list(s.refcount)
     return (
-        tuple(cache.key_of(b) for b in free) if len(cache) else (),  # which free blocks still hold a hash, in order
+        tuple(map(cache.key_of, free)) if len(cache) else (),  # which free blocks still hold a hash, in order
         tuple(requests),
-        tuple(sorted((k, rename[b]) for k, b in cache.items())),
-        tuple(refcount[b] for b in rename),  # in renamed order: a dict keeps insertion order
+        tuple(sorted((k, rename[b]) for k, b in cache.items())) if len(cache) else (),
+        tuple(map(refcount.__getitem__, rename)),  # in renamed order: a dict keeps insertion order
     )
+
+
+def _id_key(r: Any) -> tuple[str, Any]:
+    return (type(r).__name__, r)
 
 
 def _takes_generation(effect: object) -> bool | None:

@@ -132,6 +132,11 @@ class CacheConfig:
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def length_limit(self) -> int:
+        """``max_model_len``, or a bound no row reaches."""
+        return self.max_model_len if self.max_model_len is not None else 1 << 62
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks one group needs for ``num_tokens`` positions: ceil(n / block_size)."""
         return -(-num_tokens // self.block_size)

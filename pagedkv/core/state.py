@@ -463,10 +463,6 @@ class Txn:
                 self.events.append(BlockRemoved(h, g, x))
         return tuple(out)
 
-    def pop_free(self) -> int:
-        """Take the head of the free queue with one reference."""
-        return self.pop_blocks(1)[0]
-
     def push_free(self, b: int) -> None:
         """Append ``b`` at the tail of the free queue (most recently freed)."""
         nxt, prv = self.nxt, self.prv
@@ -476,9 +472,6 @@ class Txn:
         nxt[b] = 0
         prv[0] = b
         self.num_free += 1
-
-    def is_cached(self, key: CacheKey) -> bool:
-        return key in (self.base.cache if self._index is None else self._index)
 
     def take_hit(self, b: int) -> None:
         """One more reference to a cached block; out of the free queue if nobody held it."""

@@ -239,14 +239,13 @@ def append_decode(
     >>> step.effect.allocations, step.state.row_len[0]
     ((), 4)
     """
-    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
-    toks = _token_ids(tokens, len(ids))
-    if isinstance(toks, KVError):
-        return Failure(toks)
+    batch = _batch(request_ids, tokens)
+    if isinstance(batch, KVError):
+        return Failure(batch)
+    ids, toks = batch
     txn = Txn(state)
     cfg = state.config
-    bs = cfg.block_size
-    limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
+    bs, limit = cfg.block_size, cfg.length_limit
     get = state.requests.get
     lens = _batch_leaves(txn.row_len, len(ids))
     tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
@@ -310,18 +309,20 @@ def _num_rows(req: Request | None) -> int:
     return len(req.slots) if req is not None else 1
 
 
-def _token_ids(tokens: Sequence[int] | None, count: int) -> Sequence[int] | None | KVError:
-    """The batch's token ids, checked once for the whole call."""
+def _batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
+           ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
+    """A decode batch's ids and token ids, the token ids checked once for the whole call."""
+    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
     if tokens is None:
-        return None
+        return ids, None
     toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
-    if len(toks) != count:
-        return invalid(f"a decode step needs one token id per request: {count} requests, {len(toks)} ids",
+    if len(toks) != len(ids):
+        return invalid(f"a decode step needs one token id per request: {len(ids)} requests, {len(toks)} ids",
                        field="tokens")  # fmt: skip
     if not are_token_ids(toks):
         bad = next(t for t in toks if not is_token_id(t))
         return invalid(f"token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
-    return toks
+    return ids, toks
 
 
 _ONES = [(1,) * n for n in range(9)]
@@ -486,14 +487,13 @@ def decode_step(
     >>> len(step.state.cache), step.effect.allocations, step.state.row_len[0]
     (1, (('a', 2),), 5)
     """
-    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
-    toks = _token_ids(tokens, len(ids))
-    if isinstance(toks, KVError):
-        return Failure(toks)
+    batch = _batch(request_ids, tokens)
+    if isinstance(batch, KVError):
+        return Failure(batch)
+    ids, toks = batch
     txn = Txn(state)
     cfg = state.config
-    bs = cfg.block_size
-    limit = cfg.max_model_len if cfg.max_model_len is not None else 1 << 62
+    bs, limit = cfg.block_size, cfg.length_limit
     fast = not any(g.is_windowed for g in cfg.groups)  # full attention only: no window logic at all
     ngroups = len(cfg.groups)
     get = state.requests.get

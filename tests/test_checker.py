@@ -25,7 +25,9 @@ from pagedkv.cli import main
 from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
 from pagedkv.core import transitions
 from pagedkv.core.check import CheckConfig, check
-from pagedkv.core.state import Txn
+from pagedkv.core import decode as decode_mod
+from pagedkv.core import pool
+from pagedkv.core.txn import Txn
 
 SMALL = CheckConfig(usable_blocks=4, requests=2, max_model_len=6)
 
@@ -73,7 +75,7 @@ def _double_free(monkeypatch: pytest.MonkeyPatch) -> None:
     def free_slot(self: Txn, slot: int) -> None:
         blocks = self.rows[slot].blocks
         if blocks and blocks[0] and blocks[0][-1]:
-            self.push_free(blocks[0][-1])  # the last block goes back a second time
+            pool.push_free(self, blocks[0][-1])  # the last block goes back a second time
         original(self, slot)
 
     monkeypatch.setattr(Txn, "free_slot", free_slot)
@@ -97,19 +99,19 @@ def _refcount_left_by_refused_admission(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _hash_kept_after_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
-    def pop_blocks(self: Txn, k: int) -> tuple[int, ...]:
+    def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
         out = []
         for _ in range(k):
-            b = self.nxt[0]
-            after = self.nxt[b]
-            self.nxt[0] = after
-            self.prv[after] = 0
-            self.num_free -= 1
-            self.refcount[b] = 1
+            b = txn.nxt[0]
+            after = txn.nxt[b]
+            txn.nxt[0] = after
+            txn.prv[after] = 0
+            txn.num_free -= 1
+            txn.refcount[b] = 1
             out.append(b)  # the cache entry of b survives: a later hit reads someone else's KV
         return tuple(out)
 
-    monkeypatch.setattr(Txn, "pop_blocks", pop_blocks)
+    monkeypatch.setattr(pool, "pop_blocks", pop_blocks)
 
 
 def _window_block_freed_while_visible(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,10 +125,10 @@ def _generation_reused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _hit_evicted_by_its_own_admission(monkeypatch: pytest.MonkeyPatch) -> None:
-    def take_hit(self: Txn, b: int) -> None:
-        self.refcount[b] = self.refcount[b] + 1  # the hit stays in the free queue, where a pop can take it
+    def take_hit(txn: Txn, b: int) -> None:
+        txn.refcount[b] = txn.refcount[b] + 1  # the hit stays in the free queue, where a pop can take it
 
-    monkeypatch.setattr(Txn, "take_hit", take_hit)
+    monkeypatch.setattr(pool, "take_hit", take_hit)
 
 
 PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -183,7 +185,7 @@ FULL = CheckConfig(usable_blocks=3, requests=2, max_model_len=6, window=None)  #
 
 
 def _boundary_keeps_its_tail(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = transitions._open_block
+    original = decode_mod._open_block
 
     def open_block(txn: Txn, slot: int, n: int, token: int | None, record: Any, hashes: bytes, leaf: Any,
                    tail_leaf: Any) -> int:  # fmt: skip
@@ -196,11 +198,11 @@ def _boundary_keeps_its_tail(monkeypatch: pytest.MonkeyPatch) -> None:
             return gen
         return original(txn, slot, n, token, record, hashes, leaf, tail_leaf)
 
-    monkeypatch.setattr(transitions, "_open_block", open_block)
+    monkeypatch.setattr(decode_mod, "_open_block", open_block)
 
 
 def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = transitions._open_block
+    original = decode_mod._open_block
 
     def open_block(txn: Txn, *args: Any) -> int:
         before = txn.generation
@@ -208,7 +210,7 @@ def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
         txn.generation = before  # the new block is installed under the old generation
         return before
 
-    monkeypatch.setattr(transitions, "_open_block", open_block)
+    monkeypatch.setattr(decode_mod, "_open_block", open_block)
 
 
 @pytest.mark.parametrize("plant", [_boundary_keeps_its_tail, _boundary_without_a_generation])

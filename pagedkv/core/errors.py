@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from returns.result import Failure
+
 RequestId = str | int
 
 
@@ -47,6 +49,11 @@ class KVError:
     def permanent(self) -> bool:
         """Only ``NO_CAPACITY`` can succeed later, once blocks are freed."""
         return self.code is not ErrorCode.NO_CAPACITY
+
+
+def fail(code: ErrorCode, message: str, rid: RequestId | None, **numbers: int) -> Failure[KVError]:
+    """A refusal with the numbers that explain it (``requested``, ``available``)."""
+    return Failure(KVError(code, message, request=rid, **numbers))  # type: ignore[arg-type]
 
 
 def invalid(message: str, *, request: RequestId | None = None, field: str | None = None) -> KVError:

@@ -1,0 +1,107 @@
+"""Admission: every block of every row and group of a request, or none.
+
+Allocation order is part of the contract (traces pin block ids): rows in order,
+then groups in order, then positions ascending, each block popped from the head
+of the free queue, after the prefix-cache hits are taken (so an admission never
+evicts its own hit).
+"""
+
+from __future__ import annotations
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core import pool
+from pagedkv.core.effects import Admitted
+from pagedkv.core.errors import ErrorCode, KVError, fail
+from pagedkv.core.hashing import extra_blob
+from pagedkv.core.prefix import find_hit
+from pagedkv.core.spec import RequestSpec, check_request_spec
+from pagedkv.core.state import NO_PENDING, KVState, Pending, Request, Row, RowLayout, Step, pack_ids
+from pagedkv.core.txn import Txn
+
+
+def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
+    """Reserve every block of every row and group of ``spec``, or nothing.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> rows = (RowSpec(8, prefix_len=4, target_len=4),) * 2  # two CFG rows
+    >>> step = admit(s, RequestSpec("img", rows)).unwrap()
+    >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
+    (1, (((1, 2),), ((3, 4),)), 4)
+    """
+    err = check_request_spec(spec)
+    if err is not None:
+        return Failure(err)
+    cfg = state.config
+    rid = spec.request_id
+    rows = spec.rows
+    limit = cfg.max_rows_per_request
+    if limit is not None and len(rows) > limit:
+        return fail(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {rid!r} has {len(rows)} rows, over max_rows_per_request {limit}",
+            rid, requested=len(rows), available=limit,
+        )  # fmt: skip
+    if cfg.max_model_len is not None:
+        for i, row in enumerate(rows):
+            if row.num_tokens > cfg.max_model_len:
+                return fail(
+                    ErrorCode.UNSCHEDULABLE,
+                    f"request {rid!r} row {i} has {row.num_tokens} tokens, over max_model_len {cfg.max_model_len}",
+                    rid, requested=row.num_tokens, available=cfg.max_model_len,
+                )  # fmt: skip
+    per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
+    need = len(cfg.groups) * sum(per_row)
+    if need > cfg.usable_blocks:
+        return fail(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {rid!r} needs {need} blocks; the pool has {cfg.usable_blocks} usable blocks in all",
+            rid, requested=need, available=cfg.usable_blocks,
+        )  # fmt: skip
+    if rid in state.requests:
+        return fail(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", rid)
+    hit = find_hit(state, spec)
+    held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
+    need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
+    if need > state.num_free:
+        return fail(
+            ErrorCode.NO_CAPACITY,
+            f"request {rid!r} needs {need} blocks; {state.num_free} are free",
+            rid, requested=need, available=state.num_free,
+        )  # fmt: skip
+
+    txn = Txn(state)
+    for row_ids in hit.ids:  # hits first, so popping new blocks never evicts one of them
+        for group_ids in row_ids:
+            for b in group_ids:
+                if b:
+                    pool.take_hit(txn, b)
+    caching = cfg.enable_prefix_caching
+    cached = hit.num_blocks * cfg.block_size
+    slots = []
+    blocks = []
+    for row, nb, row_ids, hashes in zip(rows, per_row, hit.ids, hit.hashes):
+        fresh = nb - hit.num_blocks
+        rb = tuple(group_ids + pool.pop_blocks(txn, fresh) for group_ids in row_ids)
+        p = row.pending_tokens
+        # destination blocks: what the prefix cache already holds is present; the rest arrives
+        pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
+        if caching and row.tokens is not None:  # the ids stay known while the row grows by ids
+            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
+        else:
+            record, tail = Row(rb, None, b"".join(hashes), pending), None
+        slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
+        blocks.append(rb)
+    if caching:
+        txn.prefix_queries += sum(row.num_tokens for row in rows)
+        txn.prefix_hits += cached * len(rows)
+    gen = txn.next_generation()
+    layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
+    # the decode fast path serves one-row requests that may grow
+    decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
+    txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
+                                extra_blob(spec.extra_keys))  # fmt: skip
+    txn.row_generation[slots[0]] = gen
+    effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
+    return Success(Step(txn.done(), effect))

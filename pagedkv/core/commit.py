@@ -1,0 +1,176 @@
+"""Commit: tokens whose KV the forward wrote.
+
+With prefix caching, each newly full computed block is hashed (chained, with
+the request's extra keys) and enters the index once per content; in windowed
+groups, blocks no future query can see are let go (the null block takes their
+place) and the request takes a generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core import pool
+from pagedkv.core.effects import Committed
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.events import BlockStored
+from pagedkv.core.hashing import hash_packed
+from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids
+from pagedkv.core.txn import Txn
+
+
+def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Result[Step[Committed], KVError]:
+    """Mark tokens computed: ``computed[i]`` is row i's absolute count, never decreasing.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(6),))).unwrap().state
+    >>> commit(s, "a", [6]).unwrap().effect.generation is None
+    True
+    >>> commit(s, "a", [7]).failure().code.value
+    'INVALID'
+    """
+    txn = Txn(state)
+    result = _commit_one(txn, request_id, computed)
+    if isinstance(result, KVError):
+        return Failure(result)
+    return Success(Step(txn.done(), result))
+
+
+def commit_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+) -> Result[Step[tuple[Committed, ...]], KVError]:
+    """Several commits as one transition (a step's outputs): all of them, in order, or none."""
+    txn = Txn(state)
+    effects = []
+    for rid, computed in items:
+        result = _commit_one(txn, rid, computed)
+        if isinstance(result, KVError):
+            return Failure(result)
+        effects.append(result)
+    return Success(Step(txn.done(), tuple(effects)))
+
+
+def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
+    if not is_request_id(request_id):
+        return invalid(f"request id must be a string or an integer, got {request_id!r}", field="request")
+    base = txn.base
+    req = base.requests.get(request_id)
+    if req is None:
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request=request_id)
+    if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
+        return invalid(f"commit of request {request_id!r} must give one count per row ({len(req.slots)})",
+                       request=request_id, field="computed")  # fmt: skip
+    for i, (slot, c) in enumerate(zip(req.slots, computed)):
+        before, seq_len = txn.row_computed[slot], txn.row_len[slot]
+        if not is_int(c) or not before <= c <= seq_len:
+            return invalid(
+                f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
+                request=request_id, field="computed")  # fmt: skip
+    first_event = len(txn.events)
+    caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch
+    windowed = any(g.is_windowed for g in base.config.groups)
+    dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
+    for i, (slot, c) in enumerate(zip(req.slots, computed)):
+        txn.row_computed[slot] = c
+        if caching:
+            _cache_full_blocks(txn, req, i, slot, c)
+        if windowed:
+            _drop_invisible(txn, req, i, slot, c, dropped)
+    gen = None
+    before_free = txn.num_free
+    if dropped:
+        dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
+        for _, _, _, b in dropped:
+            pool.unref(txn, b)
+        gen = txn.next_generation()
+        txn.row_generation[req.slots[0]] = gen
+    return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
+
+
+def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
+    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
+    assert record.ids is not None
+    c = record.chunked
+    if end <= c:
+        blob = record.ids[start << 3 : end << 3]
+    elif start >= c:
+        blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
+    else:
+        blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
+    return blob
+
+
+def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
+    """Put row i's newly full computed blocks into the cache index (once per content)."""
+    record = txn.rows[slot]
+    new = _hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
+    if new is not record:
+        txn.rows[slot] = new
+
+
+def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row,
+                      tail: bytes | None) -> Row:  # fmt: skip
+    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record."""
+    if record.ids is None:
+        return record
+    cfg = txn.config
+    bs = cfg.block_size
+    known = record.chunked + (len(tail) >> 3 if tail is not None else 0)
+    layout = req.layouts[i]
+    cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
+    full = min(computed, cacheable, known) // bs
+    done = record.num_hashed
+    if full <= done:
+        return record
+    blocks = record.blocks
+    parent = record.hashes[-16:] if done else txn.base.cache.root
+    new = [record.hashes]
+    add = txn.index.add
+    events = txn.events
+    extra = req.extra
+    span = _token_span(record, tail, done * bs, full * bs)  # the packed ids of every block to hash
+    ids = unpack_ids(span)  # (the events carry them as ints)
+    width = bs << 3
+    for j in range(done, full):
+        i = j - done
+        h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
+        for g, group_blocks in enumerate(blocks):
+            b = group_blocks[j]
+            # not let go already, not cached already, and no other block holds the same content
+            if b and add(g, h, b):
+                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b))
+        new.append(h)
+        parent = h
+    return record.with_hashes(b"".join(new))
+
+
+def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
+                    dropped: list[tuple[int, int, int, int]]) -> None:  # fmt: skip
+    """Null the blocks of row i that no future query of a windowed group can see.
+
+    Future queries start at ``computed`` (a diffusion row: at ``prefix_len``
+    too, since every denoising step recomputes its target). The null positions
+    of a group are always a prefix of its list, so the scan walks back from the
+    new boundary only over blocks still held.
+    """
+    cfg = txn.config
+    layout = req.layouts[i]
+    future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
+    record = txn.rows[slot]
+    groups = list(record.blocks)
+    changed = False
+    for g, gs in enumerate(cfg.groups):
+        first = gs.first_visible_block(future, cfg.block_size)
+        ids = groups[g]
+        j = first - 1
+        while j >= 0 and ids[j]:
+            dropped.append((j, i, g, ids[j]))
+            j -= 1
+        if j < first - 1:
+            groups[g] = (0,) * first + ids[first:]
+            changed = True
+    if changed:
+        txn.rows[slot] = record.with_blocks(tuple(groups))

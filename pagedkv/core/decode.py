@@ -1,0 +1,165 @@
+"""A decode step as one transition for the whole batch: commit what the forward
+computed, append the sampled ids.
+
+Shaped for the common case (measured in bench/peers.py): a one-row request whose
+token neither completes nor opens a block costs two integer writes and eight
+bytes; a block boundary costs one hash and one record; anything else (windows,
+several rows, errors) takes the general path, which is commit then append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.commit import _commit_one, _hash_full_blocks
+from pagedkv.core.effects import Decoded
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
+from pagedkv.core.events import BlockStored
+from pagedkv.core.growth import _batch, _batch_leaves, _grow, _open_block
+from pagedkv.core.hashing import hash_packed
+from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step, unpack_ids
+from pagedkv.core.txn import Txn
+
+
+def commit_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Decoded], KVError]:
+    """The forward computed every position of the named requests: each row is
+    committed through its length (full blocks enter the prefix cache).
+
+    Equivalent to ``commit_many`` with each row's length (a test holds them
+    equal); costs a dict update a request unless a block completes.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(3),))).unwrap().state
+    >>> commit_decode(s, ["a"]).unwrap().state.row_computed[0]
+    3
+    """
+    return decode_step(state, request_ids, None, append_tokens=False)
+
+
+def decode_step(
+    state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None, *, append_tokens: bool = True
+) -> Result[Step[Decoded], KVError]:
+    """One decode step as one transition: the forward computed every position of
+    the named requests, and ``tokens[k]`` was sampled for request k.
+
+    Each row is committed through its length (blocks that fill are hashed and
+    enter the prefix cache, so prefix caching stays exact), then grows by its
+    request's sampled token (``None``: by a count), opening a block when the
+    last one is full. The same as ``commit_many`` then ``append_many`` (a test
+    holds them equal), at the cost of a dict update a request in the common
+    case. All of it, or nothing.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True))
+    >>> s = admit(s, RequestSpec("a", (RowSpec.of_tokens([1, 2, 3]),))).unwrap().state
+    >>> s = decode_step(s, ["a"], [4]).unwrap().state   # 1 2 3 computed; 4 appended
+    >>> step = decode_step(s, ["a"], [5]).unwrap()      # block [1 2 3 4] fills and is cached; 5 opens a block
+    >>> len(step.state.cache), step.effect.allocations, step.state.row_len[0]
+    (1, (('a', 2),), 5)
+    """
+    batch = _batch(request_ids, tokens)
+    if isinstance(batch, KVError):
+        return Failure(batch)
+    ids, toks = batch
+    txn = Txn(state)
+    cfg = state.config
+    bs, limit = cfg.block_size, cfg.length_limit
+    fast = not any(g.is_windowed for g in cfg.groups)  # full attention only: no window logic at all
+    ngroups = len(cfg.groups)
+    get = state.requests.get
+    lens = _batch_leaves(txn.row_len, len(ids))
+    done = _batch_leaves(txn.row_computed, len(ids))
+    # token tails: written when ids arrive; a count stops a row's ids (the general path does that)
+    tails = _batch_leaves(txn.row_tail, len(ids)) if append_tokens and cfg.enable_prefix_caching else None
+    mask = (1 << SLOT_SHIFT) - 1
+    allocations: list[tuple[RequestId, int]] = []
+    freed = 0
+    for k, rid in enumerate(ids):
+        try:
+            req = get(rid)
+        except TypeError:  # an unhashable id: the general path says INVALID
+            req = None
+        if fast and req is not None and (slot := req.decode_slot) >= 0:
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            leaf, done_leaf = lens[hi], done[hi]
+            n = leaf[o]
+            if done_leaf[o] // bs == n // bs:  # committing through n completes no block
+                if not append_tokens:
+                    done_leaf[o] = n
+                    continue
+                if n % bs and n < limit:  # and the new token goes into the open block
+                    if tails is None:
+                        done_leaf[o] = n
+                        leaf[o] = n + 1
+                        continue
+                    tail_leaf = tails[hi]
+                    tail = tail_leaf[o]
+                    if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
+                        done_leaf[o] = n
+                        leaf[o] = n + 1
+                        if tail is not None:  # the open block's ids: the tail
+                            tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                        continue
+            elif not append_tokens:  # a block filled: hash it
+                done_leaf[o] = n
+                record = txn.rows[slot]
+                hashes = _hash_filled(txn, req, slot, n, record, txn.row_tail[slot])
+                if hashes is not record.hashes:
+                    txn.rows[slot] = record.with_hashes(hashes)
+                continue
+            elif n % bs == 0 and n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
+                # a block boundary: the block that filled is hashed, the token opens the next one
+                done_leaf[o] = n
+                record = txn.rows[slot]
+                tail_leaf = tails[hi] if tails is not None else None
+                hashes = _hash_filled(txn, req, slot, n, record, tail_leaf[o] if tail_leaf is not None else None)
+                token = None if toks is None else toks[k]
+                allocations.append((rid, _open_block(txn, slot, n, token, record, hashes, leaf, tail_leaf)))
+                continue
+        # the general path: errors, block boundaries, windows, several rows
+        if req is None or not is_request_id(rid):
+            return Failure(_unknown(rid))
+        committed = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots])
+        if isinstance(committed, KVError):
+            return Failure(committed)
+        freed += committed.freed_blocks
+        gen = committed.generation
+        if append_tokens:
+            grown = _grow(txn, rid, None if toks is None else [[toks[k]]] * len(req.slots))
+            if isinstance(grown, KVError):
+                return Failure(grown)
+            gen = grown or gen
+        if gen:
+            allocations.append((rid, gen))
+    return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
+
+
+def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: bytes | None) -> bytes:
+    """A one-row decode request commits through ``n``: its hashes once the blocks that filled are
+    hashed and cached. The common case costs one hash: the tail holds exactly the block that
+    filled (block n / block_size - 1) and every block before it is hashed."""
+    base = txn.base
+    hashes = record.hashes
+    if record.ids is None or not base.config.enable_prefix_caching or req.cache_epoch != base.cache_epoch:
+        return hashes
+    bs = base.config.block_size
+    j = n // bs - 1
+    if tail is None or len(tail) != bs << 3 or len(hashes) != j << 4:
+        return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
+    parent = hashes[-16:] if j else base.cache.root
+    h = hash_packed(parent, tail, req.extra)
+    add = txn.index.add
+    for g, group_blocks in enumerate(record.blocks):
+        b = group_blocks[j]
+        if b and add(g, h, b):
+            txn.events.append(BlockStored(h, parent if j else None, unpack_ids(tail), g, b))
+    return hashes + h
+
+
+def _unknown(rid: object) -> KVError:
+    if not is_request_id(rid):
+        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+    return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)  # type: ignore[arg-type]

@@ -1,0 +1,103 @@
+"""What each transition hands back beside the next state: its effect, as a plain record.
+
+The shell reads generations and block ids from them; routers read their KV events.
+``takes_generation`` is the rule of which transitions must take a new generation, in one
+place: the model checker and ``pagedkv replay --check`` both hold every transition to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pagedkv.core.errors import RequestId
+from pagedkv.core.events import KVEvent
+from pagedkv.core.state import Blocks
+
+
+class ReleaseReason(StrEnum):
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request_id: RequestId
+    generation: int
+    cached_tokens: tuple[int, ...]  # per row: tokens whose KV came from the prefix cache
+    blocks: tuple[Blocks, ...]  # per row, per group
+    events: tuple[KVEvent, ...] = ()  # evictions its allocation caused
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    # (request, generation it took) for every request that got new blocks, in order
+    allocations: tuple[tuple[RequestId, int], ...]
+    events: tuple[KVEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    request_id: RequestId
+    generation: int | None  # taken only when the block layout changed (a windowed group let blocks go)
+    freed_blocks: int = 0
+    events: tuple[KVEvent, ...] = ()  # blocks stored in the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """What a batch decode transition (``commit_decode``, ``decode_step``) did."""
+
+    # (request, generation it took) for every request whose block layout changed, in order
+    allocations: tuple[tuple[RequestId, int], ...]
+    freed_blocks: int = 0  # blocks windowed groups let go
+    events: tuple[KVEvent, ...] = ()  # blocks stored in the prefix cache, evictions
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    request_id: RequestId
+    reason: ReleaseReason
+    generation: int
+    freed_blocks: int  # blocks that went back to the free queue
+
+
+@dataclass(frozen=True, slots=True)
+class WasReset:
+    epoch: int
+    released: tuple[RequestId, ...]
+    events: tuple[KVEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    dropped: int  # hashes dropped from the cache index
+    events: tuple[KVEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MarkedReady:
+    request_id: RequestId
+    row: int
+    ready: tuple[int, ...]  # block positions that became ready
+    pending: tuple[int, ...]  # block positions still pending
+
+
+def takes_generation(effect: object) -> bool | None:
+    """Must the transition that had this effect take a new generation (True), must it not
+    (False), or does it depend on the layout (None: a commit takes one exactly when a windowed
+    group let blocks go, which the window invariant covers)?
+
+    >>> takes_generation(Released("a", ReleaseReason.FINISHED, 3, 1)), takes_generation(Appended(()))
+    (True, False)
+    """
+    several = effect if isinstance(effect, tuple) else (effect,)  # release_many, commit_many
+    if any(isinstance(e, (Admitted, Released)) for e in several):
+        return True
+    if any(isinstance(e, (Appended, Decoded)) and e.allocations for e in several):
+        return True
+    if any(isinstance(e, Committed) for e in several):
+        return None
+    return False

@@ -1,0 +1,268 @@
+"""Growth: rows take new tokens (decode, or ids appended by any engine).
+
+A block is allocated only when a row's last block fills (every group list holds
+exactly ceil(len / block_size) ids); the request then takes a generation. A
+row's token ids stay known while it grows by ids (its open block's ids in its
+tail, the rest in its record) and stop at the first growth by a count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core import pool
+from pagedkv.core.effects import Appended
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id
+from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step, pack_ids
+from pagedkv.core.txn import Txn
+from pagedkv.core.vec import VecEdit
+
+
+# One row's growth in an append: a token count, or the token ids themselves.
+Growth = int | Sequence[int]
+
+
+def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Result[Step[Appended], KVError]:
+    """Grow each row of one request: ``rows[i]`` is a token count or the token ids.
+
+    Blocks are allocated only when a row's last block fills; the request then
+    takes the next generation.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap().state
+    >>> step = append(s, "a", [[17]]).unwrap()  # position 4 opens a second block
+    >>> step.effect.allocations, step.state.free_blocks
+    ((('a', 2),), 6)
+    """
+    return append_many(state, ((request_id, rows),))
+
+
+def append_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]
+) -> Result[Step[Appended], KVError]:
+    """Several appends as one transition: all of them, in order, or none."""
+    txn = Txn(state)
+    allocations: list[tuple[RequestId, int]] = []
+    for rid, rows in items:
+        result = _grow(txn, rid, rows)
+        if isinstance(result, KVError):
+            return Failure(result)
+        if result:
+            allocations.append((rid, result))
+    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+
+
+def append_decode(
+    state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None = None
+) -> Result[Step[Appended], KVError]:
+    """One decode step's growth: every row of every named request grows by one token.
+
+    ``tokens[k]``, when given, is the id of request k's new token (every row of
+    it gets that id, as CFG branches do); without ids the rows grow by a count.
+    Equivalent to ``append_many`` with one token per row (a test holds them
+    equal), at the cost of a dict update a request for the common case: a
+    one-row request whose new token neither opens nor fills a block. Every
+    group list holds exactly ceil(len / block_size) ids, so a row of length L
+    needs a new block for token L + 1 exactly when L % block_size == 0.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(3),))).unwrap().state
+    >>> step = append_decode(s, ["a"], [42]).unwrap()
+    >>> step.effect.allocations, step.state.row_len[0]
+    ((), 4)
+    """
+    batch = _batch(request_ids, tokens)
+    if isinstance(batch, KVError):
+        return Failure(batch)
+    ids, toks = batch
+    txn = Txn(state)
+    cfg = state.config
+    bs, limit = cfg.block_size, cfg.length_limit
+    get = state.requests.get
+    lens = _batch_leaves(txn.row_len, len(ids))
+    tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
+    mask = (1 << SLOT_SHIFT) - 1
+    ngroups = len(cfg.groups)
+    allocations: list[tuple[RequestId, int]] = []
+    for k, rid in enumerate(ids):
+        try:
+            req = get(rid)
+        except TypeError:  # an unhashable id: the general path says INVALID
+            req = None
+        if req is not None and (slot := req.decode_slot) >= 0:
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            leaf = lens[hi]
+            n = leaf[o]
+            if n % bs and n < limit:  # no block opens: one integer, maybe eight bytes
+                if tails is None:
+                    leaf[o] = n + 1
+                    continue
+                tail_leaf = tails[hi]
+                tail = tail_leaf[o]
+                if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
+                    leaf[o] = n + 1
+                    if tail is not None:  # the open block's ids: the tail
+                        tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                    continue
+            elif n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
+                # position n opens a block in every group
+                record = txn.rows[slot]
+                token = None if toks is None else toks[k]
+                tail_leaf = tails[hi] if tails is not None else None
+                allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
+                continue
+        result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
+        if isinstance(result, KVError):
+            return Failure(result)
+        if result:
+            allocations.append((rid, result))
+    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+
+
+class _OwnOnRead:
+    """Leaves owned one at a time, when a batch is too small to be worth owning them all."""
+
+    __slots__ = ("own",)
+
+    def __init__(self, edit: VecEdit[Any]) -> None:
+        self.own = edit.own
+
+    def __getitem__(self, k: int) -> Any:
+        return self.own(k)
+
+
+def _batch_leaves(edit: VecEdit[Any], batch: int) -> Any:
+    """Writable leaves for a batch loop: all of them at once for a large batch (a decode step
+    writes every row), else each on first use."""
+    return edit.own_all() if batch * 2 >= len(edit.leaves) else _OwnOnRead(edit)
+
+
+def _num_rows(req: Request | None) -> int:
+    return len(req.slots) if req is not None else 1
+
+
+def _batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
+           ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
+    """A decode batch's ids and token ids, the token ids checked once for the whole call."""
+    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+    if tokens is None:
+        return ids, None
+    toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    if len(toks) != len(ids):
+        return invalid(f"a decode step needs one token id per request: {len(ids)} requests, {len(toks)} ids",
+                       field="tokens")  # fmt: skip
+    if not are_token_ids(toks):
+        bad = next(t for t in toks if not is_token_id(t))
+        return invalid(f"token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
+    return ids, toks
+
+
+_ONES = [(1,) * n for n in range(9)]
+
+
+def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | int:
+    """Apply one request's growth to ``txn``; the generation taken, 0 if none, or the error."""
+    if not is_request_id(rid):
+        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+    req = txn.base.requests.get(rid)
+    if req is None:
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)
+    if rows is None:  # append_decode: one token per row
+        rows = _ONES[len(req.slots)] if len(req.slots) < len(_ONES) else (1,) * len(req.slots)
+    if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
+        return invalid(f"append to request {rid!r} must give one entry per row ({len(req.slots)})",
+                       request=rid, field="tokens")  # fmt: skip
+    cfg = txn.config
+    bs = cfg.block_size
+    row_len, records = txn.row_len, txn.rows
+    need = 0
+    grown: list[tuple[int, int, int, Growth]] = []  # (slot, new length, new blocks per group, growth)
+    for i, item in enumerate(rows):
+        if type(item) is int:
+            n = item
+            if n < 0:
+                return invalid(f"request {rid!r} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
+        elif isinstance(item, (list, tuple)):
+            for t in item:
+                if not is_token_id(t):
+                    return invalid(f"request {rid!r} row {i}: token ids must be non-negative integers below 2**64, got {t!r}",
+                                   request=rid, field="tokens")  # fmt: skip
+            n = len(item)
+        else:
+            return invalid(f"request {rid!r} row {i}: growth must be a count or a list of token ids, got {item!r}",
+                           request=rid, field="tokens")  # fmt: skip
+        if n == 0:
+            continue
+        if req.layouts[i].is_diffusion:
+            return invalid(f"request {rid!r} row {i} is a diffusion row; its length is fixed at admission",
+                           request=rid, field="tokens")  # fmt: skip
+        slot = req.slots[i]
+        new_len = row_len[slot] + n
+        if cfg.max_model_len is not None and new_len > cfg.max_model_len:
+            return invalid(f"request {rid!r} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
+                           request=rid, field="tokens")  # fmt: skip
+        extra = -(-new_len // bs) - len(records[slot].blocks[0])
+        need += extra
+        grown.append((slot, new_len, extra, item))
+    need *= len(cfg.groups)
+    if need > txn.num_free:
+        return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
+                       request=rid, requested=need, available=txn.num_free)  # fmt: skip
+    tails = txn.row_tail
+    for slot, new_len, extra, item in grown:
+        record = records[slot]
+        tail = tails[slot]
+        if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
+            if isinstance(item, (list, tuple)):
+                tail += pack_ids(item)
+                last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
+                if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
+                    cut = (last_block - record.chunked) << 3
+                    record = record.with_ids(tail[:cut])
+                    tail = tail[cut:]
+                tails[slot] = tail
+            else:
+                if tail:
+                    record = record.with_ids(tail)
+                tails[slot] = None
+        row_len[slot] = new_len
+        if extra:
+            record = record.with_blocks(tuple(g + pool.pop_blocks(txn, extra) for g in record.blocks))
+        if record is not records[slot]:
+            records[slot] = record
+    if not need:
+        return 0
+    gen = txn.next_generation()
+    txn.row_generation[req.slots[0]] = gen
+    return gen
+
+
+def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, hashes: bytes, leaf: Any,
+                tail_leaf: Any) -> int:  # fmt: skip
+    """A one-row full-attention row grows to n + 1 where position n opens a block in every group
+    (n % block_size == 0, the blocks are free): the tail's ids join the row's, the token starts
+    the new tail. What ``_grow`` does for it, in one record; returns the generation taken.
+    ``leaf`` and ``tail_leaf`` are the row's writable leaves of the length and tail vectors
+    (``tail_leaf`` None without prefix caching)."""
+    o = slot & ((1 << SLOT_SHIFT) - 1)
+    ids = record.ids
+    tail = tail_leaf[o] if tail_leaf is not None else None
+    if tail is not None:
+        assert ids is not None, "a row with a token tail has token ids"
+        ids += tail
+        tail_leaf[o] = None if token is None else token.to_bytes(8, "little")
+    blocks = record.blocks
+    if len(blocks) == 1:
+        new_blocks: Blocks = (blocks[0] + pool.pop_blocks(txn, 1),)
+    else:
+        new_blocks = tuple(g + pool.pop_blocks(txn, 1) for g in blocks)
+    txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending)
+    leaf[o] = n + 1
+    gen = txn.next_generation()
+    txn.row_generation[slot] = gen
+    return gen

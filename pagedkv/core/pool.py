@@ -1,0 +1,121 @@
+"""The block pool's mechanics, on a transition's working copy: allocate, evict, free.
+
+Refcounts by block; the free queue in LRU order, a doubly linked list over block
+ids with the null block 0 as its sentinel (``nxt[0]`` is the head, ``prv[0]`` the
+tail): allocation pops the head (the least recently freed block) and evicts its
+cached hash, a release pushes a request's blocks to the tail, tail first, a
+prefix hit takes a free block out of the middle. Every operation is O(1) a
+block: no scan of the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.core.events import BlockRemoved
+from pagedkv.core.state import Request
+from pagedkv.core.txn import Txn
+
+
+def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
+    """Take ``k`` blocks from the head of the free queue (least recently freed), one reference
+    each; a cached one leaves the index (its content is about to be overwritten)."""
+    if not k:
+        return ()
+    nxt = txn.nxt
+    sh, m = nxt.shift, nxt.mask
+    leaves = nxt.leaves
+    out = []
+    b = leaves[0][0]
+    for _ in range(k):
+        assert b != 0, "a pop on an empty free queue: capacity was not checked"
+        out.append(b)
+        b = leaves[b >> sh][b & m]
+    nxt[0] = b
+    txn.prv[b] = 0
+    txn.num_free -= k
+    own = txn.refcount.own
+    cached = txn.cache_view().is_cached
+    for x in out:
+        own(x >> sh)[x & m] = 1
+        if cached(x):
+            g, h = txn.index.evict(x)  # type: ignore[misc]
+            txn.events.append(BlockRemoved(h, g, x))
+    return tuple(out)
+
+
+def push_free(txn: Txn, b: int) -> None:
+    """Append ``b`` at the tail of the free queue (most recently freed)."""
+    nxt, prv = txn.nxt, txn.prv
+    tail = prv[0]
+    nxt[tail] = b
+    prv[b] = tail
+    nxt[b] = 0
+    prv[0] = b
+    txn.num_free += 1
+
+
+def take_hit(txn: Txn, b: int) -> None:
+    """One more reference to a cached block; out of the free queue if nobody held it."""
+    rc = txn.refcount[b]
+    if rc == 0:
+        unlink_free(txn, b)
+    txn.refcount[b] = rc + 1
+
+
+def unlink_free(txn: Txn, b: int) -> None:
+    """Take ``b`` out of the middle of the free queue (a prefix-cache hit)."""
+    nxt, prv = txn.nxt, txn.prv
+    before, after = prv[b], nxt[b]
+    nxt[before] = after
+    prv[after] = before
+    txn.num_free -= 1
+
+
+def unref(txn: Txn, b: int) -> None:
+    rc = txn.refcount[b] - 1
+    assert rc >= 0, f"block {b} released more often than it was referenced"
+    txn.refcount[b] = rc
+    if rc == 0:
+        push_free(txn, b)
+
+
+def free_tail_first(txn: Txn, req: Request) -> None:
+    """Drop one reference to each block, positions descending over all rows and
+    groups (rows, then groups, in order within one position); a block whose
+    last reference goes joins the tail of the free queue."""
+    records = txn.rows
+    rows = [records[s].blocks for s in req.slots]
+    if len(rows) == 1 and len(rows[0]) == 1:
+        order: Sequence[int] = rows[0][0][::-1]
+    else:
+        longest = max(len(g) for r in rows for g in r)
+        order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
+    refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
+    sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
+    counts = refcount.own_many({b >> sh for b in order})  # each leaf copied once, then written in place
+    freed: list[int] = []
+    for b in order:
+        if not b:
+            continue  # the null block stands for a position a windowed group let go
+        leaf = counts[b >> sh]
+        rc = leaf[b & m] - 1
+        assert rc >= 0, f"block {b} released more often than it was referenced"
+        leaf[b & m] = rc
+        if not rc:
+            freed.append(b)
+    if freed:  # the freed blocks, in this order, go after the tail of the free queue
+        prev = prv[0]
+        ks = {b >> sh for b in freed}
+        after = prv.own_many(ks)
+        ks.add(prev >> sh)
+        before = nxt.own_many(ks)
+        for b in freed:
+            before[prev >> sh][prev & m] = b
+            after[b >> sh][b & m] = prev
+            prev = b
+        before[prev >> sh][prev & m] = 0
+        prv[0] = prev
+        txn.num_free += len(freed)
+    for s in req.slots:
+        txn.free_slot(s)

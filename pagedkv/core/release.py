@@ -1,0 +1,119 @@
+"""Release and reset: blocks go back.
+
+A release drops every reference of a request tail first (positions descending
+over all its rows and groups), so a request's prefix outlives its suffix in the
+free queue; it always takes a generation. ``reset`` starts a new epoch;
+``reset_prefix_cache`` drops every hash while requests run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core import pool
+from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id
+from pagedkv.core.events import AllBlocksCleared, KVEvent
+from pagedkv.core.index import PrefixIndex
+from pagedkv.core.state import KVState, Step, initial_state
+from pagedkv.core.txn import Txn
+
+
+def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) -> Result[Step[Released], KVError]:
+    """Drop every block reference of a request, tail first; the request is gone.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(8),))).unwrap().state
+    >>> step = release(s, "a", "finished").unwrap()
+    >>> step.effect.freed_blocks, step.effect.generation
+    (2, 2)
+    """
+    if not isinstance(reason, str) or reason not in _REASONS:
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+    if not is_request_id(request_id):
+        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+    req = state.requests.get(request_id)
+    if req is None:
+        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+    txn = Txn(state)
+    before = txn.num_free
+    pool.free_tail_first(txn, req)
+    del txn.requests[request_id]
+    gen = txn.next_generation()
+    freed = txn.num_free - before
+    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed)))
+
+
+def release_many(
+    state: KVState, request_ids: Iterable[RequestId], reason: ReleaseReason | str
+) -> Result[Step[tuple[Released, ...]], KVError]:
+    """Several releases as one transition, in order (the requests a step ended): all, or none.
+
+    The same as releasing them one after another: each takes its own generation.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> s = admit(admit(s, RequestSpec("a", (RowSpec(8),))).unwrap().state, RequestSpec("b", (RowSpec(2),))).unwrap().state
+    >>> [(r.request_id, r.generation, r.freed_blocks) for r in release_many(s, ["a", "b"], "finished").unwrap().effect]
+    [('a', 3, 2), ('b', 4, 1)]
+    """
+    if not isinstance(reason, str) or reason not in _REASONS:
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+    why = ReleaseReason(reason)
+    txn = Txn(state)
+    out = []
+    gone: set[RequestId] = set()
+    for rid in request_ids:
+        if not is_request_id(rid):
+            return Failure(invalid(f"request id must be a string or an integer, got {rid!r}", field="request"))
+        req = state.requests.get(rid)
+        if req is None or rid in gone:
+            return fail(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", rid)
+        gone.add(rid)
+        before = txn.num_free
+        pool.free_tail_first(txn, req)
+        del txn.requests[rid]
+        out.append(Released(rid, why, txn.next_generation(), txn.num_free - before))
+    return Success(Step(txn.done(), tuple(out)))
+
+
+_REASONS = frozenset(r.value for r in ReleaseReason)
+
+
+def reset(state: KVState) -> Result[Step[WasReset], KVError]:
+    """Reinitialise: every request dropped, the pool empty, a new epoch.
+
+    Generations go on from where they were (they are never reused), so a
+    worker can tell every snapshot of the old epoch from the new ones.
+    """
+    nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1,
+                        cache_epoch=state.cache_epoch + 1)  # fmt: skip
+    released = tuple(sorted(state.requests.keys(), key=_id_order))
+    events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) else ()
+    return Success(Step(nxt, WasReset(nxt.epoch, released, events)))
+
+
+def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError]:
+    """Drop every hash (after a weight update, say); works while requests run.
+
+    Cached blocks nobody holds become plain free blocks where they stand in the
+    free queue; held ones stay with their owners but can no longer be hit. The
+    requests running now never insert again: their KV may predate the reset.
+    Costs O(sqrt(pool)): the index is replaced by an empty one (whose leaves are shared).
+
+    >>> from pagedkv.core import CacheConfig, initial_state
+    >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
+    0
+    """
+    dropped = len(state.cache)
+    empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
+    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)
+    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if dropped else ())))
+
+
+def _id_order(rid: RequestId) -> tuple[str, str | int]:
+    return (type(rid).__name__, rid)

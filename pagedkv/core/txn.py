@@ -1,0 +1,190 @@
+"""A transition's private working copy of one state: edits, then ``done``.
+
+Each vector's edit and each map's mutation is opened on first use and copies
+nothing until its first write; ``done`` builds the next state from what was
+opened. The pool's mechanics (pops, frees, hits) are pool.py's, the row slots'
+are here.
+"""
+
+from __future__ import annotations
+
+from immutables import MapMutation
+
+from pagedkv.core.errors import RequestId
+from pagedkv.core.events import KVEvent
+from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
+from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row
+from pagedkv.core.vec import VecEdit
+
+
+class Txn:
+    """A transition's private working copy of one state (edits, then ``done``).
+
+    Lives inside one transition function and never escapes it, so the core
+    stays pure from the outside: the base state is never touched, and a
+    refused transition simply drops its Txn. Each vector's edit and each map's
+    mutation is opened on its first use, and copies nothing until its first
+    write; ``done`` builds the next state from what was opened.
+    """
+
+    __slots__ = (
+        "config", "base", "num_free", "slot_top", "generation", "prefix_queries", "prefix_hits", "events",
+        "_refcount", "_nxt", "_prv", "_row_len", "_row_computed", "_row_tail", "_rows", "_row_generation",
+        "_slot_stack", "_requests", "_index",
+    )  # fmt: skip
+
+    def __init__(self, s: KVState) -> None:
+        self.base = s
+        self.config = s.config
+        self.num_free = s.num_free
+        self.slot_top = s.slot_top
+        self.generation = s.generation
+        self.prefix_queries = s.prefix_queries
+        self.prefix_hits = s.prefix_hits
+        self.events: list[KVEvent] = []
+        self._refcount: VecEdit[int] | None = None
+        self._nxt: VecEdit[int] | None = None
+        self._prv: VecEdit[int] | None = None
+        self._row_len: VecEdit[int] | None = None
+        self._row_computed: VecEdit[int] | None = None
+        self._row_tail: VecEdit[bytes | None] | None = None
+        self._rows: VecEdit[Row] | None = None
+        self._row_generation: VecEdit[int] | None = None
+        self._slot_stack: VecEdit[int] | None = None
+        self._requests: MapMutation[RequestId, Request] | None = None
+        self._index: PrefixIndexEdit | None = None
+
+    # -- the working copies, each opened on its first use ------------------------
+    @property
+    def refcount(self) -> VecEdit[int]:
+        e = self._refcount
+        if e is None:
+            e = self._refcount = VecEdit(self.base.refcount)
+        return e
+
+    @property
+    def nxt(self) -> VecEdit[int]:  # the free queue's forward links
+        e = self._nxt
+        if e is None:
+            e = self._nxt = VecEdit(self.base.free_next)
+        return e
+
+    @property
+    def prv(self) -> VecEdit[int]:  # and its backward links
+        e = self._prv
+        if e is None:
+            e = self._prv = VecEdit(self.base.free_prev)
+        return e
+
+    @property
+    def row_len(self) -> VecEdit[int]:
+        e = self._row_len
+        if e is None:
+            e = self._row_len = VecEdit(self.base.row_len)
+        return e
+
+    @property
+    def row_computed(self) -> VecEdit[int]:
+        e = self._row_computed
+        if e is None:
+            e = self._row_computed = VecEdit(self.base.row_computed)
+        return e
+
+    @property
+    def row_tail(self) -> VecEdit[bytes | None]:
+        e = self._row_tail
+        if e is None:
+            e = self._row_tail = VecEdit(self.base.row_tail)
+        return e
+
+    @property
+    def rows(self) -> VecEdit[Row]:
+        e = self._rows
+        if e is None:
+            e = self._rows = VecEdit(self.base.rows)
+        return e
+
+    @property
+    def row_generation(self) -> VecEdit[int]:
+        e = self._row_generation
+        if e is None:
+            e = self._row_generation = VecEdit(self.base.row_generation)
+        return e
+
+    @property
+    def slot_stack(self) -> VecEdit[int]:
+        e = self._slot_stack
+        if e is None:
+            e = self._slot_stack = VecEdit(self.base.slot_stack)
+        return e
+
+    @property
+    def requests(self) -> MapMutation[RequestId, Request]:
+        if self._requests is None:
+            self._requests = self.base.requests.mutate()
+        return self._requests
+
+    def cache_view(self) -> PrefixIndex | PrefixIndexEdit:
+        """The prefix index as this transition sees it, for reading (no edit opened)."""
+        return self.base.cache if self._index is None else self._index
+
+    @property
+    def index(self) -> PrefixIndexEdit:
+        if self._index is None:
+            self._index = self.base.cache.edit()
+        return self._index
+
+    def done(self) -> KVState:
+        b = self.base
+        return KVState(
+            b.config,
+            b.refcount if self._refcount is None else self._refcount.persistent(),
+            b.free_next if self._nxt is None else self._nxt.persistent(),
+            b.free_prev if self._prv is None else self._prv.persistent(),
+            self.num_free,
+            b.requests if self._requests is None else self._requests.finish(),
+            b.row_len if self._row_len is None else self._row_len.persistent(),
+            b.row_computed if self._row_computed is None else self._row_computed.persistent(),
+            b.row_tail if self._row_tail is None else self._row_tail.persistent(),
+            b.rows if self._rows is None else self._rows.persistent(),
+            b.row_generation if self._row_generation is None else self._row_generation.persistent(),
+            b.slot_stack if self._slot_stack is None else self._slot_stack.persistent(),
+            self.slot_top,
+            self.generation,
+            b.epoch,
+            b.cache if self._index is None else self._index.persistent(),
+            b.cache_epoch,
+            self.prefix_queries,
+            self.prefix_hits,
+        )
+
+    def next_generation(self) -> int:
+        self.generation += 1
+        return self.generation
+
+    # -- row slots ----------------------------------------------------------
+    def new_slot(self, seq_len: int, computed: int, row: Row, tail: bytes | None, generation: int = 0) -> int:
+        if self.slot_top:
+            self.slot_top -= 1
+            slot = self.slot_stack[self.slot_top]
+            self.row_len[slot] = seq_len
+            self.row_computed[slot] = computed
+            self.row_tail[slot] = tail
+            self.rows[slot] = row
+            self.row_generation[slot] = generation
+            return slot
+        self.row_computed.append(computed)
+        self.row_tail.append(tail)
+        self.rows.append(row)
+        self.row_generation.append(generation)
+        return self.row_len.append(seq_len)
+
+    def free_slot(self, slot: int) -> None:
+        """The slot's numbers stay until ``new_slot`` writes them; its objects go now (their memory)."""
+        self.row_tail[slot] = None
+        self.rows[slot] = EMPTY_ROW
+        if self.slot_top < len(self.slot_stack):
+            self.slot_stack[self.slot_top] = slot
+        else:
+            self.slot_stack.append(slot)
+        self.slot_top += 1

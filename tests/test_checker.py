@@ -1,7 +1,7 @@
 """The model checker: pinned state counts, and tests of the tester.
 
 Each planted bug is a kind real KV managers shipped. It is injected at a seam
-every caller shares (a Txn method, GroupSpec, or admit where it is bound), and
+every caller shares (the pool's functions, a Txn method, GroupSpec, or admit where it is bound), and
 must be caught three ways: by the checker with a short counterexample, by
 `pagedkv replay --check` of that counterexample, and by the caching state machine.
 """
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from returns.result import Failure, Success
 
-import pagedkv.core.check as check_mod
+import pagedkv.core.verify.check as check_mod
+import pagedkv.core.verify.trace_ops as trace_mod
 import tests.test_state_machine_caching as sm_caching
-import pagedkv.core.trace as trace_mod
 from pagedkv.cli import main
 from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
 from pagedkv.core import transitions

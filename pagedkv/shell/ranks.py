@@ -64,7 +64,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: li
             result["step_seconds"] = step_times
             kv = eng.state.kv
             result["pool_whole"] = kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == []
-            result["finished"] = dict(eng.state.finished)
+            result["finished"] = {rid: str(how) for rid, how in eng.state.finished.items()}  # (plain strings pickle anywhere)
         else:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)

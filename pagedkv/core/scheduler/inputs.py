@@ -1,0 +1,78 @@
+"""What arrives from outside a step: a request (``submit``), or its end (``cancel``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pyrsistent import PDeque
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id
+from pagedkv.core.release import release
+from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
+from pagedkv.core.scheduler.records import SchedState, SeqRequest
+from pagedkv.core.spec import check_request_spec
+
+
+def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError]:
+    """An arrival: checked, then queued at the tail of the waiting queue."""
+    err = _check(state, request)
+    if err is not None:
+        return Failure(err)
+    rid = request.request_id
+    req = replace(request, output=(), arrival=state.arrivals)
+    log = state.log.edit()
+    log.add(rid)
+    finished = state.finished.delete(rid) if rid in state.finished else state.finished  # (an id may come again)
+    return Success(replace(state, waiting=state.waiting.append(rid), phases=state.phases.set(rid, moved(None, Event.SUBMIT)),
+                           seqs=state.seqs.set(rid, req), log=log.persistent(), finished=finished,
+                           arrivals=state.arrivals + 1))  # fmt: skip
+
+
+def _check(state: SchedState, request: object) -> KVError | None:
+    if not isinstance(request, SeqRequest) or not is_request_id(request.request_id):
+        return invalid("submit needs a SeqRequest with a string or integer id", field="request")
+    rid = request.request_id
+    if request.rows is None:
+        if not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
+            return invalid(f"request {rid!r}: prompt must be a non-empty list of token ids", request=rid,
+                           field="prompt")  # fmt: skip
+        if not is_int(request.max_tokens) or request.max_tokens < 1:
+            return invalid(f"request {rid!r}: max_tokens must be a positive integer", request=rid, field="max_tokens")
+    elif not is_int(request.steps) or request.steps < 1:
+        return invalid(f"request {rid!r}: steps must be a positive integer", request=rid, field="steps")
+    err = check_request_spec(replace(request, output=()).spec())
+    if err is not None:
+        return err
+    if rid in state.seqs:
+        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already waiting or running", request=rid)
+    return None
+
+
+def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") -> Result[SchedState, KVError]:
+    """End a waiting or running request (``reason``: cancelled or error); its blocks go back."""
+    if not isinstance(reason, str) or reason not in ("cancelled", "error"):
+        return Failure(invalid(f"cancel reason must be cancelled or error, got {reason!r}", field="reason"))
+    if not is_request_id(request_id) or request_id not in state.seqs:
+        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not waiting or running", None)
+    advance(state.phases[request_id], Event.CANCEL)
+    kv = state.kv
+    if request_id in kv.requests:
+        kv = release(kv, request_id, reason).unwrap().state
+    log = state.log.edit()
+    log.drop(request_id)
+    return Success(replace(
+        state, kv=kv, waiting=_without(state.waiting, request_id),
+        running=tuple(r for r in state.running if r != request_id), phases=state.phases.delete(request_id),
+        seqs=state.seqs.delete(request_id), log=log.persistent(),
+        finished=state.finished.set(request_id, FinishReason(reason)),
+        sched_decode=tuple(r for r in state.sched_decode if r != request_id),
+        sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
+        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id),
+    ))  # fmt: skip
+
+
+def _without(q: PDeque[RequestId], rid: RequestId) -> PDeque[RequestId]:
+    return q.remove(rid) if rid in q else q
+
+

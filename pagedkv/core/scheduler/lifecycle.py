@@ -1,0 +1,91 @@
+"""A request's lifecycle in the scheduler, as data: its phases, the events that move it,
+and the table of which event may move it from where to where (h11 style).
+
+``submit``, ``schedule``, ``on_output`` and ``cancel`` move a request only through
+``advance``, which consults ``TABLE``; an event the table does not allow is a bug and
+raises. docs/scheduler.md draws its diagram from the table (``diagram()``; a test
+fails when the two differ).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """Where a live request is. An ended one has left the phase map for ``finished``."""
+
+    WAITING = "waiting"  # queued (first arrival, or back after a preemption)
+    PREFILLING = "prefilling"  # admitted, its prompt (and what it generated) being computed, chunk by chunk
+    DECODING = "decoding"  # generating: one token a step
+    DENOISING = "denoising"  # a diffusion request's steps, planned in one step and ended by the next output
+
+
+class Event(StrEnum):
+    SUBMIT = "submit"
+    ADMIT = "admit"  # an LLM request's blocks are reserved
+    ADMIT_DIFFUSION = "admit diffusion"  # a diffusion request's blocks are reserved and all its steps planned
+    PREFILLED = "prefilled"  # its last prefill chunk ran and sampled a token
+    PREEMPT = "preempt"  # released by recompute; back to the front of the queue
+    FINISH = "finish"  # EOS, a stop string, max_tokens, or a diffusion request's steps done
+    REFUSE = "refuse"  # admission refused it for good (UNSCHEDULABLE, INVALID)
+    OVERRUN = "overrun"  # its next token would pass max_model_len
+    CANCEL = "cancel"  # the engine ended it (cancelled, or error)
+
+
+class FinishReason(StrEnum):
+    """How a request ended (``SchedState.finished``): a release reason, or the code of the refusal
+    that ended it. The values are the strings traces carry."""
+
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    UNSCHEDULABLE = "UNSCHEDULABLE"
+    INVALID = "INVALID"
+
+
+END = None  # a transition's target when the request ends: it leaves the phase map
+
+# (event, phases it may come from (None: not yet submitted), phase it goes to, or END)
+TABLE: tuple[tuple[Event, tuple[Phase | None, ...], Phase | None], ...] = (
+    (Event.SUBMIT, (None,), Phase.WAITING),
+    (Event.ADMIT, (Phase.WAITING,), Phase.PREFILLING),
+    (Event.ADMIT_DIFFUSION, (Phase.WAITING,), Phase.DENOISING),
+    (Event.REFUSE, (Phase.WAITING,), END),
+    (Event.PREFILLED, (Phase.PREFILLING,), Phase.DECODING),
+    (Event.PREEMPT, (Phase.PREFILLING, Phase.DECODING), Phase.WAITING),
+    (Event.OVERRUN, (Phase.DECODING,), END),
+    (Event.FINISH, (Phase.DECODING, Phase.DENOISING), END),
+    (Event.CANCEL, (Phase.WAITING, Phase.PREFILLING, Phase.DECODING, Phase.DENOISING), END),
+)
+_MOVES = {(src, event): dst for event, sources, dst in TABLE for src in sources}
+
+
+def advance(phase: Phase | None, event: Event) -> Phase | None:
+    """The phase ``event`` moves a request to from ``phase`` (None: it ended).
+
+    >>> advance(Phase.WAITING, Event.ADMIT), advance(Phase.DECODING, Event.FINISH)
+    (<Phase.PREFILLING: 'prefilling'>, None)
+    """
+    try:
+        return _MOVES[(phase, event)]
+    except KeyError:
+        raise AssertionError(f"the lifecycle has no {event.value!r} from {phase}: a scheduler bug") from None
+
+
+def moved(phase: Phase | None, event: Event) -> Phase:
+    """``advance`` for an event that keeps the request alive."""
+    to = advance(phase, event)
+    assert to is not None, f"{event.value!r} ends a request"
+    return to
+
+
+def diagram() -> str:
+    """The table as a Mermaid state diagram (what docs/scheduler.md shows)."""
+    lines = ["stateDiagram-v2"]
+    for event, sources, dst in TABLE:
+        for src in sources:
+            a = "[*]" if src is None else src.value
+            b = "[*]" if dst is None else dst.value
+            lines.append(f"    {a} --> {b}: {event.value}")
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""The policy of one step: who runs, how many tokens each computes, whom to preempt.
+
+``schedule(state) -> (state', StepPlan)``: decodes first (oldest first), then
+chunked prefills of running requests, then new admissions from the head of the
+waiting queue while the token budget, ``max_num_seqs`` and the blocks allow. A
+request refused with ``NO_CAPACITY`` waits at the head (nobody overtakes it
+unless ``allow_overtaking``); a permanent refusal ends it with that code.
+
+Decode growth that hits ``NO_CAPACITY`` preempts by recompute: the newest running
+request is released (``preempted``) and goes back to the front of the waiting
+queue; it is admitted again with its prompt and the tokens it generated, so its
+output continues unchanged (the prefix cache makes that cheap).
+
+Diffusion requests run at request level: one admission, every denoising step in
+one plan entry (metadata for the first step and for the later ones), released
+by the next ``on_output``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from immutables import Map, MapMutation
+from pyrsistent import PDeque
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.admission import admit
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
+from pagedkv.core.growth import append, append_decode
+from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.release import release
+from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
+from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, SeqRequest, StepPlan
+from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
+from pagedkv.core.state import KVState
+
+
+class _Draft:
+    """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
+
+    __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
+                 "decode", "prefill", "diffusion", "preempted", "ended")  # fmt: skip
+
+    def __init__(self, state: SchedState) -> None:
+        self.state = state
+        self.kv: KVState = state.kv
+        self.budget = state.config.max_num_batched_tokens
+        self.running = list(state.running)
+        self.waiting: PDeque[RequestId] = state.waiting
+        self.phases: MapMutation[RequestId, Phase] = state.phases.mutate()
+        self.seqs: Map[RequestId, SeqRequest] = state.seqs
+        self.log: TokenLog = state.log
+        self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
+        self.finished: Map[RequestId, FinishReason] = state.finished
+        self.decode: list[RequestId] = []
+        self.prefill: list[tuple[RequestId, int]] = []
+        self.diffusion: list[DiffusionRun] = []
+        self.preempted: list[RequestId] = []
+        self.ended: list[tuple[RequestId, FinishReason]] = []
+
+    def move(self, rid: RequestId, event: Event) -> None:
+        """A lifecycle transition (the table's), and what leaving the phase map means."""
+        phase = advance(self.phases.get(rid), event)
+        if phase is None:
+            del self.phases[rid]
+        else:
+            self.phases[rid] = phase
+
+    def end(self, rid: RequestId, event: Event, how: FinishReason) -> None:
+        """``rid`` ends in this step (a refusal, an overrun): out of the state, into ``finished``."""
+        self.move(rid, event)
+        self.seqs = self.seqs.delete(rid)
+        self.log_edit = self.log_edit or self.log.edit()
+        self.log_edit.drop(rid)
+        self.finished = self.finished.set(rid, how)
+        self.ended.append((rid, how))
+
+    def preempt(self, victim: RequestId) -> None:
+        self.kv = release(self.kv, victim, "preempted").unwrap().state
+        self.move(victim, Event.PREEMPT)
+        self.running.remove(victim)
+        self.waiting = self.waiting.appendleft(victim)
+        self.preempted.append(victim)
+        if victim in self.decode:
+            self.decode.remove(victim)
+
+
+def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
+    """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output."""
+    if state.pending_output:
+        return Failure(invalid(f"step {state.step} has not had its on_output yet", field="op"))
+    d = _Draft(state)
+    _decodes(d)
+    _prefill_chunks(d)
+    _admissions(d)
+    return Success(_plan(d))
+
+
+def _decodes(d: _Draft) -> None:
+    """Decodes, oldest first: one token each (its last sampled id). The whole batch as one transition
+    when it fits; request by request, preempting the newest as needed, when it does not."""
+    phases = d.phases
+    candidates = [rid for rid in d.running if phases[rid] is Phase.DECODING][: d.budget]
+    batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
+    if isinstance(batch, Success):
+        d.kv = batch.unwrap().state
+        d.decode.extend(candidates)
+        d.budget -= len(candidates)
+        return
+    for rid in candidates:
+        if rid in d.running and d.budget >= 1:
+            _decode_one(d, rid, d.log.last(rid))
+
+
+def _decode_one(d: _Draft, rid: RequestId, token: int) -> None:
+    while True:
+        grown = append(d.kv, rid, [[token]])
+        if isinstance(grown, Success):
+            d.kv = grown.unwrap().state
+            d.decode.append(rid)
+            d.budget -= 1
+            return
+        err = grown.failure()
+        if err.code is not ErrorCode.NO_CAPACITY:  # max_model_len reached: it cannot go on
+            d.kv = release(d.kv, rid, "error").unwrap().state
+            d.running.remove(rid)
+            d.end(rid, Event.OVERRUN, FinishReason(err.code.value))
+            return
+        victim = d.running[-1]
+        d.preempt(victim)
+        if victim == rid:
+            return
+
+
+def _prefill_chunks(d: _Draft) -> None:
+    """Chunked prefills of running requests, in admission order, while the budget lasts."""
+    cfg, kv, phases = d.state.config, d.kv, d.phases
+    for rid in d.running:
+        if d.budget <= 0:
+            return
+        if phases[rid] is Phase.PREFILLING:
+            slot = kv.requests[rid].slots[0]
+            remaining = kv.row_len[slot] - kv.row_computed[slot]
+            q = min(remaining, d.budget) if cfg.chunked_prefill else (remaining if remaining <= d.budget else 0)
+            if q:
+                d.prefill.append((rid, q))
+                d.budget -= q
+
+
+def _admissions(d: _Draft) -> None:
+    """Admissions from the head of the waiting queue while budget, seats and blocks allow."""
+    cfg = d.state.config
+    skipped: list[RequestId] = []
+    while d.waiting and d.budget > 0 and len(d.running) < cfg.max_num_seqs:
+        rid = d.waiting.left
+        taken = _admit_head(d, rid)
+        if taken == "stop":
+            break
+        d.waiting = d.waiting.popleft()
+        if taken == "skip":
+            skipped.append(rid)
+    for rid in reversed(skipped):
+        d.waiting = d.waiting.appendleft(rid)
+
+
+def _admit_head(d: _Draft, rid: RequestId) -> str:
+    """Try the head of the waiting queue: "stop" (it waits, and so do those behind it), "skip" (it
+    waits; later ones may overtake it), or "done" (admitted, or ended by a permanent refusal)."""
+    cfg = d.state.config
+    req = d.seqs[rid]
+    output = (d.log if d.log_edit is None else d.log_edit).tokens(rid) if req.rows is None else ()
+    admitted = admit(d.kv, replace(req, output=output).spec() if output else req.spec())
+    nothing_yet = not (d.decode or d.prefill or d.diffusion)
+    if isinstance(admitted, Failure):
+        err = admitted.failure()
+        if err.code is ErrorCode.NO_CAPACITY:
+            return "skip" if cfg.allow_overtaking else "stop"
+        d.end(rid, Event.REFUSE, FinishReason(err.code.value))
+        return "done"
+    step = admitted.unwrap()
+    if step.state.free_blocks < cfg.watermark_blocks and (d.running or not nothing_yet):
+        return "skip" if cfg.allow_overtaking else "stop"  # keep the watermark for decode growth
+    cached = step.effect.cached_tokens[0]
+    if req.is_diffusion:
+        tokens = sum(r.num_tokens - c for r, c in zip(req.rows or (), step.effect.cached_tokens))
+        if tokens > d.budget and not nothing_yet:
+            return "stop"  # a diffusion request's first step runs whole; wait for an emptier step
+        d.kv = step.state
+        first = publish(d.kv, [rid], "prefill").unwrap().effect
+        later = publish(d.kv, [rid], "denoise").unwrap().effect if req.steps > 1 else None
+        d.diffusion.append(DiffusionRun(rid, req.steps, first, later))
+        d.move(rid, Event.ADMIT_DIFFUSION)
+        d.budget -= tokens
+        return "done"
+    remaining = len(req.prompt) + len(output) - cached
+    q = min(remaining, d.budget) if cfg.chunked_prefill else remaining
+    if q > d.budget and not nothing_yet:
+        return "stop"
+    d.kv = step.state
+    d.running.append(rid)
+    d.move(rid, Event.ADMIT)
+    d.prefill.append((rid, q))
+    d.budget -= q
+    return "done"
+
+
+def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
+    """The step's metadata (prefill rows' snapshot, then decode rows'), its plan, the next state."""
+    state, kv = d.state, d.kv
+    metadata: list[KVMetadata] = []
+    if d.prefill:
+        limits = dict(d.prefill)
+        metadata.append(publish(kv, [r for r, _ in d.prefill], "prefill", query_limits=limits).unwrap().effect)
+    if d.decode:
+        metadata.append(publish(kv, d.decode, "decode").unwrap().effect)
+    chunks: list[Prefilled] = []
+    for rid, q in d.prefill:
+        slot = kv.requests[rid].slots[0]
+        target = kv.row_computed[slot] + q
+        chunks.append(Prefilled(rid, q, target, target == kv.row_len[slot]))
+    samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples)
+    plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
+                    tuple(d.ended), tuple(metadata), samples)  # fmt: skip
+    log = d.log if d.log_edit is None else d.log_edit.persistent()
+    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.phases.finish(), d.seqs, log, d.finished,
+                     tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
+                     state.arrivals)  # fmt: skip
+    return new, plan

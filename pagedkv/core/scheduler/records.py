@@ -1,0 +1,210 @@
+"""The scheduler's records: its config, what it keeps of a request, its state and its plans."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from immutables import Map
+from pyrsistent import PDeque, pdeque
+
+from pagedkv.core.config import CacheConfig, InvalidConfig
+from pagedkv.core.errors import RequestId, is_int
+from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.scheduler.lifecycle import FinishReason, Phase
+from pagedkv.core.scheduler.tokens import TokenLog
+from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.state import KVState, initial_state
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running requests at most
+    max_num_batched_tokens: int = 8192  # query tokens per step
+    chunked_prefill: bool = True
+    watermark_blocks: int = 0  # free blocks an admission leaves for decode growth
+    allow_overtaking: bool = False  # may a later request be admitted past one that waits for blocks?
+
+    def __post_init__(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
+                raise InvalidConfig(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if not is_int(self.watermark_blocks) or self.watermark_blocks < 0:
+            raise InvalidConfig(f"watermark_blocks must be a non-negative integer, got {self.watermark_blocks!r}")
+        for key in ("chunked_prefill", "allow_overtaking"):
+            if type(getattr(self, key)) is not bool:
+                raise InvalidConfig(f"{key} must be a boolean")
+
+
+@dataclass(frozen=True, slots=True)
+class SeqRequest:
+    """What the scheduler keeps of a request.
+
+    An LLM request has a ``prompt`` and grows ``output``; a diffusion request has
+    ``rows`` (one per CFG branch) and ``steps`` denoising steps.
+    """
+
+    request_id: RequestId
+    prompt: tuple[int, ...] = ()
+    max_tokens: int = 16
+    rows: tuple[RowSpec, ...] | None = None
+    steps: int = 1
+    extra_keys: tuple[str, ...] = ()
+    output: tuple[int, ...] = ()
+    arrival: int = 0
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.rows is not None
+
+    def spec(self) -> RequestSpec:
+        """What admission sees: for an LLM request its prompt and every token it generated."""
+        if self.rows is not None:
+            return RequestSpec(self.request_id, self.rows, self.extra_keys)
+        return RequestSpec(self.request_id, (RowSpec.of_tokens(self.prompt + self.output),), self.extra_keys)
+
+
+@dataclass(frozen=True, slots=True)
+class DiffusionRun:
+    """A whole diffusion request in one plan entry: ``steps`` forwards, the first
+    with ``first`` (phase prefill), the others with ``later`` (phase denoise)."""
+
+    request_id: RequestId
+    steps: int
+    first: KVMetadata
+    later: KVMetadata | None
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return ("prefill",) + ("denoise",) * (self.steps - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    step: int
+    decode: tuple[RequestId, ...]
+    prefill: tuple[tuple[RequestId, int], ...]  # (request, query tokens this step)
+    diffusion: tuple[DiffusionRun, ...]
+    preempted: tuple[RequestId, ...]
+    finished: tuple[tuple[RequestId, FinishReason], ...]  # ended by schedule itself (a permanent refusal)
+    metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows'
+    samples: tuple[RequestId, ...] = ()  # requests whose forward yields a token: on_output wants it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(q for _, q in self.prefill) + sum(
+            r.first.num_query_tokens for r in self.diffusion)  # fmt: skip
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decode or self.prefill or self.diffusion)
+
+
+class Kind(StrEnum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+    DIFFUSION = "diffusion"
+
+
+class Scheduled(NamedTuple):
+    """One entry of a plan, until its on_output."""
+
+    kind: Kind
+    request_id: RequestId
+    query_tokens: int
+    target: int  # the computed count after it
+    samples: bool  # does its forward yield a token?
+
+
+class Prefilled(NamedTuple):
+    """A prefill chunk of the last plan."""
+
+    request_id: RequestId
+    query_tokens: int
+    target: int  # the computed count after it
+    samples: bool  # its last chunk: the forward yields a token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedState:
+    """The scheduler's state, a value like the core's.
+
+    Each live request has one ``Phase`` in ``phases`` (the lifecycle table says how it moves);
+    ``waiting`` and ``running`` give the orders (arrival; admission, the newest last). Shaped for
+    the common step (every running request decodes one token): what a request is (prompt,
+    limits) sits in ``seqs`` and never changes while it runs; what it generated sits in ``log``
+    (bytes by slot); the last plan is kept as its decode batch, its prefill chunks and its
+    diffusion runs.
+    """
+
+    config: SchedulerConfig
+    kv: KVState
+    waiting: PDeque[RequestId]
+    running: tuple[RequestId, ...]  # in admission order: the newest is last
+    phases: Map[RequestId, Phase]  # every live request's phase
+    seqs: Map[RequestId, SeqRequest]  # live requests, as submitted (output empty)
+    log: TokenLog  # live requests: the ids each generated so far
+    finished: Map[RequestId, FinishReason]  # how each ended
+    sched_decode: tuple[RequestId, ...]  # the last plan, until its on_output: its decodes,
+    sched_prefill: tuple[Prefilled, ...]  # its prefill chunks,
+    sched_diffusion: tuple[RequestId, ...]  # and its diffusion runs
+    step: int
+    arrivals: int
+
+    @property
+    def requests(self) -> Requests:
+        """Waiting and running requests by id, each with what it has generated (``output``)."""
+        return Requests(self.seqs, self.log)
+
+    @property
+    def prefilling(self) -> frozenset[RequestId]:
+        """Running requests whose prompt is not computed yet."""
+        return frozenset(rid for rid, phase in self.phases.items() if phase is Phase.PREFILLING)
+
+    @property
+    def scheduled(self) -> tuple[Scheduled, ...]:
+        """The last plan's entries until its on_output: decodes, then prefill chunks, then diffusion runs."""
+        kv = self.kv
+        out = [Scheduled(Kind.DECODE, rid, 1, kv.row_len[kv.requests[rid].slots[0]], True) for rid in self.sched_decode]
+        out += [Scheduled(Kind.PREFILL, *p) for p in self.sched_prefill]
+        out += [Scheduled(Kind.DIFFUSION, rid, 0, 0, False) for rid in self.sched_diffusion]
+        return tuple(out)
+
+    @property
+    def pending_output(self) -> bool:
+        """Has the last plan not had its on_output yet?"""
+        return bool(self.sched_decode or self.sched_prefill or self.sched_diffusion)
+
+
+class Requests(Mapping[RequestId, SeqRequest]):
+    """``SchedState.requests``: a read-only view that puts each request's output back in its record."""
+
+    __slots__ = ("seqs", "log")
+
+    def __init__(self, seqs: Map[RequestId, SeqRequest], log: TokenLog) -> None:
+        self.seqs = seqs
+        self.log = log
+
+    def __getitem__(self, rid: RequestId) -> SeqRequest:
+        seq = self.seqs[rid]
+        return SeqRequest(seq.request_id, seq.prompt, seq.max_tokens, seq.rows, seq.steps, seq.extra_keys,
+                          self.log.tokens(rid), seq.arrival)  # fmt: skip
+
+    def __contains__(self, rid: object) -> bool:
+        try:
+            return rid in self.seqs
+        except TypeError:
+            return False
+
+    def __iter__(self) -> Iterator[RequestId]:
+        return iter(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+def new_scheduler(cache: CacheConfig, config: SchedulerConfig = SchedulerConfig()) -> SchedState:
+    return SchedState(config, initial_state(cache), pdeque(), (), Map(), Map(), TokenLog.empty(), Map(), (), (), (),
+                      0, 0)  # fmt: skip

@@ -1,0 +1,86 @@
+"""The results of a step: what the forward computed is committed, sampled tokens are kept,
+what ended is released."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.commit import commit_many
+from pagedkv.core.decode import commit_decode
+from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_token_id
+from pagedkv.core.release import release_many
+from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
+from pagedkv.core.scheduler.records import SchedState
+from pagedkv.core.state import KVState
+
+
+def on_output(
+    state: SchedState, sampled: Mapping[RequestId, int], finished: Iterable[RequestId] = ()
+) -> Result[tuple[SchedState, tuple[tuple[RequestId, FinishReason], ...]], KVError]:
+    """The step's results: commit what was computed, append sampled tokens, release what ended.
+
+    ``sampled`` holds one token per request whose forward produced one (a decode,
+    or a prefill that finished its prompt); ``finished`` names requests the engine
+    ends (EOS, a stop string). ``max_tokens`` ends the others. All is checked
+    before anything is applied.
+    """
+    toks: list[Any] = [sampled.get(rid) for rid in state.sched_decode]  # checked at C speed; a bad one named below
+    err = _check_sampled(state, sampled, are_token_ids(toks))
+    if err is not None:
+        return Failure(err)
+    kv = _commit(state)
+    stop = set(finished)
+    decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
+    log, seqs, phases = state.log.edit(), state.seqs, state.phases.mutate()
+    ending: list[RequestId] = []
+    limit = seqs.__getitem__
+    for rid, n in zip(decode, log.append_many(decode, toks)):
+        if n >= limit(rid).max_tokens or rid in stop:
+            ending.append(rid)
+    for rid, _, _, samples in chunks:
+        if samples:  # its prompt is computed: it decodes from now on
+            phases[rid] = moved(phases[rid], Event.PREFILLED)
+            log.append(rid, sampled[rid])
+            if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
+                ending.append(rid)
+    ending.extend(runs)
+    done = state.finished
+    if ending:
+        kv = release_many(kv, ending, "finished").unwrap().state
+        for rid in ending:
+            advance(phases[rid], Event.FINISH)
+            del phases[rid]
+            seqs = seqs.delete(rid)
+            log.drop(rid)
+            done = done.set(rid, FinishReason.FINISHED)
+    gone = set(ending)
+    running = tuple(r for r in state.running if r not in gone) if gone else state.running
+    new = SchedState(state.config, kv, state.waiting, running, phases.finish(), seqs, log.persistent(), done, (), (),
+                     (), state.step, state.arrivals)  # fmt: skip
+    return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
+
+
+def _check_sampled(state: SchedState, sampled: Mapping[RequestId, int], decodes_ok: bool) -> KVError | None:
+    """Every request whose forward yields a token has a token id."""
+    chunk_ids = (c.request_id for c in state.sched_prefill if c.samples)
+    for rid in (*(() if decodes_ok else state.sched_decode), *chunk_ids):
+        tok = sampled.get(rid)
+        if not is_token_id(tok):
+            return invalid(f"request {rid!r} computed its last token this step; on_output needs its "
+                           f"sampled token id, got {tok!r}", request=rid, field="sampled")  # fmt: skip
+    return None
+
+
+def _commit(state: SchedState) -> KVState:
+    """The step's commits: the decode batch in one transition, the prefill chunks and diffusion runs in another."""
+    kv = state.kv
+    if state.sched_decode:
+        kv = commit_decode(kv, state.sched_decode).unwrap().state
+    if state.sched_prefill or state.sched_diffusion:
+        commits = [(c.request_id, [c.target]) for c in state.sched_prefill]
+        commits += [(rid, [kv.row_len[x] for x in kv.requests[rid].slots]) for rid in state.sched_diffusion]
+        kv = commit_many(kv, commits).unwrap().state
+    return kv

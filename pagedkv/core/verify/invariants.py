@@ -1,0 +1,107 @@
+"""The invariants every reachable state keeps, as one pure check.
+
+Used by the state-machine tests after every step and by the model checker in
+every state it explores. Returns what is broken (empty when all hold); it never
+raises on a broken state, so a checker can report it with its trace.
+"""
+
+from __future__ import annotations
+
+from pagedkv.core.config import GroupKind, GroupSpec
+from pagedkv.core.state import KVState
+
+
+def _lowest_visible(group: GroupSpec, future: int) -> int:
+    """The first position a query at ``future`` or later reads. Written out here on purpose,
+    apart from ``GroupSpec.first_visible_block``, so that a bug there cannot hide from this check."""
+    if group.kind is GroupKind.SLIDING_WINDOW and group.window is not None:
+        return future - group.window + 1
+    if group.kind is GroupKind.CHUNKED_LOCAL and group.chunk is not None:
+        return future // group.chunk * group.chunk
+    return 0
+
+
+def check_invariants(state: KVState) -> list[str]:
+    """Violations of the pool, cache and window invariants; ``[]`` when all hold.
+
+    >>> from pagedkv.core import CacheConfig, initial_state
+    >>> check_invariants(initial_state(CacheConfig(block_size=4, num_blocks=9)))
+    []
+    """
+    s = state
+    cfg = s.config
+    n = cfg.num_blocks
+    bad: list[str] = []
+    held = [0] * n
+    for rid, req in s.requests.items():
+        for i, slot in enumerate(req.slots):
+            length, computed = s.row_len[slot], s.row_computed[slot]
+            if not 0 <= computed <= length:
+                bad.append(f"request {rid!r} row {i}: computed {computed} outside [0, {length}]")
+            layout = req.layouts[i]
+            future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
+            record = s.rows[slot]
+            hashes = [record.hash_at(j) for j in range(record.num_hashed)]
+            tail = s.row_tail[slot]
+            if len(record.hashes) % 16 or (record.ids is not None and len(record.ids) % 8):
+                bad.append(f"request {rid!r} row {i}: ids or hashes that are not whole")
+            if tail is not None and (record.ids is None or len(tail) % 8):
+                bad.append(f"request {rid!r} row {i}: a token tail without token ids, or not whole ids")
+            elif record.ids is not None:
+                known = record.chunked + (len(tail) // 8 if tail is not None else 0)
+                if known > length:
+                    bad.append(f"request {rid!r} row {i}: {known} known token ids for {length} tokens")
+                elif tail is not None and known != length:
+                    bad.append(f"request {rid!r} row {i}: token ids tracked but {known} known of {length}")
+                elif tail and (known - 1) // cfg.block_size != record.chunked // cfg.block_size:
+                    bad.append(f"request {rid!r} row {i}: the token tail reaches past the row's last block")
+            for g, ids in enumerate(record.blocks):
+                if len(ids) != cfg.blocks_for(length):
+                    bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
+                lowest = _lowest_visible(cfg.groups[g], future)
+                for j, b in enumerate(ids):
+                    if not 0 <= b < n:
+                        bad.append(f"request {rid!r} row {i} group {g}: block id {b} out of range")
+                        continue
+                    visible = (j + 1) * cfg.block_size - 1 >= lowest
+                    if (b != 0) != visible:
+                        what = "the null block in its live range" if b == 0 else "a block no query can see"
+                        bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
+                    if b:
+                        held[b] += 1
+                        key = s.cache.key_of(b)
+                        if j >= len(hashes) and key is not None:
+                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries a "
+                                       "hash its row never computed (a stale cache entry)")  # fmt: skip
+                        elif j < len(hashes) and key is not None and key != (g, hashes[j]):
+                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries "
+                                       "another prefix's hash")  # fmt: skip
+    free: list[int] = []
+    b = s.free_next[0]
+    while b and len(free) < n:
+        free.append(b)
+        b = s.free_next[b]
+    if b:
+        bad.append("the free queue has a cycle")
+    in_free = set(free)
+    if len(in_free) != len(free):
+        bad.append("a block is in the free queue twice")
+    if len(free) != s.num_free:
+        bad.append(f"num_free is {s.num_free} but the free queue holds {len(free)}")
+    if 0 in in_free or s.refcount[0] != 0:
+        bad.append("the null block is free or referenced")
+    for blk in range(1, n):
+        if s.refcount[blk] != held[blk]:
+            bad.append(f"block {blk}: refcount {s.refcount[blk]}, {held[blk]} references held")
+        if (blk in in_free) == (held[blk] > 0):
+            bad.append(f"block {blk} is {'both free and referenced' if held[blk] else 'neither free nor referenced'}")
+    entries = 0
+    for key, blk in s.cache.items():
+        entries += 1
+        if s.cache.key_of(blk) != key:
+            bad.append(f"cached hash of group {key[0]} maps to block {blk}, which does not carry it")
+    if entries != len(s.cache):
+        bad.append(f"the cache index counts {len(s.cache)} entries but holds {entries}")
+    if sum(w != 0 for w in s.cache.where) != entries:
+        bad.append("a block carries a hash the cache index lost")
+    return bad

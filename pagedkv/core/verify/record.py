@@ -1,0 +1,45 @@
+"""Writing a scheduler run as a trace (contract v1): the header and the input events an engine
+records, so that ``pagedkv replay`` gives the same plans and digests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pagedkv.core.config import CacheConfig
+from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
+from pagedkv.core.verify.trace import SCHEDULER_KEYS, TRACE_VERSION
+
+
+def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, Any]:
+    """The first line of a scheduler trace (contract v1 with a "scheduler" config)."""
+    groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {}),
+               **({"chunk": g.chunk} if g.chunk else {})} for g in cache.groups]  # fmt: skip
+    return {"pagedkv_trace": TRACE_VERSION, "config": {
+        "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
+        "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
+        "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
+        "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
+
+
+def submit_event(req: SeqRequest) -> dict[str, Any]:
+    ev: dict[str, Any] = {"op": "submit", "request": req.request_id}
+    if req.rows is not None:
+        rows = []
+        for r in req.rows:
+            row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
+            if r.prefix_len is not None:
+                row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+            if r.spans:
+                row["spans"] = [list(sp) for sp in r.spans]
+            rows.append(row)
+        ev.update(rows=rows, steps=req.steps)
+    else:
+        ev.update(prompt=list(req.prompt), max_tokens=req.max_tokens)
+    if req.extra_keys:
+        ev["extra_keys"] = list(req.extra_keys)
+    return ev
+
+
+def output_event(sampled: Mapping[Any, int], finished: Iterable[Any] = ()) -> dict[str, Any]:
+    return {"op": "output", "sampled": [[rid, tok] for rid, tok in sampled.items()], "finished": list(finished)}

@@ -1,0 +1,223 @@
+"""Trace contract version 1: parse a trace, run its events, and produce one result object
+per event (see docs/trace.md; the format is exact).
+
+Pure: this module takes lines of text and returns values; reading files and
+printing is the CLI's business. How each op acts on a state is ``trace_ops``'s;
+writing a scheduler run as a trace is ``record``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from returns.result import Failure
+
+from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
+from pagedkv.core.effects import takes_generation
+from pagedkv.core.errors import KVError, invalid, is_int
+from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, sched_digest
+from pagedkv.core.state import KVState, initial_state
+from pagedkv.core.verify.digest import digest
+from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.core.verify.trace_ops import EXTRA_FIELDS, OPS, SCHEDULER_OPS, apply_core, apply_scheduler
+
+TRACE_VERSION = 1
+SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "watermark_blocks", "allow_overtaking")
+
+
+class TraceHeaderError(ValueError):
+    """The first line is not a version-1 header with a usable config (replay exits 2)."""
+
+
+def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
+    """The pool config of a trace's first line, and the scheduler's when the trace drives one.
+
+    >>> parse_trace_header('{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9}}')[0].usable_blocks
+    8
+    """
+    try:
+        head = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise TraceHeaderError(f"line 1: the header is not JSON: {e}") from None
+    if not isinstance(head, dict) or head.get("pagedkv_trace") != TRACE_VERSION or is_bool(head.get("pagedkv_trace")):
+        raise TraceHeaderError(f'line 1: the header must be {{"pagedkv_trace": {TRACE_VERSION}, "config": {{...}}}}')
+    cfg = head.get("config")
+    if not isinstance(cfg, dict):
+        raise TraceHeaderError('line 1: the header needs a "config" object')
+    try:
+        groups_raw = cfg.get("groups", [{"name": "full", "kind": "full"}])
+        if not isinstance(groups_raw, list) or not all(isinstance(g, dict) for g in groups_raw):
+            raise InvalidConfig("groups must be a list of objects")
+        groups = tuple(
+            GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))
+            for g in groups_raw
+        )
+        sched_raw = cfg.get("scheduler")
+        sched = None
+        if sched_raw is not None:
+            if not isinstance(sched_raw, dict):
+                raise InvalidConfig('"scheduler" must be an object')
+            known = {k: sched_raw[k] for k in SCHEDULER_KEYS if k in sched_raw}
+            sched = SchedulerConfig(**known)
+        return CacheConfig(
+            block_size=cfg.get("block_size"),  # type: ignore[arg-type]
+            num_blocks=cfg.get("num_blocks"),  # type: ignore[arg-type]
+            groups=groups,
+            enable_prefix_caching=cfg.get("enable_prefix_caching", False),
+            max_rows_per_request=cfg.get("max_rows_per_request"),
+            max_model_len=cfg.get("max_model_len"),
+            hash_namespace=cfg.get("hash_namespace", "pagedkv"),
+        ), sched
+    except (InvalidConfig, TypeError) as e:
+        raise TraceHeaderError(f"line 1: bad config: {e}") from None
+
+
+def is_bool(v: object) -> bool:
+    return type(v) is bool
+
+
+@dataclass(frozen=True, slots=True)
+class EventResult:
+    """One event's outcome: the contract's result object and any expect mismatch."""
+
+    line: int  # 1-based line in the file
+    result: dict[str, Any]
+    divergence: str | None  # first mismatch against the event's "expect", if any
+    state: KVState | SchedState
+    violations: tuple[str, ...] = ()  # broken invariants after the event (replay with check=True)
+
+
+def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult]:
+    """Run a whole trace. Raises ``TraceHeaderError`` before the first event if the header is bad.
+
+    Blank lines are skipped and not counted; every other line is an event. With
+    ``check``, every invariant is checked after every event (O(pool) each).
+    """
+    it = iter(enumerate(lines, start=1))
+    for lineno, line in it:
+        if line.strip():
+            cache, sched = parse_trace_header(line)
+            state: KVState | SchedState = initial_state(cache) if sched is None else new_scheduler(cache, sched)
+            break
+    else:
+        raise TraceHeaderError("line 1: the trace is empty; it needs a header")
+    last_digest = _digest(state)
+    previous_generation = _kv(state).generation
+    i = 0
+    for lineno, line in it:
+        if not line.strip():
+            continue
+        state, result, expect = run_line(state, line, lineno)
+        changed = result.pop("_changed")
+        effect = result.pop("_effect", None)
+        if changed:
+            last_digest = _digest(state)
+        ordered: dict[str, Any] = {"i": i}
+        for key in ("op", "ok", "error", "generation", "free_blocks"):
+            ordered[key] = result.pop(key)
+        ordered["digest"] = last_digest
+        ordered.update(result)  # the op's own fields come last
+        divergence = None
+        if expect is not None:
+            divergence = first_mismatch(expect, ordered, "")
+        violations: tuple[str, ...] = ()
+        if check and changed:
+            violations = tuple(check_invariants(_kv(state)))
+            rule = None if effect is None else takes_generation(effect)  # the checker's rule, the same predicate
+            if rule is True and ordered["generation"] <= previous_generation:
+                violations += (f"a successful {ordered['op']} must take a new generation",)
+            elif rule is False and ordered["generation"] != previous_generation:
+                violations += (f"a successful {ordered['op']} took a generation without changing a block layout",)
+        previous_generation = _kv(state).generation
+        yield EventResult(lineno, ordered, divergence, state, violations)
+        i += 1
+
+
+def _kv(state: KVState | SchedState) -> KVState:
+    return state.kv if isinstance(state, SchedState) else state
+
+
+def _digest(state: KVState | SchedState) -> str:
+    return sched_digest(state) if isinstance(state, SchedState) else digest(state)
+
+
+def run_line(
+    state: KVState | SchedState, line: str, lineno: int
+) -> tuple[KVState | SchedState, dict[str, Any], dict[str, Any] | None]:
+    """Apply one event line; returns the next state, the partial result and the expect object."""
+    op: Any = None
+    expect: dict[str, Any] | None = None
+    try:
+        event = json.loads(line)
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+        return state, _failed(state, None, invalid(f"line {lineno}: not a JSON object: {e}")), None
+    if not isinstance(event, dict):
+        return state, _failed(state, None, invalid(f"line {lineno}: an event must be a JSON object")), None
+    op = event.get("op")
+    op_out = op if type(op) is str else None
+    if "expect" in event:
+        if not isinstance(event["expect"], dict):
+            return state, _failed(state, op_out, invalid(f"line {lineno}: \"expect\" must be an object")), None
+        expect = event["expect"]
+    ops = SCHEDULER_OPS if isinstance(state, SchedState) else OPS
+    if op not in ops:
+        other = "a trace with a scheduler" if isinstance(state, SchedState) else "a trace without a scheduler"
+        why = f"line {lineno}: op {op!r} is not one of {list(ops)} ({other})"
+        return state, _failed(state, op_out, invalid(why)), expect
+    outcome = apply_scheduler(state, op, event) if isinstance(state, SchedState) else apply_core(state, op, event)
+    if isinstance(outcome, Failure):
+        err = outcome.failure()
+        err = KVError(err.code, f"line {lineno}: {err.message}", err.request, err.field, err.requested, err.available)
+        return state, _failed(state, op, err), expect
+    new_state, extra, effect = outcome.unwrap()
+    result: dict[str, Any] = {
+        "op": op, "ok": True, "error": None, "generation": _kv(new_state).generation,
+        "free_blocks": _kv(new_state).free_blocks, "_changed": new_state is not state, "_effect": effect, **extra,
+    }  # fmt: skip
+    return new_state, result, expect
+
+
+def _failed(state: KVState | SchedState, op: str | None, err: KVError) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "op": op, "ok": False,
+        "error": {"code": err.code.value, "permanent": err.permanent, "message": err.message},
+        "generation": _kv(state).generation, "free_blocks": _kv(state).free_blocks, "_changed": False,
+    }  # fmt: skip
+    for key in EXTRA_FIELDS.get(op or "", ()):
+        result[key] = None
+    return result
+
+
+def first_mismatch(expected: Any, actual: Any, path: str) -> str | None:
+    """Where ``actual`` departs from ``expected``: objects match as subsets,
+    lists element by element, scalars exactly (``true`` is not ``1``).
+
+    >>> first_mismatch({"ok": True, "error": None}, {"ok": True, "error": None, "i": 0}, "")
+    >>> first_mismatch({"blocks": [[[1, 2]]]}, {"blocks": [[[1, 3]]]}, "")
+    'blocks[0][0][1]: expected 2, got 3'
+    """
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return f"{path or '.'}: expected an object, got {json.dumps(actual)}"
+        for key, value in expected.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in actual:
+                return f"{sub}: expected {json.dumps(value)}, but the result has no such field"
+            found = first_mismatch(value, actual[key], sub)
+            if found:
+                return found
+        return None
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return f"{path}: expected {json.dumps(expected)}, got {json.dumps(actual)}"
+        for k, (e, a) in enumerate(zip(expected, actual)):
+            found = first_mismatch(e, a, f"{path}[{k}]")
+            if found:
+                return found
+        return None
+    if type(expected) is not type(actual) and not (is_int(expected) and type(actual) is float) or expected != actual:
+        return f"{path}: expected {json.dumps(expected)}, got {json.dumps(actual)}"
+    return None

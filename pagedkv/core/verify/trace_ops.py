@@ -1,0 +1,162 @@
+"""How each op of a trace acts on a state: the core's ops on a ``KVState``, the scheduler's on a
+``SchedState``, each giving the next state, the op's own result fields and its effect."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from returns.result import Failure, Result
+
+from pagedkv.core.admission import admit
+from pagedkv.core.commit import commit
+from pagedkv.core.effects import Admitted
+from pagedkv.core.errors import KVError, invalid
+from pagedkv.core.growth import append
+from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.release import release, reset, reset_prefix_cache
+from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, schedule, submit
+from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.state import KVState, request_blocks
+
+OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache")
+SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
+# fields a failed event of each op shows as null
+EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
+                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",)}  # fmt: skip
+
+
+def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
+    if op == "admit":
+        spec = _admit_spec(ev)
+        if isinstance(spec, KVError):
+            return Failure(spec)
+        return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
+    if op in ("append", "commit", "release") and "request" not in ev:
+        return Failure(invalid(f'{op} needs a "request" id', field="request"))
+    if op == "append":
+        has_t, has_n = "tokens" in ev, "num_tokens" in ev
+        if has_t == has_n:
+            return Failure(invalid('append takes exactly one of "tokens" and "num_tokens"', field="tokens"))
+        rows = ev["tokens"] if has_t else ev["num_tokens"]
+        if not isinstance(rows, list) or any(type(r) is not (list if has_t else int) for r in rows):
+            what = "a list of token-id lists, one per row" if has_t else "a list of counts, one per row"
+            return Failure(invalid(f"append {'tokens' if has_t else 'num_tokens'} must be {what}", field="tokens"))
+        rid = ev["request"]
+        return append(state, rid, rows).map(lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect))
+    if op == "commit":
+        rid = ev["request"]
+        return commit(state, rid, ev.get("computed")).map(  # type: ignore[arg-type]
+            lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect)
+        )
+    if op == "release":
+        return release(state, ev["request"], ev.get("reason")).map(lambda s: (s.state, {}, s.effect))  # type: ignore[arg-type]
+    if op == "publish":
+        return publish(state, ev.get("requests"), ev.get("phase")).map(  # type: ignore[arg-type]
+            lambda s: (s.state, {"rows": _rows(s.effect)}, None)
+        )
+    if op == "reset":
+        return reset(state).map(lambda s: (s.state, {}, s.effect))
+    return reset_prefix_cache(state).map(lambda s: (s.state, {}, s.effect))
+
+
+def apply_scheduler(
+    state: SchedState, op: str, ev: Mapping[str, Any]
+) -> Result[tuple[SchedState, dict[str, Any], object], KVError]:
+    if op == "schedule":
+        return schedule(state).map(lambda sp: (sp[0], {"plan": plan_json(sp[1])}, None))
+    if op == "output":
+        sampled = ev.get("sampled", [])
+        fin = ev.get("finished", [])
+        if not isinstance(sampled, list) or any(not isinstance(p, list) or len(p) != 2 for p in sampled):
+            return Failure(invalid('output "sampled" must be a list of [request, token] pairs', field="sampled"))
+        if not isinstance(fin, list):
+            return Failure(invalid('output "finished" must be a list of request ids', field="finished"))
+        try:
+            pairs = {rid: tok for rid, tok in sampled}
+            stop = set(fin)
+        except TypeError:
+            return Failure(invalid("request ids must be strings or integers", field="sampled"))
+        return on_output(state, pairs, stop).map(lambda so: (so[0], {"finished": [list(x) for x in so[1]]}, None))
+    if "request" not in ev:
+        return Failure(invalid(f'{op} needs a "request" id', field="request"))
+    rid = ev["request"]
+    if op in ("cancel", "error"):
+        return cancel(state, rid, "cancelled" if op == "cancel" else "error").map(lambda s: (s, {}, None))
+    # submit
+    extra = ev.get("extra_keys", [])
+    if not isinstance(extra, list) or any(type(k) is not str for k in extra):
+        return Failure(invalid('"extra_keys" must be a list of strings', field="extra_keys"))
+    if "rows" in ev:
+        spec = _admit_spec(ev)
+        if isinstance(spec, KVError):
+            return Failure(spec)
+        req = SeqRequest(rid, rows=spec.rows, steps=ev.get("steps", 1), extra_keys=tuple(extra))
+    else:
+        prompt = ev.get("prompt")
+        if not isinstance(prompt, list):
+            return Failure(invalid('submit needs "prompt" (token ids) or "rows" (a diffusion request)', field="prompt"))
+        req = SeqRequest(rid, tuple(prompt), max_tokens=ev.get("max_tokens", 16), extra_keys=tuple(extra))
+    return submit(state, req).map(lambda s: (s, {}, None))
+
+
+def plan_json(plan: StepPlan) -> dict[str, Any]:
+    """A step plan as the trace output prints it."""
+    return {
+        "step": plan.step, "decode": list(plan.decode), "prefill": [list(p) for p in plan.prefill],
+        "diffusion": [{"request": d.request_id, "steps": d.steps} for d in plan.diffusion],
+        "preempted": list(plan.preempted), "finished": [list(f) for f in plan.finished],
+        "tokens": plan.num_tokens,
+    }  # fmt: skip
+
+
+def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
+    if "request" not in ev:
+        return invalid('admit needs a "request" id', field="request")
+    rows_raw = ev.get("rows")
+    if not isinstance(rows_raw, list) or not rows_raw:
+        return invalid('admit needs "rows": a non-empty list of row objects', field="rows")
+    extra = ev.get("extra_keys", [])
+    if not isinstance(extra, list) or any(type(k) is not str for k in extra):
+        return invalid('"extra_keys" must be a list of strings', field="extra_keys")
+    rows = []
+    for i, r in enumerate(rows_raw):
+        if not isinstance(r, dict):
+            return invalid(f"row {i} must be an object", field="rows")
+        has_t, has_n = "tokens" in r, "num_tokens" in r
+        if has_t == has_n:
+            return invalid(f'row {i} takes exactly one of "tokens" and "num_tokens"', field="tokens")
+        if has_t and not isinstance(r["tokens"], list):
+            return invalid(f'row {i}: "tokens" must be a list of token ids', field="tokens")
+        spans = r.get("spans", [])
+        if not isinstance(spans, list) or any(not isinstance(s, list) or len(s) != 2 for s in spans):
+            return invalid(f'row {i}: "spans" must be a list of [start, end] pairs', field="spans")
+        tokens = tuple(r["tokens"]) if has_t else None
+        rows.append(RowSpec(
+            num_tokens=len(r["tokens"]) if has_t else r["num_tokens"], tokens=tokens,
+            prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
+        ))  # fmt: skip
+    return RequestSpec(ev["request"], tuple(rows), tuple(extra))
+
+
+def _admitted(e: Admitted) -> dict[str, Any]:
+    return {"cached_tokens": list(e.cached_tokens), "blocks": _lists(e.blocks)}
+
+
+def _blocks(state: KVState, rid: Any) -> Any:
+    return _lists(request_blocks(state, rid))
+
+
+def _lists(x: Any) -> Any:
+    return [_lists(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _rows(meta: KVMetadata) -> list[dict[str, Any]]:
+    return [
+        {
+            "request": r.request_id, "row": r.row, "seq_len": r.seq_len, "query_len": r.query_len,
+            "kv_start_pos": r.kv_start_pos, "block_ids": _lists(r.block_ids), "slots": list(r.slots),
+            "segments": [{"causal": s.causal, "q": [s.q_start, s.q_end], "kv_end": s.kv_end} for s in r.segments],
+        }  # fmt: skip
+        for r in meta.rows
+    ]

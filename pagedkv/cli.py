@@ -8,9 +8,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pagedkv.core.check import CheckConfig, check
+from pagedkv.core.verify.check import CheckConfig, check
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.trace import TraceHeaderError, replay
+from pagedkv.core.verify.trace import TraceHeaderError, replay
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from returns.result import Failure, Success
 
-import pagedkv.core.verify.check as check_mod
+import pagedkv.core.verify.alphabet as check_mod
 import pagedkv.core.verify.trace_ops as trace_mod
 import tests.test_state_machine_caching as sm_caching
 from pagedkv.cli import main

@@ -1,47 +1,38 @@
 """pagedkv's pure core: the paged-KV state machine.
 
 No torch, numpy, clocks, randomness or I/O here: every transition is a function
-``(state, event) -> Result[Step, KVError]`` over persistent data.
+``(state, event) -> Result[Step, KVError]`` over persistent data. Each transition
+lives in the module that owns its decision (admission, growth, commit, decode,
+release, destination); this package re-exports the public names.
 """
 
+from pagedkv.core.admission import admit
+from pagedkv.core.commit import commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
-from pagedkv.core.digest import digest
+from pagedkv.core.decode import commit_decode, decode_step
+from pagedkv.core.destination import mark_ready
+from pagedkv.core.effects import (
+    Admitted, Appended, Committed, Decoded, MarkedReady, PrefixCacheReset, Released, ReleaseReason, WasReset,
+    takes_generation,
+)  # fmt: skip
 from pagedkv.core.errors import ErrorCode, KVError, RequestId
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, publish
-from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, Step, free_queue, initial_state, request_blocks, request_generation, row_token_ids
-from pagedkv.core.transitions import (
-    Admitted,
-    Appended,
-    Committed,
-    Decoded,
-    PrefixCacheReset,
-    Released,
-    ReleaseReason,
-    WasReset,
-    admit,
-    append,
-    append_decode,
-    append_many,
-    commit,
-    commit_decode,
-    commit_many,
-    decode_step,
-    mark_ready,
-    MarkedReady,
-    release,
-    release_many,
-    reset,
-    reset_prefix_cache,
-)
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagedkv.core.growth import append, append_decode, append_many
 from pagedkv.core.hashing import hash_block, root_hash
+from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, publish
+from pagedkv.core.release import release, release_many, reset, reset_prefix_cache
+from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.state import (
+    KVState, Step, free_queue, initial_state, request_blocks, request_generation, row_token_ids,
+)  # fmt: skip
+from pagedkv.core.verify.digest import digest
 
 __all__ = [
-    "Admitted", "Appended", "CacheConfig", "DecodeRows", "Committed", "ErrorCode", "GroupKind", "GroupSpec",
-    "InvalidConfig", "KVError", "KVMetadata", "KVState", "Phase", "ReleaseReason", "Released",
-    "RequestId", "RequestSpec", "RowMetadata", "RowSpec", "Segment", "Step", "WasReset", "admit",
-    "append", "append_decode", "append_many", "commit", "commit_decode", "commit_many", "Decoded", "decode_step", "mark_ready", "MarkedReady", "digest", "free_queue", "initial_state",
-    "publish", "release", "release_many", "request_blocks", "request_generation", "row_token_ids", "reset", "reset_prefix_cache", "PrefixCacheReset",
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "hash_block", "root_hash",
+    "Admitted", "AllBlocksCleared", "Appended", "BlockRemoved", "BlockStored", "CacheConfig", "Committed", "DecodeRows",
+    "Decoded", "ErrorCode", "GroupKind", "GroupSpec", "InvalidConfig", "KVError", "KVEvent", "KVMetadata", "KVState",
+    "MarkedReady", "Phase", "PrefixCacheReset", "ReleaseReason", "Released", "RequestId", "RequestSpec", "RowMetadata",
+    "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "commit",
+    "commit_decode", "commit_many", "decode_step", "digest", "free_queue", "hash_block", "initial_state",
+    "mark_ready", "publish", "release", "release_many", "request_blocks", "request_generation", "reset",
+    "reset_prefix_cache", "root_hash", "row_token_ids", "takes_generation",
 ]  # fmt: skip

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pagedkv.core.errors import RequestId
 from pagedkv.core.state import Blocks, KVState
-from pagedkv.core.transitions import mark_ready
+from pagedkv.core.destination import mark_ready
 from pagedkv.shell.pool import PagePool
 
 

@@ -19,7 +19,7 @@ import torch
 from pagedkv.core import CacheConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit
-from pagedkv.core.trace import output_event, scheduler_header, submit_event
+from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.pool import PagePool, size_pool
 from pagedkv.shell.worker import Worker

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedkv.core.invariants import check_invariants
+from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import cancel
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, Llama, random_llama
 from pagedkv.models.tokenizer import Tokenizer

@@ -1,0 +1,133 @@
+"""The model checker's alphabet: the events it applies in every state it explores.
+
+Each event has a name, how it acts on a state (None: it does not apply there) and its
+line in a trace (contract v1), so that a counterexample replays with ``pagedkv replay``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from returns.result import Result
+
+from pagedkv.core.admission import admit
+from pagedkv.core.commit import commit
+from pagedkv.core.decode import decode_step
+from pagedkv.core.errors import KVError
+from pagedkv.core.growth import append
+from pagedkv.core.release import release, reset_prefix_cache
+from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.state import KVState, Step
+
+if TYPE_CHECKING:
+    from pagedkv.core.verify.check import CheckConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One letter of the alphabet: a name, how it acts on a state, and its trace line there."""
+
+    name: str
+    apply: Callable[[KVState], Result[Step[Any], KVError] | None]  # None: cannot apply here (skipped)
+    to_json: Callable[[KVState], dict[str, Any] | list[dict[str, Any]]]  # its trace line (or lines) there
+
+
+def default_alphabet(cfg: CheckConfig) -> list[Event]:
+    """Admit each id with a few specs (shared prefixes, CFG rows, a diffusion row), append a
+    token of two kinds, commit all or one more token, a decode step (commit all, then append:
+    the batch transition engines run every step), release, and reset the prefix cache."""
+    rows = [
+        ((RowSpec.of_tokens([1, 1, 1]),), ()),
+        ((RowSpec.of_tokens([1, 1, 2]),), ()),
+        ((RowSpec.of_tokens([1, 1, 1]),), ("salt",)),  # same tokens, other content: must not hit
+        ((RowSpec(2),), ()),  # no token ids: never hits
+        ((RowSpec.of_tokens([1, 1]), RowSpec.of_tokens([1, 2])), ()),  # CFG-like rows
+        ((RowSpec.of_tokens([1, 1, 2, 2], prefix_len=2, target_len=2),), ()),  # a diffusion row
+    ]
+    rows = [r for r in rows if len(r[0]) <= cfg.max_rows]
+    ids = [chr(ord("A") + i) for i in range(cfg.requests)]
+    events: list[Event] = []
+    for rid in ids:
+        for k, (spec_rows, extra) in enumerate(rows):
+            spec = RequestSpec(rid, spec_rows, extra)
+            events.append(Event(f"admit {rid} #{k}", _admit(spec), _const(_admit_json(spec))))
+        for tok in (1, 2, None):  # None: a count, the token id unknown
+            events.append(Event(f"append {rid} {tok}", _append(rid, tok), _append_json(rid, tok)))
+        events.append(Event(f"commit {rid} all", _commit(rid, None), _commit_json(rid, None)))
+        for tok in (1, None):  # the same states as commit-all then append, reached by the decode fast paths
+            events.append(Event(f"decode {rid} {tok}", _decode(rid, tok), _decode_json(rid, tok)))
+        events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
+        events.append(Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid,
+                                                                     "reason": "finished"})))  # fmt: skip
+    if cfg.prefix_caching:
+        events.append(Event("reset_prefix_cache", reset_prefix_cache, _const({"op": "reset_prefix_cache"})))
+    return events
+
+
+def _admit(spec: RequestSpec) -> Callable[[KVState], Any]:
+    # admitting an id that is present is refused (DUPLICATE_REQUEST): skip it without the work
+    return lambda s: None if spec.request_id in s.requests else admit(s, spec)
+
+
+def _const(obj: dict[str, Any]) -> Callable[[KVState], dict[str, Any]]:
+    return lambda s: obj
+
+
+def _admit_json(spec: RequestSpec) -> dict[str, Any]:
+    rows = []
+    for r in spec.rows:
+        row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
+        if r.prefix_len is not None:
+            row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+        rows.append(row)
+    out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": rows}
+    if spec.extra_keys:
+        out["extra_keys"] = list(spec.extra_keys)
+    return out
+
+
+def _nrows(s: KVState, rid: str) -> int:
+    req = s.requests.get(rid)
+    return len(req.slots) if req is not None else 1
+
+
+def _append(rid: str, tok: int | None) -> Callable[[KVState], Any]:
+    grow = [1] if tok is None else [[tok]]
+    return lambda s: append(s, rid, grow * _nrows(s, rid)) if rid in s.requests else None
+
+
+def _append_json(rid: str, tok: int | None) -> Callable[[KVState], dict[str, Any]]:
+    if tok is None:
+        return lambda s: {"op": "append", "request": rid, "num_tokens": [1] * _nrows(s, rid)}
+    return lambda s: {"op": "append", "request": rid, "tokens": [[tok]] * _nrows(s, rid)}
+
+
+def _targets(s: KVState, rid: str, step: int | None) -> list[int]:
+    req = s.requests.get(rid)
+    if req is None:
+        return [0]
+    return [s.row_len[x] if step is None else min(s.row_computed[x] + step, s.row_len[x]) for x in req.slots]
+
+
+def _commit(rid: str, step: int | None) -> Callable[[KVState], Any]:
+    return lambda s: commit(s, rid, _targets(s, rid, step)) if rid in s.requests else None
+
+
+def _commit_json(rid: str, step: int | None) -> Callable[[KVState], dict[str, Any]]:
+    return lambda s: {"op": "commit", "request": rid, "computed": _targets(s, rid, step)}
+
+
+def _decode(rid: str, tok: int | None) -> Callable[[KVState], Any]:
+    tokens = None if tok is None else [tok]
+    return lambda s: decode_step(s, [rid], tokens) if rid in s.requests else None
+
+
+def _decode_json(rid: str, tok: int | None) -> Callable[[KVState], list[dict[str, Any]]]:
+    """A decode step in trace contract v1: the commit of every row, then the append it equals."""
+    return lambda s: [_commit_json(rid, None)(s), _append_json(rid, tok)(s)]
+
+
+def _release(rid: str) -> Callable[[KVState], Any]:
+    return lambda s: release(s, rid, "finished") if rid in s.requests else None

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from pagedkv.shell.backends.triton_decode import paged_decode
+from pagedkv.shell.attention.triton_decode import paged_decode
 
 
 def bench(fn: object) -> float:

@@ -12,26 +12,23 @@ from __future__ import annotations
 import torch
 import triton
 
-from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
+from pagedkv.core import RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
 from pagedkv.models.llama import SMOLLM2_SHAPES, random_llama
-from pagedkv.shell.backends.triton_backend import TritonBackend
+from pagedkv.shell.attention.triton import TritonBackend
+from pagedkv.shell.attention.triton_decode import kv_write
 from pagedkv.shell.graphs import GraphDecoder
-from pagedkv.shell.pool import PagePool
-from pagedkv.shell.worker import Worker
+from pagedkv.shell.rank import build_rank, plan_rank
 
 
 def main() -> None:
     dev = "cuda"
     model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device=dev)
     c = model.config
-    cfg = CacheConfig(block_size=16, num_blocks=64 * 40 + 1)
-    pool = PagePool(cfg, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=torch.bfloat16,
-                    device=dev)  # fmt: skip
-    worker = Worker(cfg, max_rows=64, max_blocks_per_row=40, max_tokens=64 * 600, device=dev)
-    backend = TritonBackend()
-    from pagedkv.shell.backends.triton_decode import kv_write
-
-    pool.fused_write = kv_write  # the slot-mapping write as one kernel
+    backend = TritonBackend()  # its pool writes K and V with one kernel (backend.kv_write)
+    plan = plan_rank(model.kv_layers(), block_size=16, dtype=torch.bfloat16)
+    cfg = plan.cache_config(64 * 40 + 1, max_model_len=40 * 16)
+    rank = build_rank(plan, cfg, max_rows=64, max_tokens=64 * 600, device=dev, backend=backend)
+    pool, worker = rank.pool, rank.worker
     kp, vp = torch.randn(33, 16, 3, 64, device=dev, dtype=torch.bfloat16), torch.randn(33, 16, 3, 64, device=dev,
                                                                                    dtype=torch.bfloat16)  # fmt: skip
     k, v = torch.randn(40, 3, 64, device=dev), torch.randn(40, 3, 64, device=dev)
@@ -41,7 +38,7 @@ def main() -> None:
     kp.view(-1, 3, 64).index_copy_(0, slots, k.bfloat16())
     vp.view(-1, 3, 64).index_copy_(0, slots, v.bfloat16())
     print(f"fused KV write == index_copy_: {torch.equal(a, kp) and torch.equal(b, vp)}")
-    group = cfg.groups[0]
+    group = rank.group
     print(f"{torch.cuda.get_device_name()}; SmolLM2 shapes, random weights, bf16, triton backend, 512-token contexts")
     print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}")
     graphs = None
@@ -56,7 +53,7 @@ def main() -> None:
         batch = worker.install(meta)
         tokens = torch.randint(0, c.vocab_size, (batch_size,), device=dev)
         if graphs is None:
-            graphs = GraphDecoder(model, pool, worker, backend, group, buckets=(1, 8, 64))
+            graphs = GraphDecoder(model, rank, backend, buckets=(1, 8, 64))
             graphs.capture(meta)
             batch = worker.install(meta)  # capture left its own values in the buffers
         eager = model.forward(tokens, batch, pool, backend, group).float()

@@ -14,7 +14,7 @@ import torch
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, KVMetadata, Phase, RowMetadata
 from pagedkv.core.metadata import segments_of, slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend
-from pagedkv.shell.backends.triton_backend import TritonBackend
+from pagedkv.shell.attention.triton import TritonBackend
 from pagedkv.shell.worker import Worker
 
 

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from pagedkv.shell.engine import SamplingParams
-from pagedkv.shell.ranks import run_ranks
+from pagedkv.app.ranks import run_ranks
 
 
 def main() -> int:

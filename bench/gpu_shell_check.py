@@ -12,11 +12,10 @@ import time
 
 import torch
 
-from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit_many, initial_state, publish
+from pagedkv.core import RequestSpec, RowSpec, admit, commit_many, initial_state, publish
 from pagedkv.core.metadata import slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend
-from pagedkv.shell.pool import PagePool, size_pool
-from pagedkv.shell.worker import Worker
+from pagedkv.shell.rank import attention_layers, build_rank, plan_rank, size_pool
 
 
 def main() -> int:
@@ -29,14 +28,17 @@ def main() -> int:
         x = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
         (x @ x.T).sum().item()
 
-    s = size_pool(num_layers=30, block_size=16, kv_heads=3, head_dim=64, dtype=torch.bfloat16, device=dev,
-                  memory_fraction=0.5, profile=profile)  # fmt: skip
+    smollm2 = plan_rank(attention_layers(30, kv_heads=3, head_dim=64, dtype=torch.bfloat16), block_size=16,
+                        dtype=torch.bfloat16)  # fmt: skip
+    s = size_pool(smollm2, device=dev, memory_fraction=0.5, profile=profile)
     peak = torch.cuda.max_memory_allocated(dev)
     rows.append(("size_pool (fraction 0.5)", f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak "
                                              f"{peak / 2**20:.0f} MiB", "ok"))  # fmt: skip
     # 2. a core-built forward, installed on the device, attended over device pages
     bs, kvh, heads, d = 16, 4, 16, 64
-    cfg = CacheConfig(block_size=bs, num_blocks=257)
+    plans = {dt: plan_rank(attention_layers(1, kv_heads=kvh, head_dim=d, dtype=dt), block_size=bs, dtype=dt)
+             for dt in (torch.float32, torch.bfloat16)}  # fmt: skip
+    cfg = plans[torch.float32].cache_config(257, max_model_len=32 * bs)
     st = initial_state(cfg)
     lens = [37, 300, 129, 16]
     for i, n in enumerate(lens):
@@ -45,8 +47,8 @@ def main() -> int:
     meta = publish(st, list(range(len(lens))), "prefill").unwrap().effect
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
         g = torch.Generator().manual_seed(0)
-        pool = PagePool(cfg, num_layers=1, kv_heads=kvh, head_dim=d, dtype=dtype, device=dev)
-        worker = Worker(cfg, max_rows=8, max_blocks_per_row=32, max_tokens=64, device=dev)
+        rank = build_rank(plans[dtype], cfg, max_rows=8, max_tokens=64, device=dev)
+        pool, worker = rank.pool, rank.worker
         t0 = time.perf_counter()
         batch = worker.install(meta)
         torch.cuda.synchronize()

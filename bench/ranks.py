@@ -57,7 +57,7 @@ def main() -> None:
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.shell.engine import SamplingParams
-    from pagedkv.shell.ranks import run_ranks
+    from pagedkv.app.ranks import run_ranks
 
     _, meta = Llama.smollm2()
     tok = Tokenizer(meta)  # type: ignore[arg-type]

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, append, commit_many, initial_state, publish
+from pagedkv.core import RequestSpec, RowSpec, admit, append, commit_many, initial_state, publish
 from pagedkv.shell.attention import LayerAttention, get_backend
-from pagedkv.shell.pool import PagePool, size_pool
-from pagedkv.shell.worker import ForwardBatch, Worker
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import attention_layers, build_rank, plan_rank, size_pool
+from pagedkv.shell.worker import ForwardBatch
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 4, 2, 8, 50
 torch.manual_seed(0)
@@ -50,12 +51,14 @@ def dense_last_logits(seq: list[int]) -> torch.Tensor:
 
 
 def main() -> None:
-    sizing = size_pool(num_layers=LAYERS, block_size=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
-                       kv_cache_memory_bytes=64 * 1024)  # fmt: skip
+    # the model's layers -> the grouping plan -> blocks for the budget -> the core's geometry -> pages and buffers
+    plan = plan_rank(attention_layers(LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32), block_size=4,
+                     dtype=torch.float32)  # fmt: skip
+    sizing = size_pool(plan, kv_cache_memory_bytes=64 * 1024)
     print("pool:", sizing)
-    cfg = CacheConfig(block_size=4, num_blocks=sizing.num_blocks)
-    pool = PagePool(cfg, num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-    worker = Worker(cfg, max_rows=8, max_blocks_per_row=16, max_tokens=64)
+    cfg = plan.cache_config(sizing.num_blocks, max_model_len=64)
+    rank = build_rank(plan, cfg, max_rows=8, max_tokens=64)
+    pool, worker = rank.pool, rank.worker
     backend = get_backend("torch")
     prompts = {"a": [3, 14, 15, 9, 26, 5], "b": [2, 7, 18, 28, 18]}
     s = initial_state(cfg)

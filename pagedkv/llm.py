@@ -1,39 +1,5 @@
-"""``LLM``: the whole-request API over the engine.
+"""``pagedkv.llm.LLM``: the whole-request API (``pagedkv.app.llm``) under its first module path."""
 
-Usage (loads SmolLM2, so it is shown here and run in tests/test_smollm2.py rather than as a doctest)::
+from pagedkv.app.llm import LLM
 
-    llm = LLM()
-    [c.text for c in llm.generate(["What is the capital of France?"], chat=True)]
-    # ['The capital of France is Paris.']
-"""
-
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
-
-from pagedkv.models.llama import Llama
-from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Completion, Engine, SamplingParams, freeze_startup
-
-
-class LLM:
-    """SmolLM2-135M-Instruct (or any ``Llama`` with a ``Tokenizer``) served through pagedkv."""
-
-    def __init__(self, model: Llama | None = None, tokenizer: Tokenizer | None = None, *, device: str = "cpu",
-                 **engine: Any) -> None:  # fmt: skip
-        if model is None:
-            model, meta = Llama.smollm2(device=device)
-            tokenizer = tokenizer or Tokenizer(meta)  # type: ignore[arg-type]
-        if tokenizer is None:
-            raise ValueError("a model of your own needs its tokenizer")
-        self.tokenizer = tokenizer
-        self.engine = Engine(model, tokenizer, **engine)
-        freeze_startup()  # the app's GC policy: the weights and the start-up state are never walked again
-
-    def generate(self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 *, chat: bool = False) -> list[Completion]:  # fmt: skip
-        """Completions in prompt order; ``chat`` applies the model's chat template to each prompt."""
-        many = params if isinstance(params, Sequence) else [params] * len(prompts)
-        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-        return self.engine.generate([(t, self.tokenizer.encode(t), sp) for t, sp in zip(texts, many)])
+__all__ = ["LLM"]

@@ -7,11 +7,11 @@ import torch
 
 from pagedkv.core import CacheConfig, ErrorCode, RequestSpec, admit, digest, initial_state, publish, release
 from pagedkv.core.scheduler import SeqRequest, new_scheduler, on_output, schedule, submit
-from pagedkv.models.dit import DiT, DiTRow, DiTRunner, dense_denoise
+from pagedkv.app.diffusion import DiTRunner
+from pagedkv.models.dit import DiT, DiTRow, dense_denoise
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.errors import ShellError
-from pagedkv.shell.pool import PagePool
-from pagedkv.shell.worker import Worker
+from pagedkv.shell.rank import Rank, build_rank, plan_rank
 
 IMAGE = 6
 STEPS = 4
@@ -25,14 +25,19 @@ def rows_for(cfg_rows: int, reference: bool, seed: int = 1) -> tuple[list[DiTRow
     return rows, [img.clone() for _ in rows]
 
 
-def setup(rows: list[DiTRow], usable: int = 40) -> tuple[object, PagePool, Worker, object, object]:
-    cfg = CacheConfig(block_size=4, num_blocks=usable + 1, enable_prefix_caching=True)
+def rank_of(cfg: CacheConfig) -> Rank:
+    """The DiT's pages and buffers for ``cfg`` (its plan must give the same geometry)."""
+    plan = plan_rank(DiT().kv_layers(), block_size=cfg.block_size, dtype=torch.float32)
+    return build_rank(plan, cfg, max_rows=4, max_tokens=64)
+
+
+def setup(rows: list[DiTRow], usable: int = 40) -> tuple[object, Rank, object, object]:
+    cfg = CacheConfig(block_size=4, num_blocks=usable + 1, enable_prefix_caching=True, max_model_len=64)
     s = admit(initial_state(cfg), RequestSpec("img", tuple(r.spec(IMAGE) for r in rows), rows[0].content_key()))
     s = s.unwrap().state
     first = publish(s, ["img"], "prefill").unwrap().effect
     later = publish(s, ["img"], "denoise").unwrap().effect
-    pool = PagePool(cfg, num_layers=DiT().config.layers, kv_heads=2, head_dim=16)
-    return s, pool, Worker(cfg, max_rows=4, max_blocks_per_row=16, max_tokens=64), first, later
+    return s, rank_of(cfg), first, later
 
 
 @pytest.mark.parametrize("cfg_rows", [1, 2])
@@ -40,8 +45,8 @@ def setup(rows: list[DiTRow], usable: int = 40) -> tuple[object, PagePool, Worke
 def test_paged_equals_dense_at_every_step(cfg_rows: int, reference: bool) -> None:
     model = DiT()
     rows, images = rows_for(cfg_rows, reference)
-    _, pool, worker, first, later = setup(rows)
-    paged = DiTRunner(model, pool, worker, get_backend("torch")).run(rows, images, STEPS, first, later)
+    _, rank, first, later = setup(rows)
+    paged = DiTRunner(model, rank, get_backend("torch")).run(rows, images, STEPS, first, later)
     dense = dense_denoise(model, rows, images, STEPS)
     assert len(paged) == STEPS
     for p, d in zip(paged, dense):
@@ -53,8 +58,8 @@ def test_the_equality_test_can_fail() -> None:
     """A paged path that forgets the prefix (writes only the target at step 1) must not match."""
     model = DiT()
     rows, images = rows_for(2, True)
-    _, pool, worker, first, later = setup(rows)
-    runner = DiTRunner(model, pool, worker, get_backend("torch"))
+    _, rank, first, later = setup(rows)
+    runner = DiTRunner(model, rank, get_backend("torch"))
     paged = runner.run(rows, images, STEPS, later, later)  # the denoise snapshot at step 1 too: no prefix K/V
     dense = dense_denoise(model, rows, images, STEPS)
     assert not torch.isfinite(paged[0]).all() or ((paged[0] - dense[0]).abs().max() / dense[0].abs().max()) > 1e-3
@@ -63,7 +68,8 @@ def test_the_equality_test_can_fail() -> None:
 def test_later_steps_write_only_the_target_slots() -> None:
     model = DiT()
     rows, images = rows_for(2, True)
-    _, pool, worker, first, later = setup(rows)
+    _, rank, first, later = setup(rows)
+    pool = rank.pool
     writes: list[list[int]] = []
     original = pool.write
 
@@ -72,7 +78,7 @@ def test_later_steps_write_only_the_target_slots() -> None:
         original(layer, k, v, slots)
 
     pool.write = counting  # type: ignore[method-assign]
-    DiTRunner(model, pool, worker, get_backend("torch")).run(rows, images, STEPS, first, later)
+    DiTRunner(model, rank, get_backend("torch")).run(rows, images, STEPS, first, later)
     layers = model.config.layers
     assert len(writes) == STEPS * layers
     full = sum(r.seq_len for r in first.rows)
@@ -96,33 +102,37 @@ def test_cfg_admission_is_atomic_under_a_tight_pool() -> None:
     assert admit(s, RequestSpec("img", specs)).unwrap().state.free_blocks == 0
 
 
-def test_step_execution_and_dense_payloads_are_refused() -> None:
+def test_later_steps_without_their_metadata_are_refused() -> None:
     rows, images = rows_for(1, False)
-    _, pool, worker, first, _ = setup(rows)
-    runner = DiTRunner(DiT(), pool, worker, get_backend("torch"))
-    with pytest.raises(ShellError, match="request-level"):
-        runner.step("img", 0)
-    worker.install(first)
-    with pytest.raises(ShellError, match="dense payload"):
-        runner.run_dense("img")
+    _, rank, first, _ = setup(rows)
+    with pytest.raises(ShellError, match="denoise metadata"):
+        DiTRunner(DiT(), rank, get_backend("torch")).run(rows, images, STEPS, first, None)
+    assert not rank.worker.rows  # refused before anything was installed
+
+
+def test_a_rank_refuses_another_geometry() -> None:
+    plan = plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not this rank's plan"):
+        build_rank(plan, CacheConfig(block_size=8, num_blocks=9, max_model_len=64), max_rows=4, max_tokens=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        build_rank(plan, CacheConfig(block_size=4, num_blocks=9), max_rows=4, max_tokens=64)
 
 
 def test_through_the_scheduler_and_prefix_reuse_by_content() -> None:
     model = DiT()
     rows, images = rows_for(2, True)
-    cfg = CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=True)
+    cfg = CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=True, max_model_len=64)
     s = new_scheduler(cfg)
     spec_rows = tuple(r.spec(IMAGE) for r in rows)
     s = submit(s, SeqRequest("a", rows=spec_rows, steps=STEPS, extra_keys=rows[0].content_key())).unwrap()
     s, plan = schedule(s).unwrap()
     (run,) = plan.diffusion
-    pool = PagePool(cfg, num_layers=model.config.layers, kv_heads=2, head_dim=16)
-    worker = Worker(cfg, max_rows=4, max_blocks_per_row=16, max_tokens=64)
-    paged = DiTRunner(model, pool, worker, get_backend("torch")).run(rows, images, run.steps, run.first, run.later)
+    rank = rank_of(cfg)
+    paged = DiTRunner(model, rank, get_backend("torch")).run(rows, images, run.steps, run.first, run.later)
     dense = dense_denoise(model, rows, images, STEPS)
     assert ((paged[-1] - dense[-1]).abs().max() / dense[-1].abs().max()).item() < 1e-5
     s, ended = on_output(s, {}).unwrap()
-    worker.remove(["a"])
+    rank.worker.remove(["a"])
     assert ended == (("a", "finished"),)
     # the same prefix and reference image hit the cache; another image does not
     s = submit(s, SeqRequest("b", rows=spec_rows, steps=STEPS, extra_keys=rows[0].content_key())).unwrap()

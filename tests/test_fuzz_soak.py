@@ -87,7 +87,7 @@ def test_soak_ten_thousand_random_events_leave_every_block_free() -> None:
     cache = CacheConfig(block_size=4, num_blocks=13, enable_prefix_caching=True)
     s = new_scheduler(cache, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
     ids = iter(range(10**6))
-    preempted = cancelled = errors = 0
+    preempted = cancelled = 0
     for _ in range(10_000):
         roll = rng.random()
         if roll < 0.25:

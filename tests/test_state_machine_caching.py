@@ -23,8 +23,7 @@ from returns.result import Failure, Success
 
 from pagedkv.core import (
     Admitted, Appended, Committed, Decoded, Released, CacheConfig, GroupKind, GroupSpec, KVState, RequestSpec, RowSpec,
-    admit, append_decode, append_many, commit, commit_decode, commit_many, decode_step, digest, free_queue,
-    initial_state, release, release_many, request_blocks, reset, reset_prefix_cache,
+    admit, append_decode, append_many, commit, commit_decode, commit_many, decode_step, digest, initial_state, release, release_many, request_blocks, reset, reset_prefix_cache,
 )  # fmt: skip
 
 IDS = ["a", "b", "c", "d", "e"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pagedkv.core import (
-    CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, append, commit, initial_state, publish, release,
-    reset,
+    CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, append, commit, initial_state, publish, reset,
 )  # fmt: skip
 from pagedkv.shell.errors import ShellError
-from pagedkv.shell.pool import PagePool, size_pool
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import attention_layers, plan_rank, size_pool
 from pagedkv.shell.worker import Worker
 
 CFG = CacheConfig(block_size=4, num_blocks=33, groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW,
@@ -130,12 +130,12 @@ def test_missing_metadata_is_an_error_never_a_dense_run() -> None:
 
 
 def test_pool_sizing_and_write() -> None:
-    sizing = size_pool(num_layers=2, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32,
-                       kv_cache_memory_bytes=10_000)  # fmt: skip
+    plan = plan_rank(attention_layers(2, kv_heads=2, head_dim=8, dtype=torch.float32), block_size=4, dtype=torch.float32)
+    sizing = size_pool(plan, kv_cache_memory_bytes=10_000)
     assert sizing.page_bytes == 2 * 2 * 4 * 2 * 8 * 4 and sizing.num_blocks == 10_000 // 1024
     assert sizing.tokens == (sizing.num_blocks - 1) * 4
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
-        size_pool(num_layers=2, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+        size_pool(plan)
     pool = PagePool(CFG, num_layers=1, kv_heads=2, head_dim=8)
     k = torch.randn(3, 2, 8)
     pool.write(0, k, -k, torch.tensor([5, 6, 40]))

@@ -176,7 +176,8 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
             chunk_layers = tuple(members[k : k + size])
             padding += size - len(chunk_layers)
             suffix = f"{kind.value}" + (f"{window}" if window else "") + (f"{chunk}" if chunk else "")
-            groups.append(PlannedGroup(f"{suffix}.{k // size}", kind, window, chunk, chunk_layers,
+            name = suffix if len(members) <= size else f"{suffix}.{k // size}"  # one group: the core's default name
+            groups.append(PlannedGroup(name, kind, window, chunk, chunk_layers,
                                        tokens_per_block[(kind, window, chunk)]))  # fmt: skip
     # full groups first: the hit lookup scans them left to right before the windowed ones cut back
     groups.sort(key=lambda g: g.kind not in (LayerKind.FULL, LayerKind.MLA))

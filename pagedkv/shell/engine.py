@@ -8,31 +8,23 @@ prefill, prefix caching and preemption by recompute come from the scheduler.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
 
-from pagedkv.core import CacheConfig
+from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import RequestId
-from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit
-from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
-from pagedkv.shell.attention import get_backend
-from pagedkv.shell.pool import PagePool, size_pool
-from pagedkv.shell.worker import Worker
+from pagedkv.core.metadata import KVMetadata, Phase
+from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.rank import Rank, rank_for
+from pagedkv.shell.recorder import Recorder
+from pagedkv.shell.sampling import SamplingParams, cut_at_stop, generator_for, sample
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int | None = None  # per request: the same seed, the same tokens
-    stop: tuple[str, ...] = ()
+__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "SamplingParams", "freeze_startup", "sample"]
 
 
 @dataclass(slots=True)
@@ -46,6 +38,25 @@ class Completion:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """An engine's sizes and switches, in one place (a launcher of several ranks reads them too)."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 << 20  # per rank
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    backend: str = "torch"
+
+    def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
+        """The KV side these arguments give ``model`` (``shell.rank.rank_for``)."""
+        return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
+                        kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                        enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
+                        max_tokens=self.max_num_batched_tokens, backend=backend)  # fmt: skip
+
+
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
@@ -56,53 +67,53 @@ class EngineStats:
 
 
 class Engine:
-    """One rank's engine over a model with ``forward(tokens, batch, pool, backend, group)``."""
+    """One rank's engine over a model with ``forward(tokens, batch, pool, backend, group)``.
 
-    def __init__(self, model: Any, tokenizer: Any, *, block_size: int = 16, kv_cache_memory_bytes: int = 256 << 20,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 backend: str = "torch", trace: TextIO | None = None) -> None:  # fmt: skip
-        c = model.config
-        self.model, self.tokenizer = model, tokenizer
-        sizing = size_pool(num_layers=c.num_layers, block_size=block_size, kv_heads=c.num_kv_heads,
-                           head_dim=c.head_dim, dtype=model.dtype, device=model.device,
-                           kv_cache_memory_bytes=kv_cache_memory_bytes)  # fmt: skip
-        self.sizing = sizing
-        self.cache = CacheConfig(block_size=block_size, num_blocks=sizing.num_blocks,
-                                 enable_prefix_caching=enable_prefix_caching, max_model_len=c.max_position)  # fmt: skip
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    ``args`` (``EngineArgs``, any field also as a keyword) size it. Its KV side is ``rank``
+    (``shell.rank``; its buffers must hold the batches ``args`` allow), or the one ``args`` give the
+    model. ``keep_history``: keep the core's snapshot after every step (``kv_history``);
+    ``time_steps``: (decode rows, prefill tokens, seconds) of every step in ``step_times``, the
+    device synchronised first.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, args: EngineArgs | None = None, *, trace: TextIO | None = None,
+                 rank: Rank | None = None, keep_history: bool = False, time_steps: bool = False,
+                 **fields: Any) -> None:  # fmt: skip
+        args = replace(args or EngineArgs(), **fields)
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.backend = get_backend(args.backend)
+        if rank is None:
+            rank = args.rank_for(model, self.backend)
+        elif (rank.worker.max_rows, rank.worker.max_tokens) < (args.max_num_seqs, args.max_num_batched_tokens):
+            raise InvalidConfig(f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
+                                f"tokens; the scheduler may batch {args.max_num_seqs} and "
+                                f"{args.max_num_batched_tokens}")  # fmt: skip
+        self.rank, self.cache, self.pool, self.worker, self.group = rank, rank.cache, rank.pool, rank.worker, rank.group
+        self.sizing = rank.sizing
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         self.state = new_scheduler(self.cache, sched)
-        self.pool = PagePool(self.cache, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                             dtype=model.dtype, device=model.device)  # fmt: skip
-        max_blocks = -(-c.max_position // block_size)
-        self.worker = Worker(self.cache, max_rows=max_num_seqs, max_blocks_per_row=max_blocks,
-                             max_tokens=max_num_batched_tokens, device=model.device)  # fmt: skip
-        self.backend = get_backend(backend)
         self.requests: dict[RequestId, tuple[Completion, SamplingParams, torch.Generator]] = {}
         self.stats = EngineStats()
         self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
-        self.trace = trace
-        self.kv_history: list[Any] | None = None  # set to [] to keep the core's snapshot after every step
-        self.step_hook: list[tuple[int, int, float]] | None = None  # (decode rows, prefill tokens, seconds) a step
-        if trace is not None:
-            trace.write(json.dumps(scheduler_header(self.cache, sched)) + "\n")
+        self.recorder = None if trace is None else Recorder(trace, self.cache, sched)
+        self.kv_history: list[Any] | None = [] if keep_history else None
+        self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
 
     # -- step-level API ----------------------------------------------------------
     def add_request(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> None:
         req = SeqRequest(rid, tuple(prompt_ids), max_tokens=params.max_tokens)
         self.state = submit(self.state, req).unwrap()
-        g = torch.Generator().manual_seed(params.seed if params.seed is not None else hash(str(rid)) & 0xFFFFFFFF)
-        self.requests[rid] = (Completion(rid, prompt, list(prompt_ids)), params, g)
+        self.requests[rid] = (Completion(rid, prompt, list(prompt_ids)), params, generator_for(rid, params))
         self.stats.prompt_tokens += len(prompt_ids)
-        if self.trace is not None:
-            self.trace.write(json.dumps(submit_event(req)) + "\n")
+        if self.recorder is not None:
+            self.recorder.submit(req)
 
     def cancel(self, rid: RequestId) -> None:
         self.state = cancel(self.state, rid).unwrap()
         self.worker.remove([rid])
-        comp = self.requests[rid][0]
-        comp.finish_reason = "cancelled"
-        if self.trace is not None:
-            self.trace.write(json.dumps({"op": "cancel", "request": rid}) + "\n")
+        self.requests[rid][0].finish_reason = "cancelled"
+        if self.recorder is not None:
+            self.recorder.cancel(rid)
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)
@@ -111,8 +122,8 @@ class Engine:
         """One engine step; the completions that finished in it."""
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
-        if self.trace is not None:
-            self.trace.write('{"op": "schedule"}\n')
+        if self.recorder is not None:
+            self.recorder.schedule()
         self.stats.steps += 1
         self.stats.preemptions += len(plan.preempted)
         if plan.preempted:
@@ -122,15 +133,45 @@ class Engine:
             comp = self.requests[rid][0]
             comp.finish_reason = how
             done.append(comp)
+        logits = self._forward(plan)
+        kv = self.state.kv
+        self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
+        sampled, stop = self._sample(plan, logits, on_token)
+        self.state, ended = on_output(self.state, sampled, stop).unwrap()
+        if self.recorder is not None:
+            self.recorder.output(sampled, stop)
+        if ended:
+            self.worker.remove([rid for rid, _ in ended])
+        if self.kv_history is not None:
+            self.kv_history.append(self.state.kv)
+        if self.step_times is not None:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
+        for rid, _ in ended:
+            comp, params, _ = self.requests[rid]
+            comp.finish_reason = comp.finish_reason or "length"
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), params.stop)
+            done.append(comp)
+        return done
+
+    def _forward(self, plan: StepPlan) -> dict[RequestId, torch.Tensor]:
+        """Install each of the plan's snapshots and run it: the logits of every row's last token."""
         logits: dict[RequestId, torch.Tensor] = {}
         for meta in plan.metadata:
             batch = self.worker.install(meta)
-            tokens = self._tokens(meta)
-            out = self.model.forward(tokens, batch, self.pool, self.backend, self.cache.groups[0])
+            out = self.model.forward(self._tokens(meta), batch, self.pool, self.backend, self.group)
             for r, row in enumerate(meta.rows):
                 logits[row.request_id] = out[r]
-        kv = self.state.kv
-        self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
+            for row in meta.rows:  # a request's first prefill starts where its prefix-cache hit ended
+                if meta.phase is Phase.PREFILL and row.request_id not in self._prefilled:
+                    self._prefilled.add(row.request_id)
+                    self.requests[row.request_id][0].cached_tokens = row.kv_start_pos
+        return logits
+
+    def _sample(self, plan: StepPlan, logits: dict[RequestId, torch.Tensor],
+                on_token: Callable[[RequestId, int], None] | None) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
+        """A token for every row the plan samples, and the requests that stopped on it."""
         sampled: dict[RequestId, int] = {}
         stop: list[RequestId] = []
         for rid in plan.samples:
@@ -141,36 +182,14 @@ class Engine:
             self.stats.generated_tokens += 1
             if on_token is not None:
                 on_token(rid, tok)
-            if tok in self.tokenizer.stop_token_ids:
+            if tok in self.tokenizer.stop_token_ids or (
+                params.stop and any(s in self.tokenizer.decode(comp.token_ids) for s in params.stop)
+            ):
                 comp.finish_reason = "stop"
                 stop.append(rid)
-            elif params.stop and any(s in self.tokenizer.decode(comp.token_ids) for s in params.stop):
-                comp.finish_reason = "stop"
-                stop.append(rid)
-        for meta in plan.metadata:  # a request's first prefill starts where its prefix-cache hit ended
-            for row in meta.rows:
-                if meta.phase == "prefill" and row.request_id not in self._prefilled:
-                    self._prefilled.add(row.request_id)
-                    self.requests[row.request_id][0].cached_tokens = row.kv_start_pos
-        self.state, ended = on_output(self.state, sampled, stop).unwrap()
-        if self.trace is not None:
-            self.trace.write(json.dumps(output_event(sampled, stop)) + "\n")
-        if ended:
-            self.worker.remove([rid for rid, _ in ended])
-        if self.kv_history is not None:
-            self.kv_history.append(self.state.kv)
-        if self.step_hook is not None:
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)
-            self.step_hook.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
-        for rid, _ in ended:
-            comp, params, _ = self.requests[rid]
-            comp.finish_reason = comp.finish_reason or "length"
-            comp.text = self._text(comp, params)
-            done.append(comp)
-        return done
+        return sampled, stop
 
-    def _tokens(self, meta: Any) -> torch.Tensor:
+    def _tokens(self, meta: KVMetadata) -> torch.Tensor:
         ids: list[int] = []
         seqs, log = self.state.seqs, self.state.log
         for row in meta.rows:  # what the row's query positions hold: its prompt, then what it generated
@@ -180,13 +199,6 @@ class Engine:
             if end > p:
                 ids.extend(log.ids(row.request_id, max(start - p, 0), end - p))
         return torch.tensor(ids)
-
-    def _text(self, comp: Completion, params: SamplingParams) -> str:
-        text = self.tokenizer.decode(comp.token_ids)
-        for s in params.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        return text
 
     # -- the whole-request API -------------------------------------------------------
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
@@ -212,20 +224,3 @@ def freeze_startup() -> None:
     the library on its own."""
     gc.collect()
     gc.freeze()
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; else temperature, top-k, top-p, drawn with the request's generator."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-    if params.top_k > 0:
-        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p * sorted_p.sum()
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[idx[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

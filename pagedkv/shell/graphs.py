@@ -13,32 +13,29 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.config import GroupSpec
-from pagedkv.shell.pool import PagePool
-from pagedkv.shell.worker import ForwardBatch, Worker
+from pagedkv.core.metadata import KVMetadata
+from pagedkv.shell.attention.base import AttentionBackend
+from pagedkv.shell.rank import Rank
+from pagedkv.shell.worker import ForwardBatch
 
 
 class GraphDecoder:
-    def __init__(self, model: Any, pool: PagePool, worker: Worker, backend: Any, group: GroupSpec,
+    """Decode forwards of ``model`` on ``rank`` through ``backend``, one captured graph per bucket."""
+
+    def __init__(self, model: Any, rank: Rank, backend: AttentionBackend,
                  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:  # fmt: skip
-        self.model, self.pool, self.worker, self.backend, self.group = model, pool, worker, backend, group
+        self.model, self.pool, self.worker, self.backend, self.group = model, rank.pool, rank.worker, backend, rank.group
         self.buckets = buckets
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
         self.epoch: int | None = None
 
-    def _static_batch(self, n: int, meta: Any) -> ForwardBatch:
-        w = self.worker
-        return ForwardBatch(meta, n, n, w.block_tables[:, :n], w.seq_lens[:n], w.kv_start[:n],
-                            w.query_start_loc[: n + 1], w.slot_mapping[:n], w.positions[:n])  # fmt: skip
-
-    def capture(self, template: Any) -> None:
+    def capture(self, template: KVMetadata) -> None:
         """Capture every bucket (at start-up), with ``template`` a decode KVMetadata of one row."""
-        self.backend.decode_only = True
         for n in self.buckets:
             if n > self.worker.max_rows:
                 continue
             tokens = torch.zeros(n, dtype=torch.long, device=self.pool.device)
-            batch = self._static_batch(n, template)
+            batch = self.worker.decode_views(n, template)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm up outside the graph (allocations, Triton compilation)
@@ -64,11 +61,7 @@ class GraphDecoder:
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]
         b = static_tokens.numel()
         if b > n:  # padding rows: the null block's slot, length 1, nothing installed
-            self.worker.slot_mapping[n:b].zero_()
-            self.worker.seq_lens[n:b].fill_(1)
-            self.worker.query_start_loc[n + 1 : b + 1] = torch.arange(n + 1, b + 1, dtype=torch.int32,
-                                                                     device=self.worker.query_start_loc.device)  # fmt: skip
-            self.worker.block_tables[:, n:b].zero_()
+            self.worker.pad_decode(n, b)
             static_tokens[n:].zero_()
         static_tokens[:n].copy_(tokens)
         g.replay()

@@ -203,6 +203,24 @@ class Worker:
         self.last = (meta, batch)
         return batch
 
+    # -- fixed-shape decode batches (CUDA graphs) ----------------------------------
+    def decode_views(self, rows: int, metadata: KVMetadata) -> ForwardBatch:
+        """The first ``rows`` rows of the buffers as a one-token-a-row batch: what a graph captures."""
+        return ForwardBatch(metadata, rows, rows, self.block_tables[:, :rows], self.seq_lens[:rows],
+                            self.kv_start[:rows], self.query_start_loc[: rows + 1], self.slot_mapping[:rows],
+                            self.positions[:rows])  # fmt: skip
+
+    def pad_decode(self, rows: int, bucket: int) -> None:
+        """Make buffer rows ``rows..bucket`` padding of an installed decode batch of ``rows`` rows: the
+        null block's slot, length 1, no blocks. Nothing installed changes; the next install rewrites them."""
+        if bucket <= rows:
+            return
+        self.slot_mapping[rows:bucket].zero_()
+        self.seq_lens[rows:bucket].fill_(1)
+        self.query_start_loc[rows + 1 : bucket + 1] = torch.arange(rows + 1, bucket + 1, dtype=torch.int32,
+                                                                   device=self.query_start_loc.device)  # fmt: skip
+        self.block_tables[:, rows:bucket].zero_()
+
     # -- remove ----------------------------------------------------------------
     def remove(self, request_ids: list[RequestId] | tuple[RequestId, ...]) -> int:
         """Forget released requests; their buffer rows go back. Idempotent: unknown ids count 0."""

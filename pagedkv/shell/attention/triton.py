@@ -1,15 +1,21 @@
 """The ``triton`` backend: decode forwards through the Triton split-KV kernel (no host syncs, so a
 CUDA graph can capture them); forwards with several query tokens (prefill, chunked prefill,
-denoising steps) through the varlen kernel, one call per segment of the core's metadata. Chunked
-local groups, explicit head maps and softcap go to the ``torch`` reference."""
+denoising steps) through the varlen kernel, one call per segment of the core's metadata.
+
+What the kernels do not compute (chunked local groups, an explicit head map of a tensor-parallel
+shard, a logit softcap) is refused with a message naming the backend that does: a layer is never
+rerouted to another backend behind the caller's back.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pagedkv.core.config import GroupKind
-from pagedkv.shell.attention import LayerAttention, SegmentCall, TorchBackend, run_segments
-from pagedkv.shell.errors import BackendUnavailable
+from pagedkv.core.errors import ErrorCode
+from pagedkv.core.metadata import Phase
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
+from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -23,19 +29,22 @@ class TritonBackend:
             raise BackendUnavailable(self.name, "pip install triton (with a CUDA build of torch)", str(e)) from None
         if not torch.cuda.is_available():
             raise BackendUnavailable(self.name, "a CUDA device", "no CUDA device is available")
-        from pagedkv.shell.backends.triton_decode import paged_decode, paged_varlen
+        from pagedkv.shell.attention.triton_decode import kv_write, paged_decode, paged_varlen
 
-        self._decode, self._varlen, self._reference, self.splits = paged_decode, paged_varlen, TorchBackend(), splits
-        self.decode_only = False  # set by a graph capture: every forward is a decode forward
+        self._decode, self._varlen, self.splits = paged_decode, paged_varlen, splits
+        self.kv_write = kv_write  # the slot-mapping write as one kernel (K and V together)
 
     def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL or layer.kv_index is not None or layer.softcap:
-            return self._reference.forward(q, k_pages, v_pages, batch, layer)
+            what = ("chunked local attention" if spec.kind is GroupKind.CHUNKED_LOCAL
+                    else "an explicit head map (a tensor-parallel shard)" if layer.kv_index is not None
+                    else "a logit softcap")  # fmt: skip
+            raise refuse(ErrorCode.INVALID, f"the triton backend does not compute {what}; use the torch backend")
         table = batch.block_tables[layer.group]
         window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
-        if self.decode_only or all(r.query_len == 1 and len(r.segments) == 1 for r in batch.metadata.rows):
+        if batch.metadata.phase is Phase.DECODE:  # one query token a row, one causal segment
             return self._decode(q, k_pages, v_pages, table, batch.seq_lens, layer.scale, splits=self.splits,
                                 window=window)  # fmt: skip
 

@@ -32,9 +32,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--page-map", help="draw which request holds which block over time to this PNG (needs matplotlib)")
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
+def _items(args: argparse.Namespace) -> list[dict[str, Any]] | str:
+    """The prompts of the command line and of ``--prompts``, or the one-line reason they cannot be read."""
     items: list[dict[str, Any]] = [{"prompt": p} for p in args.prompt]
     if args.prompts:
         try:
@@ -46,10 +45,35 @@ def run(args: argparse.Namespace) -> int:
                             raise ValueError(f'line {n}: expected {{"prompt": str, ...}}')
                         items.append(obj)
         except (OSError, ValueError) as e:
-            print(f"pagedkv generate: {args.prompts}: {e}", file=sys.stderr)
-            return 2
+            return f"{args.prompts}: {e}"
     if not items:
-        print("pagedkv generate: give prompts as arguments or with --prompts FILE", file=sys.stderr)
+        return "give prompts as arguments or with --prompts FILE"
+    return items
+
+
+def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
+    from pagedkv.shell.engine import SamplingParams
+
+    requests = []
+    for i, it in enumerate(items):
+        text = it["prompt"]
+        if args.chat:
+            messages = [{"role": "system", "content": it["system"]}] if it.get("system") else []
+            text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
+        elif it.get("system"):
+            text = it["system"] + "\n" + text
+        params = SamplingParams(max_tokens=int(it.get("max_tokens", args.max_tokens)), temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)  # fmt: skip
+        requests.append((text, tok.encode(text), params))
+    return requests
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    items = _items(args)
+    if isinstance(items, str):
+        print(f"pagedkv generate: {items}", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pagedkv generate: --device cuda, but no CUDA device is available", file=sys.stderr)
@@ -57,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, SamplingParams, freeze_startup
+    from pagedkv.shell.engine import Engine, freeze_startup
 
     t0 = time.perf_counter()
     try:
@@ -69,41 +93,19 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
     engine = Engine(model, tok, block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace)  # fmt: skip
-    if args.page_map:
-        engine.kv_history = []
+                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace,
+                    keep_history=bool(args.page_map))  # fmt: skip
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
-    requests = []
-    for i, it in enumerate(items):
-        text = it["prompt"]
-        if args.chat:
-            messages = ([{"role": "system", "content": it["system"]}] if it.get("system") else [])
-            text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
-        elif it.get("system"):
-            text = it["system"] + "\n" + text
-        params = SamplingParams(max_tokens=int(it.get("max_tokens", args.max_tokens)), temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)  # fmt: skip
-        requests.append((text, tok.encode(text), params))
+    requests = _requests(args, items, tok)
     if args.ranks > 1:
         return _run_ranks(args, items, requests, tok)
-    done = 0
-    quiet = args.json
-
-    def progress(_: object) -> None:
-        nonlocal done
-        done += 1
-        if not quiet:
-            bar = "#" * (PROGRESS_WIDTH * done // len(requests))
-            print(f"\r[{bar:<{PROGRESS_WIDTH}}] {done}/{len(requests)}", end="" if done < len(requests) else "\n",
-                  file=sys.stderr, flush=True)  # fmt: skip
-
     t1 = time.perf_counter()
-    completions = engine.generate(requests, on_finish=progress)
+    completions = engine.generate(requests, on_finish=None if args.json else _progress(len(requests)))
     gen_s = time.perf_counter() - t1
     if trace is not None:
         trace.close()
     if args.page_map:
-        from pagedkv.plot import page_map
+        from pagedkv.app.plot import page_map
 
         page_map(engine.kv_history or [engine.state.kv], args.page_map)
     if args.json:
@@ -111,6 +113,25 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt": it["prompt"], "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason}))  # fmt: skip
         return 0
+    _summary(args, items, completions, engine, gen_s, load_s)
+    return 0
+
+
+def _progress(total: int) -> Any:
+    done = 0
+
+    def progress(_: object) -> None:
+        nonlocal done
+        done += 1
+        bar = "#" * (PROGRESS_WIDTH * done // total)
+        print(f"\r[{bar:<{PROGRESS_WIDTH}}] {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    return progress
+
+
+def _summary(args: argparse.Namespace, items: list[dict[str, Any]], completions: list[Any], engine: Any,
+             gen_s: float, load_s: float) -> None:  # fmt: skip
     for i, (it, c) in enumerate(zip(items, completions)):
         print(f"--- [{i}] {it['prompt']}")
         print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens cached)")
@@ -127,11 +148,10 @@ def run(args: argparse.Namespace) -> int:
           f"of the pool: {engine.sizing})")  # fmt: skip
     print(f"preemptions         {st.preemptions}")
     print(f"engine steps        {st.steps}")
-    return 0
 
 
 def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]], requests: list[Any], tok: Any) -> int:
-    from pagedkv.shell.ranks import run_ranks
+    from pagedkv.app.ranks import run_ranks
 
     t0 = time.perf_counter()
     results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),

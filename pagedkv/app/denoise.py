@@ -1,5 +1,5 @@
 """``pagedkv denoise``: the DiT reference model over a few CFG requests, through the scheduler and
-the paged KV cache; per-step timing and pool usage."""
+the paged KV cache; per-step timing and pool usage (the loop itself: ``app.diffusion.DiTRunner``)."""
 
 from __future__ import annotations
 
@@ -18,26 +18,16 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
+def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from pagedkv.core import CacheConfig
-    from pagedkv.core.scheduler import SeqRequest, new_scheduler, on_output, schedule, submit
-    from pagedkv.models.dit import DiT, DiTRow, DiTRunner
-    from pagedkv.shell.attention import get_backend
-    from pagedkv.shell.pool import PagePool
-    from pagedkv.shell.worker import Worker
+    from pagedkv.core.scheduler import SeqRequest, submit
+    from pagedkv.models.dit import DiTRow
 
     rng = random.Random(args.seed)
-    model = DiT()
     c = model.config
-    cfg = CacheConfig(block_size=args.block_size, num_blocks=args.blocks + 1, enable_prefix_caching=True)
-    pool = PagePool(cfg, num_layers=c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim)
-    worker = Worker(cfg, max_rows=4, max_blocks_per_row=64, max_tokens=512)
-    runner = DiTRunner(model, pool, worker, get_backend("torch"))
-    s = new_scheduler(cfg)
     g = torch.Generator().manual_seed(args.seed)
-    work: dict[str, tuple[list[DiTRow], list[torch.Tensor]]] = {}
+    work: dict[str, tuple[list[Any], list[Any]]] = {}
     for i in range(args.requests):
         ref = torch.randn(rng.randrange(2, 9), c.latent, generator=g) if rng.random() < 0.5 else None
         cond = DiTRow(tuple(rng.randrange(c.vocab) for _ in range(rng.randrange(6, 40))), ref)
@@ -47,14 +37,32 @@ def run(args: argparse.Namespace) -> int:
         work[f"img-{i}"] = (rows, [img.clone(), img.clone()])
         s = submit(s, SeqRequest(f"img-{i}", rows=tuple(r.spec(args.image_tokens) for r in rows), steps=args.steps,
                                  extra_keys=cond.content_key())).unwrap()  # fmt: skip
+    return s, work
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedkv.app.diffusion import DiTRunner
+    from pagedkv.core.scheduler import new_scheduler, on_output, schedule
+    from pagedkv.models.dit import DiT
+    from pagedkv.shell.attention import get_backend
+    from pagedkv.shell.rank import build_rank, plan_rank
+
+    model = DiT()
+    plan = plan_rank(model.kv_layers(), block_size=args.block_size, dtype=torch.float32)
+    cfg = plan.cache_config(args.blocks + 1, enable_prefix_caching=True, max_model_len=64 * args.block_size)
+    rank = build_rank(plan, cfg, max_rows=4, max_tokens=512)
+    runner = DiTRunner(model, rank, get_backend("torch"))
+    s, work = _submit_all(args, model, new_scheduler(cfg))
     usable = cfg.usable_blocks
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
     while s.requests:
-        s, plan = schedule(s).unwrap()
-        for run_ in plan.diffusion:
+        s, plan_ = schedule(s).unwrap()
+        for run_ in plan_.diffusion:
             rows, images = work[run_.request_id]
             runner.run(rows, images, run_.steps, run_.first, run_.later)
-            worker.remove([run_.request_id])  # a request-level run is done: its buffer rows go back
+            rank.worker.remove([run_.request_id])  # a request-level run is done: its buffer rows go back
             used = usable - s.kv.free_blocks
             tokens = sum(r.seq_len for r in run_.first.rows)
             cached = sum(r.kv_start_pos for r in run_.first.rows)

@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.core.config import GroupKind
 from pagedkv.core.errors import ErrorCode
-from pagedkv.shell.attention import LayerAttention, SegmentCall, run_segments
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -23,6 +23,7 @@ INSTALL = "pip install 'pagedkv[flash]'  (flash-attn; FA3 comes from flash-atten
 
 class FlashAttnBackend:
     name = "flash_attn"
+    kv_write = None  # two index_copy_ (the page pool's own write)
 
     def __init__(self) -> None:
         self.fa3: Any = None

@@ -17,7 +17,7 @@ import torch
 
 from pagedkv.core.config import GroupKind
 from pagedkv.core.errors import ErrorCode
-from pagedkv.shell.attention import LayerAttention, SegmentCall, run_segments
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -26,6 +26,7 @@ INSTALL = "pip install 'pagedkv[npu]'  (torch-npu, matching your CANN and torch 
 
 class NpuBackend:
     name = "npu"
+    kv_write = None  # two index_copy_ (the page pool's own write)
 
     def __init__(self) -> None:
         try:
@@ -72,9 +73,3 @@ class NpuBackend:
         if self._causal_mask is None or self._causal_mask.device != device:
             self._causal_mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
         return self._causal_mask
-
-    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """The fused KV scatter write of torch-npu, in place of PagePool.write's index_copy_."""
-        self.npu._npu_reshape_and_cache(key=k, value=v, key_cache=k_cache, value_cache=v_cache,
-                                        slot_indices=slot_mapping.to(torch.int32))  # fmt: skip

@@ -1,53 +1,12 @@
-"""Attention over pages, behind one small interface, selected by name.
-
-``get_backend("torch" | "flash_attn" | "npu" | "triton")`` returns an ``AttentionBackend``;
-one that cannot run here raises ``BackendUnavailable`` naming what to install.
-There is no silent dense fallback: a paged forward needs an installed
-``ForwardBatch``.
-
-Native kernels take one causal flag per call, so the core's segments run as
-separate calls (``segment_calls``): segment k of every row together (rows of one
-forward share the segment structure). A single segment per row keeps the batched
-layout as it is; otherwise the segment's tokens are gathered with
-``index_select``, run, and scattered back with ``index_copy_`` into token order.
-"""
+"""The ``torch`` reference backend: runs anywhere, exact masks, fp32 math."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from pagedkv.core.config import GroupKind, GroupSpec
-from pagedkv.shell.errors import BackendUnavailable
+from pagedkv.core.config import GroupKind
+from pagedkv.shell.attention.base import LayerAttention, lowest_visible_key
 from pagedkv.shell.worker import ForwardBatch
-
-
-@dataclass(frozen=True, slots=True)
-class LayerAttention:
-    """What attention of one layer needs besides the tensors."""
-
-    group: int  # the KV cache group of this layer
-    spec: GroupSpec  # its kind: full, sliding_window(window), chunked_local(chunk)
-    scale: float
-    softcap: float | None = None
-    kv_index: tuple[int, ...] | None = None  # query head -> local KV head, when not contiguous groups (TP shards)
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
-        """``q``: (tokens, heads, head_dim) in query order -> (tokens, heads, head_dim), q's dtype."""
-        ...
-
-
-def lowest_visible_key(spec: GroupSpec, position: int) -> int:
-    """The first key a query at ``position`` sees: the core's rule, ``GroupSpec.first_visible_position``."""
-    return spec.first_visible_position(position)
 
 
 class TorchBackend:
@@ -55,6 +14,7 @@ class TorchBackend:
     slots, nor window blocks let go), exact masks from the segments, GQA, fp32 math."""
 
     name = "torch"
+    kv_write = None  # two index_copy_ (the page pool's own write)
 
     def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
@@ -130,73 +90,3 @@ class TorchBackend:
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         out = torch.einsum("nvgk,nkvd->nvgd", torch.softmax(scores, dim=-1), v)
         return out.reshape(n, heads, d).to(q.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentCall:
-    """One native kernel call: segment ``index`` of every row."""
-
-    causal: bool
-    token_index: torch.Tensor | None  # positions in q of this call's tokens; None: all, in order
-    cu_seqlens_q: torch.Tensor  # (rows + 1,) int32
-    kv_lens: torch.Tensor  # (rows,) int32: keys each row's queries may read (seqused_k / cache_seqlens)
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
-    """The native calls for a forward: one per segment index (rows share the structure)."""
-    rows = batch.metadata.rows
-    nseg = len(rows[0].segments)
-    qsl = batch.query_start_loc.tolist()
-    calls = []
-    for k in range(nseg):
-        segs = [row.segments[k] for row in rows]
-        lens = [s.q_end - s.q_start for s in segs]
-        kv = [s.kv_end for s in segs]
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-        if nseg == 1:
-            index = None  # the batched layout as it stands
-        else:
-            index = torch.cat([torch.arange(qsl[r] + s.q_start - row.kv_start_pos, qsl[r] + s.q_end - row.kv_start_pos)
-                               for r, (row, s) in enumerate(zip(rows, segs))]).to(batch.seq_lens.device)  # fmt: skip
-        calls.append(SegmentCall(segs[0].causal, index, cu.to(batch.seq_lens.device),
-                                 torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
-                                 max(lens), max(kv)))  # fmt: skip
-    return calls
-
-
-def run_segments(q: torch.Tensor, batch: ForwardBatch, kernel: object) -> torch.Tensor:
-    """Run ``kernel(q_part, call) -> out_part`` per segment call; the output is in token order."""
-    out = torch.empty_like(q)
-    for call in segment_calls(batch):
-        if call.token_index is None:
-            out = kernel(q, call)  # type: ignore[operator]
-        else:
-            part = kernel(q.index_select(0, call.token_index), call)  # type: ignore[operator]
-            out.index_copy_(0, call.token_index, part)
-    return out
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """The backend called ``name``; raises ``BackendUnavailable`` naming the package when it cannot run."""
-    if name == "torch":
-        return TorchBackend()
-    if name == "flash_attn":
-        from pagedkv.shell.backends.flash import FlashAttnBackend
-
-        return FlashAttnBackend()
-    if name == "npu":
-        from pagedkv.shell.backends.npu import NpuBackend
-
-        return NpuBackend()
-    if name == "triton":
-        from pagedkv.shell.backends.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton", "no backend by that name")
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,174 @@
+"""The ``pagedkv`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from pagedkv.core.verify.check import CheckConfig, check
+from pagedkv.core.config import InvalidConfig
+from pagedkv.core.verify.trace import TraceHeaderError, replay
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedkv", description="A scheduler-managed paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("replay", help="re-run a trace (contract version 1) through the core")
+    p.add_argument("file", help="a JSON Lines trace; - reads standard input")
+    p.add_argument("--json", action="store_true", help="print one JSON result object per event")
+    p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
+    p.add_argument("--page-map", help="draw which request holds which block, event by event, to this PNG")
+    c = sub.add_parser("check", help="model-check every reachable state of a small configuration")
+    d = CheckConfig()
+    c.add_argument("--block-size", type=int, default=d.block_size)
+    c.add_argument("--blocks", type=int, default=d.usable_blocks, help="usable blocks (the null block comes on top)")
+    c.add_argument("--requests", type=int, default=d.requests, help="request ids in the alphabet")
+    c.add_argument("--rows", type=int, default=d.max_rows, help="max rows per request")
+    c.add_argument("--window", type=int, default=d.window, help="sliding-window group size; 0: one full group only")
+    c.add_argument("--no-prefix-caching", action="store_true")
+    c.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    c.add_argument("--max-states", type=int, default=d.max_states)
+    c.add_argument("--max-depth", type=int, default=None)
+    c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
+    c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
+    from pagedkv.app.denoise import add_parser as add_denoise
+    from pagedkv.app.generate import add_parser
+
+    add_parser(sub)
+    add_denoise(sub)
+    args = parser.parse_args(argv)
+    if args.command == "denoise":
+        from pagedkv.app.denoise import run as run_denoise
+
+        return run_denoise(args)
+    if args.command == "generate":
+        from pagedkv.app.generate import run
+
+        return run(args)
+    if args.command == "replay":
+        return _replay(args.file, args.json, args.check, args.page_map)
+    if args.command == "check":
+        return _check(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        cfg = CheckConfig(
+            block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
+            window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
+            max_states=args.max_states, max_depth=args.max_depth,
+        )  # fmt: skip
+        cfg.cache_config()
+    except InvalidConfig as e:
+        print(f"pagedkv check: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = check(cfg)
+    seconds = time.perf_counter() - t0
+    bound = "exhaustive" if result.exhaustive else "stopped at a bound"
+    print(f"states explored: {result.states}")
+    print(f"depth reached:   {result.depth}")
+    print(f"transitions:     {result.transitions}")
+    print(f"states/second:   {result.states / seconds:.0f}")
+    print(f"seconds:         {seconds:.1f} ({bound})")
+    if result.violation:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(result.trace) + "\n")
+        print(f"VIOLATION after {len(result.trace) - 1} events:", file=sys.stderr)
+        for v in result.violation:
+            print(f"  {v}", file=sys.stderr)
+        print(f"counterexample written to {args.out} (pagedkv replay --check {args.out})", file=sys.stderr)
+    else:
+        print("violations:      0")
+    if args.json:
+        print(json.dumps({"states": result.states, "depth": result.depth, "violations": int(bool(result.violation)),
+                          "seconds": round(seconds, 3), "exhaustive": result.exhaustive}))  # fmt: skip
+    return 1 if result.violation else 0
+
+
+def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_path: str | None = None) -> int:
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+    except OSError as e:
+        print(f"pagedkv replay: cannot read {path}: {e.strerror}", file=sys.stderr)
+        return 2
+    first: str | None = None
+    events = divergences = failures = 0
+    out = sys.stdout
+    try:
+        if not as_json:
+            out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")
+        states = []
+        for ev in replay(lines, check=check_invariants):
+            events += 1
+            if page_map_path:
+                states.append(getattr(ev.state, "kv", ev.state))
+            r = ev.result
+            failures += not r["ok"]
+            problem = ev.divergence
+            if ev.violations:
+                problem = "invariant broken: " + "; ".join(ev.violations)
+            if problem is not None:
+                divergences += 1
+                if first is None:
+                    first = f"line {ev.line} (event {r['i']}, {r['op']}): {problem}"
+            if as_json:
+                out.write(json.dumps(r) + "\n")
+            else:
+                out.write(_row(ev.line, r) + "\n")
+    except TraceHeaderError as e:
+        print(f"pagedkv replay: {e}", file=sys.stderr)
+        return 2
+    if not as_json:
+        out.write(f"{events} events, {failures} refused, {divergences} diverged from expect\n")
+    if page_map_path and states:
+        from pagedkv.app.plot import page_map
+
+        try:
+            page_map(states, page_map_path, title=f"pagedkv replay {path}")
+        except RuntimeError as e:
+            print(f"pagedkv replay: {e}", file=sys.stderr)
+            return 2
+    if first is not None:
+        print(f"pagedkv replay: first divergence at {first}", file=sys.stderr)
+        if divergences > 1:
+            print(f"pagedkv replay: {divergences} events diverged in all", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _row(line: int, r: dict[str, object]) -> str:
+    err = r["error"]
+    result = "ok" if r["ok"] else err["code"] if isinstance(err, dict) else "?"
+    detail = ""
+    if r["ok"]:
+        if r.get("cached_tokens") is not None:
+            detail = f"cached {r['cached_tokens']} blocks {r['blocks']}"
+        elif r.get("blocks") is not None:
+            detail = f"blocks {r['blocks']}"
+        elif isinstance(r.get("rows"), list):
+            detail = "; ".join(
+                f"{x['request']}/{x['row']} q[{x['kv_start_pos']}:{x['kv_start_pos'] + x['query_len']}] "
+                f"kv {x['seq_len']} slots {_short(x['slots'])}"
+                for x in r["rows"]  # type: ignore[union-attr]
+            )
+    elif isinstance(err, dict):
+        detail = str(err["message"])
+    return (f"{r['i']:>4} {line:>5}  {str(r['op']):<18} {result:<20} {r['generation']:>5} {r['free_blocks']:>6}  "
+            f"{str(r['digest'])[:12]:<12}  {detail}")  # fmt: skip
+
+
+def _short(xs: list[int]) -> str:
+    return str(xs) if len(xs) <= 6 else f"[{xs[0]}..{xs[-1]}] ({len(xs)})"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Launching several ranks (torch.multiprocessing) for SmolLM2 through pagedkv."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedkv.core.scheduler import cancel
+from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, Llama, random_llama
+from pagedkv.models.parallel import shard
+from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.shell.attention import get_backend
+from pagedkv.shell.distributed import Leader, describe, follow, init
+from pagedkv.shell.engine import Engine, EngineArgs, SamplingParams
+from pagedkv.shell.rank import build_rank, plan_rank
+
+Request = tuple[str, list[int], SamplingParams]
+
+
+def _load(weights: str, device: str) -> tuple[Llama, Any]:
+    if weights == "random":  # SmolLM2's shapes, seeded random weights
+        return random_llama(SMOLLM2_SHAPES, device=device), IdTokenizer()
+    full, meta = Llama.smollm2(device=device)
+    return full, Tokenizer(meta)  # type: ignore[arg-type]
+
+
+def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, result: dict[str, Any]) -> None:
+    """Rank 0: the engine over a broadcasting model; tells the followers its geometry and buffer sizes."""
+    rank = args.rank_for(model, get_backend(args.backend))
+    leader = Leader(model, rank.worker)
+    eng = Engine(leader, tok, args, rank=rank, time_steps=True)
+    dist.broadcast_object_list([(rank.cache, rank.worker.max_rows, rank.worker.max_tokens)], src=0)  # every rank's geometry
+    t0 = time.perf_counter()
+    try:
+        done = eng.generate(requests)
+        result["completions"] = [(c.token_ids, c.finish_reason) for c in done]
+        Leader.stop()
+    except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere
+        result["error"] = describe(e)
+        step_ids = {rid for _, rid, *_ in eng.state.scheduled}
+        for rid in sorted(eng.state.requests.keys(), key=str):
+            eng.state = cancel(eng.state, rid, "error" if rid in step_ids else "cancelled").unwrap()
+            eng.worker.remove([rid])
+    kv = eng.state.kv
+    result.update(seconds=time.perf_counter() - t0, broadcast_seconds=leader.broadcast_seconds, steps=eng.stats.steps,
+                  step_seconds=eng.step_times,
+                  pool_whole=kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == [],
+                  finished={rid: str(how) for rid, how in eng.state.finished.items()})  # plain strings pickle anywhere
+
+
+def _follower(model: Llama, fail_at: int | None, result: dict[str, Any]) -> None:
+    """Another rank: its own plan for its shard, rank 0's geometry and buffer sizes, then follow."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    cache, rows, tokens = box[0]
+    plan = plan_rank(model.kv_layers(), block_size=cache.block_size, dtype=model.dtype)
+    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, device=model.device)
+    result["steps"] = follow(model, rank, get_backend("torch"), fail_at)
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: list[Request], engine_kw: dict[str, Any],
+               fail_rank: int | None, fail_at: int | None, timeout_s: float, backend: str, weights: str) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    init(rank, world, init_file, timeout_s, backend)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        full, tok = _load(weights, device)
+        model = shard(full, rank, world) if world > 1 else full
+        if rank == 0:
+            _leader(model, tok, requests, EngineArgs(**engine_kw), result)
+        else:
+            _follower(model, fail_at if rank == fail_rank else None, result)
+    except Exception as e:  # noqa: BLE001
+        result["error"] = describe(e)
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001, S110 - a broken group may not tear down cleanly
+            pass
+
+
+def run_ranks(world: int, requests: list[Request], *, fail_rank: int | None = None, fail_at: int | None = None,
+              timeout_s: float = 60.0, backend: str = "gloo", weights: str = "smollm2",
+              **engine_kw: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``requests`` on ``world`` ranks (gloo on the CPU, or nccl with one GPU a rank); every rank's
+    result dict, rank 0 first. ``weights``: "smollm2" (the GGUF) or "random" (its shapes, seeded)."""
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "store")
+        mp.spawn(_rank_main, args=(world, init_file, d, requests, engine_kw, fail_rank, fail_at, timeout_s, backend,
+                                   weights), nprocs=world, join=True)  # fmt: skip
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]

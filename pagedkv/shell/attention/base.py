@@ -1,0 +1,99 @@
+"""What every attention backend shares: a layer's attention parameters, the backend interface,
+and the cutting of a forward's segments into native kernel calls.
+
+Native kernels take one causal flag per call, so the core's segments run as separate calls
+(``segment_calls``): segment k of every row together (rows of one forward share the segment
+structure). A single segment per row keeps the batched layout as it is; otherwise the segment's
+tokens are gathered with ``index_select``, run, and scattered back with ``index_copy_`` into
+token order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagedkv.core.config import GroupSpec
+from pagedkv.shell.pool import KVWrite
+from pagedkv.shell.worker import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What attention of one layer needs besides the tensors."""
+
+    group: int  # the KV cache group of this layer
+    spec: GroupSpec  # its kind: full, sliding_window(window), chunked_local(chunk)
+    scale: float
+    softcap: float | None = None
+    kv_index: tuple[int, ...] | None = None  # query head -> local KV head, when not contiguous groups (TP shards)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    @property
+    def kv_write(self) -> KVWrite | None:
+        """A fused K/V write kernel the page pool uses (``build_rank``), or None."""
+        ...
+
+    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
+                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+        """``q``: (tokens, heads, head_dim) in query order -> (tokens, heads, head_dim), q's dtype."""
+        ...
+
+
+def lowest_visible_key(spec: GroupSpec, position: int) -> int:
+    """The first key a query at ``position`` sees: the core's rule, ``GroupSpec.first_visible_position``."""
+    return spec.first_visible_position(position)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCall:
+    """One native kernel call: segment ``index`` of every row."""
+
+    causal: bool
+    token_index: torch.Tensor | None  # positions in q of this call's tokens; None: all, in order
+    cu_seqlens_q: torch.Tensor  # (rows + 1,) int32
+    kv_lens: torch.Tensor  # (rows,) int32: keys each row's queries may read (seqused_k / cache_seqlens)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
+    """The native calls for a forward: one per segment index (rows share the structure)."""
+    rows = batch.metadata.rows
+    nseg = len(rows[0].segments)
+    qsl = batch.query_start_loc.tolist()
+    calls = []
+    for k in range(nseg):
+        segs = [row.segments[k] for row in rows]
+        lens = [s.q_end - s.q_start for s in segs]
+        kv = [s.kv_end for s in segs]
+        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        if nseg == 1:
+            index = None  # the batched layout as it stands
+        else:
+            index = torch.cat([torch.arange(qsl[r] + s.q_start - row.kv_start_pos, qsl[r] + s.q_end - row.kv_start_pos)
+                               for r, (row, s) in enumerate(zip(rows, segs))]).to(batch.seq_lens.device)  # fmt: skip
+        calls.append(SegmentCall(segs[0].causal, index, cu.to(batch.seq_lens.device),
+                                 torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
+                                 max(lens), max(kv)))  # fmt: skip
+    return calls
+
+
+def run_segments(q: torch.Tensor, batch: ForwardBatch,
+                 kernel: Callable[[torch.Tensor, SegmentCall], torch.Tensor]) -> torch.Tensor:
+    """Run ``kernel(q_part, call) -> out_part`` per segment call; the output is in token order."""
+    out = torch.empty_like(q)
+    for call in segment_calls(batch):
+        if call.token_index is None:
+            out = kernel(q, call)
+        else:
+            part = kernel(q.index_select(0, call.token_index), call)
+            out.index_copy_(0, call.token_index, part)
+    return out

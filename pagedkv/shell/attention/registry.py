@@ -1,0 +1,31 @@
+"""Backends by name: ``get_backend("torch" | "flash_attn" | "npu" | "triton")``.
+
+One that cannot run here raises ``BackendUnavailable`` naming what to install; there is no
+silent dense fallback (a paged forward needs an installed ``ForwardBatch``), and a backend that
+cannot serve a layer raises rather than rerouting it.
+"""
+
+from __future__ import annotations
+
+from pagedkv.shell.attention.base import AttentionBackend
+from pagedkv.shell.attention.torch_ref import TorchBackend
+from pagedkv.shell.errors import BackendUnavailable
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend called ``name``; raises ``BackendUnavailable`` naming the package when it cannot run."""
+    if name == "torch":
+        return TorchBackend()
+    if name == "flash_attn":
+        from pagedkv.shell.attention.flash import FlashAttnBackend
+
+        return FlashAttnBackend()
+    if name == "npu":
+        from pagedkv.shell.attention.npu import NpuBackend
+
+        return NpuBackend()
+    if name == "triton":
+        from pagedkv.shell.attention.triton import TritonBackend
+
+        return TritonBackend()
+    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton", "no backend by that name")

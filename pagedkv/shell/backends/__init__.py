@@ -1,1 +1,0 @@
-"""Attention backends for native kernels (unvalidated on hardware here: see docs/shell.md)."""

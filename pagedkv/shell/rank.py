@@ -1,0 +1,168 @@
+"""One way to build a rank's KV side, the same for the engine, the followers, ``denoise``, the
+graphs and the benches: the model's layers -> the grouping plan (``core.grouping.plan_groups``)
+-> the core's geometry (``CacheConfig``) -> pages (``PagePool``) -> the worker's buffers.
+
+    plan = plan_rank(attention_layers(30, kv_heads=3, head_dim=64, dtype=torch.bfloat16), block_size=16)
+    sizing = size_pool(plan, kv_cache_memory_bytes=1 << 30)       # or memory_fraction + profile on CUDA
+    cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=True, max_model_len=8192)
+    rank = build_rank(plan, cache, max_rows=16, max_tokens=2048, device="cuda", backend=backend)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
+from pagedkv.core.grouping import GroupPlan, LayerKind, LayerSpec, num_blocks_for_budget, plan_groups
+from pagedkv.shell.attention.base import AttentionBackend
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.worker import Worker
+
+PAGED_KINDS = (LayerKind.FULL, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL)  # what PagePool's K/V pages hold
+
+
+def attention_layers(num_layers: int, *, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     prefix: str = "layer") -> tuple[LayerSpec, ...]:  # fmt: skip
+    """``num_layers`` full-attention layers of one K/V shape (a Llama, the DiT reference)."""
+    return tuple(LayerSpec(f"{prefix}{i}", kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype.itemsize)
+                 for i in range(num_layers))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """The grouping plan of this rank's layers, and the one K/V page shape they share."""
+
+    groups: GroupPlan
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.groups.block_size
+
+    def cache_config(self, num_blocks: int, **limits: object) -> CacheConfig:
+        """The core's geometry for this plan; ``limits``: CacheConfig's other fields."""
+        return self.groups.cache_config(num_blocks, **limits)
+
+
+def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtype) -> RankPlan:
+    """Plan ``layers`` (``plan_groups``) for K/V pages of one shape; raises ``InvalidConfig`` for
+    layers these pages cannot hold (MLA's latent pages and Mamba's states have pools of their own)."""
+    owners = [layer for layer in layers if layer.kv_sharing_target is None]
+    odd = sorted({layer.kind.value for layer in owners if layer.kind not in PAGED_KINDS})
+    if odd:
+        raise InvalidConfig(f"K/V page pools hold attention layers with heads; {odd} layers need their own pools")
+    shapes = {(layer.kv_heads, layer.head_dim, layer.dtype_bytes) for layer in owners}
+    if len(shapes) > 1:
+        raise InvalidConfig(f"one page pool holds one K/V shape (kv_heads, head_dim, dtype bytes); "
+                            f"these layers have {sorted(shapes)}")  # fmt: skip
+    plan = plan_groups(layers, block_size)
+    (kv_heads, head_dim, dtype_bytes), = shapes
+    if dtype_bytes != dtype.itemsize:
+        raise InvalidConfig(f"layers of {dtype_bytes}-byte elements planned for {dtype} pages")
+    return RankPlan(plan, kv_heads, head_dim, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizing:
+    num_blocks: int  # including the null block 0
+    page_bytes: int  # all layers' K and V pages of one block
+    total_bytes: int
+    tokens: int  # tokens the usable blocks hold
+
+    def __str__(self) -> str:
+        return (f"{self.num_blocks} blocks ({self.num_blocks - 1} usable) x {self.page_bytes} bytes = "
+                f"{self.total_bytes / 2**20:.1f} MiB, {self.tokens} tokens")  # fmt: skip
+
+
+def size_pool(plan: RankPlan, *, device: torch.device | str = "cpu", kv_cache_memory_bytes: int | None = None,
+              memory_fraction: float | None = None, profile: Callable[[], object] | None = None) -> PoolSizing:  # fmt: skip
+    """Blocks for an explicit byte budget (``num_blocks_for_budget``), or (CUDA) for a memory fraction
+    of the device minus the non-KV memory a profile forward of the largest shape takes."""
+    device = torch.device(device)
+    if kv_cache_memory_bytes is None:
+        if device.type != "cuda":
+            raise InvalidConfig(f"on {device.type} the KV budget must be given: pass kv_cache_memory_bytes "
+                                "(a memory fraction is measured only on CUDA)")  # fmt: skip
+        if memory_fraction is None or not 0 < memory_fraction <= 1 or profile is None:
+            raise InvalidConfig("on CUDA give kv_cache_memory_bytes, or memory_fraction in (0, 1] with a profile "
+                                "forward of the largest shape")  # fmt: skip
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        profile()
+        torch.cuda.synchronize(device)
+        non_kv = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        kv_cache_memory_bytes = int(total * memory_fraction) - non_kv
+        if kv_cache_memory_bytes < 0:
+            raise InvalidConfig(f"the profile forward takes {non_kv} bytes: {memory_fraction} of the device's "
+                                f"{total} leaves nothing for KV pages")  # fmt: skip
+    n = num_blocks_for_budget(kv_cache_memory_bytes, plan.groups)
+    per_block = plan.groups.bytes_per_block
+    return PoolSizing(n, per_block, n * per_block, (n - 1) * plan.block_size)
+
+
+class PagedModel(Protocol):
+    """What ``rank_for`` reads of a model: its paged layers, element type, device and longest row."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def kv_layers(self) -> Sequence[LayerSpec]: ...
+
+
+@dataclass(slots=True)
+class Rank:
+    """One rank's KV side: the plan, the core's geometry, its pages and its worker."""
+
+    plan: RankPlan
+    cache: CacheConfig
+    pool: PagePool
+    worker: Worker
+
+    @property
+    def sizing(self) -> PoolSizing:
+        n, per_block = self.cache.num_blocks, self.plan.groups.bytes_per_block
+        return PoolSizing(n, per_block, n * per_block, (n - 1) * self.cache.block_size)
+
+    @property
+    def group(self) -> GroupSpec:
+        """The KV cache group every layer reads (models of one group; hybrid models map layers to groups)."""
+        if len(self.cache.groups) != 1:
+            raise InvalidConfig(f"this model runs one KV cache group; the plan has {len(self.cache.groups)}")
+        return self.cache.groups[0]
+
+
+def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens: int,
+               device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> Rank:  # fmt: skip
+    """Pages and worker buffers for ``cache`` (rank 0's geometry, or the one it broadcast), which must be
+    ``plan``'s: the same block size and groups. Rows hold ``max_model_len`` (every block a row can need);
+    ``backend`` lends the pool its fused K/V write, when it has one."""
+    want = plan.cache_config(cache.num_blocks)
+    if (cache.block_size, cache.groups) != (want.block_size, want.groups):
+        raise InvalidConfig(f"geometry of block size {cache.block_size} and groups {[g.name for g in cache.groups]} "
+                            f"is not this rank's plan ({want.block_size}, {[g.name for g in want.groups]})")  # fmt: skip
+    if cache.max_model_len is None:
+        raise InvalidConfig("a rank's geometry needs max_model_len: it sizes the block-table rows")
+    pool = PagePool(cache, num_layers=plan.groups.layers_per_group, kv_heads=plan.kv_heads, head_dim=plan.head_dim,
+                    dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write)  # fmt: skip
+    worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
+                    max_tokens=max_tokens, device=device)  # fmt: skip
+    return Rank(plan, cache, pool, worker)
+
+
+def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
+             enable_prefix_caching: bool, max_rows: int, max_tokens: int,
+             backend: AttentionBackend | None = None) -> Rank:  # fmt: skip
+    """The whole path for one model on one device: plan its layers, size the pool for the budget,
+    the geometry, the pages and the worker."""
+    plan = plan_rank(model.kv_layers(), block_size=block_size, dtype=model.dtype)
+    sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
+                              max_model_len=max_model_len)  # fmt: skip
+    return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, device=model.device, backend=backend)

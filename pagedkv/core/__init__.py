@@ -19,8 +19,9 @@ from pagedkv.core.errors import ErrorCode, KVError, RequestId
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagedkv.core.growth import append, append_decode, append_many
 from pagedkv.core.hashing import hash_block, root_hash
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, publish
+from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
 from pagedkv.core.release import release, release_many, reset, reset_prefix_cache
+from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import (
     KVState, Step, free_queue, initial_state, request_blocks, request_generation, row_token_ids,

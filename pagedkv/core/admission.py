@@ -14,9 +14,9 @@ from pagedkv.core import pool
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import ErrorCode, KVError, fail
 from pagedkv.core.hashing import extra_blob
-from pagedkv.core.prefix import find_hit
+from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import NO_PENDING, KVState, Pending, Request, Row, RowLayout, Step, pack_ids
+from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step, pack_ids
 from pagedkv.core.txn import Txn
 
 
@@ -30,37 +30,12 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
     (1, (((1, 2),), ((3, 4),)), 4)
     """
-    err = check_request_spec(spec)
+    err = check_request_spec(spec) or _over_limits(state, spec)
     if err is not None:
         return Failure(err)
     cfg = state.config
-    rid = spec.request_id
-    rows = spec.rows
-    limit = cfg.max_rows_per_request
-    if limit is not None and len(rows) > limit:
-        return fail(
-            ErrorCode.UNSCHEDULABLE,
-            f"request {rid!r} has {len(rows)} rows, over max_rows_per_request {limit}",
-            rid, requested=len(rows), available=limit,
-        )  # fmt: skip
-    if cfg.max_model_len is not None:
-        for i, row in enumerate(rows):
-            if row.num_tokens > cfg.max_model_len:
-                return fail(
-                    ErrorCode.UNSCHEDULABLE,
-                    f"request {rid!r} row {i} has {row.num_tokens} tokens, over max_model_len {cfg.max_model_len}",
-                    rid, requested=row.num_tokens, available=cfg.max_model_len,
-                )  # fmt: skip
+    rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
-    need = len(cfg.groups) * sum(per_row)
-    if need > cfg.usable_blocks:
-        return fail(
-            ErrorCode.UNSCHEDULABLE,
-            f"request {rid!r} needs {need} blocks; the pool has {cfg.usable_blocks} usable blocks in all",
-            rid, requested=need, available=cfg.usable_blocks,
-        )  # fmt: skip
-    if rid in state.requests:
-        return fail(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", rid)
     hit = find_hit(state, spec)
     held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
     need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
@@ -70,30 +45,10 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
             f"request {rid!r} needs {need} blocks; {state.num_free} are free",
             rid, requested=need, available=state.num_free,
         )  # fmt: skip
-
     txn = Txn(state)
-    for row_ids in hit.ids:  # hits first, so popping new blocks never evicts one of them
-        for group_ids in row_ids:
-            for b in group_ids:
-                if b:
-                    pool.take_hit(txn, b)
-    caching = cfg.enable_prefix_caching
+    slots, blocks = _reserve(txn, spec, per_row, hit)
     cached = hit.num_blocks * cfg.block_size
-    slots = []
-    blocks = []
-    for row, nb, row_ids, hashes in zip(rows, per_row, hit.ids, hit.hashes):
-        fresh = nb - hit.num_blocks
-        rb = tuple(group_ids + pool.pop_blocks(txn, fresh) for group_ids in row_ids)
-        p = row.pending_tokens
-        # destination blocks: what the prefix cache already holds is present; the rest arrives
-        pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
-        if caching and row.tokens is not None:  # the ids stay known while the row grows by ids
-            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
-        else:
-            record, tail = Row(rb, None, b"".join(hashes), pending), None
-        slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
-        blocks.append(rb)
-    if caching:
+    if cfg.enable_prefix_caching:
         txn.prefix_queries += sum(row.num_tokens for row in rows)
         txn.prefix_hits += cached * len(rows)
     gen = txn.next_generation()
@@ -105,3 +60,51 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
+
+
+def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
+    """Why ``spec`` can never be admitted here (rows, length, the whole pool), or a duplicate id."""
+    cfg, rid, rows = state.config, spec.request_id, spec.rows
+    limit = cfg.max_rows_per_request
+    if limit is not None and len(rows) > limit:
+        return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} has {len(rows)} rows, over max_rows_per_request "
+                       f"{limit}", request=rid, requested=len(rows), available=limit)  # fmt: skip
+    if cfg.max_model_len is not None:
+        for i, row in enumerate(rows):
+            if row.num_tokens > cfg.max_model_len:
+                return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} row {i} has {row.num_tokens} tokens, over "
+                               f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
+                               available=cfg.max_model_len)  # fmt: skip
+    need = len(cfg.groups) * sum(cfg.blocks_for(row.num_tokens) for row in rows)
+    if need > cfg.usable_blocks:
+        return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} needs {need} blocks; the pool has "
+                       f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=need,
+                       available=cfg.usable_blocks)  # fmt: skip
+    if rid in state.requests:
+        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", request=rid)
+    return None
+
+
+def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple[list[int], list[Blocks]]:
+    """Take the hit's blocks, then pop each row's fresh ones: the rows' slots and block lists."""
+    cfg = txn.base.config
+    for row_ids in hit.ids:  # hits first, so popping new blocks never evicts one of them
+        for group_ids in row_ids:
+            for b in group_ids:
+                if b:
+                    pool.take_hit(txn, b)
+    cached = hit.num_blocks * cfg.block_size
+    slots, blocks = [], []
+    for row, nb, row_ids, hashes in zip(spec.rows, per_row, hit.ids, hit.hashes):
+        fresh = nb - hit.num_blocks
+        rb = tuple(group_ids + pool.pop_blocks(txn, fresh) for group_ids in row_ids)
+        p = row.pending_tokens
+        # destination blocks: what the prefix cache already holds is present; the rest arrives
+        pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
+        if cfg.enable_prefix_caching and row.tokens is not None:  # the ids stay known while the row grows by ids
+            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
+        else:
+            record, tail = Row(rb, None, b"".join(hashes), pending), None
+        slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
+        blocks.append(rb)
+    return slots, blocks

@@ -42,15 +42,9 @@ def commit_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[St
 def decode_step(
     state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None, *, append_tokens: bool = True
 ) -> Result[Step[Decoded], KVError]:
-    """One decode step as one transition: the forward computed every position of
-    the named requests, and ``tokens[k]`` was sampled for request k.
-
-    Each row is committed through its length (blocks that fill are hashed and
-    enter the prefix cache, so prefix caching stays exact), then grows by its
-    request's sampled token (``None``: by a count), opening a block when the
-    last one is full. The same as ``commit_many`` then ``append_many`` (a test
-    holds them equal), at the cost of a dict update a request in the common
-    case. All of it, or nothing.
+    """One decode step as one transition: every row of the named requests is committed through its
+    length (blocks that fill are hashed and cached), then grows by ``tokens[k]`` (``None``: a count).
+    The same as ``commit_many`` then ``append_many`` (a test holds them equal); all of it, or nothing.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True))
@@ -64,20 +58,15 @@ def decode_step(
     if isinstance(batch, KVError):
         return Failure(batch)
     ids, toks = batch
-    txn = Txn(state)
-    cfg = state.config
-    bs, limit = cfg.block_size, cfg.length_limit
+    txn, cfg, get = Txn(state), state.config, state.requests.get
+    bs, limit, ngroups, mask = cfg.block_size, cfg.length_limit, len(cfg.groups), (1 << SLOT_SHIFT) - 1
     fast = not any(g.is_windowed for g in cfg.groups)  # full attention only: no window logic at all
-    ngroups = len(cfg.groups)
-    get = state.requests.get
-    lens = _batch_leaves(txn.row_len, len(ids))
-    done = _batch_leaves(txn.row_computed, len(ids))
+    lens, done = _batch_leaves(txn.row_len, len(ids)), _batch_leaves(txn.row_computed, len(ids))
     # token tails: written when ids arrive; a count stops a row's ids (the general path does that)
     tails = _batch_leaves(txn.row_tail, len(ids)) if append_tokens and cfg.enable_prefix_caching else None
-    mask = (1 << SLOT_SHIFT) - 1
     allocations: list[tuple[RequestId, int]] = []
     freed = 0
-    for k, rid in enumerate(ids):
+    for k, rid in enumerate(ids):  # the hot loop: the common row costs a few list writes, no call
         try:
             req = get(rid)
         except TypeError:  # an unhashable id: the general path says INVALID
@@ -92,49 +81,65 @@ def decode_step(
                     continue
                 if n % bs and n < limit:  # and the new token goes into the open block
                     if tails is None:
-                        done_leaf[o] = n
-                        leaf[o] = n + 1
+                        done_leaf[o], leaf[o] = n, n + 1
                         continue
                     tail_leaf = tails[hi]
                     tail = tail_leaf[o]
                     if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
-                        done_leaf[o] = n
-                        leaf[o] = n + 1
+                        done_leaf[o], leaf[o] = n, n + 1
                         if tail is not None:  # the open block's ids: the tail
                             tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
-            elif not append_tokens:  # a block filled: hash it
-                done_leaf[o] = n
-                record = txn.rows[slot]
-                hashes = _hash_filled(txn, req, slot, n, record, txn.row_tail[slot])
-                if hashes is not record.hashes:
-                    txn.rows[slot] = record.with_hashes(hashes)
+            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.num_free
+                                       and (tails is None or toks is not None)):  # fmt: skip
+                done_leaf[o] = n  # a block filled: it is hashed (and the token opens the next one)
+                token = None if toks is None or not append_tokens else toks[k]
+                gen = _block_filled(txn, req, slot, n, token, append_tokens, leaf,
+                                    None if tails is None else tails[hi])  # fmt: skip
+                if gen:
+                    allocations.append((rid, gen))
                 continue
-            elif n % bs == 0 and n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
-                # a block boundary: the block that filled is hashed, the token opens the next one
-                done_leaf[o] = n
-                record = txn.rows[slot]
-                tail_leaf = tails[hi] if tails is not None else None
-                hashes = _hash_filled(txn, req, slot, n, record, tail_leaf[o] if tail_leaf is not None else None)
-                token = None if toks is None else toks[k]
-                allocations.append((rid, _open_block(txn, slot, n, token, record, hashes, leaf, tail_leaf)))
-                continue
-        # the general path: errors, block boundaries, windows, several rows
-        if req is None or not is_request_id(rid):
-            return Failure(_unknown(rid))
-        committed = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots])
-        if isinstance(committed, KVError):
-            return Failure(committed)
-        freed += committed.freed_blocks
-        gen = committed.generation
-        if append_tokens:
-            grown = _grow(txn, rid, None if toks is None else [[toks[k]]] * len(req.slots))
-            if isinstance(grown, KVError):
-                return Failure(grown)
-            gen = grown or gen
+        got = _general(txn, rid, req, None if toks is None else toks[k], append_tokens)
+        if isinstance(got, KVError):
+            return Failure(got)
+        gen, gone = got
+        freed += gone
         if gen:
             allocations.append((rid, gen))
     return Success(Step(txn.done(), Decoded(tuple(allocations), freed, tuple(txn.events))))
+
+
+def _block_filled(txn: Txn, req: Request, slot: int, n: int, token: int | None, append_tokens: bool,
+                  leaf: list[int], tail_leaf: list[bytes | None] | None) -> int:  # fmt: skip
+    """A one-row request committed through ``n`` filled a block: hash it; when appending, the
+    token opens the next block. The generation that takes (0 when nothing was appended)."""
+    record = txn.rows[slot]
+    if not append_tokens:
+        hashes = _hash_filled(txn, req, slot, n, record, txn.row_tail[slot])
+        if hashes is not record.hashes:
+            txn.rows[slot] = record.with_hashes(hashes)
+        return 0
+    o = slot & ((1 << SLOT_SHIFT) - 1)
+    hashes = _hash_filled(txn, req, slot, n, record, tail_leaf[o] if tail_leaf is not None else None)
+    return _open_block(txn, slot, n, token, record, hashes, leaf, tail_leaf)
+
+
+def _general(txn: Txn, rid: RequestId, req: Request | None, token: int | None,
+             append_tokens: bool) -> tuple[int, int] | KVError:  # fmt: skip
+    """Errors, windows, several rows, a full pool: commit then append, as ``commit_many`` and
+    ``append_many`` do. (The generation taken, or 0; blocks freed.)"""
+    if req is None or not is_request_id(rid):
+        return _unknown(rid)
+    committed = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots])
+    if isinstance(committed, KVError):
+        return committed
+    gen = committed.generation
+    if append_tokens:
+        grown = _grow(txn, rid, None if token is None else [[token]] * len(req.slots))
+        if isinstance(grown, KVError):
+            return grown
+        gen = grown or gen
+    return gen or 0, committed.freed_blocks
 
 
 def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: bytes | None) -> bytes:

@@ -116,51 +116,8 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
     """
     if not is_int(block_size) or block_size < 1:
         raise InvalidConfig(f"block_size must be a positive integer, got {block_size!r}")
-    names = [layer.name for layer in layers]
-    if len(set(names)) != len(names):
-        raise InvalidConfig("layer names must be unique")
-    by_name = {layer.name: layer for layer in layers}
-    shared = []
-    owners = []
-    for layer in layers:
-        if layer.kv_sharing_target is not None:
-            target = by_name.get(layer.kv_sharing_target)
-            if target is None or target.kv_sharing_target is not None:
-                raise InvalidConfig(f"layer {layer.name!r} shares KV with {layer.kv_sharing_target!r}, "
-                                    "which is not a layer with KV of its own")  # fmt: skip
-            shared.append((layer.name, target.name))
-        else:
-            owners.append(layer)
-    if not owners:
-        raise InvalidConfig("no layer has KV of its own")
-    attention = [layer for layer in owners if layer.kind is not LayerKind.MAMBA]
-    per_token = {layer.bytes_per_token for layer in attention}
-    # page-size unification (vLLM): a kind with fewer bytes per token takes more tokens per block
-    largest = max(per_token) if per_token else 0
-    for b in per_token:
-        if largest % b:
-            raise InvalidConfig(f"attention layers' bytes per token {sorted(per_token)} do not divide; "
-                                "their pages cannot be made one size")  # fmt: skip
-    if len(per_token) > 1 and any(layer.kind is LayerKind.MAMBA for layer in owners):
-        raise InvalidConfig("state layers beside attention layers of different page sizes are not planned")
-    per_token = {largest} if per_token else per_token
-    state_sizes = []
-    for layer in owners:
-        if layer.kind is LayerKind.MAMBA:
-            if layer.state_bytes is None or not is_int(layer.state_bytes) or layer.state_bytes < 1:
-                raise InvalidConfig(f"state layer {layer.name!r} needs a positive state_bytes")
-            state_sizes.append(layer.state_bytes)
-    bs = block_size
-    state_padding = 0
-    if attention:
-        page = bs * largest
-        if state_sizes:
-            while page < max(state_sizes):  # raise the attention block size until a page holds a state
-                bs = (bs // BLOCK_ALIGN + 1) * BLOCK_ALIGN
-                page = bs * largest
-            state_padding = page - min(state_sizes)
-    else:
-        page = max(state_sizes)
+    owners, shared = _owners(layers)
+    bs, page, state_padding = _page_size(owners, block_size)
     # one list of layers per kind (kind, window, chunk), in order of first appearance
     kinds: dict[tuple[LayerKind, int | None, int | None], list[str]] = {}
     tokens_per_block: dict[tuple[LayerKind, int | None, int | None], int] = {}
@@ -182,6 +139,58 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
     # full groups first: the hit lookup scans them left to right before the windowed ones cut back
     groups.sort(key=lambda g: g.kind not in (LayerKind.FULL, LayerKind.MLA))
     return GroupPlan(tuple(groups), size, bs, page, tuple(shared), padding, state_padding)
+
+
+def _owners(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> tuple[list[LayerSpec], list[tuple[str, str]]]:
+    """The layers with KV of their own, and (layer, target) for each layer that reads another's."""
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        raise InvalidConfig("layer names must be unique")
+    by_name = {layer.name: layer for layer in layers}
+    shared = []
+    owners = []
+    for layer in layers:
+        if layer.kv_sharing_target is not None:
+            target = by_name.get(layer.kv_sharing_target)
+            if target is None or target.kv_sharing_target is not None:
+                raise InvalidConfig(f"layer {layer.name!r} shares KV with {layer.kv_sharing_target!r}, "
+                                    "which is not a layer with KV of its own")  # fmt: skip
+            shared.append((layer.name, target.name))
+        else:
+            owners.append(layer)
+    if not owners:
+        raise InvalidConfig("no layer has KV of its own")
+    return owners, shared
+
+
+def _page_size(owners: list[LayerSpec], block_size: int) -> tuple[int, int, int]:
+    """(attention block size, page bytes, state padding bytes): pages unified to the largest bytes per
+    token (vLLM), the block size raised until a page holds a state."""
+    attention = [layer for layer in owners if layer.kind is not LayerKind.MAMBA]
+    per_token = {layer.bytes_per_token for layer in attention}
+    # page-size unification (vLLM): a kind with fewer bytes per token takes more tokens per block
+    largest = max(per_token) if per_token else 0
+    for b in per_token:
+        if largest % b:
+            raise InvalidConfig(f"attention layers' bytes per token {sorted(per_token)} do not divide; "
+                                "their pages cannot be made one size")  # fmt: skip
+    if len(per_token) > 1 and any(layer.kind is LayerKind.MAMBA for layer in owners):
+        raise InvalidConfig("state layers beside attention layers of different page sizes are not planned")
+    state_sizes = []
+    for layer in owners:
+        if layer.kind is LayerKind.MAMBA:
+            if layer.state_bytes is None or not is_int(layer.state_bytes) or layer.state_bytes < 1:
+                raise InvalidConfig(f"state layer {layer.name!r} needs a positive state_bytes")
+            state_sizes.append(layer.state_bytes)
+    if not attention:
+        return block_size, max(state_sizes), 0
+    bs, page = block_size, block_size * largest
+    if not state_sizes:
+        return bs, page, 0
+    while page < max(state_sizes):  # raise the attention block size until a page holds a state
+        bs = (bs // BLOCK_ALIGN + 1) * BLOCK_ALIGN
+        page = bs * largest
+    return bs, page, page - min(state_sizes)
 
 
 def num_blocks_for_budget(kv_cache_memory_bytes: int, plan: GroupPlan) -> int:

@@ -59,15 +59,10 @@ def append_many(
 def append_decode(
     state: KVState, request_ids: Iterable[RequestId], tokens: Sequence[int] | None = None
 ) -> Result[Step[Appended], KVError]:
-    """One decode step's growth: every row of every named request grows by one token.
-
-    ``tokens[k]``, when given, is the id of request k's new token (every row of
-    it gets that id, as CFG branches do); without ids the rows grow by a count.
-    Equivalent to ``append_many`` with one token per row (a test holds them
-    equal), at the cost of a dict update a request for the common case: a
-    one-row request whose new token neither opens nor fills a block. Every
-    group list holds exactly ceil(len / block_size) ids, so a row of length L
-    needs a new block for token L + 1 exactly when L % block_size == 0.
+    """One decode step's growth: every row of every named request grows by one token, ``tokens[k]``
+    (every row of request k gets it, as CFG branches do) or, without ids, by a count. The same as
+    ``append_many`` with one token per row (a test holds them equal), at a dict update a request
+    when the token opens no block (a row of length L opens one exactly when L % block_size == 0).
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -86,8 +81,7 @@ def append_decode(
     get = state.requests.get
     lens = _batch_leaves(txn.row_len, len(ids))
     tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
-    mask = (1 << SLOT_SHIFT) - 1
-    ngroups = len(cfg.groups)
+    mask, ngroups = (1 << SLOT_SHIFT) - 1, len(cfg.groups)
     allocations: list[tuple[RequestId, int]] = []
     for k, rid in enumerate(ids):
         try:
@@ -110,9 +104,7 @@ def append_decode(
                         tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                     continue
             elif n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
-                # position n opens a block in every group
-                record = txn.rows[slot]
-                token = None if toks is None else toks[k]
+                record, token = txn.rows[slot], None if toks is None else toks[k]  # position n opens a block
                 tail_leaf = tails[hi] if tails is not None else None
                 allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
                 continue
@@ -177,11 +169,29 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
     if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
         return invalid(f"append to request {rid!r} must give one entry per row ({len(req.slots)})",
                        request=rid, field="tokens")  # fmt: skip
-    cfg = txn.config
-    bs = cfg.block_size
+    planned = _plan_growth(txn, req, rows)
+    if isinstance(planned, KVError):
+        return planned
+    grown, need = planned
+    if need > txn.num_free:
+        return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
+                       request=rid, requested=need, available=txn.num_free)  # fmt: skip
+    for slot, new_len, extra, item in grown:
+        _grow_row(txn, slot, new_len, extra, item)
+    if not need:
+        return 0
+    gen = txn.next_generation()
+    txn.row_generation[req.slots[0]] = gen
+    return gen
+
+
+def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[tuple[int, int, int, Growth]], int] | KVError:
+    """Each growing row's (slot, new length, new blocks per group, growth), and the blocks all groups
+    need; or why the growth is refused. Nothing is written."""
+    rid, cfg = req.request_id, txn.config
     row_len, records = txn.row_len, txn.rows
     need = 0
-    grown: list[tuple[int, int, int, Growth]] = []  # (slot, new length, new blocks per group, growth)
+    grown: list[tuple[int, int, int, Growth]] = []
     for i, item in enumerate(rows):
         if type(item) is int:
             n = item
@@ -206,40 +216,36 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
             return invalid(f"request {rid!r} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
                            request=rid, field="tokens")  # fmt: skip
-        extra = -(-new_len // bs) - len(records[slot].blocks[0])
+        extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
         need += extra
         grown.append((slot, new_len, extra, item))
-    need *= len(cfg.groups)
-    if need > txn.num_free:
-        return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
-                       request=rid, requested=need, available=txn.num_free)  # fmt: skip
-    tails = txn.row_tail
-    for slot, new_len, extra, item in grown:
-        record = records[slot]
-        tail = tails[slot]
-        if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
-            if isinstance(item, (list, tuple)):
-                tail += pack_ids(item)
-                last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
-                if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
-                    cut = (last_block - record.chunked) << 3
-                    record = record.with_ids(tail[:cut])
-                    tail = tail[cut:]
-                tails[slot] = tail
-            else:
-                if tail:
-                    record = record.with_ids(tail)
-                tails[slot] = None
-        row_len[slot] = new_len
-        if extra:
-            record = record.with_blocks(tuple(g + pool.pop_blocks(txn, extra) for g in record.blocks))
-        if record is not records[slot]:
-            records[slot] = record
-    if not need:
-        return 0
-    gen = txn.next_generation()
-    txn.row_generation[req.slots[0]] = gen
-    return gen
+    return grown, need * len(cfg.groups)
+
+
+def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
+    """One row grows to ``new_len`` with ``extra`` new blocks a group; its ids stay known while it
+    grows by ids (whole blocks join its record, the open block's stay in its tail)."""
+    records, tails, bs = txn.rows, txn.row_tail, txn.config.block_size
+    record = records[slot]
+    tail = tails[slot]
+    if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
+        if isinstance(item, (list, tuple)):
+            tail += pack_ids(item)
+            last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
+            if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
+                cut = (last_block - record.chunked) << 3
+                record = record.with_ids(tail[:cut])
+                tail = tail[cut:]
+            tails[slot] = tail
+        else:
+            if tail:
+                record = record.with_ids(tail)
+            tails[slot] = None
+    txn.row_len[slot] = new_len
+    if extra:
+        record = record.with_blocks(tuple(g + pool.pop_blocks(txn, extra) for g in record.blocks))
+    if record is not records[slot]:
+        records[slot] = record
 
 
 def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, hashes: bytes, leaf: Any,

@@ -54,14 +54,3 @@ def hash_packed(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash
     return hashlib.blake2b(parent + (len(packed_ids) >> 3).to_bytes(4, "little") + packed_ids + extra,
                            digest_size=16).digest()  # fmt: skip
 
-
-def hash_chain(
-    root: BlockHash, token_ids: Sequence[int], block_size: int, num_blocks: int, extra_keys: tuple[str, ...]
-) -> list[BlockHash]:
-    """Hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
-    out: list[BlockHash] = []
-    parent = root
-    for j in range(num_blocks):
-        parent = hash_block(parent, token_ids[j * block_size : (j + 1) * block_size], extra_keys)
-        out.append(parent)
-    return out

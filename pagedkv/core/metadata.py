@@ -1,22 +1,20 @@
-"""The metadata snapshot the core hands the shell for one forward.
+"""The metadata snapshot the core hands the shell for one forward (DESIGN.md's contract).
 
-Immutable, small, picklable; no tensors. ``publish`` builds it and takes no
+Immutable, small, picklable; no tensors. ``core.snapshot.publish`` builds it and takes no
 generation: the snapshot carries the latest one, which is what a worker checks.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import overload
 
-from returns.result import Failure, Result, Success
-
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
+from pagedkv.core.errors import RequestId
 from pagedkv.core.spec import Span
-from pagedkv.core.state import NO_PENDING, SLOT_SHIFT, Blocks, KVState, Request, Step
+from pagedkv.core.state import Blocks
 
 
 class Phase(StrEnum):
@@ -155,132 +153,3 @@ def slots_of(blocks: Sequence[int], block_size: int, start: int, count: int) -> 
     (17, 18)
     """
     return tuple(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
-
-
-def publish(
-    state: KVState,
-    request_ids: Sequence[RequestId],
-    phase: Phase | str,
-    *,
-    query_limits: Mapping[RequestId, int] | None = None,
-) -> Result[Step[KVMetadata], KVError]:
-    """Build the snapshot for one forward over every row of ``request_ids``.
-
-    Prefill: the query is the uncomputed rest of each row
-    (``kv_start_pos = computed``). Denoise (diffusion rows): the query is the
-    target span, keys end at ``prefix_len + target_len``. Decode: the last token.
-    Every row of one forward must have the same sequence of causal flags.
-    ``query_limits`` caps a prefill's query per request (chunked prefill): the
-    keys of that forward end where its chunk ends.
-    """
-    if not isinstance(phase, str) or phase not in _PHASES:
-        return Failure(invalid(f"phase must be one of {sorted(_PHASES)}, got {phase!r}", field="phase"))
-    phase = Phase(phase)
-    if not isinstance(request_ids, (list, tuple)) or not request_ids:
-        return Failure(invalid("publish needs a non-empty list of request ids", field="requests"))
-    seen: set[RequestId] = set()
-    for rid in request_ids:
-        if not is_request_id(rid):
-            return Failure(invalid(f"request id must be a string or an integer, got {rid!r}", field="requests"))
-        if rid in seen:
-            return Failure(invalid(f"request {rid!r} is named twice in one publish", request=rid, field="requests"))
-        seen.add(rid)
-    bs = state.config.block_size
-    rows: list[RowMetadata] = []
-    structure: tuple[bool, ...] | None = None
-    requests = []
-    for rid in request_ids:  # every id resolves before any row is judged
-        req = state.requests.get(rid)
-        if req is None:
-            return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid))
-        requests.append(req)
-    if phase is Phase.DECODE:
-        columns = _decode_columns(state, requests)
-        if columns is not None:
-            return Success(Step(state, KVMetadata(state.generation, state.epoch, bs, phase, columns)))
-    row_len, records = state.row_len, state.rows
-    for req in requests:
-        rid = req.request_id
-        for i, slot in enumerate(req.slots):
-            layout = req.layouts[i]
-            length = row_len[slot]
-            record = records[slot]
-            blocks = record.blocks
-            if phase is Phase.PREFILL:
-                seq_len = length
-                start = state.row_computed[slot]
-                if start >= seq_len:
-                    return Failure(invalid(f"request {rid!r} row {i}: all {seq_len} tokens are computed; "
-                                           "nothing to prefill", request=rid, field="phase"))  # fmt: skip
-                limit = query_limits.get(rid) if query_limits else None
-                if limit is not None:
-                    if type(limit) is not int or limit < 1:
-                        return Failure(invalid(f"query limit of request {rid!r} must be a positive integer",
-                                               request=rid, field="query_limits"))  # fmt: skip
-                    seq_len = min(seq_len, start + limit)
-            elif phase is Phase.DENOISE:
-                if layout.prefix_len is None or layout.target_len is None:
-                    return Failure(invalid(f"request {rid!r} row {i} is not a diffusion row; it cannot denoise",
-                                           request=rid, field="phase"))  # fmt: skip
-                start = layout.prefix_len
-                seq_len = layout.prefix_len + layout.target_len
-            else:
-                if layout.is_diffusion:
-                    return Failure(invalid(f"request {rid!r} row {i} is a diffusion row; it cannot decode",
-                                           request=rid, field="phase"))  # fmt: skip
-                seq_len = length
-                start = length - 1
-            if phase is Phase.DECODE and not layout.spans:  # the common case, without the general cut
-                segments: tuple[Segment, ...] = (Segment(True, start, seq_len, seq_len),)
-                flags: tuple[bool, ...] = _CAUSAL
-            else:
-                segments = segments_of(layout.spans, seq_len, start)
-                flags = tuple(s.causal for s in segments)
-            if structure is None:
-                structure = flags
-            elif flags != structure:
-                return Failure(invalid(
-                    f"request {rid!r} row {i} has segments {_flags(flags)} but the forward's first row has "
-                    f"{_flags(structure)}; rows of one forward need the same segment structure",
-                    request=rid, field="requests"))  # fmt: skip
-            _, pending = record.pending
-            if pending and min(pending) * bs < seq_len:
-                return Failure(invalid(f"request {rid!r} row {i}: block position {min(pending)} is pending (its KV "
-                                       "has not arrived); attention cannot read it", request=rid, field="pending"))  # fmt: skip
-            query = seq_len - start
-            rows.append(RowMetadata(
-                rid, i, blocks, seq_len, query, start, slots_of(blocks[0], bs, start, query), segments))  # fmt: skip
-    meta = KVMetadata(state.generation, state.epoch, bs, phase, tuple(rows))
-    return Success(Step(state, meta))
-
-
-def _decode_columns(state: KVState, requests: list[Request]) -> DecodeRows | None:
-    """A decode forward's rows as columns, when every request is one causal row with nothing
-    pending (the common decode); None sends the forward down the general path."""
-    bs = state.config.block_size
-    len_leaves, row_leaves = state.row_len.leaves, state.rows.leaves  # (slot vectors: leaves of 2**SLOT_SHIFT)
-    mask = (1 << SLOT_SHIFT) - 1
-    lens = array("q")
-    slots = array("q")
-    blocks = []
-    for req in requests:
-        slot = req.decode_slot
-        if slot < 0 or req.layouts[0].spans:
-            return None
-        record = row_leaves[slot >> SLOT_SHIFT][slot & mask]
-        if record.pending is not NO_PENDING and record.pending[1]:
-            return None
-        n = len_leaves[slot >> SLOT_SHIFT][slot & mask]
-        lens.append(n)
-        last = n - 1
-        slots.append(record.blocks[0][last // bs] * bs + last % bs)
-        blocks.append(record.blocks)
-    return DecodeRows(tuple(r.request_id for r in requests), tuple(blocks), lens, slots)
-
-
-_PHASES = frozenset(p.value for p in Phase)
-_CAUSAL = (True,)
-
-
-def _flags(flags: tuple[bool, ...]) -> str:
-    return "[" + ", ".join("causal" if f else "full" for f in flags) + "]"

@@ -30,39 +30,18 @@ class Hit:
 
 
 def find_hit(state: KVState, spec: RequestSpec) -> Hit:
+    """The longest hit of ``spec`` in the prefix cache, common to all its rows (module docstring)."""
     cfg = state.config
     rows = spec.rows
     ngroups = len(cfg.groups)
     if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows):
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
-    bs = cfg.block_size
-    cache = state.cache
-    full = [g for g, gs in enumerate(cfg.groups) if not gs.is_windowed]  # full attention and MLA
-    windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
-    root = state.cache.root
-    chains: list[list[BlockHash]] = []
-    limit: int | None = None
-    extra = extra_blob(spec.extra_keys)
-    width = bs << 3  # bytes of one block's packed ids
-    for row in rows:
-        assert row.tokens is not None
-        cap = (row.prefix_len if row.prefix_len is not None else row.num_tokens - 1) // bs
-        if limit is not None:
-            cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
-        chain: list[BlockHash] = []
-        parent = root
-        packed = pack_ids(row.tokens[: cap * bs])
-        for j in range(cap):
-            h = hash_packed(parent, packed[j * width : (j + 1) * width], extra)
-            if any((g, h) not in cache for g in full):
-                break
-            chain.append(h)
-            parent = h
-        chains.append(chain)
-        limit = len(chain)
-    hit = limit or 0
+    chains = _full_chains(state, spec)
+    hit = len(chains[-1])  # each row's chain stops at the shortest before it
     if not hit:  # the common case: the first block already misses
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
+    bs, cache = cfg.block_size, state.cache
+    windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
 
     def windows_hold(n: int) -> bool:
         for g in windowed:
@@ -90,3 +69,32 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
             per_group.append(tuple(cache[(g, chain[j])] if j >= first else 0 for j in range(hit)))
         ids.append(tuple(per_group))
     return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids))
+
+
+def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
+    """Per row, the hashes of its leading blocks that every full-attention group has cached; a
+    row's chain is never longer than the one before it (the hit is common to all rows)."""
+    cfg, cache = state.config, state.cache
+    bs = cfg.block_size
+    full = [g for g, gs in enumerate(cfg.groups) if not gs.is_windowed]  # full attention and MLA
+    chains: list[list[BlockHash]] = []
+    limit: int | None = None
+    extra = extra_blob(spec.extra_keys)
+    width = bs << 3  # bytes of one block's packed ids
+    for row in spec.rows:
+        assert row.tokens is not None
+        cap = (row.prefix_len if row.prefix_len is not None else row.num_tokens - 1) // bs
+        if limit is not None:
+            cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
+        chain: list[BlockHash] = []
+        parent = cache.root
+        packed = pack_ids(row.tokens[: cap * bs])
+        for j in range(cap):
+            h = hash_packed(parent, packed[j * width : (j + 1) * width], extra)
+            if any((g, h) not in cache for g in full):
+                break
+            chain.append(h)
+            parent = h
+        chains.append(chain)
+        limit = len(chain)
+    return chains

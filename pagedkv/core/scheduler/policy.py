@@ -27,11 +27,12 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.admission import admit
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
 from pagedkv.core.growth import append, append_decode
-from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, SeqRequest, StepPlan
 from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
+from pagedkv.core.snapshot import publish
 from pagedkv.core.state import KVState
 
 

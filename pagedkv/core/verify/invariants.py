@@ -28,54 +28,69 @@ def check_invariants(state: KVState) -> list[str]:
     >>> check_invariants(initial_state(CacheConfig(block_size=4, num_blocks=9)))
     []
     """
-    s = state
-    cfg = s.config
-    n = cfg.num_blocks
     bad: list[str] = []
-    held = [0] * n
-    for rid, req in s.requests.items():
+    held = [0] * state.config.num_blocks  # references the rows hold, per block
+    for rid, req in state.requests.items():
         for i, slot in enumerate(req.slots):
-            length, computed = s.row_len[slot], s.row_computed[slot]
+            where = f"request {rid!r} row {i}"
+            length, computed = state.row_len[slot], state.row_computed[slot]
             if not 0 <= computed <= length:
-                bad.append(f"request {rid!r} row {i}: computed {computed} outside [0, {length}]")
+                bad.append(f"{where}: computed {computed} outside [0, {length}]")
             layout = req.layouts[i]
             future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
-            record = s.rows[slot]
-            hashes = [record.hash_at(j) for j in range(record.num_hashed)]
-            tail = s.row_tail[slot]
-            if len(record.hashes) % 16 or (record.ids is not None and len(record.ids) % 8):
-                bad.append(f"request {rid!r} row {i}: ids or hashes that are not whole")
-            if tail is not None and (record.ids is None or len(tail) % 8):
-                bad.append(f"request {rid!r} row {i}: a token tail without token ids, or not whole ids")
-            elif record.ids is not None:
-                known = record.chunked + (len(tail) // 8 if tail is not None else 0)
-                if known > length:
-                    bad.append(f"request {rid!r} row {i}: {known} known token ids for {length} tokens")
-                elif tail is not None and known != length:
-                    bad.append(f"request {rid!r} row {i}: token ids tracked but {known} known of {length}")
-                elif tail and (known - 1) // cfg.block_size != record.chunked // cfg.block_size:
-                    bad.append(f"request {rid!r} row {i}: the token tail reaches past the row's last block")
-            for g, ids in enumerate(record.blocks):
-                if len(ids) != cfg.blocks_for(length):
-                    bad.append(f"request {rid!r} row {i} group {g}: {len(ids)} blocks for {length} tokens")
-                lowest = _lowest_visible(cfg.groups[g], future)
-                for j, b in enumerate(ids):
-                    if not 0 <= b < n:
-                        bad.append(f"request {rid!r} row {i} group {g}: block id {b} out of range")
-                        continue
-                    visible = (j + 1) * cfg.block_size - 1 >= lowest
-                    if (b != 0) != visible:
-                        what = "the null block in its live range" if b == 0 else "a block no query can see"
-                        bad.append(f"request {rid!r} row {i} group {g} position {j}: {what}")
-                    if b:
-                        held[b] += 1
-                        key = s.cache.key_of(b)
-                        if j >= len(hashes) and key is not None:
-                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries a "
-                                       "hash its row never computed (a stale cache entry)")  # fmt: skip
-                        elif j < len(hashes) and key is not None and key != (g, hashes[j]):
-                            bad.append(f"request {rid!r} row {i} group {g} position {j}: block {b} carries "
-                                       "another prefix's hash")  # fmt: skip
+            _token_ids(state, slot, where, bad)
+            _row_blocks(state, slot, where, future, held, bad)
+    _free_queue(state, held, bad)
+    _cache_index(state, bad)
+    return bad
+
+
+def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
+    """A row's token ids and hashes: whole, and no more ids than tokens."""
+    record, tail, length = s.rows[slot], s.row_tail[slot], s.row_len[slot]
+    if len(record.hashes) % 16 or (record.ids is not None and len(record.ids) % 8):
+        bad.append(f"{where}: ids or hashes that are not whole")
+    if tail is not None and (record.ids is None or len(tail) % 8):
+        bad.append(f"{where}: a token tail without token ids, or not whole ids")
+    elif record.ids is not None:
+        known = record.chunked + (len(tail) // 8 if tail is not None else 0)
+        if known > length:
+            bad.append(f"{where}: {known} known token ids for {length} tokens")
+        elif tail is not None and known != length:
+            bad.append(f"{where}: token ids tracked but {known} known of {length}")
+        elif tail and (known - 1) // s.config.block_size != record.chunked // s.config.block_size:
+            bad.append(f"{where}: the token tail reaches past the row's last block")
+
+
+def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int], bad: list[str]) -> None:
+    """A row's block lists: one block a ``block_size`` tokens, the null block exactly where no query
+    sees, and every cached block carrying the hash this row computed there."""
+    cfg, record, length = s.config, s.rows[slot], s.row_len[slot]
+    hashes = [record.hash_at(j) for j in range(record.num_hashed)]
+    for g, ids in enumerate(record.blocks):
+        if len(ids) != cfg.blocks_for(length):
+            bad.append(f"{where} group {g}: {len(ids)} blocks for {length} tokens")
+        lowest = _lowest_visible(cfg.groups[g], future)
+        for j, b in enumerate(ids):
+            if not 0 <= b < cfg.num_blocks:
+                bad.append(f"{where} group {g}: block id {b} out of range")
+                continue
+            if (b != 0) != ((j + 1) * cfg.block_size - 1 >= lowest):
+                what = "the null block in its live range" if b == 0 else "a block no query can see"
+                bad.append(f"{where} group {g} position {j}: {what}")
+            if b:
+                held[b] += 1
+                key = s.cache.key_of(b)
+                if j >= len(hashes) and key is not None:
+                    bad.append(f"{where} group {g} position {j}: block {b} carries a hash its row never computed "
+                               "(a stale cache entry)")  # fmt: skip
+                elif j < len(hashes) and key is not None and key != (g, hashes[j]):
+                    bad.append(f"{where} group {g} position {j}: block {b} carries another prefix's hash")
+
+
+def _free_queue(s: KVState, held: list[int], bad: list[str]) -> None:
+    """The free queue: no cycle, each block once, its count kept, and free exactly when unreferenced."""
+    n = s.config.num_blocks
     free: list[int] = []
     b = s.free_next[0]
     while b and len(free) < n:
@@ -95,6 +110,10 @@ def check_invariants(state: KVState) -> list[str]:
             bad.append(f"block {blk}: refcount {s.refcount[blk]}, {held[blk]} references held")
         if (blk in in_free) == (held[blk] > 0):
             bad.append(f"block {blk} is {'both free and referenced' if held[blk] else 'neither free nor referenced'}")
+
+
+def _cache_index(s: KVState, bad: list[str]) -> None:
+    """The prefix index and the blocks' own keys agree, both ways."""
     entries = 0
     for key, blk in s.cache.items():
         entries += 1
@@ -104,4 +123,3 @@ def check_invariants(state: KVState) -> list[str]:
         bad.append(f"the cache index counts {len(s.cache)} entries but holds {entries}")
     if sum(w != 0 for w in s.cache.where) != entries:
         bad.append("a block carries a hash the cache index lost")
-    return bad

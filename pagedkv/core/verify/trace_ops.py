@@ -13,9 +13,10 @@ from pagedkv.core.commit import commit
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import KVError, invalid
 from pagedkv.core.growth import append
-from pagedkv.core.metadata import KVMetadata, publish
+from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release, reset, reset_prefix_cache
 from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, schedule, submit
+from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 

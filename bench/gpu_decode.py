@@ -9,6 +9,8 @@ checked against the eager step's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
@@ -20,47 +22,63 @@ from pagedkv.shell.graphs import GraphDecoder
 from pagedkv.shell.rank import build_rank, plan_rank
 
 
-def main() -> None:
+def fused_write_matches() -> bool:
+    """The Triton K/V write kernel leaves the pages exactly as two ``index_copy_`` do."""
     dev = "cuda"
-    model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device=dev)
-    c = model.config
-    backend = TritonBackend()  # its pool writes K and V with one kernel (backend.kv_write)
-    plan = plan_rank(model.kv_layers(), block_size=16, dtype=torch.bfloat16)
-    cfg = plan.cache_config(64 * 40 + 1, max_model_len=40 * 16)
-    rank = build_rank(plan, cfg, max_rows=64, max_tokens=64 * 600, device=dev, backend=backend)
-    pool, worker = rank.pool, rank.worker
-    kp, vp = torch.randn(33, 16, 3, 64, device=dev, dtype=torch.bfloat16), torch.randn(33, 16, 3, 64, device=dev,
-                                                                                   dtype=torch.bfloat16)  # fmt: skip
+    kp, vp = (torch.randn(33, 16, 3, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
     k, v = torch.randn(40, 3, 64, device=dev), torch.randn(40, 3, 64, device=dev)
     slots = torch.randperm(33 * 16, device=dev)[:40]
     a, b = kp.clone(), vp.clone()
     kv_write(k, v, a, b, slots)
     kp.view(-1, 3, 64).index_copy_(0, slots, k.bfloat16())
     vp.view(-1, 3, 64).index_copy_(0, slots, v.bfloat16())
-    print(f"fused KV write == index_copy_: {torch.equal(a, kp) and torch.equal(b, vp)}")
-    group = rank.group
+    return torch.equal(a, kp) and torch.equal(b, vp)
+
+
+class DecodeBench:
+    """A SmolLM2-shaped model (random weights, bf16) on one rank with the triton backend, 64 rows
+    of 511 computed tokens each decoding its 512th, and the graphs of buckets 1, 8 and 64."""
+
+    def __init__(self) -> None:
+        dev = "cuda"
+        self.model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device=dev)
+        self.backend = TritonBackend()  # its pool writes K and V with one kernel (backend.kv_write)
+        plan = plan_rank(self.model.kv_layers(), block_size=16, dtype=torch.bfloat16)
+        cfg = plan.cache_config(64 * 40 + 1, max_model_len=40 * 16)
+        self.rank = build_rank(plan, cfg, max_rows=64, max_tokens=64 * 600, device=dev, backend=self.backend)
+        s = initial_state(cfg)
+        self.ids = list(range(64))
+        for i in self.ids:
+            s = admit(s, RequestSpec(i, (RowSpec(511),))).unwrap().state
+        s = commit_many(s, [(i, [511]) for i in self.ids]).unwrap().state
+        self.state = append_decode(s, self.ids).unwrap().state  # every row decodes its 512th token
+        self.graphs = GraphDecoder(self.model, self.rank, self.backend, buckets=(1, 8, 64))
+        self.graphs.capture(self.meta(1))
+
+    def meta(self, batch_size: int) -> Any:
+        return publish(self.state, self.ids[:batch_size], "decode").unwrap().effect  # subsets of one generation
+
+    def eager(self, tokens: torch.Tensor, batch: Any) -> torch.Tensor:
+        return self.model.forward(tokens, batch, self.rank.pool, self.backend, self.rank.group)
+
+    def compare(self, batch_size: int) -> tuple[torch.Tensor, Any, float]:
+        """(tokens, installed batch, relative difference of graph-replay logits from the eager step's)."""
+        batch = self.rank.worker.install(self.meta(batch_size))
+        tokens = torch.randint(0, self.model.config.vocab_size, (batch_size,), device="cuda")
+        eager = self.eager(tokens, batch).float()
+        replay = self.graphs.decode(tokens, batch).float()
+        return tokens, batch, ((replay - eager).norm() / eager.norm()).item()
+
+
+def main() -> None:
+    print(f"fused KV write == index_copy_: {fused_write_matches()}")
+    bench = DecodeBench()
     print(f"{torch.cuda.get_device_name()}; SmolLM2 shapes, random weights, bf16, triton backend, 512-token contexts")
     print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}")
-    graphs = None
-    s = initial_state(cfg)
-    ids = list(range(64))
-    for i in ids:
-        s = admit(s, RequestSpec(i, (RowSpec(511),))).unwrap().state
-    s = commit_many(s, [(i, [511]) for i in ids]).unwrap().state
-    s = append_decode(s, ids).unwrap().state  # every row decodes its 512th token
     for batch_size in (1, 8, 64):
-        meta = publish(s, ids[:batch_size], "decode").unwrap().effect  # one generation: subsets install cleanly
-        batch = worker.install(meta)
-        tokens = torch.randint(0, c.vocab_size, (batch_size,), device=dev)
-        if graphs is None:
-            graphs = GraphDecoder(model, rank, backend, buckets=(1, 8, 64))
-            graphs.capture(meta)
-            batch = worker.install(meta)  # capture left its own values in the buffers
-        eager = model.forward(tokens, batch, pool, backend, group).float()
-        t_eager = triton.testing.do_bench(lambda: model.forward(tokens, batch, pool, backend, group), return_mode="median")
-        replay = graphs.decode(tokens, batch).float()
-        t_graph = triton.testing.do_bench(lambda: graphs.decode(tokens, batch), return_mode="median")
-        diff = ((replay - eager).norm() / eager.norm()).item()
+        tokens, batch, diff = bench.compare(batch_size)
+        t_eager = triton.testing.do_bench(lambda: bench.eager(tokens, batch), return_mode="median")
+        t_graph = triton.testing.do_bench(lambda: bench.graphs.decode(tokens, batch), return_mode="median")
         t_hf = hf_step(batch_size)
         print(f"{batch_size:>6} {t_eager:>9.3f} {t_graph:>9.3f} {t_eager / t_graph:>12.2f} {diff:>16.1e} {t_hf:>16.3f}")
 

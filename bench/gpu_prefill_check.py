@@ -54,28 +54,33 @@ def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]
     return name + f" {str(dtype)[6:]}", err, t_tri, t_ref
 
 
-def main() -> int:
+def cases() -> list[tuple[str, list[tuple[int, tuple[tuple[int, int], ...], int, int]], GroupSpec, int]]:
+    """(name, rows as (length, spans, first query position, keys' end), group, block size)."""
     full = GroupSpec("full")
     swa = GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=48)
-    cases = []
-    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
-        cases += [
-            (case("prefill, 3 rows", [(300, (), 0, 300), (77, (), 0, 77), (129, (), 0, 129)], full, 16, dtype), tol),
-            (case("chunked prefill", [(700, (), 256, 512), (300, (), 100, 300)], full, 16, dtype), tol),
-            (case("prefill with an image span", [(200, ((50, 114),), 0, 200), (150, ((30, 94),), 0, 150)], full, 16,
-                  dtype), tol),  # fmt: skip
-            (case("denoise (target span)", [(300, ((240, 300),), 240, 300), (280, ((220, 280),), 220, 280)], full, 16,
-                  dtype), tol),  # fmt: skip
-            (case("sliding window prefill", [(400, (), 0, 400), (90, (), 0, 90)], swa, 16, dtype), tol),
-            (case("block size 128", [(1000, (), 0, 1000), (513, (), 400, 513)], full, 128, dtype), tol),
-        ]
+    return [
+        ("prefill, 3 rows", [(300, (), 0, 300), (77, (), 0, 77), (129, (), 0, 129)], full, 16),
+        ("chunked prefill", [(700, (), 256, 512), (300, (), 100, 300)], full, 16),
+        ("prefill with an image span", [(200, ((50, 114),), 0, 200), (150, ((30, 94),), 0, 150)], full, 16),
+        ("denoise (target span)", [(300, ((240, 300),), 240, 300), (280, ((220, 280),), 220, 280)], full, 16),
+        ("sliding window prefill", [(400, (), 0, 400), (90, (), 0, 90)], swa, 16),
+        ("block size 128", [(1000, (), 0, 1000), (513, (), 400, 513)], full, 128),
+    ]
+
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def main() -> int:
     ok = True
     print(f"{torch.cuda.get_device_name()}: triton varlen (one call per segment) vs the torch reference")
     print(f"{'case':<36} {'rel err':>9} {'tol':>7} {'triton ms':>10} {'torch ms':>9}  status")
-    for (name, err, t_tri, t_ref), tol in cases:
-        good = err < tol
-        ok &= good
-        print(f"{name:<36} {err:>9.1e} {tol:>7.0e} {t_tri:>10.3f} {t_ref:>9.2f}  {'ok' if good else 'FAIL'}")
+    for dtype, tol in TOLERANCE.items():
+        for name, rows, spec, bs in cases():
+            label, err, t_tri, t_ref = case(name, rows, spec, bs, dtype)
+            good = err < tol
+            ok &= good
+            print(f"{label:<36} {err:>9.1e} {tol:>7.0e} {t_tri:>10.3f} {t_ref:>9.2f}  {'ok' if good else 'FAIL'}")
     return 0 if ok else 1
 
 

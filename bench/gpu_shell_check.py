@@ -18,12 +18,10 @@ from pagedkv.shell.attention import LayerAttention, get_backend
 from pagedkv.shell.rank import attention_layers, build_rank, plan_rank, size_pool
 
 
-def main() -> int:
-    assert torch.cuda.is_available(), "needs a CUDA device"
+def check_sizing() -> tuple[str, str, bool]:
+    """Sizing by a memory fraction: half the device minus what a profile forward allocates."""
     dev = torch.device("cuda")
-    rows = []
-    ok = True
-    # 1. sizing: 90% of the device minus what a profile forward of the largest shape allocates
+
     def profile() -> None:
         x = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
         (x @ x.T).sum().item()
@@ -32,58 +30,62 @@ def main() -> int:
                         dtype=torch.bfloat16)  # fmt: skip
     s = size_pool(smollm2, device=dev, memory_fraction=0.5, profile=profile)
     peak = torch.cuda.max_memory_allocated(dev)
-    rows.append(("size_pool (fraction 0.5)", f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak "
-                                             f"{peak / 2**20:.0f} MiB", "ok"))  # fmt: skip
-    # 2. a core-built forward, installed on the device, attended over device pages
+    total = torch.cuda.get_device_properties(dev).total_memory
+    good = 0 < s.total_bytes <= total // 2 - peak + s.page_bytes
+    return "size_pool (fraction 0.5)", f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak {peak / 2**20:.0f} MiB", good
+
+
+def check_pages(dtype: torch.dtype, tol: float) -> tuple[str, str, bool]:
+    """A core-built prefill forward installed on the device, the torch backend over device pages,
+    against a float64 dense reference on the CPU."""
+    dev = torch.device("cuda")
     bs, kvh, heads, d = 16, 4, 16, 64
-    plans = {dt: plan_rank(attention_layers(1, kv_heads=kvh, head_dim=d, dtype=dt), block_size=bs, dtype=dt)
-             for dt in (torch.float32, torch.bfloat16)}  # fmt: skip
-    cfg = plans[torch.float32].cache_config(257, max_model_len=32 * bs)
+    plan = plan_rank(attention_layers(1, kv_heads=kvh, head_dim=d, dtype=dtype), block_size=bs, dtype=dtype)
+    cfg = plan.cache_config(257, max_model_len=32 * bs)
     st = initial_state(cfg)
     lens = [37, 300, 129, 16]
     for i, n in enumerate(lens):
         st = admit(st, RequestSpec(i, (RowSpec(n),))).unwrap().state
     st = commit_many(st, [(i, [n - 5]) for i, n in enumerate(lens)]).unwrap().state  # 5 tokens each left to prefill
     meta = publish(st, list(range(len(lens))), "prefill").unwrap().effect
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
-        g = torch.Generator().manual_seed(0)
-        rank = build_rank(plans[dtype], cfg, max_rows=8, max_tokens=64, device=dev)
-        pool, worker = rank.pool, rank.worker
-        t0 = time.perf_counter()
-        batch = worker.install(meta)
-        torch.cuda.synchronize()
-        install_ms = (time.perf_counter() - t0) * 1e3
-        ks, vs, qs = [], [], []
-        for r in meta.rows:
-            k = torch.randn(r.seq_len, kvh, d, generator=g)
-            v = torch.randn(r.seq_len, kvh, d, generator=g)
-            slots = torch.tensor(slots_of(r.block_ids[0], bs, 0, r.seq_len), device=dev)
-            pool.write(0, k.to(dev), v.to(dev), slots)
-            ks.append(k.to(dtype).double())
-            vs.append(v.to(dtype).double())
-            qs.append(torch.randn(r.query_len, heads, d, generator=g))
-        q = torch.cat(qs).to(dev, dtype)
-        layer = LayerAttention(0, cfg.groups[0], scale=d**-0.5)
-        out = get_backend("torch").forward(q, pool.k[0], pool.v[0], batch, layer).double().cpu()
-        refs = []
-        for r, k, v, qr in zip(meta.rows, ks, vs, qs):
-            qd = qr.to(dtype).double()
-            for i, pos in enumerate(range(r.kv_start_pos, r.seq_len)):
-                kk = k[: pos + 1].repeat_interleave(heads // kvh, 1)
-                vv = v[: pos + 1].repeat_interleave(heads // kvh, 1)
-                w = torch.softmax(torch.einsum("hd,khd->hk", qd[i], kk) * layer.scale, -1)
-                refs.append(torch.einsum("hk,khd->hd", w, vv))
-        ref = torch.stack(refs)
-        err = ((out - ref).norm() / ref.norm()).item()
-        good = err < tol and torch.isfinite(out).all().item()
-        ok &= bool(good)
-        rows.append((f"torch backend over pages, {str(dtype)[6:]}", f"rel err {err:.2e} (< {tol}), install "
-                                                                    f"{install_ms:.2f} ms", "ok" if good else "FAIL"))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    rank = build_rank(plan, cfg, max_rows=8, max_tokens=64, device=dev)
+    pool = rank.pool
+    t0 = time.perf_counter()
+    batch = rank.worker.install(meta)
+    torch.cuda.synchronize()
+    install_ms = (time.perf_counter() - t0) * 1e3
+    ks, vs, qs = [], [], []
+    for r in meta.rows:
+        k, v = torch.randn(r.seq_len, kvh, d, generator=g), torch.randn(r.seq_len, kvh, d, generator=g)
+        pool.write(0, k.to(dev), v.to(dev), torch.tensor(slots_of(r.block_ids[0], bs, 0, r.seq_len), device=dev))
+        ks.append(k.to(dtype).double())
+        vs.append(v.to(dtype).double())
+        qs.append(torch.randn(r.query_len, heads, d, generator=g))
+    layer = LayerAttention(0, cfg.groups[0], scale=d**-0.5)
+    out = get_backend("torch").forward(torch.cat(qs).to(dev, dtype), pool.k[0], pool.v[0], batch, layer).double().cpu()
+    refs = []
+    for r, k, v, qr in zip(meta.rows, ks, vs, qs):
+        qd = qr.to(dtype).double()
+        for i, pos in enumerate(range(r.kv_start_pos, r.seq_len)):
+            kk = k[: pos + 1].repeat_interleave(heads // kvh, 1)
+            vv = v[: pos + 1].repeat_interleave(heads // kvh, 1)
+            w = torch.softmax(torch.einsum("hd,khd->hk", qd[i], kk) * layer.scale, -1)
+            refs.append(torch.einsum("hk,khd->hd", w, vv))
+    ref = torch.stack(refs)
+    err = ((out - ref).norm() / ref.norm()).item()
+    good = err < tol and bool(torch.isfinite(out).all())
+    return f"torch backend over pages, {str(dtype)[6:]}", f"rel err {err:.2e} (< {tol}), install {install_ms:.2f} ms", good
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    rows = [check_sizing(), check_pages(torch.float32, 1e-4), check_pages(torch.bfloat16, 1e-2)]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'check':<34} {'result':<58} status")
-    for a, b, c in rows:
-        print(f"{a:<34} {b:<58} {c}")
-    return 0 if ok else 1
+    for a, b, good in rows:
+        print(f"{a:<34} {b:<58} {'ok' if good else 'FAIL'}")
+    return 0 if all(good for *_, good in rows) else 1
 
 
 if __name__ == "__main__":

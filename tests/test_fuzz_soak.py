@@ -6,7 +6,8 @@ import json
 import random
 from typing import Any
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure
 
@@ -44,7 +45,7 @@ def events(draw: st.DrawFn) -> str:
     return line[: draw(st.integers(0, len(line)))] if kind == "truncated" else line
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.slow
 @given(st.lists(events(), max_size=25))
 def test_malformed_events_get_typed_errors_and_change_nothing(lines: list[str]) -> None:
     header = json.dumps({"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 9, "enable_prefix_caching": True}})
@@ -60,7 +61,7 @@ def test_malformed_events_get_typed_errors_and_change_nothing(lines: list[str]) 
         assert check_invariants(ev.state) == []  # type: ignore[arg-type]
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.slow
 @given(rid=json_values, rows=json_values, counts=json_values, reason=json_values, phase=json_values)
 def test_transitions_refuse_wrong_types_with_typed_errors(rid: Any, rows: Any, counts: Any, reason: Any,
                                                           phase: Any) -> None:  # fmt: skip
@@ -82,6 +83,7 @@ def test_transitions_refuse_wrong_types_with_typed_errors(rid: Any, rows: Any, c
     assert digest(s) == before
 
 
+@pytest.mark.slow
 def test_soak_ten_thousand_random_events_leave_every_block_free() -> None:
     rng = random.Random(1234)
     cache = CacheConfig(block_size=4, num_blocks=13, enable_prefix_caching=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, KVMetadata, Phase, RowMetadata
@@ -105,7 +105,6 @@ def build(sc: dict[str, object]) -> tuple[torch.Tensor, list[torch.Tensor], Page
     return torch.cat(qs), qs, pool, worker, meta, layer, dense_kv
 
 
-@settings(max_examples=150, deadline=None)
 @given(scenario())
 def test_torch_backend_over_pages_equals_dense(sc: dict[str, object]) -> None:
     q, qs, pool, worker, meta, layer, dense_kv = build(sc)
@@ -117,7 +116,6 @@ def test_torch_backend_over_pages_equals_dense(sc: dict[str, object]) -> None:
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max().clamp_min(1e-6)
 
 
-@settings(max_examples=60, deadline=None)
 @given(scenario())
 def test_segment_calls_map_to_native_semantics(sc: dict[str, object]) -> None:
     """The calls native backends make (one causal flag each, kv_lens per row, tokens gathered and
@@ -187,11 +185,6 @@ def test_flash_attn_backend_matches_torch_on_cuda() -> None:
     got = get_backend("flash_attn").forward(q.cuda().bfloat16(), pool.k[0], pool.v[0], batch, layer).float()
     ref = get_backend("torch").forward(q.cuda().bfloat16(), pool.k[0], pool.v[0], batch, layer).float()
     assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
-
-
-def test_npu_backend_matches_torch_on_ascend() -> None:
-    pytest.importorskip("torch_npu", reason="torch-npu is not installed here (pip install 'pagedkv[npu]', Ascend only)")
-    pytest.skip("no Ascend device on these machines to run it")  # pragma: no cover
 
 
 def test_the_documented_model_runner_runs() -> None:

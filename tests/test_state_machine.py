@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import settings
+import pytest
+
 from hypothesis import strategies as st
 from pagedkv.core.invariants import check_invariants
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -259,5 +260,5 @@ def check_history(state: KVState, history: list[tuple[KVState, str]], max_gen: i
     return state.generation
 
 
-CoreMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
-test_core_state_machine = CoreMachine.TestCase
+test_core_state_machine = CoreMachine.TestCase  # examples and steps: the Hypothesis profile (conftest)
+test_core_state_machine.pytestmark = [pytest.mark.slow]

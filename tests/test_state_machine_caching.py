@@ -14,19 +14,20 @@ from __future__ import annotations
 from itertools import count
 from typing import Any
 
-from hypothesis import event, settings
+import pytest
+from hypothesis import event
 from hypothesis import strategies as st
-from pagedkv.core.invariants import check_invariants
-from tests.test_state_machine import check_history
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from returns.result import Failure, Success
 
 from pagedkv.core import (
     Admitted, Appended, Committed, Decoded, Released, CacheConfig, GroupKind, GroupSpec, KVState, RequestSpec, RowSpec,
-    admit, append_decode, append_many, commit, commit_decode, commit_many, decode_step, digest, initial_state, release, release_many, request_blocks, reset, reset_prefix_cache,
+    admit, append_decode, append_many, commit, digest, initial_state, release, request_blocks, reset, reset_prefix_cache,
 )  # fmt: skip
+from pagedkv.core.verify.invariants import check_invariants
+from tests.sm_decode_rules import IDS, DecodeRules
+from tests.test_state_machine import check_history
 
-IDS = ["a", "b", "c", "d", "e"]
 BASES = [[0, 1, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]]  # shared prefixes hit
 GROUPINGS = {
     "full": (GroupSpec("full"),),
@@ -47,7 +48,7 @@ class _Everything:
         return next(self.lens)
 
 
-class CachingMachine(RuleBasedStateMachine):
+class CachingMachine(DecodeRules, RuleBasedStateMachine):
     @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)))
     def setup(self, bs: int, usable: int, grouping: str) -> None:
         self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
@@ -170,85 +171,6 @@ class CachingMachine(RuleBasedStateMachine):
         if self.step(append_decode(self.state, rids)) is not None:
             self._fresh_after_append(before)
 
-    def _running(self, data: st.DataObject) -> list[Any]:
-        """Mostly admitted requests that can grow (a decode batch), now and then anything."""
-        growing = sorted(rid for rid, req in self.state.requests.items() if not any(l.is_diffusion for l in req.layouts))
-        if growing and data.draw(st.integers(0, 9)):
-            return data.draw(st.lists(st.sampled_from(growing), min_size=1, max_size=4))
-        return data.draw(st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
-
-    @rule(data=st.data())
-    def decode_with_ids(self, data: st.DataObject) -> None:
-        """append_decode with the sampled ids: the same state as append_many with one id a row."""
-        rids = self._running(data)
-        toks = [data.draw(st.integers(0, 1)) for _ in rids]
-        items = [(r, [[t]] * _rows(self.state, r)) for r, t in zip(rids, toks)]
-        fast, general = append_decode(self.state, rids, toks), append_many(self.state, items)
-        event(f"append_decode with ids {'ok' if isinstance(fast, Success) else fast.failure().code.value}")
-        _same(fast, general)
-        self._append(items, fast)
-
-    @rule(data=st.data(), ids=st.booleans())
-    def decode_step(self, data: st.DataObject, ids: bool) -> None:
-        """One decode step: each row committed through its length, then grown by the sampled token;
-        the same as a commit then an append per request, one after another."""
-        rids = self._running(data)
-        toks = [data.draw(st.integers(0, 1)) for _ in rids] if ids else None
-        fast = decode_step(self.state, rids, toks)
-        event(f"decode_step {'ok' if isinstance(fast, Success) else fast.failure().code.value}")
-        chain: Any = Success((self.state, ()))
-        for k, rid in enumerate(rids):
-            if not isinstance(chain, Success):
-                break
-            s, events = chain.unwrap()
-            req = s.requests.get(rid)
-            if req is None:
-                chain = commit(s, rid, [1])
-                break
-            c = commit(s, rid, [s.row_len[x] for x in req.slots])
-            if isinstance(c, Failure):
-                chain = c
-                break
-            growth = [[toks[k]] if toks is not None else 1] * len(req.slots)
-            a = append_many(c.unwrap().state, [(rid, growth)])
-            chain = a.map(lambda st_, ev=events + c.unwrap().effect.events: (st_.state, ev + st_.effect.events))
-        if isinstance(fast, Failure) or isinstance(chain, Failure):
-            assert isinstance(fast, Failure) and isinstance(chain, Failure), (fast, chain)
-            assert fast.failure().code == chain.failure().code and fast.failure().message == chain.failure().message
-            self.step(fast)
-            return
-        assert digest(fast.unwrap().state) == digest(chain.unwrap()[0])
-        assert fast.unwrap().effect.events == chain.unwrap()[1]
-        # drive the content oracle through the same commits and appends, then keep the fast state
-        for k, rid in enumerate(rids):
-            req = self.state.requests[rid]
-            self._commit(rid, [self.state.row_len[x] for x in req.slots])
-            self.append([(rid, [[toks[k]] if toks is not None else 1] * len(req.slots))])
-        assert digest(self.state) == digest(fast.unwrap().state)
-        self.state = fast.unwrap().state
-
-    @rule(data=st.data())
-    def commit_decode(self, data: st.DataObject) -> None:
-        rids = self._running(data)
-        items = [(r, [self.state.row_len[x] for x in self.state.requests[r].slots] if r in self.state.requests else [1])
-                 for r in rids]  # fmt: skip
-        fast, general = commit_decode(self.state, rids), commit_many(self.state, items)
-        _same(fast, general)
-        if isinstance(fast, Success):
-            for rid, computed in items:
-                self._commit(rid, computed)
-            assert digest(self.state) == digest(fast.unwrap().state)
-            self.state = fast.unwrap().state
-
-    @rule(rids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3, unique=True))
-    def release_several(self, rids: list[Any]) -> None:
-        fast = release_many(self.state, rids, "finished")
-        chain: Any = Success(self.state)
-        for rid in rids:
-            chain = chain.bind(lambda s, r=rid: release(s, r, "finished").map(lambda x: x.state))
-        _same(fast, chain.map(lambda s: type("S", (), {"state": s})()))
-        self.step(fast)
-
     @rule(rid=st.sampled_from(IDS), data=st.data())
     def commit(self, rid: Any, data: st.DataObject) -> None:
         req = self.state.requests.get(rid)
@@ -359,19 +281,5 @@ class CachingMachine(RuleBasedStateMachine):
             self.max_gen = check_history(self.state, self.history, self.max_gen)
 
 
-def _rows(state: KVState, rid: Any) -> int:
-    req = state.requests.get(rid)
-    return len(req.slots) if req is not None else 1
-
-
-def _same(fast: Any, general: Any) -> None:
-    """A batch fast path and its general form agree: both refused alike, or the same state."""
-    if isinstance(fast, Failure) or isinstance(general, Failure):
-        assert isinstance(fast, Failure) and isinstance(general, Failure), (fast, general)
-        assert (fast.failure().code, fast.failure().message) == (general.failure().code, general.failure().message)
-    else:
-        assert digest(fast.unwrap().state) == digest(general.unwrap().state)
-
-
-CachingMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
-test_caching_state_machine = CachingMachine.TestCase
+test_caching_state_machine = CachingMachine.TestCase  # examples and steps: the Hypothesis profile (conftest)
+test_caching_state_machine.pytestmark = [pytest.mark.slow]

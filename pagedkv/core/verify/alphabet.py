@@ -1,4 +1,5 @@
-"""The model checker's alphabet: the events it applies in every state it explores.
+"""What the model checker explores: its configuration (``CheckConfig``) and its alphabet, the
+events it applies in every state.
 
 Each event has a name, how it acts on a state (None: it does not apply there) and its
 line in a trace (contract v1), so that a counterexample replays with ``pagedkv replay``.
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from returns.result import Result
 
 from pagedkv.core.admission import admit
+from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.commit import commit
 from pagedkv.core.decode import decode_step
 from pagedkv.core.errors import KVError
@@ -21,8 +23,28 @@ from pagedkv.core.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, Step
 
-if TYPE_CHECKING:
-    from pagedkv.core.verify.check import CheckConfig
+
+@dataclass(frozen=True, slots=True)
+class CheckConfig:
+    """The configuration explored and the bounds of the search."""
+
+    block_size: int = 2
+    usable_blocks: int = 6
+    requests: int = 3  # request ids "A", "B", ...
+    max_rows: int = 2
+    window: int | None = 2  # a sliding-window group beside the full one; None: full only
+    prefix_caching: bool = True
+    max_model_len: int = 8
+    max_states: int = 200_000
+    max_depth: int | None = None
+
+    def cache_config(self) -> CacheConfig:
+        groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
+        if self.window is not None:
+            groups += (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=self.window),)
+        return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
+                           enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
+                           max_model_len=self.max_model_len)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

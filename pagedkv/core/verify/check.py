@@ -21,34 +21,10 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.state import KVState, free_queue, initial_state
 from pagedkv.core.effects import takes_generation
-from pagedkv.core.verify.alphabet import Event, default_alphabet
-
-
-@dataclass(frozen=True, slots=True)
-class CheckConfig:
-    """The configuration explored and the bounds of the search."""
-
-    block_size: int = 2
-    usable_blocks: int = 6
-    requests: int = 3  # request ids "A", "B", ...
-    max_rows: int = 2
-    window: int | None = 2  # a sliding-window group beside the full one; None: full only
-    prefix_caching: bool = True
-    max_model_len: int = 8
-    max_states: int = 200_000
-    max_depth: int | None = None
-
-    def cache_config(self) -> CacheConfig:
-        groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
-        if self.window is not None:
-            groups += (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=self.window),)
-        return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
-                           enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
-                           max_model_len=self.max_model_len)  # fmt: skip
+from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
 
 
 def canonical_key(s: KVState) -> tuple[Any, ...]:

@@ -49,6 +49,9 @@ class FlashAttnBackend:
         if spec.kind is GroupKind.CHUNKED_LOCAL:
             raise refuse(ErrorCode.INVALID, "chunked local attention has no flash-attn window form; "
                                             "use the torch backend for that group")  # fmt: skip
+        if spec.kind is GroupKind.SLIDING_WINDOW and any(not s.causal for s in batch.metadata.rows[0].segments):
+            raise refuse(ErrorCode.INVALID, "a full span under a sliding window has no flash-attn window form (its "
+                                            "window is causal); use the torch backend for that group")  # fmt: skip
         window = (spec.window - 1, 0) if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else (-1, -1)
         table = batch.block_tables[layer.group].to(torch.int32)
         block_size = k_pages.shape[1]

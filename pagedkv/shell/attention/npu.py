@@ -45,6 +45,9 @@ class NpuBackend:
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL:
             raise refuse(ErrorCode.INVALID, "chunked local attention has no fused-infer form; use the torch backend")
+        if spec.kind is GroupKind.SLIDING_WINDOW and any(not s.causal for s in batch.metadata.rows[0].segments):
+            raise refuse(ErrorCode.INVALID, "a full span under a sliding window has no fused-infer mask (its band "
+                                            "is causal); use the torch backend for that group")  # fmt: skip
         key = k_pages.view(num_blocks, block_size, kv_heads * head_dim)
         value = v_pages.view(num_blocks, block_size, kv_heads * head_dim)
         table = batch.block_tables[layer.group].to(torch.int32)

@@ -8,8 +8,11 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pagedkv.core.verify.check import CheckConfig, check
 from pagedkv.core.config import InvalidConfig
+from pagedkv.core.scheduler import SchedState
+from pagedkv.core.state import KVState
+from pagedkv.core.verify.alphabet import CheckConfig
+from pagedkv.core.verify.check import check
 from pagedkv.core.verify.trace import TraceHeaderError, replay
 
 
@@ -106,11 +109,11 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
     try:
         if not as_json:
             out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")
-        states = []
+        states: list[KVState] = []
         for ev in replay(lines, check=check_invariants):
             events += 1
             if page_map_path:
-                states.append(getattr(ev.state, "kv", ev.state))
+                states.append(ev.state.kv if isinstance(ev.state, SchedState) else ev.state)
             r = ev.result
             failures += not r["ok"]
             problem = ev.divergence
@@ -154,11 +157,11 @@ def _row(line: int, r: dict[str, object]) -> str:
             detail = f"cached {r['cached_tokens']} blocks {r['blocks']}"
         elif r.get("blocks") is not None:
             detail = f"blocks {r['blocks']}"
-        elif isinstance(r.get("rows"), list):
+        elif isinstance(rows := r.get("rows"), list):
             detail = "; ".join(
                 f"{x['request']}/{x['row']} q[{x['kv_start_pos']}:{x['kv_start_pos'] + x['query_len']}] "
                 f"kv {x['seq_len']} slots {_short(x['slots'])}"
-                for x in r["rows"]  # type: ignore[union-attr]
+                for x in rows
             )
     elif isinstance(err, dict):
         detail = str(err["message"])

@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--seed", type=int, default=0)
 
 
-def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[str, Any]]:
+def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
     import torch
 
     from pagedkv.core.scheduler import SeqRequest, submit
@@ -27,7 +27,7 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
     rng = random.Random(args.seed)
     c = model.config
     g = torch.Generator().manual_seed(args.seed)
-    work: dict[str, tuple[list[Any], list[Any]]] = {}
+    work: dict[Any, tuple[list[Any], list[Any]]] = {}
     for i in range(args.requests):
         ref = torch.randn(rng.randrange(2, 9), c.latent, generator=g) if rng.random() < 0.5 else None
         cond = DiTRow(tuple(rng.randrange(c.vocab) for _ in range(rng.randrange(6, 40))), ref)

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelFileMissing as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
-    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    tok = Tokenizer(meta)
     load_s = time.perf_counter() - t0
     trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
     engine = Engine(model, tok, block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),

@@ -24,7 +24,7 @@ class LLM:
                  **engine: Any) -> None:  # fmt: skip
         if model is None:
             model, meta = Llama.smollm2(device=device)
-            tokenizer = tokenizer or Tokenizer(meta)  # type: ignore[arg-type]
+            tokenizer = tokenizer or Tokenizer(meta)
         if tokenizer is None:
             raise ValueError("a model of your own needs its tokenizer")
         self.tokenizer = tokenizer

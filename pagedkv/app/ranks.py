@@ -28,7 +28,7 @@ def _load(weights: str, device: str) -> tuple[Llama, Any]:
     if weights == "random":  # SmolLM2's shapes, seeded random weights
         return random_llama(SMOLLM2_SHAPES, device=device), IdTokenizer()
     full, meta = Llama.smollm2(device=device)
-    return full, Tokenizer(meta)  # type: ignore[arg-type]
+    return full, Tokenizer(meta)
 
 
 def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, result: dict[str, Any]) -> None:
@@ -95,6 +95,6 @@ def run_ranks(world: int, requests: list[Request], *, fail_rank: int | None = No
     result dict, rank 0 first. ``weights``: "smollm2" (the GGUF) or "random" (its shapes, seeded)."""
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "store")
-        mp.spawn(_rank_main, args=(world, init_file, d, requests, engine_kw, fail_rank, fail_at, timeout_s, backend,
-                                   weights), nprocs=world, join=True)  # fmt: skip
+        args = (world, init_file, d, requests, engine_kw, fail_rank, fail_at, timeout_s, backend, weights)
+        mp.spawn(_rank_main, args=args, nprocs=world, join=True)  # type: ignore[attr-defined, no-untyped-call]
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]

@@ -45,7 +45,8 @@ class Llama:
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
         # the head layout this instance computes, and how a row-parallel projection's partial sums
         # combine: a tensor-parallel shard narrows the first and all-reduces the second (models/parallel.py)
-        self.n_heads, self.n_kv_heads, self.kv_index = config.num_heads, config.num_kv_heads, None
+        self.n_heads, self.n_kv_heads = config.num_heads, config.num_kv_heads
+        self.kv_index: tuple[int, ...] | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole
 
     @classmethod
@@ -108,7 +109,7 @@ def random_llama(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = tor
     kv = c.num_kv_heads * c.head_dim
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+        return torch.randn(*shape, generator=g).div_(shape[-1] ** 0.5)
 
     sd = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size), "model.norm.weight": torch.ones(c.hidden_size)}
     for i in range(c.num_layers):

@@ -40,7 +40,8 @@ class Leader:
         t0 = time.perf_counter()
         dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), held)], src=0)
         self.broadcast_seconds += time.perf_counter() - t0
-        return self.model.forward(tokens, batch, pool, backend, group)
+        out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, group)
+        return out
 
     @staticmethod
     def stop() -> None:

@@ -36,7 +36,7 @@ class GraphDecoder:
                 continue
             tokens = torch.zeros(n, dtype=torch.long, device=self.pool.device)
             batch = self.worker.decode_views(n, template)
-            s = torch.cuda.Stream()
+            s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm up outside the graph (allocations, Triton compilation)
                 for _ in range(2):

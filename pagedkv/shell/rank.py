@@ -61,7 +61,7 @@ def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtyp
     if len(shapes) > 1:
         raise InvalidConfig(f"one page pool holds one K/V shape (kv_heads, head_dim, dtype bytes); "
                             f"these layers have {sorted(shapes)}")  # fmt: skip
-    plan = plan_groups(layers, block_size)
+    plan = plan_groups(tuple(layers), block_size)
     (kv_heads, head_dim, dtype_bytes), = shapes
     if dtype_bytes != dtype.itemsize:
         raise InvalidConfig(f"layers of {dtype_bytes}-byte elements planned for {dtype} pages")

@@ -53,13 +53,15 @@ class Worker:
         self.windowed = tuple(g.is_windowed for g in config.groups)
         self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
         dev = torch.device(device)
-        i32 = dict(dtype=torch.int32, device=dev)
+        def i32(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32, device=dev)
+
         # persistent buffers: by buffer row (what is installed), and in forward order (what kernels read)
-        self.row_tables = torch.zeros((self.num_groups, max_rows, max_blocks_per_row), **i32)  # type: ignore[arg-type]
-        self.block_tables = torch.zeros((self.num_groups, max_rows, max_blocks_per_row), **i32)  # type: ignore[arg-type]
-        self.seq_lens = torch.zeros(max_rows, **i32)  # type: ignore[arg-type]
-        self.kv_start = torch.zeros(max_rows, **i32)  # type: ignore[arg-type]
-        self.query_start_loc = torch.zeros(max_rows + 1, **i32)  # type: ignore[arg-type]
+        self.row_tables = i32(self.num_groups, max_rows, max_blocks_per_row)
+        self.block_tables = i32(self.num_groups, max_rows, max_blocks_per_row)
+        self.seq_lens = i32(max_rows)
+        self.kv_start = i32(max_rows)
+        self.query_start_loc = i32(max_rows + 1)
         self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=dev)  # padding: null block slot 0
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.generation = 0
@@ -170,6 +172,7 @@ class Worker:
         for r in meta.rows:
             key = (r.request_id, r.row)
             entry = self.rows.get(key)
+            old: tuple[tuple[int, ...], ...]
             if entry is None:
                 brow, old = self.free_rows.pop(), tuple(() for _ in r.block_ids)
             else:

@@ -40,7 +40,7 @@ class _Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
-                 "decode", "prefill", "diffusion", "preempted", "ended")  # fmt: skip
+                 "decode", "prefill", "diffusion", "preempted", "ended", "prefilling")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
         self.state = state
@@ -58,6 +58,8 @@ class _Draft:
         self.diffusion: list[DiffusionRun] = []
         self.preempted: list[RequestId] = []
         self.ended: list[tuple[RequestId, FinishReason]] = []
+        phases = state.phases
+        self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
 
     def move(self, rid: RequestId, event: Event) -> None:
         """A lifecycle transition (the table's), and what leaving the phase map means."""
@@ -100,8 +102,8 @@ def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
 def _decodes(d: _Draft) -> None:
     """Decodes, oldest first: one token each (its last sampled id). The whole batch as one transition
     when it fits; request by request, preempting the newest as needed, when it does not."""
-    phases = d.phases
-    candidates = [rid for rid in d.running if phases[rid] is Phase.DECODING][: d.budget]
+    prefilling = d.prefilling
+    candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
     batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
     if isinstance(batch, Success):
         d.kv = batch.unwrap().state
@@ -135,11 +137,11 @@ def _decode_one(d: _Draft, rid: RequestId, token: int) -> None:
 
 def _prefill_chunks(d: _Draft) -> None:
     """Chunked prefills of running requests, in admission order, while the budget lasts."""
-    cfg, kv, phases = d.state.config, d.kv, d.phases
-    for rid in d.running:
+    cfg, kv, prefilling = d.state.config, d.kv, d.prefilling
+    for rid in d.running if prefilling else ():
         if d.budget <= 0:
             return
-        if phases[rid] is Phase.PREFILLING:
+        if rid in prefilling:
             slot = kv.requests[rid].slots[0]
             remaining = kv.row_len[slot] - kv.row_computed[slot]
             q = min(remaining, d.budget) if cfg.chunked_prefill else (remaining if remaining <= d.budget else 0)

@@ -64,6 +64,7 @@ def cases() -> list[tuple[str, list[tuple[int, tuple[tuple[int, int], ...], int,
         ("prefill with an image span", [(200, ((50, 114),), 0, 200), (150, ((30, 94),), 0, 150)], full, 16),
         ("denoise (target span)", [(300, ((240, 300),), 240, 300), (280, ((220, 280),), 220, 280)], full, 16),
         ("sliding window prefill", [(400, (), 0, 400), (90, (), 0, 90)], swa, 16),
+        ("sliding window, image span", [(300, ((100, 220),), 0, 300), (260, ((60, 180),), 0, 260)], swa, 16),
         ("block size 128", [(1000, (), 0, 1000), (513, (), 400, 513)], full, 128),
     ]
 

@@ -152,3 +152,14 @@ def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["denoise", "--requests", "2", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "img-0" in out and "img-1" in out and "per-step ms" in out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--blocks", "0"], "num_blocks"), (["--block-size", "0"], "block_size"), (["--steps", "0"], "positive"),
+])  # fmt: skip
+def test_denoise_mistakes_are_one_line(flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.cli import main
+
+    assert main(["denoise", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagedkv denoise: ") and says in err and "\n" not in err

@@ -117,3 +117,26 @@ def test_lazy_and_relative_imports_are_seen(tmp_path: Path) -> None:
     assert g["pagedkv.core.a"] == {"pagedkv.app.cli", "pagedkv.core.b"}
     assert back_arrows(g) == ["pagedkv.core.a -> pagedkv.app.cli"]
     assert cycles(g) == [["pagedkv.core.a", "pagedkv.core.b"]]
+
+
+
+SHADOW_CHECK = """
+import importlib, pkgutil, pagedkv
+found = list(pkgutil.walk_packages(pagedkv.__path__, "pagedkv."))
+packages = ["pagedkv", *(m.name for m in found if m.ispkg)]
+names = {p: dict(vars(importlib.import_module(p))) for p in packages}
+for m in found:
+    importlib.import_module(m.name)
+print([f"{p}.{k}" for p in packages for k, v in names[p].items() if vars(importlib.import_module(p)).get(k) is not v])
+"""
+
+
+def test_importing_a_module_never_shadows_a_package_name() -> None:
+    """``pagedkv.core.digest`` is both an old module path and the function the package exports: loading
+    every module (as ``--doctest-modules`` does) must leave each package's names as they were. In a fresh
+    interpreter, so that what this session imported before cannot hide it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SHADOW_CHECK], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"a submodule import rebinds {out.stdout.strip()}"

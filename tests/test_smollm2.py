@@ -124,6 +124,12 @@ def test_generate_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: ob
     assert set(out) == {"prompt", "text", "token_ids", "finish_reason"}
     assert out["text"].strip() == "The capital of France is Paris." and out["finish_reason"] == "stop"
     assert main(["generate"]) == 2
+    capsys.readouterr()
+    for flags, says in ((["--block-size", "0"], "block_size"), (["--kv-cache-memory", "0"], "blocks"),
+                        (["--max-tokens", "0"], "max_tokens")):  # fmt: skip
+        assert main(["generate", *flags, "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("pagedkv generate: ") and says in err and "\n" not in err, err
 
 
 @pytest.mark.slow
@@ -140,3 +146,20 @@ def test_llm_api_and_a_hugging_face_state_dict(hf: tuple[object, object], ours: 
     from_hf = Llama(cfg, {k: v.detach() for k, v in ref_model.state_dict().items()})  # type: ignore[attr-defined]
     (c2,) = LLM(from_hf, tok).generate(["What is the capital of France?"], SamplingParams(max_tokens=12), chat=True)
     assert c2.token_ids == c.token_ids
+
+
+@pytest.mark.slow
+def test_a_refused_request_leaves_the_engine_as_it_was(ours: tuple[Llama, Tokenizer]) -> None:
+    from pagedkv.core import digest
+    from pagedkv.shell.errors import ShellError
+
+    model, tok = ours
+    eng = Engine(model, tok, kv_cache_memory_bytes=16 << 20)
+    before = digest(eng.state.kv)
+    with pytest.raises(ShellError, match="max_tokens"):
+        eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4)), ("b", [4], SamplingParams(max_tokens=0))])
+    assert not eng.requests and not eng.state.requests and digest(eng.state.kv) == before
+    with pytest.raises(ShellError, match="UNKNOWN_REQUEST|not"):
+        eng.cancel("nobody")
+    (done,) = eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4))])  # and it still serves
+    assert len(done.token_ids) == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from typing import Any
 
 
@@ -44,14 +45,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedkv.app.diffusion import DiTRunner
+    from pagedkv.core.config import InvalidConfig
     from pagedkv.core.scheduler import new_scheduler, on_output, schedule
     from pagedkv.models.dit import DiT
     from pagedkv.shell.attention import get_backend
     from pagedkv.shell.rank import build_rank, plan_rank
 
     model = DiT()
-    plan = plan_rank(model.kv_layers(), block_size=args.block_size, dtype=torch.float32)
-    cfg = plan.cache_config(args.blocks + 1, enable_prefix_caching=True, max_model_len=64 * args.block_size)
+    try:
+        if min(args.requests, args.steps, args.image_tokens) < 1:
+            raise InvalidConfig("--requests, --steps and --image-tokens must be positive integers")
+        plan = plan_rank(model.kv_layers(), block_size=args.block_size, dtype=torch.float32)
+        cfg = plan.cache_config(args.blocks + 1, enable_prefix_caching=True, max_model_len=64 * args.block_size)
+    except InvalidConfig as e:
+        print(f"pagedkv denoise: {e}", file=sys.stderr)
+        return 2
     rank = build_rank(plan, cfg, max_rows=4, max_tokens=512)
     runner = DiTRunner(model, rank, get_backend("torch"))
     s, work = _submit_all(args, model, new_scheduler(cfg))
@@ -59,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
     while s.requests:
         s, plan_ = schedule(s).unwrap()
+        for rid, how in plan_.finished:  # refused for good at admission (too long for the pool, say)
+            print(f"{rid:<8} refused: {how}")
         for run_ in plan_.diffusion:
             rows, images = work[run_.request_id]
             runner.run(rows, images, run_.steps, run_.first, run_.later)

@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, freeze_startup
+    from pagedkv.core.config import InvalidConfig
+    from pagedkv.shell.engine import Engine, EngineArgs, freeze_startup
+    from pagedkv.shell.errors import ShellError
 
     t0 = time.perf_counter()
     try:
@@ -91,16 +93,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tok = Tokenizer(meta)
     load_s = time.perf_counter() - t0
-    trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
-    engine = Engine(model, tok, block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, trace=trace,
-                    keep_history=bool(args.page_map))  # fmt: skip
+    try:
+        args_ = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
+        rank = args_.rank_for(model)  # the sizes checked before any file is written
+        trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
+        engine = Engine(model, tok, args_, rank=rank, trace=trace, keep_history=bool(args.page_map))
+    except (InvalidConfig, OSError) as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
     if args.ranks > 1:
         return _run_ranks(args, items, requests, tok)
     t1 = time.perf_counter()
-    completions = engine.generate(requests, on_finish=None if args.json else _progress(len(requests)))
+    try:
+        completions = engine.generate(requests, on_finish=None if args.json else _progress(len(requests)))
+    except ShellError as e:  # a request the scheduler refuses to take (max tokens below 1, say)
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
     gen_s = time.perf_counter() - t1
     if trace is not None:
         trace.close()

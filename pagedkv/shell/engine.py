@@ -14,12 +14,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
+from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.metadata import KVMetadata, Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.errors import ShellError
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, cut_at_stop, generator_for, sample
@@ -102,14 +104,20 @@ class Engine:
     # -- step-level API ----------------------------------------------------------
     def add_request(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> None:
         req = SeqRequest(rid, tuple(prompt_ids), max_tokens=params.max_tokens)
-        self.state = submit(self.state, req).unwrap()
+        submitted = submit(self.state, req)
+        if isinstance(submitted, Failure):  # a bad request: typed, and the engine as it was
+            raise ShellError(submitted.failure())
+        self.state = submitted.unwrap()
         self.requests[rid] = (Completion(rid, prompt, list(prompt_ids)), params, generator_for(rid, params))
         self.stats.prompt_tokens += len(prompt_ids)
         if self.recorder is not None:
             self.recorder.submit(req)
 
     def cancel(self, rid: RequestId) -> None:
-        self.state = cancel(self.state, rid).unwrap()
+        cancelled = cancel(self.state, rid)
+        if isinstance(cancelled, Failure):  # an unknown or ended request
+            raise ShellError(cancelled.failure())
+        self.state = cancelled.unwrap()
         self.worker.remove([rid])
         self.requests[rid][0].finish_reason = "cancelled"
         if self.recorder is not None:
@@ -203,11 +211,16 @@ class Engine:
     # -- the whole-request API -------------------------------------------------------
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:  # fmt: skip
-        order = []
-        for text, ids, params in prompts:
-            rid = f"req-{len(self.requests)}"
+        items = [(f"req-{len(self.requests) + k}", text, ids, params) for k, (text, ids, params) in enumerate(prompts)]
+        state = self.state
+        for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
+            submitted = submit(state, SeqRequest(rid, tuple(ids), max_tokens=params.max_tokens))
+            if isinstance(submitted, Failure):
+                raise ShellError(submitted.failure())
+            state = submitted.unwrap()
+        for rid, text, ids, params in items:
             self.add_request(rid, text, ids, params)
-            order.append(rid)
+        order = [rid for rid, *_ in items]
         while self.has_unfinished():
             for comp in self.step():
                 if on_finish is not None:

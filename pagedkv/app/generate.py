@@ -23,6 +23,11 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
     g.add_argument("--json", action="store_true", help='one {"prompt", "text", "token_ids", "finish_reason"} per request')
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights and pages (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu"),
+                   help="attention backend (auto: triton on cuda, torch on cpu)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on cuda (graphs are the default)")
     g.add_argument("--kv-cache-memory", type=float, default=256, help="KV cache budget in MiB")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=16)
@@ -68,6 +73,19 @@ def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -
     return requests
 
 
+def dtype_for(name: str, device: str) -> Any:
+    """``--dtype``: ``auto`` is bfloat16 on cuda (the serving path) and float32 elsewhere.
+
+    >>> dtype_for("auto", "cuda"), dtype_for("auto", "cpu"), dtype_for("float16", "cpu")
+    (torch.bfloat16, torch.float32, torch.float16)
+    """
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -82,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.core.config import InvalidConfig
-    from pagedkv.shell.engine import Engine, EngineArgs, freeze_startup
-    from pagedkv.shell.errors import ShellError
+    from pagedkv.shell.attention import get_backend
+    from pagedkv.shell.engine import Engine, EngineArgs, backend_for, freeze_startup
+    from pagedkv.shell.errors import BackendUnavailable, ShellError
 
     t0 = time.perf_counter()
     try:
-        model, meta = Llama.smollm2(device=args.device)
+        model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
     except ModelFileMissing as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
@@ -95,11 +114,12 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     try:
         args_ = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
-        rank = args_.rank_for(model)  # the sizes checked before any file is written
+                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                           backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+        rank = args_.rank_for(model, get_backend(backend_for(args.backend, model.device)))  # checked before any file is written
         trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
         engine = Engine(model, tok, args_, rank=rank, trace=trace, keep_history=bool(args.page_map))
-    except (InvalidConfig, OSError) as e:
+    except (InvalidConfig, OSError, BackendUnavailable) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it

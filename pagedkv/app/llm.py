@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.app.generate import dtype_for
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Completion, Engine, SamplingParams, freeze_startup
@@ -21,9 +22,11 @@ class LLM:
     """SmolLM2-135M-Instruct (or any ``Llama`` with a ``Tokenizer``) served through pagedkv."""
 
     def __init__(self, model: Llama | None = None, tokenizer: Tokenizer | None = None, *, device: str = "cpu",
-                 **engine: Any) -> None:  # fmt: skip
+                 dtype: str = "auto", **engine: Any) -> None:  # fmt: skip
+        """``dtype`` of the SmolLM2 it loads: auto is bfloat16 on cuda (with the triton backend and CUDA graphs,
+        the engine's defaults there), float32 on the CPU; ``engine``: ``EngineArgs`` fields."""
         if model is None:
-            model, meta = Llama.smollm2(device=device)
+            model, meta = Llama.smollm2(device=device, dtype=dtype_for(dtype, device))
             tokenizer = tokenizer or Tokenizer(meta)
         if tokenizer is None:
             raise ValueError("a model of your own needs its tokenizer")

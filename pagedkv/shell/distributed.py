@@ -29,6 +29,8 @@ class Leader:
     """Rank 0's model for the engine: broadcasts each forward, then runs its own shard. ``worker``:
     rank 0's worker, whose installed requests every follower keeps and no other."""
 
+    capturable = False  # it talks to other processes each forward: never inside a CUDA graph
+
     def __init__(self, model: Any, worker: Worker) -> None:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         self.worker = worker

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
@@ -18,15 +18,18 @@ from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import RequestId
-from pagedkv.core.metadata import KVMetadata, Phase
+from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError
+from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.recorder import Recorder
-from pagedkv.shell.sampling import SamplingParams, cut_at_stop, generator_for, sample
+from pagedkv.shell.sampling import SamplingParams, cut_at_stop, request_seed, sample, sample_batch
 
-__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "SamplingParams", "freeze_startup", "sample"]
+__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "SamplingParams", "backend_for", "freeze_startup", "sample",
+           "sample_batch"]
 
 
 @dataclass(slots=True)
@@ -40,6 +43,16 @@ class Completion:
     cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class Live:
+    """A request the engine serves: what it gives back, how it samples, its seed, its text so far."""
+
+    completion: Completion
+    params: SamplingParams
+    seed: int
+    text: TextSoFar | None  # kept only for a request with stop strings
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """An engine's sizes and switches, in one place (a launcher of several ranks reads them too)."""
@@ -49,7 +62,8 @@ class EngineArgs:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    backend: str = "torch"
+    backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
 
     def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
         """The KV side these arguments give ``model`` (``shell.rank.rank_for``)."""
@@ -83,7 +97,7 @@ class Engine:
                  **fields: Any) -> None:  # fmt: skip
         args = replace(args or EngineArgs(), **fields)
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.backend = get_backend(args.backend)
+        self.backend = get_backend(backend_for(args.backend, model.device))
         if rank is None:
             rank = args.rank_for(model, self.backend)
         elif (rank.worker.max_rows, rank.worker.max_tokens) < (args.max_num_seqs, args.max_num_batched_tokens):
@@ -94,7 +108,13 @@ class Engine:
         self.sizing = rank.sizing
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         self.state = new_scheduler(self.cache, sched)
-        self.requests: dict[RequestId, tuple[Completion, SamplingParams, torch.Generator]] = {}
+        self.requests: dict[RequestId, Live] = {}
+        self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
+        self.graphs: GraphDecoder | None = None
+        if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
+                and getattr(model, "capturable", True)):  # fmt: skip
+            self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(args.max_num_seqs))
+            self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
         self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
         self.recorder = None if trace is None else Recorder(trace, self.cache, sched)
@@ -108,7 +128,8 @@ class Engine:
         if isinstance(submitted, Failure):  # a bad request: typed, and the engine as it was
             raise ShellError(submitted.failure())
         self.state = submitted.unwrap()
-        self.requests[rid] = (Completion(rid, prompt, list(prompt_ids)), params, generator_for(rid, params))
+        text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
+        self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
         if self.recorder is not None:
             self.recorder.submit(req)
@@ -119,7 +140,7 @@ class Engine:
             raise ShellError(cancelled.failure())
         self.state = cancelled.unwrap()
         self.worker.remove([rid])
-        self.requests[rid][0].finish_reason = "cancelled"
+        self.requests[rid].completion.finish_reason = "cancelled"
         if self.recorder is not None:
             self.recorder.cancel(rid)
 
@@ -130,21 +151,24 @@ class Engine:
         """One engine step; the completions that finished in it."""
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
-        if self.recorder is not None:
-            self.recorder.schedule()
         self.stats.steps += 1
-        self.stats.preemptions += len(plan.preempted)
         if plan.preempted:
             self.worker.remove(list(plan.preempted))
-        done = []
-        for rid, how in plan.finished:  # refused for good by admission
-            comp = self.requests[rid][0]
-            comp.finish_reason = how
-            done.append(comp)
-        logits = self._forward(plan)
+        ids = self._launch(plan)  # the forwards and the sampling, queued on the device
+        # while the device runs them: the host's work that does not wait for this step's tokens
+        if self.recorder is not None:
+            self.recorder.schedule()
+        self.stats.preemptions += len(plan.preempted)
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
-        sampled, stop = self._sample(plan, logits, on_token)
+        done = []
+        for rid, how in plan.finished:  # refused for good by admission
+            comp = self.requests[rid].completion
+            comp.finish_reason = how
+            done.append(comp)
+        self._note_prefills(plan)
+        tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
+        sampled, stop = self._take(plan.samples, tokens, on_token)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         if self.recorder is not None:
             self.recorder.output(sampled, stop)
@@ -157,56 +181,97 @@ class Engine:
                 torch.cuda.synchronize(self.model.device)
             self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
         for rid, _ in ended:
-            comp, params, _ = self.requests[rid]
+            live = self.requests[rid]
+            comp = live.completion
             comp.finish_reason = comp.finish_reason or "length"
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), params.stop)
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
             done.append(comp)
         return done
 
-    def _forward(self, plan: StepPlan) -> dict[RequestId, torch.Tensor]:
-        """Install each of the plan's snapshots and run it: the logits of every row's last token."""
-        logits: dict[RequestId, torch.Tensor] = {}
+    def _launch(self, plan: StepPlan) -> torch.Tensor | None:
+        """Install each of the plan's snapshots, run its forward (a decode batch by graph replay where
+        graphs are captured) and sample every row the plan samples: the ids, on the device, in
+        ``plan.samples``' order. Nothing here waits for the device."""
+        if not plan.metadata:
+            return None
+        outs: list[torch.Tensor] = []
+        where: dict[RequestId, int] = {}
+        base = 0
         for meta in plan.metadata:
             batch = self.worker.install(meta)
-            out = self.model.forward(self._tokens(meta), batch, self.pool, self.backend, self.group)
-            for r, row in enumerate(meta.rows):
-                logits[row.request_id] = out[r]
-            for row in meta.rows:  # a request's first prefill starts where its prefix-cache hit ended
-                if meta.phase is Phase.PREFILL and row.request_id not in self._prefilled:
-                    self._prefilled.add(row.request_id)
-                    self.requests[row.request_id][0].cached_tokens = row.kv_start_pos
-        return logits
+            rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
+            tokens = self._tokens(meta, rows)
+            if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
+                out = self.graphs.decode(tokens, batch)
+            else:
+                out = self.model.forward(tokens, batch, self.pool, self.backend, self.group)
+            where.update(zip(rows, range(base, base + len(rows))))
+            base += len(rows)
+            outs.append(out)
+        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        samples = plan.samples
+        pick = [where[rid] for rid in samples]
+        if pick != list(range(len(logits))):
+            logits = logits[torch.tensor(pick, device=logits.device)]
+        live = [self.requests[rid] for rid in samples]
+        ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live],
+                           [len(x.completion.token_ids) for x in live])  # fmt: skip
+        self._last = (samples, ids)
+        return ids
 
-    def _sample(self, plan: StepPlan, logits: dict[RequestId, torch.Tensor],
-                on_token: Callable[[RequestId, int], None] | None) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
-        """A token for every row the plan samples, and the requests that stopped on it."""
-        sampled: dict[RequestId, int] = {}
+    def _note_prefills(self, plan: StepPlan) -> None:
+        """A request's first prefill starts where its prefix-cache hit ended: its cached tokens."""
+        for meta in plan.metadata:
+            if meta.phase is Phase.PREFILL:
+                for row in meta.rows:
+                    if row.request_id not in self._prefilled:
+                        self._prefilled.add(row.request_id)
+                        self.requests[row.request_id].completion.cached_tokens = row.kv_start_pos
+
+    def _take(self, samples: tuple[RequestId, ...], tokens: list[int],
+              on_token: Callable[[RequestId, int], None] | None) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
+        """Each sampled token kept by its request, and the requests that stopped on it (a stop token,
+        or a stop string in the text so far)."""
+        sampled = dict(zip(samples, tokens))
         stop: list[RequestId] = []
-        for rid in plan.samples:
-            comp, params, g = self.requests[rid]
-            tok = sample(logits[rid], params, g)
-            sampled[rid] = tok
-            comp.token_ids.append(tok)
-            self.stats.generated_tokens += 1
+        stop_ids = self.tokenizer.stop_token_ids
+        for rid, tok in sampled.items():
+            live = self.requests[rid]
+            live.completion.token_ids.append(tok)
             if on_token is not None:
                 on_token(rid, tok)
-            if tok in self.tokenizer.stop_token_ids or (
-                params.stop and any(s in self.tokenizer.decode(comp.token_ids) for s in params.stop)
-            ):
-                comp.finish_reason = "stop"
+            if tok in stop_ids:
+                live.completion.finish_reason = "stop"
                 stop.append(rid)
+            elif live.text is not None and live.text.holds(live.params.stop, live.text.push(tok)):
+                live.completion.finish_reason = "stop"
+                stop.append(rid)
+        self.stats.generated_tokens += len(tokens)
         return sampled, stop
 
-    def _tokens(self, meta: KVMetadata) -> torch.Tensor:
-        ids: list[int] = []
-        seqs, log = self.state.seqs, self.state.log
-        for row in meta.rows:  # what the row's query positions hold: its prompt, then what it generated
-            prompt = seqs[row.request_id].prompt
-            start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
-            ids.extend(prompt[start:end])
-            if end > p:
-                ids.extend(log.ids(row.request_id, max(start - p, 0), end - p))
-        return torch.tensor(ids)
+    def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId]) -> torch.Tensor:
+        """What the rows' query positions hold, on the model's device. A decode batch in the order of the
+        last step's samples is those very ids (no copy from the host); any other batch is read from
+        the requests (their prompt, then what they generated) and copied once."""
+        dev = self.model.device
+        if isinstance(meta.rows, DecodeRows):
+            last = self._last
+            if last is not None and last[0] == rows:
+                return last[1]
+            ids = [self.requests[rid].completion.token_ids[-1] for rid in rows]
+        else:
+            ids = []
+            seqs, log = self.state.seqs, self.state.log
+            for row in meta.rows:
+                prompt = seqs[row.request_id].prompt
+                start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
+                ids.extend(prompt[start:end])
+                if end > p:
+                    ids.extend(log.ids(row.request_id, max(start - p, 0), end - p))
+        host = torch.tensor(ids, dtype=torch.int64)
+        if dev.type == "cuda":
+            return host.pin_memory().to(dev, non_blocking=True)
+        return host
 
     # -- the whole-request API -------------------------------------------------------
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
@@ -225,7 +290,24 @@ class Engine:
             for comp in self.step():
                 if on_finish is not None:
                     on_finish(comp)
-        return [self.requests[rid][0] for rid in order]
+        return [self.requests[rid].completion for rid in order]
+
+
+def backend_for(name: str, device: torch.device) -> str:
+    """``auto``: the triton backend on a CUDA device where Triton imports, else torch; any other name as given.
+
+    >>> backend_for("auto", torch.device("cpu")), backend_for("torch", torch.device("cuda"))
+    ('torch', 'torch')
+    """
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"
 
 
 def freeze_startup() -> None:

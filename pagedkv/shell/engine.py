@@ -210,9 +210,11 @@ class Engine:
             outs.append(out)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         samples = plan.samples
+        if not samples:  # every row mid-way through its prompt: nothing to sample
+            return None
         pick = [where[rid] for rid in samples]
         if pick != list(range(len(logits))):
-            logits = logits[torch.tensor(pick, device=logits.device)]
+            logits = logits[torch.tensor(pick, dtype=torch.long, device=logits.device)]
         live = [self.requests[rid] for rid in samples]
         ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live],
                            [len(x.completion.token_ids) for x in live])  # fmt: skip

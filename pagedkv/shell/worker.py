@@ -210,6 +210,7 @@ class Worker:
         stride_g, stride_r = self.max_rows * self.max_blocks, self.max_blocks
         for key, blocks in zip(keys, lists):
             entry = self.rows.get(key)
+            old: tuple[tuple[int, ...], ...]
             if entry is None:
                 brow, old = self.free_rows.pop(), tuple(() for _ in blocks)
             else:

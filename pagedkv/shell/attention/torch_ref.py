@@ -16,6 +16,9 @@ class TorchBackend:
     name = "torch"
     kv_write = None  # two index_copy_ (the page pool's own write)
 
+    def __init__(self) -> None:
+        self._made: tuple[ForwardBatch, tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         bs = k_pages.shape[1]
@@ -62,24 +65,35 @@ class TorchBackend:
         return out
 
 
+    def _decode_plan(self, batch: ForwardBatch, layer: LayerAttention, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' block tables and visible keys for a decode batch: the same for every layer of a group,
+        so made once a forward (kept for the batch and group it was made for)."""
+        made = self._made
+        if made is not None and made[0] is batch and made[1] == (layer.group, layer.spec, bs, n):
+            return made[2], made[3]
+        seq_lens = batch.seq_lens.long()
+        nb = -(-int(seq_lens.max()) // bs)
+        tables = batch.block_tables[layer.group, :n, :nb].long()  # (rows, blocks)
+        keys = torch.arange(nb * bs, device=tables.device)
+        visible = keys[None, :] < seq_lens[:, None]  # (rows, keys); a lone query sees [lo, seq_len)
+        if layer.spec.kind is not GroupKind.FULL:
+            lows = torch.tensor([lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows],
+                                device=tables.device)  # fmt: skip
+            visible &= keys[None, :] >= lows[:, None]
+        self._made = (batch, (layer.group, layer.spec, bs, n), tables, visible)
+        return tables, visible
+
     def _decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         """Every row has one query token: all rows at once over their gathered pages."""
         bs, kv_heads, d = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
         n, heads = q.shape[0], q.shape[1]
-        seq_lens = batch.seq_lens.long()
-        nb = -(-int(seq_lens.max()) // bs)
-        tables = batch.block_tables[layer.group, :n, :nb].long()  # (rows, blocks)
+        tables, visible = self._decode_plan(batch, layer, bs, n)
+        nb = tables.shape[1]
         k = k_pages[tables].reshape(n, nb * bs, kv_heads, d).float()  # (rows, keys, kv_heads, d)
         v = v_pages[tables].reshape(n, nb * bs, kv_heads, d).float()
-        keys = torch.arange(nb * bs, device=q.device)
-        visible = keys[None, :] < seq_lens[:, None]  # (rows, keys); a lone query sees [lo, seq_len)
-        if layer.spec.kind is not GroupKind.FULL:
-            lows = torch.tensor([lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows],
-                                device=q.device)  # fmt: skip
-            visible &= keys[None, :] >= lows[:, None]
-        hidden = ~visible[:, :, None, None]
-        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)  # never let unread slots into the sums
+        v = v.masked_fill(~visible[:, :, None, None], 0.0)  # never let unread slots into the sums (K's are masked
+        # in the scores below)
         if layer.kv_index is not None:  # a shard's explicit head map: one KV head per query head
             idx = torch.tensor(layer.kv_index, device=k.device)
             k, v, kv_heads = k.index_select(2, idx), v.index_select(2, idx), heads
@@ -87,6 +101,6 @@ class TorchBackend:
         scores = torch.einsum("nvgd,nkvd->nvgk", qg, k) * layer.scale
         if layer.softcap:
             scores = torch.tanh(scores / layer.softcap) * layer.softcap
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # also what an unread K made
         out = torch.einsum("nvgk,nkvd->nvgd", torch.softmax(scores, dim=-1), v)
         return out.reshape(n, heads, d).to(q.dtype)

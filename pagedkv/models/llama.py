@@ -88,7 +88,7 @@ class Llama:
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
         attn = LayerAttention(group=0, spec=group, scale=hd**-0.5, kv_index=self.kv_index)
         cos, sin = self._rope_tables(pos)
-        split = (self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd)
+        split = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
             q, k, v = torch.split(h @ L["qkv"].T, split, dim=-1)  # one product for the three projections

@@ -42,7 +42,7 @@ def main() -> None:
         ids = [tok.encode(t) for t in texts]
         # pagedkv: no early stop, so both sides produce exactly args.new tokens per prompt
         eng = Engine(model, tok, kv_cache_memory_bytes=128 << 20, max_num_seqs=max(b, 1))
-        eng.tokenizer = _NoStop(tok)
+        eng.tokenizer = NoStop(tok)
         t0 = time.perf_counter()
         done = eng.generate([(t, i, SamplingParams(max_tokens=args.new)) for t, i in zip(texts, ids)])
         ours = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
@@ -63,7 +63,7 @@ def main() -> None:
         print(f"{b:>6} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 
-class _NoStop:
+class NoStop:
     """The tokenizer with no stop tokens, so that every request makes exactly --new tokens."""
 
     def __init__(self, tok: Tokenizer) -> None:

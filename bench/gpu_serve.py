@@ -22,8 +22,12 @@ import statistics
 import time
 from typing import Any
 
+import sys
+
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+from bench.generate import NoStop  # noqa: E402  the tokenizer with no stop tokens, as bench/generate.py has it
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
@@ -34,17 +38,6 @@ PROMPTS = [("What is the capital of France?", None), ("Name three primary colors
            ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
 WORDS = ("the cache keeps pages of keys and values for every request while the scheduler admits grows and "
          "releases them as tokens arrive in batches on the device").split()  # fmt: skip
-
-
-class NoStop:
-    """The tokenizer with no stop tokens, so that every request makes exactly its max tokens."""
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self._tok = tok
-        self.stop_token_ids: frozenset[int] = frozenset()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._tok, name)
 
 
 def prompt_text(tok: Tokenizer, prompt: str, system: str | None) -> str:

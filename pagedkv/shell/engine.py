@@ -19,7 +19,7 @@ from returns.result import Failure
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
-from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.core.scheduler import FinishReason, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError
@@ -152,8 +152,8 @@ class Engine:
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
         self.stats.steps += 1
-        if plan.preempted:
-            self.worker.remove(list(plan.preempted))
+        if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
+            self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
         ids = self._launch(plan)  # the forwards and the sampling, queued on the device
         # while the device runs them: the host's work that does not wait for this step's tokens
         if self.recorder is not None:
@@ -162,9 +162,12 @@ class Engine:
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         done = []
-        for rid, how in plan.finished:  # refused for good by admission
-            comp = self.requests[rid].completion
-            comp.finish_reason = how
+        for rid, how in plan.finished:  # refused for good by admission, or run into max_model_len
+            live = self.requests[rid]
+            comp = live.completion
+            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
+            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
             done.append(comp)
         self._note_prefills(plan)
         tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy

@@ -35,3 +35,15 @@ def test_the_default_seed_is_the_same_in_every_process() -> None:
     seeds = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={"PYTHONHASHSEED": str(h), "PATH": ""}).stdout for h in (1, 2, 3)}  # fmt: skip
     assert len(seeds) == 1
+
+
+def test_generated_ids_never_collide_with_given_ones() -> None:
+    """Issue 17, defect 8 (ids): ``generate`` named its requests ``req-{len(requests)}``, so a waiting
+    ``req-1`` given to ``add_request`` made it raise DUPLICATE_REQUEST, and a finished one had its
+    completion replaced."""
+    eng = Engine(random_llama(CFG), IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)
+    eng.add_request("req-1", "", [1, 2, 3], SamplingParams(max_tokens=3))
+    first = eng.generate([("a", [4, 5], SamplingParams(max_tokens=2)), ("b", [6], SamplingParams(max_tokens=2))])
+    assert [c.request_id for c in first] == ["req-0", "req-2"] and len(eng.requests["req-1"].completion.token_ids) == 3
+    (more,) = eng.generate([("c", [7], SamplingParams(max_tokens=2))])
+    assert more.request_id == "req-3" and eng.requests["req-0"].completion is first[0]

@@ -109,6 +109,7 @@ class Engine:
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         self.state = new_scheduler(self.cache, sched)
         self.requests: dict[RequestId, Live] = {}
+        self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self.graphs: GraphDecoder | None = None
         if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
@@ -278,10 +279,17 @@ class Engine:
             return host.pin_memory().to(dev, non_blocking=True)
         return host
 
+    def _fresh_id(self) -> RequestId:
+        """``req-N`` for the next N that no request of this engine holds (ids given to ``add_request`` included)."""
+        while f"req-{self._next_id}" in self.requests:
+            self._next_id += 1
+        self._next_id += 1
+        return f"req-{self._next_id - 1}"
+
     # -- the whole-request API -------------------------------------------------------
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:  # fmt: skip
-        items = [(f"req-{len(self.requests) + k}", text, ids, params) for k, (text, ids, params) in enumerate(prompts)]
+        items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
         state = self.state
         for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
             submitted = submit(state, SeqRequest(rid, tuple(ids), max_tokens=params.max_tokens))

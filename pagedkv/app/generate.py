@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.core.config import InvalidConfig
-    from pagedkv.shell.attention import get_backend
-    from pagedkv.shell.engine import Engine, EngineArgs, backend_for, freeze_startup
+    from pagedkv.shell.engine import Engine, EngineArgs, freeze_startup
     from pagedkv.shell.errors import BackendUnavailable, ShellError
 
     t0 = time.perf_counter()
@@ -116,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         args_ = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                            max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                            backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
-        rank = args_.rank_for(model, get_backend(backend_for(args.backend, model.device)))  # checked before any file is written
+        rank = args_.rank_for(model)  # the sizes and the backend checked before any file is written
         trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
         engine = Engine(model, tok, args_, rank=rank, trace=trace, keep_history=bool(args.page_map))
     except (InvalidConfig, OSError, BackendUnavailable) as e:

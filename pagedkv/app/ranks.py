@@ -18,7 +18,7 @@ from pagedkv.models.parallel import shard
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.distributed import Leader, describe, follow, init
-from pagedkv.shell.engine import Engine, EngineArgs, SamplingParams, backend_for
+from pagedkv.shell.engine import Engine, EngineArgs, SamplingParams
 from pagedkv.shell.rank import build_rank, plan_rank
 
 Request = tuple[str, list[int], SamplingParams]
@@ -33,7 +33,7 @@ def _load(weights: str, device: str) -> tuple[Llama, Any]:
 
 def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, result: dict[str, Any]) -> None:
     """Rank 0: the engine over a broadcasting model; tells the followers its geometry and buffer sizes."""
-    rank = args.rank_for(model, get_backend(backend_for(args.backend, model.device)))
+    rank = args.rank_for(model)
     leader = Leader(model, rank.worker)
     eng = Engine(leader, tok, args, rank=rank, time_steps=True)
     dist.broadcast_object_list([(rank.cache, rank.worker.max_rows, rank.worker.max_tokens)], src=0)  # every rank's geometry

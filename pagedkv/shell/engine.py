@@ -65,8 +65,14 @@ class EngineArgs:
     backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
 
+    def attention(self, model: Any) -> AttentionBackend:
+        """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
+        return get_backend(backend_for(self.backend, model.device))
+
     def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
-        """The KV side these arguments give ``model`` (``shell.rank.rank_for``)."""
+        """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
+        ``attention(model)``) lends the pool its fused K/V write, where it has one."""
+        backend = backend if backend is not None else self.attention(model)
         return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
@@ -97,7 +103,7 @@ class Engine:
                  **fields: Any) -> None:  # fmt: skip
         args = replace(args or EngineArgs(), **fields)
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.backend = get_backend(backend_for(args.backend, model.device))
+        self.backend = args.attention(model)
         if rank is None:
             rank = args.rank_for(model, self.backend)
         elif (rank.worker.max_rows, rank.worker.max_tokens) < (args.max_num_seqs, args.max_num_batched_tokens):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from dataclasses import replace
+
+import pytest
+
+import pagedkv.shell.engine as engine_module
+from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.core.verify.trace import replay
 
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine, SamplingParams
@@ -47,3 +54,109 @@ def test_generated_ids_never_collide_with_given_ones() -> None:
     assert [c.request_id for c in first] == ["req-0", "req-2"] and len(eng.requests["req-1"].completion.token_ids) == 3
     (more,) = eng.generate([("c", [7], SamplingParams(max_tokens=2))])
     assert more.request_id == "req-3" and eng.requests["req-0"].completion is first[0]
+
+
+class Faulty:
+    """A model (or, through ``where``, a worker install or a sampler) that raises on its ``at``-th call."""
+
+    def __init__(self, model: object, at: int) -> None:
+        self.model, self.at, self.calls = model, at, 0
+        for name in ("config", "device", "dtype", "kv_layers"):
+            setattr(self, name, getattr(model, name))
+
+    def tick(self) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"injected fault at call {self.at}")
+
+    def forward(self, *a: object) -> object:
+        self.tick()
+        return self.model.forward(*a)  # type: ignore[attr-defined]
+
+
+PROMPTS = [(f"p{i}", [(7 * i + j) % 300 for j in range(3 + 4 * i)], SamplingParams(max_tokens=6 + i % 3))
+           for i in range(6)]  # fmt: skip
+SMALL = dict(kv_cache_memory_bytes=14 * 1024, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
+
+
+SAMPLED = [(f"s{i}", [(5 * i + j) % 300 for j in range(2 + 5 * i)],
+            SamplingParams(max_tokens=5 + i % 4, temperature=0.9, top_p=0.9, seed=i)) for i in range(6)]  # fmt: skip
+
+
+def serve(model: object, faulty: Faulty | None = None, where: str = "forward", trace: object = None,
+          prompts: list = PROMPTS) -> Engine:  # fmt: skip
+    eng = Engine(faulty if where == "forward" and faulty else model, IdTokenizer(), trace=trace, **SMALL)  # type: ignore[arg-type]
+    if faulty is not None and where != "forward":
+        target = {"install": (eng.worker, "install"), "sample": (engine_module, "sample_batch")}.get(where)
+        if target is not None:
+            obj, name = target
+            real = getattr(obj, name)
+
+            def hooked(*a: object, **k: object) -> object:
+                faulty.tick()
+                return real(*a, **k)
+
+            setattr(obj, name, hooked)
+    on_token = (lambda rid, tok: faulty.tick()) if faulty is not None and where == "callback" else None
+    for rid, ids, p in prompts:
+        eng.add_request(rid, "", ids, p)
+    while eng.has_unfinished():
+        eng.step(on_token)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def tiny() -> object:
+    return random_llama(CFG, seed=5)
+
+
+def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_serves_on(tiny: object) -> None:
+    """Issue 17, defect 2: an exception between schedule and on_output left the plan pending and every
+    later step raised UnwrapFailedError; now the step's requests end with reason error and the rest run."""
+    clean = serve(tiny)
+    trace = io.StringIO()
+    eng = serve(tiny, Faulty(tiny, at=3), trace=trace)
+    failed = [c for c in (eng.requests[rid].completion for rid, _, _ in PROMPTS) if c.finish_reason == "error"]
+    assert failed and all("injected fault at call 3" in (c.error or "") for c in failed)
+    for rid, _, _ in PROMPTS:
+        c = eng.requests[rid].completion
+        if c.finish_reason != "error":
+            assert c.token_ids == clean.requests[rid].completion.token_ids
+    assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows
+    assert all(r.result.get("error") is None and r.divergence is None and not r.violations
+               for r in replay(trace.getvalue().splitlines(), check=True))  # fmt: skip
+    (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=4))])
+    assert len(again.token_ids) == 4 and again.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_two_hundred_injected_faults(tiny: object) -> None:
+    """A fault at every call of the forward, the install, the sampler and the streaming callback, in a
+    greedy and a seeded sampled workload, with a pool small enough to preempt: after each the invariants
+    hold, the pool and the worker rows are whole when every request has ended, a request the fault did not
+    end gives exactly its fault-free tokens, one it ended keeps only tokens the scheduler received, and the
+    engine serves a new request."""
+    faults = 0
+    for prompts in (PROMPTS, SAMPLED):
+        clean = serve(tiny, prompts=prompts)
+        assert clean.stats.preemptions > 0
+        want = {rid: clean.requests[rid].completion.token_ids for rid, _, _ in prompts}
+        for where in ("forward", "install", "sample", "callback"):
+            count = Faulty(tiny, 0)
+            serve(tiny, count, where, prompts=prompts)  # how many such calls a fault-free run makes
+            for at in range(1, count.calls + 1):
+                faulty = Faulty(tiny, at)
+                eng = serve(tiny, faulty, where, prompts=prompts)
+                faults += 1
+                assert check_invariants(eng.state.kv) == []
+                assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows, (where, at)
+                ended = [rid for rid, _, _ in prompts if eng.requests[rid].completion.finish_reason == "error"]
+                assert ended, (where, at)
+                for rid, _, _ in prompts:
+                    got = eng.requests[rid].completion.token_ids
+                    assert got == (want[rid][: len(got)] if rid in ended else want[rid]), (where, at, rid)
+                faulty.at = 0  # no more faults
+                (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=3))])
+                assert len(again.token_ids) == 3
+    assert faults >= 200, faults
+    print(f"{faults} injected faults")

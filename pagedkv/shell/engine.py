@@ -41,6 +41,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | error | UNSCHEDULABLE ...
     cached_tokens: int = 0
+    error: str | None = None  # why a step failed it (finish_reason "error"): the exception, in one line
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class Engine:
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
+        self._before: dict[RequestId, int] = {}  # how many tokens each sampled request had before this step's
         self.graphs: GraphDecoder | None = None
         if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
                 and getattr(model, "capturable", True)):  # fmt: skip
@@ -155,30 +157,30 @@ class Engine:
         return bool(self.state.requests)
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
-        """One engine step; the completions that finished in it."""
+        """One engine step; the completions that finished in it. An exception between the plan and its
+        output (install, forward, sampling, an ``on_token`` callback) fails this step's requests alone
+        (``finish_reason="error"``, the message in ``Completion.error``) and the engine serves on."""
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
         self.stats.steps += 1
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
-        ids = self._launch(plan)  # the forwards and the sampling, queued on the device
-        # while the device runs them: the host's work that does not wait for this step's tokens
-        if self.recorder is not None:
-            self.recorder.schedule()
+        done = self._refused(plan)
+        recorded, self._before = False, {}
+        try:
+            ids = self._launch(plan)  # the forwards and the sampling, queued on the device
+            # while the device runs them: the host's work that does not wait for this step's tokens
+            if self.recorder is not None:
+                self.recorder.schedule()
+            recorded = True
+            self._note_prefills(plan)
+            tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
+            sampled, stop = self._take(plan.samples, tokens, on_token)
+        except Exception as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
+            return done + self._fail(plan, e, recorded)
         self.stats.preemptions += len(plan.preempted)
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
-        done = []
-        for rid, how in plan.finished:  # refused for good by admission, or run into max_model_len
-            live = self.requests[rid]
-            comp = live.completion
-            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
-            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
-            done.append(comp)
-        self._note_prefills(plan)
-        tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-        sampled, stop = self._take(plan.samples, tokens, on_token)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         if self.recorder is not None:
             self.recorder.output(sampled, stop)
@@ -197,6 +199,41 @@ class Engine:
             comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
             done.append(comp)
         return done
+
+    def _refused(self, plan: StepPlan) -> list[Completion]:
+        """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
+        done = []
+        for rid, how in plan.finished:
+            live = self.requests[rid]
+            comp = live.completion
+            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
+            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
+            done.append(comp)
+        return done
+
+    def _fail(self, plan: StepPlan, error: Exception, recorded: bool) -> list[Completion]:
+        """End a step that raised before its output: each of its requests is cancelled with reason ``error``
+        (blocks and buffer rows back; the trace records it as an ``error`` event), the tokens it took this
+        step are dropped (the scheduler never received them), and everything else stays as it was."""
+        if self.recorder is not None and not recorded:
+            self.recorder.schedule()
+        message = f"{type(error).__name__}: {error}"
+        failed = [*plan.decode, *(rid for rid, _ in plan.prefill)]
+        out = []
+        for rid in failed:
+            self.state = cancel(self.state, rid, "error").unwrap()  # a request of the pending step: always known
+            if self.recorder is not None:
+                self.recorder.error(rid)
+            live = self.requests[rid]
+            comp = live.completion
+            del comp.token_ids[self._before.get(rid, len(comp.token_ids)) :]
+            comp.finish_reason, comp.error = "error", message
+            comp.text = self.tokenizer.decode(comp.token_ids)
+            out.append(comp)
+        self.worker.remove(failed)
+        self._last = None
+        return out
 
     def _launch(self, plan: StepPlan) -> torch.Tensor | None:
         """Install each of the plan's snapshots, run its forward (a decode batch by graph replay where
@@ -245,6 +282,7 @@ class Engine:
         """Each sampled token kept by its request, and the requests that stopped on it (a stop token,
         or a stop string in the text so far)."""
         sampled = dict(zip(samples, tokens))
+        self._before = {rid: len(self.requests[rid].completion.token_ids) for rid in samples}  # for a failed step
         stop: list[RequestId] = []
         stop_ids = self.tokenizer.stop_token_ids
         for rid, tok in sampled.items():

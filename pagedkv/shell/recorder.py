@@ -29,6 +29,10 @@ class Recorder:
     def cancel(self, rid: RequestId) -> None:
         self._line({"op": "cancel", "request": rid})
 
+    def error(self, rid: RequestId) -> None:
+        """A request the engine ended with reason ``error`` (a failed step): the scheduler's cancel with that reason."""
+        self._line({"op": "error", "request": rid})
+
     def schedule(self) -> None:
         self.out.write('{"op": "schedule"}\n')
 

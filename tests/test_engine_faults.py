@@ -160,3 +160,32 @@ def test_two_hundred_injected_faults(tiny: object) -> None:
                 assert len(again.token_ids) == 3
     assert faults >= 200, faults
     print(f"{faults} injected faults")
+
+
+def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
+    """Issue 17, defect 8: cancel of an unknown, finished or already cancelled id, a duplicate id, an empty
+    prompt, max_tokens 0, a negative token id and one at or past the vocabulary (it reached the embedding)
+    are each a ShellError with the core's code and message, and the engine's state is as it was."""
+    from pagedkv.core.scheduler import sched_digest
+    from pagedkv.shell.errors import ShellError
+
+    eng = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)  # type: ignore[arg-type]
+    eng.add_request("done", "", [1, 2], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("live", "", [3, 4], SamplingParams(max_tokens=2))
+    eng.add_request("gone", "", [5], SamplingParams(max_tokens=2))
+    eng.cancel("gone")
+    before = sched_digest(eng.state)
+    cases = [(lambda: eng.cancel("nobody"), "UNKNOWN_REQUEST"), (lambda: eng.cancel("done"), "UNKNOWN_REQUEST"),
+             (lambda: eng.cancel("gone"), "UNKNOWN_REQUEST"),
+             (lambda: eng.add_request("live", "", [1], SamplingParams()), "DUPLICATE_REQUEST"),
+             (lambda: eng.add_request("e", "", [], SamplingParams()), "non-empty"),
+             (lambda: eng.add_request("m", "", [1], SamplingParams(max_tokens=0)), "max_tokens"),
+             (lambda: eng.add_request("n", "", [-1], SamplingParams()), "INVALID"),
+             (lambda: eng.add_request("v", "", [1, 300], SamplingParams()), "vocabulary"),
+             (lambda: eng.generate([("ok", [1], SamplingParams()), ("v", [299, 300], SamplingParams())]), "vocabulary")]
+    for call, says in cases:
+        with pytest.raises(ShellError, match=says):
+            call()
+        assert sched_digest(eng.state) == before and set(eng.requests) == {"done", "live", "gone"}

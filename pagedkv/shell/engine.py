@@ -17,12 +17,12 @@ import torch
 from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.errors import RequestId
+from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import FinishReason, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.detok import TextSoFar
-from pagedkv.shell.errors import ShellError
+from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.recorder import Recorder
@@ -133,15 +133,25 @@ class Engine:
     # -- step-level API ----------------------------------------------------------
     def add_request(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> None:
         req = SeqRequest(rid, tuple(prompt_ids), max_tokens=params.max_tokens)
-        submitted = submit(self.state, req)
-        if isinstance(submitted, Failure):  # a bad request: typed, and the engine as it was
-            raise ShellError(submitted.failure())
-        self.state = submitted.unwrap()
+        self.state = self._submitted(self.state, req)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
         if self.recorder is not None:
             self.recorder.submit(req)
+
+    def _submitted(self, state: Any, req: SeqRequest) -> Any:
+        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
+        vocabulary does not have) and nothing changed."""
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None)  # the core checks types
+        if bad is not None:
+            raise refuse(ErrorCode.INVALID, f"request {req.request_id!r}: token id {bad} is outside the model's "
+                                            f"vocabulary [0, {vocab})", request=req.request_id)  # fmt: skip
+        submitted = submit(state, req)
+        if isinstance(submitted, Failure):  # a bad request: typed, and the engine as it was
+            raise ShellError(submitted.failure())
+        return submitted.unwrap()
 
     def cancel(self, rid: RequestId) -> None:
         cancelled = cancel(self.state, rid)
@@ -336,10 +346,7 @@ class Engine:
         items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
         state = self.state
         for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-            submitted = submit(state, SeqRequest(rid, tuple(ids), max_tokens=params.max_tokens))
-            if isinstance(submitted, Failure):
-                raise ShellError(submitted.failure())
-            state = submitted.unwrap()
+            state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=params.max_tokens))
         for rid, text, ids, params in items:
             self.add_request(rid, text, ids, params)
         order = [rid for rid, *_ in items]

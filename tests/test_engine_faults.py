@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 import pagedkv.shell.engine as engine_module
 from pagedkv.core.verify.invariants import check_invariants
@@ -189,3 +190,28 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
         with pytest.raises(ShellError, match=says):
             call()
         assert sched_digest(eng.state) == before and set(eng.requests) == {"done", "live", "gone"}
+
+
+def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
+    """Issue 17, defect 5: the worker took the snapshot's slot values as they came, so a slot inside
+    another request's block made the K/V write overwrite that request's page (and string or out-of-range
+    slots failed later, half-written). Slots are now derived from the installed block table on the device."""
+    from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state, publish
+    from pagedkv.shell.pool import PagePool
+    from pagedkv.shell.worker import Worker
+
+    cfg = CacheConfig(block_size=4, num_blocks=9)
+    s = initial_state(cfg)
+    s = admit(s, RequestSpec("a", (RowSpec(4),))).unwrap().state
+    s = admit(s, RequestSpec("b", (RowSpec(4),))).unwrap().state
+    meta = publish(s, ["a", "b"], "prefill").unwrap().effect
+    a, b = meta.rows
+    forged = replace(meta, rows=(a, replace(b, slots=a.slots[:3] + ("7",))))  # b's K/V aimed at a's page
+    w = Worker(cfg, max_rows=2, max_blocks_per_row=2, max_tokens=8)
+    pool = PagePool(cfg, num_layers=1, kv_heads=1, head_dim=2)
+    batch = w.install(forged)
+    assert batch.slot_mapping.tolist() == [*a.slots, *b.slots]  # the block table's slots, not the forged ones
+    k = torch.arange(8.0)[:, None, None].expand(8, 1, 2).contiguous()
+    pool.write(0, k, k, batch.slot_mapping)
+    a_page = pool.k[0][a.block_ids[0][0]]
+    assert a_page[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0]  # a's keys, untouched by b's write

@@ -233,15 +233,14 @@ class Worker:
             self.row_tables.view(-1).index_copy_(0, _to(flat, dev), _to(vals, dev, torch.int32))
         if decode:  # one query token a row: its slot, at position seq_len - 1
             assert isinstance(rows, DecodeRows)
-            host = torch.tensor(order + rows.seq_lens.tolist() + rows.slots.tolist(), dtype=torch.int64)
-            packed = host.to(dev, non_blocking=False)
-            rows_idx, lens, slots = packed[:n], packed[n : 2 * n], packed[2 * n :]
+            packed = torch.tensor(order + rows.seq_lens.tolist(), dtype=torch.int64).to(dev)
+            rows_idx, lens = packed[:n], packed[n:]
             tokens = n
             self.seq_lens[:n].copy_(lens)
             torch.sub(lens, 1, out=self.positions[:n])
             self.kv_start[:n].copy_(self.positions[:n])
             self.query_start_loc[: n + 1].copy_(self._arange[: n + 1])
-            self.slot_mapping[:n].copy_(slots)
+            row_of = self._arange[:n]
         else:
             rows_idx = torch.tensor(order, device=dev)
             lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in rows], dtype=torch.int32,
@@ -250,10 +249,15 @@ class Worker:
             self.kv_start[:n].copy_(lens[:, 1])
             torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
             tokens = sum(r.query_len for r in rows)
-            self.slot_mapping[:tokens].copy_(torch.tensor([s for r in rows for s in r.slots], dtype=torch.int64))
             self.positions[:tokens].copy_(torch.tensor(
                 [p for r in rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
+            row_of = torch.repeat_interleave(self._arange[:n], lens[:, 2], output_size=tokens)
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
+        # each query token's slot, from the block table just installed: the snapshot's slot values are never
+        # trusted (a forged one would write into another request's page)
+        bs, pos = self.config.block_size, self.positions[:tokens]
+        blocks = self.block_tables[0].view(-1)[row_of.long() * self.max_blocks + pos // bs]
+        torch.add(pos % bs, blocks.long(), alpha=bs, out=self.slot_mapping[:tokens])
         self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],

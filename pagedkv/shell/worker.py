@@ -256,8 +256,8 @@ class Worker:
         # each query token's slot, from the block table just installed: the snapshot's slot values are never
         # trusted (a forged one would write into another request's page)
         bs, pos = self.config.block_size, self.positions[:tokens]
-        blocks = self.block_tables[0].view(-1)[row_of.long() * self.max_blocks + pos // bs]
-        torch.add(pos % bs, blocks.long(), alpha=bs, out=self.slot_mapping[:tokens])
+        ids = self.block_tables[0].view(-1)[row_of.long() * self.max_blocks + pos // bs]
+        torch.add(pos % bs, ids.long(), alpha=bs, out=self.slot_mapping[:tokens])
         self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],

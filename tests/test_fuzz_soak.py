@@ -16,7 +16,9 @@ from pagedkv.core import (
     release,
 )  # fmt: skip
 from pagedkv.core.invariants import check_invariants
-from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.core.scheduler import (
+    SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, sched_digest, schedule, submit,
+)  # fmt: skip
 from pagedkv.core.trace import replay
 
 CODES = {c.value for c in ErrorCode}
@@ -25,6 +27,9 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
+# what a JSON reader never gives but a Python caller can: integers past 4,300 digits (their str() raises)
+# and past 64 bits, and strings holding lone surrogates (they do not encode as UTF-8)
+hostile_values = json_values | st.sampled_from([10**5000, -(10**5000), 2**64, 2**63, "\ud800", "a\udfff"])
 OPS = ["admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "fly", None, 3]
 FIELDS = ["request", "rows", "tokens", "num_tokens", "computed", "reason", "requests", "phase", "extra_keys", "expect"]
 
@@ -62,13 +67,22 @@ def test_malformed_events_get_typed_errors_and_change_nothing(lines: list[str]) 
 
 
 @pytest.mark.slow
-@given(rid=json_values, rows=json_values, counts=json_values, reason=json_values, phase=json_values)
+@given(rid=hostile_values, rows=hostile_values, counts=hostile_values, reason=hostile_values, phase=hostile_values)
 def test_transitions_refuse_wrong_types_with_typed_errors(rid: Any, rows: Any, counts: Any, reason: Any,
                                                           phase: Any) -> None:  # fmt: skip
+    """Issue 17, defect 7: ids, counts and token ids over 4,300 digits raised ValueError while the message
+    (or the hash) was made; every input is a Success or a typed Failure."""
     s = initial_state(CacheConfig(block_size=2, num_blocks=9))
     s = admit(s, RequestSpec("a", (RowSpec(3),))).unwrap().state
     before = digest(s)
+    sched = new_scheduler(CacheConfig(block_size=2, num_blocks=9), SchedulerConfig())
+    tokens = counts if isinstance(counts, list) else [counts]
     calls = [
+        lambda: admit(s, RequestSpec("b", (RowSpec(len(tokens), tokens=tuple(tokens)),))),
+        lambda: admit(s, RequestSpec("b", (RowSpec(counts),))),  # type: ignore[arg-type]
+        lambda: submit(sched, SeqRequest(rid, tuple(tokens), max_tokens=counts)),  # type: ignore[arg-type]
+        lambda: cancel(sched, rid),
+        lambda: cancel(sched, rid, reason),
         lambda: admit(s, RequestSpec(rid, rows if isinstance(rows, tuple) else (RowSpec(rows),))),  # type: ignore[arg-type]
         lambda: append(s, rid, counts),
         lambda: append(s, "a", counts),
@@ -80,6 +94,8 @@ def test_transitions_refuse_wrong_types_with_typed_errors(rid: Any, rows: Any, c
         result = call()  # never an exception: a typed refusal or a success
         if isinstance(result, Failure):
             assert result.failure().code.value in CODES and result.failure().message
+        elif isinstance(result.unwrap(), SchedState):
+            sched_digest(result.unwrap())  # a state it took can be digested (and so recorded and replayed)
     assert digest(s) == before
 
 

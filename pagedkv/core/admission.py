@@ -12,7 +12,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Admitted
-from pagedkv.core.errors import ErrorCode, KVError, fail
+from pagedkv.core.errors import ErrorCode, KVError, fail, shown
 from pagedkv.core.hashing import extra_blob
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -42,7 +42,7 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     if need > state.num_free:
         return fail(
             ErrorCode.NO_CAPACITY,
-            f"request {rid!r} needs {need} blocks; {state.num_free} are free",
+            f"request {shown(rid)} needs {need} blocks; {state.num_free} are free",
             rid, requested=need, available=state.num_free,
         )  # fmt: skip
     txn = Txn(state)
@@ -67,21 +67,21 @@ def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
     cfg, rid, rows = state.config, spec.request_id, spec.rows
     limit = cfg.max_rows_per_request
     if limit is not None and len(rows) > limit:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} has {len(rows)} rows, over max_rows_per_request "
+        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} has {len(rows)} rows, over max_rows_per_request "
                        f"{limit}", request=rid, requested=len(rows), available=limit)  # fmt: skip
     if cfg.max_model_len is not None:
         for i, row in enumerate(rows):
             if row.num_tokens > cfg.max_model_len:
-                return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} row {i} has {row.num_tokens} tokens, over "
+                return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
                                f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
                                available=cfg.max_model_len)  # fmt: skip
     need = len(cfg.groups) * sum(cfg.blocks_for(row.num_tokens) for row in rows)
     if need > cfg.usable_blocks:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} needs {need} blocks; the pool has "
+        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {need} blocks; the pool has "
                        f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=need,
                        available=cfg.usable_blocks)  # fmt: skip
     if rid in state.requests:
-        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already admitted", request=rid)
+        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already admitted", request=rid)
     return None
 
 

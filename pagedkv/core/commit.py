@@ -14,7 +14,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Committed
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.events import BlockStored
 from pagedkv.core.hashing import hash_packed
 from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids
@@ -55,19 +55,19 @@ def commit_many(
 
 def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
     if not is_request_id(request_id):
-        return invalid(f"request id must be a string or an integer, got {request_id!r}", field="request")
+        return invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request")
     base = txn.base
     req = base.requests.get(request_id)
     if req is None:
-        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request=request_id)
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
     if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
-        return invalid(f"commit of request {request_id!r} must give one count per row ({len(req.slots)})",
+        return invalid(f"commit of request {shown(request_id)} must give one count per row ({len(req.slots)})",
                        request=request_id, field="computed")  # fmt: skip
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         before, seq_len = txn.row_computed[slot], txn.row_len[slot]
         if not is_int(c) or not before <= c <= seq_len:
             return invalid(
-                f"request {request_id!r} row {i}: computed must be an integer in [{before}, {seq_len}], got {c!r}",
+                f"request {shown(request_id)} row {i}: computed must be an integer in [{before}, {seq_len}], got {shown(c)}",
                 request=request_id, field="computed")  # fmt: skip
     first_event = len(txn.events)
     caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch

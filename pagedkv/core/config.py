@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pagedkv.core.errors import is_int
+from pagedkv.core.errors import is_int, shown
 
 
 class GroupKind(StrEnum):
@@ -39,18 +39,18 @@ class GroupSpec:
 
     def __post_init__(self) -> None:
         if type(self.name) is not str or not self.name:
-            raise InvalidConfig(f"group name must be a non-empty string, got {self.name!r}")
+            raise InvalidConfig(f"group name must be a non-empty string, got {shown(self.name)}")
         if self.kind not in tuple(GroupKind):
-            raise InvalidConfig(f"group {self.name!r}: unknown kind {self.kind!r}")
+            raise InvalidConfig(f"group {shown(self.name)}: unknown kind {shown(self.kind)}")
         object.__setattr__(self, "kind", GroupKind(self.kind))
         need = {GroupKind.SLIDING_WINDOW: "window", GroupKind.CHUNKED_LOCAL: "chunk"}.get(self.kind)
         for key in ("window", "chunk"):
             value = getattr(self, key)
             if key == need:
                 if not is_int(value) or value < 1:
-                    raise InvalidConfig(f"group {self.name!r}: {key} must be a positive integer, got {value!r}")
+                    raise InvalidConfig(f"group {shown(self.name)}: {key} must be a positive integer, got {shown(value)}")
             elif value is not None:
-                raise InvalidConfig(f"group {self.name!r}: kind {self.kind.value} takes no {key}")
+                raise InvalidConfig(f"group {shown(self.name)}: kind {self.kind.value} takes no {key}")
 
     @property
     def is_windowed(self) -> bool:
@@ -104,29 +104,34 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
-            raise InvalidConfig(f"hash_namespace must be a string, got {self.hash_namespace!r}")
+            raise InvalidConfig(f"hash_namespace must be a string, got {shown(self.hash_namespace)}")
+        try:
+            self.hash_namespace.encode("utf-8")  # the root hash digests its UTF-8 bytes
+        except UnicodeEncodeError:
+            raise InvalidConfig(f"hash_namespace must be valid Unicode text (it is hashed as UTF-8), got "
+                                f"{shown(self.hash_namespace)}") from None
         if not is_int(self.block_size) or self.block_size < 1:
-            raise InvalidConfig(f"block_size must be a positive integer, got {self.block_size!r}")
+            raise InvalidConfig(f"block_size must be a positive integer, got {shown(self.block_size)}")
         if not is_int(self.num_blocks) or self.num_blocks < 2:
             raise InvalidConfig(
-                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {self.num_blocks!r}"
+                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {shown(self.num_blocks)}"
             )
         groups = tuple(self.groups)
         if not groups:
             raise InvalidConfig("groups must name at least one KV cache group")
         for g in groups:
             if not isinstance(g, GroupSpec):
-                raise InvalidConfig(f"groups must hold GroupSpec values, got {g!r}")
+                raise InvalidConfig(f"groups must hold GroupSpec values, got {shown(g)}")
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise InvalidConfig(f"group names must be unique, got {names}")
         object.__setattr__(self, "groups", groups)
         if type(self.enable_prefix_caching) is not bool:
-            raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+            raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {shown(self.enable_prefix_caching)}")
         for key in ("max_rows_per_request", "max_model_len"):
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):
-                raise InvalidConfig(f"{key} must be a positive integer or null, got {value!r}")
+                raise InvalidConfig(f"{key} must be a positive integer or null, got {shown(value)}")
 
     @property
     def usable_blocks(self) -> int:

@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.commit import _commit_one, _hash_full_blocks
 from pagedkv.core.effects import Decoded
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.events import BlockStored
 from pagedkv.core.growth import _batch, _batch_leaves, _grow, _open_block
 from pagedkv.core.hashing import hash_packed
@@ -166,5 +166,5 @@ def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: b
 
 def _unknown(rid: object) -> KVError:
     if not is_request_id(rid):
-        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
-    return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)  # type: ignore[arg-type]
+        return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
+    return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.effects import MarkedReady
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, shown
 from pagedkv.core.state import KVState, Step
 from pagedkv.core.txn import Txn
 
@@ -22,17 +22,17 @@ def mark_ready(state: KVState, request_id: RequestId, row: int, start: int, end:
     may be partial: it holds tokens up to the row's ``pending_tokens``). Marking again is a no-op.
     """
     if not is_request_id(request_id):
-        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+        return Failure(invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request"))
     req = state.requests.get(request_id)
     if req is None:
-        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     if not is_int(row) or not 0 <= row < len(req.slots):
-        return Failure(invalid(f"request {request_id!r} has no row {row!r}", request=request_id, field="row"))
+        return Failure(invalid(f"request {shown(request_id)} has no row {shown(row)}", request=request_id, field="row"))
     slot = req.slots[row]
     record = state.rows[slot]
     arriving, pending = record.pending
     if not (is_int(start) and is_int(end) and 0 <= start < end <= arriving):
-        return Failure(invalid(f"request {request_id!r} row {row}: [{start!r}, {end!r}) is not inside the "
+        return Failure(invalid(f"request {shown(request_id)} row {row}: [{shown(start)}, {shown(end)}) is not inside the "
                                f"arriving range [0, {arriving})", request=request_id, field="range"))  # fmt: skip
     bs = state.config.block_size
     ready = frozenset(j for j in pending if start <= j * bs and min((j + 1) * bs, arriving) <= end)

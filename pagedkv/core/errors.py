@@ -51,6 +51,22 @@ class KVError:
         return self.code is not ErrorCode.NO_CAPACITY
 
 
+SHOWN_DIGITS = 60  # an integer longer than this is named by its size in messages, not spelled out
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message, except that an integer too long to print (Python refuses past
+    4,300 digits, and a message needs none of them) is named by its size.
+
+    >>> shown("r1"), shown(7), shown(10**100)
+    ("'r1'", '7', '<an integer of 101 digits>')
+    """
+    if type(value) is int and value.bit_length() > SHOWN_DIGITS * 3:  # past ~54 digits
+        digits = len(str(abs(value))) if value.bit_length() < 14_000 else int(value.bit_length() * 0.30103) + 1
+        return f"<an integer of {'about ' if value.bit_length() >= 14_000 else ''}{digits} digits>"
+    return repr(value)
+
+
 def fail(code: ErrorCode, message: str, rid: RequestId | None, **numbers: int) -> Failure[KVError]:
     """A refusal with the numbers that explain it (``requested``, ``available``)."""
     return Failure(KVError(code, message, request=rid, **numbers))  # type: ignore[arg-type]
@@ -95,5 +111,13 @@ def are_token_ids(ids: Sequence[object]) -> bool:
     return True
 
 
+INT_ID_LIMIT = 1 << 63  # an integer request id is a signed 64-bit integer (traces carry it as a JSON number)
+
+
 def is_request_id(value: object) -> bool:
-    return type(value) is str or type(value) is int
+    """A string, or an integer in ``[-2**63, 2**63)`` (never a bool).
+
+    >>> is_request_id("a"), is_request_id(-5), is_request_id(2**63), is_request_id(True)
+    (True, True, False, False)
+    """
+    return type(value) is str or (type(value) is int and -INT_ID_LIMIT <= value < INT_ID_LIMIT)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
-from pagedkv.core.errors import is_int
+from pagedkv.core.errors import is_int, shown
 
 BLOCK_ALIGN = 16  # attention kernels want block sizes in multiples of 16 when the size is raised
 
@@ -115,7 +115,7 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
     (10, 7, [10, 10, 10, 10, 10, 10, 2], 8)
     """
     if not is_int(block_size) or block_size < 1:
-        raise InvalidConfig(f"block_size must be a positive integer, got {block_size!r}")
+        raise InvalidConfig(f"block_size must be a positive integer, got {shown(block_size)}")
     owners, shared = _owners(layers)
     bs, page, state_padding = _page_size(owners, block_size)
     # one list of layers per kind (kind, window, chunk), in order of first appearance
@@ -153,7 +153,7 @@ def _owners(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> tuple[list[Layer
         if layer.kv_sharing_target is not None:
             target = by_name.get(layer.kv_sharing_target)
             if target is None or target.kv_sharing_target is not None:
-                raise InvalidConfig(f"layer {layer.name!r} shares KV with {layer.kv_sharing_target!r}, "
+                raise InvalidConfig(f"layer {shown(layer.name)} shares KV with {shown(layer.kv_sharing_target)}, "
                                     "which is not a layer with KV of its own")  # fmt: skip
             shared.append((layer.name, target.name))
         else:
@@ -180,7 +180,7 @@ def _page_size(owners: list[LayerSpec], block_size: int) -> tuple[int, int, int]
     for layer in owners:
         if layer.kind is LayerKind.MAMBA:
             if layer.state_bytes is None or not is_int(layer.state_bytes) or layer.state_bytes < 1:
-                raise InvalidConfig(f"state layer {layer.name!r} needs a positive state_bytes")
+                raise InvalidConfig(f"state layer {shown(layer.name)} needs a positive state_bytes")
             state_sizes.append(layer.state_bytes)
     if not attention:
         return block_size, max(state_sizes), 0
@@ -201,7 +201,7 @@ def num_blocks_for_budget(kv_cache_memory_bytes: int, plan: GroupPlan) -> int:
     (737280, 1456)
     """
     if not is_int(kv_cache_memory_bytes) or kv_cache_memory_bytes < 0:
-        raise InvalidConfig(f"kv_cache_memory_bytes must be a non-negative integer, got {kv_cache_memory_bytes!r}")
+        raise InvalidConfig(f"kv_cache_memory_bytes must be a non-negative integer, got {shown(kv_cache_memory_bytes)}")
     n = kv_cache_memory_bytes // plan.bytes_per_block
     if n < 2:
         raise InvalidConfig(f"{kv_cache_memory_bytes} bytes hold {n} blocks of {plan.bytes_per_block} bytes; "

@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Appended
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step, pack_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.vec import VecEdit
@@ -150,7 +150,7 @@ def _batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
                        field="tokens")  # fmt: skip
     if not are_token_ids(toks):
         bad = next(t for t in toks if not is_token_id(t))
-        return invalid(f"token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
+        return invalid(f"token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens")
     return ids, toks
 
 
@@ -160,21 +160,21 @@ _ONES = [(1,) * n for n in range(9)]
 def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | int:
     """Apply one request's growth to ``txn``; the generation taken, 0 if none, or the error."""
     if not is_request_id(rid):
-        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+        return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
     req = txn.base.requests.get(rid)
     if req is None:
-        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid)
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
     if rows is None:  # append_decode: one token per row
         rows = _ONES[len(req.slots)] if len(req.slots) < len(_ONES) else (1,) * len(req.slots)
     if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
-        return invalid(f"append to request {rid!r} must give one entry per row ({len(req.slots)})",
+        return invalid(f"append to request {shown(rid)} must give one entry per row ({len(req.slots)})",
                        request=rid, field="tokens")  # fmt: skip
     planned = _plan_growth(txn, req, rows)
     if isinstance(planned, KVError):
         return planned
     grown, need = planned
     if need > txn.num_free:
-        return KVError(ErrorCode.NO_CAPACITY, f"request {rid!r} needs {need} more blocks; {txn.num_free} are free",
+        return KVError(ErrorCode.NO_CAPACITY, f"request {shown(rid)} needs {need} more blocks; {txn.num_free} are free",
                        request=rid, requested=need, available=txn.num_free)  # fmt: skip
     for slot, new_len, extra, item in grown:
         _grow_row(txn, slot, new_len, extra, item)
@@ -196,25 +196,25 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
         if type(item) is int:
             n = item
             if n < 0:
-                return invalid(f"request {rid!r} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
+                return invalid(f"request {shown(rid)} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
         elif isinstance(item, (list, tuple)):
             for t in item:
                 if not is_token_id(t):
-                    return invalid(f"request {rid!r} row {i}: token ids must be non-negative integers below 2**64, got {t!r}",
+                    return invalid(f"request {shown(rid)} row {i}: token ids must be non-negative integers below 2**64, got {shown(t)}",
                                    request=rid, field="tokens")  # fmt: skip
             n = len(item)
         else:
-            return invalid(f"request {rid!r} row {i}: growth must be a count or a list of token ids, got {item!r}",
+            return invalid(f"request {shown(rid)} row {i}: growth must be a count or a list of token ids, got {shown(item)}",
                            request=rid, field="tokens")  # fmt: skip
         if n == 0:
             continue
         if req.layouts[i].is_diffusion:
-            return invalid(f"request {rid!r} row {i} is a diffusion row; its length is fixed at admission",
+            return invalid(f"request {shown(rid)} row {i} is a diffusion row; its length is fixed at admission",
                            request=rid, field="tokens")  # fmt: skip
         slot = req.slots[i]
         new_len = row_len[slot] + n
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
-            return invalid(f"request {rid!r} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
+            return invalid(f"request {shown(rid)} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
                            request=rid, field="tokens")  # fmt: skip
         extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
         need += extra

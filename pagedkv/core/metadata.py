@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import overload
 
-from pagedkv.core.errors import RequestId
+from pagedkv.core.errors import RequestId, shown
 from pagedkv.core.spec import Span
 from pagedkv.core.state import Blocks
 
@@ -98,7 +98,7 @@ class DecodeRows(Sequence[RowMetadata]):
         return hash(tuple(self))
 
     def __repr__(self) -> str:
-        return f"DecodeRows({tuple(self)!r})"
+        return f"DecodeRows({shown(tuple(self))})"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (DecodeRows, (self.request_ids, self.block_ids, self.seq_lens, self.slots))

@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.state import KVState, Step, initial_state
@@ -33,12 +33,12 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     (2, 2)
     """
     if not isinstance(reason, str) or reason not in _REASONS:
-        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason"))
     if not is_request_id(request_id):
-        return Failure(invalid(f"request id must be a string or an integer, got {request_id!r}", field="request"))
+        return Failure(invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request"))
     req = state.requests.get(request_id)
     if req is None:
-        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not admitted", request_id)
+        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     txn = Txn(state)
     before = txn.num_free
     pool.free_tail_first(txn, req)
@@ -62,17 +62,17 @@ def release_many(
     [('a', 3, 2), ('b', 4, 1)]
     """
     if not isinstance(reason, str) or reason not in _REASONS:
-        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {reason!r}", field="reason"))
+        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason"))
     why = ReleaseReason(reason)
     txn = Txn(state)
     out = []
     gone: set[RequestId] = set()
     for rid in request_ids:
         if not is_request_id(rid):
-            return Failure(invalid(f"request id must be a string or an integer, got {rid!r}", field="request"))
+            return Failure(invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request"))
         req = state.requests.get(rid)
         if req is None or rid in gone:
-            return fail(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", rid)
+            return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
         gone.add(rid)
         before = txn.num_free
         pool.free_tail_first(txn, req)

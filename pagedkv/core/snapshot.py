@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, segments_of, slots_of
 from pagedkv.core.state import NO_PENDING, SLOT_SHIFT, KVState, Request, Step
 
@@ -38,7 +38,7 @@ def publish(
     for rid in request_ids:  # every id resolves before any row is judged
         req = state.requests.get(rid)
         if req is None:
-            return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {rid!r} is not admitted", request=rid))
+            return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid))
         requests.append(req)
     if phase is Phase.DECODE:
         columns = _decode_columns(state, requests)
@@ -56,12 +56,12 @@ def publish(
                 structure = flags
             elif flags != structure:
                 return Failure(invalid(
-                    f"request {req.request_id!r} row {i} has segments {_flags(flags)} but the forward's first row "
+                    f"request {shown(req.request_id)} row {i} has segments {_flags(flags)} but the forward's first row "
                     f"has {_flags(structure)}; rows of one forward need the same segment structure",
                     request=req.request_id, field="requests"))  # fmt: skip
             _, pending = state.rows[slot].pending
             if pending and min(pending) * bs < row.seq_len:
-                return Failure(invalid(f"request {req.request_id!r} row {i}: block position {min(pending)} is pending "
+                return Failure(invalid(f"request {shown(req.request_id)} row {i}: block position {min(pending)} is pending "
                                        "(its KV has not arrived); attention cannot read it", request=req.request_id,
                                        field="pending"))  # fmt: skip
             rows.append(row)
@@ -71,15 +71,15 @@ def publish(
 def _check_call(request_ids: Sequence[RequestId], phase: Phase | str) -> KVError | None:
     """The phase is one of the three, and the ids a non-empty list of distinct request ids."""
     if not isinstance(phase, str) or phase not in _PHASES:
-        return invalid(f"phase must be one of {sorted(_PHASES)}, got {phase!r}", field="phase")
+        return invalid(f"phase must be one of {sorted(_PHASES)}, got {shown(phase)}", field="phase")
     if not isinstance(request_ids, (list, tuple)) or not request_ids:
         return invalid("publish needs a non-empty list of request ids", field="requests")
     seen: set[RequestId] = set()
     for rid in request_ids:
         if not is_request_id(rid):
-            return invalid(f"request id must be a string or an integer, got {rid!r}", field="requests")
+            return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="requests")
         if rid in seen:
-            return invalid(f"request {rid!r} is named twice in one publish", request=rid, field="requests")
+            return invalid(f"request {shown(rid)} is named twice in one publish", request=rid, field="requests")
         seen.add(rid)
     return None
 
@@ -91,22 +91,22 @@ def _query(state: KVState, req: Request, i: int, slot: int, phase: Phase,
     if phase is Phase.PREFILL:
         start = state.row_computed[slot]
         if start >= length:
-            return invalid(f"request {rid!r} row {i}: all {length} tokens are computed; nothing to prefill",
+            return invalid(f"request {shown(rid)} row {i}: all {length} tokens are computed; nothing to prefill",
                            request=rid, field="phase")  # fmt: skip
         limit = query_limits.get(rid) if query_limits else None
         if limit is None:
             return start, length
         if type(limit) is not int or limit < 1:
-            return invalid(f"query limit of request {rid!r} must be a positive integer", request=rid,
+            return invalid(f"query limit of request {shown(rid)} must be a positive integer", request=rid,
                            field="query_limits")  # fmt: skip
         return start, min(length, start + limit)
     if phase is Phase.DENOISE:
         if layout.prefix_len is None or layout.target_len is None:
-            return invalid(f"request {rid!r} row {i} is not a diffusion row; it cannot denoise", request=rid,
+            return invalid(f"request {shown(rid)} row {i} is not a diffusion row; it cannot denoise", request=rid,
                            field="phase")  # fmt: skip
         return layout.prefix_len, layout.prefix_len + layout.target_len
     if layout.is_diffusion:
-        return invalid(f"request {rid!r} row {i} is a diffusion row; it cannot decode", request=rid, field="phase")
+        return invalid(f"request {shown(rid)} row {i} is a diffusion row; it cannot decode", request=rid, field="phase")
     return length - 1, length
 
 

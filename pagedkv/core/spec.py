@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import INT_ID_LIMIT, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import shown
 
 Span = tuple[int, int]
 
@@ -72,19 +73,19 @@ def check_request_spec(spec: object) -> KVError | None:
     admission's business.
 
     >>> check_request_spec(RequestSpec("a", (RowSpec(0),))).message
-    "request 'a' row 0: num_tokens must be a positive integer, got 0"
+    "request 'a' row 0: num_tokens must be a positive integer below 2**63, got 0"
     """
     if not isinstance(spec, RequestSpec):
         return invalid(f"admit needs a RequestSpec, got {type(spec).__name__}")
     rid = spec.request_id
     if not is_request_id(rid):
-        return invalid(f"request id must be a string or an integer, got {rid!r}", field="request")
+        return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
     if not isinstance(spec.rows, tuple) or not spec.rows:
-        return invalid(f"request {rid!r} must have at least one row", request=rid, field="rows")
+        return invalid(f"request {shown(rid)} must have at least one row", request=rid, field="rows")
     if not isinstance(spec.extra_keys, tuple) or any(type(k) is not str for k in spec.extra_keys):
-        return invalid(f"request {rid!r}: extra_keys must be strings", request=rid, field="extra_keys")
+        return invalid(f"request {shown(rid)}: extra_keys must be strings", request=rid, field="extra_keys")
     for i, row in enumerate(spec.rows):
-        err = _check_row(row, f"request {rid!r} row {i}")
+        err = _check_row(row, f"request {shown(rid)} row {i}")
         if err is not None:
             return KVError(err.code, err.message, request=rid, field=err.field)
     return None
@@ -94,34 +95,34 @@ def _check_row(row: object, where: str) -> KVError | None:
     if not isinstance(row, RowSpec):
         return invalid(f"{where}: rows must be RowSpec values, got {type(row).__name__}", field="rows")
     n = row.num_tokens
-    if not is_int(n) or n < 1:
-        return invalid(f"{where}: num_tokens must be a positive integer, got {n!r}", field="num_tokens")
+    if not is_int(n) or not 1 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no pool, nor a message)
+        return invalid(f"{where}: num_tokens must be a positive integer below 2**63, got {shown(n)}", field="num_tokens")
     if row.tokens is not None:
         if not isinstance(row.tokens, tuple) or len(row.tokens) != n:
-            return invalid(f"{where}: tokens must be a tuple of num_tokens ({n}) ids", field="tokens")
+            return invalid(f"{where}: tokens must be a tuple of num_tokens ({shown(n)}) ids", field="tokens")
         toks = row.tokens  # judged at C speed (the types, then the range as unsigned 64-bit); the loop names a bad id
         if not are_token_ids(toks):
             bad = next(t for t in toks if not is_token_id(t))
-            return invalid(f"{where}: token ids must be non-negative integers below 2**64, got {bad!r}", field="tokens")
+            return invalid(f"{where}: token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens")
     p, t = row.prefix_len, row.target_len
     if (p is None) != (t is None):
         return invalid(f"{where}: prefix_len and target_len come together", field="prefix_len")
     if p is not None and t is not None:
         if not is_int(p) or p < 0:
-            return invalid(f"{where}: prefix_len must be a non-negative integer, got {p!r}", field="prefix_len")
+            return invalid(f"{where}: prefix_len must be a non-negative integer, got {shown(p)}", field="prefix_len")
         if not is_int(t) or t < 1:
-            return invalid(f"{where}: target_len must be a positive integer, got {t!r}", field="target_len")
+            return invalid(f"{where}: target_len must be a positive integer, got {shown(t)}", field="target_len")
         if p + t > n:
             return invalid(f"{where}: prefix_len + target_len = {p + t} exceeds seq_len {n}", field="target_len")
     if not is_int(row.pending_tokens) or not 0 <= row.pending_tokens <= n:
-        return invalid(f"{where}: pending_tokens must be an integer in [0, {n}], got {row.pending_tokens!r}",
+        return invalid(f"{where}: pending_tokens must be an integer in [0, {n}], got {shown(row.pending_tokens)}",
                        field="pending_tokens")  # fmt: skip
     if not isinstance(row.spans, tuple):
         return invalid(f"{where}: spans must be a tuple of [start, end) pairs", field="spans")
     end_prev = 0
     for s in row.spans:
         if not (isinstance(s, tuple) and len(s) == 2 and is_int(s[0]) and is_int(s[1])):
-            return invalid(f"{where}: a span must be a [start, end) pair of integers, got {s!r}", field="spans")
+            return invalid(f"{where}: a span must be a [start, end) pair of integers, got {shown(s)}", field="spans")
         a, b = s
         if not 0 <= a < b <= n:
             return invalid(f"{where}: span [{a}, {b}) is empty or outside the row [0, {n})", field="spans")

@@ -25,6 +25,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any, Generic, TypeVar
+from pagedkv.core.errors import shown
 
 T = TypeVar("T")
 
@@ -98,7 +99,7 @@ class Vec(Generic[T]):
         return hash(tuple(self))
 
     def __repr__(self) -> str:
-        return f"Vec({list(self)!r})"
+        return f"Vec({shown(list(self))})"
 
     def edit(self) -> VecEdit[T]:
         return VecEdit(self)

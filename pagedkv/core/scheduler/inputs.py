@@ -7,7 +7,7 @@ from dataclasses import replace
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id
+from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, shown
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
@@ -35,26 +35,26 @@ def _check(state: SchedState, request: object) -> KVError | None:
     rid = request.request_id
     if request.rows is None:
         if not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
-            return invalid(f"request {rid!r}: prompt must be a non-empty list of token ids", request=rid,
+            return invalid(f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid,
                            field="prompt")  # fmt: skip
-        if not is_int(request.max_tokens) or request.max_tokens < 1:
-            return invalid(f"request {rid!r}: max_tokens must be a positive integer", request=rid, field="max_tokens")
+        if not is_int(request.max_tokens) or not 1 <= request.max_tokens < INT_ID_LIMIT:
+            return invalid(f"request {shown(rid)}: max_tokens must be a positive integer", request=rid, field="max_tokens")
     elif not is_int(request.steps) or request.steps < 1:
-        return invalid(f"request {rid!r}: steps must be a positive integer", request=rid, field="steps")
+        return invalid(f"request {shown(rid)}: steps must be a positive integer", request=rid, field="steps")
     err = check_request_spec(replace(request, output=()).spec())
     if err is not None:
         return err
     if rid in state.seqs:
-        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {rid!r} is already waiting or running", request=rid)
+        return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already waiting or running", request=rid)
     return None
 
 
 def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") -> Result[SchedState, KVError]:
     """End a waiting or running request (``reason``: cancelled or error); its blocks go back."""
     if not isinstance(reason, str) or reason not in ("cancelled", "error"):
-        return Failure(invalid(f"cancel reason must be cancelled or error, got {reason!r}", field="reason"))
+        return Failure(invalid(f"cancel reason must be cancelled or error, got {shown(reason)}", field="reason"))
     if not is_request_id(request_id) or request_id not in state.seqs:
-        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {request_id!r} is not waiting or running", None)
+        return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not waiting or running", None)
     advance(state.phases[request_id], Event.CANCEL)
     kv = state.kv
     if request_id in kv.requests:

@@ -10,6 +10,7 @@ fails when the two differ).
 from __future__ import annotations
 
 from enum import StrEnum
+from pagedkv.core.errors import shown
 
 
 class Phase(StrEnum):
@@ -70,13 +71,13 @@ def advance(phase: Phase | None, event: Event) -> Phase | None:
     try:
         return _MOVES[(phase, event)]
     except KeyError:
-        raise AssertionError(f"the lifecycle has no {event.value!r} from {phase}: a scheduler bug") from None
+        raise AssertionError(f"the lifecycle has no {shown(event.value)} from {phase}: a scheduler bug") from None
 
 
 def moved(phase: Phase | None, event: Event) -> Phase:
     """``advance`` for an event that keeps the request alive."""
     to = advance(phase, event)
-    assert to is not None, f"{event.value!r} ends a request"
+    assert to is not None, f"{shown(event.value)} ends a request"
     return to
 
 

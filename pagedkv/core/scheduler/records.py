@@ -11,7 +11,7 @@ from immutables import Map
 from pyrsistent import PDeque, pdeque
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
-from pagedkv.core.errors import RequestId, is_int
+from pagedkv.core.errors import RequestId, is_int, shown
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.scheduler.lifecycle import FinishReason, Phase
 from pagedkv.core.scheduler.tokens import TokenLog
@@ -30,9 +30,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                raise InvalidConfig(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+                raise InvalidConfig(f"{key} must be a positive integer, got {shown(getattr(self, key))}")
         if not is_int(self.watermark_blocks) or self.watermark_blocks < 0:
-            raise InvalidConfig(f"watermark_blocks must be a non-negative integer, got {self.watermark_blocks!r}")
+            raise InvalidConfig(f"watermark_blocks must be a non-negative integer, got {shown(self.watermark_blocks)}")
         for key in ("chunked_prefill", "allow_overtaking"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean")

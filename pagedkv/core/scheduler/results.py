@@ -10,7 +10,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.commit import commit_many
 from pagedkv.core.decode import commit_decode
-from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_token_id
+from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_token_id, shown
 from pagedkv.core.release import release_many
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
 from pagedkv.core.scheduler.records import SchedState
@@ -69,8 +69,8 @@ def _check_sampled(state: SchedState, sampled: Mapping[RequestId, int], decodes_
     for rid in (*(() if decodes_ok else state.sched_decode), *chunk_ids):
         tok = sampled.get(rid)
         if not is_token_id(tok):
-            return invalid(f"request {rid!r} computed its last token this step; on_output needs its "
-                           f"sampled token id, got {tok!r}", request=rid, field="sampled")  # fmt: skip
+            return invalid(f"request {shown(rid)} computed its last token this step; on_output needs its "
+                           f"sampled token id, got {shown(tok)}", request=rid, field="sampled")  # fmt: skip
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedkv.core.config import GroupKind, GroupSpec
 from pagedkv.core.state import KVState
+from pagedkv.core.errors import shown
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -32,7 +33,7 @@ def check_invariants(state: KVState) -> list[str]:
     held = [0] * state.config.num_blocks  # references the rows hold, per block
     for rid, req in state.requests.items():
         for i, slot in enumerate(req.slots):
-            where = f"request {rid!r} row {i}"
+            where = f"request {shown(rid)} row {i}"
             length, computed = state.row_len[slot], state.row_computed[slot]
             if not 0 <= computed <= length:
                 bad.append(f"{where}: computed {computed} outside [0, {length}]")

@@ -17,7 +17,7 @@ from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.effects import takes_generation
-from pagedkv.core.errors import KVError, invalid, is_int
+from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, sched_digest
 from pagedkv.core.state import KVState, initial_state
 from pagedkv.core.verify.digest import digest
@@ -165,7 +165,7 @@ def run_line(
     ops = SCHEDULER_OPS if isinstance(state, SchedState) else OPS
     if op not in ops:
         other = "a trace with a scheduler" if isinstance(state, SchedState) else "a trace without a scheduler"
-        why = f"line {lineno}: op {op!r} is not one of {list(ops)} ({other})"
+        why = f"line {lineno}: op {shown(op)} is not one of {list(ops)} ({other})"
         return state, _failed(state, op_out, invalid(why)), expect
     outcome = apply_scheduler(state, op, event) if isinstance(state, SchedState) else apply_core(state, op, event)
     if isinstance(outcome, Failure):

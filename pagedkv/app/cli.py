@@ -106,6 +106,9 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
     first: str | None = None
     events = divergences = failures = 0
     out = sys.stdout
+    for stream in (out, sys.stderr):  # an id holding a lone surrogate prints escaped, never raises
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         if not as_json:
             out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")

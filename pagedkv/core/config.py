@@ -24,6 +24,9 @@ class InvalidConfig(ValueError):
     """A geometry that cannot describe a pool (raised at construction)."""
 
 
+MAX_NUM_BLOCKS = 1 << 31  # a worker's block tables hold int32 ids
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
     """One KV cache group: layers that share block ids and one attention kind.
@@ -110,11 +113,12 @@ class CacheConfig:
         except UnicodeEncodeError:
             raise InvalidConfig(f"hash_namespace must be valid Unicode text (it is hashed as UTF-8), got "
                                 f"{shown(self.hash_namespace)}") from None
-        if not is_int(self.block_size) or self.block_size < 1:
-            raise InvalidConfig(f"block_size must be a positive integer, got {shown(self.block_size)}")
-        if not is_int(self.num_blocks) or self.num_blocks < 2:
+        if not is_int(self.block_size) or not 1 <= self.block_size < MAX_NUM_BLOCKS:  # slots fit 62 bits
+            raise InvalidConfig(f"block_size must be a positive integer below 2**31, got {shown(self.block_size)}")
+        if not is_int(self.num_blocks) or not 2 <= self.num_blocks < MAX_NUM_BLOCKS:
             raise InvalidConfig(
-                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {shown(self.num_blocks)}"
+                f"num_blocks must be an integer in [2, 2**31) (block 0 is the null block; block tables hold 32-bit "
+                f"ids), got {shown(self.num_blocks)}"
             )
         groups = tuple(self.groups)
         if not groups:

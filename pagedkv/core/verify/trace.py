@@ -32,6 +32,9 @@ class TraceHeaderError(ValueError):
     """The first line is not a version-1 header with a usable config (replay exits 2)."""
 
 
+REPLAY_MAX_BLOCKS = 1 << 20  # the largest pool a trace header may name (docs/trace.md)
+
+
 def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
     """The pool config of a trace's first line, and the scheduler's when the trace drives one.
 
@@ -40,7 +43,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
     """
     try:
         head = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, or an integer past 4,300 digits
         raise TraceHeaderError(f"line 1: the header is not JSON: {e}") from None
     if not isinstance(head, dict) or head.get("pagedkv_trace") != TRACE_VERSION or is_bool(head.get("pagedkv_trace")):
         raise TraceHeaderError(f'line 1: the header must be {{"pagedkv_trace": {TRACE_VERSION}, "config": {{...}}}}')
@@ -62,6 +65,10 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
                 raise InvalidConfig('"scheduler" must be an object')
             known = {k: sched_raw[k] for k in SCHEDULER_KEYS if k in sched_raw}
             sched = SchedulerConfig(**known)
+        blocks = cfg.get("num_blocks")
+        if type(blocks) is int and blocks > REPLAY_MAX_BLOCKS:
+            raise InvalidConfig(f"num_blocks {shown(blocks)} is over the {REPLAY_MAX_BLOCKS:,} a trace may replay "
+                                "(each event's digest reads the whole pool)")  # fmt: skip
         return CacheConfig(
             block_size=cfg.get("block_size"),  # type: ignore[arg-type]
             num_blocks=cfg.get("num_blocks"),  # type: ignore[arg-type]
@@ -71,7 +78,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             max_model_len=cfg.get("max_model_len"),
             hash_namespace=cfg.get("hash_namespace", "pagedkv"),
         ), sched
-    except (InvalidConfig, TypeError) as e:
+    except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None
 
 
@@ -152,7 +159,7 @@ def run_line(
     expect: dict[str, Any] | None = None
     try:
         event = json.loads(line)
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON, bad bytes, or an integer past 4,300 digits
         return state, _failed(state, None, invalid(f"line {lineno}: not a JSON object: {e}")), None
     if not isinstance(event, dict):
         return state, _failed(state, None, invalid(f"line {lineno}: an event must be a JSON object")), None

@@ -215,3 +215,18 @@ def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
     pool.write(0, k, k, batch.slot_mapping)
     a_page = pool.k[0][a.block_ids[0][0]]
     assert a_page[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0]  # a's keys, untouched by b's write
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_runs_alone_and_the_buffers_hold_it(tiny: object) -> None:
+    """Issue 17, defect 3: with chunked_prefill off the scheduler runs a prompt over max_num_batched_tokens
+    alone in an otherwise empty step (documented in docs/scheduler.md); the worker's buffers were sized to
+    the budget, so such a step could not be installed. Now they hold a whole prompt."""
+    eng = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4, max_num_batched_tokens=8,
+                 chunked_prefill=False)  # type: ignore[arg-type]  # fmt: skip
+    assert eng.state.config.chunked_prefill is False and eng.worker.max_tokens >= CFG.max_position
+    long, short = [(i * 3) % 300 for i in range(20)], [1, 2, 3]
+    done = eng.generate([("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))])
+    assert [len(c.token_ids) for c in done] == [3, 3]
+    ref = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)  # type: ignore[arg-type]
+    assert [c.token_ids for c in done] == [c.token_ids for c in ref.generate(
+        [("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))])]  # fmt: skip

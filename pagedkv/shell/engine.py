@@ -65,6 +65,13 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
+    chunked_prefill: bool = True  # off: a prompt runs whole, alone in a step when it is over the budget
+
+    def step_tokens(self, model: Any) -> int:
+        """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
+        prompt (up to the model's length), which the scheduler runs alone when it is over the budget."""
+        return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
+                                                                            model.config.max_position)
 
     def attention(self, model: Any) -> AttentionBackend:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
@@ -77,7 +84,7 @@ class EngineArgs:
         return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
-                        max_tokens=self.max_num_batched_tokens, backend=backend)  # fmt: skip
+                        max_tokens=self.step_tokens(model), backend=backend)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -107,13 +114,14 @@ class Engine:
         self.backend = args.attention(model)
         if rank is None:
             rank = args.rank_for(model, self.backend)
-        elif (rank.worker.max_rows, rank.worker.max_tokens) < (args.max_num_seqs, args.max_num_batched_tokens):
+        elif rank.worker.max_rows < args.max_num_seqs or rank.worker.max_tokens < args.step_tokens(model):
             raise InvalidConfig(f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
                                 f"tokens; the scheduler may batch {args.max_num_seqs} and "
-                                f"{args.max_num_batched_tokens}")  # fmt: skip
+                                f"{args.step_tokens(model)}")  # fmt: skip
         self.rank, self.cache, self.pool, self.worker, self.group = rank, rank.cache, rank.pool, rank.worker, rank.group
         self.sizing = rank.sizing
-        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                chunked_prefill=args.chunked_prefill)  # fmt: skip
         self.state = new_scheduler(self.cache, sched)
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken

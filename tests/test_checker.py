@@ -225,3 +225,25 @@ def test_the_checker_catches_a_planted_bug_in_the_decode_fast_path(plant: Callab
     result = check(FULL)
     assert result.violation, "the checker missed a decode fast-path bug"
     assert any("decode" in line or "append" in line for line in result.trace[1:])
+
+
+def test_destination_reservations_are_explored_and_the_window_bug_is_caught(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 17, defect 4: ``admit`` with ``pending_tokens`` under a sliding window reserved blocks no query
+    could see (found by hand). With ``destinations`` the checker admits such rows and marks their KV ready,
+    so the fixed core holds every invariant over the whole space, and the old admission is caught with a
+    short trace that ``pagedkv replay --check`` reproduces."""
+    from pagedkv.core import admission
+
+    cfg = replace(SMALL, destinations=True)
+    fixed = check(cfg)
+    assert fixed.violation == [] and fixed.exhaustive and fixed.states > check(SMALL).states
+    monkeypatch.setattr(admission, "_fresh", lambda txn, ids, nb, first: ids + pool.pop_blocks(txn, nb - len(ids)))
+    old = check(cfg)
+    assert old.violation and any("no query can see" in v for v in old.violation), old.violation
+    path = tmp_path / "counterexample.jsonl"
+    path.write_text("\n".join(old.trace) + "\n")
+    assert '"pending_tokens"' in path.read_text()
+    assert main(["replay", "--check", str(path)]) == 1
+    capsys.readouterr()

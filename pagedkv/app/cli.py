@@ -33,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--window", type=int, default=d.window, help="sliding-window group size; 0: one full group only")
     c.add_argument("--no-prefix-caching", action="store_true")
     c.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    c.add_argument("--destinations", action="store_true",
+                   help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
     c.add_argument("--max-states", type=int, default=d.max_states)
     c.add_argument("--max-depth", type=int, default=None)
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
@@ -63,7 +65,7 @@ def _check(args: argparse.Namespace) -> int:
         cfg = CheckConfig(
             block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-            max_states=args.max_states, max_depth=args.max_depth,
+            max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations,
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

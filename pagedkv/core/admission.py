@@ -88,16 +88,20 @@ def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
 def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple[list[int], list[Blocks]]:
     """Take the hit's blocks, then pop each row's fresh ones: the rows' slots and block lists."""
     cfg = txn.base.config
-    for row_ids in hit.ids:  # hits first, so popping new blocks never evicts one of them
-        for group_ids in row_ids:
-            for b in group_ids:
-                if b:
-                    pool.take_hit(txn, b)
     cached = hit.num_blocks * cfg.block_size
+    # a row's first computed position: past its hit, and past KV that arrives from elsewhere; a windowed
+    # group holds only the blocks a query from there on can see (the null block before them)
+    computed = [max(cached, row.pending_tokens) for row in spec.rows]
+    firsts = [[g.first_visible_block(min(c, row.prefix_len) if row.prefix_len is not None else c, cfg.block_size)
+               for g in cfg.groups] for row, c in zip(spec.rows, computed)]  # fmt: skip
+    for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
+        for group_ids, first in zip(row_ids, row_firsts):
+            for j, b in enumerate(group_ids):
+                if b and j >= first:
+                    pool.take_hit(txn, b)
     slots, blocks = [], []
-    for row, nb, row_ids, hashes in zip(spec.rows, per_row, hit.ids, hit.hashes):
-        fresh = nb - hit.num_blocks
-        rb = tuple(group_ids + pool.pop_blocks(txn, fresh) for group_ids in row_ids)
+    for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
+        rb = tuple(_fresh(txn, ids, nb, first) for ids, first in zip(row_ids, row_firsts))
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
@@ -105,6 +109,14 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
             record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
         else:
             record, tail = Row(rb, None, b"".join(hashes), pending), None
-        slots.append(txn.new_slot(row.num_tokens, max(cached, p), record, tail))
+        slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks
+
+
+def _fresh(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:
+    """One group's list of ``nb`` blocks from the hit's ``ids``: the null block where no query of the group
+    will look (before ``first``), the hit's blocks, then fresh ones."""
+    kept = ids if not first else tuple(0 if j < first else b for j, b in enumerate(ids))
+    skip = max(0, min(first, nb) - len(ids))
+    return kept + (0,) * skip + pool.pop_blocks(txn, nb - len(ids) - skip)

@@ -17,6 +17,7 @@ from pagedkv.core.admission import admit
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.commit import commit
 from pagedkv.core.decode import decode_step
+from pagedkv.core.destination import mark_ready
 from pagedkv.core.errors import KVError
 from pagedkv.core.growth import append
 from pagedkv.core.release import release, reset_prefix_cache
@@ -37,6 +38,7 @@ class CheckConfig:
     max_model_len: int = 8
     max_states: int = 200_000
     max_depth: int | None = None
+    destinations: bool = False  # also admit rows whose KV arrives from elsewhere (pending_tokens), and mark it ready
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -68,6 +70,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         ((RowSpec.of_tokens([1, 1]), RowSpec.of_tokens([1, 2])), ()),  # CFG-like rows
         ((RowSpec.of_tokens([1, 1, 2, 2], prefix_len=2, target_len=2),), ()),  # a diffusion row
     ]
+    if cfg.destinations:  # AR -> DiT: the first tokens' KV arrives into reserved blocks, marked ready later
+        rows.append(((RowSpec(4, tokens=(1, 1, 2, 2), pending_tokens=3),), ()))
     rows = [r for r in rows if len(r[0]) <= cfg.max_rows]
     ids = [chr(ord("A") + i) for i in range(cfg.requests)]
     events: list[Event] = []
@@ -81,6 +85,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         for tok in (1, None):  # the same states as commit-all then append, reached by the decode fast paths
             events.append(Event(f"decode {rid} {tok}", _decode(rid, tok), _decode_json(rid, tok)))
         events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
+        if cfg.destinations:
+            events.append(Event(f"ready {rid}", _ready(rid), _ready_json(rid)))
         events.append(Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid,
                                                                      "reason": "finished"})))  # fmt: skip
     if cfg.prefix_caching:
@@ -103,11 +109,34 @@ def _admit_json(spec: RequestSpec) -> dict[str, Any]:
         row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
         if r.prefix_len is not None:
             row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+        if r.pending_tokens:
+            row["pending_tokens"] = r.pending_tokens
         rows.append(row)
     out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": rows}
     if spec.extra_keys:
         out["extra_keys"] = list(spec.extra_keys)
     return out
+
+
+def _arriving(s: KVState, rid: str) -> int:
+    req = s.requests.get(rid)
+    return 0 if req is None else s.rows[req.slots[0]].pending[0]
+
+
+def _ready(rid: str) -> Callable[[KVState], Any]:
+    """All of row 0's arriving KV is in (only where some is still pending)."""
+
+    def apply(s: KVState) -> Any:
+        req = s.requests.get(rid)
+        if req is None or not s.rows[req.slots[0]].pending[1]:
+            return None
+        return mark_ready(s, rid, 0, 0, _arriving(s, rid))
+
+    return apply
+
+
+def _ready_json(rid: str) -> Callable[[KVState], dict[str, Any]]:
+    return lambda s: {"op": "mark_ready", "request": rid, "row": 0, "start": 0, "end": _arriving(s, rid)}
 
 
 def _nrows(s: KVState, rid: str) -> int:

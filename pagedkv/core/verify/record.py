@@ -30,6 +30,8 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
             row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
             if r.prefix_len is not None:
                 row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+            if r.pending_tokens:
+                row["pending_tokens"] = r.pending_tokens
             if r.spans:
                 row["spans"] = [list(sp) for sp in r.spans]
             rows.append(row)

@@ -10,6 +10,7 @@ from returns.result import Failure, Result
 
 from pagedkv.core.admission import admit
 from pagedkv.core.commit import commit
+from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import KVError, invalid
 from pagedkv.core.growth import append
@@ -20,7 +21,7 @@ from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 
-OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache")
+OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready")
 SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
@@ -33,7 +34,7 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
         if isinstance(spec, KVError):
             return Failure(spec)
         return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
-    if op in ("append", "commit", "release") and "request" not in ev:
+    if op in ("append", "commit", "release", "mark_ready") and "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "append":
         has_t, has_n = "tokens" in ev, "num_tokens" in ev
@@ -56,6 +57,9 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
         return publish(state, ev.get("requests"), ev.get("phase")).map(  # type: ignore[arg-type]
             lambda s: (s.state, {"rows": _rows(s.effect)}, None)
         )
+    if op == "mark_ready":  # KV of [start, end) of a row arrived (destination blocks)
+        return mark_ready(state, ev["request"], ev.get("row", 0), ev.get("start"), ev.get("end")).map(  # type: ignore[arg-type]
+            lambda s: (s.state, {"ready": list(s.effect.ready), "pending": list(s.effect.pending)}, s.effect))
     if op == "reset":
         return reset(state).map(lambda s: (s.state, {}, s.effect))
     return reset_prefix_cache(state).map(lambda s: (s.state, {}, s.effect))
@@ -136,6 +140,7 @@ def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
         rows.append(RowSpec(
             num_tokens=len(r["tokens"]) if has_t else r["num_tokens"], tokens=tokens,
             prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
+            pending_tokens=r.get("pending_tokens", 0),
         ))  # fmt: skip
     return RequestSpec(ev["request"], tuple(rows), tuple(extra))
 

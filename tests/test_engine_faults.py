@@ -195,9 +195,10 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
 def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
     """Issue 17, defect 5: the worker took the snapshot's slot values as they came, so a slot inside
     another request's block made the K/V write overwrite that request's page (and string or out-of-range
-    slots failed later, half-written). Slots are now derived from the installed block table on the device."""
-    from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state, publish
-    from pagedkv.shell.pool import PagePool
+    slots failed later, half-written). A slot must be where the row's block table puts its position:
+    anything else is INVALID, and nothing is written."""
+    from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
+    from pagedkv.shell.errors import ShellError
     from pagedkv.shell.worker import Worker
 
     cfg = CacheConfig(block_size=4, num_blocks=9)
@@ -206,16 +207,26 @@ def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
     s = admit(s, RequestSpec("b", (RowSpec(4),))).unwrap().state
     meta = publish(s, ["a", "b"], "prefill").unwrap().effect
     a, b = meta.rows
-    forged = replace(meta, rows=(a, replace(b, slots=a.slots[:3] + ("7",))))  # b's K/V aimed at a's page
+    d = append_decode(commit_many(s, [("a", [4]), ("b", [4])]).unwrap().state, ["a", "b"]).unwrap().state
+    dec = publish(d, ["a", "b"], "decode").unwrap().effect
     w = Worker(cfg, max_rows=2, max_blocks_per_row=2, max_tokens=8)
-    pool = PagePool(cfg, num_layers=1, kv_heads=1, head_dim=2)
-    batch = w.install(forged)
-    assert batch.slot_mapping.tolist() == [*a.slots, *b.slots]  # the block table's slots, not the forged ones
-    k = torch.arange(8.0)[:, None, None].expand(8, 1, 2).contiguous()
-    pool.write(0, k, k, batch.slot_mapping)
-    a_page = pool.k[0][a.block_ids[0][0]]
-    assert a_page[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0]  # a's keys, untouched by b's write
+    for forged in (replace(meta, rows=(a, replace(b, slots=a.slots[:3] + (a.slots[0],)))),  # into a's page
+                   replace(meta, rows=(a, replace(b, slots=b.slots[:3] + ("7",)))),  # not an integer
+                   replace(meta, rows=(a, replace(b, slots=b.slots[:3] + (-1,))))):  # fmt: skip
+        before = [t.clone() for t in (w.row_tables, w.block_tables, w.seq_lens, w.slot_mapping, w.positions)]
+        with pytest.raises(ShellError, match="is not the block table's"):
+            w.install(forged)
+        assert all(torch.equal(x, y) for x, y in zip(before, (w.row_tables, w.block_tables, w.seq_lens,
+                                                                 w.slot_mapping, w.positions)))  # fmt: skip
+        assert not w.rows and len(w.free_rows) == 2
+    assert w.install(meta).slot_mapping.tolist() == [*a.slots, *b.slots]
+    cols = dec.rows  # a decode forward's columns (the worker's fast path) are checked the same way
+    from array import array
 
+    bad = type(cols)(cols.request_ids, cols.block_ids, cols.seq_lens, array("q", [cols.slots[1], cols.slots[1]]))
+    with pytest.raises(ShellError, match="is not the block table's"):
+        w.install(replace(dec, rows=bad))
+    assert w.install(dec).slot_mapping.tolist() == list(cols.slots)
 
 def test_without_chunked_prefill_a_prompt_over_the_budget_runs_alone_and_the_buffers_hold_it(tiny: object) -> None:
     """Issue 17, defect 3: with chunked_prefill off the scheduler runs a prompt over max_num_batched_tokens

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.errors import ErrorCode, RequestId
+from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, RowMetadata
 from pagedkv.shell.errors import refuse
 
@@ -129,8 +129,10 @@ class Worker:
             self._check_row(r, where, same_blocks=old is not None and old[1] is r.block_ids)
             if old is None:
                 new_rows += 1
+                self._check_slots(r, where)
                 continue
             if old[1] is r.block_ids:
+                self._check_slots(r, where)
                 continue  # the very block lists installed (the core reuses unchanged ones): nothing to compare
             gen = req_gen.get(r.request_id, 0)
             if meta.generation == gen and r.block_ids != old[1]:
@@ -140,6 +142,7 @@ class Worker:
                 raise refuse(ErrorCode.CONFLICTING_METADATA,
                              f"{where}: generation {meta.generation} does not extend what generation {gen} installed",
                              request=r.request_id)  # fmt: skip
+            self._check_slots(r, where)
         if new_rows > (len(self.free_rows) if installed is self.rows else self.max_rows):
             raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.free_rows)} buffer rows free")
 
@@ -154,12 +157,15 @@ class Worker:
             return self._check_general(meta, installed, req_gen)  # the general path says what is wrong
         bs = self.config.block_size
         other = []
-        for i, (rid, blocks, seq_len) in enumerate(zip(rows.request_ids, rows.block_ids, rows.seq_lens)):
+        for i, (rid, blocks, seq_len, slot) in enumerate(zip(rows.request_ids, rows.block_ids, rows.seq_lens,
+                                                                rows.slots)):  # fmt: skip
             old = installed.get((rid, 0))
             if old is None or old[1] is not blocks:
                 other.append(i)
-            elif not (1 <= seq_len <= len(blocks[0]) * bs) or blocks[0][(seq_len - 1) // bs] == 0:
+            elif (not (1 <= seq_len <= len(blocks[0]) * bs) or blocks[0][(seq_len - 1) // bs] == 0
+                  or slot != blocks[0][(seq_len - 1) // bs] * bs + (seq_len - 1) % bs):  # fmt: skip
                 self._check_row(rows[i], f"request {rid!r} row 0", same_blocks=True)  # raises, saying which
+                self._check_slots(rows[i], f"request {rid!r} row 0")
         if other:
             self._check_general(meta, installed, req_gen, only=other)
 
@@ -183,6 +189,15 @@ class Worker:
             raise refuse(ErrorCode.INVALID, f"{where}: {len(r.slots)} slots for {r.query_len} query tokens")
         if any(r.block_ids[0][p // cfg.block_size] == 0 for p in (r.kv_start_pos, r.seq_len - 1)):
             raise refuse(ErrorCode.INVALID, f"{where}: a query position sits in the null block")
+
+    def _check_slots(self, r: RowMetadata, where: str) -> None:
+        """Each query token's slot is where the row's block table puts its position (a forged one would
+        write into another request's page)."""
+        bs, table = self.config.block_size, r.block_ids[0]
+        for p, slot in enumerate(r.slots, r.kv_start_pos):
+            if type(slot) is not int or slot != table[p // bs] * bs + p % bs:
+                raise refuse(ErrorCode.INVALID, f"{where}: slot {shown(slot)} of position {p} is not the block table's "
+                                                f"{table[p // bs] * bs + p % bs}", request=r.request_id)  # fmt: skip
 
     def _extends(self, old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> bool:
         for g, (a, b) in enumerate(zip(old, new)):
@@ -233,14 +248,14 @@ class Worker:
             self.row_tables.view(-1).index_copy_(0, _to(flat, dev), _to(vals, dev, torch.int32))
         if decode:  # one query token a row: its slot, at position seq_len - 1
             assert isinstance(rows, DecodeRows)
-            packed = torch.tensor(order + rows.seq_lens.tolist(), dtype=torch.int64).to(dev)
-            rows_idx, lens = packed[:n], packed[n:]
+            packed = torch.tensor(order + rows.seq_lens.tolist() + rows.slots.tolist(), dtype=torch.int64).to(dev)
+            rows_idx, lens = packed[:n], packed[n : 2 * n]
             tokens = n
             self.seq_lens[:n].copy_(lens)
             torch.sub(lens, 1, out=self.positions[:n])
             self.kv_start[:n].copy_(self.positions[:n])
             self.query_start_loc[: n + 1].copy_(self._arange[: n + 1])
-            row_of = self._arange[:n]
+            self.slot_mapping[:n].copy_(packed[2 * n :])
         else:
             rows_idx = torch.tensor(order, device=dev)
             lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in rows], dtype=torch.int32,
@@ -251,13 +266,8 @@ class Worker:
             tokens = sum(r.query_len for r in rows)
             self.positions[:tokens].copy_(torch.tensor(
                 [p for r in rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
-            row_of = torch.repeat_interleave(self._arange[:n], lens[:, 2], output_size=tokens)
+            self.slot_mapping[:tokens].copy_(torch.tensor([s for r in rows for s in r.slots], dtype=torch.int64))
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
-        # each query token's slot, from the block table just installed: the snapshot's slot values are never
-        # trusted (a forged one would write into another request's page)
-        bs, pos = self.config.block_size, self.positions[:tokens]
-        ids = self.block_tables[0].view(-1)[row_of.long() * self.max_blocks + pos // bs]
-        torch.add(pos % bs, ids.long(), alpha=bs, out=self.slot_mapping[:tokens])
         self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],

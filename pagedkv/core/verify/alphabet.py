@@ -22,6 +22,7 @@ from pagedkv.core.errors import KVError
 from pagedkv.core.growth import append
 from pagedkv.core.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.verify.record import row_json
 from pagedkv.core.state import KVState, Step
 
 
@@ -104,15 +105,7 @@ def _const(obj: dict[str, Any]) -> Callable[[KVState], dict[str, Any]]:
 
 
 def _admit_json(spec: RequestSpec) -> dict[str, Any]:
-    rows = []
-    for r in spec.rows:
-        row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
-        if r.prefix_len is not None:
-            row.update(prefix_len=r.prefix_len, target_len=r.target_len)
-        if r.pending_tokens:
-            row["pending_tokens"] = r.pending_tokens
-        rows.append(row)
-    out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": rows}
+    out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": [row_json(r) for r in spec.rows]}
     if spec.extra_keys:
         out["extra_keys"] = list(spec.extra_keys)
     return out

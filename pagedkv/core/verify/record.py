@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagedkv.core.config import CacheConfig
+from pagedkv.core.spec import RowSpec
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
 from pagedkv.core.verify.trace import SCHEDULER_KEYS, TRACE_VERSION
 
@@ -22,20 +23,22 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
         "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
 
 
+def row_json(r: RowSpec) -> dict[str, Any]:
+    """A row of an admit or submit event (docs/trace.md): its ids or count, and the optional fields it sets."""
+    row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
+    if r.prefix_len is not None:
+        row.update(prefix_len=r.prefix_len, target_len=r.target_len)
+    if r.pending_tokens:
+        row["pending_tokens"] = r.pending_tokens
+    if r.spans:
+        row["spans"] = [list(sp) for sp in r.spans]
+    return row
+
+
 def submit_event(req: SeqRequest) -> dict[str, Any]:
     ev: dict[str, Any] = {"op": "submit", "request": req.request_id}
     if req.rows is not None:
-        rows = []
-        for r in req.rows:
-            row: dict[str, Any] = {"tokens": list(r.tokens)} if r.tokens is not None else {"num_tokens": r.num_tokens}
-            if r.prefix_len is not None:
-                row.update(prefix_len=r.prefix_len, target_len=r.target_len)
-            if r.pending_tokens:
-                row["pending_tokens"] = r.pending_tokens
-            if r.spans:
-                row["spans"] = [list(sp) for sp in r.spans]
-            rows.append(row)
-        ev.update(rows=rows, steps=req.steps)
+        ev.update(rows=[row_json(r) for r in req.rows], steps=req.steps)
     else:
         ev.update(prompt=list(req.prompt), max_tokens=req.max_tokens)
     if req.extra_keys:

@@ -8,43 +8,68 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, non_negative_int, positive_int
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.scheduler import SchedState
 from pagedkv.core.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
-from pagedkv.core.verify.check import check
+from pagedkv.core.verify.check import CheckResult, check
 from pagedkv.core.verify.trace import TraceHeaderError, replay
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A scheduler-managed paged KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("replay", help="re-run a trace (contract version 1) through the core")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, generate = _parsers()
+    if argv[:1] == ["generate"]:  # prompts may come anywhere among its options
+        args = generate.parse_intermixed_args(argv[1:])
+        args.command = "generate"
+    else:
+        args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print(f"pagedkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from pagedkv.app.denoise import add_parser as add_denoise
+    from pagedkv.app.generate import add_parser as add_generate
+
+    parser = Parser(prog="pagedkv", description="A scheduler-managed paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,replay,check,denoise}")
+    p = sub.add_parser("replay", help="re-run a trace (contract version 1) through the core",
+                       description="Re-run a trace through the core; report each event's result and the first "
+                                   "divergence from its expect fields (exit 1).")  # fmt: skip
     p.add_argument("file", help="a JSON Lines trace; - reads standard input")
     p.add_argument("--json", action="store_true", help="print one JSON result object per event")
     p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
-    p.add_argument("--page-map", help="draw which request holds which block, event by event, to this PNG")
-    c = sub.add_parser("check", help="model-check every reachable state of a small configuration")
+    p.add_argument("--page-map", metavar="FILE.png", help="draw who holds which block, event by event (.png, .svg "
+                   "or .pdf; needs matplotlib)")  # fmt: skip
+    c = sub.add_parser("check", help="model-check every reachable state of a small configuration",
+                       description="Explore every state a small configuration reaches, breadth first, checking "
+                                   "the invariants in each; a violation's shortest trace is written to --out.")  # fmt: skip
     d = CheckConfig()
-    c.add_argument("--block-size", type=int, default=d.block_size)
-    c.add_argument("--blocks", type=int, default=d.usable_blocks, help="usable blocks (the null block comes on top)")
-    c.add_argument("--requests", type=int, default=d.requests, help="request ids in the alphabet")
-    c.add_argument("--rows", type=int, default=d.max_rows, help="max rows per request")
-    c.add_argument("--window", type=int, default=d.window, help="sliding-window group size; 0: one full group only")
-    c.add_argument("--no-prefix-caching", action="store_true")
-    c.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    c.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per block")
+    c.add_argument("--blocks", type=positive_int, default=d.usable_blocks, help="usable blocks (the null block comes on top)")
+    c.add_argument("--requests", type=positive_int, default=d.requests, help="request ids in the alphabet")
+    c.add_argument("--rows", type=positive_int, default=d.max_rows, help="max rows per request")
+    c.add_argument("--window", type=non_negative_int, default=d.window,
+                   help="sliding-window group size; 0: one full group only")
+    c.add_argument("--no-prefix-caching", action="store_true", help="explore without the prefix cache")
+    c.add_argument("--max-model-len", type=positive_int, default=d.max_model_len, help="tokens a row may hold")
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
-    c.add_argument("--max-states", type=int, default=d.max_states)
-    c.add_argument("--max-depth", type=int, default=None)
+    c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
+    c.add_argument("--max-depth", type=positive_int, default=None, help="stop at this depth (default: no bound)")
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
     c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
-    from pagedkv.app.denoise import add_parser as add_denoise
-    from pagedkv.app.generate import add_parser
-
-    add_parser(sub)
+    generate = add_generate(sub)
     add_denoise(sub)
-    args = parser.parse_args(argv)
+    return parser, generate
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "denoise":
         from pagedkv.app.denoise import run as run_denoise
 
@@ -55,9 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     if args.command == "replay":
         return _replay(args.file, args.json, args.check, args.page_map)
-    if args.command == "check":
-        return _check(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    return _check(args)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -70,9 +93,18 @@ def _check(args: argparse.Namespace) -> int:
         cfg.cache_config()
     except InvalidConfig as e:
         print(f"pagedkv check: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
-    result = check(cfg)
+    with tqdm(total=cfg.max_states, unit="states", desc="check", file=sys.stderr, leave=False, disable=None,
+              dynamic_ncols=True) as bar:  # on a terminal only; its rate is states/s  # fmt: skip
+
+        def progress(r: CheckResult) -> None:
+            bar.update(r.states - bar.n)
+            bar.set_postfix(depth=r.depth, transitions=r.transitions, refresh=False)
+
+        result = check(cfg, progress=progress)
     seconds = time.perf_counter() - t0
     bound = "exhaustive" if result.exhaustive else "stopped at a bound"
     print(f"states explored: {result.states}")
@@ -96,6 +128,14 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_path: str | None = None) -> int:
+    if page_map_path:
+        from pagedkv.app.plot import check_target
+
+        try:
+            check_target(page_map_path)
+        except UsageError as e:
+            print(f"pagedkv replay: {e}", file=sys.stderr)
+            return USAGE_EXIT
     try:
         if path == "-":
             lines = sys.stdin.read().splitlines()
@@ -104,7 +144,7 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
                 lines = f.read().splitlines()
     except OSError as e:
         print(f"pagedkv replay: cannot read {path}: {e.strerror}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     first: str | None = None
     events = divergences = failures = 0
     out = sys.stdout
@@ -134,17 +174,17 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
                 out.write(_row(ev.line, r) + "\n")
     except TraceHeaderError as e:
         print(f"pagedkv replay: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     if not as_json:
         out.write(f"{events} events, {failures} refused, {divergences} diverged from expect\n")
     if page_map_path and states:
         from pagedkv.app.plot import page_map
 
         try:
-            page_map(states, page_map_path, title=f"pagedkv replay {path}")
-        except RuntimeError as e:
-            print(f"pagedkv replay: {e}", file=sys.stderr)
-            return 2
+            page_map(states, page_map_path, title=f"pagedkv replay {path}", xlabel="trace event (i)")
+        except (OSError, RuntimeError, ValueError) as e:  # after the table: the replay's output is kept
+            print(f"pagedkv replay: the page map was not written: {e}", file=sys.stderr)
+            return 1
     if first is not None:
         print(f"pagedkv replay: first divergence at {first}", file=sys.stderr)
         if divergences > 1:

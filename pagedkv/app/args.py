@@ -19,11 +19,20 @@ class UsageError(Exception):
     """A mistake in what the user gave (a flag, a prompts file): one line on stderr, exit 2."""
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, where it has one (not for switches and unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with every mistake on one line (the usage block is in ``--help``), defaults in help."""
 
     def __init__(self, *args: object, **kw: object) -> None:
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", _Help)
         super().__init__(*args, **kw)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:

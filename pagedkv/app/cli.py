@@ -20,11 +20,14 @@ from pagedkv.core.verify.trace import TraceHeaderError, replay
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, generate = _parsers()
-    if argv[:1] == ["generate"]:  # prompts may come anywhere among its options
-        args = generate.parse_intermixed_args(argv[1:])
-        args.command = "generate"
-    else:
-        args = parser.parse_args(argv)
+    try:
+        if argv[:1] == ["generate"]:  # prompts may come anywhere among its options
+            args = generate.parse_intermixed_args(argv[1:])
+            args.command = "generate"
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as e:  # a usage error (one line, said) or --help: the status, returned as every path does
+        return e.code if isinstance(e.code, int) else USAGE_EXIT
     try:
         return _dispatch(args)
     except KeyboardInterrupt:

@@ -31,15 +31,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
     g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
                    '"system"?: str} per line; - reads standard input')  # fmt: skip
-    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate per request at most")
-    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k likeliest tokens; 0: all")
-    g.add_argument("--top-p", type=unit_interval, default=1.0, help="sample from the smallest set holding this mass")
-    g.add_argument("--seed", type=non_negative_int, default=0, help="request i samples with seed + i")
+    g.add_argument("--max-tokens", metavar="N", type=positive_int, default=64, help="tokens to generate per request at most")
+    g.add_argument("--temperature", metavar="T", type=non_negative_float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", metavar="K", type=non_negative_int, default=0, help="sample from the k likeliest tokens; 0: all")
+    g.add_argument("--top-p", metavar="P", type=unit_interval, default=1.0, help="sample from the smallest set holding this mass")
+    g.add_argument("--seed", metavar="S", type=non_negative_int, default=0, help="request i samples with seed + i")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
     g.add_argument("--json", action="store_true",
-                   help='one {"prompt", "text", "token_ids", "finish_reason", "error"} per request')
-    g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
+                   help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, '
+                   'for one not served)')
+    g.add_argument("--device", metavar="DEVICE", type=device, default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and pages (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu"),
@@ -49,12 +50,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)")
     g.add_argument("--kv-cache-memory", type=positive_float, default=256.0, metavar="MIB",
                    help="KV cache budget per rank in MiB")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once at most")
+    g.add_argument("--block-size", metavar="TOKENS", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=16, help="requests running at once at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
     g.add_argument("--trace", metavar="FILE", help="record the scheduler's inputs and results as a trace (contract "
                    "v1), replayable with pagedkv replay FILE")  # fmt: skip
-    g.add_argument("--ranks", type=positive_int, default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
+    g.add_argument("--ranks", metavar="N", type=positive_int, default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
     g.add_argument("--page-map", metavar="FILE.png", help="draw who holds which block over the run (.png, .svg or "
                    ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
     return g
@@ -226,8 +227,12 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     except ShellError as e:  # a request the core refuses to take (a token outside the vocabulary, say)
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return USAGE_EXIT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what had finished is printed, the trace so far replays
         bar.close()
+        order = {rid: i for i, rid in enumerate(engine.requests)}  # a fresh engine: ids in prompt order
+        for c in sorted(done, key=lambda c: order[c.request_id]):
+            _print_completion(args, order[c.request_id], items[order[c.request_id]], c)
+        sys.stdout.flush()
         print(f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
               + (f"; the trace so far is in {args.trace}" if args.trace else ""), file=sys.stderr)  # fmt: skip
         return INTERRUPTED_EXIT
@@ -236,12 +241,10 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     gen_s = time.perf_counter() - t1
     if trace is not None:
         trace.flush()
-    if args.json:
-        for it, c in zip(items, completions):
-            print(json.dumps({"prompt": it["prompt"], "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason, "error": c.error}))  # fmt: skip
-    else:
-        _summary(args, items, completions, engine, gen_s, load_s, n_threads=torch_threads())
+    for i, (it, c) in enumerate(zip(items, completions)):
+        _print_completion(args, i, it, c)
+    if not args.json:
+        _summary(args, completions, engine, gen_s, load_s, n_threads=torch_threads())
     sys.stdout.flush()  # the completions are out before anything optional can fail
     status = _refusals(completions)
     if args.page_map:
@@ -316,15 +319,21 @@ def shown(text: str, limit: int = SHOWN_PROMPT_CHARS) -> str:
     return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(text):,} characters)"
 
 
-def _summary(args: argparse.Namespace, items: list[dict[str, Any]], completions: list[Any], engine: Any,
-             gen_s: float, load_s: float, n_threads: int) -> None:  # fmt: skip
-    for i, (it, c) in enumerate(zip(items, completions)):
-        print(f"--- [{i}] {shown(it['prompt'])}")
-        if c.finish_reason in REFUSED or c.finish_reason == "error":
-            print(f"(not served: {c.finish_reason}: {c.error})")
-        else:
-            print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens "
-                  f"cached)")  # fmt: skip
+def _print_completion(args: argparse.Namespace, i: int, item: dict[str, Any], c: Any) -> None:
+    if args.json:  # "error" only where a request was not served (the four keys are the contract)
+        print(json.dumps({"prompt": item["prompt"], "text": c.text, "token_ids": c.token_ids,
+                          "finish_reason": c.finish_reason, **({"error": c.error} if c.error else {})}))  # fmt: skip
+        return
+    print(f"--- [{i}] {shown(item['prompt'])}")
+    if c.finish_reason in REFUSED or c.finish_reason == "error":
+        print(f"(not served: {c.finish_reason}: {c.error})")
+    else:
+        print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens "
+              f"cached)")  # fmt: skip
+
+
+def _summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s: float, load_s: float,
+             n_threads: int) -> None:  # fmt: skip
     st = engine.stats
     kv = engine.state.kv
     served = [c for c in completions if c.finish_reason not in REFUSED]
@@ -377,7 +386,7 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         text = tok.decode(ids)
         if args.json:
             print(json.dumps({"prompt": it["prompt"], "text": text, "token_ids": ids, "finish_reason": reason,
-                              "error": why}))  # fmt: skip
+                              **({"error": why} if why else {})}))  # fmt: skip
         elif reason in REFUSED:
             print(f"--- [{i}] {shown(it['prompt'])}\n(not served: {reason}: {why})")
         else:

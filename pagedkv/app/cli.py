@@ -213,7 +213,7 @@ def _row(line: int, r: dict[str, object]) -> str:
             )
     elif isinstance(err, dict):
         detail = str(err["message"])
-    return (f"{r['i']:>4} {line:>5}  {str(r['op']):<18} {result:<20} {r['generation']:>5} {r['free_blocks']:>6}  "
+    return (f"{r['i']:>4} {line:>5}  {r['op']!s:<18} {result:<20} {r['generation']:>5} {r['free_blocks']:>6}  "
             f"{str(r['digest'])[:12]:<12}  {detail}")  # fmt: skip
 
 

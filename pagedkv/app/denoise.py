@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     runner = DiTRunner(model, rank, get_backend("torch"))
     s, work, specs = _submit_all(args, model, new_scheduler(cfg))
     usable = cfg.usable_blocks
-    refused: list[str] = []
+    refused: list[Any] = []
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
     while s.requests:
         s, plan_ = schedule(s).unwrap()

@@ -13,7 +13,14 @@ import time
 from typing import Any, TextIO
 
 from pagedkv.app.args import (
-    USAGE_EXIT, UsageError, device, non_negative_float, non_negative_int, positive_float, positive_int, threads,
+    USAGE_EXIT,
+    UsageError,
+    device,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    threads,
     unit_interval,
 )  # fmt: skip
 
@@ -186,7 +193,7 @@ def _open_trace(path: str | None) -> TextIO | None:
     if not path:
         return None
     try:
-        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by run()
+        return open(path, "w", encoding="utf-8")
     except OSError as e:
         raise UsageError(f"--trace {path}: {e.strerror}") from None
 
@@ -221,9 +228,14 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     requests = _requests(args, items, tok)
     done: list[Any] = []
     bar = _bar(len(requests), disable=args.json)
+
+    def finished(c: Any) -> None:
+        done.append(c)
+        bar.update(1)
+
     t1 = time.perf_counter()
     try:
-        completions = engine.generate(requests, on_finish=lambda c: (done.append(c), bar.update(1)))
+        completions = engine.generate(requests, on_finish=finished)
     except ShellError as e:  # a request the core refuses to take (a token outside the vocabulary, say)
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return USAGE_EXIT

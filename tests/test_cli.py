@@ -359,3 +359,21 @@ def test_nothing_is_lost_when_the_page_map_or_the_user_stops_it(tmp_path: Path, 
     assert err == f"pagedkv generate: interrupted; 1 of 2 requests had finished; the trace so far is in {trace}\n"
     assert main(["replay", str(trace)]) == 0  # and what was recorded replays
     assert "0 diverged from expect" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_ranks_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """--ranks 2 gives the tokens of one rank; sizes the leader refuses stop every rank at once (no timeout)."""
+    import time
+
+    argv = ["generate", "--json", "What is 2+2?", "--chat", "--max-tokens", "5"]
+    assert main(argv) == 0
+    one = [json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()]
+    assert main([*argv, "--ranks", "2"]) == 0
+    two = [json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()]
+    assert two == one
+    t0 = time.perf_counter()
+    assert main(["generate", "hi", "--ranks", "2", "--kv-cache-memory", "0.5"]) == 2
+    assert time.perf_counter() - t0 < 50  # the followers' wait for rank 0 would time out at 60 s
+    assert capsys.readouterr().err == ("pagedkv generate: 524288 bytes hold 1 blocks of 491520 bytes; a pool needs "
+                                       "at least 2 (block 0 is the null block)\n")  # fmt: skip

@@ -377,3 +377,22 @@ def test_two_ranks_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> 
     assert time.perf_counter() - t0 < 50  # the followers' wait for rank 0 would time out at 60 s
     assert capsys.readouterr().err == ("pagedkv generate: 524288 bytes hold 1 blocks of 491520 bytes; a pool needs "
                                        "at least 2 (block 0 is the null block)\n")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_trace_without_expect_fields_on_request(smollm2: tuple[Any, Any]) -> None:
+    import io
+
+    from pagedkv.core.verify.trace import replay
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine, SamplingParams
+
+    model, meta = smollm2
+    tok = Tokenizer(meta)
+    for expect in (True, False):
+        out = io.StringIO()
+        Engine(model, tok, trace=out, trace_expect=expect, kv_cache_memory_bytes=16 << 20).generate(
+            [("hi", tok.encode("hi"), SamplingParams(max_tokens=3))])
+        rows = [json.loads(x) for x in out.getvalue().splitlines()[1:]]
+        assert all(("expect" in r) is expect for r in rows)
+        assert all(ev.divergence is None and ev.result["ok"] for ev in replay(out.getvalue().splitlines()))

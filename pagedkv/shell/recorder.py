@@ -20,12 +20,12 @@ class Recorder:
     """Writes the header at once, then each input the engine gives the scheduler, in order, with the state
     it led to (``expect``; the digest reads the whole pool, O(blocks) an event, paid only while recording)."""
 
-    def __init__(self, out: TextIO, cache: CacheConfig, sched: SchedulerConfig) -> None:
-        self.out = out
+    def __init__(self, out: TextIO, cache: CacheConfig, sched: SchedulerConfig, *, expect: bool = True) -> None:
+        self.out, self.expect = out, expect
         self._line(scheduler_header(cache, sched))
 
     def _line(self, event: dict[str, Any], after: SchedState | None = None, **fields: Any) -> None:
-        if after is not None:
+        if after is not None and self.expect:
             kv = after.kv
             event["expect"] = {"ok": True, "generation": kv.generation, "free_blocks": kv.free_blocks,
                                "digest": sched_digest(after), **fields}  # fmt: skip

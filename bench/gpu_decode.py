@@ -59,7 +59,7 @@ class DecodeBench:
         return publish(self.state, self.ids[:batch_size], "decode").unwrap().effect  # subsets of one generation
 
     def eager(self, tokens: torch.Tensor, batch: Any) -> torch.Tensor:
-        return self.model.forward(tokens, batch, self.rank.pool, self.backend, self.rank.group)
+        return self.model.forward(tokens, batch, self.rank.pool, self.backend, self.rank.layout)
 
     def compare(self, batch_size: int) -> tuple[torch.Tensor, Any, float]:
         """(tokens, installed batch, relative difference of graph-replay logits from the eager step's)."""

@@ -59,7 +59,7 @@ def sequential(model: Any) -> tuple[list[dict[str, Any]], list[list[int]], list[
             for row in meta.rows:
                 seq = list(state.seqs[row.request_id].prompt) + out[row.request_id]
                 toks += seq[row.kv_start_pos : row.seq_len]
-            rows_out = model.forward(torch.tensor(toks), batch, rank.pool, backend, rank.group)
+            rows_out = model.forward(torch.tensor(toks), batch, rank.pool, backend, rank.layout)
             logits.update({row.request_id: rows_out[r] for r, row in enumerate(meta.rows)})
         sampled = {rid: sample(logits[rid], params[rid], request_seed(rid, params[rid]), len(out[rid]))
                    for rid in plan.samples}  # fmt: skip

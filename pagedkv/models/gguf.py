@@ -35,6 +35,10 @@ def smollm2_path() -> str:
     return path
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
     vocab_size: int
@@ -49,14 +53,48 @@ class LlamaConfig:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    head_dim_: int | None = None  # an explicit head size (Qwen3's 128 over 1024 / 16 heads); None: hidden / heads
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE (projection biases, as in
+    # Qwen2, come with the state dict: a bias there is used)
+
+    def __post_init__(self) -> None:
+        kinds = set(self.layer_types or ())
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if kinds - set(LAYER_TYPES):
+            raise ValueError(f"layer types {sorted(kinds - set(LAYER_TYPES))} are not served (known: {LAYER_TYPES})")
+        if "sliding_attention" in kinds and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window!r}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_dim_ or self.hidden_size // self.num_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None for a full-attention layer."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @staticmethod
     def from_hf_config(c: dict[str, Any]) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` of a Llama checkpoint (with its state dict, ``Llama(config, sd)``)."""
+        """From a Hugging Face ``config.json`` of a Llama, Qwen2 or Qwen3 checkpoint (with its state dict,
+        ``Llama(config, sd)``); ``layer_types`` with ``sliding_window`` make a hybrid of full and
+        sliding-window layers."""
+        model_type = c.get("model_type", "llama")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not a Llama-family decoder served here ({HF_MODEL_TYPES})")
+        types = c.get("layer_types")
+        window = c.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+            window = None  # transformers ignores the window unless use_sliding_window
+        if types is not None and "sliding_attention" not in types:
+            types = None  # all full: the plain model
+        if window is None and types is not None:
+            types = None
+        if window is not None and types is None and model_type == "mistral":
+            types = ["sliding_attention"] * c["num_hidden_layers"]
         return LlamaConfig(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -64,7 +102,9 @@ class LlamaConfig:
             rope_theta=(c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 1e4)),  # transformers 5
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
             tie_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
-            eos_token_id=c.get("eos_token_id"),
+            eos_token_id=c.get("eos_token_id"), head_dim_=c.get("head_dim"),
+            layer_types=tuple(types) if types is not None else None, sliding_window=window if types else None,
+            qk_norm=model_type == "qwen3",
         )  # fmt: skip
 
 

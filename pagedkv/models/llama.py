@@ -10,12 +10,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from pagedkv.core.config import GroupSpec
-from pagedkv.core.grouping import LayerSpec
+from pagedkv.core.config import GroupSpec, InvalidConfig
+from pagedkv.core.grouping import LayerKind, LayerSpec
 from pagedkv.models.gguf import LlamaConfig, load_gguf, smollm2_path
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
 from pagedkv.shell.pool import PagePool
-from pagedkv.shell.rank import attention_layers
+from pagedkv.shell.rank import LayerPlace, Layout, attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -41,7 +41,15 @@ class Llama:
                 ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
                 ("o", "self_attn.o_proj.weight"), ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
                 ("down", "mlp.down_proj.weight"))})  # fmt: skip
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}.self_attn."
+            for k in ("q", "k", "v", "o"):  # Qwen2's q/k/v biases (any of them, where the checkpoint has them)
+                if p + f"{k}_proj.bias" in state_dict:
+                    L[f"{k}_bias"] = w(p + f"{k}_proj.bias")
+            if config.qk_norm:
+                L["q_norm"], L["k_norm"] = w(p + "q_norm.weight"), w(p + "k_norm.weight")
         fuse_layers(self.layers)
+        self.layer_names = tuple(f"layer{i}" for i in range(config.num_layers))  # kv_layers' names, for the layout
         hd = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
         # the head layout this instance computes, and how a row-parallel projection's partial sums
@@ -49,6 +57,7 @@ class Llama:
         self.n_heads, self.n_kv_heads = config.num_heads, config.num_kv_heads
         self.kv_index: tuple[int, ...] | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole
+        self._places: tuple[object, object, tuple[tuple[int, int, LayerAttention], ...]] | None = None
 
     @classmethod
     def smollm2(cls, **kw: object) -> tuple[Llama, dict[str, object]]:
@@ -59,7 +68,9 @@ class Llama:
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """What this instance's layers keep in pages (a shard: its KV heads), for ``plan_rank``."""
         c = self.config
-        return attention_layers(c.num_layers, kv_heads=self.n_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+        layers = attention_layers(c.num_layers, kv_heads=self.n_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+        return tuple(replace(x, kind=LayerKind.SLIDING_WINDOW, window=c.window_of(i)) if c.window_of(i) else x
+                     for i, x in enumerate(layers))  # fmt: skip
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -78,26 +89,52 @@ class Llama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
+    def _attention(self, layout: Layout | GroupSpec) -> tuple[tuple[int, int, LayerAttention], ...]:
+        """Each layer's (page slot, group, attention): from the rank's layout (which group and page tensor
+        each layer's KV lives in), or a lone group spec (every layer in group 0, its own page tensor)."""
+        key = (id(layout), self.kv_index)
+        made = self._places
+        if made is not None and made[0] == key and made[1] is layout:
+            return made[2]
+        if isinstance(layout, GroupSpec):
+            if self.config.layer_types is not None:
+                raise InvalidConfig("this model has sliding-window layers: run it with its rank's layout, not one group")
+            places = tuple(LayerPlace(0, layout, i) for i in range(self.config.num_layers))
+        else:
+            places = layout.of(self.layer_names)
+        scale = self.config.head_dim**-0.5
+        out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=scale, kv_index=self.kv_index))
+                    for p in places)  # fmt: skip
+        self._places = (key, layout, out)
+        return out
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                group: GroupSpec) -> torch.Tensor:  # fmt: skip
-        """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab)."""
+                layout: Layout | GroupSpec) -> torch.Tensor:  # fmt: skip
+        """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab).
+        ``layout``: the rank's (``Rank.layout``: each layer's group and page tensor), or one ``GroupSpec``
+        for a model whose layers are all in one full-attention group."""
         c = self.config
         hd = c.head_dim
         pos = batch.positions.to(self.device)
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
-        attn = LayerAttention(group=0, spec=group, scale=hd**-0.5, kv_index=self.kv_index)
+        places = self._attention(layout)
         cos, sin = self._rope_tables(pos)
         split = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
-        for i, L in enumerate(self.layers):
+        for L, (slot, group, attn) in zip(self.layers, places):
             h = self._rms(x, L["ln1"])
-            q, k, v = torch.split(h @ L["qkv"].T, split, dim=-1)  # one product for the three projections
-            q = self._rope(q.reshape(-1, self.n_heads, hd), cos, sin)
-            k = self._rope(k.reshape(-1, self.n_kv_heads, hd), cos, sin)
+            qkv = h @ L["qkv"].T if "qkv_bias" not in L else torch.addmm(L["qkv_bias"], h, L["qkv"].T)
+            q, k, v = torch.split(qkv, split, dim=-1)  # one product for the three projections
+            q, k = q.reshape(-1, self.n_heads, hd), k.reshape(-1, self.n_kv_heads, hd)
+            if "q_norm" in L:  # Qwen3: each head normalised before the rotation
+                q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = v.reshape(-1, self.n_kv_heads, hd)
-            pool.write(i, k, v, batch.slot_mapping)  # this step's K/V, once, before attention reads the pages
-            a = backend.forward(q, pool.k[i], pool.v[i], batch, attn)
+            pool.write(slot, k, v, batch.slot_mappings[group])  # this step's K/V, once, before attention reads
+            a = backend.forward(q, pool.k[slot], pool.v[slot], batch, attn)
             x = x + self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
+            if "o_bias" in L:
+                x = x + L["o_bias"]  # once, after the partial sums
             h = self._rms(x, L["ln2"])
             gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
             x = x + self.reduce((F.silu(gate) * up) @ L["down"].T)
@@ -112,6 +149,8 @@ def fuse_layers(layers: list[dict[str, torch.Tensor]]) -> None:
         nq, nk = L["q"].shape[0], L["k"].shape[0]
         L["qkv"] = torch.cat((L["q"], L["k"], L["v"]))
         L["q"], L["k"], L["v"] = L["qkv"][:nq], L["qkv"][nq : nq + nk], L["qkv"][nq + nk :]
+        if any(f"{k}_bias" in L for k in "qkv"):  # zeros where one of the three has none
+            L["qkv_bias"] = torch.cat([L.get(f"{k}_bias", L[k].new_zeros(L[k].shape[0])) for k in "qkv"])
         ng = L["gate"].shape[0]
         L["gate_up"] = torch.cat((L["gate"], L["up"]))
         L["gate"], L["up"] = L["gate_up"][:ng], L["gate_up"][ng:]

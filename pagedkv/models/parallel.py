@@ -55,6 +55,7 @@ def shard(model: Llama, rank: int, world: int) -> Llama:
     part.config = replace(c, num_kv_heads=len(kv_heads))  # this rank's pages hold its KV heads
     part.n_heads, part.n_kv_heads, part.kv_index = len(q_heads), len(kv_heads), kv_index
     part.reduce = _all_reduce
+    part._places = None  # noqa: SLF001 - its attention specs follow its own head map
     hd = c.head_dim
 
     def rows(w: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -68,6 +69,8 @@ def shard(model: Llama, rank: int, world: int) -> Llama:
             "ln1": L["ln1"], "ln2": L["ln2"], "q": rows(L["q"], q_heads), "k": rows(L["k"], kv_heads),
             "v": rows(L["v"], kv_heads), "o": o_cols, "gate": L["gate"][ff], "up": L["up"][ff],
             "down": L["down"][:, ff],
+            **{k: L[k] for k in ("q_norm", "k_norm", "o_bias") if k in L},  # per head or after the sum: whole
+            **{f"{k}_bias": rows(L[f"{k}_bias"], q_heads if k == "q" else kv_heads) for k in "qkv" if f"{k}_bias" in L},
         })  # fmt: skip
     fuse_layers(part.layers)
     return part

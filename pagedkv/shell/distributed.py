@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedkv.core.config import GroupSpec
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.pool import PagePool
 from pagedkv.shell.rank import Rank
@@ -37,12 +36,12 @@ class Leader:
         self.broadcast_seconds = 0.0  # time spent distributing metadata (bench/ranks.py)
 
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                group: GroupSpec) -> torch.Tensor:  # fmt: skip
+                layout: Any) -> torch.Tensor:  # fmt: skip
         held = sorted({key[0] for key in self.worker.rows}, key=str)
         t0 = time.perf_counter()
         dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), held)], src=0)
         self.broadcast_seconds += time.perf_counter() - t0
-        out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, group)
+        out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, layout)
         return out
 
     @staticmethod
@@ -52,7 +51,7 @@ class Leader:
 
 def follow(model: Any, rank: Rank, backend: AttentionBackend, fail_at: int | None = None) -> int:
     """A non-zero rank: mirror rank 0's worker, install, run the shard; returns the steps run."""
-    pool, worker, group = rank.pool, rank.worker, rank.group
+    pool, worker, layout = rank.pool, rank.worker, rank.layout
     steps = 0
     while True:
         box: list[Any] = [None]
@@ -65,7 +64,7 @@ def follow(model: Any, rank: Rank, backend: AttentionBackend, fail_at: int | Non
         batch = worker.install(meta)  # the same generation checks as rank 0's
         if fail_at is not None and steps == fail_at:
             raise RuntimeError(f"rank {dist.get_rank()} failed at step {steps} (injected)")
-        model.forward(torch.tensor(tokens), batch, pool, backend, group)
+        model.forward(torch.tensor(tokens), batch, pool, backend, layout)
         steps += 1
 
 

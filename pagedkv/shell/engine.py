@@ -122,7 +122,7 @@ class Engine:
             raise InvalidConfig(f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
                                 f"tokens; the scheduler may batch {args.max_num_seqs} and "
                                 f"{args.step_tokens(model)}")  # fmt: skip
-        self.rank, self.cache, self.pool, self.worker, self.group = rank, rank.cache, rank.pool, rank.worker, rank.group
+        self.rank, self.cache, self.pool, self.worker, self.layout = rank, rank.cache, rank.pool, rank.worker, rank.layout
         self.sizing = rank.sizing
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 chunked_prefill=args.chunked_prefill)  # fmt: skip
@@ -277,7 +277,7 @@ class Engine:
             if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
                 out = self.graphs.decode(tokens, batch)
             else:
-                out = self.model.forward(tokens, batch, self.pool, self.backend, self.group)
+                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
             where.update(zip(rows, range(base, base + len(rows))))
             base += len(rows)
             outs.append(out)

@@ -47,7 +47,7 @@ class GraphDecoder:
 
     def __init__(self, model: Any, rank: Rank, backend: AttentionBackend,
                  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:  # fmt: skip
-        self.model, self.pool, self.worker, self.backend, self.group = model, rank.pool, rank.worker, backend, rank.group
+        self.model, self.pool, self.worker, self.backend, self.layout = model, rank.pool, rank.worker, backend, rank.layout
         self.config = rank.cache
         self.buckets = tuple(b for b in buckets if b <= self.worker.max_rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
@@ -68,11 +68,11 @@ class GraphDecoder:
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm up outside the graph (allocations, Triton compilation)
                 for _ in range(2):
-                    self.model.forward(tokens, batch, self.pool, self.backend, self.group)
+                    self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
-                out = self.model.forward(tokens, batch, self.pool, self.backend, self.group)
+                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
             self.graphs[n] = (g, tokens, out, batch)
         self.worker.last = None  # the padding overwrote what a repeated install would have reused
         self.epoch = self.worker.epoch

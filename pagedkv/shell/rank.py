@@ -116,14 +116,50 @@ class PagedModel(Protocol):
     def kv_layers(self) -> Sequence[LayerSpec]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class LayerPlace:
+    """Where one layer's KV lives: its KV cache group (index into the geometry's groups: its block
+    table) and its page tensor (the pool's slot ``slot``, shared with that slot of every other group)."""
+
+    group: int
+    spec: GroupSpec
+    slot: int
+
+
+class Layout:
+    """Each planned layer's place (vLLM's layout: for n groups of m layers, m page tensors, tensor i shared
+    by layer slot i of every group; block ids are unique across groups, so they never collide). A layer
+    that reads another's KV takes its target's place."""
+
+    def __init__(self, plan: GroupPlan, groups: tuple[GroupSpec, ...]) -> None:
+        self.by_name = {name: LayerPlace(g, groups[g], i) for g, pg in enumerate(plan.groups)
+                        for i, name in enumerate(pg.layers)}  # fmt: skip
+        for layer, target in plan.shared:
+            self.by_name[layer] = self.by_name[target]
+        self._of: dict[tuple[str, ...], tuple[LayerPlace, ...]] = {}
+
+    def of(self, names: Sequence[str]) -> tuple[LayerPlace, ...]:
+        """The places of ``names`` (a model's layers, in order); ``InvalidConfig`` for a layer not planned."""
+        key = tuple(names)
+        got = self._of.get(key)
+        if got is None:
+            missing = [n for n in key if n not in self.by_name]
+            if missing:
+                raise InvalidConfig(f"layers {missing[:4]} are not in this rank's plan")
+            got = self._of[key] = tuple(self.by_name[n] for n in key)
+        return got
+
+
 @dataclass(slots=True)
 class Rank:
-    """One rank's KV side: the plan, the core's geometry, its pages and its worker."""
+    """One rank's KV side: the plan, the core's geometry, its pages, its worker, and where each layer's
+    KV lives (``layout``: the model's forward takes it)."""
 
     plan: RankPlan
     cache: CacheConfig
     pool: PagePool
     worker: Worker
+    layout: Layout
 
     @property
     def sizing(self) -> PoolSizing:
@@ -132,7 +168,8 @@ class Rank:
 
     @property
     def group(self) -> GroupSpec:
-        """The KV cache group every layer reads (models of one group; hybrid models map layers to groups)."""
+        """The KV cache group every layer reads, for models of one group (the DiT); a hybrid model's layers
+        find theirs in ``layout``."""
         if len(self.cache.groups) != 1:
             raise InvalidConfig(f"this model runs one KV cache group; the plan has {len(self.cache.groups)}")
         return self.cache.groups[0]
@@ -153,7 +190,7 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
                     dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write)  # fmt: skip
     worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
                     max_tokens=max_tokens, device=device)  # fmt: skip
-    return Rank(plan, cache, pool, worker)
+    return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups))
 
 
 def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,

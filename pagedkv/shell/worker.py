@@ -42,6 +42,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # (num_rows + 1,) int32: cumulative query lengths
     slot_mapping: torch.Tensor  # (num_tokens,) int64: group-0 slot of each query token
     positions: torch.Tensor  # (num_tokens,) int64: absolute position of each query token
+    slot_mappings: torch.Tensor  # (groups, num_tokens) int64: each group's slot (row 0 is slot_mapping)
 
 
 def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -67,7 +68,11 @@ class Worker:
         self.seq_lens = i32(max_rows)
         self.kv_start = i32(max_rows)
         self.query_start_loc = i32(max_rows + 1)
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=dev)  # padding: null block slot 0
+        # each group's slot of each query token (padding: the null block's slot 0); group 0's is the snapshot's,
+        # the others' are read from their block tables (a layer writes its own group's pages)
+        self.slot_mappings = torch.zeros(self.num_groups, max_tokens, dtype=torch.int64, device=dev)
+        self.slot_mapping = self.slot_mappings[0]
+        self._token_rows = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self._arange = torch.arange(max_rows + 1, dtype=torch.int32, device=dev)  # a decode batch's query starts
         self.generation = 0
@@ -268,26 +273,43 @@ class Worker:
                 [p for r in rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
             self.slot_mapping[:tokens].copy_(torch.tensor([s for r in rows for s in r.slots], dtype=torch.int64))
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
-        self.slot_mapping[tokens:].zero_()  # padding tokens write to the null block's slot 0
+        self.slot_mappings[:, tokens:].zero_()  # padding tokens write to the null block's slot 0
+        if self.num_groups > 1:
+            self._group_slots(n, tokens, None if decode else [r.query_len for r in rows])  # type: ignore[union-attr]
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
-                             self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens])  # fmt: skip
+                             self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens],
+                             self.slot_mappings[:, :tokens])  # fmt: skip
         self.last = (meta, batch)
         return batch
+
+    def _group_slots(self, n: int, tokens: int, query_lens: list[int] | None) -> None:
+        """Groups 1.. : each query token's slot from its row's block table in that group (the position's
+        block is never null: a query always sees its own position), on the device, into the buffers."""
+        bs = self.config.block_size
+        rows = self._token_rows[:tokens]
+        if query_lens is None:  # one token a row
+            torch.arange(n, out=rows)
+        else:
+            counts = torch.tensor(query_lens, dtype=torch.int64, device=rows.device)
+            rows.copy_(torch.repeat_interleave(torch.arange(n, device=rows.device), counts))
+        pos = self.positions[:tokens]
+        blocks = self.block_tables[1:, rows, pos // bs].long()  # (groups - 1, tokens)
+        torch.add(blocks * bs, pos % bs, out=self.slot_mappings[1:, :tokens])
 
     # -- fixed-shape decode batches (CUDA graphs) ----------------------------------
     def decode_views(self, rows: int, metadata: KVMetadata) -> ForwardBatch:
         """The first ``rows`` rows of the buffers as a one-token-a-row batch: what a graph captures."""
         return ForwardBatch(metadata, rows, rows, self.block_tables[:, :rows], self.seq_lens[:rows],
                             self.kv_start[:rows], self.query_start_loc[: rows + 1], self.slot_mapping[:rows],
-                            self.positions[:rows])  # fmt: skip
+                            self.positions[:rows], self.slot_mappings[:, :rows])  # fmt: skip
 
     def pad_decode(self, rows: int, bucket: int) -> None:
         """Make buffer rows ``rows..bucket`` padding of an installed decode batch of ``rows`` rows: the
         null block's slot, length 1, no blocks. Nothing installed changes; the next install rewrites them."""
         if bucket <= rows:
             return
-        self.slot_mapping[rows:bucket].zero_()
+        self.slot_mappings[:, rows:bucket].zero_()
         self.seq_lens[rows:bucket].fill_(1)
         self.query_start_loc[rows + 1 : bucket + 1] = torch.arange(rows + 1, bucket + 1, dtype=torch.int32,
                                                                    device=self.query_start_loc.device)  # fmt: skip

@@ -26,7 +26,7 @@ from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
 from pagedkv.core import transitions
 from pagedkv.core.check import CheckConfig, check
 from pagedkv.core import decode as decode_mod
-from pagedkv.core import pool
+from pagedkv.core import admission, growth, pool
 from pagedkv.core.txn import Txn
 
 SMALL = CheckConfig(usable_blocks=4, requests=2, max_model_len=6)
@@ -180,6 +180,43 @@ def test_without_a_plant_the_free_queue_is_whole() -> None:
     from pagedkv.core import initial_state
 
     assert free_queue(initial_state(SMALL.cache_config())) == [1, 2, 3, 4]
+
+
+# -- planted bugs in state (Mamba) groups: full + window + mamba ------------------------------------------------
+
+MAMBA = CheckConfig(usable_blocks=6, requests=2, mamba=True)  # 4,030 states
+
+
+def test_full_window_and_mamba_is_exhaustive_without_a_violation() -> None:
+    result = check(MAMBA)
+    assert result.exhaustive and not result.violation and result.states > 1000
+
+
+def _saved_state_left_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "take_state", lambda txn, b: pool.take_hit(txn, b))  # a second hit shares it
+
+
+def _state_allocated_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(growth, "_extended", lambda txn, blocks, extra: tuple(g + pool.pop_blocks(txn, extra)
+                                                                              for g in blocks))  # fmt: skip
+
+
+MAMBA_PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "saved state left in the cache when a hit takes it": _saved_state_left_in_the_cache,
+    "state allocated a block per token block": _state_allocated_per_block,
+}
+
+
+@pytest.mark.parametrize("plant", sorted(MAMBA_PLANTS))
+def test_the_checker_catches_planted_state_group_bugs(plant: str, monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    MAMBA_PLANTS[plant](monkeypatch)
+    result = check(MAMBA)
+    assert result.violation, f"the checker missed: {plant}"
+    path = tmp_path / "counterexample.jsonl"
+    path.write_text("\n".join(result.trace) + "\n")
+    assert main(["replay", "--check", str(path)]) == 1
+    capsys.readouterr()
 
 
 # -- planted bugs in the decode fast paths (full attention only: windowed groups take the general path) --

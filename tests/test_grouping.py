@@ -50,8 +50,10 @@ def test_state_layers_raise_the_attention_block_size() -> None:
     # 4096 bytes per token: 64 tokens hold 262144 < 300000, 80 tokens hold 327680
     assert plan.block_size == 80 and plan.page_bytes == 327_680 and plan.state_padding_bytes == 27_680
     assert plan.layers_per_group == 2 and sum(g.kind is LayerKind.MAMBA for g in plan.groups) == 3
-    with pytest.raises(InvalidConfig, match="state"):
-        plan.cache_config(100)
+    cfg = plan.cache_config(100)  # the core allocates the state groups: one block a row in each
+    assert [g.kind.value for g in cfg.groups] == ["full", "mamba", "mamba", "mamba"] and cfg.block_size == 80
+    s = admit(initial_state(cfg), RequestSpec("a", (RowSpec(200),))).unwrap().state
+    assert cfg.usable_blocks - s.free_blocks == 3 + 3  # 3 blocks of 80 tokens, 3 states
 
 
 def test_refusals() -> None:

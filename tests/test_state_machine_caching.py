@@ -34,6 +34,8 @@ GROUPINGS = {
     "full+swa": (GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3)),
     "full+local": (GroupSpec("full"), GroupSpec("local", GroupKind.CHUNKED_LOCAL, chunk=4)),
     "swa": (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=2),),
+    "full+swa+mamba": (GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3),
+                       GroupSpec("mamba", GroupKind.MAMBA)),
 }
 _opaque = count()
 
@@ -127,6 +129,14 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         for i, (cached, row_blocks) in enumerate(zip(effect.cached_tokens, effect.blocks)):
             hit = cached // bs
             for g, ids in enumerate(row_blocks):
+                if self.cfg.groups[g].is_state:  # the row's state: a saved one holds exactly the hit's tokens
+                    if hit:
+                        event("admit took a saved state over")
+                        assert self.content.get(ids[-1]) == self.state_content(rid, i, g, cached), (
+                            f"state block {ids[-1]} holds {self.content.get(ids[-1])!r}")
+                    else:
+                        self.content[ids[-1]] = self.state_content(rid, i, g, 0)
+                    continue
                 for j, b in enumerate(ids):
                     if j < hit and b:
                         assert self.content.get(b) == self.expected_content(rid, i, g, j), (
@@ -134,10 +144,19 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                     elif j >= hit:
                         self.content[b] = None  # fresh: garbage until computed
 
+    def state_content(self, rid: Any, row: int, group: int, computed: int) -> object:
+        """What a state holds after ``computed`` tokens of a row: those tokens (the state absorbed them)."""
+        toks = self.tokens[rid][row]
+        if toks is None or len(toks) < computed:
+            return ("opaque", next(_opaque))
+        return ("state", group, tuple(toks[:computed]), self.extra[rid])
+
     def _fresh_after_append(self, before: dict[Any, Any]) -> None:
         for rid in self.state.requests.keys():
             for i, row in enumerate(request_blocks(self.state, rid)):
                 for g, ids in enumerate(row):
+                    if self.cfg.groups[g].is_state:
+                        continue  # the state moved, nothing fresh
                     old = before.get(rid, ((),) * 0)
                     old_len = len(old[i][g]) if old else 0
                     for b in ids[old_len:]:
@@ -192,8 +211,14 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
             event("commit let window blocks go")
         bs = self.cfg.block_size
         for i, (c0, c1) in enumerate(zip(old, new)):
+            for g, ids in enumerate(blocks[i]):  # a state absorbs what was computed, if it held what came before
+                if self.cfg.groups[g].is_state:
+                    valid = self.content.get(ids[-1]) == self.state_content(rid, i, g, c0)
+                    self.content[ids[-1]] = self.state_content(rid, i, g, c1) if valid else ("opaque", next(_opaque))
             for j in range(c0 // bs, c1 // bs):  # blocks that became full and computed now
                 for g, ids in enumerate(blocks[i]):
+                    if self.cfg.groups[g].is_state:
+                        continue
                     if ids[j]:
                         self.content[ids[j]] = self.expected_content(rid, i, g, j)
 
@@ -252,6 +277,9 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                 for g, ids in enumerate(s.row_blocks[slot]):
                     assert len(ids) == -(-s.row_len[slot] // bs)
                     gs = s.config.groups[g]
+                    if gs.kind is GroupKind.MAMBA:  # one state block, at the last position
+                        assert ids[-1] and not any(ids[:-1]), f"state group {g}: {ids}"
+                        continue
                     # written out here, apart from the code: the first key a query at `future` or later reads
                     if gs.kind is GroupKind.SLIDING_WINDOW:
                         lowest = future - gs.window + 1  # type: ignore[operator]

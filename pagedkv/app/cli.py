@@ -63,6 +63,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--max-model-len", type=positive_int, default=d.max_model_len, help="tokens a row may hold")
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
+    c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
     c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
     c.add_argument("--max-depth", type=positive_int, default=None, help="stop at this depth (default: no bound)")
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
@@ -91,7 +92,7 @@ def _check(args: argparse.Namespace) -> int:
         cfg = CheckConfig(
             block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-            max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations,
+            max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

@@ -12,6 +12,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Admitted
+from pagedkv.core.events import BlockRemoved
 from pagedkv.core.errors import ErrorCode, KVError, fail, shown
 from pagedkv.core.hashing import extra_blob
 from pagedkv.core.prefix import Hit, find_hit
@@ -37,8 +38,10 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
     hit = find_hit(state, spec)
-    held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
-    need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
+    paged = [g for g, gs in enumerate(cfg.groups) if not gs.is_state]
+    held = {b for row in hit.ids for g in paged for b in row[g] if b and state.refcount[b] == 0}
+    states = (len(cfg.groups) - len(paged)) * len(rows)  # a fresh or a cached state block each (never shared)
+    need = len(paged) * sum(nb - hit.num_blocks for nb in per_row) + len(held) + states
     if need > state.num_free:
         return fail(
             ErrorCode.NO_CAPACITY,
@@ -73,7 +76,20 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     >>> refusal(s, RequestSpec("b", (RowSpec(12),)*3)).message
     "request 'b' needs 9 blocks; the pool has 8 usable blocks in all"
     """
-    return check_request_spec(spec) or _over_limits(state, spec)
+    return check_request_spec(spec) or _state_rows(state, spec) or _over_limits(state, spec)
+
+
+def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
+    """State groups hold a row's state as it runs from position 0: a diffusion row (a target rewritten each
+    step) or KV that arrives from elsewhere has no state here."""
+    if any(g.is_state for g in state.config.groups):
+        for i, row in enumerate(spec.rows):
+            if row.prefix_len is not None or row.spans or row.pending_tokens:
+                what = "pending_tokens" if row.pending_tokens else "a diffusion layout (prefix_len, spans)"
+                return KVError(ErrorCode.INVALID, f"request {shown(spec.request_id)} row {i} has {what}; a pool "
+                               "with state (Mamba) groups serves rows computed from their first token",
+                               request=spec.request_id, field="rows")  # fmt: skip
+    return None
 
 
 def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
@@ -89,7 +105,7 @@ def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
                 return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
                                f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
                                available=cfg.max_model_len)  # fmt: skip
-    need = len(cfg.groups) * sum(cfg.blocks_for(row.num_tokens) for row in rows)
+    need = sum(cfg.row_blocks(row.num_tokens) for row in rows)
     if need > cfg.usable_blocks:
         return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {need} blocks; the pool has "
                        f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=need,
@@ -109,13 +125,18 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
     firsts = [[g.first_visible_block(min(c, row.prefix_len) if row.prefix_len is not None else c, cfg.block_size)
                for g in cfg.groups] for row, c in zip(spec.rows, computed)]  # fmt: skip
     for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
-        for group_ids, first in zip(row_ids, row_firsts):
+        for group_ids, first, gs in zip(row_ids, row_firsts, cfg.groups):
+            if gs.is_state:
+                if group_ids:
+                    take_state(txn, group_ids[-1])
+                continue
             for j, b in enumerate(group_ids):
                 if b and j >= first:
                     pool.take_hit(txn, b)
     slots, blocks = [], []
     for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
-        rb = tuple(_fresh(txn, ids, nb, first) for ids, first in zip(row_ids, row_firsts))
+        rb = tuple(_fresh(txn, ids, nb, first) if not gs.is_state else _state(txn, ids, nb)
+                   for ids, first, gs in zip(row_ids, row_firsts, cfg.groups))  # fmt: skip
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
@@ -126,6 +147,20 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks
+
+
+def take_state(txn: Txn, saved: int) -> None:
+    """The saved state at a hit's boundary becomes the row's: out of the cache (it will be rewritten, so no
+    other request may hit it), out of the free queue."""
+    g, h = txn.index.evict(saved)  # type: ignore[misc]
+    txn.events.append(BlockRemoved(h, g, saved))
+    pool.take_hit(txn, saved)
+
+
+def _state(txn: Txn, ids: tuple[int, ...], nb: int) -> tuple[int, ...]:
+    """A state group's list of ``nb`` positions: the null block, then the row's state at the last: the hit's
+    saved state (taken over above), or a fresh block."""
+    return (0,) * (nb - 1) + ((ids[-1],) if ids else pool.pop_blocks(txn, 1))
 
 
 def _fresh(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:

@@ -126,6 +126,7 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
     if full <= done:
         return record
     blocks = record.blocks
+    states = cfg.state_group_set
     parent = record.hashes[-16:] if done else txn.base.cache.root
     new = [record.hashes]
     add = txn.index.add
@@ -139,12 +140,36 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
         h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
-            # not let go already, not cached already, and no other block holds the same content
-            if b and add(g, h, b):
+            # not let go already, not cached already, and no other block holds the same content; a state
+            # group's block is the row's live state (cached only when the row ends on this boundary)
+            if b and g not in states and add(g, h, b):
                 events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b))
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))
+
+
+def save_states(txn: Txn, req: Request) -> None:
+    """A request that ends (not by error) leaves each row's state cached where it stands, when its computed
+    tokens end on a block boundary whose hash the row knows: under that block's chain hash, for a later
+    request with the same leading tokens to take over (``prefix.find_hit``). Call before its blocks go."""
+    cfg = txn.config
+    states = cfg.state_group_set
+    if not states or not cfg.enable_prefix_caching or req.cache_epoch != txn.base.cache_epoch:
+        return
+    bs = cfg.block_size
+    for slot in req.slots:
+        computed, record = txn.row_computed[slot], txn.rows[slot]
+        j = computed // bs - 1
+        if computed % bs or j < 0 or record.num_hashed <= j:
+            continue
+        h = record.hash_at(j)
+        parent = record.hash_at(j - 1) if j else None
+        ids = unpack_ids(_token_span(record, txn.row_tail[slot], j * bs, (j + 1) * bs))
+        for g in sorted(states):
+            b = record.blocks[g][-1]
+            if b and txn.index.add(g, h, b):
+                txn.events.append(BlockStored(h, parent, ids, g, b))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,

@@ -18,6 +18,7 @@ class GroupKind(StrEnum):
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL = "chunked_local"
     MLA = "mla"  # multi-head latent attention: one latent vector per token; allocates like full attention
+    MAMBA = "mamba"  # a state per row (a Mamba layer's conv and SSM state): one block, whatever the length
 
 
 class InvalidConfig(ValueError):
@@ -59,6 +60,13 @@ class GroupSpec:
     def is_windowed(self) -> bool:
         """Does this group let blocks go once no future query can see them?"""
         return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
+
+    @property
+    def is_state(self) -> bool:
+        """A state group (Mamba): each row holds one block, its state, at its last block position (the null
+        block before it); growth moves it, never allocates; it is cached only when its row ends on a block
+        boundary, and a hit takes it over (a state is rewritten in place: never shared)."""
+        return self.kind is GroupKind.MAMBA
 
     def first_visible_position(self, position: int) -> int:
         """The first key a query at ``position`` reads (0 unless the group is windowed).
@@ -130,6 +138,9 @@ class CacheConfig:
         if len(set(names)) != len(names):
             raise InvalidConfig(f"group names must be unique, got {names}")
         object.__setattr__(self, "groups", groups)
+        if groups[0].is_state:
+            raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
+                                "attention group (its blocks give the rows' slots)")  # fmt: skip
         if type(self.enable_prefix_caching) is not bool:
             raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {shown(self.enable_prefix_caching)}")
         for key in ("max_rows_per_request", "max_model_len"):
@@ -145,6 +156,21 @@ class CacheConfig:
     def length_limit(self) -> int:
         """``max_model_len``, or a bound no row reaches."""
         return self.max_model_len if self.max_model_len is not None else 1 << 62
+
+    @property
+    def state_group_set(self) -> frozenset[int]:
+        """Indices of the state (Mamba) groups."""
+        return frozenset(i for i, g in enumerate(self.groups) if g.is_state)
+
+    @property
+    def paged_groups(self) -> int:
+        """Groups whose blocks grow with the tokens (every group but the state groups)."""
+        return sum(1 for g in self.groups if not g.is_state)
+
+    def row_blocks(self, num_tokens: int) -> int:
+        """Blocks one row of ``num_tokens`` holds over all groups at most: a block per token block in each
+        paged group, one state block in each state group."""
+        return self.paged_groups * self.blocks_for(num_tokens) + len(self.groups) - self.paged_groups
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks one group needs for ``num_tokens`` positions: ceil(n / block_size)."""

@@ -94,9 +94,8 @@ class GroupPlan:
         return wasted / (slots * self.page_bytes) if slots else 0.0
 
     def cache_config(self, num_blocks: int, **limits: object) -> CacheConfig:
-        """The core's geometry for this plan (attention groups; the core allocates no state blocks)."""
-        if any(g.kind is LayerKind.MAMBA for g in self.groups):
-            raise InvalidConfig("the plan has state (Mamba) groups; the core allocates attention groups only")
+        """The core's geometry for this plan: its attention groups, then its state (Mamba) groups, whose rows
+        hold one state block each (its page padded to the attention page: ``state_padding_bytes``)."""
         sizes = {g.block_size for g in self.groups}
         if len(sizes) > 1:
             raise InvalidConfig(f"page sizes are unified with block sizes {sorted(sizes)} tokens; the core "

@@ -81,7 +81,7 @@ def append_decode(
     get = state.requests.get
     lens = _batch_leaves(txn.row_len, len(ids))
     tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
-    mask, ngroups = (1 << SLOT_SHIFT) - 1, len(cfg.groups)
+    mask, ngroups = (1 << SLOT_SHIFT) - 1, cfg.paged_groups  # the blocks a row opening one takes
     allocations: list[tuple[RequestId, int]] = []
     for k, rid in enumerate(ids):
         try:
@@ -219,7 +219,7 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
         extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
         need += extra
         grown.append((slot, new_len, extra, item))
-    return grown, need * len(cfg.groups)
+    return grown, need * cfg.paged_groups
 
 
 def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
@@ -243,9 +243,19 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
             tails[slot] = None
     txn.row_len[slot] = new_len
     if extra:
-        record = record.with_blocks(tuple(g + pool.pop_blocks(txn, extra) for g in record.blocks))
+        record = record.with_blocks(_extended(txn, record.blocks, extra))
     if record is not records[slot]:
         records[slot] = record
+
+
+def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
+    """A row's lists grown by ``extra`` positions: fresh blocks in each paged group; a state group's one
+    block moves to the new last position (the null block where it was), nothing allocated."""
+    states = txn.config.state_group_set
+    if not states:
+        return tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
+    return tuple(g + pool.pop_blocks(txn, extra) if i not in states else g[:-1] + (0,) * extra + g[-1:]
+                 for i, g in enumerate(blocks))  # fmt: skip
 
 
 def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, hashes: bytes, leaf: Any,
@@ -266,7 +276,7 @@ def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, has
     if len(blocks) == 1:
         new_blocks: Blocks = (blocks[0] + pool.pop_blocks(txn, 1),)
     else:
-        new_blocks = tuple(g + pool.pop_blocks(txn, 1) for g in blocks)
+        new_blocks = _extended(txn, blocks, 1)
     txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending)
     leaf[o] = n + 1
     gen = txn.next_generation()

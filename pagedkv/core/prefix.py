@@ -7,7 +7,8 @@ blocks, so at least its last token is computed (a diffusion row: at most
 no token ids never hits. With full-attention groups the hit is the longest run
 of blocks every full group has cached, scanned left to right; windowed groups
 then cut it back, right to left, until each also holds every block a query at
-the hit boundary can see. Last, the hit is cut back until every row keeps the
+the hit boundary can see, and state groups until a state was saved where it ends
+(a row that ended on that boundary). Last, the hit is cut back until every row keeps the
 same segment structure from the boundary on (CFG rows of different prefix
 lengths stay one batched forward).
 """
@@ -42,11 +43,16 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     bs, cache = cfg.block_size, state.cache
     windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
+    states = [g for g, gs in enumerate(cfg.groups) if gs.is_state]
 
     def windows_hold(n: int) -> bool:
         for g in windowed:
             first = cfg.groups[g].first_visible_block(n * bs, bs)
             if any((g, chain[j]) not in cache for chain in chains for j in range(first, n)):
+                return False
+        for g in states:  # a state saved where the hit ends, a different one for each row (it is taken over)
+            saved = [cache.get((g, chain[n - 1])) for chain in chains]
+            if None in saved or len(set(saved)) < len(saved):
                 return False
         return True
 
@@ -65,6 +71,9 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     for chain in chains:
         per_group = []
         for g, gs in enumerate(cfg.groups):
+            if gs.is_state:  # the state after the hit's last block, at its position
+                per_group.append((0,) * (hit - 1) + (cache[(g, chain[hit - 1])],) if hit else ())
+                continue
             first = gs.first_visible_block(hit * bs, bs)
             per_group.append(tuple(cache[(g, chain[j])] if j >= first else 0 for j in range(hit)))
         ids.append(tuple(per_group))
@@ -76,7 +85,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
     row's chain is never longer than the one before it (the hit is common to all rows)."""
     cfg, cache = state.config, state.cache
     bs = cfg.block_size
-    full = [g for g, gs in enumerate(cfg.groups) if not gs.is_windowed]  # full attention and MLA
+    full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
     chains: list[list[BlockHash]] = []
     limit: int | None = None
     extra = extra_blob(spec.extra_keys)

@@ -14,6 +14,7 @@ from dataclasses import replace
 from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
+from pagedkv.core.commit import save_states
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent
@@ -41,6 +42,8 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     txn = Txn(state)
     before = txn.num_free
+    if reason != "error":  # a failed step's state may be half written
+        save_states(txn, req)
     pool.free_tail_first(txn, req)
     del txn.requests[request_id]
     gen = txn.next_generation()
@@ -75,6 +78,8 @@ def release_many(
             return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
         gone.add(rid)
         before = txn.num_free
+        if why is not ReleaseReason.ERROR:
+            save_states(txn, req)
         pool.free_tail_first(txn, req)
         del txn.requests[rid]
         out.append(Released(rid, why, txn.next_generation(), txn.num_free - before))

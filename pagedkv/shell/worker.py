@@ -56,7 +56,7 @@ class Worker:
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.config = config
         self.num_groups = len(config.groups)
-        self.windowed = tuple(g.is_windowed for g in config.groups)
+        self.windowed = tuple(g.is_windowed or g.is_state for g in config.groups)  # groups whose positions go null
         self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
         dev = torch.device(device)
         def i32(*shape: int) -> torch.Tensor:

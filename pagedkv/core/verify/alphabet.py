@@ -40,11 +40,14 @@ class CheckConfig:
     max_states: int = 200_000
     max_depth: int | None = None
     destinations: bool = False  # also admit rows whose KV arrives from elsewhere (pending_tokens), and mark it ready
+    mamba: bool = False  # a state (Mamba) group after the attention groups
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
         if self.window is not None:
             groups += (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=self.window),)
+        if self.mamba:
+            groups += (GroupSpec("mamba", GroupKind.MAMBA),)
         return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
                            enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
                            max_model_len=self.max_model_len)  # fmt: skip

@@ -71,6 +71,9 @@ def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int],
     for g, ids in enumerate(record.blocks):
         if len(ids) != cfg.blocks_for(length):
             bad.append(f"{where} group {g}: {len(ids)} blocks for {length} tokens")
+        if cfg.groups[g].kind is GroupKind.MAMBA:
+            _state_blocks(s, ids, g, where, held, bad)
+            continue
         lowest = _lowest_visible(cfg.groups[g], future)
         for j, b in enumerate(ids):
             if not 0 <= b < cfg.num_blocks:
@@ -87,6 +90,27 @@ def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int],
                                "(a stale cache entry)")  # fmt: skip
                 elif j < len(hashes) and key is not None and key != (g, hashes[j]):
                     bad.append(f"{where} group {g} position {j}: block {b} carries another prefix's hash")
+
+
+def _state_blocks(s: KVState, ids: tuple[int, ...], g: int, where: str, held: list[int], bad: list[str]) -> None:
+    """A state group's list: the row's one state block at its last position, the null block before it, the
+    block held by this row alone and in no cache entry (a live state is rewritten, so never hit)."""
+    if not ids:
+        return
+    for j, b in enumerate(ids[:-1]):
+        if b:
+            bad.append(f"{where} group {g} position {j}: a state group holds block {b} before its last position")
+            if 0 <= b < s.config.num_blocks:
+                held[b] += 1
+    b = ids[-1]
+    if not 0 < b < s.config.num_blocks:
+        bad.append(f"{where} group {g}: no state block at its last position (block {b})")
+        return
+    held[b] += 1
+    if s.refcount[b] != 1:
+        bad.append(f"{where} group {g}: state block {b} has refcount {s.refcount[b]}; a state is never shared")
+    if s.cache.key_of(b) is not None:
+        bad.append(f"{where} group {g}: live state block {b} carries a cache hash (a hit would read a moving state)")
 
 
 def _free_queue(s: KVState, held: list[int], bad: list[str]) -> None:

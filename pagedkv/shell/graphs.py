@@ -53,6 +53,7 @@ class GraphDecoder:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
         self.epoch: int | None = None  # the epoch the graphs were captured in (None: before any install)
         self.captures = 0  # how many times every bucket was captured (start-up, then each new epoch)
+        self.replays = 0  # decode forwards served by a replay
 
     def capture(self, template: KVMetadata | None = None) -> None:
         """Capture every bucket, largest first, into one memory pool; the buffers' rows are padding
@@ -103,4 +104,5 @@ class GraphDecoder:
             static_tokens[n:].zero_()
         static_tokens[:n].copy_(tokens)
         g.replay()
+        self.replays += 1
         return out[:n]

@@ -275,7 +275,7 @@ class Worker:
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
         self.slot_mappings[:, tokens:].zero_()  # padding tokens write to the null block's slot 0
         if self.num_groups > 1:
-            self._group_slots(n, tokens, None if decode else [r.query_len for r in rows])  # type: ignore[union-attr]
+            self._group_slots(n, tokens, None if decode else [r.query_len for r in rows])
         self.generation = max(self.generation, meta.generation)
         batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
                              self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens],

@@ -51,10 +51,12 @@ class _Everything:
 
 
 class CachingMachine(DecodeRules, RuleBasedStateMachine):
-    @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)))
-    def setup(self, bs: int, usable: int, grouping: str) -> None:
+    @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)),
+                free_queue=st.sampled_from(["tail", "vllm"]), reset_policy=st.sampled_from(["always", "when_idle"]))
+    def setup(self, bs: int, usable: int, grouping: str, free_queue: str, reset_policy: str) -> None:
         self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
-                               enable_prefix_caching=True)  # fmt: skip
+                               enable_prefix_caching=True, free_queue=free_queue,
+                               reset_prefix_cache=reset_policy)  # fmt: skip
         self.state = initial_state(self.cfg)
         self.content: dict[int, object] = {}  # block id -> what its KV holds
         self.tokens: dict[Any, list[list[int] | None]] = {}  # per request, per row: known token ids
@@ -249,8 +251,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        self.step(reset_prefix_cache(self.state))
-        assert len(self.state.cache) == 0
+        idle = self.state.free_blocks == self.cfg.usable_blocks
+        done = self.step(reset_prefix_cache(self.state))
+        if self.cfg.reset_prefix_cache == "when_idle" and not idle:
+            assert done is None, "a reset while blocks are held, under when_idle"
+        else:
+            assert done is not None and len(self.state.cache) == 0
 
     @rule()
     def reset(self) -> None:

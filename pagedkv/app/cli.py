@@ -64,6 +64,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
+    c.add_argument("--free-queue", choices=("tail", "vllm"), default="tail",
+                   help="where freed blocks go: all to the tail, or (vllm) those without a hash to the head")
+    c.add_argument("--reset-when-idle", action="store_true",
+                   help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)")
     c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
     c.add_argument("--max-depth", type=positive_int, default=None, help="stop at this depth (default: no bound)")
     c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
@@ -93,6 +97,7 @@ def _check(args: argparse.Namespace) -> int:
             block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
+            free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

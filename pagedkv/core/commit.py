@@ -83,8 +83,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     before_free = txn.num_free
     if dropped:
         dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
-        for _, _, _, b in dropped:
-            pool.unref(txn, b)
+        pool.unref_many(txn, [b for _, _, _, b in dropped])
         gen = txn.next_generation()
         txn.row_generation[req.slots[0]] = gen
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))

@@ -26,6 +26,8 @@ class InvalidConfig(ValueError):
 
 
 MAX_NUM_BLOCKS = 1 << 31  # a worker's block tables hold int32 ids
+FREE_QUEUE_POLICIES = ("tail", "vllm")  # where a freed block goes (docs/prefix-and-groups.md)
+RESET_POLICIES = ("always", "when_idle")  # when reset_prefix_cache may drop the hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,8 @@ class CacheConfig:
     max_rows_per_request: int | None = None
     max_model_len: int | None = None
     hash_namespace: str = "pagedkv"  # the root of every block-hash chain
+    free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
+    reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
@@ -141,6 +145,9 @@ class CacheConfig:
         if groups[0].is_state:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip
+        for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES)):
+            if getattr(self, key) not in allowed or type(getattr(self, key)) is not str:
+                raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
         if type(self.enable_prefix_caching) is not bool:
             raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {shown(self.enable_prefix_caching)}")
         for key in ("max_rows_per_request", "max_model_len"):

@@ -27,6 +27,7 @@ class ErrorCode(StrEnum):
     INVALID = "INVALID"
     STALE_METADATA = "STALE_METADATA"  # raised by the shell's worker
     CONFLICTING_METADATA = "CONFLICTING_METADATA"  # raised by the shell's worker
+    BLOCKS_IN_USE = "BLOCKS_IN_USE"  # temporary: reset_prefix_cache under "when_idle" while blocks are held
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,8 @@ class KVError:
 
     @property
     def permanent(self) -> bool:
-        """Only ``NO_CAPACITY`` can succeed later, once blocks are freed."""
-        return self.code is not ErrorCode.NO_CAPACITY
+        """Only ``NO_CAPACITY`` and ``BLOCKS_IN_USE`` can succeed later, once blocks are freed."""
+        return self.code is not ErrorCode.NO_CAPACITY and self.code is not ErrorCode.BLOCKS_IN_USE
 
 
 SHOWN_DIGITS = 60  # an integer longer than this is named by its size in messages, not spelled out

@@ -3,8 +3,9 @@
 Refcounts by block; the free queue in LRU order, a doubly linked list over block
 ids with the null block 0 as its sentinel (``nxt[0]`` is the head, ``prv[0]`` the
 tail): allocation pops the head (the least recently freed block) and evicts its
-cached hash, a release pushes a request's blocks to the tail, tail first, a
-prefix hit takes a free block out of the middle. Every operation is O(1) a
+cached hash, a release pushes a request's blocks to the tail, tail first (under the
+``vllm`` policy the ones without a hash to the head, as vLLM does), a prefix hit takes
+a free block out of the middle. Every operation is O(1) a
 block: no scan of the pool.
 """
 
@@ -45,14 +46,48 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
 
 
 def push_free(txn: Txn, b: int) -> None:
-    """Append ``b`` at the tail of the free queue (most recently freed)."""
+    """Put ``b`` in the free queue: at the tail (most recently freed), or, under the ``vllm`` policy, at the
+    head when it carries no hash (it can never be hit: reused first, as vLLM's block pool does)."""
     nxt, prv = txn.nxt, txn.prv
-    tail = prv[0]
-    nxt[tail] = b
-    prv[b] = tail
-    nxt[b] = 0
-    prv[0] = b
+    if txn.config.free_queue == "vllm" and not _hit_able(txn, b):
+        head = nxt[0]
+        prv[head] = b
+        nxt[b] = head
+        prv[b] = 0
+        nxt[0] = b
+    else:
+        tail = prv[0]
+        nxt[tail] = b
+        prv[b] = tail
+        nxt[b] = 0
+        prv[0] = b
     txn.num_free += 1
+
+
+def _hit_able(txn: Txn, b: int) -> bool:
+    return txn.config.enable_prefix_caching and txn.cache_view().is_cached(b)
+
+
+def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
+    """Drop one reference to each of ``blocks``, in order (the first to be reused first among equals): under
+    the ``vllm`` policy the freed ones without a hash go to the head together in this order (vLLM's
+    ``prepend_n``), the others to the tail in this order."""
+    if txn.config.free_queue != "vllm":
+        for b in blocks:
+            unref(txn, b)
+        return
+    head: list[int] = []
+    for b in blocks:
+        rc = txn.refcount[b] - 1
+        assert rc >= 0, f"block {b} released more often than it was referenced"
+        txn.refcount[b] = rc
+        if rc == 0:
+            if _hit_able(txn, b):
+                push_free(txn, b)
+            else:
+                head.append(b)
+    for b in reversed(head):  # pushed at the head one by one, last first: the first ends up first
+        push_free(txn, b)
 
 
 def take_hit(txn: Txn, b: int) -> None:
@@ -94,6 +129,11 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     counts = refcount.own_many({b >> sh for b in order})  # each leaf copied once, then written in place
+    if txn.config.free_queue == "vllm":  # the blocks without a hash go to the head: the general path
+        unref_many(txn, [b for b in order if b])
+        for s in req.slots:
+            txn.free_slot(s)
+        return
     freed: list[int] = []
     for b in order:
         if not b:

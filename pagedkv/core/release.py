@@ -103,7 +103,8 @@ def reset(state: KVState) -> Result[Step[WasReset], KVError]:
 
 
 def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError]:
-    """Drop every hash (after a weight update, say); works while requests run.
+    """Drop every hash (after a weight update, say); works while requests run (under the ``when_idle``
+    policy it is refused, ``BLOCKS_IN_USE``, while any block is held, as vLLM's reset returns False).
 
     Cached blocks nobody holds become plain free blocks where they stand in the
     free queue; held ones stay with their owners but can no longer be hit. The
@@ -114,6 +115,10 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
     0
     """
+    if state.config.reset_prefix_cache == "when_idle" and state.free_blocks != state.config.usable_blocks:
+        held = state.config.usable_blocks - state.free_blocks
+        return fail(ErrorCode.BLOCKS_IN_USE, f"reset_prefix_cache waits until no block is held ({held} are; "
+                    "reset_prefix_cache is \"when_idle\", as vLLM's)", None, requested=held, available=0)  # fmt: skip
     dropped = len(state.cache)
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
     nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)

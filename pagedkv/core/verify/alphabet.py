@@ -41,6 +41,8 @@ class CheckConfig:
     max_depth: int | None = None
     destinations: bool = False  # also admit rows whose KV arrives from elsewhere (pending_tokens), and mark it ready
     mamba: bool = False  # a state (Mamba) group after the attention groups
+    free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" puts freed blocks without a hash at the head
+    reset_when_idle: bool = False  # CacheConfig.reset_prefix_cache "when_idle": refused while blocks are held
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -50,7 +52,8 @@ class CheckConfig:
             groups += (GroupSpec("mamba", GroupKind.MAMBA),)
         return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
                            enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
-                           max_model_len=self.max_model_len)  # fmt: skip
+                           max_model_len=self.max_model_len, free_queue=self.free_queue,
+                           reset_prefix_cache="when_idle" if self.reset_when_idle else "always")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

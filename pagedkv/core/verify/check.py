@@ -25,6 +25,7 @@ from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.state import KVState, free_queue, initial_state
 from pagedkv.core.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
+from pagedkv.core.verify.record import policy_keys
 
 
 def canonical_key(s: KVState) -> tuple[Any, ...]:
@@ -161,5 +162,5 @@ def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> l
     header = {"pagedkv_trace": 1, "config": {
         "block_size": c.block_size, "num_blocks": c.num_blocks, "groups": groups,
         "enable_prefix_caching": c.enable_prefix_caching, "max_rows_per_request": c.max_rows_per_request,
-        "max_model_len": c.max_model_len}}  # fmt: skip
+        "max_model_len": c.max_model_len, **policy_keys(c)}}  # fmt: skip
     return [json.dumps(header)] + [json.dumps(e) for e in reversed(events)]

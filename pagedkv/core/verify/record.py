@@ -20,7 +20,13 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
         "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
         "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
         "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
-        "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
+        **policy_keys(cache), "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
+
+
+def policy_keys(cache: CacheConfig) -> dict[str, str]:
+    """The header keys of the policies that differ from the defaults (a default header stays as it was)."""
+    keys = {"free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache)}
+    return {k: v for k, (default, v) in keys.items() if v != default}
 
 
 def row_json(r: RowSpec) -> dict[str, Any]:

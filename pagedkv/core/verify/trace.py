@@ -77,6 +77,8 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             max_rows_per_request=cfg.get("max_rows_per_request"),
             max_model_len=cfg.get("max_model_len"),
             hash_namespace=cfg.get("hash_namespace", "pagedkv"),
+            free_queue=cfg.get("free_queue", "tail"),
+            reset_prefix_cache=cfg.get("reset_prefix_cache", "always"),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None

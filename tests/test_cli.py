@@ -396,3 +396,25 @@ def test_a_trace_without_expect_fields_on_request(smollm2: tuple[Any, Any]) -> N
         rows = [json.loads(x) for x in out.getvalue().splitlines()[1:]]
         assert all(("expect" in r) is expect for r in rows)
         assert all(ev.divergence is None and ev.result["ok"] for ev in replay(out.getvalue().splitlines()))
+
+
+@pytest.mark.slow
+def test_vllm_policies_in_the_engine_keep_its_tokens(smollm2: tuple[Any, Any]) -> None:
+    """SmolLM2 with vLLM's caching point and free queue: requests sharing a system prompt hit it in the
+    step that computes it (the commit point waits a step), and every completion is the default's."""
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine, SamplingParams
+
+    model, meta = smollm2
+    tok = Tokenizer(meta)
+    system = "You are a careful assistant. Answer in one short sentence and name what you mean exactly. " * 3
+    texts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+             for q in ("What is 2+2?", "Name a colour.", "Where is Paris?")]  # fmt: skip
+    runs = {}
+    for policy in ({}, {"caching_point": "schedule", "free_queue": "vllm"}):
+        eng = Engine(model, tok, kv_cache_memory_bytes=32 << 20, **policy)
+        done = eng.generate([(t, tok.encode(t), SamplingParams(max_tokens=8)) for t in texts])
+        runs[bool(policy)] = ([c.token_ids for c in done], [c.cached_tokens for c in done])
+    (plain_ids, plain_hits), (vllm_ids, vllm_hits) = runs[False], runs[True]
+    assert vllm_ids == plain_ids
+    assert plain_hits == [0, 0, 0] and min(vllm_hits[1:]) >= 32  # same-step hits, only at vLLM's caching point

@@ -46,6 +46,8 @@ def test_a_state_is_saved_on_a_block_boundary_and_taken_over_by_a_hit() -> None:
     done = release(s, "a", "finished").unwrap()
     s = done.state
     assert s.cache.key_of(7) is not None and s.free_blocks == 29 and check_invariants(s) == []
+    (stored,) = done.effect.events  # the saved state, on the event stream
+    assert isinstance(stored, BlockStored) and (stored.group, stored.block_id, stored.token_ids) == (2, 7, (8, 9, 10, 11))
     step = admit(s, RequestSpec("b", (RowSpec.of_tokens(list(range(14))),))).unwrap()
     assert step.effect.cached_tokens == (12,)  # full and window blocks hit, and the state saved after block 2
     assert request_blocks(step.state, "b") == (((1, 2, 3, 10), (0, 0, 6, 11), (0, 0, 0, 7)),)

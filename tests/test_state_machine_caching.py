@@ -22,7 +22,8 @@ from returns.result import Failure, Success
 
 from pagedkv.core import (
     Admitted, Appended, Committed, Decoded, Released, CacheConfig, GroupKind, GroupSpec, KVState, RequestSpec, RowSpec,
-    admit, append_decode, append_many, commit, digest, initial_state, release, request_blocks, reset, reset_prefix_cache,
+    admit, append_decode, append_many, cache_ahead, commit, digest, initial_state, release, request_blocks, reset,
+    reset_prefix_cache,
 )  # fmt: skip
 from pagedkv.core.verify.invariants import check_invariants
 from tests.sm_decode_rules import IDS, DecodeRules
@@ -52,11 +53,12 @@ class _Everything:
 
 class CachingMachine(DecodeRules, RuleBasedStateMachine):
     @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)),
-                free_queue=st.sampled_from(["tail", "vllm"]), reset_policy=st.sampled_from(["always", "when_idle"]))
-    def setup(self, bs: int, usable: int, grouping: str, free_queue: str, reset_policy: str) -> None:
+                free_queue=st.sampled_from(["tail", "vllm"]), reset_policy=st.sampled_from(["always", "when_idle"]),
+                caching_point=st.sampled_from(["commit", "schedule"]))
+    def setup(self, bs: int, usable: int, grouping: str, free_queue: str, reset_policy: str, caching_point: str) -> None:
         self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
-                               enable_prefix_caching=True, free_queue=free_queue,
-                               reset_prefix_cache=reset_policy)  # fmt: skip
+                               enable_prefix_caching=True, free_queue=free_queue, reset_prefix_cache=reset_policy,
+                               caching_point=caching_point)  # fmt: skip
         self.state = initial_state(self.cfg)
         self.content: dict[int, object] = {}  # block id -> what its KV holds
         self.tokens: dict[Any, list[list[int] | None]] = {}  # per request, per row: known token ids
@@ -223,6 +225,34 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                         continue
                     if ids[j]:
                         self.content[ids[j]] = self.expected_content(rid, i, g, j)
+
+    @rule(rid=st.sampled_from(IDS), data=st.data(), fails=st.booleans())
+    def planned_step(self, rid: Any, data: st.DataObject, fails: bool) -> None:
+        """vLLM's caching point: the step's blocks are cached when it is planned (another request may hit them
+        then: the same forward writes them); then the step computes them (commit) or fails (release with
+        error, which must take them out of the cache: their KV was never written)."""
+        req = self.state.requests.get(rid)
+        if req is None or self.cfg.caching_point != "schedule":
+            return
+        old = [self.state.row_computed[s] for s in req.slots]
+        through = [data.draw(st.integers(c, self.state.row_len[s])) for c, s in zip(old, req.slots)]
+        blocks = request_blocks(self.state, rid)
+        if self.step(cache_ahead(self.state, rid, through)) is None:
+            return
+        bs = self.cfg.block_size
+        ahead = []
+        for i, (c0, c1) in enumerate(zip(old, through)):
+            for j in range(c0 // bs, c1 // bs):
+                for g, ids in enumerate(blocks[i]):
+                    if ids[j] and not self.cfg.groups[g].is_state and self.state.cache.key_of(ids[j]) is not None:
+                        ahead.append(ids[j])
+        if fails:
+            event("a planned step failed after caching ahead")
+            for b in ahead:
+                self.content[b] = ("never written", next(_opaque))  # a later hit on it would read garbage
+            self.release(rid, "error")
+        else:
+            self._commit(rid, through)
 
     @rule(rid=st.sampled_from(IDS), data=st.data())
     def admit_again(self, rid: Any, data: st.DataObject) -> None:

@@ -78,3 +78,40 @@ def test_the_checker_explores_each_policy(cfg: CheckConfig) -> None:
     assert result.exhaustive and not result.violation
     default = check(CheckConfig(usable_blocks=5, requests=2))
     assert result.states != default.states  # another state space, not the default's again
+
+
+def test_the_schedule_caching_point_caches_planned_blocks_and_a_failed_step_takes_them_back() -> None:
+    from pagedkv.core import cache_ahead
+    from pagedkv.core.events import BlockRemoved
+
+    cfg = CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True, caching_point="schedule")
+    toks = [0, 1, 0, 1, 1, 0, 1, 1]
+    s = admit(initial_state(cfg), RequestSpec("A", (RowSpec.of_tokens(toks),))).unwrap().state
+    ahead = cache_ahead(s, "A", [8]).unwrap()
+    assert len(ahead.state.cache) == 4 and ahead.state.row_computed[0] == 0  # cached, not computed
+    same_step = admit(ahead.state, RequestSpec("B", (RowSpec.of_tokens(toks),))).unwrap()
+    assert same_step.effect.cached_tokens == (6,)  # a hit in the step that computes them (vLLM's behaviour)
+    failed = release(ahead.state, "A", "error").unwrap()  # the step failed: its KV may never have been written
+    assert len(failed.state.cache) == 0
+    assert [type(e) for e in failed.effect.events] == [BlockRemoved] * 4  # and says so, for the event stream
+    after = admit(failed.state, RequestSpec("C", (RowSpec.of_tokens(toks),))).unwrap()
+    assert after.effect.cached_tokens == (0,)
+    done = commit(ahead.state, "A", [8]).unwrap()  # the step ran: nothing hashed twice, nothing new stored
+    assert done.effect.events == () and len(done.state.cache) == 4
+    assert cache_ahead(s, "A", [9]).failure().code is ErrorCode.INVALID  # past the row
+    plain = admit(initial_state(CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True)),
+                  RequestSpec("A", (RowSpec.of_tokens(toks),))).unwrap().state  # fmt: skip
+    assert "caching_point" in cache_ahead(plain, "A", [8]).failure().message  # only under the policy
+
+
+def test_the_scheduler_under_the_schedule_caching_point_hits_in_the_same_step() -> None:
+    from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, schedule, submit
+
+    prompt = list(range(40))
+    for point, hit in (("commit", 0), ("schedule", 32)):
+        cfg = CacheConfig(block_size=8, num_blocks=40, enable_prefix_caching=True, caching_point=point)
+        st = new_scheduler(cfg, SchedulerConfig(max_num_seqs=4))
+        for rid in ("a", "b"):
+            st = submit(st, SeqRequest(rid, tuple(prompt), max_tokens=4)).unwrap()
+        st, plan = schedule(st).unwrap()
+        assert dict(plan.prefill) == {"a": 40, "b": 40 - hit}  # b's prefix rides on a's, in a's own step

@@ -66,6 +66,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
     c.add_argument("--free-queue", choices=("tail", "vllm"), default="tail",
                    help="where freed blocks go: all to the tail, or (vllm) those without a hash to the head")
+    c.add_argument("--caching-point", choices=("commit", "schedule"), default="commit",
+                   help="when full blocks enter the prefix cache: once computed, or (vLLM) once planned; "
+                   "schedule adds cache_ahead and a failed-step release to the alphabet")
     c.add_argument("--reset-when-idle", action="store_true",
                    help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)")
     c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
@@ -98,6 +101,7 @@ def _check(args: argparse.Namespace) -> int:
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
             free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
+            cache_at_schedule=args.caching_point == "schedule",
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 from pagedkv.core import pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
-from pagedkv.core.events import BlockStored
+from pagedkv.core.events import BlockRemoved, BlockStored
 from pagedkv.core.hashing import hash_packed
 from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids
 from pagedkv.core.txn import Txn
@@ -37,6 +37,57 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
     if isinstance(result, KVError):
         return Failure(result)
     return Success(Step(txn.done(), result))
+
+
+def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -> Result[Step[Committed], KVError]:
+    """vLLM's caching point (``CacheConfig.caching_point="schedule"``): each row's full blocks before
+    ``through[i]`` (with known token ids) enter the prefix cache now, when the step that computes them is
+    planned, so a request admitted later in the same step can hit them (its forward reads them as the same
+    forward writes them). Nothing is computed; ``commit`` later hashes nothing twice. A request that ends
+    with reason ``error`` takes these entries out again (their KV may never have been written).
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True,
+    ...                               caching_point="schedule"))
+    >>> s = admit(s, RequestSpec("a", (RowSpec.of_tokens(list(range(10))),))).unwrap().state
+    >>> len(cache_ahead(s, "a", [10]).unwrap().state.cache)
+    2
+    """
+    base = state
+    if base.config.caching_point != "schedule":
+        return Failure(invalid('cache_ahead needs CacheConfig(caching_point="schedule")', field="op"))
+    req = base.requests.get(request_id) if is_request_id(request_id) else None
+    if req is None:
+        return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted",
+                               request=request_id))  # fmt: skip
+    if not isinstance(through, (list, tuple)) or len(through) != len(req.slots):
+        return Failure(invalid(f"cache_ahead of request {shown(request_id)} must give one count per row "
+                               f"({len(req.slots)})", request=request_id, field="through"))  # fmt: skip
+    for i, (slot, t) in enumerate(zip(req.slots, through)):
+        if not is_int(t) or not base.row_computed[slot] <= t <= base.row_len[slot]:
+            return Failure(invalid(f"request {shown(request_id)} row {i}: through must be an integer in "
+                                   f"[{base.row_computed[slot]}, {base.row_len[slot]}], got {shown(t)}",
+                                   request=request_id, field="through"))  # fmt: skip
+    txn = Txn(state)
+    if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
+        for i, (slot, t) in enumerate(zip(req.slots, through)):
+            _cache_full_blocks(txn, req, i, slot, t)
+    return Success(Step(txn.done(), Committed(request_id, None, 0, tuple(txn.events))))
+
+
+def forget_ahead(txn: Txn, req: Request) -> None:
+    """A request that ends with reason ``error`` under the ``schedule`` caching point: the cache entries of
+    its blocks past what it computed go (the failed step may never have written their KV)."""
+    bs = txn.config.block_size
+    for slot in req.slots:
+        record = txn.rows[slot]
+        for j in range(txn.row_computed[slot] // bs, record.num_hashed):
+            h = record.hash_at(j)
+            for g, ids in enumerate(record.blocks):
+                b = ids[j] if j < len(ids) else 0
+                if b and txn.index.key_of(b) == (g, h):
+                    txn.index.evict(b)
+                    txn.events.append(BlockRemoved(h, g, b))
 
 
 def commit_many(

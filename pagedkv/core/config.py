@@ -28,6 +28,7 @@ class InvalidConfig(ValueError):
 MAX_NUM_BLOCKS = 1 << 31  # a worker's block tables hold int32 ids
 FREE_QUEUE_POLICIES = ("tail", "vllm")  # where a freed block goes (docs/prefix-and-groups.md)
 RESET_POLICIES = ("always", "when_idle")  # when reset_prefix_cache may drop the hashes
+CACHING_POINTS = ("commit", "schedule")  # when a full block's hash enters the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,7 @@ class CacheConfig:
     hash_namespace: str = "pagedkv"  # the root of every block-hash chain
     free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
+    caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
@@ -145,7 +147,8 @@ class CacheConfig:
         if groups[0].is_state:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip
-        for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES)):
+        for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES),
+                             ("caching_point", CACHING_POINTS)):
             if getattr(self, key) not in allowed or type(getattr(self, key)) is not str:
                 raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
         if type(self.enable_prefix_caching) is not bool:

@@ -62,6 +62,7 @@ class Released:
     reason: ReleaseReason
     generation: int
     freed_blocks: int  # blocks that went back to the free queue
+    events: tuple[KVEvent, ...] = ()  # a state saved in the cache (state groups), entries a failed step takes back
 
 
 @dataclass(frozen=True, slots=True)

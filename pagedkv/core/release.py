@@ -14,7 +14,7 @@ from dataclasses import replace
 from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
-from pagedkv.core.commit import save_states
+from pagedkv.core.commit import forget_ahead, save_states
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent
@@ -44,11 +44,13 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     before = txn.num_free
     if reason != "error":  # a failed step's state may be half written
         save_states(txn, req)
+    elif state.config.caching_point == "schedule":
+        forget_ahead(txn, req)
     pool.free_tail_first(txn, req)
     del txn.requests[request_id]
     gen = txn.next_generation()
     freed = txn.num_free - before
-    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed)))
+    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed, tuple(txn.events))))
 
 
 def release_many(
@@ -77,12 +79,14 @@ def release_many(
         if req is None or rid in gone:
             return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
         gone.add(rid)
-        before = txn.num_free
+        before, first_event = txn.num_free, len(txn.events)
         if why is not ReleaseReason.ERROR:
             save_states(txn, req)
+        elif state.config.caching_point == "schedule":
+            forget_ahead(txn, req)
         pool.free_tail_first(txn, req)
         del txn.requests[rid]
-        out.append(Released(rid, why, txn.next_generation(), txn.num_free - before))
+        out.append(Released(rid, why, txn.next_generation(), txn.num_free - before, tuple(txn.events[first_event:])))
     return Success(Step(txn.done(), tuple(out)))
 
 

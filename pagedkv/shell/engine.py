@@ -68,6 +68,8 @@ class EngineArgs:
     backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
     chunked_prefill: bool = True  # off: a prompt runs whole, alone in a step when it is over the budget
+    caching_point: str = "commit"  # CacheConfig.caching_point: "schedule" caches a prefill chunk's blocks when planned
+    free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
@@ -86,7 +88,8 @@ class EngineArgs:
         return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
-                        max_tokens=self.step_tokens(model), backend=backend)  # fmt: skip
+                        max_tokens=self.step_tokens(model), backend=backend, caching_point=self.caching_point,
+                        free_queue=self.free_queue)  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -195,11 +195,11 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
 
 def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
              enable_prefix_caching: bool, max_rows: int, max_tokens: int,
-             backend: AttentionBackend | None = None) -> Rank:  # fmt: skip
+             backend: AttentionBackend | None = None, **policies: str) -> Rank:  # fmt: skip
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
-    the geometry, the pages and the worker."""
+    the geometry, the pages and the worker. ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
     plan = plan_rank(model.kv_layers(), block_size=block_size, dtype=model.dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
     cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
-                              max_model_len=max_model_len)  # fmt: skip
+                              max_model_len=max_model_len, **policies)  # fmt: skip
     return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, device=model.device, backend=backend)

@@ -25,6 +25,7 @@ from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.admission import admit
+from pagedkv.core.commit import cache_ahead
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
 from pagedkv.core.growth import append, append_decode
 from pagedkv.core.metadata import KVMetadata
@@ -148,6 +149,7 @@ def _prefill_chunks(d: _Draft) -> None:
             if q:
                 d.prefill.append((rid, q))
                 d.budget -= q
+                _cache_ahead(d, rid, kv.row_computed[slot] + q)
 
 
 def _admissions(d: _Draft) -> None:
@@ -204,7 +206,15 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     d.move(rid, Event.ADMIT)
     d.prefill.append((rid, q))
     d.budget -= q
+    _cache_ahead(d, rid, cached + q)
     return "done"
+
+
+def _cache_ahead(d: _Draft, rid: RequestId, through: int) -> None:
+    """Under vLLM's caching point, a planned prefill chunk's full blocks are cached now: a request admitted
+    after it in this step can hit them (the one prefill forward writes them before any row reads them)."""
+    if d.kv.config.caching_point == "schedule":
+        d.kv = cache_ahead(d.kv, rid, [through]).unwrap().state
 
 
 def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:

@@ -15,7 +15,7 @@ from returns.result import Result
 
 from pagedkv.core.admission import admit
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
-from pagedkv.core.commit import commit
+from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.decode import decode_step
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.errors import KVError
@@ -43,6 +43,7 @@ class CheckConfig:
     mamba: bool = False  # a state (Mamba) group after the attention groups
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" puts freed blocks without a hash at the head
     reset_when_idle: bool = False  # CacheConfig.reset_prefix_cache "when_idle": refused while blocks are held
+    cache_at_schedule: bool = False  # CacheConfig.caching_point "schedule", and a cache_ahead event per id
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -53,7 +54,8 @@ class CheckConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
                            enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
                            max_model_len=self.max_model_len, free_queue=self.free_queue,
-                           reset_prefix_cache="when_idle" if self.reset_when_idle else "always")  # fmt: skip
+                           reset_prefix_cache="when_idle" if self.reset_when_idle else "always",
+                           caching_point="schedule" if self.cache_at_schedule else "commit")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,10 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
         if cfg.destinations:
             events.append(Event(f"ready {rid}", _ready(rid), _ready_json(rid)))
+        if cfg.cache_at_schedule:  # vLLM's caching point: the whole row planned, then a failed step
+            events.append(Event(f"cache_ahead {rid}", _ahead(rid), _ahead_json(rid)))
+            events.append(Event(f"release {rid} error", _release(rid, "error"),
+                                _const({"op": "release", "request": rid, "reason": "error"})))
         events.append(Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid,
                                                                      "reason": "finished"})))  # fmt: skip
     if cfg.prefix_caching:
@@ -120,6 +126,18 @@ def _admit_json(spec: RequestSpec) -> dict[str, Any]:
 def _arriving(s: KVState, rid: str) -> int:
     req = s.requests.get(rid)
     return 0 if req is None else s.rows[req.slots[0]].pending[0]
+
+
+def _ahead(rid: str) -> Callable[[KVState], Any]:
+    def apply(s: KVState) -> Any:
+        req = s.requests.get(rid)
+        return None if req is None else cache_ahead(s, rid, [s.row_len[x] for x in req.slots])
+
+    return apply
+
+
+def _ahead_json(rid: str) -> Callable[[KVState], dict[str, Any]]:
+    return lambda s: {"op": "cache_ahead", "request": rid, "through": [s.row_len[x] for x in s.requests[rid].slots]}
 
 
 def _ready(rid: str) -> Callable[[KVState], Any]:
@@ -179,5 +197,5 @@ def _decode_json(rid: str, tok: int | None) -> Callable[[KVState], list[dict[str
     return lambda s: [_commit_json(rid, None)(s), _append_json(rid, tok)(s)]
 
 
-def _release(rid: str) -> Callable[[KVState], Any]:
-    return lambda s: release(s, rid, "finished") if rid in s.requests else None
+def _release(rid: str, reason: str = "finished") -> Callable[[KVState], Any]:
+    return lambda s: release(s, rid, reason) if rid in s.requests else None

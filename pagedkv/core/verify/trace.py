@@ -79,6 +79,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             hash_namespace=cfg.get("hash_namespace", "pagedkv"),
             free_queue=cfg.get("free_queue", "tail"),
             reset_prefix_cache=cfg.get("reset_prefix_cache", "always"),
+            caching_point=cfg.get("caching_point", "commit"),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None

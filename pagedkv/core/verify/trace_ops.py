@@ -9,7 +9,7 @@ from typing import Any
 from returns.result import Failure, Result
 
 from pagedkv.core.admission import admit
-from pagedkv.core.commit import commit
+from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import KVError, invalid
@@ -21,10 +21,11 @@ from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 
-OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready")
+OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead")
 SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
+                "cache_ahead": ("blocks",),
                 "publish": ("rows",), "schedule": ("plan",), "output": ("finished",)}  # fmt: skip
 
 
@@ -34,7 +35,7 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
         if isinstance(spec, KVError):
             return Failure(spec)
         return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
-    if op in ("append", "commit", "release", "mark_ready") and "request" not in ev:
+    if op in ("append", "commit", "release", "mark_ready", "cache_ahead") and "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "append":
         has_t, has_n = "tokens" in ev, "num_tokens" in ev
@@ -49,6 +50,11 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
     if op == "commit":
         rid = ev["request"]
         return commit(state, rid, ev.get("computed")).map(  # type: ignore[arg-type]
+            lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect)
+        )
+    if op == "cache_ahead":  # vLLM's caching point: full blocks cached when their step is planned
+        rid = ev["request"]
+        return cache_ahead(state, rid, ev.get("through")).map(  # type: ignore[arg-type]
             lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect)
         )
     if op == "release":

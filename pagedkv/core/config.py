@@ -118,6 +118,8 @@ class CacheConfig:
     free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
+    state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
+    paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
@@ -144,6 +146,8 @@ class CacheConfig:
         if len(set(names)) != len(names):
             raise InvalidConfig(f"group names must be unique, got {names}")
         object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "state_group_set", frozenset(i for i, g in enumerate(groups) if g.is_state))
+        object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set))
         if groups[0].is_state:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip
@@ -166,16 +170,6 @@ class CacheConfig:
     def length_limit(self) -> int:
         """``max_model_len``, or a bound no row reaches."""
         return self.max_model_len if self.max_model_len is not None else 1 << 62
-
-    @property
-    def state_group_set(self) -> frozenset[int]:
-        """Indices of the state (Mamba) groups."""
-        return frozenset(i for i, g in enumerate(self.groups) if g.is_state)
-
-    @property
-    def paged_groups(self) -> int:
-        """Groups whose blocks grow with the tokens (every group but the state groups)."""
-        return sum(1 for g in self.groups if not g.is_state)
 
     def row_blocks(self, num_tokens: int) -> int:
         """Blocks one row of ``num_tokens`` holds over all groups at most: a block per token block in each

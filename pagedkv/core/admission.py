@@ -38,10 +38,15 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
     hit = find_hit(state, spec)
-    paged = [g for g, gs in enumerate(cfg.groups) if not gs.is_state]
-    held = {b for row in hit.ids for g in paged for b in row[g] if b and state.refcount[b] == 0}
-    states = (len(cfg.groups) - len(paged)) * len(rows)  # a fresh or a cached state block each (never shared)
-    need = len(paged) * sum(nb - hit.num_blocks for nb in per_row) + len(held) + states
+    if not cfg.state_group_set:
+        held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
+        need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
+    else:  # a state group's block is fresh or a saved one taken over: one each row, whatever the hit
+        states = cfg.state_group_set
+        held = {b for row in hit.ids for g, group in enumerate(row) if g not in states for b in group
+                if b and state.refcount[b] == 0}  # fmt: skip
+        need = (cfg.paged_groups * sum(nb - hit.num_blocks for nb in per_row) + len(held)
+                + len(states) * len(rows))  # fmt: skip
     if need > state.num_free:
         return fail(
             ErrorCode.NO_CAPACITY,
@@ -82,7 +87,7 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
 def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     """State groups hold a row's state as it runs from position 0: a diffusion row (a target rewritten each
     step) or KV that arrives from elsewhere has no state here."""
-    if any(g.is_state for g in state.config.groups):
+    if state.config.state_group_set:
         for i, row in enumerate(spec.rows):
             if row.prefix_len is not None or row.spans or row.pending_tokens:
                 what = "pending_tokens" if row.pending_tokens else "a diffusion layout (prefix_len, spans)"
@@ -124,9 +129,10 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
     computed = [max(cached, row.pending_tokens) for row in spec.rows]
     firsts = [[g.first_visible_block(min(c, row.prefix_len) if row.prefix_len is not None else c, cfg.block_size)
                for g in cfg.groups] for row, c in zip(spec.rows, computed)]  # fmt: skip
+    states = cfg.state_group_set
     for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
-        for group_ids, first, gs in zip(row_ids, row_firsts, cfg.groups):
-            if gs.is_state:
+        for g, (group_ids, first) in enumerate(zip(row_ids, row_firsts)):
+            if g in states:
                 if group_ids:
                     take_state(txn, group_ids[-1])
                 continue
@@ -135,8 +141,8 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
                     pool.take_hit(txn, b)
     slots, blocks = [], []
     for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
-        rb = tuple(_fresh(txn, ids, nb, first) if not gs.is_state else _state(txn, ids, nb)
-                   for ids, first, gs in zip(row_ids, row_firsts, cfg.groups))  # fmt: skip
+        rb = tuple(_fresh(txn, ids, nb, first) if g not in states else _state(txn, ids, nb)
+                   for g, (ids, first) in enumerate(zip(row_ids, row_firsts)))  # fmt: skip
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING

@@ -192,7 +192,7 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
-            if b and g not in states and add(g, h, b):
+            if b and (not states or g not in states) and add(g, h, b):
                 events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b))
         new.append(h)
         parent = h

@@ -42,15 +42,18 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     txn = Txn(state)
     before = txn.num_free
+    cfg = state.config
     if reason != "error":  # a failed step's state may be half written
-        save_states(txn, req)
-    elif state.config.caching_point == "schedule":
+        if cfg.state_group_set:
+            save_states(txn, req)
+    elif cfg.caching_point == "schedule":
         forget_ahead(txn, req)
     pool.free_tail_first(txn, req)
     del txn.requests[request_id]
     gen = txn.next_generation()
     freed = txn.num_free - before
-    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed, tuple(txn.events))))
+    events = tuple(txn.events) if txn.events else ()
+    return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed, events)))
 
 
 def release_many(
@@ -81,7 +84,8 @@ def release_many(
         gone.add(rid)
         before, first_event = txn.num_free, len(txn.events)
         if why is not ReleaseReason.ERROR:
-            save_states(txn, req)
+            if state.config.state_group_set:
+                save_states(txn, req)
         elif state.config.caching_point == "schedule":
             forget_ahead(txn, req)
         pool.free_tail_first(txn, req)

@@ -1,0 +1,1 @@
+"""pagedkv inside other engines (``pagedkv.integrations.vllm``)."""

@@ -1,0 +1,151 @@
+"""pagedkv's KV events in vLLM's wire format (vLLM 0.33's ``vllm.distributed.kv_events``): msgspec
+structs of the same names, fields, order, defaults and tags, so the msgpack bytes are the ones vLLM's
+own types produce (tests/test_vllm_events.py holds them byte for byte against bytes vLLM encoded) and
+vLLM's decoder reads them. Block hashes go out as int64, vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+rule applied to pagedkv's 16-byte chain hashes (the low 64 bits of the big-endian integer). A run of
+blocks one request stored in one group, each the parent of the next, is one ``BlockStored``, as vLLM
+sends it.
+
+    batch = to_vllm_batch(step.effect.events, cache_config, ts=time.time())
+    wire = encode(batch)            # what vLLM's ZmqEventPublisher sends as a batch's payload
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from pagedkv.core.config import CacheConfig, GroupKind
+from pagedkv.core.events import AllBlocksCleared as CoreCleared
+from pagedkv.core.events import BlockRemoved as CoreRemoved
+from pagedkv.core.events import BlockStored as CoreStored
+from pagedkv.core.events import KVEvent
+
+MEDIUM_GPU = "GPU"
+SPEC_KIND = {GroupKind.FULL: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
+             GroupKind.CHUNKED_LOCAL: "chunked_local_attention", GroupKind.MLA: "mla_attention",
+             GroupKind.MAMBA: "mamba"}  # fmt: skip  (vLLM's KVCacheSpecKind values)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of the events (tagged by class name, as vLLM's)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def int64_hash(block_hash: bytes) -> int:
+    """vLLM's int form of a block hash: the big-endian integer's low 64 bits (stable across processes).
+
+    >>> int64_hash(bytes(range(16)))
+    579005069656919567
+    """
+    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
+
+
+def _by_group(events: Iterable[KVEvent]) -> list[KVEvent]:
+    """Each run of consecutive stores ordered by group (stable): a commit stores block by block across
+    groups, vLLM group by group; stores of different groups are independent, so nothing else moves."""
+    out: list[KVEvent] = []
+    run: list[CoreStored] = []
+    for ev in [*events, None]:
+        if isinstance(ev, CoreStored):
+            run.append(ev)
+            continue
+        ordered: list[CoreStored] = sorted(run, key=_group)
+        out.extend(ordered)
+        run = []
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
+def _group(ev: CoreStored) -> int:
+    return ev.group
+
+
+def to_vllm(events: Iterable[KVEvent], config: CacheConfig,
+            medium: str | None = MEDIUM_GPU) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:  # fmt: skip
+    """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
+    chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks."""
+    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    last: tuple[int, bytes] | None = None  # (group, hash) of the block the last BlockStored ended with
+    for ev in _by_group(events):
+        if isinstance(ev, CoreStored):
+            if out and last == (ev.group, ev.parent_hash) and isinstance(out[-1], BlockStored):
+                prev = out[-1]
+                prev.block_hashes.append(int64_hash(ev.block_hash))
+                prev.token_ids.extend(ev.token_ids)
+            else:
+                g = config.groups[ev.group]
+                out.append(BlockStored(
+                    block_hashes=[int64_hash(ev.block_hash)],
+                    parent_block_hash=None if ev.parent_hash is None else int64_hash(ev.parent_hash),
+                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=None, medium=medium,
+                    lora_name=None, group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind],
+                    kv_cache_spec_sliding_window=g.window))  # fmt: skip
+            last = (ev.group, ev.block_hash)
+            continue
+        last = None
+        if isinstance(ev, CoreRemoved):
+            out.append(BlockRemoved(block_hashes=[int64_hash(ev.block_hash)], medium=medium, group_idx=ev.group))
+        elif isinstance(ev, CoreCleared):
+            out.append(AllBlocksCleared())
+    return out
+
+
+def to_vllm_batch(events: Iterable[KVEvent], config: CacheConfig, *, ts: float, medium: str | None = MEDIUM_GPU,
+                  data_parallel_rank: int | None = None) -> KVEventBatch:  # fmt: skip
+    """One batch of a step's events, as vLLM's publisher sends them."""
+    return KVEventBatch(ts=ts, events=to_vllm(events, config, medium), data_parallel_rank=data_parallel_rank)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode(batch: KVEventBatch) -> bytes:
+    return _ENCODER.encode(batch)
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    return _DECODER.decode(payload)

@@ -1,0 +1,80 @@
+"""KV events in vLLM's wire format: the bytes equal those vLLM 0.33's own msgspec types encode for the
+same events (tests/data/vllm_events.msgpack, written by tests/data/make_vllm_events_golden.py where vLLM
+is installed), vLLM's decoder reads them where vLLM is here, and the int64 hashes are stable across
+processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("msgspec", reason="vLLM's event format needs msgspec (pip install 'pagedkv[vllm]')")
+
+from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state  # noqa: E402
+from pagedkv.integrations.vllm.events import (  # noqa: E402
+    AllBlocksCleared, BlockRemoved, BlockStored, decode, encode, int64_hash, to_vllm, to_vllm_batch,
+)  # fmt: skip
+from tests.vllm_events_scenario import CONFIG, events  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "data" / "vllm_events.msgpack"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def batch() -> object:
+    return to_vllm_batch(events(), CONFIG, ts=1700000000.25, data_parallel_rank=0)
+
+
+def test_the_bytes_are_the_ones_vllms_types_encode() -> None:
+    wire = encode(batch())  # type: ignore[arg-type]
+    assert wire == GOLDEN.read_bytes()
+    assert decode(wire) == batch()
+
+
+def test_what_the_events_say() -> None:
+    b = batch()
+    kinds = [type(e).__name__ for e in b.events]  # type: ignore[attr-defined]
+    assert kinds == ["BlockStored"] * 2 + ["BlockRemoved"] * 4 + ["BlockStored"] * 2 + ["AllBlocksCleared"]
+    full, window = b.events[:2]  # type: ignore[attr-defined]
+    assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
+    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (1, "sliding_window", 8)
+    assert full.block_hashes == window.block_hashes and len(full.block_hashes) == 3  # one chain, one event a group
+    assert full.token_ids == list(range(12)) and full.parent_block_hash is None and full.block_size == 4
+    assert full.medium == "GPU" and full.lora_id is None
+
+
+def test_a_chain_continues_from_its_parent() -> None:
+    cfg = CacheConfig(block_size=2, num_blocks=9, enable_prefix_caching=True)
+    s = admit(initial_state(cfg), RequestSpec("a", (RowSpec.of_tokens([1, 2, 3, 4, 5]),))).unwrap().state
+    first = commit(s, "a", [2]).unwrap()
+    second = commit(first.state, "a", [4]).unwrap()
+    (a,) = to_vllm(first.effect.events, cfg)
+    (b,) = to_vllm(second.effect.events, cfg)
+    assert isinstance(a, BlockStored) and isinstance(b, BlockStored)
+    assert b.parent_block_hash == a.block_hashes[-1] and b.token_ids == [3, 4]
+    assert isinstance(to_vllm([first.effect.events[0], *second.effect.events], cfg)[0], BlockStored)
+    assert len(to_vllm([*first.effect.events, *second.effect.events], cfg)) == 1  # one chain: merged
+
+
+def test_int64_hashes_are_stable_across_processes() -> None:
+    here = [e.block_hashes for e in batch().events if not isinstance(e, AllBlocksCleared)]  # type: ignore[attr-defined]
+    code = ("from tests.vllm_events_scenario import CONFIG, events; "
+            "from pagedkv.integrations.vllm.events import to_vllm; "
+            "print([e.block_hashes for e in to_vllm(events(), CONFIG) if hasattr(e, 'block_hashes')])")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"PYTHONHASHSEED": "123", "PATH": ""})  # fmt: skip
+    assert out.stdout.strip() == str(here)
+    assert all(0 <= h < 2**64 for hs in here for h in hs) and int64_hash(b"\x00" * 8 + b"\x01" * 8) == 0x0101010101010101
+    assert isinstance(batch().events[2], BlockRemoved)  # type: ignore[attr-defined]
+
+
+def test_vllms_own_decoder_reads_them() -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is not installed here")
+    import msgspec
+
+    theirs = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(encode(batch()))  # type: ignore[arg-type]
+    ours = batch()
+    assert [type(e).__name__ for e in theirs.events] == [type(e).__name__ for e in ours.events]  # type: ignore[attr-defined]
+    assert [msgspec.structs.asdict(e) for e in theirs.events] == [msgspec.structs.asdict(e) for e in ours.events]  # type: ignore[attr-defined]

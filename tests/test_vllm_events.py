@@ -78,3 +78,69 @@ def test_vllms_own_decoder_reads_them() -> None:
     ours = batch()
     assert [type(e).__name__ for e in theirs.events] == [type(e).__name__ for e in ours.events]  # type: ignore[attr-defined]
     assert [msgspec.structs.asdict(e) for e in theirs.events] == [msgspec.structs.asdict(e) for e in ours.events]  # type: ignore[attr-defined]
+
+
+def test_zmq_loopback_every_batch_in_order_and_replay_of_the_missed() -> None:
+    """A subscriber decoding with vLLM's event types (ours where vLLM is absent: the same bytes) gets every
+    batch in order; a replay request from a sequence number returns the batches from there on, then the
+    end marker, as vLLM's replay socket does."""
+    zmq = pytest.importorskip("zmq", reason="publishing needs pyzmq (pip install 'pagedkv[vllm]')")
+    import msgspec
+
+    from pagedkv.integrations.vllm.publish import END_SEQ, ZmqEventPublisher
+
+    try:
+        from vllm.distributed.kv_events import KVEventBatch as Batch  # the consumer's own types, where vLLM is
+    except ImportError:
+        from pagedkv.integrations.vllm.events import KVEventBatch as Batch
+    decoder = msgspec.msgpack.Decoder(Batch)
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv", buffer_steps=4)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(pub.endpoint)
+    try:
+        import time
+
+        time.sleep(0.3)  # the slow-joiner: a SUB sees only what is sent after it joined
+        sent = []
+        for k in range(6):
+            b = to_vllm_batch(events(), CONFIG, ts=float(k))
+            sent.append(b)
+            pub.publish(b)
+        got = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while len(got) < 6 and poller.poll(5000):
+            topic, seq, payload = sub.recv_multipart()
+            got.append((topic, int.from_bytes(seq, "big"), decoder.decode(payload)))
+        assert [(t, s) for t, s, _ in got] == [(b"kv", k) for k in range(6)]  # every batch, in order
+        assert [b.ts for _, _, b in got] == [float(k) for k in range(6)]
+        assert all(b.data_parallel_rank == 0 for _, _, b in got)  # filled in, as vLLM's publisher does
+        assert [type(e).__name__ for e in got[0][2].events] == [type(e).__name__ for e in sent[0].events]
+        req = ctx.socket(zmq.DEALER)
+        req.connect(pub.replay_endpoint)
+        req.send_multipart((b"", (3).to_bytes(8, "big")))  # "I missed everything from seq 3"
+        replies = []
+        while req.poll(5000):
+            frames = req.recv_multipart()
+            replies.append(frames)
+            if frames[2] == END_SEQ:
+                break
+        assert [int.from_bytes(f[2], "big") for f in replies[:-1]] == [3, 4, 5]
+        assert [decoder.decode(f[3]).ts for f in replies[:-1]] == [3.0, 4.0, 5.0]
+        assert replies[-1] == [b"", b"", END_SEQ, b""]
+        req.send_multipart((b"", (0).to_bytes(8, "big")))  # older than the 4 kept: what is left, from 2
+        kept = []
+        while req.poll(5000):
+            frames = req.recv_multipart()
+            if frames[2] == END_SEQ:
+                break
+            kept.append(int.from_bytes(frames[2], "big"))
+        assert kept == [2, 3, 4, 5]
+        req.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        pub.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pub.publish(sent[0])

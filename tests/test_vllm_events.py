@@ -144,3 +144,49 @@ def test_zmq_loopback_every_batch_in_order_and_replay_of_the_missed() -> None:
         pub.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         pub.publish(sent[0])
+
+
+def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
+    """A tiny random Llama through the engine with prefix caching: the events it hands on, replayed into an
+    index of (group, hash), end with the core's own prefix cache; over ZMQ they arrive as vLLM batches."""
+    pytest.importorskip("zmq", reason="publishing needs pyzmq (pip install 'pagedkv[vllm]')")
+    from pagedkv.core.events import AllBlocksCleared as Cleared
+    from pagedkv.core.events import BlockRemoved as Removed
+    from pagedkv.core.events import BlockStored as Stored
+    from pagedkv.models.gguf import LlamaConfig
+    from pagedkv.models.llama import IdTokenizer, random_llama
+    from pagedkv.shell.engine import Engine, SamplingParams
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      rope_theta=1e4, rms_norm_eps=1e-6, max_position=256)  # fmt: skip
+    steps: list[tuple[object, ...]] = []
+    eng = Engine(random_llama(cfg), IdTokenizer(), block_size=4, kv_cache_memory_bytes=10 * 1024,  # 9 blocks
+                 max_num_seqs=2, on_kv_events=steps.append)  # fmt: skip
+    prompts = [list(range(1, 18)), list(range(1, 14)) + [40, 41], list(range(30, 52))]
+    eng.generate([(f"p{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts)])
+    index: dict[tuple[int, bytes], int] = {}
+    for evs in steps:
+        for e in evs:
+            if isinstance(e, Stored):
+                index[(e.group, e.block_hash)] = e.block_id
+            elif isinstance(e, Removed):
+                del index[(e.group, e.block_hash)]
+            elif isinstance(e, Cleared):
+                index.clear()
+    assert index == dict(eng.state.kv.cache.items()) and index  # the stream is the cache, step by step
+    assert any(isinstance(e, Removed) for evs in steps for e in evs)  # the small pool evicted
+
+    from pagedkv.integrations.vllm.publish import ZmqEventPublisher, hook
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", buffer_steps=64)
+    send = hook(pub, eng.cache)
+    for evs in steps:
+        send(evs)  # type: ignore[arg-type]
+    import time
+
+    deadline = time.time() + 5
+    while len(pub._buffer) < len(steps) and time.time() < deadline:  # noqa: SLF001 - sent by the thread
+        time.sleep(0.01)
+    assert [s for s, _ in pub._buffer] == list(range(len(steps)))  # noqa: SLF001
+    assert all(decode(p).events for _, p in pub._buffer)  # noqa: SLF001
+    pub.shutdown()

@@ -102,3 +102,18 @@ def takes_generation(effect: object) -> bool | None:
     if any(isinstance(e, Committed) for e in several):
         return None
     return False
+
+
+def events_of(effect: object) -> tuple[KVEvent, ...]:
+    """The KV events of a transition's effect (or of a tuple of effects: ``release_many``, ``commit_many``).
+
+    >>> events_of(Released("a", ReleaseReason.FINISHED, 3, 1))
+    ()
+    """
+    several = effect if isinstance(effect, tuple) else (effect,)
+    out: tuple[KVEvent, ...] = ()
+    for e in several:
+        evs = getattr(e, "events", ())
+        if evs:
+            out += tuple(evs)
+    return out

@@ -108,14 +108,17 @@ class Engine:
     (``shell.rank``; its buffers must hold the batches ``args`` allow), or the one ``args`` give the
     model. ``trace``: record the run there (``shell.recorder``; ``trace_expect=False`` leaves out the
     expect fields, whose digest costs O(pool blocks) an event: 0.6 ms at 4,096 blocks, 10 ms at 65,536).
-    ``keep_history``: keep the core's snapshot after every step (``kv_history``);
+    ``on_kv_events``: called with each step's core KV events (``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``), in order, when there are any (``integrations.vllm.publish.hook`` sends them to
+    a ZMQ publisher in vLLM's format). ``keep_history``: keep the core's snapshot after every step (``kv_history``);
     ``time_steps``: (decode rows, prefill tokens, seconds) of every step in ``step_times``, the
     device synchronised first.
     """
 
     def __init__(self, model: Any, tokenizer: Any, args: EngineArgs | None = None, *, trace: TextIO | None = None,
                  rank: Rank | None = None, keep_history: bool = False, time_steps: bool = False,
-                 trace_expect: bool = True, **fields: Any) -> None:  # fmt: skip
+                 trace_expect: bool = True, on_kv_events: Callable[[tuple[Any, ...]], None] | None = None,
+                 **fields: Any) -> None:  # fmt: skip
         args = replace(args or EngineArgs(), **fields)
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.backend = args.attention(model)
@@ -142,6 +145,7 @@ class Engine:
         self.stats = EngineStats()
         self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
         self.recorder = None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
+        self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
         self.kv_history: list[Any] | None = [] if keep_history else None
         self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
 
@@ -173,6 +177,7 @@ class Engine:
         if isinstance(cancelled, Failure):  # an unknown or ended request
             raise ShellError(cancelled.failure())
         self.state = cancelled.unwrap()
+        self._kv_events(self.state.kv_events)
         self.worker.remove([rid])
         self.requests[rid].completion.finish_reason = "cancelled"
         if self.recorder is not None:
@@ -187,6 +192,7 @@ class Engine:
         (``finish_reason="error"``, the message in ``Completion.error``) and the engine serves on."""
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
+        scheduled_events = self.state.kv_events
         self.stats.steps += 1
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
@@ -202,11 +208,13 @@ class Engine:
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
             sampled, stop = self._take(plan.samples, tokens, on_token)
         except Exception as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
+            self._kv_events(scheduled_events)  # what the plan did to the cache happened; the cancels follow
             return done + self._fail(plan, e, recorded)
         self.stats.preemptions += len(plan.preempted)
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
+        self._kv_events(scheduled_events + self.state.kv_events)
         if self.recorder is not None:
             self.recorder.output(sampled, stop, self.state, ended)
         if ended:
@@ -224,6 +232,10 @@ class Engine:
             comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
             done.append(comp)
         return done
+
+    def _kv_events(self, events: tuple[Any, ...]) -> None:
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
 
     def _refused(self, plan: StepPlan) -> list[Completion]:
         """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
@@ -252,6 +264,7 @@ class Engine:
         out = []
         for rid in failed:
             self.state = cancel(self.state, rid, "error").unwrap()  # a request of the pending step: always known
+            self._kv_events(self.state.kv_events)
             if self.recorder is not None:
                 self.recorder.error(rid, self.state)
             live = self.requests[rid]

@@ -26,7 +26,7 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
     finished = state.finished.delete(rid) if rid in state.finished else state.finished  # (an id may come again)
     return Success(replace(state, waiting=state.waiting.append(rid), phases=state.phases.set(rid, moved(None, Event.SUBMIT)),
                            seqs=state.seqs.set(rid, req), log=log.persistent(), finished=finished,
-                           arrivals=state.arrivals + 1))  # fmt: skip
+                           arrivals=state.arrivals + 1, kv_events=()))  # fmt: skip
 
 
 def _check(state: SchedState, request: object) -> KVError | None:
@@ -56,9 +56,10 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
     if not is_request_id(request_id) or request_id not in state.seqs:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not waiting or running", None)
     advance(state.phases[request_id], Event.CANCEL)
-    kv = state.kv
+    kv, events = state.kv, state.kv_events[:0]
     if request_id in kv.requests:
-        kv = release(kv, request_id, reason).unwrap().state
+        released = release(kv, request_id, reason).unwrap()
+        kv, events = released.state, released.effect.events
     log = state.log.edit()
     log.drop(request_id)
     return Success(replace(
@@ -68,7 +69,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         finished=state.finished.set(request_id, FinishReason(reason)),
         sched_decode=tuple(r for r in state.sched_decode if r != request_id),
         sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
-        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id),
+        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id), kv_events=events,
     ))  # fmt: skip
 
 

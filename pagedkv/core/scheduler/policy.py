@@ -19,6 +19,7 @@ by the next ``on_output``.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from immutables import Map, MapMutation
 from pyrsistent import PDeque
@@ -34,14 +35,16 @@ from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, SeqRequest, StepPlan
 from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
 from pagedkv.core.snapshot import publish
-from pagedkv.core.state import KVState
+from pagedkv.core.effects import events_of
+from pagedkv.core.events import KVEvent
+from pagedkv.core.state import KVState, Step
 
 
 class _Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
-                 "decode", "prefill", "diffusion", "preempted", "ended", "prefilling")  # fmt: skip
+                 "decode", "prefill", "diffusion", "preempted", "ended", "prefilling", "events")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
         self.state = state
@@ -61,6 +64,14 @@ class _Draft:
         self.ended: list[tuple[RequestId, FinishReason]] = []
         phases = state.phases
         self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
+        self.events: list[KVEvent] = []  # the core's KV events of this step, in order
+
+    def apply(self, step: Step[Any]) -> None:
+        """Take a core transition's new state, and keep its events."""
+        self.kv = step.state
+        evs = events_of(step.effect)
+        if evs:
+            self.events.extend(evs)
 
     def move(self, rid: RequestId, event: Event) -> None:
         """A lifecycle transition (the table's), and what leaving the phase map means."""
@@ -80,7 +91,7 @@ class _Draft:
         self.ended.append((rid, how))
 
     def preempt(self, victim: RequestId) -> None:
-        self.kv = release(self.kv, victim, "preempted").unwrap().state
+        self.apply(release(self.kv, victim, "preempted").unwrap())
         self.move(victim, Event.PREEMPT)
         self.running.remove(victim)
         self.waiting = self.waiting.appendleft(victim)
@@ -107,7 +118,7 @@ def _decodes(d: _Draft) -> None:
     candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
     batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
     if isinstance(batch, Success):
-        d.kv = batch.unwrap().state
+        d.apply(batch.unwrap())
         d.decode.extend(candidates)
         d.budget -= len(candidates)
         return
@@ -120,13 +131,13 @@ def _decode_one(d: _Draft, rid: RequestId, token: int) -> None:
     while True:
         grown = append(d.kv, rid, [[token]])
         if isinstance(grown, Success):
-            d.kv = grown.unwrap().state
+            d.apply(grown.unwrap())
             d.decode.append(rid)
             d.budget -= 1
             return
         err = grown.failure()
         if err.code is not ErrorCode.NO_CAPACITY:  # max_model_len reached: it cannot go on
-            d.kv = release(d.kv, rid, "error").unwrap().state
+            d.apply(release(d.kv, rid, "error").unwrap())
             d.running.remove(rid)
             d.end(rid, Event.OVERRUN, FinishReason(err.code.value))
             return
@@ -190,7 +201,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
         tokens = sum(r.num_tokens - c for r, c in zip(req.rows or (), step.effect.cached_tokens))
         if tokens > d.budget and not nothing_yet:
             return "stop"  # a diffusion request's first step runs whole; wait for an emptier step
-        d.kv = step.state
+        d.apply(step)
         first = publish(d.kv, [rid], "prefill").unwrap().effect
         later = publish(d.kv, [rid], "denoise").unwrap().effect if req.steps > 1 else None
         d.diffusion.append(DiffusionRun(rid, req.steps, first, later))
@@ -201,7 +212,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     q = min(remaining, d.budget) if cfg.chunked_prefill else remaining
     if q > d.budget and not nothing_yet:
         return "stop"
-    d.kv = step.state
+    d.apply(step)
     d.running.append(rid)
     d.move(rid, Event.ADMIT)
     d.prefill.append((rid, q))
@@ -214,7 +225,7 @@ def _cache_ahead(d: _Draft, rid: RequestId, through: int) -> None:
     """Under vLLM's caching point, a planned prefill chunk's full blocks are cached now: a request admitted
     after it in this step can hit them (the one prefill forward writes them before any row reads them)."""
     if d.kv.config.caching_point == "schedule":
-        d.kv = cache_ahead(d.kv, rid, [through]).unwrap().state
+        d.apply(cache_ahead(d.kv, rid, [through]).unwrap())
 
 
 def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
@@ -237,5 +248,5 @@ def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
     log = d.log if d.log_edit is None else d.log_edit.persistent()
     new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.phases.finish(), d.seqs, log, d.finished,
                      tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
-                     state.arrivals)  # fmt: skip
+                     state.arrivals, tuple(d.events))  # fmt: skip
     return new, plan

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -12,6 +12,7 @@ from pyrsistent import PDeque, pdeque
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.errors import RequestId, is_int, shown
+from pagedkv.core.events import KVEvent
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.scheduler.lifecycle import FinishReason, Phase
 from pagedkv.core.scheduler.tokens import TokenLog
@@ -152,6 +153,9 @@ class SchedState:
     sched_diffusion: tuple[RequestId, ...]  # and its diffusion runs
     step: int
     arrivals: int
+    # the core's KV events of the transition that made this state (schedule, on_output, cancel), in order;
+    # for an engine to publish (pagedkv.integrations.vllm); not part of the state's value or digest
+    kv_events: tuple[KVEvent, ...] = field(default=(), compare=False)
 
     @property
     def requests(self) -> Requests:

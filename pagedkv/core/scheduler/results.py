@@ -10,7 +10,9 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.commit import commit_many
 from pagedkv.core.decode import commit_decode
+from pagedkv.core.effects import events_of
 from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_token_id, shown
+from pagedkv.core.events import KVEvent
 from pagedkv.core.release import release_many
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
 from pagedkv.core.scheduler.records import SchedState
@@ -31,7 +33,8 @@ def on_output(
     err = _check_sampled(state, sampled, are_token_ids(toks))
     if err is not None:
         return Failure(err)
-    kv = _commit(state)
+    events: list[KVEvent] = []
+    kv = _commit(state, events)
     stop = set(finished)
     decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
     log, seqs, phases = state.log.edit(), state.seqs, state.phases.mutate()
@@ -49,7 +52,9 @@ def on_output(
     ending.extend(runs)
     done = state.finished
     if ending:
-        kv = release_many(kv, ending, "finished").unwrap().state
+        released = release_many(kv, ending, "finished").unwrap()
+        kv = released.state
+        events.extend(events_of(released.effect))
         for rid in ending:
             advance(phases[rid], Event.FINISH)
             del phases[rid]
@@ -59,7 +64,7 @@ def on_output(
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
     new = SchedState(state.config, kv, state.waiting, running, phases.finish(), seqs, log.persistent(), done, (), (),
-                     (), state.step, state.arrivals)  # fmt: skip
+                     (), state.step, state.arrivals, tuple(events))  # fmt: skip
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
 
 
@@ -74,13 +79,18 @@ def _check_sampled(state: SchedState, sampled: Mapping[RequestId, int], decodes_
     return None
 
 
-def _commit(state: SchedState) -> KVState:
-    """The step's commits: the decode batch in one transition, the prefill chunks and diffusion runs in another."""
+def _commit(state: SchedState, events: list[KVEvent]) -> KVState:
+    """The step's commits: the decode batch in one transition, the prefill chunks and diffusion runs in another;
+    their KV events go on ``events``."""
     kv = state.kv
     if state.sched_decode:
-        kv = commit_decode(kv, state.sched_decode).unwrap().state
+        step = commit_decode(kv, state.sched_decode).unwrap()
+        kv = step.state
+        events.extend(events_of(step.effect))
     if state.sched_prefill or state.sched_diffusion:
         commits = [(c.request_id, [c.target]) for c in state.sched_prefill]
         commits += [(rid, [kv.row_len[x] for x in kv.requests[rid].slots]) for rid in state.sched_diffusion]
-        kv = commit_many(kv, commits).unwrap().state
+        many = commit_many(kv, commits).unwrap()
+        kv = many.state
+        events.extend(events_of(many.effect))
     return kv

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from itertools import count
 
 import zmq
 
-from pagedkv.integrations.vllm.events import KVEventBatch, encode
+from pagedkv.core.config import CacheConfig
+from pagedkv.core.events import KVEvent
+from pagedkv.integrations.vllm.events import KVEventBatch, encode, to_vllm_batch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -113,3 +117,12 @@ def _open(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool | None = None) -
         return f"{endpoint.rsplit(':', 1)[0]}:{port}"
     sock.bind(endpoint)
     return endpoint
+
+
+def hook(publisher: ZmqEventPublisher, config: CacheConfig, medium: str | None = "GPU") -> Callable[[tuple[KVEvent, ...]], None]:
+    """``Engine(on_kv_events=hook(pub, engine_config))``: each step's events, one vLLM batch, published."""
+
+    def publish(events: tuple[KVEvent, ...]) -> None:
+        publisher.publish(to_vllm_batch(events, config, ts=time.time(), medium=medium))
+
+    return publish

@@ -115,3 +115,21 @@ def test_the_scheduler_under_the_schedule_caching_point_hits_in_the_same_step() 
             st = submit(st, SeqRequest(rid, tuple(prompt), max_tokens=4)).unwrap()
         st, plan = schedule(st).unwrap()
         assert dict(plan.prefill) == {"a": 40, "b": 40 - hit}  # b's prefix rides on a's, in a's own step
+
+
+def test_cache_ahead_is_a_trace_op_under_its_policy() -> None:
+    header = {"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 20, "enable_prefix_caching": True,
+                                             "caching_point": "schedule"}}
+    lines = [header, {"op": "admit", "request": "A", "rows": [{"tokens": [0, 1, 0, 1, 1]}]},
+             {"op": "cache_ahead", "request": "A", "through": [4], "expect": {"ok": True, "blocks": [[[1, 2, 3]]]}},
+             {"op": "admit", "request": "B", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [4]}},
+             {"op": "cache_ahead", "request": "A", "through": [9], "expect": {"ok": False, "error": {"code": "INVALID"}}},
+             {"op": "release", "request": "A", "reason": "error"},
+             {"op": "admit", "request": "C", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [0]}}]
+    results = list(replay([json.dumps(x) for x in lines], check=True))
+    assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
+    # (C misses though B still holds the blocks: A's failed step took their entries back; B shared that
+    # step, and an engine cancels it too)
+    plain = [{**header, "config": {**header["config"], "caching_point": "commit"}}, *lines[1:3]]
+    (_, ahead) = list(replay([json.dumps(x) for x in plain]))
+    assert ahead.result["error"]["code"] == "INVALID"

@@ -12,8 +12,8 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Admitted
-from pagedkv.core.events import BlockRemoved
 from pagedkv.core.errors import ErrorCode, KVError, fail, shown
+from pagedkv.core.events import BlockRemoved
 from pagedkv.core.hashing import extra_blob
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec

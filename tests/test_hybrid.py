@@ -136,3 +136,35 @@ def test_a_hybrid_model_refuses_one_group() -> None:
 
 def _fields(cfg: LlamaConfig) -> dict[str, Any]:
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+@pytest.mark.slow
+def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(models: tuple[Any, Llama],
+                                                                         tmp_path: Any) -> None:  # fmt: skip
+    """A 32-block pool: a 150-token prompt reserved whole needs 22 blocks in each group (44) and is
+    UNSCHEDULABLE; with grow_prefill its window group holds a window and a chunk (22 + 8), so it runs,
+    preempting as chunks grow, and every completion is transformers'. Its trace replays digest for digest."""
+    import io
+
+    from pagedkv.core.verify.trace import replay
+
+    hf, ours = models
+    shared = prompts(1, 48, 4)[0]
+    batch = prompts(2, 20, 5, prefix=shared) + prompts(2, 150, 6)
+    outcome = {}
+    block_bytes = 2 * 2 * ours.config.num_kv_heads * ours.config.head_dim * 4 * 8  # 2 slots of K and V, 8 tokens
+    for grow in (False, True):
+        trace = io.StringIO()
+        eng = engine(ours, kv_cache_memory_bytes=33 * block_bytes, max_num_batched_tokens=32, grow_prefill=grow,
+                     trace=trace)  # fmt: skip
+        done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(batch)])
+        outcome[grow] = [str(c.finish_reason) for c in done]
+        if grow:
+            for p, c in zip(batch, done):
+                assert c.token_ids == reference(hf, p, 20), c.request_id
+            assert eng.stats.preemptions > 0 and done[1].cached_tokens >= 40
+            lines = trace.getvalue().splitlines()
+            assert '"grow_prefill": true' in lines[0]
+            assert all(ev.divergence is None for ev in replay(lines))
+    assert outcome[False] == ["length", "length", "UNSCHEDULABLE", "UNSCHEDULABLE"]
+    assert outcome[True] == ["length"] * 4

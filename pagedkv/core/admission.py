@@ -8,6 +8,8 @@ evicts its own hit).
 
 from __future__ import annotations
 
+from typing import Any
+
 from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
@@ -97,8 +99,23 @@ def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     return None
 
 
-def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
-    """Why ``spec`` can never be admitted here (rows, length, the whole pool), or a duplicate id."""
+def growing_refusal(state: KVState, spec: RequestSpec, chunk: int) -> KVError | None:
+    """``refusal`` for a request whose rows are admitted a chunk at a time (at most ``chunk`` tokens past
+    what is computed): the same checks, but a windowed group holds only its window and a chunk, so the
+    pool must hold the full groups' blocks and those; what a scheduler checks before it admits a prefix.
+
+    >>> from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
+    >>> groups = (GroupSpec("full"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8))
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=40, groups=groups))
+    >>> refusal(s, RequestSpec("a", (RowSpec(100),))).code.value, growing_refusal(s, RequestSpec("a", (RowSpec(100),)), 8)
+    ('UNSCHEDULABLE', None)
+    """
+    return check_request_spec(spec) or _state_rows(state, spec) or _over_limits(state, spec, chunk)
+
+
+def _over_limits(state: KVState, spec: RequestSpec, chunk: int | None = None) -> KVError | None:
+    """Why ``spec`` can never be admitted here (rows, length, the whole pool), or a duplicate id; with
+    ``chunk``, a windowed group counts only the blocks its window and a chunk span (``growing_refusal``)."""
     cfg, rid, rows = state.config, spec.request_id, spec.rows
     limit = cfg.max_rows_per_request
     if limit is not None and len(rows) > limit:
@@ -110,7 +127,8 @@ def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
                 return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
                                f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
                                available=cfg.max_model_len)  # fmt: skip
-    need = sum(cfg.row_blocks(row.num_tokens) for row in rows)
+    need = sum(cfg.row_blocks(row.num_tokens) if chunk is None else _growing_blocks(cfg, row.num_tokens, chunk)
+               for row in rows)  # fmt: skip
     if need > cfg.usable_blocks:
         return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {need} blocks; the pool has "
                        f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=need,
@@ -118,6 +136,20 @@ def _over_limits(state: KVState, spec: RequestSpec) -> KVError | None:
     if rid in state.requests:
         return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already admitted", request=rid)
     return None
+
+
+def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
+    """The most blocks one row holds at once when its blocks come a chunk at a time."""
+    nb, bs, total = cfg.blocks_for(num_tokens), cfg.block_size, 0
+    for g in cfg.groups:
+        if g.is_state:
+            total += 1
+        elif g.is_windowed:
+            span = (g.window - 1) if g.window else g.chunk
+            total += min(nb, -(-(span + chunk) // bs) + 1)
+        else:
+            total += nb
+    return total
 
 
 def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple[list[int], list[Blocks]]:

@@ -70,6 +70,8 @@ class EngineArgs:
     chunked_prefill: bool = True  # off: a prompt runs whole, alone in a step when it is over the budget
     caching_point: str = "commit"  # CacheConfig.caching_point: "schedule" caches a prefill chunk's blocks when planned
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
+    grow_prefill: bool = False  # SchedulerConfig.grow_prefill: a prompt's blocks chunk by chunk (window groups
+    # then hold a window and a chunk, not the whole prompt)
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
@@ -131,7 +133,7 @@ class Engine:
         self.rank, self.cache, self.pool, self.worker, self.layout = rank, rank.cache, rank.pool, rank.worker, rank.layout
         self.sizing = rank.sizing
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                chunked_prefill=args.chunked_prefill)  # fmt: skip
+                                chunked_prefill=args.chunked_prefill, grow_prefill=args.grow_prefill)  # fmt: skip
         self.state = new_scheduler(self.cache, sched)
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken

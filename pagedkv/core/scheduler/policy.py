@@ -25,10 +25,12 @@ from immutables import Map, MapMutation
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.admission import admit
+from pagedkv.core.admission import admit, growing_refusal
 from pagedkv.core.commit import cache_ahead
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
 from pagedkv.core.growth import append, append_decode
+from pagedkv.core.prefix import find_hit
+from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
@@ -153,14 +155,45 @@ def _prefill_chunks(d: _Draft) -> None:
     for rid in d.running if prefilling else ():
         if d.budget <= 0:
             return
-        if rid in prefilling:
-            slot = kv.requests[rid].slots[0]
-            remaining = kv.row_len[slot] - kv.row_computed[slot]
+        if rid in prefilling and rid in d.running:  # (a chunk's growth may have preempted it)
+            slot = d.kv.requests[rid].slots[0]
+            computed = d.kv.row_computed[slot]
+            total = _sequence_len(d, rid) if cfg.grow_prefill else d.kv.row_len[slot]
+            remaining = total - computed
             q = min(remaining, d.budget) if cfg.chunked_prefill else (remaining if remaining <= d.budget else 0)
+            if q and cfg.grow_prefill and not _grow_chunk(d, rid, computed + q):
+                continue  # preempted itself: it waits, its blocks back
             if q:
                 d.prefill.append((rid, q))
                 d.budget -= q
-                _cache_ahead(d, rid, kv.row_computed[slot] + q)
+                _cache_ahead(d, rid, computed + q)
+
+
+def _sequence_len(d: _Draft, rid: RequestId) -> int:
+    """What an LLM request computes before it decodes: its prompt and what it generated before a preemption."""
+    return len(d.seqs[rid].prompt) + len((d.log if d.log_edit is None else d.log_edit).tokens(rid))
+
+
+def _grow_chunk(d: _Draft, rid: RequestId, end: int) -> bool:
+    """``grow_prefill``: the row holds tokens up to ``end`` (its next chunk's blocks), preempting the newest
+    running request while the blocks are short; False when ``rid`` itself was the one preempted."""
+    slot = d.kv.requests[rid].slots[0]
+    length = d.kv.row_len[slot]
+    if end <= length:
+        return True
+    req = d.seqs[rid]
+    tokens = (req.prompt + (d.log if d.log_edit is None else d.log_edit).tokens(rid))[length:end]
+    while True:
+        grown = append(d.kv, rid, [list(tokens)])
+        if isinstance(grown, Success):
+            d.apply(grown.unwrap())
+            return True
+        if grown.failure().code is not ErrorCode.NO_CAPACITY:  # (admission checked the whole sequence)
+            raise AssertionError(f"a prefill chunk's growth was refused: {grown.failure().message}")
+        victim = d.running[-1]
+        d.preempt(victim)
+        if victim == rid:
+            return False
 
 
 def _admissions(d: _Draft) -> None:
@@ -185,7 +218,18 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     cfg = d.state.config
     req = d.seqs[rid]
     output = (d.log if d.log_edit is None else d.log_edit).tokens(rid) if req.rows is None else ()
-    admitted = admit(d.kv, replace(req, output=output).spec() if output else req.spec())
+    spec = replace(req, output=output).spec() if output else req.spec()
+    if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
+        never = growing_refusal(d.kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)
+        if never is not None:
+            d.end(rid, Event.REFUSE, FinishReason(never.code.value))
+            return "done"
+        hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
+        total = len(req.prompt) + len(output)
+        first = min(total - hit, d.budget) if cfg.chunked_prefill else total - hit
+        row = spec.rows[0]
+        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(first, 1)]),))  # type: ignore[index]
+    admitted = admit(d.kv, spec)
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     if isinstance(admitted, Failure):
         err = admitted.failure()
@@ -209,7 +253,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
         d.budget -= tokens
         return "done"
     remaining = len(req.prompt) + len(output) - cached
-    q = min(remaining, d.budget) if cfg.chunked_prefill else remaining
+    q = min(remaining, d.budget) if cfg.chunked_prefill else remaining  # (under grow_prefill: what it holds)
     if q > d.budget and not nothing_yet:
         return "stop"
     d.apply(step)
@@ -241,7 +285,8 @@ def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
     for rid, q in d.prefill:
         slot = kv.requests[rid].slots[0]
         target = kv.row_computed[slot] + q
-        chunks.append(Prefilled(rid, q, target, target == kv.row_len[slot]))
+        total = _sequence_len(d, rid) if state.config.grow_prefill else kv.row_len[slot]
+        chunks.append(Prefilled(rid, q, target, target == total))
     samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples)
     plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
                     tuple(d.ended), tuple(metadata), samples)  # fmt: skip

@@ -27,6 +27,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     watermark_blocks: int = 0  # free blocks an admission leaves for decode growth
     allow_overtaking: bool = False  # may a later request be admitted past one that waits for blocks?
+    # blocks for a prompt as its chunks are planned (vLLM's way), not all at admission: a window group then
+    # holds its window and a chunk, never the whole prompt; a chunk that cannot grow preempts the newest
+    grow_prefill: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens"):
@@ -34,7 +37,7 @@ class SchedulerConfig:
                 raise InvalidConfig(f"{key} must be a positive integer, got {shown(getattr(self, key))}")
         if not is_int(self.watermark_blocks) or self.watermark_blocks < 0:
             raise InvalidConfig(f"watermark_blocks must be a non-negative integer, got {shown(self.watermark_blocks)}")
-        for key in ("chunked_prefill", "allow_overtaking"):
+        for key in ("chunked_prefill", "allow_overtaking", "grow_prefill"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean")
 

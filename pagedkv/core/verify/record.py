@@ -20,7 +20,8 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
         "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
         "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
         "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
-        **policy_keys(cache), "scheduler": {k: getattr(sched, k) for k in SCHEDULER_KEYS}}}  # fmt: skip
+        **policy_keys(cache), "scheduler": {**{k: getattr(sched, k) for k in SCHEDULER_KEYS},
+                                            **({"grow_prefill": True} if sched.grow_prefill else {})}}}  # fmt: skip
 
 
 def policy_keys(cache: CacheConfig) -> dict[str, str]:

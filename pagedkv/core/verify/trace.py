@@ -63,7 +63,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
         if sched_raw is not None:
             if not isinstance(sched_raw, dict):
                 raise InvalidConfig('"scheduler" must be an object')
-            known = {k: sched_raw[k] for k in SCHEDULER_KEYS if k in sched_raw}
+            known = {k: sched_raw[k] for k in (*SCHEDULER_KEYS, "grow_prefill") if k in sched_raw}
             sched = SchedulerConfig(**known)
         blocks = cfg.get("num_blocks")
         if type(blocks) is int and blocks > REPLAY_MAX_BLOCKS:

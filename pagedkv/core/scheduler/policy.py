@@ -226,9 +226,9 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
             return "done"
         hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
         total = len(req.prompt) + len(output)
-        first = min(total - hit, d.budget) if cfg.chunked_prefill else total - hit
+        chunk = min(total - hit, d.budget) if cfg.chunked_prefill else total - hit
         row = spec.rows[0]
-        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(first, 1)]),))  # type: ignore[index]
+        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(chunk, 1)]),))  # type: ignore[index]
     admitted = admit(d.kv, spec)
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     if isinstance(admitted, Failure):

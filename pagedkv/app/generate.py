@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from pagedkv.app.args import (
     USAGE_EXIT,
     UsageError,
+    auto_threads,
     device,
     non_negative_float,
     non_negative_int,
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks > 1:
         return _run_ranks(args, items)
     try:
-        return _run(args, items, trace)
+        return _run(args, items, trace, n_threads)
     finally:
         if trace is not None:
             trace.close()
@@ -199,12 +200,10 @@ def _open_trace(path: str | None) -> TextIO | None:
 
 
 def _auto_threads(device: str) -> int:
-    from pagedkv.app.args import auto_threads
-
     return auto_threads() if device == "cpu" else 1  # on a GPU the host thread launches; one is plenty
 
 
-def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | None) -> int:
+def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | None, n_threads: int) -> int:
     from pagedkv.core.config import InvalidConfig
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
@@ -256,18 +255,12 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     for i, (it, c) in enumerate(zip(items, completions)):
         _print_completion(args, i, it, c)
     if not args.json:
-        _summary(args, completions, engine, gen_s, load_s, n_threads=torch_threads())
+        _summary(args, completions, engine, gen_s, load_s, n_threads=n_threads)
     sys.stdout.flush()  # the completions are out before anything optional can fail
     status = _refusals(completions)
     if args.page_map:
         status = max(status, _draw(engine, args.page_map))
     return status
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _refusals(completions: list[Any]) -> int:
@@ -332,16 +325,22 @@ def shown(text: str, limit: int = SHOWN_PROMPT_CHARS) -> str:
 
 
 def _print_completion(args: argparse.Namespace, i: int, item: dict[str, Any], c: Any) -> None:
+    _print_one(args, i, item, c.text, c.token_ids, c.finish_reason, c.error, c.cached_tokens)
+
+
+def _print_one(args: argparse.Namespace, i: int, item: dict[str, Any], text: str, token_ids: list[int],
+               reason: str | None, error: str | None, cached: int | None) -> None:  # fmt: skip
+    """One request's output: a JSON line, or its prompt and completion (``cached``: None where unknown)."""
     if args.json:  # "error" only where a request was not served (the four keys are the contract)
-        print(json.dumps({"prompt": item["prompt"], "text": c.text, "token_ids": c.token_ids,
-                          "finish_reason": c.finish_reason, **({"error": c.error} if c.error else {})}))  # fmt: skip
+        print(json.dumps({"prompt": item["prompt"], "text": text, "token_ids": token_ids, "finish_reason": reason,
+                          **({"error": error} if error else {})}))  # fmt: skip
         return
     print(f"--- [{i}] {shown(item['prompt'])}")
-    if c.finish_reason in REFUSED or c.finish_reason == "error":
-        print(f"(not served: {c.finish_reason}: {c.error})")
+    if reason in REFUSED or reason == "error":
+        print(f"(not served: {reason}: {error})")
     else:
-        print(f"{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason}, {c.cached_tokens} prompt tokens "
-              f"cached)")  # fmt: skip
+        tail = "" if cached is None else f", {cached} prompt tokens cached"
+        print(f"{text.strip()}  ({len(token_ids)} tokens, {reason}{tail})")
 
 
 def _summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s: float, load_s: float,
@@ -395,14 +394,7 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         print("pagedkv generate: " + (usage or "; ".join(errors)), file=sys.stderr)
         return USAGE_EXIT if usage else 1
     for i, (it, (ids, reason, why)) in enumerate(zip(items, lead["completions"])):
-        text = tok.decode(ids)
-        if args.json:
-            print(json.dumps({"prompt": it["prompt"], "text": text, "token_ids": ids, "finish_reason": reason,
-                              **({"error": why} if why else {})}))  # fmt: skip
-        elif reason in REFUSED:
-            print(f"--- [{i}] {shown(it['prompt'])}\n(not served: {reason}: {why})")
-        else:
-            print(f"--- [{i}] {shown(it['prompt'])}\n{text.strip()}  ({len(ids)} tokens, {reason})")
+        _print_one(args, i, it, tok.decode(ids), ids, reason, why, None)
     if not args.json:
         generated = sum(len(ids) for ids, *_ in lead["completions"])
         print(f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "

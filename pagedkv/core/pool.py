@@ -78,10 +78,7 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
         return
     head: list[int] = []
     for b in blocks:
-        rc = txn.refcount[b] - 1
-        assert rc >= 0, f"block {b} released more often than it was referenced"
-        txn.refcount[b] = rc
-        if rc == 0:
+        if unref(txn, b, push=False):
             if _hit_able(txn, b):
                 push_free(txn, b)
             else:
@@ -107,12 +104,15 @@ def unlink_free(txn: Txn, b: int) -> None:
     txn.num_free -= 1
 
 
-def unref(txn: Txn, b: int) -> None:
+def unref(txn: Txn, b: int, *, push: bool = True) -> bool:
+    """Drop one reference to ``b``; True when it was the last (the block then joins the free queue, unless
+    ``push`` is False and the caller places it)."""
     rc = txn.refcount[b] - 1
     assert rc >= 0, f"block {b} released more often than it was referenced"
     txn.refcount[b] = rc
-    if rc == 0:
+    if rc == 0 and push:
         push_free(txn, b)
+    return rc == 0
 
 
 def free_tail_first(txn: Txn, req: Request) -> None:
@@ -126,14 +126,20 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     else:
         longest = max(len(g) for r in rows for g in r)
         order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
+    if txn.config.free_queue == "vllm":  # the blocks without a hash go to the head: the general path
+        unref_many(txn, [b for b in order if b])
+    else:
+        _unref_to_tail(txn, order)
+    for s in req.slots:
+        txn.free_slot(s)
+
+
+def _unref_to_tail(txn: Txn, order: Sequence[int]) -> None:
+    """``free_tail_first``'s fast path: the references dropped leaf by leaf, the freed blocks linked after the
+    tail in one pass."""
     refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     counts = refcount.own_many({b >> sh for b in order})  # each leaf copied once, then written in place
-    if txn.config.free_queue == "vllm":  # the blocks without a hash go to the head: the general path
-        unref_many(txn, [b for b in order if b])
-        for s in req.slots:
-            txn.free_slot(s)
-        return
     freed: list[int] = []
     for b in order:
         if not b:
@@ -157,5 +163,3 @@ def free_tail_first(txn: Txn, req: Request) -> None:
         before[prev >> sh][prev & m] = 0
         prv[0] = prev
         txn.num_free += len(freed)
-    for s in req.slots:
-        txn.free_slot(s)

@@ -19,7 +19,7 @@ from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasR
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent
 from pagedkv.core.index import PrefixIndex
-from pagedkv.core.state import KVState, Step, initial_state
+from pagedkv.core.state import KVState, Request, Step, initial_state
 from pagedkv.core.txn import Txn
 
 
@@ -42,12 +42,7 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     txn = Txn(state)
     before = txn.num_free
-    cfg = state.config
-    if reason != "error":  # a failed step's state may be half written
-        if cfg.state_group_set:
-            save_states(txn, req)
-    elif cfg.caching_point == "schedule":
-        forget_ahead(txn, req)
+    _leave_cache(txn, req, reason == "error")
     pool.free_tail_first(txn, req)
     del txn.requests[request_id]
     gen = txn.next_generation()
@@ -83,11 +78,7 @@ def release_many(
             return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
         gone.add(rid)
         before, first_event = txn.num_free, len(txn.events)
-        if why is not ReleaseReason.ERROR:
-            if state.config.state_group_set:
-                save_states(txn, req)
-        elif state.config.caching_point == "schedule":
-            forget_ahead(txn, req)
+        _leave_cache(txn, req, why is ReleaseReason.ERROR)
         pool.free_tail_first(txn, req)
         del txn.requests[rid]
         out.append(Released(rid, why, txn.next_generation(), txn.num_free - before, tuple(txn.events[first_event:])))
@@ -95,6 +86,18 @@ def release_many(
 
 
 _REASONS = frozenset(r.value for r in ReleaseReason)
+
+
+def _leave_cache(txn: Txn, req: Request, failed: bool) -> None:
+    """What an ending request leaves in the prefix cache besides its computed blocks: its states, saved
+    where a row ends on a block boundary; after a failed step (its KV may be half written) no state, and the
+    entries it cached ahead of its computation taken back."""
+    cfg = txn.config
+    if not failed:
+        if cfg.state_group_set:
+            save_states(txn, req)
+    elif cfg.caching_point == "schedule":
+        forget_ahead(txn, req)
 
 
 def reset(state: KVState) -> Result[Step[WasReset], KVError]:

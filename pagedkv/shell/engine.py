@@ -216,7 +216,8 @@ class Engine:
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
-        self._kv_events(scheduled_events + self.state.kv_events)
+        if self.on_kv_events is not None:
+            self._kv_events(scheduled_events + self.state.kv_events)
         if self.recorder is not None:
             self.recorder.output(sampled, stop, self.state, ended)
         if ended:

@@ -169,9 +169,14 @@ def _prefill_chunks(d: _Draft) -> None:
                 _cache_ahead(d, rid, computed + q)
 
 
+def _output(d: _Draft, rid: RequestId) -> tuple[int, ...]:
+    """What ``rid`` generated so far (before a preemption), as this draft sees it."""
+    return (d.log if d.log_edit is None else d.log_edit).tokens(rid)
+
+
 def _sequence_len(d: _Draft, rid: RequestId) -> int:
     """What an LLM request computes before it decodes: its prompt and what it generated before a preemption."""
-    return len(d.seqs[rid].prompt) + len((d.log if d.log_edit is None else d.log_edit).tokens(rid))
+    return len(d.seqs[rid].prompt) + len(_output(d, rid))
 
 
 def _grow_chunk(d: _Draft, rid: RequestId, end: int) -> bool:
@@ -182,7 +187,7 @@ def _grow_chunk(d: _Draft, rid: RequestId, end: int) -> bool:
     if end <= length:
         return True
     req = d.seqs[rid]
-    tokens = (req.prompt + (d.log if d.log_edit is None else d.log_edit).tokens(rid))[length:end]
+    tokens = (req.prompt + _output(d, rid))[length:end]
     while True:
         grown = append(d.kv, rid, [list(tokens)])
         if isinstance(grown, Success):
@@ -217,7 +222,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     waits; later ones may overtake it), or "done" (admitted, or ended by a permanent refusal)."""
     cfg = d.state.config
     req = d.seqs[rid]
-    output = (d.log if d.log_edit is None else d.log_edit).tokens(rid) if req.rows is None else ()
+    output = _output(d, rid) if req.rows is None else ()
     spec = replace(req, output=output).spec() if output else req.spec()
     if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
         never = growing_refusal(d.kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)

@@ -16,6 +16,7 @@ from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
+from pagedkv.core.verify.record import policy_keys
 from pagedkv.core.verify.trace import replay
 
 
@@ -48,6 +49,26 @@ def test_reset_prefix_cache_when_idle_waits_for_the_blocks() -> None:
     always = admit(initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True)),
                    RequestSpec("a", (RowSpec.of_tokens(list(range(8))),))).unwrap().state  # fmt: skip
     assert reset_prefix_cache(always).unwrap().state.requests  # the default: works while requests run
+
+
+def test_sha256_cbor_hashes_are_vllms() -> None:
+    """vLLM's sha256_cbor block hashes (values computed with vLLM 0.33's ``sha256_cbor`` and
+    ``hash_block_tokens``, NONE_HASH from the seed "vllm-none-hash"); 32 bytes a hash in the rows and the
+    index, and the digest shows them; the trace header carries the key only when it is not the default."""
+    cfg = CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True, block_hash="sha256_cbor",
+                      hash_namespace="vllm-none-hash")  # fmt: skip
+    s = admit(initial_state(cfg), RequestSpec("a", (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]),))).unwrap().state
+    step = commit(s, "a", [9]).unwrap()
+    hashes = [ev.block_hash.hex() for ev in step.effect.events]
+    assert hashes == ["58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
+                      "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1"]
+    assert step.effect.events[1].parent_hash == step.effect.events[0].block_hash
+    assert [len(key[1]) for key, _ in step.state.cache.items()] == [32, 32]
+    b = admit(step.state, RequestSpec("b", (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]),))).unwrap()
+    assert b.effect.cached_tokens == (8,)  # the chain is found again
+    assert policy_keys(cfg) == {"block_hash": "sha256_cbor"} and "block_hash" not in policy_keys(CacheConfig(4, 9))
+    with pytest.raises(InvalidConfig, match="block_hash must be one of 'blake2b', 'sha256_cbor'"):
+        CacheConfig(block_size=4, num_blocks=9, block_hash="sha256")
 
 
 def test_policies_are_checked_and_come_from_the_trace_header(tmp_path: object) -> None:

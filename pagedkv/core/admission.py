@@ -66,7 +66,7 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     # the decode fast path serves one-row requests that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
     txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
-                                extra_blob(spec.extra_keys))  # fmt: skip
+                                extra_blob(spec.extra_keys, cfg.block_hash))  # fmt: skip
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
@@ -179,9 +179,9 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
         if cfg.enable_prefix_caching and row.tokens is not None:  # the ids stay known while the row grows by ids
-            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending), b""
+            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending, cfg.hash_width), b""
         else:
-            record, tail = Row(rb, None, b"".join(hashes), pending), None
+            record, tail = Row(rb, None, b"".join(hashes), pending, cfg.hash_width), None
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks

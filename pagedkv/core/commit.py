@@ -16,7 +16,6 @@ from pagedkv.core import pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.hashing import hash_packed
 from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids
 from pagedkv.core.txn import Txn
 
@@ -177,7 +176,8 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
         return record
     blocks = record.blocks
     states = cfg.state_group_set
-    parent = record.hashes[-16:] if done else txn.base.cache.root
+    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
+    hash_packed = cfg.hash_fn
     new = [record.hashes]
     add = txn.index.add
     events = txn.events

@@ -7,10 +7,12 @@ blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pagedkv.core.errors import is_int, shown
+from pagedkv.core.hashing import BLOCK_HASHES, HASH_WIDTH, hasher
 
 
 class GroupKind(StrEnum):
@@ -118,8 +120,11 @@ class CacheConfig:
     free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
+    block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; "sha256_cbor": vLLM's (32 bytes)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
+    hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
+    hash_fn: Callable[[bytes, bytes, bytes], bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
@@ -152,9 +157,11 @@ class CacheConfig:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip
         for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES),
-                             ("caching_point", CACHING_POINTS)):
+                             ("caching_point", CACHING_POINTS), ("block_hash", BLOCK_HASHES)):
             if getattr(self, key) not in allowed or type(getattr(self, key)) is not str:
                 raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
+        object.__setattr__(self, "hash_width", HASH_WIDTH[self.block_hash])
+        object.__setattr__(self, "hash_fn", hasher(self.block_hash))
         if type(self.enable_prefix_caching) is not bool:
             raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {shown(self.enable_prefix_caching)}")
         for key in ("max_rows_per_request", "max_model_len"):

@@ -18,7 +18,6 @@ from pagedkv.core.effects import Decoded
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.events import BlockStored
 from pagedkv.core.growth import _batch, _batch_leaves, _grow, _open_block
-from pagedkv.core.hashing import hash_packed
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step, unpack_ids
 from pagedkv.core.txn import Txn
 
@@ -152,10 +151,11 @@ def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: b
         return hashes
     bs = base.config.block_size
     j = n // bs - 1
-    if tail is None or len(tail) != bs << 3 or len(hashes) != j << 4:
+    hw = record.hw
+    if tail is None or len(tail) != bs << 3 or len(hashes) != j * hw:
         return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
-    parent = hashes[-16:] if j else base.cache.root
-    h = hash_packed(parent, tail, req.extra)
+    parent = hashes[-hw:] if j else base.cache.root
+    h = base.config.hash_fn(parent, tail, req.extra)
     add = txn.index.add
     for g, group_blocks in enumerate(record.blocks):
         b = group_blocks[j]

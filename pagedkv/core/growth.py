@@ -277,7 +277,7 @@ def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, has
         new_blocks: Blocks = (blocks[0] + pool.pop_blocks(txn, 1),)
     else:
         new_blocks = _extended(txn, blocks, 1)
-    txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending)
+    txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending, record.hw)
     leaf[o] = n + 1
     gen = txn.next_generation()
     txn.row_generation[slot] = gen

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.hashing import BlockHash, extra_blob, hash_packed
+from pagedkv.core.hashing import BlockHash, extra_blob
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState, pack_ids
@@ -88,7 +88,8 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
     full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
     chains: list[list[BlockHash]] = []
     limit: int | None = None
-    extra = extra_blob(spec.extra_keys)
+    extra = extra_blob(spec.extra_keys, cfg.block_hash)
+    hash_packed = cfg.hash_fn
     width = bs << 3  # bytes of one block's packed ids
     for row in spec.rows:
         assert row.tokens is not None

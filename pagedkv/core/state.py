@@ -87,8 +87,9 @@ class Row:
 
     blocks: Blocks
     ids: bytes | None
-    hashes: bytes  # chain hashes of its blocks hashed so far, 16 bytes each
+    hashes: bytes  # chain hashes of its blocks hashed so far, hw bytes each
     pending: Pending = NO_PENDING
+    hw: int = 16  # bytes a hash (CacheConfig.hash_width)
 
     @property
     def chunked(self) -> int:
@@ -96,25 +97,26 @@ class Row:
 
     @property
     def num_hashed(self) -> int:
-        return len(self.hashes) >> 4
+        return len(self.hashes) // self.hw
 
     def hash_at(self, j: int) -> BlockHash:
-        return self.hashes[j << 4 : (j + 1) << 4]
+        hw = self.hw
+        return self.hashes[j * hw : (j + 1) * hw]
 
     # the changes a transition makes (explicit constructors: dataclasses.replace costs ~4 us)
     def with_blocks(self, blocks: Blocks) -> Row:
-        return Row(blocks, self.ids, self.hashes, self.pending)
+        return Row(blocks, self.ids, self.hashes, self.pending, self.hw)
 
     def with_hashes(self, hashes: bytes) -> Row:
-        return Row(self.blocks, self.ids, hashes, self.pending)
+        return Row(self.blocks, self.ids, hashes, self.pending, self.hw)
 
     def with_ids(self, more: bytes) -> Row:
         """Ids the row moved past (a tail's) join ``ids``."""
         assert self.ids is not None
-        return Row(self.blocks, self.ids + more, self.hashes, self.pending)
+        return Row(self.blocks, self.ids + more, self.hashes, self.pending, self.hw)
 
     def with_pending(self, pending: Pending) -> Row:
-        return Row(self.blocks, self.ids, self.hashes, pending)
+        return Row(self.blocks, self.ids, self.hashes, pending, self.hw)
 
 
 EMPTY_ROW = Row((), None, b"")
@@ -261,7 +263,7 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
         slot_top=0,
         generation=generation,
         epoch=epoch,
-        cache=PrefixIndex.empty(n, len(config.groups), root_hash(config.hash_namespace)),
+        cache=PrefixIndex.empty(n, len(config.groups), root_hash(config.hash_namespace, config.block_hash)),
         cache_epoch=cache_epoch,
         prefix_queries=0,
         prefix_hits=0,

@@ -49,7 +49,7 @@ def check_invariants(state: KVState) -> list[str]:
 def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
     """A row's token ids and hashes: whole, and no more ids than tokens."""
     record, tail, length = s.rows[slot], s.row_tail[slot], s.row_len[slot]
-    if len(record.hashes) % 16 or (record.ids is not None and len(record.ids) % 8):
+    if record.hw != s.config.hash_width or len(record.hashes) % record.hw or (record.ids is not None and len(record.ids) % 8):
         bad.append(f"{where}: ids or hashes that are not whole")
     if tail is not None and (record.ids is None or len(tail) % 8):
         bad.append(f"{where}: a token tail without token ids, or not whole ids")

@@ -27,7 +27,7 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
 def policy_keys(cache: CacheConfig) -> dict[str, str]:
     """The header keys of the policies that differ from the defaults (a default header stays as it was)."""
     keys = {"free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
-            "caching_point": ("commit", cache.caching_point)}
+            "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash)}
     return {k: v for k, (default, v) in keys.items() if v != default}
 
 

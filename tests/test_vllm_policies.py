@@ -154,3 +154,23 @@ def test_cache_ahead_is_a_trace_op_under_its_policy() -> None:
     plain = [{**header, "config": {**header["config"], "caching_point": "commit"}}, *lines[1:3]]
     (_, ahead) = list(replay([json.dumps(x) for x in plain]))
     assert ahead.result["error"]["code"] == "INVALID"
+
+
+def test_max_hit_caps_the_prefix_hit_and_replays() -> None:
+    """RequestSpec.max_hit: vLLM's max_cache_hit_length, and 0 for a request that must not read the cache
+    (prompt logprobs); the trace's admit carries it."""
+    cfg = CacheConfig(block_size=4, num_blocks=17, enable_prefix_caching=True)
+    s = admit(initial_state(cfg), RequestSpec("a", (RowSpec.of_tokens(list(range(13))),))).unwrap().state
+    s = commit(s, "a", [13]).unwrap().state  # blocks of tokens [0, 12) cached
+    row = (RowSpec.of_tokens(list(range(13))),)
+    assert admit(s, RequestSpec("b", row)).unwrap().effect.cached_tokens == (12,)
+    assert admit(s, RequestSpec("b", row, max_hit=9)).unwrap().effect.cached_tokens == (8,)
+    assert admit(s, RequestSpec("b", row, max_hit=0)).unwrap().effect.cached_tokens == (0,)
+    assert admit(s, RequestSpec("b", row, max_hit=-1)).failure().field == "max_hit"
+    lines = [{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 17, "enable_prefix_caching": True}},
+             {"op": "admit", "request": "a", "rows": [{"tokens": list(range(13))}]},
+             {"op": "commit", "request": "a", "computed": [13]},
+             {"op": "admit", "request": "b", "rows": [{"tokens": list(range(13))}], "max_hit": 5,
+              "expect": {"cached_tokens": [4]}}]  # fmt: skip
+    results = list(replay([json.dumps(x) for x in lines], check=True))
+    assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]

@@ -132,8 +132,12 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     gen = None
     before_free = txn.num_free
     if dropped:
-        dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
-        pool.unref_many(txn, [b for _, _, _, b in dropped])
+        if base.config.free_queue == "vllm":  # group by group, as vLLM's coordinator lets them go
+            for g in sorted({d[2] for d in dropped}):
+                pool.unref_many(txn, [d[3] for d in sorted(dropped, key=lambda d: (-d[0], d[1])) if d[2] == g])
+        else:
+            dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
+            pool.unref_many(txn, [b for _, _, _, b in dropped])
         gen = txn.next_generation()
         txn.row_generation[req.slots[0]] = gen
     return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))

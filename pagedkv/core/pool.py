@@ -118,17 +118,21 @@ def unref(txn: Txn, b: int, *, push: bool = True) -> bool:
 def free_tail_first(txn: Txn, req: Request) -> None:
     """Drop one reference to each block, positions descending over all rows and
     groups (rows, then groups, in order within one position); a block whose
-    last reference goes joins the tail of the free queue."""
+    last reference goes joins the tail of the free queue. Under the ``vllm``
+    policy group by group as vLLM's coordinator frees (each group's blocks,
+    positions descending, one ``unref_many``: its blocks without a hash then go
+    to the head, before those of the groups freed earlier)."""
     records = txn.rows
     rows = [records[s].blocks for s in req.slots]
-    if len(rows) == 1 and len(rows[0]) == 1:
-        order: Sequence[int] = rows[0][0][::-1]
-    else:
-        longest = max(len(g) for r in rows for g in r)
-        order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
     if txn.config.free_queue == "vllm":  # the blocks without a hash go to the head: the general path
-        unref_many(txn, [b for b in order if b])
+        for g in range(len(rows[0])):
+            unref_many(txn, [b for r in rows for b in r[g][::-1] if b])
     else:
+        if len(rows) == 1 and len(rows[0]) == 1:
+            order: Sequence[int] = rows[0][0][::-1]
+        else:
+            longest = max(len(g) for r in rows for g in r)
+            order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
         _unref_to_tail(txn, order)
     for s in req.slots:
         txn.free_slot(s)

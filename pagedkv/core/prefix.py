@@ -35,7 +35,7 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     cfg = state.config
     rows = spec.rows
     ngroups = len(cfg.groups)
-    if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows):
+    if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows) or spec.max_hit == 0:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     chains = _full_chains(state, spec)
     hit = len(chains[-1])  # each row's chain stops at the shortest before it
@@ -87,7 +87,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
     bs = cfg.block_size
     full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
     chains: list[list[BlockHash]] = []
-    limit: int | None = None
+    limit: int | None = None if spec.max_hit is None else spec.max_hit // bs
     extra = extra_blob(spec.extra_keys, cfg.block_hash)
     hash_packed = cfg.hash_fn
     width = bs << 3  # bytes of one block's packed ids

@@ -64,6 +64,7 @@ class RequestSpec:
     request_id: RequestId
     rows: tuple[RowSpec, ...]
     extra_keys: tuple[str, ...] = ()
+    max_hit: int | None = None  # the prefix-cache hit is at most this many tokens (0: the cache is not read)
 
 
 def check_request_spec(spec: object) -> KVError | None:
@@ -84,6 +85,9 @@ def check_request_spec(spec: object) -> KVError | None:
         return invalid(f"request {shown(rid)} must have at least one row", request=rid, field="rows")
     if not isinstance(spec.extra_keys, tuple) or any(type(k) is not str for k in spec.extra_keys):
         return invalid(f"request {shown(rid)}: extra_keys must be strings", request=rid, field="extra_keys")
+    if spec.max_hit is not None and (not is_int(spec.max_hit) or spec.max_hit < 0):
+        return invalid(f"request {shown(rid)}: max_hit must be a non-negative integer or None, got "
+                       f"{shown(spec.max_hit)}", request=rid, field="max_hit")  # fmt: skip
     for i, row in enumerate(spec.rows):
         err = _check_row(row, f"request {shown(rid)} row {i}")
         if err is not None:

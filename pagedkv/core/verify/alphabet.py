@@ -120,6 +120,8 @@ def _admit_json(spec: RequestSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": [row_json(r) for r in spec.rows]}
     if spec.extra_keys:
         out["extra_keys"] = list(spec.extra_keys)
+    if spec.max_hit is not None:
+        out["max_hit"] = spec.max_hit
     return out
 
 

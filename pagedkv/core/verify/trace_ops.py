@@ -148,7 +148,7 @@ def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
             prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
             pending_tokens=r.get("pending_tokens", 0),
         ))  # fmt: skip
-    return RequestSpec(ev["request"], tuple(rows), tuple(extra))
+    return RequestSpec(ev["request"], tuple(rows), tuple(extra), ev.get("max_hit"))
 
 
 def _admitted(e: Admitted) -> dict[str, Any]:

@@ -55,12 +55,13 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
     @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)),
                 free_queue=st.sampled_from(["tail", "vllm"]), reset_policy=st.sampled_from(["always", "when_idle"]),
                 caching_point=st.sampled_from(["commit", "schedule"]),
-                block_hash=st.sampled_from(["blake2b", "sha256_cbor"]))
+                block_hash=st.sampled_from(["blake2b", "sha256_cbor"]), duplicates=st.booleans())
     def setup(self, bs: int, usable: int, grouping: str, free_queue: str, reset_policy: str, caching_point: str,
-              block_hash: str) -> None:  # fmt: skip
+              block_hash: str, duplicates: bool) -> None:  # fmt: skip
         self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
                                enable_prefix_caching=True, free_queue=free_queue, reset_prefix_cache=reset_policy,
-                               caching_point=caching_point, block_hash=block_hash)  # fmt: skip
+                               caching_point=caching_point, block_hash=block_hash,
+                               cache_duplicates=duplicates)  # fmt: skip
         self.state = initial_state(self.cfg)
         self.content: dict[int, object] = {}  # block id -> what its KV holds
         self.tokens: dict[Any, list[list[int] | None]] = {}  # per request, per row: known token ids

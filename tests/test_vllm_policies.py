@@ -93,7 +93,8 @@ def test_policies_are_checked_and_come_from_the_trace_header(tmp_path: object) -
 
 
 @pytest.mark.parametrize("cfg", [CheckConfig(usable_blocks=5, requests=2, free_queue="vllm"),
-                                 CheckConfig(usable_blocks=5, requests=2, reset_when_idle=True)])  # fmt: skip
+                                 CheckConfig(usable_blocks=5, requests=2, reset_when_idle=True),
+                                 CheckConfig(usable_blocks=5, requests=2, duplicates=True)])  # fmt: skip
 def test_the_checker_explores_each_policy(cfg: CheckConfig) -> None:
     result = check(cfg)
     assert result.exhaustive and not result.violation
@@ -174,3 +175,58 @@ def test_max_hit_caps_the_prefix_hit_and_replays() -> None:
               "expect": {"cached_tokens": [4]}}]  # fmt: skip
     results = list(replay([json.dumps(x) for x in lines], check=True))
     assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
+
+
+def test_cache_duplicates_keeps_every_block_of_a_content_as_vllm() -> None:
+    """Two requests admitted before either computed its prompt fill blocks of the same content. One block
+    per content (the default): the second's blocks stay uncached. ``cache_duplicates`` (vLLM's block pool):
+    both are cached, lookups take the first cached, and once it is evicted the other answers."""
+    from pagedkv.core.verify.invariants import check_invariants
+
+    prompt = list(range(9))
+    for duplicates in (False, True):
+        cfg = CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, cache_duplicates=duplicates)
+        s = initial_state(cfg)
+        for rid in ("a", "b"):
+            s = admit(s, RequestSpec(rid, (RowSpec.of_tokens(prompt),))).unwrap().state  # a: 1-3, b: 4-6
+        s = commit(s, "a", [9]).unwrap().state
+        step = commit(s, "b", [9]).unwrap()
+        assert len(step.effect.events) == (2 if duplicates else 0)  # b's two full blocks stored, or not
+        s = step.state
+        assert check_invariants(s) == []
+        assert sorted(b for _, b in s.cache.items()) == ([1, 2, 4, 5] if duplicates else [1, 2])
+        s = release(release(s, "a", "finished").unwrap().state, "b", "finished").unwrap().state
+        hit = admit(s, RequestSpec("c", (RowSpec.of_tokens(prompt),))).unwrap()
+        assert hit.effect.blocks[0][0][:2] == (1, 2)  # the first cached answers
+        if duplicates:  # free queue 3 2 1 6 5 4: other tokens take 3, 2, 1 (1 and 2 evicted), then 4 and 5 answer
+            x = admit(s, RequestSpec("x", (RowSpec.of_tokens(list(range(90, 99))),))).unwrap()
+            assert x.effect.blocks == (((3, 2, 1),),) and len(x.effect.events) == 2  # two BlockRemoved
+            assert check_invariants(x.state) == [] and sorted(b for _, b in x.state.cache.items()) == [4, 5]
+            again = admit(x.state, RequestSpec("c", (RowSpec.of_tokens(prompt),))).unwrap()
+            assert again.effect.cached_tokens == (8,) and again.effect.blocks[0][0][:2] == (4, 5)
+
+
+def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug: evicting one block of a content with duplicates leaves it listed under the content
+    (lookups could then hand out a block whose KV is being overwritten): the model checker finds it."""
+    from pagedkv.core.index import PrefixIndexEdit
+
+    def evict(self: PrefixIndexEdit, block: int) -> object:
+        key = self.key_of(block)
+        if key is None:
+            return None
+        cur = self.keys.get(key)
+        cur = self.base.blocks_of(key) if cur is None else cur
+        self.keys[key] = cur if type(cur) is tuple else 0  # the bug: the block stays among the key's blocks
+        self.blocks[block] = None
+        self.size -= 1
+        return key
+
+    cfg = CheckConfig(usable_blocks=4, requests=2, window=None, max_model_len=4, duplicates=True)
+    monkeypatch.setattr(PrefixIndexEdit, "evict", evict)
+    result = check(cfg)
+    assert result.violation and "does not carry it" in result.violation[0]
+    monkeypatch.undo()
+    from dataclasses import replace
+
+    assert not check(replace(cfg, max_states=5_000)).violation

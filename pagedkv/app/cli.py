@@ -69,6 +69,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--caching-point", choices=("commit", "schedule"), default="commit",
                    help="when full blocks enter the prefix cache: once computed, or (vLLM) once planned; "
                    "schedule adds cache_ahead and a failed-step release to the alphabet")
+    c.add_argument("--cache-duplicates", action="store_true",
+                   help="cache every block that fills with a content already cached (vLLM's block pool)")
     c.add_argument("--reset-when-idle", action="store_true",
                    help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)")
     c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
@@ -101,7 +103,7 @@ def _check(args: argparse.Namespace) -> int:
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
             free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
-            cache_at_schedule=args.caching_point == "schedule",
+            cache_at_schedule=args.caching_point == "schedule", duplicates=args.cache_duplicates,
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

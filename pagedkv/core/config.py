@@ -121,6 +121,7 @@ class CacheConfig:
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
     block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; "sha256_cbor": vLLM's (32 bytes)
+    cache_duplicates: bool = False  # False: one block per content; True: every block that fills is cached (vLLM)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
@@ -162,8 +163,9 @@ class CacheConfig:
                 raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
         object.__setattr__(self, "hash_width", HASH_WIDTH[self.block_hash])
         object.__setattr__(self, "hash_fn", hasher(self.block_hash))
-        if type(self.enable_prefix_caching) is not bool:
-            raise InvalidConfig(f"enable_prefix_caching must be a boolean, got {shown(self.enable_prefix_caching)}")
+        for key in ("enable_prefix_caching", "cache_duplicates"):
+            if type(getattr(self, key)) is not bool:
+                raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
         for key in ("max_rows_per_request", "max_model_len"):
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):

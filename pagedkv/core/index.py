@@ -14,6 +14,11 @@ operations on one bucket.
 
 An edit copies each bucket it writes once (a few entries) and the leaves around
 it once, so an insert or an eviction costs O(1) amortised, never a scan.
+
+One block per content, unless the edit keeps duplicates (``CacheConfig.cache_duplicates``, vLLM's block
+pool: a block that fills with content another block already holds is cached too). A hash then maps to
+the tuple of its blocks in the order they were cached; a lookup takes the first, an eviction drops one
+(the next then answers lookups); every cached block keeps its reverse entry and counts in ``len``.
 """
 
 from __future__ import annotations
@@ -78,21 +83,33 @@ class PrefixIndex:
 
     def __getitem__(self, key: CacheKey) -> int:
         g, h = key
-        block: int = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask][h]
-        return block
+        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask][h]
+        return block if type(block) is int else block[0]
 
     def get(self, key: CacheKey) -> int | None:
         g, h = key
-        return self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
+        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
+        return block if type(block) is not tuple else block[0]
+
+    def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
+        """Every block cached under ``key``, the one lookups take first."""
+        g, h = key
+        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
+        return () if block is None else (block,) if type(block) is int else block
 
     def items(self) -> Iterator[tuple[CacheKey, int]]:
+        """Each cached block with its key (a key with duplicates once for each of its blocks, in order)."""
         if not self.size:
             return
         for g, vec in enumerate(self.buckets):
             for bucket in vec:
                 for h, b in bucket.items() if bucket else ():
                     if type(h) is bytes:  # (the block -> hash entries are the same pairs, reversed)
-                        yield (g, h), b
+                        if type(b) is int:
+                            yield (g, h), b
+                        else:
+                            for d in b:
+                                yield (g, h), d
 
     def keys(self) -> Iterator[CacheKey]:
         return (k for k, _ in self.items())
@@ -111,8 +128,8 @@ class PrefixIndex:
         g = w & GROUP_MASK
         return g, self.buckets[g][w >> GROUP_BITS][block]
 
-    def edit(self) -> PrefixIndexEdit:
-        return PrefixIndexEdit(self)
+    def edit(self, duplicates: bool = False) -> PrefixIndexEdit:
+        return PrefixIndexEdit(self, duplicates)
 
 
 class PrefixIndexEdit:
@@ -124,19 +141,26 @@ class PrefixIndexEdit:
     transition's changes in it, and every leaf of the locator vector once.
     """
 
-    __slots__ = ("base", "keys", "blocks", "size")
+    __slots__ = ("base", "keys", "blocks", "size", "duplicates")
 
-    def __init__(self, base: PrefixIndex) -> None:
+    def __init__(self, base: PrefixIndex, duplicates: bool = False) -> None:
         self.base = base
-        self.keys: dict[CacheKey, int] = {}
+        self.keys: dict[CacheKey, int | tuple[int, ...]] = {}  # a key's blocks: one, several, or 0 (none)
         self.blocks: dict[int, CacheKey | None] = {}
         self.size = base.size
+        self.duplicates = duplicates  # a content already cached caches another block too
 
     def get(self, key: CacheKey) -> int | None:
         b = self.keys.get(key)
         if b is not None:
-            return b or None
+            return (b or None) if type(b) is int else b[0]
         return self.base.get(key)
+
+    def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
+        b = self.keys.get(key)
+        if b is None:
+            return self.base.blocks_of(key)
+        return b if type(b) is tuple else (b,) if b else ()
 
     def __contains__(self, key: CacheKey) -> bool:
         return self.get(key) is not None
@@ -167,9 +191,13 @@ class PrefixIndexEdit:
             vec = base.buckets[g]
             k = (h[0] | h[1] << 8 | h[2] << 16) & base.mask
             if h in vec.leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]:
-                return False  # the same content sits in another block
+                if not self.duplicates:
+                    return False  # the same content sits in another block
+                return self._add_duplicate(key, block)
         elif b:
-            return False
+            if not self.duplicates:
+                return False
+            return self._add_duplicate(key, block)
         blocks = self.blocks
         if block in blocks:
             if blocks[block] is not None:
@@ -183,12 +211,27 @@ class PrefixIndexEdit:
         self.size += 1
         return True
 
+    def _add_duplicate(self, key: CacheKey, block: int) -> bool:
+        if self.key_of(block) is not None:
+            return False  # this block holds a content already
+        self.keys[key] = (*self.blocks_of(key), block)
+        self.blocks[block] = key
+        self.size += 1
+        return True
+
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
         key = self.key_of(block)
         if key is None:
             return None
-        self.keys[key] = 0
+        cur = self.keys.get(key)
+        if cur is None:
+            cur = self.base.blocks_of(key)
+        if type(cur) is tuple:  # a key with duplicates keeps the others, in order
+            rest = tuple(b for b in cur if b != block)
+            self.keys[key] = rest[0] if len(rest) == 1 else rest
+        else:
+            self.keys[key] = 0
         self.blocks[block] = None
         self.size -= 1
         return key
@@ -211,12 +254,20 @@ class PrefixIndexEdit:
             bucket = dict(leaf[k & _BUCKET_MASK])  # (a copy of an untracked dict stays untracked)
             for h, _ in changes:  # every old pair of a key touched goes first
                 old = bucket.pop(h, None)
-                if old is not None:
+                if type(old) is int:
                     del bucket[old]
+                elif old is not None:
+                    for d in old:
+                        del bucket[d]
             for h, b in changes:
-                if b:
+                if type(b) is int:
+                    if b:
+                        bucket[h] = b
+                        bucket[b] = h  # the reverse entry, for eviction
+                elif b:
                     bucket[h] = b
-                    bucket[b] = h  # the reverse entry, for eviction
+                    for d in b:
+                        bucket[d] = h
             leaf[k & _BUCKET_MASK] = bucket
         where = VecEdit(base.where)
         sh, m = where.shift, where.mask

@@ -131,7 +131,7 @@ class Txn:
     @property
     def index(self) -> PrefixIndexEdit:
         if self._index is None:
-            self._index = self.base.cache.edit()
+            self._index = self.base.cache.edit(self.base.config.cache_duplicates)
         return self._index
 
     def done(self) -> KVState:

@@ -44,6 +44,7 @@ class CheckConfig:
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" puts freed blocks without a hash at the head
     reset_when_idle: bool = False  # CacheConfig.reset_prefix_cache "when_idle": refused while blocks are held
     cache_at_schedule: bool = False  # CacheConfig.caching_point "schedule", and a cache_ahead event per id
+    duplicates: bool = False  # CacheConfig.cache_duplicates: every block that fills with a cached content cached
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -55,7 +56,8 @@ class CheckConfig:
                            enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
                            max_model_len=self.max_model_len, free_queue=self.free_queue,
                            reset_prefix_cache="when_idle" if self.reset_when_idle else "always",
-                           caching_point="schedule" if self.cache_at_schedule else "commit")  # fmt: skip
+                           caching_point="schedule" if self.cache_at_schedule else "commit",
+                           cache_duplicates=self.duplicates)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,12 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
                                             **({"grow_prefill": True} if sched.grow_prefill else {})}}}  # fmt: skip
 
 
-def policy_keys(cache: CacheConfig) -> dict[str, str]:
+def policy_keys(cache: CacheConfig) -> dict[str, str | bool]:
     """The header keys of the policies that differ from the defaults (a default header stays as it was)."""
-    keys = {"free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
-            "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash)}
+    keys: dict[str, tuple[str | bool, str | bool]] = {
+        "free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
+        "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash),
+        "cache_duplicates": (False, cache.cache_duplicates)}  # fmt: skip
     return {k: v for k, (default, v) in keys.items() if v != default}
 
 

@@ -81,6 +81,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             reset_prefix_cache=cfg.get("reset_prefix_cache", "always"),
             caching_point=cfg.get("caching_point", "commit"),
             block_hash=cfg.get("block_hash", "blake2b"),
+            cache_duplicates=cfg.get("cache_duplicates", False),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None

@@ -230,3 +230,17 @@ def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypa
     from dataclasses import replace
 
     assert not check(replace(cfg, max_states=5_000)).violation
+
+
+def test_cache_ahead_many_is_each_cache_ahead_in_order() -> None:
+    from pagedkv.core import cache_ahead, cache_ahead_many
+
+    cfg = CacheConfig(block_size=4, num_blocks=17, enable_prefix_caching=True, caching_point="schedule")
+    s = initial_state(cfg)
+    for rid, base in (("a", 0), ("b", 100)):
+        s = admit(s, RequestSpec(rid, (RowSpec.of_tokens(list(range(base, base + 9))),))).unwrap().state
+    one = cache_ahead(cache_ahead(s, "a", [8]).unwrap().state, "b", [4]).unwrap().state
+    many = cache_ahead_many(s, [("a", [8]), ("b", [4])]).unwrap()
+    assert digest(many.state) == digest(one) and [len(e.events) for e in many.effect] == [2, 1]
+    bad = cache_ahead_many(s, [("a", [8]), ("b", [10])])  # past b's row: nothing of it happens
+    assert bad.failure().field == "through" and digest(s) == digest(s)

@@ -7,7 +7,7 @@ release, destination); this package re-exports the public names.
 """
 
 from pagedkv.core.admission import admit
-from pagedkv.core.commit import cache_ahead, commit, commit_many
+from pagedkv.core.commit import cache_ahead, cache_ahead_many, commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
 from pagedkv.core.decode import commit_decode, decode_step
 from pagedkv.core.destination import mark_ready
@@ -33,7 +33,7 @@ __all__ = [
     "Admitted", "AllBlocksCleared", "Appended", "BlockRemoved", "BlockStored", "CacheConfig", "Committed", "DecodeRows",
     "Decoded", "ErrorCode", "GroupKind", "GroupSpec", "InvalidConfig", "KVError", "KVEvent", "KVMetadata", "KVState",
     "MarkedReady", "Phase", "PrefixCacheReset", "ReleaseReason", "Released", "RequestId", "RequestSpec", "RowMetadata",
-    "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "cache_ahead", "commit",
+    "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "cache_ahead", "cache_ahead_many", "commit",
     "commit_decode", "commit_many", "decode_step", "digest", "free_queue", "hash_block", "initial_state",
     "mark_ready", "publish", "release", "release_many", "request_blocks", "request_generation", "reset",
     "reset_prefix_cache", "root_hash", "row_token_ids", "takes_generation",

@@ -52,26 +52,44 @@ def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -
     >>> len(cache_ahead(s, "a", [10]).unwrap().state.cache)
     2
     """
-    base = state
-    if base.config.caching_point != "schedule":
+    result = cache_ahead_many(state, ((request_id, through),))
+    return result.map(lambda step: Step(step.state, step.effect[0]))
+
+
+def cache_ahead_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+) -> Result[Step[tuple[Committed, ...]], KVError]:
+    """Several ``cache_ahead`` as one transition (the blocks a step's decode tokens fill): all, in order, or none."""
+    if state.config.caching_point != "schedule":
         return Failure(invalid('cache_ahead needs CacheConfig(caching_point="schedule")', field="op"))
+    txn = Txn(state)
+    effects = []
+    for rid, through in items:
+        first = len(txn.events)
+        err = _ahead_one(txn, rid, through)
+        if err is not None:
+            return Failure(err)
+        effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
+    return Success(Step(txn.done(), tuple(effects)))
+
+
+def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | None:
+    base = txn.base
     req = base.requests.get(request_id) if is_request_id(request_id) else None
     if req is None:
-        return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted",
-                               request=request_id))  # fmt: skip
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
     if not isinstance(through, (list, tuple)) or len(through) != len(req.slots):
-        return Failure(invalid(f"cache_ahead of request {shown(request_id)} must give one count per row "
-                               f"({len(req.slots)})", request=request_id, field="through"))  # fmt: skip
+        return invalid(f"cache_ahead of request {shown(request_id)} must give one count per row "
+                       f"({len(req.slots)})", request=request_id, field="through")  # fmt: skip
     for i, (slot, t) in enumerate(zip(req.slots, through)):
-        if not is_int(t) or not base.row_computed[slot] <= t <= base.row_len[slot]:
-            return Failure(invalid(f"request {shown(request_id)} row {i}: through must be an integer in "
-                                   f"[{base.row_computed[slot]}, {base.row_len[slot]}], got {shown(t)}",
-                                   request=request_id, field="through"))  # fmt: skip
-    txn = Txn(state)
+        if not is_int(t) or not txn.row_computed[slot] <= t <= txn.row_len[slot]:
+            return invalid(f"request {shown(request_id)} row {i}: through must be an integer in "
+                           f"[{txn.row_computed[slot]}, {txn.row_len[slot]}], got {shown(t)}",
+                           request=request_id, field="through")  # fmt: skip
     if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
         for i, (slot, t) in enumerate(zip(req.slots, through)):
             _cache_full_blocks(txn, req, i, slot, t)
-    return Success(Step(txn.done(), Committed(request_id, None, 0, tuple(txn.events))))
+    return None
 
 
 def forget_ahead(txn: Txn, req: Request) -> None:

@@ -86,9 +86,19 @@ def hash_packed_cbor(parent: BlockHash, packed_ids: bytes, extra: bytes) -> Bloc
     """
     ids = array("Q")
     ids.frombytes(packed_ids)
-    head = _cbor_head
-    body = b"".join([b"\x83", head(2, len(parent)), parent, head(4, len(ids)), *[head(0, i) for i in ids], extra])
+    table = _UINTS or _uints()
+    n = len(table)
+    body = b"".join([b"\x83", _cbor_head(2, len(parent)), parent, _cbor_head(4, len(ids)),
+                     *[table[i] if i < n else _cbor_head(0, i) for i in ids], extra])  # fmt: skip
     return hashlib.sha256(body).digest()
+
+
+_UINTS: list[bytes] = []  # the CBOR of each integer below 2**17 (token ids), built at the first use
+
+
+def _uints() -> list[bytes]:
+    _UINTS.extend(_cbor_head(0, i) for i in range(1 << 17))
+    return _UINTS
 
 
 def hasher(kind: str) -> Callable[[BlockHash, bytes, bytes], BlockHash]:

@@ -153,14 +153,16 @@ class PrefixIndexEdit:
     def get(self, key: CacheKey) -> int | None:
         b = self.keys.get(key)
         if b is not None:
-            return (b or None) if type(b) is int else b[0]
+            return (b or None) if isinstance(b, int) else b[0]
         return self.base.get(key)
 
     def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
         b = self.keys.get(key)
         if b is None:
             return self.base.blocks_of(key)
-        return b if type(b) is tuple else (b,) if b else ()
+        if isinstance(b, tuple):
+            return b
+        return (b,) if b else ()
 
     def __contains__(self, key: CacheKey) -> bool:
         return self.get(key) is not None
@@ -227,7 +229,7 @@ class PrefixIndexEdit:
         cur = self.keys.get(key)
         if cur is None:
             cur = self.base.blocks_of(key)
-        if type(cur) is tuple:  # a key with duplicates keeps the others, in order
+        if isinstance(cur, tuple) and len(cur) > 1:  # a key with duplicates keeps the others, in order
             rest = tuple(b for b in cur if b != block)
             self.keys[key] = rest[0] if len(rest) == 1 else rest
         else:
@@ -242,7 +244,7 @@ class PrefixIndexEdit:
             return base
         mask = base.mask
         # per bucket: the old pairs of every key touched go, then the new ones come
-        touched: dict[tuple[int, int], list[tuple[BlockHash, int]]] = {}
+        touched: dict[tuple[int, int], list[tuple[BlockHash, int | tuple[int, ...]]]] = {}
         for (g, h), b in self.keys.items():
             touched.setdefault((g, (h[0] | h[1] << 8 | h[2] << 16) & mask), []).append((h, b))
         edits: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)
@@ -260,7 +262,7 @@ class PrefixIndexEdit:
                     for d in old:
                         del bucket[d]
             for h, b in changes:
-                if type(b) is int:
+                if isinstance(b, int):
                     if b:
                         bucket[h] = b
                         bucket[b] = h  # the reverse entry, for eviction

@@ -38,7 +38,8 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
-from pagedkv.core import admit, append, cache_ahead, commit, release, request_blocks, reset_prefix_cache
+from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks
+from pagedkv.core import reset_prefix_cache
 from pagedkv.core.errors import ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
@@ -88,7 +89,8 @@ class PagedKVCacheManager:
             (hash_block_size != scheduler_block_size, f"a hash block size ({hash_block_size}) other than the "
                                                       f"block size ({scheduler_block_size})"),
         ) if bad]  # fmt: skip
-        groups, caps = [], []
+        groups: list[GroupSpec] = []
+        caps: list[int | None] = []
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len
         for i, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
@@ -124,7 +126,15 @@ class PagedKVCacheManager:
                                   max_model_len=max_model_len, hash_namespace=hash_seed(), free_queue="vllm",
                                   reset_prefix_cache="when_idle", caching_point="schedule",
                                   block_hash="sha256_cbor", cache_duplicates=True)  # fmt: skip
-        self.state: KVState = initial_state(self.config)
+        self._state: KVState = initial_state(self.config)
+        # decode tokens that go into a request's open block, queued and applied as one decode_step before
+        # anything reads the state (they allocate, free and evict nothing, so nothing else sees them first)
+        self._len: dict[str, int] = {}  # each request's row length, queued tokens included
+        self._fast = all(g.kind is GroupKind.FULL for g in groups)  # windows let blocks go at each commit
+        self._queue_ids: list[str] = []
+        self._queue_tokens: list[int] = []
+        self._queue_full: list[tuple[str, list[int]]] = []  # (request, [length]) whose token fills its block
+        self._places: list[_Stored] = []  # where each one's events go in the stream
         self._events: list[Any] = []  # pagedkv.integrations.vllm.events structs, in order
         self._blocks_cls, self._block_cls = kvm.KVCacheBlocks, utils.KVCacheBlock
         self._block = [utils.KVCacheBlock(i) for i in range(kv_cache_config.num_blocks)]
@@ -142,10 +152,17 @@ class PagedKVCacheManager:
 
     # -- the state the scheduler reads ---------------------------------------------------------------------
     @property
+    def state(self) -> KVState:
+        """The core's state, every queued decode token applied (a value: keep it, replay from it)."""
+        if self._queue_ids:
+            self._flush()
+        return self._state
+
+    @property
     def usage(self) -> float:
         """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
         usable = self.config.num_blocks - 1
-        return 1.0 - self.state.num_free / usable if usable else 0.0
+        return 1.0 - self._state.num_free / usable if usable else 0.0  # (queued tokens take no block)
 
     def make_prefix_cache_stats(self) -> Any:
         if not self.log_stats:
@@ -159,6 +176,7 @@ class PagedKVCacheManager:
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
+        assert self.prefix_cache_stats is not None
         self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
                                        preempted=request.num_preemptions > 0)  # fmt: skip
 
@@ -190,6 +208,31 @@ class PagedKVCacheManager:
             raise Unsupported("pagedkv's KV cache manager allocates no lookahead, external (connector) or encoder "
                               "slots; the scheduler was built with a feature it refuses")  # fmt: skip
         rid = request.request_id
+        n = self._len.get(rid)
+        if (n is not None and self._fast and num_new_tokens == 1 and not num_new_computed_tokens
+                and request.num_computed_tokens == n and n < self.max_model_len):  # fmt: skip
+            # a decode: its row committed through n, its token appended, in the step's one decode batch
+            token = request.all_token_ids[n]
+            fills = (n + 1) % self.block_size == 0 and self.enable_caching  # vLLM caches the block it fills now
+            if n % self.block_size:  # into the open block: nothing taken or freed, nothing anyone sees yet
+                self._queue_ids.append(rid)
+                self._queue_tokens.append(token)
+                self._len[rid] = n + 1
+                if fills:
+                    place = _Stored()  # its events' place in the stream, filled in when the batch is applied
+                    self._events.append(place)
+                    self._queue_full.append((rid, [n + 1]))
+                    self._places.append(place)
+                return self.empty_kv_cache_blocks
+            if self._state.num_free - reserved_blocks < self.num_kv_cache_groups:
+                return None  # (queued tokens take no block: the free count is the state's)
+            # a block taken now, apart from the queued ones (they neither take nor free a block)
+            self._apply(decode_step(self._state, [rid], [token]), "decode")
+            self._len[rid] = n + 1
+            if fills:  # (a block of one token)
+                self._apply(cache_ahead(self._state, rid, [n + 1]), "cache_ahead")
+            block = self._block
+            return self._blocks_cls(tuple([block[ids[-1]]] for ids in request_blocks(self._state, rid)[0]))
         state = self.state
         req = state.requests.get(rid)
         computed = request.num_computed_tokens + num_new_computed_tokens
@@ -223,9 +266,12 @@ class PagedKVCacheManager:
             length = state.row_len[slot]
             if need_slot > length:
                 state = self._apply(append(state, rid, [request.all_token_ids[length:need_slot]]), "append").state
-        if self.enable_caching and cache_through > self.state.row_computed[self.state.requests[rid].slots[0]]:
-            self._apply(cache_ahead(self.state, rid, [cache_through]), "cache_ahead")
-        after = request_blocks(self.state, rid)[0]
+        state = self._state
+        slot = state.requests[rid].slots[0]
+        self._len[rid] = state.row_len[slot]
+        if self.enable_caching and cache_through > state.row_computed[slot]:
+            self._apply(cache_ahead(state, rid, [cache_through]), "cache_ahead")
+        after = request_blocks(self._state, rid)[0]
         block = self._block
         new = tuple([block[b] for b in ids[len(old):]] for ids, old in zip(after, before))
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
@@ -259,7 +305,8 @@ class PagedKVCacheManager:
         """The request's blocks go back (tail first, group by group), its cached blocks stay cached."""
         if request.request_id not in self.state.requests:
             return
-        self._apply(release(self.state, request.request_id, _reason(request)), "release")
+        del self._len[request.request_id]
+        self._apply(release(self._state, request.request_id, _reason(request)), "release")
 
     def reset_prefix_cache(self) -> bool:
         result = reset_prefix_cache(self.state)
@@ -270,6 +317,7 @@ class PagedKVCacheManager:
             raise ManagerError(f"reset_prefix_cache: {err.code.value}: {err.message}")
         self._take(result.unwrap())
         if self.log_stats:
+            assert self.prefix_cache_stats is not None
             self.prefix_cache_stats.reset = True
         return True
 
@@ -304,12 +352,14 @@ class PagedKVCacheManager:
 
     def take_events(self) -> list[Any]:
         """The KV events since the last call, as vLLM's own event objects (as its block pool sends them)."""
+        if self._queue_ids:
+            self._flush()
         if not self._events:
             return []
         events, self._events = self._events, []
         ev = self._vllm_events
         out = []
-        for e in events:
+        for e in [x for e in events for x in (e.events if isinstance(e, _Stored) else (e,))]:
             if type(e).__name__ == "BlockStored":
                 out.append(ev.BlockStored(block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
                                           token_ids=e.token_ids, block_size=e.block_size, lora_id=None,
@@ -352,10 +402,32 @@ class PagedKVCacheManager:
         self._take(step)
         return step
 
+    def _flush(self) -> None:
+        """The queued decode tokens as one transition (each row committed through its length, its token
+        appended), then the blocks they filled cached, as vLLM caches them when it allocates."""
+        self._apply(decode_step(self._state, self._queue_ids, self._queue_tokens), "the decode batch")
+        if self._queue_full:
+            result = cache_ahead_many(self._state, self._queue_full)
+            if isinstance(result, Failure):
+                raise ManagerError(f"the core refused cache_ahead: {result.failure().message}")
+            step = result.unwrap()
+            self._state = step.state
+            for place, effect in zip(self._places, step.effect):
+                place.events = to_vllm(effect.events, self.config) if self.enable_kv_cache_events else []
+            self._places.clear()
+        self._queue_ids.clear()
+        self._queue_tokens.clear()
+        self._queue_full.clear()
+
     def _take(self, step: Any) -> None:
-        self.state = step.state
-        if self.enable_kv_cache_events and step.effect.events:  # one transition's: one request's stores by group
-            self._events.extend(to_vllm(step.effect.events, self.config))
+        self._state = step.state
+        if self.enable_kv_cache_events:  # one request's stores group by group, as vLLM's pool sends them
+            if isinstance(step.effect, tuple):  # a batch: each request's apart
+                for effect in step.effect:
+                    if effect.events:
+                        self._events.extend(to_vllm(effect.events, self.config))
+            elif step.effect.events:
+                self._events.extend(to_vllm(step.effect.events, self.config))
 
     @staticmethod
     def _extra(request: Any) -> tuple[str, ...]:
@@ -370,6 +442,15 @@ class PagedKVCacheManager:
         if request.cache_salt:
             keys.append(f"cache_salt:{request.cache_salt}")
         return tuple(keys)
+
+
+class _Stored:
+    """The place in the event stream of a queued decode token's filled block (its BlockStored)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
 
 
 def _waiting(request: Any) -> bool:

@@ -37,7 +37,7 @@ def refusals(vllm_config: Any) -> list[str]:
 
 if _VllmScheduler is not None:
 
-    class PagedKVScheduler(_VllmScheduler):  # type: ignore[misc,valid-type]
+    class PagedKVScheduler(_VllmScheduler):  # type: ignore[misc]
         """vLLM's ``Scheduler`` whose KV cache manager is pagedkv's core."""
 
         def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
@@ -48,7 +48,7 @@ if _VllmScheduler is not None:
             _vllm()
             super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
                              hash_block_size=hash_block_size, **kwargs)  # fmt: skip
-            theirs = self.kv_cache_manager
+            theirs: Any = self.kv_cache_manager  # type: ignore[has-type]
             self.kv_cache_manager = PagedKVCacheManager(
                 kv_cache_config=kv_cache_config, max_model_len=self.max_model_len,
                 scheduler_block_size=self.block_size, hash_block_size=self.hash_block_size,

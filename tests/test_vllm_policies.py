@@ -243,4 +243,4 @@ def test_cache_ahead_many_is_each_cache_ahead_in_order() -> None:
     many = cache_ahead_many(s, [("a", [8]), ("b", [4])]).unwrap()
     assert digest(many.state) == digest(one) and [len(e.events) for e in many.effect] == [2, 1]
     bad = cache_ahead_many(s, [("a", [8]), ("b", [10])])  # past b's row: nothing of it happens
-    assert bad.failure().field == "through" and digest(s) == digest(s)
+    assert bad.failure().field == "through"

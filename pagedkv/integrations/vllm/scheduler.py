@@ -3,10 +3,10 @@ pagedkv.integrations.vllm.PagedKVScheduler`` (vLLM's seam for an out-of-tree sch
 
 The scheduler is vLLM's own, unchanged; only its ``kv_cache_manager`` is pagedkv's
 (``PagedKVCacheManager``, backed by the pure core). What the manager does not serve is refused here,
-before anything runs: KV connectors (P/D, offloading), speculative decoding, encoder-decoder models,
-multimodal encoders' cross-attention, pipeline-parallel async paths are vLLM's and run unchanged, but
-a connector or a draft model needs manager internals (``coordinator``, ``block_pool``) pagedkv does
-not expose.
+before anything runs: KV connectors (P/D, offloading; they reach the manager's ``coordinator`` and
+``block_pool``), speculative decoding, encoder-decoder models, decode context parallelism, pipeline
+parallelism and async scheduling (both schedule a step before the last one's tokens are known; the
+core hashes the tokens it holds).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def refusals(vllm_config: Any) -> list[str]:
         out.append("an encoder-decoder model (cross-attention blocks)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         out.append("decode context parallelism")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        out.append("pipeline parallelism (steps in flight)")
+    if vllm_config.scheduler_config.async_scheduling:
+        out.append("async scheduling (run with --no-async-scheduling: a step's tokens must be known when the "
+                   "next is scheduled, the core hashes them)")
     return out
 
 

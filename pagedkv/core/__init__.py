@@ -33,8 +33,8 @@ __all__ = [
     "Admitted", "AllBlocksCleared", "Appended", "BlockRemoved", "BlockStored", "CacheConfig", "Committed", "DecodeRows",
     "Decoded", "ErrorCode", "GroupKind", "GroupSpec", "InvalidConfig", "KVError", "KVEvent", "KVMetadata", "KVState",
     "MarkedReady", "Phase", "PrefixCacheReset", "ReleaseReason", "Released", "RequestId", "RequestSpec", "RowMetadata",
-    "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "cache_ahead", "cache_ahead_many", "commit",
-    "commit_decode", "commit_many", "decode_step", "digest", "free_queue", "hash_block", "initial_state",
+    "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "cache_ahead",
+    "cache_ahead_many", "commit", "commit_decode", "commit_many", "decode_step", "digest", "free_queue", "hash_block", "initial_state",
     "mark_ready", "publish", "release", "release_many", "request_blocks", "request_generation", "reset",
     "reset_prefix_cache", "root_hash", "row_token_ids", "takes_generation",
 ]  # fmt: skip

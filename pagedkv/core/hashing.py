@@ -74,7 +74,6 @@ def hash_packed(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash
                            digest_size=16).digest()  # fmt: skip
 
 
-
 def hash_packed_cbor(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash:
     """vLLM's ``sha256_cbor`` block hash: SHA-256 of ``cbor2.dumps((parent, tuple(ids), extra_keys),
     canonical=True)``, the ids given packed (eight little-endian bytes each), the keys as ``extra_blob``

@@ -11,7 +11,9 @@ vLLM's call                            the core
 ``allocate_slots`` (a new request)     ``admit`` of a row holding the hit and the chunk, then
                                        ``cache_ahead`` through the tokens scheduled
 ``allocate_slots`` (a running one)     ``commit`` of what vLLM counts computed (a window's blocks go),
-                                       ``append`` of the chunk's ids, ``cache_ahead``
+                                       ``append`` of the chunk's ids, ``cache_ahead``; a decode token
+                                       joins the step's one ``decode_step`` (applied before anything
+                                       reads the state; one that opens a block at once)
 ``free``                               ``release`` (finished, aborted, preempted)
 ``reset_prefix_cache``                 ``reset_prefix_cache`` (refused while blocks are held)
 ``take_events``                        the core's events as vLLM's ``BlockStored`` / ``BlockRemoved``
@@ -136,7 +138,7 @@ class PagedKVCacheManager:
         self._queue_full: list[tuple[str, list[int]]] = []  # (request, [length]) whose token fills its block
         self._places: list[_Stored] = []  # where each one's events go in the stream
         self._events: list[Any] = []  # pagedkv.integrations.vllm.events structs, in order
-        self._blocks_cls, self._block_cls = kvm.KVCacheBlocks, utils.KVCacheBlock
+        self._blocks_cls = kvm.KVCacheBlocks
         self._block = [utils.KVCacheBlock(i) for i in range(kv_cache_config.num_blocks)]
         self._block[0].is_null = True
         self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in groups))

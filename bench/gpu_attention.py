@@ -1,5 +1,8 @@
-"""Paged decode attention on the GPU: the Triton split-KV kernel vs dense SDPA, gather+SDPA and the
-HBM floor; checked against a float32 reference on random non-contiguous block tables.
+"""Paged decode attention on the GPU: the Triton split-KV kernel vs FlashInfer's paged decode (the same
+shuffled block tables), dense SDPA, gather+SDPA and the HBM floor; checked against a float32 reference.
+Ours and FlashInfer are timed as eager calls (``do_bench``: launch cost included) and replayed from a
+CUDA graph holding 20 back-to-back calls (the launch cost the engine's graphs hide). FlashInfer's column
+is nan where it is not installed or has no kernel (float32).
 
     python bench/gpu_attention.py
 """
@@ -42,10 +45,68 @@ def case(B: int, L: int, H: int, KVH: int, D: int, bs: int, dtype: torch.dtype, 
         q[:, :, None], k_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2),
         v_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2), scale=scale, enable_gqa=True))  # fmt: skip
     t_flex = flex_paged(q, k_pages, v_pages, table, B, L, KVH, D, scale)
+    ours = lambda: paged_decode(q, k_pages, v_pages, table, lens, scale, splits=splits)  # noqa: E731
+    g_ours = in_graph(ours)
+    fi = flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale)
     kv_bytes = 2 * B * L * KVH * D * k_pages.element_size()
     floor = kv_bytes / floor_bw * 1e3
     return {"B": B, "L": L, "bs": bs, "dtype": str(dtype)[6:], "err": err, "ours": t_ours, "dense": t_dense,
-            "gather": t_gather, "flex": t_flex, "floor": floor, "share": floor / t_ours}  # fmt: skip
+            "gather": t_gather, "flex": t_flex, "floor": floor, "share": floor / t_ours, "g_ours": g_ours, **fi}  # fmt: skip
+
+
+def in_graph(fn: object, reps: int = 20) -> float:
+    """ms a call, replayed from a CUDA graph of ``reps`` back-to-back calls."""
+    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()  # type: ignore[operator]
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()  # type: ignore[operator]
+    return bench(g.replay) / reps
+
+
+def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on the same pages and tables: eager, in a CUDA graph
+    (its use_cuda_graph wrapper), with and without tensor cores; nan where it cannot run."""
+    nan = float("nan")
+    out = {"fi": nan, "fi_tc": nan, "g_fi": nan, "fi_err": nan}
+    try:
+        import flashinfer
+    except ImportError as e:
+        print(f"(FlashInfer columns unavailable: {e})")
+        return out
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return out  # FlashInfer has no float32 kernels
+    nb = L // bs
+    indptr = torch.arange(B + 1, dtype=torch.int32) * nb
+    indices = table.reshape(-1).to(torch.int32).cpu()
+    last = torch.full((B,), bs, dtype=torch.int32)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    kw = {"q_data_type": q.dtype, "kv_data_type": q.dtype, "sm_scale": scale}
+    best = None
+    for tc, name in ((False, "fi"), (True, "fi_tc")):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        w.plan(indptr, indices, last, H, KVH, D, bs, **kw)
+        res = w.run(q, (k_pages, v_pages))
+        out[name] = bench(lambda: w.run(q, (k_pages, v_pages)))
+        err = ((res.float() - ref).norm() / ref.norm()).item()
+        if best is None or out[name] < out[best[0]]:
+            best = (name, tc, err)
+    assert best is not None
+    out["fi_err"] = best[2]
+    i32 = torch.int32
+    gw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=best[1],
+        paged_kv_indptr_buffer=torch.empty(B + 1, dtype=i32, device="cuda"),
+        paged_kv_indices_buffer=torch.empty(B * nb, dtype=i32, device="cuda"),
+        paged_kv_last_page_len_buffer=torch.empty(B, dtype=i32, device="cuda"))  # fmt: skip
+    gw.plan(indptr, indices, last, H, KVH, D, bs, **kw)
+    out["g_fi"] = in_graph(lambda: gw.run(q, (k_pages, v_pages)))
+    return out
 
 
 def flex_paged(q, k_pages, v_pages, table, B, L, KVH, D, scale) -> float:  # type: ignore[no-untyped-def]
@@ -83,15 +144,20 @@ def main() -> None:
     del x, y
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (the floor's rate)")  # fmt: skip
-    print(f"{'seqs':>5} {'ctx':>6} {'bs':>4} {'dtype':>9} {'rel err':>9} {'ours ms':>8} {'dense':>7} {'gather':>7} "
-          f"{'flex':>7} {'floor':>7} {'of floor':>9}")  # fmt: skip
+    print("| seqs | ctx | page | dtype | rel err ours / FI | ours ms | FlashInfer ms (no TC / TC) | ours graph ms "
+          "| FI graph ms | dense SDPA ms | gather+SDPA | flex | HBM floor ms | ours of floor | FI of floor "
+          "| ours / FI eager | ours / FI graph |")
+    print("|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = [case(64, 4096, 32, 8, 128, 16, torch.bfloat16, bw), case(64, 4096, 32, 8, 128, 128, torch.bfloat16, bw)]
     for B, L in ((1, 512), (8, 4096), (256, 2048), (8, 32768)):
         rows.append(case(B, L, 32, 8, 128, 16, torch.bfloat16, bw))
     rows.append(case(8, 4096, 32, 8, 128, 16, torch.float32, bw))
     for r in rows:
-        print(f"{r['B']:>5} {r['L']:>6} {r['bs']:>4} {r['dtype']:>9} {r['err']:>9.1e} {r['ours']:>8.3f} "
-              f"{r['dense']:>7.3f} {r['gather']:>7.3f} {r['flex']:>7.3f} {r['floor']:>7.3f} {r['share']:>9.2f}")  # fmt: skip
+        fi = min(r["fi"], r["fi_tc"]) if r["fi"] == r["fi"] else float("nan")  # type: ignore[operator]
+        print(f"| {r['B']} | {r['L']} | {r['bs']} | {r['dtype']} | {r['err']:.1e} / {r['fi_err']:.1e} | "
+              f"{r['ours']:.3f} | {r['fi']:.3f} / {r['fi_tc']:.3f} | {r['g_ours']:.3f} | {r['g_fi']:.3f} | "
+              f"{r['dense']:.3f} | {r['gather']:.3f} | {r['flex']:.3f} | {r['floor']:.3f} | {r['share']:.2f} | "
+              f"{r['floor'] / fi:.2f} | {r['ours'] / fi:.2f} | {r['g_ours'] / r['g_fi']:.2f} |", flush=True)  # type: ignore[operator]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,10 +39,11 @@ class DecodeBench:
     """A SmolLM2-shaped model (random weights, bf16) on one rank with the triton backend, 64 rows
     of 511 computed tokens each decoding its 512th, and the graphs of buckets 1, 8 and 64."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Any = None) -> None:
         dev = "cuda"
         self.model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device=dev)
-        self.backend = TritonBackend()  # its pool writes K and V with one kernel (backend.kv_write)
+        # triton by default: its pool writes K and V with one kernel (backend.kv_write)
+        self.backend = backend if backend is not None else TritonBackend()
         plan = plan_rank(self.model.kv_layers(), block_size=16, dtype=torch.bfloat16)
         cfg = plan.cache_config(64 * 40 + 1, max_model_len=40 * 16)
         self.rank = build_rank(plan, cfg, max_rows=64, max_tokens=64 * 600, device=dev, backend=self.backend)

@@ -1,5 +1,7 @@
-"""The triton backend's multi-token path vs the torch reference on the GPU: prefill, chunked prefill
-and denoising steps, causal and full segments, GQA, sliding window, shuffled block tables; bf16 and fp32.
+"""The multi-token paths of the triton and flashinfer backends vs the torch reference on the GPU:
+prefill, chunked prefill and denoising steps, causal and full segments, GQA, sliding window, shuffled
+block tables; bf16 and fp32 (FlashInfer has no fp32: refused, and said so). A backend that cannot run
+here (flashinfer not installed) is a line saying why.
 
     python bench/gpu_prefill_check.py
 """
@@ -19,7 +21,8 @@ from pagedkv.shell.worker import Worker
 
 
 def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]], spec: GroupSpec, bs: int,
-         dtype: torch.dtype, heads: int = 12, kvh: int = 4, d: int = 64) -> tuple[str, float, float, float]:  # fmt: skip
+         dtype: torch.dtype, heads: int = 12, kvh: int = 4, d: int = 64,
+         backend: str = "triton") -> tuple[str, float, float, float]:  # fmt: skip
     dev = "cuda"
     g = torch.Generator(device="cpu").manual_seed(0)
     need = sum(-(-L // bs) for L, *_ in rows)
@@ -38,7 +41,7 @@ def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]
     q = torch.randn(sum(r.query_len for r in meta_rows), heads, d, generator=g).to(dev, dtype)
     layer = LayerAttention(0, spec, scale=d**-0.5)
     ref = get_backend("torch").forward(q.float(), k_pages.float(), v_pages.float(), batch, layer)
-    tb = TritonBackend()
+    tb = TritonBackend() if backend == "triton" else get_backend(backend)
     out = tb.forward(q, k_pages, v_pages, batch, layer).float()
     err = ((out - ref).norm() / ref.norm()).item()
     torch.cuda.synchronize()
@@ -73,15 +76,28 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
 def main() -> int:
+    from pagedkv.shell.errors import BackendUnavailable, ShellError
+
     ok = True
-    print(f"{torch.cuda.get_device_name()}: triton varlen (one call per segment) vs the torch reference")
-    print(f"{'case':<36} {'rel err':>9} {'tol':>7} {'triton ms':>10} {'torch ms':>9}  status")
-    for dtype, tol in TOLERANCE.items():
-        for name, rows, spec, bs in cases():
-            label, err, t_tri, t_ref = case(name, rows, spec, bs, dtype)
-            good = err < tol
-            ok &= good
-            print(f"{label:<36} {err:>9.1e} {tol:>7.0e} {t_tri:>10.3f} {t_ref:>9.2f}  {'ok' if good else 'FAIL'}")
+    print(f"{torch.cuda.get_device_name()}: multi-token paths (one call per segment) vs the torch reference")
+    print(f"{'backend':<11} {'case':<36} {'rel err':>9} {'tol':>7} {'ms':>8} {'torch ms':>9}  status")
+    for backend in ("triton", "flashinfer"):
+        try:
+            get_backend(backend)
+        except BackendUnavailable as e:
+            print(f"{backend:<11} not run: {e}")
+            continue
+        for dtype, tol in TOLERANCE.items():
+            for name, rows, spec, bs in cases():
+                try:
+                    label, err, t_b, t_ref = case(name, rows, spec, bs, dtype, backend=backend)
+                except ShellError as e:  # refused with its reason (fp32 on flashinfer, a span under a window)
+                    print(f"{backend:<11} {name + ' ' + str(dtype)[6:]:<36} {'':>9} {'':>7} {'':>8} {'':>9}  refused: {e}")
+                    continue
+                good = err < tol
+                ok &= good
+                print(f"{backend:<11} {label:<36} {err:>9.1e} {tol:>7.0e} {t_b:>8.3f} {t_ref:>9.2f}  "
+                      f"{'ok' if good else 'FAIL'}")  # fmt: skip
     return 0 if ok else 1
 
 

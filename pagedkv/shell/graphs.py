@@ -61,10 +61,13 @@ class GraphDecoder:
         template = template if template is not None else decode_template(self.config)
         self.graphs.clear()
         mempool = torch.cuda.graph_pool_handle()
+        begin = getattr(self.backend, "begin_graph", None)  # a backend with host-side plans (flashinfer)
         for n in sorted(self.buckets, reverse=True):
             tokens = torch.zeros(n, dtype=torch.long, device=self.pool.device)
             self.worker.pad_decode(0, n)
             batch = self.worker.decode_views(n, template)
+            if begin is not None:
+                begin(n, batch, self.worker.max_blocks)
             s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm up outside the graph (allocations, Triton compilation)
@@ -75,6 +78,8 @@ class GraphDecoder:
             with torch.cuda.graph(g, pool=mempool):
                 out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
             self.graphs[n] = (g, tokens, out, batch)
+            if begin is not None:
+                self.backend.end_graph()  # type: ignore[attr-defined]
         self.worker.last = None  # the padding overwrote what a repeated install would have reused
         self.epoch = self.worker.epoch
         self.captures += 1
@@ -103,6 +108,11 @@ class GraphDecoder:
             self.worker.pad_decode(n, b)
             static_tokens[n:].zero_()
         static_tokens[:n].copy_(tokens)
+        begin = getattr(self.backend, "begin_graph", None)
+        if begin is not None:  # its plan for this batch: host work the graph's kernels then read
+            begin(b, batch, self.worker.max_blocks)
         g.replay()
+        if begin is not None:
+            self.backend.end_graph()  # type: ignore[attr-defined]
         self.replays += 1
         return out[:n]

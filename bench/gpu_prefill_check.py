@@ -21,8 +21,8 @@ from pagedkv.shell.worker import Worker
 
 
 def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]], spec: GroupSpec, bs: int,
-         dtype: torch.dtype, heads: int = 12, kvh: int = 4, d: int = 64,
-         backend: str = "triton") -> tuple[str, float, float, float]:  # fmt: skip
+         dtype: torch.dtype, heads: int = 12, kvh: int = 4, d: int = 64, backend: str = "triton",
+         phase: Phase = Phase.PREFILL) -> tuple[str, float, float, float]:  # fmt: skip
     dev = "cuda"
     g = torch.Generator(device="cpu").manual_seed(0)
     need = sum(-(-L // bs) for L, *_ in rows)
@@ -35,7 +35,7 @@ def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]
         table = tuple(ids.pop() for _ in range(-(-L // bs)))
         meta_rows.append(RowMetadata(r, 0, (table,), seq_len, seq_len - start, start,
                                      slots_of(table, bs, start, seq_len - start), segments_of(spans, seq_len, start)))  # fmt: skip
-    meta = KVMetadata(1, 0, bs, Phase.PREFILL, tuple(meta_rows))
+    meta = KVMetadata(1, 0, bs, phase, tuple(meta_rows))
     w = Worker(cfg, max_rows=8, max_blocks_per_row=512, max_tokens=8192, device=dev)
     batch = w.install(meta)
     q = torch.randn(sum(r.query_len for r in meta_rows), heads, d, generator=g).to(dev, dtype)
@@ -72,6 +72,18 @@ def cases() -> list[tuple[str, list[tuple[int, tuple[tuple[int, int], ...], int,
     ]
 
 
+def decode_cases() -> list[tuple[str, list[tuple[int, tuple[tuple[int, int], ...], int, int]], GroupSpec, int]]:
+    """Decode forwards (one query token a row, at its last position), run with ``phase=Phase.DECODE``."""
+    full = GroupSpec("full")
+    swa = GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=48)
+    lens = (300, 77, 129, 1000, 16, 17)
+    return [
+        ("decode, 6 rows", [(n, (), n - 1, n) for n in lens], full, 16),
+        ("decode, sliding window", [(n, (), n - 1, n) for n in lens], swa, 16),
+        ("decode, block size 128", [(n, (), n - 1, n) for n in lens], full, 128),
+    ]
+
+
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
@@ -88,9 +100,10 @@ def main() -> int:
             print(f"{backend:<11} not run: {e}")
             continue
         for dtype, tol in TOLERANCE.items():
-            for name, rows, spec, bs in cases():
+            for name, rows, spec, bs, phase in ([(*c, Phase.PREFILL) for c in cases()]
+                                                + [(*c, Phase.DECODE) for c in decode_cases()]):  # fmt: skip
                 try:
-                    label, err, t_b, t_ref = case(name, rows, spec, bs, dtype, backend=backend)
+                    label, err, t_b, t_ref = case(name, rows, spec, bs, dtype, backend=backend, phase=phase)
                 except ShellError as e:  # refused with its reason (fp32 on flashinfer, a span under a window)
                     print(f"{backend:<11} {name + ' ' + str(dtype)[6:]:<36} {'':>9} {'':>7} {'':>8} {'':>9}  refused: {e}")
                     continue

@@ -58,27 +58,30 @@ def main() -> None:
                       for n, (a, b) in enumerate(zip(ra, rb)) if a != b), None)  # fmt: skip
         where = "-" if first is None else f"prompt {first[0]}, token {first[1]}"
         print(f"| {name} | {same} / {total} | {where} |")
-    print("\n| backend | batch | decode step ms (median over the run's steps, graphs on) |")
-    print("|---|---:|---:|")
-    for backend in ("triton", "flashinfer"):
-        if f"{backend} graphs" not in runs:
-            continue
+    print("\n| backend | batch | decode step ms (median, graphs on) | prefill step ms (median, 512-token chunks) |")
+    print("|---|---:|---:|---:|")
+    names = ["triton"] + (["flashinfer", "triton+flashinfer"] if "flashinfer graphs" in runs else [])
+    for backend in names:
         for rows in (1, 16, 64):
-            print(f"| {backend} | {rows} | {step_ms_engine(model, tok, backend, rows):.3f} |", flush=True)
+            decode, prefill = step_ms_engine(model, tok, backend, rows)
+            print(f"| {backend} | {rows} | {decode:.3f} | {prefill:.3f} |", flush=True)
 
 
-def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> float:
-    """Median decode step (ms) of the engine at ``rows`` running requests, graphs on (full batches only)."""
+def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> tuple[float, float]:
+    """Median decode step (ms) of the engine at ``rows`` running requests, graphs on (full batches only), and
+    the median step that prefills (prompts of 480 tokens, chunks of at most 512 tokens a step)."""
     from bench.generate import NoStop
 
     eng = Engine(model, NoStop(tok), backend=backend, kv_cache_memory_bytes=1 << 30, max_num_seqs=rows,
-                 block_size=16, time_steps=True)  # fmt: skip
-    ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(100)))[:96]
+                 block_size=16, time_steps=True, max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
+    ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(500)))[:480]
     eng.generate([("", ids[:8], SamplingParams(max_tokens=4)) for _ in range(2)])  # warm the eager prefill path
     eng.step_times = []
     eng.generate([("", ids, SamplingParams(max_tokens=64)) for _ in range(rows)])
     full = [sec for n, p, sec in eng.step_times if n == rows and p == 0]
-    return statistics.median(full) * 1e3 if full else float("nan")
+    pre = [sec for n, p, sec in eng.step_times if p > 0]
+    med = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
+    return med(full), med(pre)
 
 
 if __name__ == "__main__":

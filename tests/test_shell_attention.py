@@ -192,3 +192,31 @@ def test_the_documented_model_runner_runs() -> None:
     from pathlib import Path
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "shell_runner.py"), run_name="__main__")
+
+
+def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None:
+    """``triton+flashinfer``'s routing, shown with two torch backends on the CPU: decode forwards on the
+    decode backend, several query tokens on the other, float32 forwards all on the decode one; the tokens
+    are those one backend gives."""
+    from dataclasses import replace
+
+    from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
+    from pagedkv.shell.attention.phases import PhaseBackend
+    from pagedkv.shell.attention.torch_ref import TorchBackend
+    from pagedkv.shell.engine import Engine, SamplingParams
+
+    class Other(TorchBackend):
+        name = "other"
+
+    cfg = replace(SMOLLM2_SHAPES, vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2)  # fmt: skip
+    prompts = [(f"p{i}", [(5 * i + j) % 97 for j in range(9 + 4 * i)], SamplingParams(max_tokens=6)) for i in range(3)]
+    for dtype, prefill_calls in ((torch.bfloat16, True), (torch.float32, False)):
+        model = random_llama(cfg, seed=1, dtype=dtype)
+        plain = [c.token_ids for c in Engine(model, IdTokenizer(), block_size=4).generate(prompts)]
+        both = PhaseBackend(TorchBackend(), Other())
+        eng = Engine(model, IdTokenizer(), block_size=4)
+        eng.backend = both  # the engine's forwards through the phase backend
+        assert [c.token_ids for c in eng.generate(prompts)] == plain
+        assert both.name == "torch+other" and both.calls["torch"] > 0
+        assert (both.calls["other"] > 0) == prefill_calls, both.calls

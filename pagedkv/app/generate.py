@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--device", metavar="DEVICE", type=device, default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights and pages (auto: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu", "flashinfer"),
+    g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu", "flashinfer", "triton+flashinfer"),
                    help="attention backend (auto: triton on cuda, torch on cpu)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on cuda (graphs are the default)")
     g.add_argument("--threads", type=threads, default="auto", metavar="N|auto",

@@ -74,12 +74,15 @@ def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:
     prompts = [(f"p{i}", head + [(7 * i + j) % 49152 for j in range(20 + 9 * i)], SamplingParams(max_tokens=12))
                for i in range(4)]  # fmt: skip
     runs = {}
-    for backend, graphs in (("triton", True), ("flashinfer", False), ("flashinfer", True)):
+    for backend, graphs in (("triton", True), ("flashinfer", False), ("flashinfer", True), ("triton+flashinfer", True)):
         eng = Engine(model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20,
                      cuda_graphs=graphs)  # fmt: skip
         runs[(backend, graphs)] = [c.token_ids for c in eng.generate(prompts)]
         assert eng.state.kv.free_blocks == eng.cache.usable_blocks
         assert (eng.graphs is not None and eng.graphs.replays > 0) == graphs
+        if backend == "triton+flashinfer":
+            assert all(n > 0 for n in eng.backend.calls.values()), eng.backend.calls  # type: ignore[attr-defined]
     assert runs[("flashinfer", True)] == runs[("flashinfer", False)]
-    for ours, theirs in zip(runs[("flashinfer", True)], runs[("triton", True)]):
-        assert ours[:4] == theirs[:4], (ours, theirs)
+    for name in ("flashinfer", "triton+flashinfer"):
+        for ours, theirs in zip(runs[(name, True)], runs[("triton", True)]):
+            assert ours[:4] == theirs[:4], (name, ours, theirs)

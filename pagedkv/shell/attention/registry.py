@@ -32,4 +32,9 @@ def get_backend(name: str) -> AttentionBackend:
         from pagedkv.shell.attention.flashinfer import FlashInferBackend
 
         return FlashInferBackend()
-    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton, flashinfer", "no backend by that name")
+    if name == "triton+flashinfer":  # decode on triton (in CUDA graphs), several query tokens on FlashInfer
+        from pagedkv.shell.attention.phases import PhaseBackend
+
+        return PhaseBackend(get_backend("triton"), get_backend("flashinfer"))
+    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton, flashinfer, triton+flashinfer",
+                             "no backend by that name")  # fmt: skip

@@ -1,4 +1,5 @@
-"""The multi-token paths of the triton and flashinfer backends vs the torch reference on the GPU:
+"""The multi-token and decode paths of the triton, flashinfer and flash_attn (FA4) backends vs the torch
+reference on the GPU:
 prefill, chunked prefill and denoising steps, causal and full segments, GQA, sliding window, shuffled
 block tables; bf16 and fp32 (FlashInfer has no fp32: refused, and said so). A backend that cannot run
 here (flashinfer not installed) is a line saying why.
@@ -93,7 +94,7 @@ def main() -> int:
     ok = True
     print(f"{torch.cuda.get_device_name()}: multi-token paths (one call per segment) vs the torch reference")
     print(f"{'backend':<11} {'case':<36} {'rel err':>9} {'tol':>7} {'ms':>8} {'torch ms':>9}  status")
-    for backend in ("triton", "flashinfer"):
+    for backend in ("triton", "flashinfer", "flash_attn"):
         try:
             get_backend(backend)
         except BackendUnavailable as e:

@@ -1,8 +1,12 @@
-"""flash-attn over the shell's pages (unvalidated on hardware here: no flash-attn on these machines).
+"""flash-attn over the shell's pages.
 
-FA3 (``flash_attn_interface``, Hopper): ``flash_attn_with_kvcache`` with ``page_table`` and
-``cache_seqlens``, any block size. FA2 (``flash_attn``): ``flash_attn_varlen_func`` with
-``block_table`` and ``cu_seqlens_k``; its paged path needs a block size divisible by 256.
+FA4 (``flash-attn-4``, ``flash_attn.cute``, CuTe DSL; Hopper and Blackwell): ``flash_attn_varlen_func``
+with ``page_table``, ``cu_seqlens_q`` and ``seqused_k``, any block size (a block size other than the
+kernel's tile reads pages without TMA); validated on an H200 (bench/RESULTS.md). FA3
+(``flash_attn_interface``, Hopper): ``flash_attn_with_kvcache`` with ``page_table`` and
+``cache_seqlens``, any block size. FA2 (``flash_attn``): ``flash_attn_varlen_func`` with ``block_table``
+and ``cu_seqlens_k``; its paged path needs a block size divisible by 256. FA3 and FA2 are written
+against their APIs and unvalidated on hardware here. The first that imports serves, in that order.
 Tables are int32. Sliding windows map to ``window_size=(window - 1, 0)``; softcap passes through.
 """
 
@@ -18,7 +22,8 @@ from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segmen
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
-INSTALL = "pip install 'pagedkv[flash]'  (flash-attn; FA3 comes from flash-attention's hopper/ build)"
+INSTALL = ("pip install flash-attn-4 (FA4), or 'pagedkv[flash]' (flash-attn 2; FA3 comes from flash-attention's "
+           "hopper/ build)")
 
 
 class FlashAttnBackend:
@@ -26,8 +31,15 @@ class FlashAttnBackend:
     kv_write = None  # two index_copy_ (the page pool's own write)
 
     def __init__(self) -> None:
+        self.fa4: Any = None
         self.fa3: Any = None
         self.fa2: Any = None
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+
+            self.fa4 = flash_attn_varlen_func
+        except ImportError:
+            pass
         try:
             import flash_attn_interface
 
@@ -37,11 +49,14 @@ class FlashAttnBackend:
         try:
             import flash_attn
 
-            self.fa2 = flash_attn
+            if hasattr(flash_attn, "flash_attn_varlen_func"):  # (FA4 alone leaves flash_attn a namespace)
+                self.fa2 = flash_attn
         except ImportError:
             pass
-        if self.fa3 is None and self.fa2 is None:
-            raise BackendUnavailable(self.name, INSTALL, "neither flash_attn nor flash_attn_interface imports")
+        if self.fa4 is None and self.fa3 is None and self.fa2 is None:
+            raise BackendUnavailable(self.name, INSTALL, "none of flash_attn.cute, flash_attn_interface, flash_attn "
+                                                         "imports")  # fmt: skip
+        self.version = 4 if self.fa4 is not None else 3 if self.fa3 is not None else 2
 
     def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
                 layer: LayerAttention) -> torch.Tensor:  # fmt: skip
@@ -56,11 +71,21 @@ class FlashAttnBackend:
         table = batch.block_tables[layer.group].to(torch.int32)
         block_size = k_pages.shape[1]
         softcap = float(layer.softcap or 0.0)
-        if self.fa3 is None and block_size % 256:
+        if self.version == 2 and block_size % 256:
             raise refuse(ErrorCode.INVALID, f"flash-attn 2's paged path needs a block size divisible by 256; "
                                             f"the pool's is {block_size} (FA3 takes any size)")  # fmt: skip
 
+        if self.version == 4 and q.dtype not in (torch.float16, torch.bfloat16):
+            raise refuse(ErrorCode.INVALID, f"flash-attn 4 computes float16 and bfloat16 attention; this forward is "
+                                            f"{str(q.dtype)[6:]} (use the triton or torch backend)")  # fmt: skip
+
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
+            if self.fa4 is not None:
+                out, _ = self.fa4(qp, k_pages, v_pages, cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
+                                  seqused_k=call.kv_lens, page_table=table, softmax_scale=layer.scale,
+                                  causal=call.causal, window_size=window if window != (-1, -1) else (None, None),
+                                  softcap=softcap)  # fmt: skip
+                return out  # type: ignore[no-any-return]
             if self.fa3 is not None:
                 return self.fa3.flash_attn_with_kvcache(  # type: ignore[no-any-return]
                     qp, k_pages, v_pages, cache_seqlens=call.kv_lens, page_table=table,

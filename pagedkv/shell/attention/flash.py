@@ -2,11 +2,12 @@
 
 FA4 (``flash-attn-4``, ``flash_attn.cute``, CuTe DSL; Hopper and Blackwell): ``flash_attn_varlen_func``
 with ``page_table``, ``cu_seqlens_q`` and ``seqused_k``, any block size (a block size other than the
-kernel's tile reads pages without TMA); validated on an H200 (bench/RESULTS.md). FA3
+kernel's tile reads pages without TMA); written against flash-attn-4 4.0.0b36's interface and not yet run:
+on the H200 its CuTe DSL wheels installed with --no-deps left ``cutlass.cute`` unimportable. FA3
 (``flash_attn_interface``, Hopper): ``flash_attn_with_kvcache`` with ``page_table`` and
 ``cache_seqlens``, any block size. FA2 (``flash_attn``): ``flash_attn_varlen_func`` with ``block_table``
 and ``cu_seqlens_k``; its paged path needs a block size divisible by 256. FA3 and FA2 are written
-against their APIs and unvalidated on hardware here. The first that imports serves, in that order.
+against their APIs and unvalidated on hardware here too. The first that imports serves, in that order.
 Tables are int32. Sliding windows map to ``window_size=(window - 1, 0)``; softcap passes through.
 """
 

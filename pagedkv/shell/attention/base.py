@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -63,11 +63,26 @@ class SegmentCall:
     max_seqlen_k: int
 
 
+_LAST: list[Any] = [None, None, None]  # the last forward's (metadata, device, calls): every layer asks again
+
+
 def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
-    """The native calls for a forward: one per segment index (rows share the structure)."""
+    """The native calls for a forward: one per segment index (rows share the structure). Built from the
+    snapshot on the host (no device sync) once a forward: the layers after the first get the same ones."""
+    meta, device = batch.metadata, batch.seq_lens.device
+    if _LAST[0] is meta and _LAST[1] == device:
+        return _LAST[2]  # type: ignore[no-any-return]
+    calls = _segment_calls(batch)
+    _LAST[:] = [meta, device, calls]  # (holding the snapshot keeps its identity from being reused)
+    return calls
+
+
+def _segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
     rows = batch.metadata.rows
     nseg = len(rows[0].segments)
-    qsl = batch.query_start_loc.tolist()
+    qsl = [0]
+    for row in rows:
+        qsl.append(qsl[-1] + row.query_len)
     calls = []
     for k in range(nseg):
         segs = [row.segments[k] for row in rows]

@@ -3,7 +3,8 @@
 FA4 (``flash-attn-4``, ``flash_attn.cute``, CuTe DSL; Hopper and Blackwell): ``flash_attn_varlen_func``
 with ``page_table``, ``cu_seqlens_q`` and ``seqused_k``, any block size (a block size other than the
 kernel's tile reads pages without TMA); written against flash-attn-4 4.0.0b36's interface and not yet run:
-on the H200 its CuTe DSL wheels installed with --no-deps left ``cutlass.cute`` unimportable. FA3
+on the H200 ``import cutlass.cute`` failed (the nvidia-cutlass-dsl-libs 4.8.1 and 4.6.2 wheels the package index
+here serves hold ``cutlass/_mlir`` but no ``cutlass/cute`` sources). FA3
 (``flash_attn_interface``, Hopper): ``flash_attn_with_kvcache`` with ``page_table`` and
 ``cache_seqlens``, any block size. FA2 (``flash_attn``): ``flash_attn_varlen_func`` with ``block_table``
 and ``cu_seqlens_k``; its paged path needs a block size divisible by 256. FA3 and FA2 are written

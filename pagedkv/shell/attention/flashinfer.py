@@ -74,8 +74,8 @@ class FlashInferBackend:
             raise BackendUnavailable(self.name, "a CUDA device", "no CUDA device is available")
         self.fi: Any = flashinfer
         self._workspace: torch.Tensor | None = None
-        self._meta: KVMetadata | None = None  # the forward the plans below were made for
-        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._wrappers: dict[tuple[Any, ...], Any] = {}  # one a (segment, group, ...) key, planned again each forward
+        self._planned: dict[tuple[Any, ...], KVMetadata] = {}  # the forward each wrapper is planned for now
         self._graph: dict[tuple[Any, ...], Any] = {}  # (bucket, *key): CUDA-graph decode wrappers
         self._graph_batch: int | None = None  # the bucket being captured or replayed (begin_graph)
         self._graph_input: tuple[ForwardBatch, int] | None = None
@@ -108,20 +108,24 @@ class FlashInferBackend:
             if self._graph_batch is not None:  # inside a CUDA graph: the bucket's wrapper, planned before replay
                 wrapper = self._graph_wrapper(self._graph_batch, key, q.device)
             else:
-                if meta is not self._meta:
-                    self._meta, self._plans = meta, {}
-                wrapper = self._plans.get(key)
+                wrapper = self._wrappers.get(key)
                 if wrapper is None:
-                    wrapper = self._plans[key] = self._plan_decode(meta, key, block_size, q.device)
+                    wrapper = self._wrappers[key] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                        self._ws(q.device), "NHD", use_tensor_cores=heads // kv_heads >= 4)  # fmt: skip
+                if self._planned.get(key) is not meta:  # once a forward: every layer of the group runs the plan
+                    self._plan_decode(wrapper, meta, key, block_size)
+                    self._planned[key] = meta
             return wrapper.run(q, (k_pages, v_pages))  # type: ignore[no-any-return]
-        if meta is not self._meta:
-            self._meta, self._plans = meta, {}
         calls = segment_calls(batch)
         out = torch.empty_like(q)
         for k, call in enumerate(calls):
-            wrapper = self._plans.get((k, *key))
+            wkey = (k, *key)
+            wrapper = self._wrappers.get(wkey)
             if wrapper is None:
-                wrapper = self._plans[(k, *key)] = self._plan_prefill(meta, k, call, key, block_size, q.device)
+                wrapper = self._wrappers[wkey] = self.fi.BatchPrefillWithPagedKVCacheWrapper(self._ws(q.device), "NHD")
+            if self._planned.get(wkey) is not meta:
+                self._plan_prefill(wrapper, meta, k, call, key, block_size)
+                self._planned[wkey] = meta
             part = q if call.token_index is None else q.index_select(0, call.token_index)
             res = wrapper.run(part, (k_pages, v_pages))
             if call.token_index is None:
@@ -135,31 +139,26 @@ class FlashInferBackend:
         return {"window_left": window - 1 if window else -1, "sm_scale": scale,
                 "logits_soft_cap": softcap or None, "q_data_type": dtype, "kv_data_type": dtype}  # fmt: skip
 
-    def _plan_decode(self, meta: KVMetadata, key: tuple[Any, ...], block_size: int, device: torch.device) -> Any:
+    def _plan_decode(self, wrapper: Any, meta: KVMetadata, key: tuple[Any, ...], block_size: int) -> None:
         group, window, *_, heads, kv_heads, head_dim = key
         lens = [row.seq_len for row in meta.rows]
         indptr, indices, last = page_lists(meta.rows, group, lens, block_size, window)
-        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(self._ws(device), "NHD",
-                                                            use_tensor_cores=heads // kv_heads >= 4)  # fmt: skip
         i32 = torch.int32
         wrapper.plan(torch.tensor(indptr, dtype=i32), torch.tensor(indices or [0], dtype=i32)[: len(indices)],
                      torch.tensor(last, dtype=i32), heads, kv_heads, head_dim, block_size, **self._common(key))  # fmt: skip
-        return wrapper
 
-    def _plan_prefill(self, meta: KVMetadata, k: int, call: SegmentCall, key: tuple[Any, ...], block_size: int,
-                      device: torch.device) -> Any:  # fmt: skip
+    def _plan_prefill(self, wrapper: Any, meta: KVMetadata, k: int, call: SegmentCall, key: tuple[Any, ...],
+                      block_size: int) -> None:  # fmt: skip
         group, window, *_, heads, kv_heads, head_dim = key
         segs = [row.segments[k] for row in meta.rows]
         qo = [0]
         for s in segs:
             qo.append(qo[-1] + s.q_end - s.q_start)
         indptr, indices, last = page_lists(meta.rows, group, [s.kv_end for s in segs], block_size, window)
-        wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(self._ws(device), "NHD")
         i32 = torch.int32
         wrapper.plan(torch.tensor(qo, dtype=i32), torch.tensor(indptr, dtype=i32),
                      torch.tensor(indices or [0], dtype=i32)[: len(indices)], torch.tensor(last, dtype=i32),
                      heads, kv_heads, head_dim, block_size, causal=call.causal, **self._common(key))  # fmt: skip
-        return wrapper
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
     def begin_graph(self, bucket: int, batch: ForwardBatch, max_blocks_per_row: int) -> None:

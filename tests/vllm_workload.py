@@ -96,6 +96,7 @@ class Workload:
     arrivals_per_step: int = 6
     abort_every: int = 11  # every n-th request is aborted mid-way
     reset_every: int = 0  # a reset_prefix_cache after every n-th step (0: none)
+    skip_cache_every: int = 13  # every n-th request asks for prompt logprobs: it must not read the prefix cache
     idle_after: int | None = None  # requests from this index on arrive only once the scheduler is idle
     requests: list[tuple[str, list[int], int, int | None]] = field(default_factory=list)  # id, prompt, max, abort
 
@@ -150,7 +151,8 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
         if len(workload.requests) - len(pending) >= first_late and scheduler.has_unfinished_requests():
             arriving = []  # the late ones wait for an idle scheduler (a reset between them then clears the cache)
         for rid, prompt, max_tokens, _ in arriving:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            skip = workload.skip_cache_every and int(rid[1:]) % workload.skip_cache_every == 7
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=bool(skip) or None)
             scheduler.add_request(Request(rid, prompt, params, pooling_params=None, block_hasher=hasher))
         del pending[: len(arriving)]
         for rid, at in list(abort_at.items()):  # aborts arrive between steps

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_workload import Layout, Workload, drive, make_scheduler, vllm_available
+from bench.vllm_workload import Layout, Workload, drive, make_scheduler, vllm_available
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
 

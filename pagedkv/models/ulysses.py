@@ -1,0 +1,114 @@
+"""Strict Ulysses sequence parallelism for the reference DiT over torch.distributed.
+
+Each of ``world`` ranks holds ``1/world`` of a forward's query tokens for everything but attention
+(projections, MLP, residuals); around attention an all-to-all turns "my tokens, every head" into "every
+token, my heads" and back. The pages are sharded by heads: a rank's pool holds the K/V heads its query
+heads read (``kv_layers``), for every token, at the same block ids on every rank (the core runs once, on
+rank 0, and its metadata is broadcast, as for tensor parallelism). CFG rows and the prefix / target layout
+are the core's, unchanged; a forward's tokens are padded to a multiple of ``world`` (the padding is never
+written to the pages nor attended). K/V heads go through an all-to-all when each rank holds a whole
+share of them, and are gathered and sliced when there are fewer K/V heads than ranks (GQA: several ranks
+read one K/V head).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedkv.core.config import GroupSpec
+from pagedkv.core.errors import ErrorCode
+from pagedkv.core.grouping import LayerSpec
+from pagedkv.models.dit import DiT, DiTRow
+from pagedkv.shell.attention import AttentionBackend, LayerAttention
+from pagedkv.shell.errors import refuse
+from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import attention_layers
+from pagedkv.shell.worker import ForwardBatch
+
+
+class UlyssesDiT:
+    """``model``'s paged step on rank ``rank`` of ``world`` (an initialised process group)."""
+
+    def __init__(self, model: DiT, rank: int, world: int) -> None:
+        c = model.config
+        if c.heads % world:
+            raise refuse(ErrorCode.INVALID, f"Ulysses needs the query heads ({c.heads}) split evenly over {world} ranks")
+        group = c.heads // c.kv_heads  # query heads a K/V head serves
+        self.heads = c.heads // world
+        if self.heads % group and group % self.heads:
+            raise refuse(ErrorCode.INVALID, f"{world} ranks split {c.heads} query heads into shares of {self.heads}, "
+                                            f"which cut across K/V groups of {group}")  # fmt: skip
+        self.model, self.rank, self.world = model, rank, world
+        self.kv_heads = max(1, self.heads // group)
+        self.kv_first = rank * self.heads // group  # this rank's first K/V head
+        self.kv_split = c.kv_heads % world == 0  # a whole share of K/V heads each: all-to-all them too
+
+    def kv_layers(self) -> tuple[LayerSpec, ...]:
+        """This rank's pages: its K/V heads of every layer, fp32."""
+        c = self.model.config
+        return attention_layers(c.layers, kv_heads=self.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, H, D) of my tokens -> (world * n, H / world, D): every token, my heads."""
+        n, h, d = x.shape
+        send = x.reshape(n, self.world, h // self.world, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        return recv.reshape(self.world * n, h // self.world, d)
+
+    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(world * n, h, D) of my heads -> (n, world * h, D): my tokens, every head."""
+        total, h, d = x.shape
+        n = total // self.world
+        send = x.reshape(self.world, n, h, d).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        return recv.transpose(0, 1).reshape(n, self.world * h, d)
+
+    def _kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, KVH, D) of my tokens -> (world * n, my K/V heads, D)."""
+        if self.kv_split:
+            return self._to_heads(x)
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)[:, self.kv_first : self.kv_first + self.kv_heads]
+
+    def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
+                   pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+        """``DiT.paged_step``, its tokens sharded over the ranks (every rank returns the same predictions)."""
+        m, c = self.model, self.model.config
+        meta = batch.metadata
+        xs = []
+        for r, (row, image) in zip(meta.rows, zip(rows, images)):
+            full = torch.cat([m._prefix(row), m._target(image, t)])
+            xs.append(full[r.kv_start_pos : r.seq_len])
+        x = torch.cat(xs)
+        total = x.shape[0]
+        n = -(-total // self.world)
+        x = torch.cat([x, x.new_zeros(n * self.world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
+        attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
+        for i, L in enumerate(m.layers):
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+                q_all, k_all, v_all = self._to_heads(q)[:total], self._kv(k)[:total], self._kv(v)[:total]
+                pool.write(i, k_all, v_all, batch.slot_mapping)  # my heads' K/V of every token
+                out = backend.forward(q_all, pool.k[i], pool.v[i], batch, attn)
+                out = torch.cat([out, out.new_zeros(n * self.world - total, *out.shape[1:])])
+                return self._to_tokens(out)
+
+            x = m._block(x, L, attend)
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        x = torch.cat(parts)[:total]
+        qsl = batch.query_start_loc.tolist()
+        return [x[qsl[r + 1] - images[r].shape[0] : qsl[r + 1]] @ m.latent_out.T for r in range(len(rows))]
+
+
+def broadcast(objects: list[Any]) -> list[Any]:
+    """Rank 0's objects on every rank (the core's metadata: it runs once)."""
+    box = [objects]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

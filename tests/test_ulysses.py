@@ -1,0 +1,98 @@
+"""Strict Ulysses sequence parallelism for the reference DiT on gloo: 2 and 4 CPU processes give one rank's
+images at every denoising step (fp32), CFG rows with a reference image; the core runs once (rank 0) and its
+metadata is broadcast; each rank's pages hold its heads only."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pagedkv.core import CacheConfig, RequestSpec, admit, initial_state, publish
+from pagedkv.app.diffusion import DiTRunner
+from pagedkv.models.dit import DiT, DiTConfig, DiTRow
+from pagedkv.shell.attention import get_backend
+from pagedkv.shell.rank import build_rank, plan_rank
+
+IMAGE, STEPS = 7, 3  # 7 image tokens: a forward's token count is not a multiple of the world (padding runs)
+CONFIG = DiTConfig(heads=4, kv_heads=2)
+
+
+def _rows() -> tuple[list[DiTRow], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    ref = torch.randn(3, CONFIG.latent, generator=g)
+    rows = [DiTRow((5, 6, 7, 8, 9, 10, 11), ref), DiTRow((5, 6, 2), ref)]
+    img = torch.randn(IMAGE, CONFIG.latent, generator=g)
+    return rows, [img.clone(), img.clone()]
+
+
+def _metadata() -> tuple[CacheConfig, object, object]:
+    rows, _ = _rows()
+    cfg = CacheConfig(block_size=4, num_blocks=41, enable_prefix_caching=True, max_model_len=64)
+    s = admit(initial_state(cfg), RequestSpec("img", tuple(r.spec(IMAGE) for r in rows), rows[0].content_key()))
+    s = s.unwrap().state
+    return cfg, publish(s, ["img"], "prefill").unwrap().effect, publish(s, ["img"], "denoise").unwrap().effect
+
+
+def one_rank() -> list[torch.Tensor]:
+    model = DiT(CONFIG)
+    cfg, first, later = _metadata()
+    rank = build_rank(plan_rank(model.kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=4, max_tokens=64)
+    rows, images = _rows()
+    return DiTRunner(model, rank, get_backend("torch")).run(rows, images, STEPS, first, later)
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from pagedkv.models.dit import euler
+    from pagedkv.models.ulysses import UlyssesDiT, broadcast
+    from pagedkv.shell.distributed import init
+
+    torch.set_num_threads(1)
+    init(rank, world, init_file, timeout_s=60)
+    try:
+        model = DiT(CONFIG)
+        sp = UlyssesDiT(model, rank, world)
+        cfg, first, later = _metadata() if rank == 0 else (None, None, None)
+        cfg, first, later = broadcast([cfg, first, later])  # the core ran once: rank 0's snapshot everywhere
+        plan = plan_rank(sp.kv_layers(), block_size=cfg.block_size, dtype=torch.float32)
+        r = build_rank(plan, cfg, max_rows=4, max_tokens=64)
+        rows, images = _rows()
+        history = []
+        for s in range(STEPS):
+            batch = r.worker.install(first if s == 0 else later)
+            preds = sp.paged_step(rows, images, 1.0 - s / STEPS, batch, r.pool, get_backend("torch"), r.group)
+            images = euler(images, preds, STEPS, 4.0)
+            history.append(images[0])
+        torch.save({"history": history, "kv_heads": r.pool.k[0].shape[2]}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_ranks_equal_one_rank_at_every_step(world: int) -> None:
+    ref = one_rank()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
+        results = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
+    for res in results:
+        assert len(res["history"]) == STEPS
+        assert res["kv_heads"] == max(1, CONFIG.kv_heads // world)  # each rank's pages: its heads only
+        for got, want in zip(res["history"], ref):
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert not torch.allclose(ref[0], ref[-1])  # it does denoise
+
+
+def test_a_head_split_that_cuts_kv_groups_is_refused() -> None:
+    from pagedkv.models.ulysses import UlyssesDiT
+    from pagedkv.shell.errors import ShellError
+
+    with pytest.raises(ShellError, match="split evenly"):
+        UlyssesDiT(DiT(CONFIG), 0, 3)
+    with pytest.raises(ShellError, match="cut across"):
+        UlyssesDiT(DiT(DiTConfig(heads=6, hidden=48, kv_heads=3)), 0, 2)  # shares of 3 heads, groups of 2

@@ -4,6 +4,7 @@ with the core's prepared metadata (``pagedkv denoise`` runs it)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -41,3 +42,33 @@ class DiTRunner:
         return history
 
 
+
+
+class DiTStepRunner:
+    """Step-level execution (``core.scheduler.steps``): each tick's forwards, rows of requests at different
+    denoising steps together. ``work[rid] = (rows, images, steps)``; ``history[rid]`` gets each request's
+    image after each of its steps (CFG-combined when it has 2 rows)."""
+
+    def __init__(self, model: DiT, rank: Rank, backend: AttentionBackend, cfg_scale: float = 4.0) -> None:
+        self.model, self.rank, self.backend, self.cfg_scale = model, rank, backend, cfg_scale
+        self.work: dict[object, tuple[list[DiTRow], list[torch.Tensor], int]] = {}
+        self.history: dict[object, list[torch.Tensor]] = {}
+        self.forwards = 0  # forwards run (each holds every request that could batch in its tick)
+
+    def run(self, plan: Any) -> None:
+        for fwd in plan.forwards:
+            batch = self.rank.worker.install(fwd.metadata)
+            entries, owners = [], []
+            for rid, s in zip(fwd.request_ids, fwd.step_index):
+                rows, images, steps = self.work[rid]
+                entries += [(row, img, 1.0 - s / steps) for row, img in zip(rows, images)]
+                owners.append((rid, len(rows), steps))
+            preds = self.model.paged_rows(entries, batch, self.rank.pool, self.backend, self.rank.group)
+            self.forwards += 1
+            k = 0
+            for rid, n, steps in owners:
+                rows, images, _ = self.work[rid]
+                images = euler(images, preds[k : k + n], steps, self.cfg_scale)
+                k += n
+                self.work[rid] = (rows, images, steps)
+                self.history.setdefault(rid, []).append(images[0])

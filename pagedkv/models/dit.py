@@ -139,10 +139,16 @@ class DiT:
     # -- paged: K/V through the pool; the first step writes everything, later ones the target ---
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
                    pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+        return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
+
+    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
+                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+        """``paged_step`` over the forward's rows in order, each with its own image and timestep (rows of
+        several requests at different denoising steps in one forward: step batching)."""
         c = self.config
         meta = batch.metadata
         xs = []
-        for r, (row, image) in zip(meta.rows, zip(rows, images)):
+        for r, (row, image, t) in zip(meta.rows, entries):
             full = torch.cat([self._prefix(row), self._target(image, t)])
             xs.append(full[r.kv_start_pos : r.seq_len])  # only the query positions run
         x = torch.cat(xs)
@@ -154,7 +160,7 @@ class DiT:
 
             x = self._block(x, L, attend)
         qsl = batch.query_start_loc.tolist()
-        return [x[qsl[r + 1] - images[r].shape[0] : qsl[r + 1]] @ self.latent_out.T for r in range(len(rows))]
+        return [x[qsl[r + 1] - entries[r][1].shape[0] : qsl[r + 1]] @ self.latent_out.T for r in range(len(entries))]
 
 
 def euler(images: list[torch.Tensor], preds: list[torch.Tensor], steps: int, cfg_scale: float) -> list[torch.Tensor]:

@@ -1,0 +1,99 @@
+"""Step-level continuous batching of DiT requests (core.scheduler.steps, app.diffusion.DiTStepRunner): every
+request's image after every step equals request mode's (each request alone through DiTRunner), with requests
+arriving at different ticks, CFG and single-row requests mixed, one cancelled mid-way, and a pool small
+enough that some wait; rows of requests at different steps run in one forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.app.diffusion import DiTRunner, DiTStepRunner
+from pagedkv.core import CacheConfig, RequestSpec, admit, initial_state, publish
+from pagedkv.core.scheduler.steps import DiTJob, StepState, cancel, done, submit, tick
+from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.models.dit import DiT, DiTRow
+from pagedkv.shell.attention import get_backend
+from pagedkv.shell.rank import build_rank, plan_rank
+
+IMAGE = 6
+
+
+def requests() -> list[tuple[str, list[DiTRow], list[torch.Tensor], int, int]]:
+    """(id, rows, images, steps, arrival tick): CFG (2 rows) and single-row, some with a reference image."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(6):
+        ref = torch.randn(4, 8, generator=g) if i % 3 == 1 else None
+        text = tuple(int(x) for x in torch.randint(0, 128, (5 + i,), generator=g))
+        rows = [DiTRow(text, ref), DiTRow(text[:2], ref)] if i % 2 == 0 else [DiTRow(text, ref)]
+        img = torch.randn(IMAGE, 8, generator=g)
+        out.append((f"r{i}", rows, [img.clone() for _ in rows], 3 + i % 3, i // 2))
+    return out
+
+
+def cache_config(blocks: int) -> CacheConfig:
+    return CacheConfig(block_size=4, num_blocks=blocks + 1, enable_prefix_caching=True, max_model_len=64)
+
+
+def rank_for(cfg: CacheConfig):  # type: ignore[no-untyped-def]
+    return build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=16,
+                      max_tokens=512)  # fmt: skip
+
+
+def request_mode(rows: list[DiTRow], images: list[torch.Tensor], steps: int, extra: tuple[str, ...]) -> list[torch.Tensor]:
+    cfg = cache_config(40)
+    s = admit(initial_state(cfg), RequestSpec("x", tuple(r.spec(IMAGE) for r in rows), extra)).unwrap().state
+    first = publish(s, ["x"], "prefill").unwrap().effect
+    later = publish(s, ["x"], "denoise").unwrap().effect
+    return DiTRunner(DiT(), rank_for(cfg), get_backend("torch")).run(rows, [i.clone() for i in images], steps, first, later)
+
+
+@pytest.mark.parametrize("blocks", [60, 24])  # 24: the pool holds three or four requests at once, the rest wait
+def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: int) -> None:
+    reqs = requests()
+    want = {rid: request_mode(rows, imgs, steps, rows[0].content_key()) for rid, rows, imgs, steps, _ in reqs}
+    cfg = cache_config(blocks)
+    rank = rank_for(cfg)
+    runner = DiTStepRunner(DiT(), rank, get_backend("torch"))
+    state = StepState.empty(initial_state(cfg))
+    pending = list(reqs)
+    cancelled, waited, mixed = "r3", False, False
+    while pending or state.active or state.waiting:
+        for item in [p for p in pending if p[4] <= state.tick]:
+            rid, rows, imgs, steps, _ = item
+            runner.work[rid] = (rows, [i.clone() for i in imgs], steps)
+            state = submit(state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows),
+                                                         rows[0].content_key()), steps)).unwrap()  # fmt: skip
+            pending.remove(item)
+        if state.tick == 3 and any(rid == cancelled for rid, _, _ in state.active):
+            state = cancel(state, cancelled).unwrap()  # between ticks, mid-way through its steps
+            rank.worker.remove([cancelled])
+        state, plan = tick(state).unwrap()
+        waited |= bool(state.waiting)
+        mixed |= any(len(set(f.step_index)) > 1 for f in plan.forwards)  # rows at different steps, one forward
+        runner.run(plan)
+        state, finished = done(state, plan).unwrap()
+        rank.worker.remove(list(finished))
+        assert check_invariants(state.kv) == []
+    assert mixed and (waited or blocks == 60)
+    for rid, *_ in reqs:
+        got = runner.history[rid]
+        assert (len(got) < len(want[rid])) == (rid == cancelled)
+        for a, b in zip(got, want[rid]):
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5, rid
+    assert state.kv.free_blocks == cfg.usable_blocks  # every block back, the cancelled request's too
+    assert runner.forwards < sum(len(h) for h in runner.history.values())  # batched: fewer forwards than steps
+
+
+def test_submit_checks_the_job() -> None:
+    state = StepState.empty(initial_state(cache_config(20)))
+    rows = [DiTRow((1, 2, 3))]
+    spec = RequestSpec("a", tuple(r.spec(IMAGE) for r in rows))
+    state = submit(state, DiTJob("a", spec, 2)).unwrap()
+    assert submit(state, DiTJob("a", spec, 2)).failure().field == "request"
+    assert submit(state, DiTJob("b", RequestSpec("b", spec.rows), 0)).failure().field == "steps"
+    from pagedkv.core.spec import RowSpec
+
+    assert submit(state, DiTJob("c", RequestSpec("c", (RowSpec(4),)), 2)).failure().field == "rows"
+    assert cancel(state, "zzz").failure().code.value == "UNKNOWN_REQUEST"

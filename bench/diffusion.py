@@ -128,7 +128,7 @@ def step_batching(n: int = 24, steps: int = 8, gap: float = 0.01, blocks: int = 
             continue
         state, plan = tick(state).unwrap()
         step_runner.run(plan)
-        state, finished = done(state, plan).unwrap()
+        state, finished = done(state).unwrap()
         r.worker.remove(list(finished))
         lat += [time.perf_counter() - t0 - arrived[f] for f in finished]
     results["step batching"] = (time.perf_counter() - t0, lat, step_runner.forwards)

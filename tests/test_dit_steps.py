@@ -73,7 +73,7 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
         waited |= bool(state.waiting)
         mixed |= any(len(set(f.step_index)) > 1 for f in plan.forwards)  # rows at different steps, one forward
         runner.run(plan)
-        state, finished = done(state, plan).unwrap()
+        state, finished = done(state).unwrap()
         rank.worker.remove(list(finished))
         assert check_invariants(state.kv) == []
     assert mixed and (waited or blocks == 60)
@@ -97,3 +97,58 @@ def test_submit_checks_the_job() -> None:
 
     assert submit(state, DiTJob("c", RequestSpec("c", (RowSpec(4),)), 2)).failure().field == "rows"
     assert cancel(state, "zzz").failure().code.value == "UNKNOWN_REQUEST"
+    assert cancel(state, "a", "oops").failure().field == "reason"
+    state, _ = tick(state).unwrap()
+    assert tick(state).failure().field == "op"  # a tick before the last one's done
+    assert cancel(state, "a").failure().field == "op"  # a cancel comes between ticks
+    state, _ = done(state).unwrap()
+    failed = cancel(state, "a", "error").unwrap()  # its step failed: released, every block back
+    assert not failed.active and failed.kv.free_blocks == failed.kv.config.usable_blocks
+
+
+def test_a_step_batching_trace_replays_event_for_event() -> None:
+    """The planner's events as a trace (header ``"dit_steps": true``; ops submit, tick, done, cancel), each with
+    what it gave as its expect: replay reproduces every one, invariants hold after each, and a changed
+    expect is reported at its line."""
+    import json
+
+    from pagedkv.core.verify.record import row_json
+    from pagedkv.core.verify.trace import replay
+
+    cfg = cache_config(24)
+    header = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 25, "enable_prefix_caching": True,
+                                             "max_model_len": 64, "dit_steps": True}}  # fmt: skip
+    lines = [header]
+    state = StepState.empty(initial_state(cfg))
+    pending = list(requests())
+    while pending or state.active or state.waiting:
+        for item in [p for p in pending if p[4] <= state.tick]:
+            rid, rows, _, steps, _ = item
+            spec = RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows), rows[0].content_key())
+            state = submit(state, DiTJob(rid, spec, steps)).unwrap()
+            ev = {"op": "submit", "request": rid, "rows": [row_json(r) for r in spec.rows], "steps": steps}
+            if spec.extra_keys:
+                ev["extra_keys"] = list(spec.extra_keys)
+            lines.append(ev)
+            pending.remove(item)
+        if state.tick == 3 and any(rid == "r3" for rid, _, _ in state.active):
+            state = cancel(state, "r3").unwrap()
+            lines.append({"op": "cancel", "request": "r3"})
+        state, plan = tick(state).unwrap()
+        forwards = [[f.phase, list(f.request_ids), list(f.step_index)] for f in plan.forwards]
+        lines.append({"op": "tick", "expect": {"ok": True, "forwards": forwards, "admitted": list(plan.admitted),
+                                               "free_blocks": state.kv.free_blocks}})  # fmt: skip
+        state, finished = done(state).unwrap()
+        lines.append({"op": "done", "expect": {"ok": True, "finished": list(finished)}})
+    lines.append({"op": "tick", "expect": {"ok": True, "forwards": [], "free_blocks": cfg.usable_blocks}})
+    lines.append({"op": "done", "expect": {"ok": True, "finished": []}})
+    lines.append({"op": "schedule", "expect": {"ok": False, "error": {"code": "INVALID"}}})  # not this trace's op
+    text = [json.dumps(x) for x in lines]
+    results = list(replay(text, check=True))
+    assert len(results) == len(lines) - 1
+    assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
+    k = next(i for i, x in enumerate(lines) if x.get("op") == "done" and x["expect"]["finished"])
+    bad = json.loads(text[k])
+    bad["expect"]["finished"] = ["nobody"]
+    text[k] = json.dumps(bad)
+    assert next(r for r in replay(text) if r.divergence).line == k + 1

@@ -15,7 +15,7 @@ from its latent, so a request that does not fit waits instead.
     s = submit(s, DiTJob("img", spec, steps=30)).unwrap()
     s, plan = tick(s).unwrap()          # StepPlan: forwards (phase, request ids, metadata, their step index)
     ... run each forward ...
-    s, finished = done(s, plan).unwrap()
+    s, finished = done(s).unwrap()
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class StepState:
     waiting: tuple[DiTJob, ...]
     active: tuple[tuple[RequestId, int, int], ...]
     tick: int = 0
+    planned: tuple[RequestId, ...] = ()  # the requests the last tick stepped, until its done
 
     @staticmethod
     def empty(kv: KVState) -> StepState:
@@ -85,12 +86,14 @@ def submit(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
     if not job.spec.rows or any(not r.is_diffusion for r in job.spec.rows):
         return Failure(invalid(f"request {shown(rid)}: every row must be a diffusion row (prefix and target)",
                                request=rid, field="rows"))  # fmt: skip
-    return Success(StepState(state.kv, (*state.waiting, job), state.active, state.tick))
+    return Success(StepState(state.kv, (*state.waiting, job), state.active, state.tick, state.planned))
 
 
 def tick(state: StepState) -> Result[tuple[StepState, StepPlan], KVError]:
     """Admit what fits (in order; the first that does not fit stops admission), then plan one step of every
     active request, one forward per segment structure."""
+    if state.planned:
+        return Failure(invalid("tick before the last tick's done: its steps have not been reported", field="op"))
     kv, waiting, active = state.kv, list(state.waiting), list(state.active)
     admitted: list[RequestId] = []
     while waiting:
@@ -120,15 +123,16 @@ def tick(state: StepState) -> Result[tuple[StepState, StepPlan], KVError]:
             return Failure(meta.failure())
         forwards.append(Forward(phase, tuple(r for r, _ in members), tuple(d for _, d in members),
                                 meta.unwrap().effect))  # fmt: skip
-    new = StepState(kv, tuple(waiting), tuple(active), state.tick + 1)
+    new = StepState(kv, tuple(waiting), tuple(active), state.tick + 1,
+                    tuple(rid for f in forwards for rid in f.request_ids))  # fmt: skip
     return Success((new, StepPlan(state.tick, tuple(forwards), tuple(admitted))))
 
 
-def done(state: StepState, plan: StepPlan) -> Result[tuple[StepState, tuple[RequestId, ...]], KVError]:
-    """The plan's forwards ran: each request is one step further (its rows committed after its first step);
-    those whose steps are all done are released and returned."""
+def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KVError]:
+    """The last tick's forwards ran: each request is one step further (its rows committed after its first
+    step); those whose steps are all done are released and returned."""
     kv = state.kv
-    ran = {rid for f in plan.forwards for rid in f.request_ids}
+    ran = set(state.planned)
     active: list[tuple[RequestId, int, int]] = []
     finished: list[RequestId] = []
     for rid, steps, done_ in state.active:
@@ -152,15 +156,31 @@ def done(state: StepState, plan: StepPlan) -> Result[tuple[StepState, tuple[Requ
     return Success((StepState(kv, state.waiting, tuple(active), state.tick), tuple(finished)))
 
 
-def cancel(state: StepState, request_id: RequestId) -> Result[StepState, KVError]:
-    """Drop a waiting request, or release an active one (between ticks); its blocks go back."""
+def digest(state: StepState) -> str:
+    """The state's digest: the core's and the queues' (replay compares it event by event)."""
+    import hashlib
+
+    from pagedkv.core.verify.digest import digest as kv_digest
+
+    queues = (kv_digest(state.kv), [(repr(j.request_id), j.steps) for j in state.waiting],
+              [(repr(r), n, d) for r, n, d in state.active], state.tick, [repr(r) for r in state.planned])  # fmt: skip
+    return hashlib.blake2b(repr(queues).encode(), digest_size=16).hexdigest()
+
+
+def cancel(state: StepState, request_id: RequestId, reason: str = "cancelled") -> Result[StepState, KVError]:
+    """Drop a waiting request, or release an active one (between ticks); its blocks go back. ``reason``
+    ``"error"`` for a request whose step failed (the core then takes back what it cached ahead)."""
+    if reason not in ("cancelled", "error"):
+        return Failure(invalid(f'reason must be "cancelled" or "error", got {shown(reason)}', field="reason"))
+    if state.planned:
+        return Failure(invalid("cancel between a tick and its done: a request cancels between ticks", field="op"))
     if any(j.request_id == request_id for j in state.waiting):
         return Success(StepState(state.kv, tuple(j for j in state.waiting if j.request_id != request_id),
                                  state.active, state.tick))  # fmt: skip
     if not any(rid == request_id for rid, _, _ in state.active):
         return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not submitted",
                                request=request_id))  # fmt: skip
-    rel = release(state.kv, request_id, "cancelled")
+    rel = release(state.kv, request_id, reason)
     if isinstance(rel, Failure):
         return Failure(rel.failure())
     return Success(StepState(rel.unwrap().state, state.waiting,

@@ -22,7 +22,9 @@ from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, s
 from pagedkv.core.state import KVState, initial_state
 from pagedkv.core.verify.digest import digest
 from pagedkv.core.verify.invariants import check_invariants
-from pagedkv.core.verify.trace_ops import EXTRA_FIELDS, OPS, SCHEDULER_OPS, apply_core, apply_scheduler
+from pagedkv.core.scheduler import steps as dit_steps
+from pagedkv.core.verify.trace_ops import EXTRA_FIELDS, OPS, SCHEDULER_OPS, STEP_OPS, apply_core, apply_scheduler
+from pagedkv.core.verify.trace_ops import apply_steps
 
 TRACE_VERSION = 1
 SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "watermark_blocks", "allow_overtaking")
@@ -112,7 +114,9 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
     for lineno, line in it:
         if line.strip():
             cache, sched = parse_trace_header(line)
-            state: KVState | SchedState = initial_state(cache) if sched is None else new_scheduler(cache, sched)
+            state: Any = initial_state(cache) if sched is None else new_scheduler(cache, sched)
+            if json.loads(line)["config"].get("dit_steps") is True:  # DiT step batching (core.scheduler.steps)
+                state = dit_steps.StepState.empty(state if isinstance(state, KVState) else state.kv)
             break
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
@@ -148,11 +152,13 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         i += 1
 
 
-def _kv(state: KVState | SchedState) -> KVState:
-    return state.kv if isinstance(state, SchedState) else state
+def _kv(state: Any) -> KVState:
+    return state.kv if isinstance(state, (SchedState, dit_steps.StepState)) else state
 
 
-def _digest(state: KVState | SchedState) -> str:
+def _digest(state: Any) -> str:
+    if isinstance(state, dit_steps.StepState):
+        return dit_steps.digest(state)
     return sched_digest(state) if isinstance(state, SchedState) else digest(state)
 
 
@@ -174,12 +180,15 @@ def run_line(
         if not isinstance(event["expect"], dict):
             return state, _failed(state, op_out, invalid(f"line {lineno}: \"expect\" must be an object")), None
         expect = event["expect"]
-    ops = SCHEDULER_OPS if isinstance(state, SchedState) else OPS
+    steps = isinstance(state, dit_steps.StepState)
+    ops = STEP_OPS if steps else SCHEDULER_OPS if isinstance(state, SchedState) else OPS
     if op not in ops:
-        other = "a trace with a scheduler" if isinstance(state, SchedState) else "a trace without a scheduler"
+        other = ("a trace of DiT step batching" if steps else "a trace with a scheduler" if isinstance(state, SchedState)
+                 else "a trace without a scheduler")  # fmt: skip
         why = f"line {lineno}: op {shown(op)} is not one of {list(ops)} ({other})"
         return state, _failed(state, op_out, invalid(why)), expect
-    outcome = apply_scheduler(state, op, event) if isinstance(state, SchedState) else apply_core(state, op, event)
+    outcome = (apply_steps(state, op, event) if steps else apply_scheduler(state, op, event)
+               if isinstance(state, SchedState) else apply_core(state, op, event))  # fmt: skip
     if isinstance(outcome, Failure):
         err = outcome.failure()
         err = KVError(err.code, f"line {lineno}: {err.message}", err.request, err.field, err.requested, err.available)

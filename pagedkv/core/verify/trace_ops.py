@@ -23,10 +23,12 @@ from pagedkv.core.state import KVState, request_blocks
 
 OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead")
 SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
+STEP_OPS = ("submit", "tick", "done", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
                 "cache_ahead": ("blocks",),
-                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",)}  # fmt: skip
+                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tick": ("forwards", "admitted"),
+                "done": ("finished",)}  # fmt: skip
 
 
 def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
@@ -172,3 +174,27 @@ def _rows(meta: KVMetadata) -> list[dict[str, Any]]:
         }  # fmt: skip
         for r in meta.rows
     ]
+
+
+def apply_steps(
+    state: Any, op: str, ev: Mapping[str, Any]
+) -> Result[tuple[Any, dict[str, Any], object], KVError]:
+    """One event of a DiT step-batching trace (``core.scheduler.steps``): submit (a diffusion request's
+    rows, as in admit, and its ``steps``), tick (its forwards: phase, requests, each one's step), done (the
+    finished), cancel."""
+    from pagedkv.core.scheduler import steps
+
+    if op == "tick":
+        return steps.tick(state).map(lambda sp: (sp[0], {
+            "forwards": [[f.phase, list(f.request_ids), list(f.step_index)] for f in sp[1].forwards],
+            "admitted": list(sp[1].admitted)}, None))  # fmt: skip
+    if op == "done":
+        return steps.done(state).map(lambda sd: (sd[0], {"finished": list(sd[1])}, None))
+    if "request" not in ev:
+        return Failure(invalid(f'{op} needs a "request" id', field="request"))
+    if op == "cancel":
+        return steps.cancel(state, ev["request"], ev.get("reason", "cancelled")).map(lambda s: (s, {}, None))
+    spec = _admit_spec(ev)
+    if isinstance(spec, KVError):
+        return Failure(spec)
+    return steps.submit(state, steps.DiTJob(ev["request"], spec, ev.get("steps", 1))).map(lambda s: (s, {}, None))

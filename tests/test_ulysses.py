@@ -17,14 +17,14 @@ from pagedkv.models.dit import DiT, DiTConfig, DiTRow
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.rank import build_rank, plan_rank
 
-IMAGE, STEPS = 7, 3  # 7 image tokens: a forward's token count is not a multiple of the world (padding runs)
+IMAGE, STEPS = 6, 3  # first steps of 29 tokens, later steps of 14: neither a multiple of 4, the first not of 2
 CONFIG = DiTConfig(heads=4, kv_heads=2)
 
 
 def _rows() -> tuple[list[DiTRow], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
     ref = torch.randn(3, CONFIG.latent, generator=g)
-    rows = [DiTRow((5, 6, 7, 8, 9, 10, 11), ref), DiTRow((5, 6, 2), ref)]
+    rows = [DiTRow((5, 6, 7, 8, 9, 10, 11), ref), DiTRow((5, 6), ref)]
     img = torch.randn(IMAGE, CONFIG.latent, generator=g)
     return rows, [img.clone(), img.clone()]
 
@@ -80,6 +80,8 @@ def test_ulysses_ranks_equal_one_rank_at_every_step(world: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
         results = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
+    _, first, later = _metadata()
+    assert first.num_query_tokens % 2 and later.num_query_tokens % 4  # padding runs, for 2 and 4 ranks
     for res in results:
         assert len(res["history"]) == STEPS
         assert res["kv_heads"] == max(1, CONFIG.kv_heads // world)  # each rank's pages: its heads only

@@ -17,7 +17,6 @@ import torch
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, KVMetadata, Phase, RowMetadata
 from pagedkv.core.metadata import segments_of, slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend
-from pagedkv.shell.attention.triton import TritonBackend
 from pagedkv.shell.worker import Worker
 
 
@@ -42,7 +41,7 @@ def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]
     q = torch.randn(sum(r.query_len for r in meta_rows), heads, d, generator=g).to(dev, dtype)
     layer = LayerAttention(0, spec, scale=d**-0.5)
     ref = get_backend("torch").forward(q.float(), k_pages.float(), v_pages.float(), batch, layer)
-    tb = TritonBackend() if backend == "triton" else get_backend(backend)
+    tb = get_backend(backend)
     out = tb.forward(q, k_pages, v_pages, batch, layer).float()
     err = ((out - ref).norm() / ref.norm()).item()
     torch.cuda.synchronize()

@@ -146,12 +146,7 @@ class DiT:
         """``paged_step`` over the forward's rows in order, each with its own image and timestep (rows of
         several requests at different denoising steps in one forward: step batching)."""
         c = self.config
-        meta = batch.metadata
-        xs = []
-        for r, (row, image, t) in zip(meta.rows, entries):
-            full = torch.cat([self._prefix(row), self._target(image, t)])
-            xs.append(full[r.kv_start_pos : r.seq_len])  # only the query positions run
-        x = torch.cat(xs)
+        x = self.query_inputs(entries, batch)
         attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
         for i, L in enumerate(self.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
@@ -159,6 +154,19 @@ class DiT:
                 return backend.forward(q, pool.k[i], pool.v[i], batch, attn)
 
             x = self._block(x, L, attend)
+        return self.predictions(x, entries, batch)
+
+    def query_inputs(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch) -> torch.Tensor:
+        """The embeddings of the forward's query positions, rows in order (only the query positions run)."""
+        xs = []
+        for r, (row, image, t) in zip(batch.metadata.rows, entries):
+            full = torch.cat([self._prefix(row), self._target(image, t)])
+            xs.append(full[r.kv_start_pos : r.seq_len])
+        return torch.cat(xs)
+
+    def predictions(self, x: torch.Tensor, entries: list[tuple[DiTRow, torch.Tensor, float]],
+                    batch: ForwardBatch) -> list[torch.Tensor]:  # fmt: skip
+        """Each row's image-token prediction from the last layer's ``x`` (rows in order)."""
         qsl = batch.query_start_loc.tolist()
         return [x[qsl[r + 1] - entries[r][1].shape[0] : qsl[r + 1]] @ self.latent_out.T for r in range(len(entries))]
 

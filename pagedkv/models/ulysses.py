@@ -81,12 +81,8 @@ class UlyssesDiT:
                    pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
         """``DiT.paged_step``, its tokens sharded over the ranks (every rank returns the same predictions)."""
         m, c = self.model, self.model.config
-        meta = batch.metadata
-        xs = []
-        for r, (row, image) in zip(meta.rows, zip(rows, images)):
-            full = torch.cat([m._prefix(row), m._target(image, t)])
-            xs.append(full[r.kv_start_pos : r.seq_len])
-        x = torch.cat(xs)
+        entries = [(row, image, t) for row, image in zip(rows, images)]
+        x = m.query_inputs(entries, batch)
         total = x.shape[0]
         n = -(-total // self.world)
         x = torch.cat([x, x.new_zeros(n * self.world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
@@ -102,9 +98,7 @@ class UlyssesDiT:
             x = m._block(x, L, attend)
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
-        x = torch.cat(parts)[:total]
-        qsl = batch.query_start_loc.tolist()
-        return [x[qsl[r + 1] - images[r].shape[0] : qsl[r + 1]] @ m.latent_out.T for r in range(len(rows))]
+        return m.predictions(torch.cat(parts)[:total], entries, batch)
 
 
 def broadcast(objects: list[Any]) -> list[Any]:

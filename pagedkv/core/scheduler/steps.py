@@ -20,6 +20,7 @@ from its latent, so a request that does not fit waits instead.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from returns.result import Failure, Result, Success
@@ -158,9 +159,7 @@ def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KV
 
 def digest(state: StepState) -> str:
     """The state's digest: the core's and the queues' (replay compares it event by event)."""
-    import hashlib
-
-    from pagedkv.core.verify.digest import digest as kv_digest
+    from pagedkv.core.verify.digest import digest as kv_digest  # (verify imports this module: not at the top)
 
     queues = (kv_digest(state.kv), [(repr(j.request_id), j.steps) for j in state.waiting],
               [(repr(r), n, d) for r, n, d in state.active], state.tick, [repr(r) for r in state.planned])  # fmt: skip

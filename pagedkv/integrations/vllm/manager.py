@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 from returns.result import Failure
@@ -456,17 +457,21 @@ class _Stored:
 
 
 def _waiting(request: Any) -> bool:
-    from vllm.v1.request import RequestStatus
-
-    return request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    status = _vllm_request().RequestStatus
+    return request.status in (status.WAITING, status.PREEMPTED)
 
 
 def _reason(request: Any) -> str:
-    from vllm.v1.request import RequestStatus
-
-    status = request.status
-    if status == RequestStatus.FINISHED_ABORTED:
+    status = _vllm_request().RequestStatus
+    if request.status == status.FINISHED_ABORTED:
         return "cancelled"
-    if RequestStatus.is_finished(status):
+    if status.is_finished(request.status):
         return "finished"
     return "preempted"
+
+
+@cache
+def _vllm_request() -> Any:
+    import vllm.v1.request  # (looked up once: the manager exists only where vLLM does)
+
+    return vllm.v1.request

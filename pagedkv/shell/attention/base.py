@@ -53,7 +53,7 @@ def lowest_visible_key(spec: GroupSpec, position: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class SegmentCall:
-    """One native kernel call: segment ``index`` of every row."""
+    """One native kernel call: segment ``segment`` of every row."""
 
     causal: bool
     token_index: torch.Tensor | None  # positions in q of this call's tokens; None: all, in order
@@ -61,6 +61,7 @@ class SegmentCall:
     kv_lens: torch.Tensor  # (rows,) int32: keys each row's queries may read (seqused_k / cache_seqlens)
     max_seqlen_q: int
     max_seqlen_k: int
+    segment: int = 0  # which segment of the rows (a backend that plans a call a segment keys its plan on it)
 
 
 _LAST: list[Any] = [None, None, None]  # the last forward's (metadata, device, calls): every layer asks again
@@ -97,7 +98,7 @@ def _segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
                                for r, (row, s) in enumerate(zip(rows, segs))]).to(batch.seq_lens.device)  # fmt: skip
         calls.append(SegmentCall(segs[0].causal, index, cu.to(batch.seq_lens.device),
                                  torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
-                                 max(lens), max(kv)))  # fmt: skip
+                                 max(lens), max(kv), k))  # fmt: skip
     return calls
 
 

@@ -27,7 +27,7 @@ import torch
 from pagedkv.core.config import GroupKind
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.metadata import KVMetadata, Phase
-from pagedkv.shell.attention.base import LayerAttention, SegmentCall, segment_calls
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -116,23 +116,18 @@ class FlashInferBackend:
                     self._plan_decode(wrapper, meta, key, block_size)
                     self._planned[key] = meta
             return wrapper.run(q, (k_pages, v_pages))  # type: ignore[no-any-return]
-        calls = segment_calls(batch)
-        out = torch.empty_like(q)
-        for k, call in enumerate(calls):
-            wkey = (k, *key)
+
+        def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
+            wkey = (call.segment, *key)
             wrapper = self._wrappers.get(wkey)
             if wrapper is None:
                 wrapper = self._wrappers[wkey] = self.fi.BatchPrefillWithPagedKVCacheWrapper(self._ws(q.device), "NHD")
             if self._planned.get(wkey) is not meta:
-                self._plan_prefill(wrapper, meta, k, call, key, block_size)
+                self._plan_prefill(wrapper, meta, call, key, block_size)
                 self._planned[wkey] = meta
-            part = q if call.token_index is None else q.index_select(0, call.token_index)
-            res = wrapper.run(part, (k_pages, v_pages))
-            if call.token_index is None:
-                out = res
-            else:
-                out.index_copy_(0, call.token_index, res)
-        return out
+            return wrapper.run(qp, (k_pages, v_pages))  # type: ignore[no-any-return]
+
+        return run_segments(q, batch, kernel)
 
     def _common(self, key: tuple[Any, ...]) -> dict[str, Any]:
         _, window, scale, softcap, dtype, *_ = key
@@ -147,10 +142,10 @@ class FlashInferBackend:
         wrapper.plan(torch.tensor(indptr, dtype=i32), torch.tensor(indices or [0], dtype=i32)[: len(indices)],
                      torch.tensor(last, dtype=i32), heads, kv_heads, head_dim, block_size, **self._common(key))  # fmt: skip
 
-    def _plan_prefill(self, wrapper: Any, meta: KVMetadata, k: int, call: SegmentCall, key: tuple[Any, ...],
+    def _plan_prefill(self, wrapper: Any, meta: KVMetadata, call: SegmentCall, key: tuple[Any, ...],
                       block_size: int) -> None:  # fmt: skip
         group, window, *_, heads, kv_heads, head_dim = key
-        segs = [row.segments[k] for row in meta.rows]
+        segs = [row.segments[call.segment] for row in meta.rows]
         qo = [0]
         for s in segs:
             qo.append(qo[-1] + s.q_end - s.q_start)

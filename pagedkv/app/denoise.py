@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--seed", type=non_negative_int, default=0, help="prompts, references and latents")
 
 
-def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any], dict[Any, Any]]:
+def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
     import torch
 
     from pagedkv.core.scheduler import SeqRequest, submit
@@ -34,7 +34,6 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
     c = model.config
     g = torch.Generator().manual_seed(args.seed)
     work: dict[Any, tuple[list[Any], list[Any]]] = {}
-    specs: dict[Any, Any] = {}
     for i in range(args.requests):
         ref = torch.randn(rng.randrange(2, 9), c.latent, generator=g) if rng.random() < 0.5 else None
         cond = DiTRow(tuple(rng.randrange(c.vocab) for _ in range(rng.randrange(6, 40))), ref)
@@ -45,15 +44,13 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
         req = SeqRequest(f"img-{i}", rows=tuple(r.spec(args.image_tokens) for r in rows), steps=args.steps,
                          extra_keys=cond.content_key())  # fmt: skip
         s = submit(s, req).unwrap()
-        specs[req.request_id] = req.spec()
-    return s, work, specs
+    return s, work
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedkv.app.diffusion import DiTRunner
-    from pagedkv.core.admission import refusal
     from pagedkv.core.config import InvalidConfig
     from pagedkv.core.scheduler import new_scheduler, on_output, schedule
     from pagedkv.models.dit import DiT
@@ -69,15 +66,15 @@ def run(args: argparse.Namespace) -> int:
         return USAGE_EXIT
     rank = build_rank(plan, cfg, max_rows=4, max_tokens=512)
     runner = DiTRunner(model, rank, get_backend("torch"))
-    s, work, specs = _submit_all(args, model, new_scheduler(cfg))
+    s, work = _submit_all(args, model, new_scheduler(cfg))
     usable = cfg.usable_blocks
     refused: list[Any] = []
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
     while s.requests:
         s, plan_ = schedule(s).unwrap()
+        why = {err.request: err.message for err in plan_.refusals}
         for rid, how in plan_.finished:  # refused for good at admission (too long for the pool, say)
-            why = refusal(s.kv, specs[rid])
-            print(f"{rid:<8} refused: {how}: {why.message if why else '?'}")
+            print(f"{rid:<8} refused: {how}: {why.get(rid, '?')}")
             refused.append(rid)
         for run_ in plan_.diffusion:
             rows, images = work[run_.request_id]

@@ -33,22 +33,18 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
     (1, (((1, 2),), ((3, 4),)), 4)
     """
-    err = refusal(state, spec)
+    err = _shape(state, spec)
     if err is not None:
         return Failure(err)
     cfg = state.config
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
     hit = find_hit(state, spec)
-    if not cfg.state_group_set:
-        held = {b for row in hit.ids for group in row for b in group if b and state.refcount[b] == 0}
-        need = len(cfg.groups) * sum(nb - hit.num_blocks for nb in per_row) + len(held)
-    else:  # a state group's block is fresh or a saved one taken over: one each row, whatever the hit
-        states = cfg.state_group_set
-        held = {b for row in hit.ids for g, group in enumerate(row) if g not in states for b in group
-                if b and state.refcount[b] == 0}  # fmt: skip
-        need = (cfg.paged_groups * sum(nb - hit.num_blocks for nb in per_row) + len(held)
-                + len(states) * len(rows))  # fmt: skip
+    firsts = _firsts(cfg, spec, hit)
+    held, need = _cost(state, spec, hit, firsts)
+    err = _over_limits(state, spec, held)
+    if err is not None:
+        return Failure(err)
     if need > state.num_free:
         return fail(
             ErrorCode.NO_CAPACITY,
@@ -56,7 +52,7 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
             rid, requested=need, available=state.num_free,
         )  # fmt: skip
     txn = Txn(state)
-    slots, blocks = _reserve(txn, spec, per_row, hit)
+    slots, blocks = _reserve(txn, spec, per_row, hit, firsts)
     cached = hit.num_blocks * cfg.block_size
     if cfg.enable_prefix_caching:
         txn.prefix_queries += sum(row.num_tokens for row in rows)
@@ -73,8 +69,10 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
 
 
 def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
-    """Why ``admit`` refuses ``spec`` whatever the pool holds (``INVALID``, ``UNSCHEDULABLE``, a duplicate id),
-    or None: the message an engine shows for a request the scheduler ended at admission.
+    """Why ``admit`` refuses ``spec`` whatever else the pool holds (``INVALID``, ``UNSCHEDULABLE``, a duplicate
+    id), or None. A request is refused for good only when it cannot run alone in the pool: every usable block
+    free, its prefix-cache hit (as the cache holds it now) taken, each group holding what it holds of a row
+    computed from the hit on (a window group only the blocks a query past the hit can see).
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, max_model_len=16))
@@ -83,7 +81,16 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     >>> refusal(s, RequestSpec("b", (RowSpec(12),)*3)).message
     "request 'b' needs 9 blocks; the pool has 8 usable blocks in all"
     """
-    return check_request_spec(spec) or _state_rows(state, spec) or _over_limits(state, spec)
+    err = _shape(state, spec)
+    if err is not None:
+        return err
+    hit = find_hit(state, spec)
+    return _over_limits(state, spec, _cost(state, spec, hit, _firsts(state.config, spec, hit))[0])
+
+
+def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
+    """What is wrong with ``spec`` before any count: its form, and rows a state group cannot serve."""
+    return check_request_spec(spec) or _state_rows(state, spec)
 
 
 def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
@@ -101,8 +108,8 @@ def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
 
 def growing_refusal(state: KVState, spec: RequestSpec, chunk: int) -> KVError | None:
     """``refusal`` for a request whose rows are admitted a chunk at a time (at most ``chunk`` tokens past
-    what is computed): the same checks, but a windowed group holds only its window and a chunk, so the
-    pool must hold the full groups' blocks and those; what a scheduler checks before it admits a prefix.
+    what is computed), judged without a hit: a windowed group holds only its window and a chunk, so the pool
+    must hold the full groups' blocks and those; what a scheduler checks before it admits a prefix.
 
     >>> from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
     >>> groups = (GroupSpec("full"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8))
@@ -110,12 +117,14 @@ def growing_refusal(state: KVState, spec: RequestSpec, chunk: int) -> KVError | 
     >>> refusal(s, RequestSpec("a", (RowSpec(100),))).code.value, growing_refusal(s, RequestSpec("a", (RowSpec(100),)), 8)
     ('UNSCHEDULABLE', None)
     """
-    return check_request_spec(spec) or _state_rows(state, spec) or _over_limits(state, spec, chunk)
+    cfg = state.config
+    return _shape(state, spec) or _over_limits(state, spec, sum(_growing_blocks(cfg, r.num_tokens, chunk)
+                                                                for r in spec.rows))  # fmt: skip
 
 
-def _over_limits(state: KVState, spec: RequestSpec, chunk: int | None = None) -> KVError | None:
-    """Why ``spec`` can never be admitted here (rows, length, the whole pool), or a duplicate id; with
-    ``chunk``, a windowed group counts only the blocks its window and a chunk span (``growing_refusal``)."""
+def _over_limits(state: KVState, spec: RequestSpec, held: int) -> KVError | None:
+    """Why ``spec``, holding ``held`` blocks at most, can never be admitted here (rows, length, the whole
+    pool), or a duplicate id."""
     cfg, rid, rows = state.config, spec.request_id, spec.rows
     limit = cfg.max_rows_per_request
     if limit is not None and len(rows) > limit:
@@ -127,15 +136,43 @@ def _over_limits(state: KVState, spec: RequestSpec, chunk: int | None = None) ->
                 return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
                                f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
                                available=cfg.max_model_len)  # fmt: skip
-    need = sum(cfg.row_blocks(row.num_tokens) if chunk is None else _growing_blocks(cfg, row.num_tokens, chunk)
-               for row in rows)  # fmt: skip
-    if need > cfg.usable_blocks:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {need} blocks; the pool has "
-                       f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=need,
+    if held > cfg.usable_blocks:
+        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {held} blocks; the pool has "
+                       f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=held,
                        available=cfg.usable_blocks)  # fmt: skip
     if rid in state.requests:
         return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already admitted", request=rid)
     return None
+
+
+def _firsts(cfg: Any, spec: RequestSpec, hit: Hit) -> list[list[int]]:
+    """Per row, per group: the first block a query of the row can see, the null block before it. A row's
+    first computed position is past its hit and past KV that arrives from elsewhere (a diffusion row's
+    target is rewritten, so never past its prefix); a full group sees from block 0."""
+    cached = hit.num_blocks * cfg.block_size
+    out = []
+    for row in spec.rows:
+        c = max(cached, row.pending_tokens)
+        c = min(c, row.prefix_len) if row.prefix_len is not None else c
+        out.append([g.first_visible_block(c, cfg.block_size) for g in cfg.groups])
+    return out
+
+
+def _cost(state: KVState, spec: RequestSpec, hit: Hit, firsts: list[list[int]]) -> tuple[int, int]:
+    """What admitting ``spec`` with ``hit`` costs: the blocks it then holds (every group of every row, a hit
+    block shared by rows once) and the blocks it takes from the free queue (fresh ones, and hit blocks no
+    one holds). One count for the permanent refusal, the capacity check and ``_reserve``'s pops."""
+    cfg, refcount = state.config, state.refcount
+    states = cfg.state_group_set
+    fresh = len(states) * len(spec.rows)  # a state group's block: fresh, or a saved one taken over
+    hits: set[int] = set()
+    for row, row_ids, row_firsts in zip(spec.rows, hit.ids, firsts):
+        nb = cfg.blocks_for(row.num_tokens)
+        for g, (ids, first) in enumerate(zip(row_ids, row_firsts)):
+            if g not in states:
+                fresh += nb - max(len(ids), min(first, nb))
+                hits.update(b for b in ids[first:] if b)
+    return fresh + len(hits), fresh + sum(1 for b in hits if refcount[b] == 0)
 
 
 def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
@@ -152,15 +189,13 @@ def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
     return total
 
 
-def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit) -> tuple[list[int], list[Blocks]]:
-    """Take the hit's blocks, then pop each row's fresh ones: the rows' slots and block lists."""
+def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
+             firsts: list[list[int]]) -> tuple[list[int], list[Blocks]]:  # fmt: skip
+    """Take the hit's blocks, then pop each row's fresh ones (a windowed group the null block before
+    ``firsts``): the rows' slots and block lists."""
     cfg = txn.base.config
     cached = hit.num_blocks * cfg.block_size
-    # a row's first computed position: past its hit, and past KV that arrives from elsewhere; a windowed
-    # group holds only the blocks a query from there on can see (the null block before them)
     computed = [max(cached, row.pending_tokens) for row in spec.rows]
-    firsts = [[g.first_visible_block(min(c, row.prefix_len) if row.prefix_len is not None else c, cfg.block_size)
-               for g in cfg.groups] for row, c in zip(spec.rows, computed)]  # fmt: skip
     states = cfg.state_group_set
     for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
         for g, (group_ids, first) in enumerate(zip(row_ids, row_firsts)):

@@ -16,7 +16,6 @@ from typing import Any, TextIO
 import torch
 from returns.result import Failure
 
-from pagedkv.core.admission import refusal
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
@@ -243,16 +242,15 @@ class Engine:
     def _refused(self, plan: StepPlan) -> list[Completion]:
         """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
         done = []
+        why = {err.request: err.message for err in plan.refusals}
         for rid, how in plan.finished:
             live = self.requests[rid]
             comp = live.completion
             ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
             comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
             comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
-            if not ran:  # why: the core's message for the same spec (the scheduler's plan keeps only the code)
-                spec = SeqRequest(rid, tuple(comp.prompt_token_ids), max_tokens=live.params.max_tokens).spec()
-                why = refusal(self.state.kv, spec)
-                comp.error = why.message if why is not None else None
+            if not ran:  # the refusal that ended it, with its numbers
+                comp.error = why.get(rid)
             done.append(comp)
         return done
 

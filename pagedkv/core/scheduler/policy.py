@@ -46,7 +46,7 @@ class _Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
-                 "decode", "prefill", "diffusion", "preempted", "ended", "prefilling", "events")  # fmt: skip
+                 "decode", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
         self.state = state
@@ -64,6 +64,7 @@ class _Draft:
         self.diffusion: list[DiffusionRun] = []
         self.preempted: list[RequestId] = []
         self.ended: list[tuple[RequestId, FinishReason]] = []
+        self.refusals: list[KVError] = []  # why each request this step ended did end
         phases = state.phases
         self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
         self.events: list[KVEvent] = []  # the core's KV events of this step, in order
@@ -83,8 +84,11 @@ class _Draft:
         else:
             self.phases[rid] = phase
 
-    def end(self, rid: RequestId, event: Event, how: FinishReason) -> None:
-        """``rid`` ends in this step (a refusal, an overrun): out of the state, into ``finished``."""
+    def end(self, rid: RequestId, event: Event, why: KVError) -> None:
+        """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,
+        into ``finished`` with the refusal's code."""
+        how = FinishReason(why.code.value)
+        self.refusals.append(why)
         self.move(rid, event)
         self.seqs = self.seqs.delete(rid)
         self.log_edit = self.log_edit or self.log.edit()
@@ -141,7 +145,7 @@ def _decode_one(d: _Draft, rid: RequestId, token: int) -> None:
         if err.code is not ErrorCode.NO_CAPACITY:  # max_model_len reached: it cannot go on
             d.apply(release(d.kv, rid, "error").unwrap())
             d.running.remove(rid)
-            d.end(rid, Event.OVERRUN, FinishReason(err.code.value))
+            d.end(rid, Event.OVERRUN, err)
             return
         victim = d.running[-1]
         d.preempt(victim)
@@ -227,7 +231,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
         never = growing_refusal(d.kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)
         if never is not None:
-            d.end(rid, Event.REFUSE, FinishReason(never.code.value))
+            d.end(rid, Event.REFUSE, never)
             return "done"
         hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
         total = len(req.prompt) + len(output)
@@ -240,7 +244,7 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:
             return "skip" if cfg.allow_overtaking else "stop"
-        d.end(rid, Event.REFUSE, FinishReason(err.code.value))
+        d.end(rid, Event.REFUSE, err)
         return "done"
     step = admitted.unwrap()
     if step.state.free_blocks < cfg.watermark_blocks and (d.running or not nothing_yet):
@@ -294,7 +298,7 @@ def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
         chunks.append(Prefilled(rid, q, target, target == total))
     samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples)
     plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
-                    tuple(d.ended), tuple(metadata), samples)  # fmt: skip
+                    tuple(d.ended), tuple(metadata), samples, tuple(d.refusals))  # fmt: skip
     log = d.log if d.log_edit is None else d.log_edit.persistent()
     new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.phases.finish(), d.seqs, log, d.finished,
                      tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,

@@ -11,7 +11,7 @@ from immutables import Map
 from pyrsistent import PDeque, pdeque
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
-from pagedkv.core.errors import RequestId, is_int, shown
+from pagedkv.core.errors import KVError, RequestId, is_int, shown
 from pagedkv.core.events import KVEvent
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.scheduler.lifecycle import FinishReason, Phase
@@ -95,6 +95,7 @@ class StepPlan:
     finished: tuple[tuple[RequestId, FinishReason], ...]  # ended by schedule itself (a permanent refusal)
     metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows'
     samples: tuple[RequestId, ...] = ()  # requests whose forward yields a token: on_output wants it
+    refusals: tuple[KVError, ...] = ()  # why each of ``finished`` ended: the refusal that happened, its numbers
 
     @property
     def num_tokens(self) -> int:

@@ -284,3 +284,33 @@ def test_destination_reservations_are_explored_and_the_window_bug_is_caught(
     assert '"pending_tokens"' in path.read_text()
     assert main(["replay", "--check", str(path)]) == 1
     capsys.readouterr()
+
+
+# -- admissions judged: a window group counted whole (issue 28) ------------------------------------------------
+
+LONG = CheckConfig(usable_blocks=5, requests=1, max_model_len=6, long_prompts=True)  # 2,510 states
+
+
+def test_long_prompts_with_hits_below_the_window_are_exhaustive_without_a_violation() -> None:
+    result = check(LONG)
+    assert result.violation == [] and result.exhaustive and result.states == 2510
+
+
+def test_the_checker_catches_a_planted_window_over_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The old rule: every group of a row counted for all its blocks, so a request whose hit leaves its window
+    group holding two blocks was refused for good (inside vLLM: ManagerError from Scheduler.schedule)."""
+    original = admission._cost
+
+    def whole_rows(state: KVState, spec: Any, hit: Any, firsts: Any) -> tuple[int, int]:
+        return sum(state.config.row_blocks(r.num_tokens) for r in spec.rows), original(state, spec, hit, firsts)[1]
+
+    monkeypatch.setattr(admission, "_cost", whole_rows)
+    assert check(SMALL).violation == []  # no hit there leaves a window block null: this is why LONG exists
+    result = check(LONG)
+    assert result.violation == ["admit 'A' refused for good, though alone it holds 5 of 5 usable blocks"]
+    path = tmp_path / "counterexample.jsonl"
+    path.write_text("\n".join(result.trace) + "\n")
+    assert main(["replay", "--check", str(path)]) == 1
+    assert f"line {len(result.trace)} " in capsys.readouterr().err
+

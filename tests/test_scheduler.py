@@ -6,7 +6,9 @@ import hashlib
 
 from returns.result import Failure
 
-from pagedkv.core import CacheConfig, RowSpec, digest
+import pytest
+
+from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RowSpec, digest
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.scheduler import (
     SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit,
@@ -101,6 +103,38 @@ def test_unschedulable_ends_the_request_with_that_code() -> None:
     s, plan = schedule(s).unwrap()
     assert plan.finished == (("huge", "UNSCHEDULABLE"),) and plan.prefill == (("ok", 2),)
     assert s.finished["huge"] == "UNSCHEDULABLE"
+    assert [e.message for e in plan.refusals] == ["request 'huge' needs 20 blocks; the pool has 3 usable blocks in all"]
+
+
+WINDOWS = (GroupSpec("full"), GroupSpec("w1", GroupKind.SLIDING_WINDOW, window=4),
+           GroupSpec("w2", GroupKind.SLIDING_WINDOW, window=4))  # fmt: skip
+
+
+@pytest.mark.parametrize("usable", range(15, 24))
+@pytest.mark.parametrize("second_at", [3, 30])  # while the first prefills, and after it finished
+def test_a_prompt_that_hits_its_own_cached_prefix_under_windows_is_served(usable: int, second_at: int) -> None:
+    """Issue 28: a 36-token prompt's second copy hits 32 tokens; its window groups then hold two blocks each,
+    not nine. The old admission counted every group whole (9 x 3 = 27 blocks) and refused it for good at every
+    pool size from 16 blocks up, though it runs alone in each."""
+    s = new_scheduler(CacheConfig(block_size=4, num_blocks=usable + 1, groups=WINDOWS, enable_prefix_caching=True),
+                      SchedulerConfig(max_num_batched_tokens=4, grow_prefill=True))  # fmt: skip
+    prompt = tuple(range(1, 37))
+    s = submit(s, SeqRequest("a", prompt, max_tokens=2)).unwrap()
+    hits = {}
+    for step in range(300):
+        if step == second_at:
+            s = submit(s, SeqRequest("b", prompt, max_tokens=2)).unwrap()
+        s, plan = schedule(s).unwrap()
+        assert plan.finished == (), plan.refusals
+        for meta in plan.metadata:
+            hits.update((r.request_id, r.kv_start_pos) for r in meta.rows if r.request_id not in hits)
+        s, _ = on_output(s, {r: 7 for r in plan.samples}).unwrap()
+        assert check_invariants(s.kv) == []
+        if step > second_at and not s.requests:
+            break
+    assert dict(s.finished) == {"a": "finished", "b": "finished"}
+    if second_at == 30 and usable > 15:  # (at 15 blocks the first's own window blocks are reused as it runs)
+        assert hits["b"] == 32  # it ran on its own cached prefix
 
 
 def test_diffusion_runs_at_request_level_with_its_phases() -> None:

@@ -25,7 +25,7 @@ from pagedkv.core import (
     admit, append_decode, append_many, cache_ahead, commit, digest, initial_state, release, request_blocks, reset,
     reset_prefix_cache,
 )  # fmt: skip
-from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from tests.sm_decode_rules import IDS, DecodeRules
 from tests.test_state_machine import check_history
 
@@ -121,8 +121,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                 rows.append(RowSpec.of_tokens(toks, prefix_len=len(toks) - t, target_len=t))
             else:
                 rows.append(RowSpec.of_tokens(toks))
-        result = admit(self.state, RequestSpec(rid, tuple(rows), extra))
+        spec = RequestSpec(rid, tuple(rows), extra)
+        result = admit(self.state, spec)
         event(f"admit {'ok' if isinstance(result, Success) else result.failure().code.value}")
+        ok = isinstance(result, Success)  # judged by the admission count written apart from admission's own
+        assert admission_violations(self.state, spec, result.unwrap().state if ok else None,
+                                    None if ok else result.failure().code.value) == []  # fmt: skip
         effect = self.step(result)
         if effect is None:
             return

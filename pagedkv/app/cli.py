@@ -64,6 +64,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
+    c.add_argument("--long-prompts", action="store_true",
+                   help="also admit a prompt long enough that its prefix hit leaves window positions null")
     c.add_argument("--free-queue", choices=("tail", "vllm"), default="tail",
                    help="where freed blocks go: all to the tail, or (vllm) those without a hash to the head")
     c.add_argument("--caching-point", choices=("commit", "schedule"), default="commit",
@@ -104,6 +106,7 @@ def _check(args: argparse.Namespace) -> int:
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
             free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
             cache_at_schedule=args.caching_point == "schedule", duplicates=args.cache_duplicates,
+            long_prompts=args.long_prompts,
         )  # fmt: skip
         cfg.cache_config()
     except InvalidConfig as e:

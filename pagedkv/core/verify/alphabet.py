@@ -45,6 +45,7 @@ class CheckConfig:
     reset_when_idle: bool = False  # CacheConfig.reset_prefix_cache "when_idle": refused while blocks are held
     cache_at_schedule: bool = False  # CacheConfig.caching_point "schedule", and a cache_ahead event per id
     duplicates: bool = False  # CacheConfig.cache_duplicates: every block that fills with a cached content cached
+    long_prompts: bool = False  # also admit a prompt whose hit leaves window positions null (grown to from a chunk)
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -67,6 +68,7 @@ class Event:
     name: str
     apply: Callable[[KVState], Result[Step[Any], KVError] | None]  # None: cannot apply here (skipped)
     to_json: Callable[[KVState], dict[str, Any] | list[dict[str, Any]]]  # its trace line (or lines) there
+    spec: RequestSpec | None = None  # an admission's spec: its outcome is judged (admission_violations)
 
 
 def default_alphabet(cfg: CheckConfig) -> list[Event]:
@@ -81,6 +83,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         ((RowSpec.of_tokens([1, 1]), RowSpec.of_tokens([1, 2])), ()),  # CFG-like rows
         ((RowSpec.of_tokens([1, 1, 2, 2], prefix_len=2, target_len=2),), ()),  # a diffusion row
     ]
+    if cfg.long_prompts:  # [1, 1, 1] admitted as a chunk grows to it; a later admission hits two blocks of it
+        rows.append(((RowSpec.of_tokens([1, 1, 1, 1, 2]),), ()))
     if cfg.destinations:  # AR -> DiT: the first tokens' KV arrives into reserved blocks, marked ready later
         rows.append(((RowSpec(4, tokens=(1, 1, 2, 2), pending_tokens=3),), ()))
     rows = [r for r in rows if len(r[0]) <= cfg.max_rows]
@@ -89,7 +93,7 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
     for rid in ids:
         for k, (spec_rows, extra) in enumerate(rows):
             spec = RequestSpec(rid, spec_rows, extra)
-            events.append(Event(f"admit {rid} #{k}", _admit(spec), _const(_admit_json(spec))))
+            events.append(Event(f"admit {rid} #{k}", _admit(spec), _const(_admit_json(spec)), spec))
         for tok in (1, 2, None):  # None: a count, the token id unknown
             events.append(Event(f"append {rid} {tok}", _append(rid, tok), _append_json(rid, tok)))
         events.append(Event(f"commit {rid} all", _commit(rid, None), _commit_json(rid, None)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from pagedkv.core.state import KVState, free_queue, initial_state
 from pagedkv.core.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
@@ -116,6 +116,12 @@ def check(
                 if outcome is None:
                     continue
                 result.transitions += 1
+                judged = _judged(ev, state, outcome)
+                if judged and isinstance(outcome, Failure):  # a wrong refusal: the trace to here, then it
+                    result.depth += 1
+                    result.violation = judged
+                    result.trace = _trace(cfg, parents, key) + [json.dumps(ev.to_json(state))]
+                    return result
                 if isinstance(outcome, Failure):
                     continue  # a refusal returns no state: the caller keeps the old one
                 step = outcome.unwrap()
@@ -125,7 +131,7 @@ def check(
                     continue
                 parents[k2] = (key, ev.to_json(state))
                 result.states += 1
-                broken = invariants(new)
+                broken = invariants(new) + judged
                 must = takes_generation(step.effect)
                 if must is True and new.generation <= state.generation:
                     broken = broken + [f"{ev.name} changed a block layout without a new generation"]
@@ -148,6 +154,15 @@ def check(
                 progress(result)
     result.exhaustive = True
     return result
+
+
+def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:
+    """An admission's outcome against the admission count (``admission_violations``); other events: []."""
+    if ev.spec is None:
+        return []
+    if isinstance(outcome, Failure):
+        return admission_violations(state, ev.spec, None, outcome.failure().code.value)
+    return admission_violations(state, ev.spec, outcome.unwrap().state, None)
 
 
 def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> list[str]:

@@ -8,8 +8,10 @@ raises on a broken state, so a checker can report it with its trace.
 from __future__ import annotations
 
 from pagedkv.core.config import GroupKind, GroupSpec
-from pagedkv.core.state import KVState
 from pagedkv.core.errors import shown
+from pagedkv.core.prefix import find_hit
+from pagedkv.core.spec import RequestSpec, check_request_spec
+from pagedkv.core.state import KVState
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -148,3 +150,56 @@ def _cache_index(s: KVState, bad: list[str]) -> None:
         bad.append(f"the cache index counts {len(s.cache)} entries but holds {entries}")
     if sum(w != 0 for w in s.cache.where) != entries:
         bad.append("a block carries a hash the cache index lost")
+
+
+def admission_violations(before: KVState, spec: RequestSpec, after: KVState | None, refused: str | None) -> list[str]:
+    """An admission's outcome judged by a count written out here, apart from admission's own: the blocks
+    the request holds alone (every group of every row, from the first position it computes on: its hit or
+    the KV that arrives from elsewhere; a hit block shared by rows once) and those it takes from the free
+    queue. A refusal for good (``UNSCHEDULABLE``) must mean it cannot run alone in the pool; a refusal for
+    capacity, that the free blocks are too few; a success, that it took exactly those blocks.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
+    >>> spec = RequestSpec("a", (RowSpec(12),))
+    >>> admission_violations(s, spec, admit(s, spec).unwrap().state, None)
+    []
+    """
+    if check_request_spec(spec) is not None:
+        return []  # malformed: INVALID, judged by the spec's own checks
+    cfg, rid, bs = before.config, spec.request_id, before.config.block_size
+    hit = find_hit(before, spec)  # (the lookup itself is judged by the cache invariants)
+    cached = hit.num_blocks * bs
+    own, shared = 0, set()
+    for row, ids in zip(spec.rows, hit.ids):
+        start = max(cached, row.pending_tokens)
+        start = min(start, row.prefix_len) if row.prefix_len is not None else start
+        for g, group in enumerate(cfg.groups):
+            if group.kind is GroupKind.MAMBA:
+                own += 1  # its state: fresh, or a saved one taken over
+                continue
+            lowest = _lowest_visible(group, start)
+            for j in range(-(-row.num_tokens // bs)):
+                if (j + 1) * bs - 1 >= lowest:  # a query from ``start`` on sees a position of block j
+                    if j < hit.num_blocks:
+                        shared.add(ids[g][j])
+                    else:
+                        own += 1
+    alone = own + len(shared)
+    taken = own + sum(1 for b in shared if before.refcount[b] == 0)
+    within = ((cfg.max_rows_per_request is None or len(spec.rows) <= cfg.max_rows_per_request)
+              and all(r.num_tokens <= cfg.length_limit for r in spec.rows) and rid not in before.requests)  # fmt: skip
+    who = f"admit {shown(rid)}"
+    if refused == "UNSCHEDULABLE" and within and alone <= cfg.usable_blocks:
+        return [f"{who} refused for good, though alone it holds {alone} of {cfg.usable_blocks} usable blocks"]
+    if refused == "NO_CAPACITY" and within and taken <= before.num_free:
+        return [f"{who} refused for capacity, though it takes {taken} blocks and {before.num_free} are free"]
+    if refused is None and after is not None:
+        req = after.requests.get(rid)
+        if req is None:
+            return [f"{who} succeeded, but the request is not admitted"]
+        held = {b for slot in req.slots for ids in after.rows[slot].blocks for b in ids if b}
+        took = before.num_free - after.num_free
+        if len(held) != alone or took != taken:
+            return [f"{who} holds {len(held)} blocks, {took} from the free queue; the count says {alone} and {taken}"]
+    return []

@@ -21,10 +21,10 @@ from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, sched_digest
 from pagedkv.core.state import KVState, initial_state
 from pagedkv.core.verify.digest import digest
-from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from pagedkv.core.scheduler import steps as dit_steps
 from pagedkv.core.verify.trace_ops import EXTRA_FIELDS, OPS, SCHEDULER_OPS, STEP_OPS, apply_core, apply_scheduler
-from pagedkv.core.verify.trace_ops import apply_steps
+from pagedkv.core.verify.trace_ops import admit_spec, apply_steps
 
 TRACE_VERSION = 1
 SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "watermark_blocks", "allow_overtaking")
@@ -126,6 +126,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
     for lineno, line in it:
         if not line.strip():
             continue
+        before = state
         state, result, expect = run_line(state, line, lineno)
         changed = result.pop("_changed")
         effect = result.pop("_effect", None)
@@ -147,9 +148,19 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
                 violations += (f"a successful {ordered['op']} must take a new generation",)
             elif rule is False and ordered["generation"] != previous_generation:
                 violations += (f"a successful {ordered['op']} took a generation without changing a block layout",)
+        if check and ordered["op"] == "admit" and isinstance(before, KVState):
+            violations += tuple(_judge_admission(before, line, state if ordered["ok"] else None, ordered["error"]))
         previous_generation = _kv(state).generation
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
+
+
+def _judge_admission(before: KVState, line: str, after: KVState | None, error: dict[str, Any] | None) -> list[str]:
+    """``admission_violations`` of an admit line (the model checker's judgement of an admission)."""
+    spec = admit_spec(json.loads(line))
+    if isinstance(spec, KVError):
+        return []
+    return admission_violations(before, spec, after, None if error is None else error["code"])
 
 
 def _kv(state: Any) -> KVState:

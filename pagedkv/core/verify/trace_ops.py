@@ -33,7 +33,7 @@ EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "co
 
 def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
     if op == "admit":
-        spec = _admit_spec(ev)
+        spec = admit_spec(ev)
         if isinstance(spec, KVError):
             return Failure(spec)
         return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
@@ -101,7 +101,7 @@ def apply_scheduler(
     if not isinstance(extra, list) or any(type(k) is not str for k in extra):
         return Failure(invalid('"extra_keys" must be a list of strings', field="extra_keys"))
     if "rows" in ev:
-        spec = _admit_spec(ev)
+        spec = admit_spec(ev)
         if isinstance(spec, KVError):
             return Failure(spec)
         req = SeqRequest(rid, rows=spec.rows, steps=ev.get("steps", 1), extra_keys=tuple(extra))
@@ -123,7 +123,7 @@ def plan_json(plan: StepPlan) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
+def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
     if "request" not in ev:
         return invalid('admit needs a "request" id', field="request")
     rows_raw = ev.get("rows")
@@ -194,7 +194,7 @@ def apply_steps(
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "cancel":
         return steps.cancel(state, ev["request"], ev.get("reason", "cancelled")).map(lambda s: (s, {}, None))
-    spec = _admit_spec(ev)
+    spec = admit_spec(ev)
     if isinstance(spec, KVError):
         return Failure(spec)
     return steps.submit(state, steps.DiTJob(ev["request"], spec, ev.get("steps", 1))).map(lambda s: (s, {}, None))

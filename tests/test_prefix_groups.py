@@ -127,3 +127,10 @@ def test_reset_clears_the_cache_and_keeps_generations() -> None:
     step = reset(s).unwrap()
     assert step.effect.events == (AllBlocksCleared(),) and len(step.state.cache) == 0
     assert step.state.generation == s.generation and digest(step.state) != digest(s)
+
+
+def test_every_successful_prefix_cache_reset_says_so_as_vllm_does() -> None:
+    """vLLM's block pool sends AllBlocksCleared on every successful reset, an empty cache's too; a router
+    counting batches over ZMQ sees the same stream from pagedkv (issue 28: 818 batches against 525)."""
+    step = reset_prefix_cache(caching()).unwrap()
+    assert step.effect.dropped == 0 and step.effect.events == (AllBlocksCleared(),)

@@ -179,3 +179,30 @@ def test_replay_draws_a_page_map(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = tmp_path / "map.png"
     assert main(["replay", str(EXAMPLE), "--page-map", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_admit_keys_decide_hits_as_vllm_keys_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Trace contract: ``extra_keys`` (strings or lists), ``content`` and ``first_block_keys`` on admit. A salt
+    keys only block 0, yet the chain carries it: a salted request never hits an unsalted one's blocks; the
+    same salt hits; an image touching only the second block leaves the first shared."""
+    cfg = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 17, "enable_prefix_caching": True}}
+    toks = list(range(1, 11))
+    row = {"rows": [{"tokens": toks}]}
+
+    def admitted(rid: str, **keys: object) -> list[object]:
+        return [{"op": "admit", "request": rid, **row, **keys}, {"op": "commit", "request": rid, "computed": [10]}]
+
+    p = write(tmp_path, [
+        *admitted("plain"),
+        *admitted("salted", first_block_keys=[["cache_salt", "s"]]),
+        *admitted("salted-again", first_block_keys=[["cache_salt", "s"]]),
+        *admitted("lora", extra_keys=[["lora", "a", "/p"]]),
+        *admitted("image", content=[["img", 5, 2]]),
+        {"op": "admit", "request": "bad", **row, "content": [["img", -1, 2]]},
+        {"op": "admit", "request": "bad2", **row, "extra_keys": [{"not": "a key"}]},
+    ], cfg)  # fmt: skip
+    code, rs, _ = run(p, capsys)
+    assert code == 0
+    cached = [r["cached_tokens"] for r in rs if r["op"] == "admit"]
+    assert cached == [[0], [0], [8], [0], [4], None, None]
+    assert [r["error"]["code"] for r in rs[-2:]] == ["INVALID", "INVALID"]

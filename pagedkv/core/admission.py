@@ -16,7 +16,7 @@ from pagedkv.core import pool
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import ErrorCode, KVError, fail, shown
 from pagedkv.core.events import BlockRemoved
-from pagedkv.core.hashing import extra_blob
+from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step, pack_ids
@@ -62,7 +62,8 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     # the decode fast path serves one-row requests that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
     txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
-                                extra_blob(spec.extra_keys, cfg.block_hash))  # fmt: skip
+                                BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys,
+                                             kind=cfg.block_hash))  # fmt: skip
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))

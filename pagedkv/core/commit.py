@@ -203,19 +203,20 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
     new = [record.hashes]
     add = txn.index.add
     events = txn.events
-    extra = req.extra
+    keys = req.keys
+    plain = None if keys.varies else keys.plain  # (most requests: every block hashes the same keys)
     span = _token_span(record, tail, done * bs, full * bs)  # the packed ids of every block to hash
     ids = unpack_ids(span)  # (the events carry them as ints)
     width = bs << 3
     for j in range(done, full):
         i = j - done
-        h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
+        h = hash_packed(parent, span[i * width : (i + 1) * width], keys.at(j, bs) if plain is None else plain)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b))
+                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b, keys.raw(j, bs)))
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))
@@ -241,7 +242,7 @@ def save_states(txn: Txn, req: Request) -> None:
         for g in sorted(states):
             b = record.blocks[g][-1]
             if b and txn.index.add(g, h, b):
-                txn.events.append(BlockStored(h, parent, ids, g, b))
+                txn.events.append(BlockStored(h, parent, ids, g, b, req.keys.raw(j, bs)))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,

@@ -8,6 +8,7 @@ blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -120,12 +121,12 @@ class CacheConfig:
     free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
-    block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; "sha256_cbor": vLLM's (32 bytes)
+    block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; vLLM's: "sha256", "sha256_cbor", "xxhash"...
     cache_duplicates: bool = False  # False: one block per content; True: every block that fills is cached (vLLM)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
-    hash_fn: Callable[[bytes, bytes, bytes], bytes] = field(init=False, repr=False, compare=False)
+    hash_fn: Callable[[bytes, bytes, Any], bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.hash_namespace) is not str:
@@ -162,7 +163,10 @@ class CacheConfig:
             if getattr(self, key) not in allowed or type(getattr(self, key)) is not str:
                 raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
         object.__setattr__(self, "hash_width", HASH_WIDTH[self.block_hash])
-        object.__setattr__(self, "hash_fn", hasher(self.block_hash))
+        try:
+            object.__setattr__(self, "hash_fn", hasher(self.block_hash))
+        except ValueError as e:  # a kind whose package is absent
+            raise InvalidConfig(str(e)) from None
         for key in ("enable_prefix_caching", "cache_duplicates"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")

@@ -155,12 +155,13 @@ def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: b
     if tail is None or len(tail) != bs << 3 or len(hashes) != j * hw:
         return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
     parent = hashes[-hw:] if j else base.cache.root
-    h = base.config.hash_fn(parent, tail, req.extra)
+    keys = req.keys
+    h = base.config.hash_fn(parent, tail, keys.at(j, bs))
     add = txn.index.add
     for g, group_blocks in enumerate(record.blocks):
         b = group_blocks[j]
         if b and add(g, h, b):
-            txn.events.append(BlockStored(h, parent if j else None, unpack_ids(tail), g, b))
+            txn.events.append(BlockStored(h, parent if j else None, unpack_ids(tail), g, b, keys.raw(j, bs)))
     return hashes + h
 
 

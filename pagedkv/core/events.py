@@ -8,7 +8,7 @@ requests, and a named tuple is built in a third of a frozen dataclass's time
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pagedkv.core.hashing import BlockHash
 
@@ -21,6 +21,7 @@ class BlockStored(NamedTuple):
     token_ids: tuple[int, ...]
     group: int
     block_id: int
+    extra_keys: tuple[Any, ...] = ()  # the block's extra keys (hashing.BlockKeys.raw), as vLLM's events carry them
 
 
 class BlockRemoved(NamedTuple):

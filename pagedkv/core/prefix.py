@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.hashing import BlockHash, extra_blob
+from pagedkv.core.hashing import BlockHash, BlockKeys
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState, pack_ids
@@ -88,7 +88,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
     full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
     chains: list[list[BlockHash]] = []
     limit: int | None = None if spec.max_hit is None else spec.max_hit // bs
-    extra = extra_blob(spec.extra_keys, cfg.block_hash)
+    keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash)
     hash_packed = cfg.hash_fn
     width = bs << 3  # bytes of one block's packed ids
     for row in spec.rows:
@@ -100,7 +100,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
         parent = cache.root
         packed = pack_ids(row.tokens[: cap * bs])
         for j in range(cap):
-            h = hash_packed(parent, packed[j * width : (j + 1) * width], extra)
+            h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs))
             if any((g, h) not in cache for g in full):
                 break
             chain.append(h)

@@ -120,7 +120,8 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     Cached blocks nobody holds become plain free blocks where they stand in the
     free queue; held ones stay with their owners but can no longer be hit. The
     requests running now never insert again: their KV may predate the reset.
-    Costs O(sqrt(pool)): the index is replaced by an empty one (whose leaves are shared).
+    Costs O(sqrt(pool)): the index is replaced by an empty one (whose leaves are shared). Its effect carries
+    ``AllBlocksCleared`` every time it succeeds, as vLLM's reset does, whether or not anything was cached.
 
     >>> from pagedkv.core import CacheConfig, initial_state
     >>> reset_prefix_cache(initial_state(CacheConfig(block_size=4, num_blocks=9))).unwrap().effect.dropped
@@ -133,7 +134,8 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     dropped = len(state.cache)
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
     nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)
-    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if dropped else ())))
+    # every successful reset says so, an empty cache's too: vLLM's block pool does, and a router counts on it
+    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),))))
 
 
 def _id_order(rid: RequestId) -> tuple[str, str | int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedkv.core.errors import INT_ID_LIMIT, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id
 from pagedkv.core.errors import shown
+from pagedkv.core.hashing import Content, Key
 
 Span = tuple[int, int]
 
@@ -57,14 +58,20 @@ class RowSpec:
 class RequestSpec:
     """A request to admit: all of its rows get their blocks, or none do.
 
-    ``extra_keys`` carry what else decides the KV content (adapter id, cache
-    salt, content hashes of non-text inputs); prefix-cache hashes include them.
+    ``extra_keys`` carry what else decides the KV content of every block (an
+    adapter); ``content`` the non-text inputs as ``(identifier, offset, length)``
+    spans, keyed into the blocks they touch; ``first_block_keys`` what keys the
+    first block alone (a cache salt: the chain carries it on). Prefix-cache hashes
+    include them, as vLLM's do (``hashing.BlockKeys``). A key is a string, or a
+    tuple of strings, integers, None and such tuples.
     """
 
     request_id: RequestId
     rows: tuple[RowSpec, ...]
-    extra_keys: tuple[str, ...] = ()
+    extra_keys: tuple[Key, ...] = ()
     max_hit: int | None = None  # the prefix-cache hit is at most this many tokens (0: the cache is not read)
+    first_block_keys: tuple[Key, ...] = ()
+    content: tuple[Content, ...] = ()
 
 
 def check_request_spec(spec: object) -> KVError | None:
@@ -83,8 +90,16 @@ def check_request_spec(spec: object) -> KVError | None:
         return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
     if not isinstance(spec.rows, tuple) or not spec.rows:
         return invalid(f"request {shown(rid)} must have at least one row", request=rid, field="rows")
-    if not isinstance(spec.extra_keys, tuple) or any(type(k) is not str for k in spec.extra_keys):
-        return invalid(f"request {shown(rid)}: extra_keys must be strings", request=rid, field="extra_keys")
+    for name in ("extra_keys", "first_block_keys"):
+        keys = getattr(spec, name)
+        if not isinstance(keys, tuple) or not all(type(k) is str or (type(k) is tuple and is_key(k)) for k in keys):
+            return invalid(f"request {shown(rid)}: {name} must be strings or tuples of strings, integers and None",
+                           request=rid, field=name)  # fmt: skip
+    if not isinstance(spec.content, tuple) or not all(
+            type(c) is tuple and len(c) == 3 and type(c[0]) is str and is_int(c[1]) and is_int(c[2]) and c[1] >= 0
+            and c[2] > 0 for c in spec.content):  # fmt: skip
+        return invalid(f"request {shown(rid)}: content must be (identifier, offset >= 0, length > 0) spans",
+                       request=rid, field="content")  # fmt: skip
     if spec.max_hit is not None and (not is_int(spec.max_hit) or spec.max_hit < 0):
         return invalid(f"request {shown(rid)}: max_hit must be a non-negative integer or None, got "
                        f"{shown(spec.max_hit)}", request=rid, field="max_hit")  # fmt: skip
@@ -93,6 +108,15 @@ def check_request_spec(spec: object) -> KVError | None:
         if err is not None:
             return KVError(err.code, err.message, request=rid, field=err.field)
     return None
+
+
+def is_key(key: object, depth: int = 0) -> bool:
+    """A string, an integer below 2**64 in size, None, or a tuple of keys (a few levels deep)."""
+    if key is None or type(key) is str:
+        return True
+    if is_int(key):
+        return -(1 << 64) < key < 1 << 64  # type: ignore[operator]
+    return type(key) is tuple and depth < 4 and all(is_key(k, depth + 1) for k in key)
 
 
 def _check_row(row: object, where: str) -> KVError | None:

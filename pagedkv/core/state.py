@@ -36,7 +36,7 @@ from immutables import Map
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import RequestId
-from pagedkv.core.hashing import BlockHash, root_hash
+from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.spec import Span
 from pagedkv.core.vec import Vec
@@ -68,10 +68,10 @@ class Request:
     request_id: RequestId
     slots: tuple[int, ...]
     layouts: tuple[RowLayout, ...]
-    extra_keys: tuple[str, ...]
+    extra_keys: tuple[Key, ...]
     decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
     cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
-    extra: bytes = b"()"  # extra_keys as they enter block hashes (hashing.extra_blob)
+    keys: BlockKeys = NO_KEYS  # every block's extra keys, encoded for the pool's hash kind (hashing.BlockKeys)
 
 
 @dataclass(frozen=True, slots=True)

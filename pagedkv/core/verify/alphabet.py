@@ -22,7 +22,7 @@ from pagedkv.core.errors import KVError
 from pagedkv.core.growth import append
 from pagedkv.core.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.verify.record import row_json
+from pagedkv.core.verify.record import keys_json, row_json
 from pagedkv.core.state import KVState, Step
 
 
@@ -124,8 +124,7 @@ def _const(obj: dict[str, Any]) -> Callable[[KVState], dict[str, Any]]:
 
 def _admit_json(spec: RequestSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"op": "admit", "request": spec.request_id, "rows": [row_json(r) for r in spec.rows]}
-    if spec.extra_keys:
-        out["extra_keys"] = list(spec.extra_keys)
+    out.update(keys_json(spec))
     if spec.max_hit is not None:
         out["max_hit"] = spec.max_hit
     return out

@@ -50,7 +50,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
             tail = tails[slot]
             known = None if record.ids is None else record.ids + tail if tail else record.ids  # the ids, packed
             rows.append((row_len[slot], computed[slot], layout, tuple(groups), known, record.hashes, record.pending))
-        requests.append((rid, req.extra_keys, req.cache_epoch == epoch, tuple(rows)))
+        requests.append((rid, req.extra_keys, req.keys.first, req.keys.content, req.cache_epoch == epoch, tuple(rows)))
     n = s.config.num_blocks
     if len(rename) < n:  # a broken state may hold ids nobody lists; keep them apart
         for b in range(1, n):

@@ -42,7 +42,8 @@ def canonical(state: KVState) -> tuple[object, ...]:
             for slot, layout in zip(req.slots, req.layouts)
         )
         generation = state.row_generation[req.slots[0]]
-        requests.append((type(rid).__name__, rid, req.extra_keys, generation, req.cache_epoch, rows))
+        keys = req.extra_keys if not req.keys.varies else (req.extra_keys, req.keys.first, req.keys.content)
+        requests.append((type(rid).__name__, rid, keys, generation, req.cache_epoch, rows))
     cache = tuple(sorted((g, h.hex(), b) for (g, h), b in state.cache.items()))
     return (
         "pagedkv-state/1",

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.spec import RowSpec
+from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
 from pagedkv.core.verify.trace import SCHEDULER_KEYS, TRACE_VERSION
 
@@ -45,6 +45,19 @@ def row_json(r: RowSpec) -> dict[str, Any]:
     return row
 
 
+def keys_json(spec: RequestSpec) -> dict[str, Any]:
+    """An admission's extra keys as its trace line carries them (each field only when given)."""
+    out: dict[str, Any] = {}
+    for name in ("extra_keys", "first_block_keys", "content"):
+        if getattr(spec, name):
+            out[name] = _listed(getattr(spec, name))
+    return out
+
+
+def _listed(value: Any) -> Any:
+    return [_listed(v) for v in value] if isinstance(value, tuple) else value
+
+
 def submit_event(req: SeqRequest) -> dict[str, Any]:
     ev: dict[str, Any] = {"op": "submit", "request": req.request_id}
     if req.rows is not None:
@@ -52,7 +65,7 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
     else:
         ev.update(prompt=list(req.prompt), max_tokens=req.max_tokens)
     if req.extra_keys:
-        ev["extra_keys"] = list(req.extra_keys)
+        ev["extra_keys"] = _listed(req.extra_keys)
     return ev
 
 

@@ -129,9 +129,12 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
     rows_raw = ev.get("rows")
     if not isinstance(rows_raw, list) or not rows_raw:
         return invalid('admit needs "rows": a non-empty list of row objects', field="rows")
-    extra = ev.get("extra_keys", [])
-    if not isinstance(extra, list) or any(type(k) is not str for k in extra):
-        return invalid('"extra_keys" must be a list of strings', field="extra_keys")
+    keys = {}
+    for name in ("extra_keys", "first_block_keys", "content"):
+        raw = ev.get(name, [])
+        if not isinstance(raw, list):
+            return invalid(f'"{name}" must be a list', field=name)
+        keys[name] = tuple(_tupled(k) for k in raw)  # (the spec's checks judge what is inside)
     rows = []
     for i, r in enumerate(rows_raw):
         if not isinstance(r, dict):
@@ -150,7 +153,13 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
             prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
             pending_tokens=r.get("pending_tokens", 0),
         ))  # fmt: skip
-    return RequestSpec(ev["request"], tuple(rows), tuple(extra), ev.get("max_hit"))
+    return RequestSpec(ev["request"], tuple(rows), keys["extra_keys"], ev.get("max_hit"),
+                       keys["first_block_keys"], keys["content"])  # fmt: skip
+
+
+def _tupled(value: Any) -> Any:
+    """A key as the core holds it: JSON lists as tuples, all the way down."""
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
 def _admitted(e: Admitted) -> dict[str, Any]:

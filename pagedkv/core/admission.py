@@ -89,6 +89,19 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     return _over_limits(state, spec, _cost(state, spec, hit, _firsts(state.config, spec, hit))[0])
 
 
+def admission_cost(state: KVState, spec: RequestSpec) -> tuple[int, int]:
+    """What ``admit(state, spec)`` would cost, for a well-formed spec: the blocks the request then holds and
+    the blocks it takes from the free queue (the count ``admit`` itself decides by). An engine that keeps
+    blocks back (a watermark) compares the second with what it may spend.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
+    >>> admission_cost(initial_state(CacheConfig(block_size=4, num_blocks=9)), RequestSpec("a", (RowSpec(9),)))
+    (3, 3)
+    """
+    hit = find_hit(state, spec)
+    return _cost(state, spec, hit, _firsts(state.config, spec, hit))
+
+
 def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
     """What is wrong with ``spec`` before any count: its form, and rows a state group cannot serve."""
     return check_request_spec(spec) or _state_rows(state, spec)

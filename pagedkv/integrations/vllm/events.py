@@ -12,8 +12,8 @@ sends it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -40,8 +40,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -58,7 +58,7 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
+    block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
@@ -82,6 +82,26 @@ def int64_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
+class RequestFields(NamedTuple):
+    """What a ``BlockStored`` carries of the request that stored its blocks (vLLM's manager sets them)."""
+
+    lora_id: int | None = None
+    lora_name: str | None = None
+    session_id: str | None = None
+
+
+def event_keys(keys: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A block's extra keys as vLLM's events carry them (its ``to_event_extra_keys``): untagged, a bare LoRA
+    name and a bare salt, an ``(identifier, offset)`` pair for a multimodal input; None for a block without.
+
+    >>> event_keys((("lora", "a", "/p"), ("mm", "img", -1), ("cache_salt", "s")))
+    ('a', ('img', -1), 's')
+    """
+    if not keys:
+        return None
+    return tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+
+
 def _by_group(events: Iterable[KVEvent]) -> list[KVEvent]:
     """Each run of consecutive stores ordered by group (stable): a commit stores block by block across
     groups, vLLM group by group; stores of different groups are independent, so nothing else moves."""
@@ -103,31 +123,39 @@ def _group(ev: CoreStored) -> int:
     return ev.group
 
 
-def to_vllm(events: Iterable[KVEvent], config: CacheConfig,
-            medium: str | None = MEDIUM_GPU) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:  # fmt: skip
+def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None = MEDIUM_GPU, *,
+            request: RequestFields | None = None,
+            external: Callable[[bytes], int | bytes] = int64_hash) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:  # fmt: skip
     """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
-    chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks."""
+    chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks.
+    ``request``: the stores carry its adapter and session and each block's extra keys, as vLLM's manager
+    sends them; ``external``: a hash as the events carry it (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``:
+    the int64 form, or the bytes)."""
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     last: tuple[int, bytes] | None = None  # (group, hash) of the block the last BlockStored ended with
     for ev in _by_group(events):
         if isinstance(ev, CoreStored):
             if out and last == (ev.group, ev.parent_hash) and isinstance(out[-1], BlockStored):
                 prev = out[-1]
-                prev.block_hashes.append(int64_hash(ev.block_hash))
+                prev.block_hashes.append(external(ev.block_hash))
                 prev.token_ids.extend(ev.token_ids)
+                if prev.extra_keys is not None:
+                    prev.extra_keys.append(event_keys(ev.extra_keys))
             else:
                 g = config.groups[ev.group]
+                who = request or RequestFields()
                 out.append(BlockStored(
-                    block_hashes=[int64_hash(ev.block_hash)],
-                    parent_block_hash=None if ev.parent_hash is None else int64_hash(ev.parent_hash),
-                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=None, medium=medium,
-                    lora_name=None, group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind],
-                    kv_cache_spec_sliding_window=g.window))  # fmt: skip
+                    block_hashes=[external(ev.block_hash)],
+                    parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
+                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=who.lora_id, medium=medium,
+                    lora_name=who.lora_name, extra_keys=None if request is None else [event_keys(ev.extra_keys)],
+                    group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind], kv_cache_spec_sliding_window=g.window,
+                    session_id=who.session_id))  # fmt: skip
             last = (ev.group, ev.block_hash)
             continue
         last = None
         if isinstance(ev, CoreRemoved):
-            out.append(BlockRemoved(block_hashes=[int64_hash(ev.block_hash)], medium=medium, group_idx=ev.group))
+            out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=medium, group_idx=ev.group))
         elif isinstance(ev, CoreCleared):
             out.append(AllBlocksCleared())
     return out

@@ -2,14 +2,16 @@
 
 ``PagedKVCacheManager`` answers every call vLLM's v1 ``Scheduler`` makes of its manager on the paths it
 supports (full attention and sliding-window groups of one block size, prefix caching on or off, events,
-stats, the watermark, ``full_sequence_must_fit``), each decision taken by a transition of the core:
+stats, KV cache residency metrics, the watermark, ``full_sequence_must_fit``), each decision taken by a
+transition of the core:
 
 =====================================  ===========================================================
 vLLM's call                            the core
 =====================================  ===========================================================
 ``get_computed_blocks``                ``find_hit`` (read only, as vLLM's lookup)
-``allocate_slots`` (a new request)     ``admit`` of a row holding the hit and the chunk, then
-                                       ``cache_ahead`` through the tokens scheduled
+``allocate_slots`` (a new request)     ``admit`` of a row holding the hit and the chunk (the core's
+                                       ``admission_cost`` against the free blocks, the watermark
+                                       and the reserve), then ``cache_ahead``
 ``allocate_slots`` (a running one)     ``commit`` of what vLLM counts computed (a window's blocks go),
                                        ``append`` of the chunk's ids, ``cache_ahead``; a decode token
                                        joins the step's one ``decode_step`` (applied before anything
@@ -19,34 +21,30 @@ vLLM's call                            the core
 ``take_events``                        the core's events as vLLM's ``BlockStored`` / ``BlockRemoved``
 =====================================  ===========================================================
 
-The core runs with vLLM's block-pool policies (``free_queue="vllm"``, ``reset_prefix_cache="when_idle"``,
-``caching_point="schedule"``) and vLLM's ``sha256_cbor`` block hashes seeded as vLLM seeds them, so block
-ids, hits and events are the ones vLLM's own manager gives (tests/test_vllm_manager.py runs both under
+Every call is all or nothing: its transitions run on a value of the state, which becomes the manager's only
+when the call succeeds; a refusal leaves the manager as it was and answers as vLLM's manager does (None when
+the blocks are short; ``ManagerError`` where vLLM's would have done what the core refused). The core runs
+with vLLM's block-pool policies and the hash kind, seed and extra keys vLLM hashes with, so block ids, hits,
+hashes, events and metrics are the ones vLLM's own manager gives (tests/test_vllm_manager.py runs both under
 vLLM's real scheduler, step by step). Everything else is refused at construction with the reason
-(``Unsupported``): Mamba and other group kinds, KV connectors, speculative decoding, context parallelism,
-a hash block size other than the block size. ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this
-manager installed (``--scheduler-cls pagedkv.integrations.vllm.PagedKVScheduler``).
-
-The ``KVCacheBlock`` objects handed to the scheduler carry block ids only (one per block id, made once);
-reference counts, hashes and the free queue live in the core's state (``manager.state``, a value).
+(``Unsupported``). ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 from returns.result import Failure
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
-from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks
-from pagedkv.core import reset_prefix_cache
-from pagedkv.core.errors import ErrorCode, KVError
+from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks, reset_prefix_cache
+from pagedkv.core.admission import admission_cost
+from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
-from pagedkv.integrations.vllm.events import to_vllm
+from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
+from pagedkv.integrations.vllm.stream import EventStream, Refused, Transaction
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for a cryptographic hash when PYTHONHASHSEED is unset
 
@@ -56,7 +54,8 @@ class Unsupported(ValueError):
 
 
 class ManagerError(RuntimeError):
-    """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it."""
+    """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it; the manager
+    is left as it was before the call."""
 
 
 def _vllm() -> Any:
@@ -69,8 +68,13 @@ def _vllm() -> Any:
 
 
 def hash_seed() -> str:
-    """The seed vLLM derives ``NONE_HASH`` from for ``sha256_cbor``: PYTHONHASHSEED if set, else its default."""
-    return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    """The seed vLLM derived ``NONE_HASH`` from (its ``get_none_hash_seed``: PYTHONHASHSEED if set, a random one
+    for the xxhash kinds, else its default), the root of the core's chains."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+    except ImportError:
+        return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    return str(get_none_hash_seed())
 
 
 class PagedKVCacheManager:
@@ -81,19 +85,18 @@ class PagedKVCacheManager:
                  num_hash_lookahead_tokens: int = 0, num_prefill_lookahead: int = 0, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
                  metrics_collector: Any = None, watermark: float = 0.0,
-                 enable_mamba_shared_prefix_checkpoint: bool = False) -> None:  # fmt: skip
+                 enable_mamba_shared_prefix_checkpoint: bool = False, hash_algo: str = "sha256") -> None:  # fmt: skip
         kvm, utils, full_spec, window_spec = _vllm()
         refused = [why for bad, why in (
             (use_eagle, "EAGLE speculative decoding"),
             (num_hash_lookahead_tokens or num_prefill_lookahead, "lookahead hashing / multi-module MTP prefill"),
             (dcp_world_size != 1 or pcp_world_size != 1, "decode / prefill context parallelism"),
-            (metrics_collector is not None, "KV cache residency metrics (--kv-cache-metrics)"),
             (enable_mamba_shared_prefix_checkpoint, "Mamba checkpoints"),
             (hash_block_size != scheduler_block_size, f"a hash block size ({hash_block_size}) other than the "
                                                       f"block size ({scheduler_block_size})"),
         ) if bad]  # fmt: skip
         groups: list[GroupSpec] = []
-        caps: list[int | None] = []
+        self._caps: list[int | None] = []  # a window group's admission cap (full_sequence_must_fit), vLLM's
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len
         for i, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
@@ -102,15 +105,23 @@ class PagedKVCacheManager:
                                f"block size: {scheduler_block_size})")  # fmt: skip
             if type(spec) is full_spec:
                 groups.append(GroupSpec(f"g{i}"))
-                caps.append(None)
+                self._caps.append(None)
             elif type(spec) is window_spec:
                 groups.append(GroupSpec(f"g{i}", GroupKind.SLIDING_WINDOW, window=spec.sliding_window))
-                caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
-                                                                  max_model_len=max_model_len))  # fmt: skip
+                self._caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
+                                                                        max_model_len=max_model_len))  # fmt: skip
             else:
                 refused.append(f"group {i}'s {type(spec).__name__} (full attention and sliding windows only)")
         if not 0.0 <= watermark < 1.0:
             refused.append(f"watermark {watermark} (must be in [0, 1))")
+        try:
+            self.config = CacheConfig(block_size=scheduler_block_size, num_blocks=kv_cache_config.num_blocks,
+                                      groups=tuple(groups), enable_prefix_caching=enable_caching,
+                                      max_model_len=max_model_len, hash_namespace=hash_seed(), free_queue="vllm",
+                                      reset_prefix_cache="when_idle", caching_point="schedule",
+                                      block_hash=hash_algo, cache_duplicates=True)  # fmt: skip
+        except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
+            refused.append(f"this cache configuration ({e})")
         if refused:
             raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
         self.kv_cache_config = kv_cache_config
@@ -122,34 +133,25 @@ class PagedKVCacheManager:
         self.use_eagle = False
         self.num_kv_cache_groups = len(groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self._caps = caps
+        self.metrics_collector = metrics_collector
         self._windows = [g.window for g in groups]
-        self.config = CacheConfig(block_size=scheduler_block_size, num_blocks=kv_cache_config.num_blocks,
-                                  groups=tuple(groups), enable_prefix_caching=enable_caching,
-                                  max_model_len=max_model_len, hash_namespace=hash_seed(), free_queue="vllm",
-                                  reset_prefix_cache="when_idle", caching_point="schedule",
-                                  block_hash="sha256_cbor", cache_duplicates=True)  # fmt: skip
         self._state: KVState = initial_state(self.config)
+        self._stream = EventStream(self.config, enable_kv_cache_events, caching=enable_caching,
+                                   metrics=metrics_collector, blocks=kv_cache_config.num_blocks)  # fmt: skip
         # decode tokens that go into a request's open block, queued and applied as one decode_step before
         # anything reads the state (they allocate, free and evict nothing, so nothing else sees them first)
         self._len: dict[str, int] = {}  # each request's row length, queued tokens included
         self._fast = all(g.kind is GroupKind.FULL for g in groups)  # windows let blocks go at each commit
         self._queue_ids: list[str] = []
         self._queue_tokens: list[int] = []
-        self._queue_full: list[tuple[str, list[int]]] = []  # (request, [length]) whose token fills its block
-        self._places: list[_Stored] = []  # where each one's events go in the stream
-        self._events: list[Any] = []  # pagedkv.integrations.vllm.events structs, in order
+        self._queue_full: list[tuple[Any, int]] = []  # (request, length) whose token fills its block
         self._blocks_cls = kvm.KVCacheBlocks
-        self._block = [utils.KVCacheBlock(i) for i in range(kv_cache_config.num_blocks)]
-        self._block[0].is_null = True
+        self._block = self._stream.blocks
         self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in groups))
         from vllm.v1.metrics.stats import PrefixCacheStats
 
         self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        from vllm.distributed import kv_events
-
-        self._vllm_events = kv_events
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
 
@@ -185,16 +187,19 @@ class PagedKVCacheManager:
 
     # -- lookup and allocation -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
-        """The longest prefix hit (whole blocks, at most ``num_tokens - 1`` tokens): its blocks and tokens."""
+        """The longest prefix hit (whole blocks, at most ``num_tokens - 1`` tokens): its blocks and tokens; with
+        ``kv_cache_report_mode="full"`` the hit's blocks are announced again (``BlockStored``), as vLLM does."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         cap = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         if cap < self.block_size:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = find_hit(self.state, RequestSpec(request.request_id, (RowSpec.of_tokens(request.all_token_ids),),
-                                               self._extra(request), max_hit=cap))  # fmt: skip
+        spec = self._spec(request, request.all_token_ids, cap)
+        hit = find_hit(self.state, spec)
         if not hit.num_blocks:
             return self.empty_kv_cache_blocks, 0, 0
+        if self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            self._stream.announce(hit, spec, event_fields(request))
         block = self._block
         return self._blocks_cls(tuple([block[b] for b in ids] for ids in hit.ids[0])), hit.num_blocks * self.block_size, 0
 
@@ -203,8 +208,8 @@ class PagedKVCacheManager:
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
                        has_scheduled_reqs: bool = True, skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:  # fmt: skip
-        """Slots for ``num_new_tokens`` more tokens (after the hit, for a new request); the new blocks, or
-        None when the pool cannot hold them (nothing then changes but a window's blocks let go)."""
+        """Slots for ``num_new_tokens`` more tokens (after the hit, for a new request): the new blocks, or None
+        when the pool cannot hold them (nothing then changes but a window's blocks let go, as in vLLM)."""
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
         if num_lookahead_tokens or num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
@@ -213,81 +218,77 @@ class PagedKVCacheManager:
         rid = request.request_id
         n = self._len.get(rid)
         if (n is not None and self._fast and num_new_tokens == 1 and not num_new_computed_tokens
-                and request.num_computed_tokens == n and n < self.max_model_len):  # fmt: skip
-            # a decode: its row committed through n, its token appended, in the step's one decode batch
+                and request.num_computed_tokens == n and n < self.max_model_len and n % self.block_size):  # fmt: skip
             token = request.all_token_ids[n]
-            fills = (n + 1) % self.block_size == 0 and self.enable_caching  # vLLM caches the block it fills now
-            if n % self.block_size:  # into the open block: nothing taken or freed, nothing anyone sees yet
-                self._queue_ids.append(rid)
-                self._queue_tokens.append(token)
-                self._len[rid] = n + 1
-                if fills:
-                    place = _Stored()  # its events' place in the stream, filled in when the batch is applied
-                    self._events.append(place)
-                    self._queue_full.append((rid, [n + 1]))
-                    self._places.append(place)
+            if type(token) is int and 0 <= token < TOKEN_ID_LIMIT:  # (what decode_step accepts: it cannot refuse)
+                self._queue(request, n, token)  # into the open block: nothing taken or freed, nothing seen yet
                 return self.empty_kv_cache_blocks
-            if self._state.num_free - reserved_blocks < self.num_kv_cache_groups:
-                return None  # (queued tokens take no block: the free count is the state's)
-            # a block taken now, apart from the queued ones (they neither take nor free a block)
-            self._apply(decode_step(self._state, [rid], [token]), "decode")
-            self._len[rid] = n + 1
-            if fills:  # (a block of one token)
-                self._apply(cache_ahead(self._state, rid, [n + 1]), "cache_ahead")
-            block = self._block
-            return self._blocks_cls(tuple([block[ids[-1]]] for ids in request_blocks(self._state, rid)[0]))
-        state = self.state
-        req = state.requests.get(rid)
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        total = min(computed, self.max_model_len)
-        need_slot = min(total + num_new_tokens, self.max_model_len)
-        cache_through = min(total + num_new_tokens, request.num_tokens)
-        if req is None:  # a new (or resumed) request: admitted with its hit
-            watermark = self.watermark_blocks if has_scheduled_reqs and _waiting(request) else 0
-            hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ((),) * len(self._caps)
-            if full_sequence_must_fit:
-                full = min(request.num_tokens, self.max_model_len)
-                if self._blocks_to_admit(full, total, hit_ids, capped=True) + watermark > state.num_free:
-                    return None
-            if self._blocks_to_admit(need_slot, total, hit_ids, capped=False) + watermark > state.num_free - reserved_blocks:
-                return None
-            spec = RequestSpec(rid, (RowSpec.of_tokens(request.all_token_ids[:need_slot]),), self._extra(request),
-                               max_hit=num_new_computed_tokens if self.prefix_cache_lookup_enabled(request) else 0)
-            step = self._apply(admit(state, spec), "admit")
-            if step.effect.cached_tokens[0] != num_new_computed_tokens:
-                raise ManagerError(f"request {rid!r}: the core's hit is {step.effect.cached_tokens[0]} tokens, the "
-                                   f"scheduler's {num_new_computed_tokens}")  # fmt: skip
-            before: Sequence[Sequence[int]] = hit_ids
-        else:
-            slot = req.slots[0]
-            if computed > state.row_computed[slot]:  # what vLLM counts computed: a window lets its blocks go
-                state = self._apply(commit(state, rid, [computed]), "commit").state
-            before = request_blocks(state, rid)[0]
-            need = sum(max(-(-need_slot // self.block_size) - len(ids), 0) for ids in before)
-            if need > state.num_free - reserved_blocks:  # (counting what the window let go)
-                return None
-            length = state.row_len[slot]
-            if need_slot > length:
-                state = self._apply(append(state, rid, [request.all_token_ids[length:need_slot]]), "append").state
-        state = self._state
-        slot = state.requests[rid].slots[0]
-        self._len[rid] = state.row_len[slot]
-        if self.enable_caching and cache_through > state.row_computed[slot]:
-            self._apply(cache_ahead(state, rid, [cache_through]), "cache_ahead")
-        after = request_blocks(self._state, rid)[0]
-        block = self._block
-        new = tuple([block[b] for b in ids[len(old):]] for ids, old in zip(after, before))
+        txn = Transaction(self.state)
+        try:
+            new = self._allocate(txn, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                 full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)  # fmt: skip
+        except Refused as r:
+            raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+        self._state = self._stream.keep(txn, request)
+        if new is None:
+            return None
+        self._len[rid] = self._state.row_len[self._state.requests[rid].slots[0]]
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
 
-    def _blocks_to_admit(self, num_tokens: int, computed: int, hit_ids: Sequence[Sequence[int]], capped: bool) -> int:
-        """vLLM's count of the blocks a new request takes for ``num_tokens`` slots with its hit: fresh blocks
-        past the hit (a window's admission capped, where ``capped``) and each hit block no one holds."""
-        bs, refcount = self.block_size, self.state.refcount
+    def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+                  new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
+                  has_scheduled_reqs: bool) -> tuple[list[Any], ...] | None:  # fmt: skip
+        """``allocate_slots``' transitions on ``txn``: the new blocks per group, or None when they do not fit."""
+        rid = request.request_id
+        req = txn.state.requests.get(rid)
+        computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        need_slot = min(computed + num_new_tokens, self.max_model_len)
+        if req is None:  # a new (or resumed) request: admitted with its hit
+            watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
+            lookup = self.prefix_cache_lookup_enabled(request)
+            spec = self._spec(request, request.all_token_ids[:need_slot], num_new_computed_tokens if lookup else 0)
+            if full_sequence_must_fit:
+                full = min(request.num_tokens, self.max_model_len)
+                hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
+                if self._capped_need(full, computed, hit_ids) + watermark > txn.state.num_free:
+                    return None
+            if admission_cost(txn.state, spec)[1] + watermark > txn.state.num_free - reserved_blocks:
+                return None
+            step = txn.apply(admit(txn.state, spec), "admit")
+            if step.effect.cached_tokens[0] != num_new_computed_tokens:
+                raise Refused("admit", KVError(ErrorCode.INVALID, f"request {rid!r}: the core's hit is "
+                              f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}"))
+            before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
+                                                        for ids in step.effect.blocks[0])  # fmt: skip
+            txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
+        else:
+            slot = req.slots[0]
+            if computed > txn.state.row_computed[slot]:  # what vLLM counts computed: a window lets its blocks go
+                txn.apply(commit(txn.state, rid, [computed]), "commit")
+            before = request_blocks(txn.state, rid)[0]
+            need = sum(max(-(-need_slot // self.block_size) - len(ids), 0) for ids in before)
+            if need > txn.state.num_free - reserved_blocks:  # (counting what the window let go)
+                return None
+            length = txn.state.row_len[slot]
+            if need_slot > length:
+                txn.apply(append(txn.state, rid, [request.all_token_ids[length:need_slot]]), "append")
+        slot = txn.state.requests[rid].slots[0]
+        through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
+        if self.enable_caching and through > txn.state.row_computed[slot]:
+            txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
+        block = self._block
+        new = [[b for b in ids[len(old):] if b] for ids, old in zip(request_blocks(txn.state, rid)[0], before)]
+        txn.allocated = [b for ids in new for b in ids]  # popped from the free queue, group by group
+        return tuple([block[b] for b in ids] for ids in new)
+
+    def _capped_need(self, num_tokens: int, computed: int, hit_ids: Any) -> int:
+        """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
+        group's capped at its admission cap (its ``max_admission_blocks_per_request``), each hit block no one
+        holds counted."""
+        bs, refcount = self.block_size, self._state.refcount
         total = 0
-        for ids, window, cap in zip(hit_ids, self._windows, self._caps):
-            required = -(-num_tokens // bs)
-            if capped and cap is not None:
-                required = min(required, cap)
+        for ids, window, cap in zip(hit_ids or ((),) * len(self._caps), self._windows, self._caps):
+            required = -(-num_tokens // bs) if cap is None else min(-(-num_tokens // bs), cap)
             skipped = max(0, computed - window + 1) // bs if window else 0
             total += max(required - max(skipped, len(ids)), 0)
             total += sum(1 for b in ids[skipped:] if b and refcount[b] == 0)
@@ -300,16 +301,28 @@ class PagedKVCacheManager:
         if req is None:
             return
         slot = req.slots[0]
-        through = min(num_computed_tokens, self.state.row_len[slot])
-        if through > self.state.row_computed[slot]:
-            self._apply(cache_ahead(self.state, request.request_id, [through]), "cache_ahead")
+        through = min(num_computed_tokens, self._state.row_len[slot])
+        if through > self._state.row_computed[slot]:
+            txn = Transaction(self._state)
+            try:
+                txn.apply(cache_ahead(self._state, request.request_id, [through]), "cache_ahead")
+            except Refused as r:
+                raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
+            self._state = self._stream.keep(txn, request)
 
     def free(self, request: Any) -> None:
         """The request's blocks go back (tail first, group by group), its cached blocks stay cached."""
-        if request.request_id not in self.state.requests:
+        rid = request.request_id
+        if rid not in self.state.requests:
+            self._len.pop(rid, None)
             return
-        del self._len[request.request_id]
-        self._apply(release(self._state, request.request_id, _reason(request)), "release")
+        txn = Transaction(self._state)
+        try:
+            txn.apply(release(self._state, rid, release_reason(request)), "release")
+        except Refused as r:
+            raise ManagerError(f"the core refused release: {r.error.message}") from None
+        self._state = self._stream.keep(txn, request)
+        self._len.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
         result = reset_prefix_cache(self.state)
@@ -318,7 +331,10 @@ class PagedKVCacheManager:
             if err.code is ErrorCode.BLOCKS_IN_USE:
                 return False
             raise ManagerError(f"reset_prefix_cache: {err.code.value}: {err.message}")
-        self._take(result.unwrap())
+        txn = Transaction(self._state)
+        txn.apply(result, "reset_prefix_cache")
+        self._state = self._stream.keep(txn, None)
+        self._stream.reset_metrics()
         if self.log_stats:
             assert self.prefix_cache_stats is not None
             self.prefix_cache_stats.reset = True
@@ -357,23 +373,7 @@ class PagedKVCacheManager:
         """The KV events since the last call, as vLLM's own event objects (as its block pool sends them)."""
         if self._queue_ids:
             self._flush()
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        ev = self._vllm_events
-        out = []
-        for e in [x for e in events for x in (e.events if isinstance(e, _Stored) else (e,))]:
-            if type(e).__name__ == "BlockStored":
-                out.append(ev.BlockStored(block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
-                                          token_ids=e.token_ids, block_size=e.block_size, lora_id=None,
-                                          medium=e.medium, lora_name=None, extra_keys=[None] * len(e.block_hashes),
-                                          group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind,
-                                          kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window))  # fmt: skip
-            elif type(e).__name__ == "BlockRemoved":
-                out.append(ev.BlockRemoved(block_hashes=e.block_hashes, medium=e.medium, group_idx=e.group_idx))
-            else:
-                out.append(ev.AllBlocksCleared())
-        return out
+        return self._stream.take()
 
     # -- hooks of features refused at construction: nothing to do, or never reached --------------------------
     def new_step_starts(self) -> None:
@@ -397,81 +397,35 @@ class PagedKVCacheManager:
         raise AttributeError(name)
 
     # -- the core's steps ------------------------------------------------------------------------------------
-    def _apply(self, result: Any, what: str) -> Any:
-        if isinstance(result, Failure):
-            err: KVError = result.failure()
-            raise ManagerError(f"the core refused {what}: {err.code.value}: {err.message}")
-        step = result.unwrap()
-        self._take(step)
-        return step
+    def _queue(self, request: Any, n: int, token: int) -> None:
+        """A decode token into the request's open block, for the step's one ``decode_step``; a token that fills
+        the block has it cached with the batch, as vLLM caches it when it allocates."""
+        self._queue_ids.append(request.request_id)
+        self._queue_tokens.append(token)
+        self._len[request.request_id] = n + 1
+        if (n + 1) % self.block_size == 0 and self.enable_caching:
+            self._queue_full.append((request, n + 1))
+            self._stream.hold_place(request.request_id)
 
     def _flush(self) -> None:
         """The queued decode tokens as one transition (each row committed through its length, its token
-        appended), then the blocks they filled cached, as vLLM caches them when it allocates."""
-        self._apply(decode_step(self._state, self._queue_ids, self._queue_tokens), "the decode batch")
-        if self._queue_full:
-            result = cache_ahead_many(self._state, self._queue_full)
-            if isinstance(result, Failure):
-                raise ManagerError(f"the core refused cache_ahead: {result.failure().message}")
-            step = result.unwrap()
-            self._state = step.state
-            for place, effect in zip(self._places, step.effect):
-                place.events = to_vllm(effect.events, self.config) if self.enable_kv_cache_events else []
-            self._places.clear()
+        appended), then the blocks they filled cached, each request's events in its place in the stream."""
+        txn = Transaction(self._state)
+        try:
+            txn.apply(decode_step(self._state, self._queue_ids, self._queue_tokens), "the decode batch")
+            if self._queue_full:
+                txn.apply(cache_ahead_many(txn.state, [(r.request_id, [n]) for r, n in self._queue_full]), "cache_ahead")
+        except Refused as r:  # (each token was checked when queued: a bug, and nothing is lost by raising)
+            raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
+        self._state = self._stream.keep_queued(txn, [request for request, _ in self._queue_full])
         self._queue_ids.clear()
         self._queue_tokens.clear()
         self._queue_full.clear()
 
-    def _take(self, step: Any) -> None:
-        self._state = step.state
-        if self.enable_kv_cache_events:  # one request's stores group by group, as vLLM's pool sends them
-            if isinstance(step.effect, tuple):  # a batch: each request's apart
-                for effect in step.effect:
-                    if effect.events:
-                        self._events.extend(to_vllm(effect.events, self.config))
-            elif step.effect.events:
-                self._events.extend(to_vllm(step.effect.events, self.config))
-
-    @staticmethod
-    def _extra(request: Any) -> tuple[str, ...]:
-        """What else decides a block's content: the LoRA adapter and the cache salt (multimodal inputs and
-        prompt embeddings are refused)."""
-        if request.mm_features or request.prompt_embeds is not None:
-            raise Unsupported(f"request {request.request_id!r}: multimodal inputs and prompt embeddings are not "
-                              "served by pagedkv's KV cache manager")  # fmt: skip
-        keys = []
-        if request.lora_request:
-            keys.append(f"lora:{request.lora_request.lora_name}:{request.lora_request.lora_path}")
-        if request.cache_salt:
-            keys.append(f"cache_salt:{request.cache_salt}")
-        return tuple(keys)
-
-
-class _Stored:
-    """The place in the event stream of a queued decode token's filled block (its BlockStored)."""
-
-    __slots__ = ("events",)
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-
-def _waiting(request: Any) -> bool:
-    status = _vllm_request().RequestStatus
-    return request.status in (status.WAITING, status.PREEMPTED)
-
-
-def _reason(request: Any) -> str:
-    status = _vllm_request().RequestStatus
-    if request.status == status.FINISHED_ABORTED:
-        return "cancelled"
-    if status.is_finished(request.status):
-        return "finished"
-    return "preempted"
-
-
-@cache
-def _vllm_request() -> Any:
-    import vllm.v1.request  # (looked up once: the manager exists only where vLLM does)
-
-    return vllm.v1.request
+    def _spec(self, request: Any, tokens: Any, max_hit: int | None) -> RequestSpec:
+        """The core's spec of a vLLM request's row: its tokens and the keys its blocks hash (vLLM's)."""
+        try:
+            every, content, first = block_keys(request)
+        except RefusedRequest as e:
+            raise Unsupported(str(e)) from None
+        return RequestSpec(request.request_id, (RowSpec.of_tokens(tokens),), every, max_hit, first, content)

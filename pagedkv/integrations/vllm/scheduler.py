@@ -60,11 +60,10 @@ if _VllmScheduler is not None:
                 max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=theirs.enable_caching,
                 use_eagle=theirs.use_eagle, log_stats=self.log_stats,
                 enable_kv_cache_events=theirs.enable_kv_cache_events,
-                watermark=self.scheduler_config.watermark,
+                watermark=self.scheduler_config.watermark, metrics_collector=self.kv_metrics_collector,
                 enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
+                hash_algo=self.cache_config.prefix_caching_hash_algo,
             )  # fmt: skip
-            algo = self.cache_config.prefix_caching_hash_algo
-            self.pagedkv_hashes_match = algo == "sha256_cbor"  # event hashes equal vLLM's only then
             del theirs
 
 else:  # pragma: no cover - vLLM absent

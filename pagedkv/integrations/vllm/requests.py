@@ -1,0 +1,57 @@
+"""What pagedkv's vLLM manager reads of a vLLM ``Request``: the extra keys its blocks hash, as vLLM's
+``generate_block_hash_extra_keys`` builds them (a LoRA adapter on every block, each multimodal input on the
+blocks it touches, the cache salt on the first block), the fields its KV events carry (the adapter's id and
+name, the session), and why it is freed."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pagedkv.core.hashing import Content, Key
+from pagedkv.integrations.vllm.events import RequestFields
+
+
+class RefusedRequest(ValueError):
+    """A request pagedkv's vLLM manager cannot hash as vLLM does (prompt embeddings)."""
+
+
+def block_keys(request: Any) -> tuple[tuple[Key, ...], tuple[Content, ...], tuple[Key, ...]]:
+    """(every block's keys, content spans, the first block's keys) of a vLLM request, in vLLM's order."""
+    if request.prompt_embeds is not None:
+        raise RefusedRequest(f"request {request.request_id!r}: prompt embeddings are not served by pagedkv's KV "
+                             "cache manager (their blocks hash tensor data)")  # fmt: skip
+    lora = request.lora_request
+    every: tuple[Key, ...] = (("lora", lora.lora_name, lora.lora_path),) if lora else ()
+    content = tuple((f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ()
+                    if f.identifier is not None)  # fmt: skip
+    first: tuple[Key, ...] = (("cache_salt", request.cache_salt),) if request.cache_salt else ()
+    return every, content, first
+
+
+def event_fields(request: Any) -> RequestFields:
+    """What vLLM's ``BlockStored`` carries of the request that stored the blocks."""
+    lora = request.lora_request
+    return RequestFields(lora.adapter_id if lora else None, lora.name if lora else None,
+                         getattr(request, "session_id", None))  # fmt: skip
+
+
+def is_waiting(request: Any) -> bool:
+    status = _vllm_request().RequestStatus
+    return request.status in (status.WAITING, status.PREEMPTED)
+
+
+def release_reason(request: Any) -> str:
+    status = _vllm_request().RequestStatus
+    if request.status == status.FINISHED_ABORTED:
+        return "cancelled"
+    if status.is_finished(request.status):
+        return "finished"
+    return "preempted"
+
+
+@cache
+def _vllm_request() -> Any:
+    import vllm.v1.request  # (looked up once: the manager exists only where vLLM does)
+
+    return vllm.v1.request

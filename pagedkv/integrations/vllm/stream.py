@@ -1,0 +1,154 @@
+"""What pagedkv's vLLM manager sends out of each call it completes: the core's KV events as vLLM's own event
+objects (with the adapter, session and extra keys of the request that stored the blocks, and hashes in the
+form ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` asks for), and vLLM's KV cache residency metrics (its
+``KVCacheMetricsCollector`` told of every block popped, allocated and touched, in vLLM's order).
+
+A call's transitions run in a ``Transaction`` on a value of the state; only a call that completes is kept
+(``EventStream.keep``), so a refused call sends nothing and counts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from returns.result import Failure
+
+from pagedkv.core.config import CacheConfig
+from pagedkv.core.effects import events_of
+from pagedkv.core.errors import KVError
+from pagedkv.core.events import BlockStored
+from pagedkv.core.prefix import Hit
+from pagedkv.core.spec import RequestSpec
+from pagedkv.core.hashing import BlockKeys
+from pagedkv.core.state import KVState
+from pagedkv.integrations.vllm.events import RequestFields, to_vllm
+from pagedkv.integrations.vllm.requests import event_fields
+
+
+class Refused(Exception):
+    """A transition of a manager call was refused: the call is dropped whole."""
+
+    def __init__(self, what: str, error: KVError) -> None:
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
+class Transaction:
+    """One manager call's transitions, applied to a value of the state (``state``) and their effects kept
+    in order; the manager takes the state only when the call completes. ``touched`` and ``allocated`` are
+    the blocks the call took from the cache and from the free queue, in vLLM's order (hits first, then new
+    blocks, group by group), for the residency metrics."""
+
+    __slots__ = ("base", "state", "effects", "touched", "allocated")
+
+    def __init__(self, state: KVState) -> None:
+        self.base = self.state = state
+        self.effects: list[Any] = []
+        self.touched: list[int] = []
+        self.allocated: list[int] = []
+
+    def apply(self, result: Any, what: str) -> Any:
+        if isinstance(result, Failure):
+            raise Refused(what, result.failure())
+        step = result.unwrap()
+        self.state = step.state
+        self.effects.append(step.effect)
+        return step
+
+
+class _Place:
+    """Where a queued decode token's filled block's events go in the stream (filled in when applied)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+
+class EventStream:
+    """The manager's outgoing KV events and metrics (module docstring)."""
+
+    def __init__(self, config: CacheConfig, enabled: bool, *, caching: bool, metrics: Any, blocks: int) -> None:
+        from vllm.distributed import kv_events
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock, maybe_convert_block_hash
+
+        self.config, self.enabled, self.caching, self.metrics = config, enabled, caching, metrics
+        self._kinds = {"BlockStored": kv_events.BlockStored, "BlockRemoved": kv_events.BlockRemoved,
+                       "AllBlocksCleared": kv_events.AllBlocksCleared}  # fmt: skip
+        self._external = maybe_convert_block_hash  # (reads vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        # the KVCacheBlock objects handed to the scheduler carry block ids only, one per id, made once
+        self.blocks = [KVCacheBlock(i) for i in range(blocks)]
+        self.blocks[0].is_null = True
+        self._events: list[Any] = []  # our msgspec structs, or _Place
+        self._places: list[_Place] = []  # the places queued tokens hold, in queue order
+
+    def keep(self, txn: Transaction, request: Any) -> KVState:
+        """A completed call: its events (the request's fields on its stores) and its metrics; its state."""
+        if self.enabled:
+            fields = None if request is None else _fields(request)
+            for effect in txn.effects:
+                self._send(events_of(effect), fields)
+        if self.metrics is not None:
+            blocks = self.blocks
+            for b in txn.touched:
+                self.metrics.on_block_accessed(blocks[b])
+            for b in txn.allocated:
+                if self.caching:  # vLLM's pool forgets a popped block's metrics (its eviction) first
+                    self.metrics.on_block_evicted(blocks[b])
+                self.metrics.on_block_allocated(blocks[b])
+        return txn.state
+
+    def hold_place(self, request_id: Any) -> None:
+        """A place in the stream for the events of a queued token's filled block."""
+        if self.enabled:
+            place = _Place()
+            self._events.append(place)
+            self._places.append(place)
+
+    def keep_queued(self, txn: Transaction, filled: Sequence[Any]) -> KVState:
+        """The decode batch (its events where it is applied) and the caching of the blocks its tokens filled
+        (each request's events in the place it held): ``txn.effects`` is the batch's, then ``filled``'s."""
+        if self.enabled:
+            batch, *cached = txn.effects
+            cached = list(cached[0]) if cached else []  # (cache_ahead_many: one effect a request)
+            for place, effect, request in zip(self._places, cached, filled, strict=True):
+                place.events = to_vllm(events_of(effect), self.config, request=_fields(request),
+                                       external=self._external)  # fmt: skip
+            self._places.clear()
+            self._send(events_of(batch), None)
+        return txn.state
+
+    def announce(self, hit: Hit, spec: RequestSpec, fields: RequestFields) -> None:
+        """``kv_cache_report_mode="full"``: the hit's blocks stored again, group by group, from block 0 (vLLM's
+        ``emit_cached_block_events``: the cache is untouched, the consumer learns of the reuse)."""
+        bs, hashes = self.config.block_size, hit.hashes[0]
+        tokens = spec.rows[0].tokens or ()
+        keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys)
+        stores = [BlockStored(h, hashes[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), g, b,
+                              keys.raw(j, bs))  # fmt: skip
+                  for g, ids in enumerate(hit.ids[0]) for j, (h, b) in enumerate(zip(hashes, ids))]
+        self._send(tuple(stores), fields)
+
+    def reset_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.reset()
+
+    def take(self) -> list[Any]:
+        """The events since the last call, as vLLM's own objects."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        kinds = self._kinds
+        return [kinds[type(e).__name__](**msgspec.structs.asdict(e))
+                for x in events for e in (x.events if isinstance(x, _Place) else (x,))]  # fmt: skip
+
+    def _send(self, events: Sequence[Any], fields: RequestFields | None) -> None:
+        if events:
+            self._events.extend(to_vllm(events, self.config, request=fields or RequestFields(),
+                                        external=self._external))  # fmt: skip
+
+
+def _fields(request: Any) -> RequestFields:
+    return event_fields(request)

@@ -60,12 +60,15 @@ class Layout:
 
 def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_num_seqs: int = 32,
                    max_num_batched_tokens: int = 256, max_model_len: int = 2048, events: bool = True,
-                   log_stats: bool = True, caching: bool = True, watermark: float = 0.0) -> Any:  # fmt: skip
-    """vLLM's ``Scheduler`` (or a subclass) over a ``num_blocks`` pool, as its engine core builds it."""
+                   log_stats: bool = True, caching: bool = True, watermark: float = 0.0,
+                   hash_algo: str = "sha256_cbor", metrics: bool = False) -> Any:  # fmt: skip
+    """vLLM's ``Scheduler`` (or a subclass) over a ``num_blocks`` pool, as its engine core builds it;
+    ``hash_algo`` its ``--prefix-caching-hash-algo``, ``metrics`` its KV cache residency metrics (every block
+    sampled, so the counts are deterministic)."""
     from vllm.config import (
-        CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig,
+        CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig,
     )  # fmt: skip
-    from vllm.utils.hashing import sha256_cbor
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -73,14 +76,15 @@ def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     model = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, prefix_caching_hash_algo="sha256_cbor")
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, prefix_caching_hash_algo=hash_algo)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, is_encoder_decoder=False, watermark=watermark)  # fmt: skip
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
-    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
-                        device_config=DeviceConfig("cpu"), kv_events_config=kv_events)  # fmt: skip
+    observe = ObservabilityConfig(kv_cache_metrics=metrics, kv_cache_metrics_sample=1.0)
+    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, device_config=DeviceConfig("cpu"),
+                        kv_events_config=kv_events, observability_config=observe)  # fmt: skip
     config.cache_config.num_gpu_blocks = num_blocks
-    init_none_hash(sha256_cbor)
+    init_none_hash(get_hash_fn_by_name(hash_algo))
     return scheduler_cls(vllm_config=config, kv_cache_config=layout.kv_cache_config(num_blocks),
                          structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
                          log_stats=log_stats)  # fmt: skip
@@ -98,16 +102,42 @@ class Workload:
     reset_every: int = 0  # a reset_prefix_cache after every n-th step (0: none)
     skip_cache_every: int = 13  # every n-th request asks for prompt logprobs: it must not read the prefix cache
     idle_after: int | None = None  # requests from this index on arrive only once the scheduler is idle
+    long_prompts: float = 0.0  # the share of prompts of 200 to max_prompt tokens (long hits under windows)
+    repeats: float = 0.0  # the share of prompts that repeat an earlier one whole (a hit on its own prefix)
+    lora_every: int = 0  # every n-th request runs one of two LoRA adapters (0: none)
+    salt_every: int = 0  # every n-th request carries one of two cache salts (0: none)
+    report_every: int = 0  # every n-th request asks kv_cache_report_mode="full" (0: none)
+    max_prompt: int = 2000  # no prompt is longer (so every request fits the pool alone)
     requests: list[tuple[str, list[int], int, int | None]] = field(default_factory=list)  # id, prompt, max, abort
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
         systems = [[rng.randrange(1, 1000) for _ in range(rng.choice((16, 32, 40, 64)))] for _ in range(self.prefixes)]
         for i in range(self.num_requests):
-            head = systems[rng.randrange(self.prefixes)] if rng.random() < 0.7 else []
-            prompt = head + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 90))]
+            if self.requests and rng.random() < self.repeats:
+                prompt = list(rng.choice(self.requests)[1])
+            else:
+                head = systems[rng.randrange(self.prefixes)] if rng.random() < 0.7 else []
+                long = rng.random() < self.long_prompts
+                n = rng.randrange(200, max(201, min(self.max_prompt, 1800))) if long else rng.randrange(1, 90)
+                prompt = (head + [rng.randrange(1, 1000) for _ in range(n)])[: self.max_prompt]
             abort_at = rng.randrange(1, 12) if i % self.abort_every == 5 else None
             self.requests.append((f"r{i}", prompt, rng.randrange(1, 60), abort_at))
+
+    def extras(self, rid: str) -> dict[str, Any]:
+        """A request's LoRA adapter, cache salt and report mode (vLLM's Request and SamplingParams fields)."""
+        i = int(rid[1:])
+        out: dict[str, Any] = {}
+        if self.lora_every and i % self.lora_every == 1:
+            from vllm.lora.request import LoRARequest
+
+            k = 1 + i // self.lora_every % 2
+            out["lora_request"] = LoRARequest(f"adapter-{k}", k, f"/adapters/{k}")
+        if self.salt_every and i % self.salt_every == 2:
+            out["cache_salt"] = f"tenant-{i // self.salt_every % 2}"
+        if self.report_every and i % self.report_every == self.report_every - 1:
+            out["extra_args"] = {"kv_cache_report_mode": "full"}
+        return out
 
 
 def sampled(req_id: str, step: int) -> int:
@@ -132,12 +162,12 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
     import msgspec
     from vllm.distributed.kv_events import KVEventBatch
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256_cbor
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256_cbor)
+    hasher = get_request_block_hasher(BLOCK_SIZE, get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo))
     recorder = Recorder(msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch))
     scheduler.kv_event_publisher = recorder
     pending = list(workload.requests)
@@ -152,8 +182,10 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
             arriving = []  # the late ones wait for an idle scheduler (a reset between them then clears the cache)
         for rid, prompt, max_tokens, _ in arriving:
             skip = workload.skip_cache_every and int(rid[1:]) % workload.skip_cache_every == 7
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=bool(skip) or None)
-            scheduler.add_request(Request(rid, prompt, params, pooling_params=None, block_hasher=hasher))
+            extra = workload.extras(rid)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=bool(skip) or None,
+                                    extra_args=extra.pop("extra_args", None))  # fmt: skip
+            scheduler.add_request(Request(rid, prompt, params, pooling_params=None, block_hasher=hasher, **extra))
         del pending[: len(arriving)]
         for rid, at in list(abort_at.items()):  # aborts arrive between steps
             if rid in started and step - started[rid] >= at:
@@ -186,7 +218,8 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
                 st = eco.scheduler_stats
                 p = st.prefix_cache_stats
                 stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
-                         p.preempted_queries, p.preempted_hits, p.reset)  # fmt: skip
+                         p.preempted_queries, p.preempted_hits, p.reset,
+                         tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
         if workload.reset_every and step % workload.reset_every == workload.reset_every - 1:
             stats += (scheduler.reset_prefix_cache(),)  # refused while blocks are held; else clears the cache
         events = [ev for batch in recorder.batches for ev in batch.events]
@@ -212,3 +245,78 @@ class Recorder:
 
     def shutdown(self) -> None:
         pass
+
+
+FIELDS = ("scheduled", "new_blocks", "hits", "preempted", "finished", "events", "stats")
+
+
+def first_difference(theirs: list[StepRecord], ours: list[StepRecord]) -> str | None:
+    """Where pagedkv's run departs from vLLM's: the first step and field that differ, or None."""
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        for name in FIELDS:
+            if getattr(b, name) != getattr(a, name):
+                return f"step {i}: {name} differs: vLLM {getattr(a, name)!r:.300}, pagedkv {getattr(b, name)!r:.300}"
+    if len(ours) != len(theirs):
+        return f"{len(theirs)} steps in vLLM's run, {len(ours)} in pagedkv's"
+    return None
+
+
+def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
+    """A configuration drawn from ``seed``: (pool blocks, layout, workload options, scheduler options). Pools
+    from tight (preemption, long hits under windows) to roomy; every option the manager serves."""
+    rng = random.Random(seed)
+    windows = tuple(sorted(rng.sample((16, 32, 48, 64, 128), rng.choice((0, 0, 1, 1, 2)))))
+    blocks = rng.choice((40, 60, 90, 200, 300))
+    algo = rng.choice(("sha256", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
+    chunk = rng.choice((64, 128, 256, 512))
+    # the longest prompt a request with its output still fits alone: the full group's blocks and each window's
+    fits = (blocks - 1 - sum((w + chunk) // BLOCK_SIZE + 2 for w in windows)) * BLOCK_SIZE - 64
+    work = {"num_requests": rng.choice((40, 60, 80)), "seed": rng.randrange(1 << 30), "long_prompts": rng.choice((0, 0.1, 0.3)),
+            "max_prompt": max(fits, 32),
+            "repeats": rng.choice((0, 0.2, 0.5)), "lora_every": rng.choice((0, 3, 5)), "salt_every": rng.choice((0, 4)),
+            "report_every": rng.choice((0, 3)), "reset_every": rng.choice((0, 0, 9)), "arrivals_per_step": rng.choice((2, 6))}
+    options = {"max_num_batched_tokens": chunk, "max_num_seqs": rng.choice((8, 32)),
+               "watermark": rng.choice((0.0, 0.0, 0.05)), "caching": rng.random() < 0.9, "hash_algo": algo,
+               "metrics": rng.random() < 0.5}  # fmt: skip
+    return blocks, Layout(windows=windows), work, options
+
+
+def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dict[str, Any]) -> tuple[str | None, int, Any]:
+    """vLLM's scheduler with its own manager and with pagedkv's on one workload: the first difference (or
+    None; a raise in either run is one), the steps run, and pagedkv's manager."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from pagedkv.integrations.vllm import PagedKVScheduler
+
+    theirs = drive(make_scheduler(Scheduler, blocks, layout, **options), Workload(**work))
+    ours_sched = make_scheduler(PagedKVScheduler, blocks, layout, **options)
+    try:
+        ours = drive(ours_sched, Workload(**work))
+    except Exception as e:  # noqa: BLE001  (a raise is a difference, reported with the rest)
+        return f"pagedkv's run raised {type(e).__name__}: {e}", len(theirs), ours_sched.kv_cache_manager
+    return first_difference(theirs, ours), len(theirs), ours_sched.kv_cache_manager
+
+
+def main() -> None:
+    """Seeded fuzzing of the differential: ``python bench/vllm_workload.py [first_seed] [count]``, one line a
+    configuration and a total (PYTHONHASHSEED is set, so the xxhash kinds' seed is shared by both runs)."""
+    import sys
+    import time
+
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    first, count = (int(sys.argv[1]) if len(sys.argv) > 1 else 0), (int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+    same = steps = 0
+    print(f"{'seed':>5} {'blocks':>6} {'windows':<10} {'algo':<12} {'steps':>6} {'s':>6}  result")
+    for seed in range(first, first + count):
+        blocks, layout, work, options = fuzzed(seed)
+        t = time.perf_counter()
+        diff, n, _ = differential(blocks, layout, work, options)
+        steps += n
+        same += diff is None
+        print(f"{seed:>5} {blocks:>6} {str(layout.windows):<10} {options['hash_algo']:<12} {n:>6} "
+              f"{time.perf_counter() - t:>6.1f}  {diff or 'identical'}", flush=True)
+    print(f"{same} of {count} configurations identical to the end, {steps} steps")
+
+
+if __name__ == "__main__":
+    main()

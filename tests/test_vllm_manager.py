@@ -13,9 +13,11 @@ them, identical usage and prefix-cache stats. Skipped where vLLM is not installe
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from bench.vllm_workload import Layout, Workload, drive, make_scheduler, vllm_available
+from bench.vllm_workload import Layout, Workload, differential, drive, fuzzed, make_scheduler, vllm_available
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
 
@@ -27,16 +29,35 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "full + window 48, watermark 0.1": (80, Layout(windows=(48,)), {"seed": 1}, {"watermark": 0.1}),
     "prefix caching off, window 32": (60, Layout(windows=(32,)), {"seed": 2}, {"caching": False}),
     "resets while busy and idle": (120, Layout(windows=(32,)), {"seed": 4, "reset_every": 7, "idle_after": 150}, {}),
+    # issue 28: long hits under windows (the core once counted a window group whole and refused them for good)
+    "long hits under window 16, 40 blocks, 64-token chunks": (40, Layout(windows=(16,)), {
+        "seed": 5, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440}, {"max_num_batched_tokens": 64}),
+    "1,700-token prompts under window 16, 200 blocks": (200, Layout(windows=(16,)), {
+        "seed": 6, "long_prompts": 0.3, "repeats": 0.3, "max_prompt": 1800, "num_requests": 80}, {}),
+    "long hits under windows 32 and 64, 300 blocks": (300, Layout(windows=(32, 64)), {
+        "seed": 7, "long_prompts": 0.5, "repeats": 0.4, "max_prompt": 1500}, {}),
+    "preemption back onto a cached prefix, 40 blocks": (40, Layout(windows=(32,)), {
+        "seed": 8, "repeats": 0.5, "max_prompt": 300}, {}),
+    "LoRA adapters and cache salts, sha256": (90, Layout(windows=(32,)), {
+        "seed": 9, "lora_every": 3, "salt_every": 4, "repeats": 0.3}, {"hash_algo": "sha256"}),
+    "LoRA adapters and cache salts, sha256_cbor": (90, Layout(), {"seed": 10, "lora_every": 3, "salt_every": 4}, {}),
+    "kv_cache_report_mode full": (90, Layout(windows=(48,)), {"seed": 11, "report_every": 2, "repeats": 0.4}, {}),
+    "KV cache residency metrics": (50, Layout(windows=(32,)), {"seed": 12, "repeats": 0.3}, {"metrics": True}),
+    "xxhash, LoRA and salts": (90, Layout(), {"seed": 13, "lora_every": 3, "salt_every": 4}, {"hash_algo": "xxhash"}),
+    "xxhash_cbor, window 64": (90, Layout(windows=(64,)), {"seed": 14}, {"hash_algo": "xxhash_cbor"}),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str) -> None:
+def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from pagedkv.integrations.vllm import PagedKVScheduler
 
     blocks, layout, work, options = CASES[name]
+    if options.get("hash_algo", "").startswith("xxhash"):
+        pytest.importorskip("xxhash")
+        monkeypatch.setenv("PYTHONHASHSEED", "7")  # (else vLLM seeds an xxhash chain at random, per scheduler)
     theirs = drive(make_scheduler(Scheduler, blocks, layout, **options), Workload(**work))
     ours_sched = make_scheduler(PagedKVScheduler, blocks, layout, **options)
     ours = drive(ours_sched, Workload(**work))
@@ -45,24 +66,67 @@ def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str) -> None:
         for field in ("scheduled", "new_blocks", "hits", "preempted", "finished", "events", "stats"):
             assert getattr(b, field) == getattr(a, field), f"step {i}: {field} differs"
     # the workload did what it is for (a test that cannot fail proves nothing)
-    assert len({r for rec in theirs for r in rec.scheduled}) == 200
-    assert len({r for rec in theirs for r in rec.finished}) >= 199  # (the last step's endings are never reported)
-    assert sum(1 for *_, abort in Workload(**work).requests if abort is not None) >= 18  # aborted mid-way
-    assert sum(len(rec.preempted) for rec in theirs) > 0 or options.get("watermark")
+    n = work.get("num_requests", 200)
+    assert len({r for rec in theirs for r in rec.scheduled}) == n
+    assert len({r for rec in theirs for r in rec.finished}) >= n - 1  # (the last step's endings are never reported)
+    assert sum(1 for *_, abort in Workload(**work).requests if abort is not None) >= n // 11 - 1  # aborted mid-way
+    assert sum(len(rec.preempted) for rec in theirs) > 0 or options.get("watermark") or blocks >= 200
+    stored = [ev for rec in theirs for ev in rec.events if type(ev).__name__ == "BlockStored"]
     if options.get("caching", True):
         assert sum(1 for rec in theirs for rid, hit in rec.hits.items() if hit > 0) > 10
-        assert any(type(ev).__name__ == "BlockRemoved" for rec in theirs for ev in rec.events)
-        assert any(type(ev).__name__ == "BlockStored" for rec in theirs for ev in rec.events)
+        assert any(type(ev).__name__ == "BlockRemoved" for rec in theirs for ev in rec.events) or blocks >= 200
+        assert stored
     if work.get("reset_every"):
-        answers = [rec.stats[-1] for rec in theirs if len(rec.stats) == 9]
+        answers = [rec.stats[-1] for rec in theirs if len(rec.stats) == 10]
         assert True in answers and False in answers  # refused while blocks were held, done when idle
         assert any(type(ev).__name__ == "AllBlocksCleared" for rec in theirs for ev in rec.events)
+    if work.get("long_prompts") and layout.windows:  # hits long enough that the window groups hold nulls below
+        assert max(hit for rec in theirs for hit in rec.hits.values()) > 8 * max(layout.windows)
+    if work.get("lora_every"):
+        assert {ev.lora_name for ev in stored} >= {None, "adapter-1", "adapter-2"}
+        assert any(keys and "tenant-0" in keys for ev in stored for keys in ev.extra_keys or ())
+    if work.get("report_every"):  # a reused block announced again: a hash stored more than once
+        hashes = [h for ev in stored for h in ev.block_hashes]
+        assert len(hashes) > len(set(hashes))
+    if options.get("metrics"):
+        assert sum(len(rec.stats[8]) for rec in theirs if rec.stats) > 20  # eviction events, vLLM's count
     # the manager's state is a value the core's invariants hold on; nothing is left held
     from pagedkv.core.verify.invariants import check_invariants
 
     state = ours_sched.kv_cache_manager.state
     assert check_invariants(state) == [] and not state.requests
     assert state.num_free == blocks - 1
+
+
+def test_event_hashes_as_bytes_when_vllm_sends_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` vLLM's events carry the 32-byte hashes; so do pagedkv's."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    diff, steps, _ = differential(60, Layout(windows=(32,)), {"seed": 15, "num_requests": 60, "lora_every": 3,
+                                                              "salt_every": 4}, {"hash_algo": "sha256"})  # fmt: skip
+    assert diff is None and steps > 50
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    stored = [ev for rec in drive(make_scheduler(Scheduler, 60, Layout(), hash_algo="sha256"), Workload(num_requests=20))
+              for ev in rec.events if type(ev).__name__ == "BlockStored"]  # fmt: skip
+    assert stored and all(type(h) is bytes and len(h) == 32 for ev in stored for h in ev.block_hashes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzzed_configurations_are_identical_to_the_end(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded configurations (bench/vllm_workload.fuzzed: windows, pool sizes from tight to roomy, chunk sizes,
+    the watermark, caching on or off, every hash kind, LoRA, salts, report mode, metrics, long and repeated
+    prompts, resets): vLLM's scheduler decides the same with pagedkv's manager as with its own, to the end.
+    ``python bench/vllm_workload.py FIRST COUNT`` runs more."""
+    blocks, layout, work, options = fuzzed(seed)
+    if options["hash_algo"].startswith("xxhash"):
+        pytest.importorskip("xxhash")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    diff, steps, manager = differential(blocks, layout, work, options)
+    assert diff is None
+    from pagedkv.core.verify.invariants import check_invariants
+
+    assert check_invariants(manager.state) == [] and not manager.state.requests
 
 
 def test_pagedkv_hashes_are_vllms_sha256_cbor() -> None:
@@ -114,3 +178,62 @@ def test_what_the_manager_does_not_serve_is_refused_at_construction() -> None:
     assert refusals(config) == []
     config.kv_transfer_config = object()
     assert refusals(config) == ["a KV connector (kv_transfer_config)"]
+
+
+def _managers(max_model_len: int = 32) -> tuple[Any, Any, Any]:
+    """vLLM's own KVCacheManager and pagedkv's over one 16-block pool (full + window 32), and a request maker."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from pagedkv.integrations.vllm.manager import PagedKVCacheManager
+
+    init_none_hash(sha256_cbor)
+    config = Layout(windows=(32,)).kv_cache_config(16)
+    kw = dict(max_model_len=max_model_len, scheduler_block_size=16, hash_block_size=16, enable_caching=True,
+              enable_kv_cache_events=True)  # fmt: skip
+    hasher = get_request_block_hasher(16, sha256_cbor)
+
+    def request(rid: str, tokens: list[int]) -> Any:
+        return Request(rid, tokens, SamplingParams(max_tokens=4), pooling_params=None, block_hasher=hasher)
+
+    return KVCacheManager(config, **kw), PagedKVCacheManager(config, hash_algo="sha256_cbor", **kw), request
+
+
+def _ids(blocks: Any) -> Any:
+    return None if blocks is None else blocks.get_block_ids()
+
+
+def test_an_allocation_past_max_model_len_is_vllms_not_a_half_applied_admission() -> None:
+    """Issue 28, defect 6: a request holding more tokens than max_model_len. vLLM allocates slots up to
+    max_model_len and caches what it holds; the core once refused the caching after admitting (ManagerError,
+    the request left admitted with its blocks taken, and ``free`` then raised KeyError)."""
+    theirs, ours, request = _managers()
+    tokens = list(range(1, 41))
+    for m in (theirs, ours):
+        assert _ids(m.allocate_slots(request("long", tokens), 40)) == ([1, 2], [3, 4])
+    assert [ev.block_hashes for ev in ours.take_events()] == [ev.block_hashes for ev in theirs.take_events()]
+    for m in (theirs, ours):
+        m.free(request("long", tokens))
+    assert ours.usage == theirs.usage == 0.0 and not ours.state.requests
+
+
+def test_a_refused_call_leaves_the_manager_as_it_was() -> None:
+    """A call the core refuses raises ManagerError and changes nothing: the state, the events, the row lengths;
+    the next calls go on as if it never came."""
+    from pagedkv.core import digest
+    from pagedkv.integrations.vllm.manager import ManagerError
+
+    _, ours, request = _managers(max_model_len=64)
+    first = request("a", list(range(1, 21)))
+    ours.allocate_slots(first, 20)
+    before, events = digest(ours.state), len(ours.take_events())
+    bad = request("b", list(range(100, 139)))
+    with pytest.raises(ManagerError, match="hit is 0 tokens, the scheduler's 16"):
+        ours.allocate_slots(bad, 8, num_new_computed_tokens=16)  # a hit the cache does not hold
+    assert digest(ours.state) == before and ours.take_events() == [] and "b" not in ours._len and events
+    ours.free(bad)  # (unknown to the core: nothing to do, as vLLM's free of a request it never allocated)
+    assert _ids(ours.allocate_slots(bad, 39)) == ([5, 6, 7], [8, 9, 10])
+    assert digest(ours.state) != before

@@ -114,11 +114,12 @@ class Workload:
         rng = random.Random(self.seed)
         systems = [[rng.randrange(1, 1000) for _ in range(rng.choice((16, 32, 40, 64)))] for _ in range(self.prefixes)]
         for i in range(self.num_requests):
-            if self.requests and rng.random() < self.repeats:
+            if self.repeats and self.requests and rng.random() < self.repeats:  # (no draw when off: the
+                # workloads of the first cases stay what they were)
                 prompt = list(rng.choice(self.requests)[1])
             else:
                 head = systems[rng.randrange(self.prefixes)] if rng.random() < 0.7 else []
-                long = rng.random() < self.long_prompts
+                long = bool(self.long_prompts) and rng.random() < self.long_prompts
                 n = rng.randrange(200, max(201, min(self.max_prompt, 1800))) if long else rng.randrange(1, 90)
                 prompt = (head + [rng.randrange(1, 1000) for _ in range(n)])[: self.max_prompt]
             abort_at = rng.randrange(1, 12) if i % self.abort_every == 5 else None

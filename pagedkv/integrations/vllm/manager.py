@@ -32,49 +32,23 @@ vLLM's real scheduler, step by step). Everything else is refused at construction
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
+from pagedkv.core import RequestSpec, RowSpec, initial_state
 from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks, reset_prefix_cache
 from pagedkv.core.admission import admission_cost
 from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
+from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
 from pagedkv.integrations.vllm.stream import EventStream, Refused, Transaction
-
-DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for a cryptographic hash when PYTHONHASHSEED is unset
-
-
-class Unsupported(ValueError):
-    """A vLLM configuration pagedkv's manager does not serve (raised at construction, never mid-run)."""
-
 
 class ManagerError(RuntimeError):
     """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it; the manager
     is left as it was before the call."""
-
-
-def _vllm() -> Any:
-    try:
-        from vllm.v1.core import kv_cache_manager, kv_cache_utils
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-    except ImportError as exc:  # the extra is vLLM itself
-        raise Unsupported(f"pagedkv's vLLM manager needs vLLM 0.33 installed: {exc}") from None
-    return kv_cache_manager, kv_cache_utils, FullAttentionSpec, SlidingWindowSpec
-
-
-def hash_seed() -> str:
-    """The seed vLLM derived ``NONE_HASH`` from (its ``get_none_hash_seed``: PYTHONHASHSEED if set, a random one
-    for the xxhash kinds, else its default), the root of the core's chains."""
-    try:
-        from vllm.v1.core.kv_cache_utils import get_none_hash_seed
-    except ImportError:
-        return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
-    return str(get_none_hash_seed())
 
 
 class PagedKVCacheManager:
@@ -86,7 +60,7 @@ class PagedKVCacheManager:
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
                  metrics_collector: Any = None, watermark: float = 0.0,
                  enable_mamba_shared_prefix_checkpoint: bool = False, hash_algo: str = "sha256") -> None:  # fmt: skip
-        kvm, utils, full_spec, window_spec = _vllm()
+        kvm = vllm_modules()[0]
         refused = [why for bad, why in (
             (use_eagle, "EAGLE speculative decoding"),
             (num_hash_lookahead_tokens or num_prefill_lookahead, "lookahead hashing / multi-module MTP prefill"),
@@ -94,36 +68,12 @@ class PagedKVCacheManager:
             (enable_mamba_shared_prefix_checkpoint, "Mamba checkpoints"),
             (hash_block_size != scheduler_block_size, f"a hash block size ({hash_block_size}) other than the "
                                                       f"block size ({scheduler_block_size})"),
+            (not 0.0 <= watermark < 1.0, f"watermark {watermark} (must be in [0, 1))"),
         ) if bad]  # fmt: skip
-        groups: list[GroupSpec] = []
-        self._caps: list[int | None] = []  # a window group's admission cap (full_sequence_must_fit), vLLM's
-        in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len
-        for i, group in enumerate(kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            if getattr(spec, "block_size", None) != scheduler_block_size:
-                refused.append(f"group {i}'s block size {getattr(spec, 'block_size', None)} (pagedkv pools one "
-                               f"block size: {scheduler_block_size})")  # fmt: skip
-            if type(spec) is full_spec:
-                groups.append(GroupSpec(f"g{i}"))
-                self._caps.append(None)
-            elif type(spec) is window_spec:
-                groups.append(GroupSpec(f"g{i}", GroupKind.SLIDING_WINDOW, window=spec.sliding_window))
-                self._caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
-                                                                        max_model_len=max_model_len))  # fmt: skip
-            else:
-                refused.append(f"group {i}'s {type(spec).__name__} (full attention and sliding windows only)")
-        if not 0.0 <= watermark < 1.0:
-            refused.append(f"watermark {watermark} (must be in [0, 1))")
-        try:
-            self.config = CacheConfig(block_size=scheduler_block_size, num_blocks=kv_cache_config.num_blocks,
-                                      groups=tuple(groups), enable_prefix_caching=enable_caching,
-                                      max_model_len=max_model_len, hash_namespace=hash_seed(), free_queue="vllm",
-                                      reset_prefix_cache="when_idle", caching_point="schedule",
-                                      block_hash=hash_algo, cache_duplicates=True)  # fmt: skip
-        except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
-            refused.append(f"this cache configuration ({e})")
-        if refused:
-            raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
+        geometry = translate(kv_cache_config, max_model_len=max_model_len, block_size=scheduler_block_size,
+                             in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
+                             caching=enable_caching, hash_algo=hash_algo, refused=refused)  # fmt: skip
+        self.config, self._caps, self._windows = geometry.config, geometry.caps, geometry.windows
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.block_size = scheduler_block_size
@@ -131,23 +81,22 @@ class PagedKVCacheManager:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.use_eagle = False
-        self.num_kv_cache_groups = len(groups)
+        self.num_kv_cache_groups = len(self._caps)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
-        self._windows = [g.window for g in groups]
         self._state: KVState = initial_state(self.config)
         self._stream = EventStream(self.config, enable_kv_cache_events, caching=enable_caching,
                                    metrics=metrics_collector, blocks=kv_cache_config.num_blocks)  # fmt: skip
         # decode tokens that go into a request's open block, queued and applied as one decode_step before
         # anything reads the state (they allocate, free and evict nothing, so nothing else sees them first)
         self._len: dict[str, int] = {}  # each request's row length, queued tokens included
-        self._fast = all(g.kind is GroupKind.FULL for g in groups)  # windows let blocks go at each commit
+        self._fast = not any(self._windows)  # windows let blocks go at each commit
         self._queue_ids: list[str] = []
         self._queue_tokens: list[int] = []
         self._queue_full: list[tuple[Any, int]] = []  # (request, length) whose token fills its block
         self._blocks_cls = kvm.KVCacheBlocks
         self._block = self._stream.blocks
-        self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in groups))
+        self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in self._caps))
         from vllm.v1.metrics.stats import PrefixCacheStats
 
         self._stats_cls = PrefixCacheStats

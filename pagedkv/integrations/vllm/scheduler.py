@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.integrations.vllm.manager import PagedKVCacheManager, Unsupported, _vllm
+from pagedkv.integrations.vllm.geometry import Unsupported, vllm_modules
+from pagedkv.integrations.vllm.manager import PagedKVCacheManager
 
 try:
     from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
@@ -50,7 +51,7 @@ if _VllmScheduler is not None:
             refused = refusals(vllm_config)
             if refused:
                 raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
-            _vllm()
+            vllm_modules()
             super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
                              hash_block_size=hash_block_size, **kwargs)  # fmt: skip
             theirs: Any = self.kv_cache_manager  # type: ignore[has-type]
@@ -70,4 +71,4 @@ else:  # pragma: no cover - vLLM absent
 
     class PagedKVScheduler:  # type: ignore[no-redef]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            _vllm()
+            vllm_modules()

@@ -1,0 +1,78 @@
+"""vLLM's KV cache configuration as the core's: each group (full attention or a sliding window, one block
+size), the pool, the policies of vLLM's block pool, and the hash kind and seed vLLM hashes with. What the
+manager does not serve is refused here, at construction, with the reason (``Unsupported``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.core import CacheConfig, GroupKind, GroupSpec
+
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for a cryptographic hash when PYTHONHASHSEED is unset
+
+
+class Unsupported(ValueError):
+    """A vLLM configuration pagedkv's manager does not serve (raised at construction, never mid-run)."""
+
+
+def vllm_modules() -> Any:
+    """vLLM's modules the manager uses, or ``Unsupported`` where vLLM is not installed."""
+    try:
+        from vllm.v1.core import kv_cache_manager, kv_cache_utils
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    except ImportError as exc:  # the extra is vLLM itself
+        raise Unsupported(f"pagedkv's vLLM manager needs vLLM 0.33 installed: {exc}") from None
+    return kv_cache_manager, kv_cache_utils, FullAttentionSpec, SlidingWindowSpec
+
+
+def hash_seed() -> str:
+    """The seed vLLM derived ``NONE_HASH`` from (its ``get_none_hash_seed``: PYTHONHASHSEED if set, a random one
+    for the xxhash kinds, else its default), the root of the core's chains."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+    except ImportError:
+        return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    return str(get_none_hash_seed())
+
+
+@dataclass(frozen=True)
+class Geometry:
+    config: CacheConfig  # the core's, with vLLM's block-pool policies
+    caps: tuple[int | None, ...]  # per group: a window group's admission cap (full_sequence_must_fit), vLLM's
+    windows: tuple[int | None, ...]  # per group: its sliding window, or None
+
+
+def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_flight: int, caching: bool,
+              hash_algo: str, refused: list[str]) -> Geometry:  # fmt: skip
+    """The core's geometry for vLLM's ``kv_cache_config``; ``refused`` (what the caller already refuses) and
+    what this finds unserved raise ``Unsupported`` together."""
+    _, _, full_spec, window_spec = vllm_modules()
+    groups: list[GroupSpec] = []
+    caps: list[int | None] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if getattr(spec, "block_size", None) != block_size:
+            refused.append(f"group {i}'s block size {getattr(spec, 'block_size', None)} (pagedkv pools one "
+                           f"block size: {block_size})")  # fmt: skip
+        if type(spec) is full_spec:
+            groups.append(GroupSpec(f"g{i}"))
+            caps.append(None)
+        elif type(spec) is window_spec:
+            groups.append(GroupSpec(f"g{i}", GroupKind.SLIDING_WINDOW, window=spec.sliding_window))
+            caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
+                                                              max_model_len=max_model_len))  # fmt: skip
+        else:
+            refused.append(f"group {i}'s {type(spec).__name__} (full attention and sliding windows only)")
+    config = None
+    try:
+        config = CacheConfig(block_size=block_size, num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
+                             enable_prefix_caching=caching, max_model_len=max_model_len, hash_namespace=hash_seed(),
+                             free_queue="vllm", reset_prefix_cache="when_idle", caching_point="schedule",
+                             block_hash=hash_algo, cache_duplicates=True)  # fmt: skip
+    except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
+        refused.append(f"this cache configuration ({e})")
+    if refused or config is None:
+        raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
+    return Geometry(config, tuple(caps), tuple(g.window for g in groups))

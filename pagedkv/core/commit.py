@@ -216,7 +216,8 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b, keys.raw(j, bs)))
+                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
+                                          keys.every if plain is not None else keys.raw(j, bs)))  # fmt: skip
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))

@@ -89,6 +89,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
     chains: list[list[BlockHash]] = []
     limit: int | None = None if spec.max_hit is None else spec.max_hit // bs
     keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash)
+    plain = None if keys.varies else keys.plain  # (most requests: every block hashes the same keys)
     hash_packed = cfg.hash_fn
     width = bs << 3  # bytes of one block's packed ids
     for row in spec.rows:
@@ -100,7 +101,7 @@ def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
         parent = cache.root
         packed = pack_ids(row.tokens[: cap * bs])
         for j in range(cap):
-            h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs))
+            h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
             if any((g, h) not in cache for g in full):
                 break
             chain.append(h)

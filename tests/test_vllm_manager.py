@@ -237,3 +237,33 @@ def test_a_refused_call_leaves_the_manager_as_it_was() -> None:
     ours.free(bad)  # (unknown to the core: nothing to do, as vLLM's free of a request it never allocated)
     assert _ids(ours.allocate_slots(bad, 39)) == ([5, 6, 7], [8, 9, 10])
     assert digest(ours.state) != before
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
+def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str) -> None:
+    """A request with a LoRA adapter, two images (one spanning a block boundary) and a cache salt: the core's
+    chain, from the keys the manager reads off the request, is ``request.block_hashes`` byte for byte."""
+    if algo == "xxhash":
+        pytest.importorskip("xxhash")
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from pagedkv.core import admit, commit
+    from pagedkv.integrations.vllm.manager import PagedKVCacheManager
+
+    init_none_hash(get_hash_fn_by_name(algo))
+    images = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(off, n))
+              for ident, off, n in (("img-a", 3, 10), ("img-b", 40, 30))]  # fmt: skip
+    request = Request("mm", list(range(1, 101)), SamplingParams(max_tokens=4), pooling_params=None,
+                      block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo)), mm_features=images,
+                      lora_request=LoRARequest("ad", 3, "/ad"), cache_salt="tenant")  # fmt: skip
+    manager = PagedKVCacheManager(Layout().kv_cache_config(32), max_model_len=512, scheduler_block_size=16,
+                                  hash_block_size=16, hash_algo=algo)  # fmt: skip
+    spec = manager._spec(request, request.all_token_ids, None)
+    state = commit(admit(manager.state, spec).unwrap().state, "mm", [100]).unwrap().state
+    ours = [state.rows[state.requests["mm"].slots[0]].hash_at(j) for j in range(6)]
+    assert ours == [bytes(h) for h in request.block_hashes] and len(ours) == 6

@@ -23,8 +23,10 @@ from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Ro
 from pagedkv.core.txn import Txn
 
 
-def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
-    """Reserve every block of every row and group of ``spec``, or nothing.
+def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step[Admitted], KVError]:
+    """Reserve every block of every row and group of ``spec``, or nothing. ``reserve``: blocks the admission
+    must leave free (a watermark kept for decode growth, blocks promised elsewhere); short of them it is
+    ``NO_CAPACITY``.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -45,11 +47,12 @@ def admit(state: KVState, spec: RequestSpec) -> Result[Step[Admitted], KVError]:
     err = _over_limits(state, spec, held)
     if err is not None:
         return Failure(err)
-    if need > state.num_free:
+    if need + reserve > state.num_free:
+        kept = f", {reserve} kept back" if reserve else ""
         return fail(
             ErrorCode.NO_CAPACITY,
-            f"request {shown(rid)} needs {need} blocks; {state.num_free} are free",
-            rid, requested=need, available=state.num_free,
+            f"request {shown(rid)} needs {need} blocks; {state.num_free} are free{kept}",
+            rid, requested=need, available=max(state.num_free - reserve, 0),
         )  # fmt: skip
     txn = Txn(state)
     slots, blocks = _reserve(txn, spec, per_row, hit, firsts)
@@ -87,19 +90,6 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
         return err
     hit = find_hit(state, spec)
     return _over_limits(state, spec, _cost(state, spec, hit, _firsts(state.config, spec, hit))[0])
-
-
-def admission_cost(state: KVState, spec: RequestSpec) -> tuple[int, int]:
-    """What ``admit(state, spec)`` would cost, for a well-formed spec: the blocks the request then holds and
-    the blocks it takes from the free queue (the count ``admit`` itself decides by). An engine that keeps
-    blocks back (a watermark) compares the second with what it may spend.
-
-    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
-    >>> admission_cost(initial_state(CacheConfig(block_size=4, num_blocks=9)), RequestSpec("a", (RowSpec(9),)))
-    (3, 3)
-    """
-    hit = find_hit(state, spec)
-    return _cost(state, spec, hit, _firsts(state.config, spec, hit))
 
 
 def _shape(state: KVState, spec: RequestSpec) -> KVError | None:

@@ -238,8 +238,9 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
         chunk = min(total - hit, d.budget) if cfg.chunked_prefill else total - hit
         row = spec.rows[0]
         spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(chunk, 1)]),))  # type: ignore[index]
-    admitted = admit(d.kv, spec)
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
+    keep = cfg.watermark_blocks if d.running or not nothing_yet else 0  # the watermark, for decode growth
+    admitted = admit(d.kv, spec, reserve=keep)
     if isinstance(admitted, Failure):
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:
@@ -247,8 +248,6 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
         d.end(rid, Event.REFUSE, err)
         return "done"
     step = admitted.unwrap()
-    if step.state.free_blocks < cfg.watermark_blocks and (d.running or not nothing_yet):
-        return "skip" if cfg.allow_overtaking else "stop"  # keep the watermark for decode growth
     cached = step.effect.cached_tokens[0]
     if req.is_diffusion:
         tokens = sum(r.num_tokens - c for r, c in zip(req.rows or (), step.effect.cached_tokens))

@@ -10,8 +10,8 @@ vLLM's call                            the core
 =====================================  ===========================================================
 ``get_computed_blocks``                ``find_hit`` (read only, as vLLM's lookup)
 ``allocate_slots`` (a new request)     ``admit`` of a row holding the hit and the chunk (the core's
-                                       ``admission_cost`` against the free blocks, the watermark
-                                       and the reserve), then ``cache_ahead``
+                                       the watermark and the reserve kept back), then
+                                       ``cache_ahead``
 ``allocate_slots`` (a running one)     ``commit`` of what vLLM counts computed (a window's blocks go),
                                        ``append`` of the chunk's ids, ``cache_ahead``; a decode token
                                        joins the step's one ``decode_step`` (applied before anything
@@ -38,7 +38,6 @@ from returns.result import Failure
 
 from pagedkv.core import RequestSpec, RowSpec, initial_state
 from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks, reset_prefix_cache
-from pagedkv.core.admission import admission_cost
 from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
@@ -201,9 +200,10 @@ class PagedKVCacheManager:
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
                 if self._capped_need(full, computed, hit_ids) + watermark > txn.state.num_free:
                     return None
-            if admission_cost(txn.state, spec)[1] + watermark > txn.state.num_free - reserved_blocks:
+            admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
+            if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
                 return None
-            step = txn.apply(admit(txn.state, spec), "admit")
+            step = txn.apply(admitted, "admit")
             if step.effect.cached_tokens[0] != num_new_computed_tokens:
                 raise Refused("admit", KVError(ErrorCode.INVALID, f"request {rid!r}: the core's hit is "
                               f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}"))

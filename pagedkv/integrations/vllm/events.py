@@ -132,6 +132,7 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
     sends them; ``external``: a hash as the events carry it (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``:
     the int64 form, or the bytes)."""
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    lora_id, lora_name, session_id = request if request is not None else (None, None, None)
     last: tuple[int, bytes] | None = None  # (group, hash) of the block the last BlockStored ended with
     for ev in _by_group(events):
         if isinstance(ev, CoreStored):
@@ -140,17 +141,16 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
                 prev.block_hashes.append(external(ev.block_hash))
                 prev.token_ids.extend(ev.token_ids)
                 if prev.extra_keys is not None:
-                    prev.extra_keys.append(event_keys(ev.extra_keys))
+                    prev.extra_keys.append(event_keys(ev.extra_keys) if ev.extra_keys else None)
             else:
                 g = config.groups[ev.group]
-                who = request or RequestFields()
+                keys = None if request is None else [event_keys(ev.extra_keys) if ev.extra_keys else None]
                 out.append(BlockStored(
                     block_hashes=[external(ev.block_hash)],
                     parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
-                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=who.lora_id, medium=medium,
-                    lora_name=who.lora_name, extra_keys=None if request is None else [event_keys(ev.extra_keys)],
-                    group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind], kv_cache_spec_sliding_window=g.window,
-                    session_id=who.session_id))  # fmt: skip
+                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=lora_id, medium=medium,
+                    lora_name=lora_name, extra_keys=keys, group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind],
+                    kv_cache_spec_sliding_window=g.window, session_id=session_id))  # fmt: skip
             last = (ev.group, ev.block_hash)
             continue
         last = None

@@ -166,11 +166,18 @@ class PagedKVCacheManager:
         rid = request.request_id
         n = self._len.get(rid)
         if (n is not None and self._fast and num_new_tokens == 1 and not num_new_computed_tokens
-                and request.num_computed_tokens == n and n < self.max_model_len and n % self.block_size):  # fmt: skip
+                and request.num_computed_tokens == n and n < self.max_model_len):  # fmt: skip
             token = request.all_token_ids[n]
             if type(token) is int and 0 <= token < TOKEN_ID_LIMIT:  # (what decode_step accepts: it cannot refuse)
-                self._queue(request, n, token)  # into the open block: nothing taken or freed, nothing seen yet
-                return self.empty_kv_cache_blocks
+                if n % self.block_size:  # into the open block: nothing taken or freed, nothing seen yet
+                    self._queue_ids.append(rid)
+                    self._queue_tokens.append(token)
+                    self._len[rid] = n + 1
+                    if (n + 1) % self.block_size == 0 and self.enable_caching:  # it fills the block: cached with
+                        self._queue_full.append((request, n + 1))  # the batch, as vLLM caches it when it allocates
+                        self._stream.hold_place(rid)
+                    return self.empty_kv_cache_blocks
+                return self._open_block(request, n, token, reserved_blocks)
         txn = Transaction(self.state)
         try:
             new = self._allocate(txn, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -182,6 +189,26 @@ class PagedKVCacheManager:
             return None
         self._len[rid] = self._state.row_len[self._state.requests[rid].slots[0]]
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
+
+    def _open_block(self, request: Any, n: int, token: int, reserved_blocks: int) -> Any:
+        """A decode token that opens a block: its row committed through ``n`` and grown by it, applied at once
+        and apart from the queued tokens (they take and free no block, so neither sees the other)."""
+        if self._state.num_free - reserved_blocks < self.num_kv_cache_groups:
+            return None  # (queued tokens take no block: the free count is the state's)
+        rid = request.request_id
+        txn = Transaction(self._state)
+        try:
+            txn.apply(decode_step(self._state, [rid], [token]), "decode")
+            if self.enable_caching and self.block_size == 1:  # (a block of one token fills as it opens)
+                txn.apply(cache_ahead(txn.state, rid, [n + 1]), "cache_ahead")
+        except Refused as r:
+            raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+        opened = [ids[-1] for ids in request_blocks(txn.state, rid)[0]]
+        txn.allocated = opened
+        self._state = self._stream.keep(txn, request)
+        self._len[rid] = n + 1
+        block = self._block
+        return self._blocks_cls(tuple([block[b]] for b in opened))
 
     def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
@@ -346,16 +373,6 @@ class PagedKVCacheManager:
         raise AttributeError(name)
 
     # -- the core's steps ------------------------------------------------------------------------------------
-    def _queue(self, request: Any, n: int, token: int) -> None:
-        """A decode token into the request's open block, for the step's one ``decode_step``; a token that fills
-        the block has it cached with the batch, as vLLM caches it when it allocates."""
-        self._queue_ids.append(request.request_id)
-        self._queue_tokens.append(token)
-        self._len[request.request_id] = n + 1
-        if (n + 1) % self.block_size == 0 and self.enable_caching:
-            self._queue_full.append((request, n + 1))
-            self._stream.hold_place(request.request_id)
-
     def _flush(self) -> None:
         """The queued decode tokens as one transition (each row committed through its length, its token
         appended), then the blocks they filled cached, each request's events in its place in the stream."""

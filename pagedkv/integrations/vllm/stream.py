@@ -9,7 +9,7 @@ A call's transitions run in a ``Transaction`` on a value of the state; only a ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -23,7 +23,7 @@ from pagedkv.core.prefix import Hit
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.state import KVState
-from pagedkv.integrations.vllm.events import RequestFields, to_vllm
+from pagedkv.integrations.vllm.events import RequestFields, int64_hash, to_vllm
 from pagedkv.integrations.vllm.requests import event_fields
 
 
@@ -71,13 +71,16 @@ class EventStream:
     """The manager's outgoing KV events and metrics (module docstring)."""
 
     def __init__(self, config: CacheConfig, enabled: bool, *, caching: bool, metrics: Any, blocks: int) -> None:
+        from vllm import envs
         from vllm.distributed import kv_events
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock, maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
         self.config, self.enabled, self.caching, self.metrics = config, enabled, caching, metrics
         self._kinds = {"BlockStored": kv_events.BlockStored, "BlockRemoved": kv_events.BlockRemoved,
                        "AllBlocksCleared": kv_events.AllBlocksCleared}  # fmt: skip
-        self._external = maybe_convert_block_hash  # (reads vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        # hashes as vLLM's events carry them (its maybe_convert_block_hash), the setting read once
+        self._external: Callable[[bytes], int | bytes] = (int64_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+                                                          else bytes)  # fmt: skip
         # the KVCacheBlock objects handed to the scheduler carry block ids only, one per id, made once
         self.blocks = [KVCacheBlock(i) for i in range(blocks)]
         self.blocks[0].is_null = True
@@ -87,9 +90,12 @@ class EventStream:
     def keep(self, txn: Transaction, request: Any) -> KVState:
         """A completed call: its events (the request's fields on its stores) and its metrics; its state."""
         if self.enabled:
-            fields = None if request is None else _fields(request)
+            fields = None
             for effect in txn.effects:
-                self._send(events_of(effect), fields)
+                events = events_of(effect)
+                if events:
+                    fields = fields or (None if request is None else event_fields(request))
+                    self._send(events, fields)
         if self.metrics is not None:
             blocks = self.blocks
             for b in txn.touched:
@@ -114,8 +120,9 @@ class EventStream:
             batch, *cached = txn.effects
             cached = list(cached[0]) if cached else []  # (cache_ahead_many: one effect a request)
             for place, effect, request in zip(self._places, cached, filled, strict=True):
-                place.events = to_vllm(events_of(effect), self.config, request=_fields(request),
-                                       external=self._external)  # fmt: skip
+                events = events_of(effect)
+                if events:
+                    place.events = to_vllm(events, self.config, request=event_fields(request), external=self._external)
             self._places.clear()
             self._send(events_of(batch), None)
         return txn.state
@@ -150,5 +157,3 @@ class EventStream:
                                         external=self._external))  # fmt: skip
 
 
-def _fields(request: Any) -> RequestFields:
-    return event_fields(request)

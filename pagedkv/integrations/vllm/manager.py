@@ -175,7 +175,7 @@ class PagedKVCacheManager:
                     self._len[rid] = n + 1
                     if (n + 1) % self.block_size == 0 and self.enable_caching:  # it fills the block: cached with
                         self._queue_full.append((request, n + 1))  # the batch, as vLLM caches it when it allocates
-                        self._stream.hold_place(rid)
+                        self._stream.hold_place()
                     return self.empty_kv_cache_blocks
                 return self._open_block(request, n, token, reserved_blocks)
         txn = Transaction(self.state)

@@ -106,7 +106,7 @@ class EventStream:
                 self.metrics.on_block_allocated(blocks[b])
         return txn.state
 
-    def hold_place(self, request_id: Any) -> None:
+    def hold_place(self) -> None:
         """A place in the stream for the events of a queued token's filled block."""
         if self.enabled:
             place = _Place()

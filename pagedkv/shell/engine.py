@@ -7,6 +7,7 @@ prefill, prefix caching and preemption by recompute come from the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -146,6 +147,8 @@ class Engine:
         self.stats = EngineStats()
         self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
         self.recorder = None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
+        self.trace_error: Exception | None = None  # why the trace stopped being written, if it did
+        self._outbox: list[Completion] = []  # ended, not yet handed out by step()
         self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
         self.kv_history: list[Any] | None = [] if keep_history else None
         self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
@@ -157,8 +160,7 @@ class Engine:
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
-        if self.recorder is not None:
-            self.recorder.submit(req, self.state)
+        self._record(lambda r: r.submit(req, self.state))
 
     def _submitted(self, state: Any, req: SeqRequest) -> Any:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
@@ -178,66 +180,98 @@ class Engine:
         if isinstance(cancelled, Failure):  # an unknown or ended request
             raise ShellError(cancelled.failure())
         self.state = cancelled.unwrap()
-        self._kv_events(self.state.kv_events)
         self.worker.remove([rid])
         self.requests[rid].completion.finish_reason = "cancelled"
-        if self.recorder is not None:
-            self.recorder.cancel(rid, self.state)
+        self._record(lambda r: r.cancel(rid, self.state))
+        self._kv_events(self.state.kv_events)  # (a listener's fault raises here, the engine consistent)
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
-        """One engine step; the completions that finished in it. An exception between the plan and its
-        output (install, forward, sampling, an ``on_token`` callback) fails this step's requests alone
-        (``finish_reason="error"``, the message in ``Completion.error``) and the engine serves on."""
+        """One engine step; the completions that finished in it (and any a hook's fault kept back before).
+
+        A step that does not complete, whatever stops it between the plan and its output (an exception in
+        install, forward, sampling or an ``on_token`` callback, or a ``KeyboardInterrupt``), ends its live
+        requests with ``finish_reason="error"`` in one change of the state (blocks cached ahead of the
+        forward are taken back, tokens of this step dropped); a ``BaseException`` that is not an
+        ``Exception`` is raised again once the engine is consistent, an ``Exception`` is kept in the
+        requests' ``Completion.error`` and the engine serves on. Hooks run once the engine is consistent
+        and the step's completions are kept (the trace writer, then ``on_kv_events``): a hook that raises
+        makes ``step`` raise, and those completions come with the next call; a failed trace write stops
+        the recording (``trace_error``)."""
         t0 = time.perf_counter()
         self.state, plan = schedule(self.state).unwrap()
         scheduled_events = self.state.kv_events
         self.stats.steps += 1
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
-        done = self._refused(plan)
-        recorded, self._before = False, {}
+        self._outbox.extend(self._refused(plan))
+        self._before, recorded = {}, False
         try:
             ids = self._launch(plan)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
-            if self.recorder is not None:
-                self.recorder.schedule(self.state, plan)
+            self._record(lambda r: r.schedule(self.state, plan))
             recorded = True
             self._note_prefills(plan)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
             sampled, stop = self._take(plan.samples, tokens, on_token)
-        except Exception as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
-            self._kv_events(scheduled_events)  # what the plan did to the cache happened; the cancels follow
-            return done + self._fail(plan, e, recorded)
+        except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
+            events = self._fail(plan, e, recorded)
+            if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
+                with contextlib.suppress(Exception):
+                    self._kv_events(scheduled_events + events)
+                raise
+            self._kv_events(scheduled_events + events)  # what the plan did to the cache happened; the cancels follow
+            return self._hand_out()
         self.stats.preemptions += len(plan.preempted)
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
-        if self.on_kv_events is not None:
-            self._kv_events(scheduled_events + self.state.kv_events)
-        if self.recorder is not None:
-            self.recorder.output(sampled, stop, self.state, ended)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
+        for rid, _ in ended:  # kept before anything that may raise
+            live = self.requests[rid]
+            live.completion.finish_reason = live.completion.finish_reason or "length"
+            self._outbox.append(live.completion)
+            self._write_text(live)
         if self.kv_history is not None:
             self.kv_history.append(self.state.kv)
         if self.step_times is not None:
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
-        for rid, _ in ended:
-            live = self.requests[rid]
-            comp = live.completion
-            comp.finish_reason = comp.finish_reason or "length"
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
-            done.append(comp)
+        self._record(lambda r: r.output(sampled, stop, self.state, ended))
+        self._kv_events(scheduled_events + self.state.kv_events)
+        return self._hand_out()
+
+    def _hand_out(self) -> list[Completion]:
+        """The completions kept since the last step that returned, in the order they ended."""
+        done, self._outbox = self._outbox, []
         return done
 
     def _kv_events(self, events: tuple[Any, ...]) -> None:
         if events and self.on_kv_events is not None:
             self.on_kv_events(events)
+
+    def _record(self, write: Callable[[Recorder], object]) -> None:
+        """Trace lines, unless the trace cannot be written: then the recording stops (``trace_error`` says why)
+        and the engine serves on; a trace is a record of the run, never a reason to lose one."""
+        if self.recorder is None:
+            return
+        try:
+            write(self.recorder)
+        except Exception as e:  # noqa: BLE001 - a full disk, a closed stream: the run goes on without its trace
+            self.recorder, self.trace_error = None, e
+
+    def _write_text(self, live: Live) -> None:
+        """A completion's text, cut at its stop string; a detokenizer that fails leaves it empty and says so in
+        ``error`` (its tokens stand)."""
+        comp = live.completion
+        try:
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
+        except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
+            comp.text, comp.error = "", f"the detokenizer failed: {_one_line(e)}"
 
     def _refused(self, plan: StepPlan) -> list[Completion]:
         """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
@@ -248,35 +282,45 @@ class Engine:
             comp = live.completion
             ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
             comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop) if ran else ""
-            if not ran:  # the refusal that ended it, with its numbers
-                comp.error = why.get(rid)
+            if ran:
+                self._write_text(live)
+            else:  # the refusal that ended it, with its numbers
+                comp.text, comp.error = "", why.get(rid)
             done.append(comp)
         return done
 
-    def _fail(self, plan: StepPlan, error: Exception, recorded: bool) -> list[Completion]:
-        """End a step that raised before its output: each of its requests is cancelled with reason ``error``
-        (blocks and buffer rows back; the trace records it as an ``error`` event), the tokens it took this
-        step are dropped (the scheduler never received them), and everything else stays as it was."""
-        if self.recorder is not None and not recorded:
-            self.recorder.schedule(self.state, plan)
-        message = f"{type(error).__name__}: {error}"
-        failed = [*plan.decode, *(rid for rid, _ in plan.prefill)]
-        out = []
+    def _fail(self, plan: StepPlan, error: BaseException, recorded: bool) -> tuple[Any, ...]:
+        """A step that did not complete: each of its requests still live is ended with reason ``error`` (their
+        blocks and buffer rows back, blocks cached ahead of the forward taken back; the trace records an
+        ``error`` event each), in one change of the state; the tokens they took this step are dropped, the
+        fault is in their ``Completion.error``. Never raises on its own account (a request already ended, say
+        by a callback's cancel, is left as it is). Returns the cancels' KV events."""
+        plan_rids = [*plan.decode, *(rid for rid, _ in plan.prefill)]
+        failed = [rid for rid in plan_rids if rid in self.state.seqs]
+        state, after, events = self.state, [], []  # type: tuple[Any, list[Any], list[Any]]
         for rid in failed:
-            self.state = cancel(self.state, rid, "error").unwrap()  # a request of the pending step: always known
-            self._kv_events(self.state.kv_events)
-            if self.recorder is not None:
-                self.recorder.error(rid, self.state)
+            state = cancel(state, rid, "error").unwrap()  # a live request of the pending step: always known
+            after.append(state)
+            events.extend(state.kv_events)
+        planned, self.state = self.state, state
+        self.worker.remove(plan_rids)
+        self._last = None
+        message = _one_line(error)
+        for rid in failed:
             live = self.requests[rid]
             comp = live.completion
             del comp.token_ids[self._before.get(rid, len(comp.token_ids)) :]
+            self._write_text(live)
             comp.finish_reason, comp.error = "error", message
-            comp.text = self.tokenizer.decode(comp.token_ids)
-            out.append(comp)
-        self.worker.remove(failed)
-        self._last = None
-        return out
+            self._outbox.append(comp)
+        if not recorded:
+            self._record(lambda r: r.schedule(planned, plan))
+        def errors(r: Recorder) -> None:
+            for rid, s in zip(failed, after):
+                r.error(rid, s)
+
+        self._record(errors)
+        return tuple(events)
 
     def _launch(self, plan: StepPlan) -> torch.Tensor | None:
         """Install each of the plan's snapshots, run its forward (a decode batch by graph replay where
@@ -388,6 +432,16 @@ class Engine:
                 if on_finish is not None:
                     on_finish(comp)
         return [self.requests[rid].completion for rid in order]
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its type and message (a message that cannot be shown is said so)."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        text = "(its message could not be read)"
+    text = " ".join(text.split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def backend_for(name: str, device: torch.device) -> str:

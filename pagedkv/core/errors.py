@@ -65,7 +65,10 @@ def shown(value: object) -> str:
     if type(value) is int and value.bit_length() > SHOWN_DIGITS * 3:  # past ~54 digits
         digits = len(str(abs(value))) if value.bit_length() < 14_000 else int(value.bit_length() * 0.30103) + 1
         return f"<an integer of {'about ' if value.bit_length() >= 14_000 else ''}{digits} digits>"
-    return repr(value)
+    try:
+        return repr(value)
+    except (ValueError, RecursionError):  # a container of such integers, or one nested past Python's depth
+        return f"<a {type(value).__name__} too large to show>"
 
 
 def fail(code: ErrorCode, message: str, rid: RequestId | None, **numbers: int) -> Failure[KVError]:

@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core import pool
 from pagedkv.core.effects import Appended
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
+from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step, pack_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.vec import VecEdit
@@ -195,8 +195,9 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
     for i, item in enumerate(rows):
         if type(item) is int:
             n = item
-            if n < 0:
-                return invalid(f"request {shown(rid)} row {i}: cannot append {n} tokens", request=rid, field="num_tokens")
+            if not 0 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no row, nor a message)
+                return invalid(f"request {shown(rid)} row {i}: cannot append {shown(n)} tokens", request=rid,
+                               field="num_tokens")  # fmt: skip
         elif isinstance(item, (list, tuple)):
             for t in item:
                 if not is_token_id(t):
@@ -214,7 +215,7 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
         slot = req.slots[i]
         new_len = row_len[slot] + n
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
-            return invalid(f"request {shown(rid)} row {i} would reach {new_len} tokens, over max_model_len {cfg.max_model_len}",
+            return invalid(f"request {shown(rid)} row {i} would reach {shown(new_len)} tokens, over max_model_len {cfg.max_model_len}",
                            request=rid, field="tokens")  # fmt: skip
         extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
         need += extra

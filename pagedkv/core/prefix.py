@@ -37,7 +37,10 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     ngroups = len(cfg.groups)
     if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows) or spec.max_hit == 0:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
-    chains = _full_chains(state, spec)
+    try:
+        chains = _full_chains(state, spec)
+    except (OverflowError, TypeError, ValueError):  # ids, keys or lengths no admission takes: no hit
+        return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     hit = len(chains[-1])  # each row's chain stops at the shortest before it
     if not hit:  # the common case: the first block already misses
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))

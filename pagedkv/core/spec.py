@@ -141,7 +141,7 @@ def _check_row(row: object, where: str) -> KVError | None:
         if not is_int(t) or t < 1:
             return invalid(f"{where}: target_len must be a positive integer, got {shown(t)}", field="target_len")
         if p + t > n:
-            return invalid(f"{where}: prefix_len + target_len = {p + t} exceeds seq_len {n}", field="target_len")
+            return invalid(f"{where}: prefix_len + target_len = {shown(p + t)} exceeds seq_len {n}", field="target_len")
     if not is_int(row.pending_tokens) or not 0 <= row.pending_tokens <= n:
         return invalid(f"{where}: pending_tokens must be an integer in [0, {n}], got {shown(row.pending_tokens)}",
                        field="pending_tokens")  # fmt: skip
@@ -153,7 +153,7 @@ def _check_row(row: object, where: str) -> KVError | None:
             return invalid(f"{where}: a span must be a [start, end) pair of integers, got {shown(s)}", field="spans")
         a, b = s
         if not 0 <= a < b <= n:
-            return invalid(f"{where}: span [{a}, {b}) is empty or outside the row [0, {n})", field="spans")
+            return invalid(f"{where}: span [{shown(a)}, {shown(b)}) is empty or outside the row [0, {n})", field="spans")
         if a < end_prev:
             return invalid(f"{where}: span [{a}, {b}) is unsorted or overlaps the span before it", field="spans")
         end_prev = b

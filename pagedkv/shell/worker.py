@@ -15,13 +15,14 @@ replay over new values.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.errors import ErrorCode, RequestId, shown
+from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, RowMetadata
 from pagedkv.shell.errors import refuse
 
@@ -89,6 +90,10 @@ class Worker:
             return self.last[1]
         if not isinstance(meta, KVMetadata):
             raise refuse(ErrorCode.INVALID, f"install needs KVMetadata, got {type(meta).__name__}")
+        for name in ("generation", "epoch", "block_size"):
+            value = getattr(meta, name)
+            if type(value) is not int or not 0 <= value < INT_ID_LIMIT:
+                raise refuse(ErrorCode.INVALID, f"snapshot {name} must be a non-negative integer, got {shown(value)}")
         if self.last is not None and self.last[0] == meta:
             return self.last[1]  # the same generation and snapshot: a no-op
         new_epoch = self.epoch is None or meta.epoch > self.epoch
@@ -126,7 +131,7 @@ class Worker:
         new_rows = 0
         for r in rows:
             key = (r.request_id, r.row)
-            where = f"request {r.request_id!r} row {r.row}"
+            where = f"request {shown(r.request_id)} row {shown(r.row)}"
             if key in seen:
                 raise refuse(ErrorCode.INVALID, f"{where} appears twice", request=r.request_id)
             seen.add(key)
@@ -176,6 +181,14 @@ class Worker:
 
     def _check_row(self, r: RowMetadata, where: str, *, same_blocks: bool = False) -> None:
         cfg = self.config
+        for name in ("row", "seq_len", "query_len", "kv_start_pos"):
+            value = getattr(r, name)
+            if type(value) is not int or not 0 <= value < INT_ID_LIMIT:
+                raise refuse(ErrorCode.INVALID, f"{where}: {name} must be a non-negative integer, got {shown(value)}")
+        if not isinstance(r.block_ids, tuple) or not all(isinstance(ids, tuple) for ids in r.block_ids):
+            raise refuse(ErrorCode.INVALID, f"{where}: block_ids must be a tuple of block-id tuples, one a group")
+        if not isinstance(r.slots, (tuple, list, array)) or not isinstance(r.segments, tuple):
+            raise refuse(ErrorCode.INVALID, f"{where}: slots must be a sequence of integers and segments a tuple")
         if len(r.block_ids) != self.num_groups:
             raise refuse(ErrorCode.INVALID, f"{where}: {len(r.block_ids)} groups, the pool has {self.num_groups}")
         nb = len(r.block_ids[0])

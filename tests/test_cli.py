@@ -35,17 +35,37 @@ def prompt_files(tmp: Path) -> dict[str, str]:
         "noprompt": lines_of(tmp / "noprompt.jsonl", {"text": "a"}),
         "list": lines_of(tmp / "list.jsonl", ["a"]),
         "line3": lines_of(tmp / "line3.jsonl", {"prompt": "a"}, "", {"prompt": "b"}, '{"prompt": "c", oops}'),
+        "digits": lines_of(tmp / "digits.jsonl", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
+        "huge": lines_of(tmp / "huge.jsonl", {"prompt": "a", "max_tokens": 2**40}),
+        "surrogate": lines_of(tmp / "surrogate.jsonl", '{"prompt": "a \\ud800 b"}'),
     }
 
 
 # (argv, a phrase the one line must hold); {name} is a prompts file of prompt_files, {tmp} the folder
 USAGE_ERRORS: list[tuple[list[str], str]] = [
-    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be a positive integer, got '0'"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be an integer in [1, 2147483647], got '0'"),
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
-    (["generate", "--prompts", "{neg}"], 'neg.jsonl line 1: "max_tokens" must be a positive integer, got -5'),
-    (["generate", "--prompts", "{abc}"], '"max_tokens" must be a positive integer, got "abc"'),
+    (["generate", "--prompts", "{neg}"], 'neg.jsonl line 1: "max_tokens" must be an integer in [1, 2147483647], got -5'),
+    (["generate", "--prompts", "{abc}"], '"max_tokens" must be an integer in [1, 2147483647], got \'abc\''),
     (["generate", "--prompts", "{frac}"], "got 2.7"),
-    (["generate", "--prompts", "{bool}"], "got true"),
+    (["generate", "--prompts", "{bool}"], "got True"),
+    (["generate", "--prompts", "{digits}"], "digits.jsonl line 1: Exceeds the limit (4300 digits)"),
+    (["generate", "--prompts", "{huge}"], '"max_tokens" must be an integer in [1, 2147483647], got 1099511627776'),
+    (["generate", "--prompts", "{surrogate}"], 'surrogate.jsonl line 1: "prompt" is not valid UTF-8 text'),
+    (["generate", "a \udcff b"], "prompt 1 of the command line is not valid UTF-8 text"),  # (argv bytes 0xff)
+    (["generate", "hi", "--seed", str(10**30)], "--seed: must be an integer in [0, 2**63)"),
+    (["generate", "a", "b", "--seed", str(2**63 - 1)], "2 requests pass 2**63"),
+    (["generate", "hi", "--threads", str(10**20)], "--threads: must be an integer in [1, 1024] or auto"),
+    (["generate", "hi", "--max-num-seqs", str(10**9)], "--max-num-seqs: must be an integer in [1, 4096]"),
+    (["generate", "hi", "--trace", ""], "--trace: needs a file name"),
+    (["generate", "hi", "--page-map", ""], "--page-map: needs a file name"),
+    (["generate", "hi", "--backend", "triton"], "--backend triton runs on a CUDA device"),
+    (["denoise", "--seed", str(10**30)], "--seed: must be an integer in [0, 2**63)"),
+    (["denoise", "--blocks", str(10**9)], "--blocks: must be an integer in [1, 1048576]"),
+    (["check", "--blocks", str(10**9)], "--blocks: must be an integer in [1, 64]"),
+    (["check", "--requests", str(10**6)], "--requests: must be an integer in [1, 26]"),
+    (["check", "--out", "{tmp}/no/such/dir/c.jsonl"], "does not exist"),
+    (["check", "--out", ""], "--out: needs a file name"),
     (["generate", "--prompts", "{sys}"], '"system" must be a string, got 5'),
     (["generate", "--prompts", "{empty}"], 'line 1: "prompt" is empty'),
     (["generate", "--prompts", "{noprompt}"], '"prompt" must be a string'),
@@ -304,7 +324,7 @@ def test_requests_that_can_never_run_say_why(tmp_path: Path, capsys: pytest.Capt
     assert "tokens per second   - (nothing was generated)" in out
     assert err.splitlines() == [("pagedkv generate: UNSCHEDULABLE: request 'req-0' row 0 has 9001 tokens, over "
                                  "max_model_len 8192"), "pagedkv generate: no request could run (1 refused)"]  # fmt: skip
-    assert main(["generate", "--prompts", prompts, "Hello", "--max-tokens", "3"]) == 0  # one runs: exit 0, said
+    assert main(["generate", "--prompts", prompts, "Hello", "--max-tokens", "3"]) == 1  # one runs: exit 1, said
     out, err = capsys.readouterr()
     assert "requests            2 (1 refused)" in out and "prompt tokens       1\n" in out
     assert "UNSCHEDULABLE" in err
@@ -418,3 +438,22 @@ def test_vllm_policies_in_the_engine_keep_its_tokens(smollm2: tuple[Any, Any]) -
     (plain_ids, plain_hits), (vllm_ids, vllm_hits) = runs[False], runs[True]
     assert vllm_ids == plain_ids
     assert plain_hits == [0, 0, 0] and min(vllm_hits[1:]) >= 32  # same-step hits, only at vLLM's caching point
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """Issue 29: `replay > /dev/full` and `replay | head -1` ended in a traceback (and Python's own complaint
+    at exit); now one line on stderr, exit 1."""
+    cmd = [sys.executable, "-m", "pagedkv.app.cli", "replay", str(SHARED_TRACE)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr == "pagedkv replay: cannot write: No space left on device\n"
+    lines = [json.dumps({"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9}})]
+    lines += [json.dumps({"op": "reset"})] * 20_000  # more than a pipe holds
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen([*cmd[:-1], str(big)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline()
+    proc.stdout.close()  # what head -1 does after its line
+    assert proc.wait(timeout=120) == 1
+    assert proc.stderr is not None and proc.stderr.read() == "pagedkv replay: standard output was closed\n"

@@ -54,7 +54,18 @@ def _number(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]
     return parse
 
 
+def bounded_int(low: int, high: int) -> Callable[[str], float]:
+    """An integer flag in [low, high]: a value past what the run can allocate or finish is refused up front.
+
+    >>> bounded_int(1, 64)("8")
+    8
+    """
+    return _number(int, f"an integer in [{low}, {high}]", lambda v: low <= v <= high)
+
+
+SEED_LIMIT = 1 << 63  # torch's generators take a signed 64-bit seed
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+seed = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < SEED_LIMIT)
 non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 positive_float = _number(float, "a positive number", lambda v: v > 0)
 non_negative_float = _number(float, "a non-negative number", lambda v: v >= 0)
@@ -73,9 +84,31 @@ def device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)")
 
 
+MAX_THREADS = 1024
+
+
 def threads(text: str) -> int:
-    """``--threads``: ``auto`` (0: ``auto_threads()``) or a positive count."""
-    return 0 if text == "auto" else int(_number(int, "a positive integer or auto", lambda v: v >= 1)(text))
+    """``--threads``: ``auto`` (0: ``auto_threads()``) or a count in [1, 1024]."""
+    return 0 if text == "auto" else int(_number(int, f"an integer in [1, {MAX_THREADS}] or auto",
+                                                lambda v: 1 <= v <= MAX_THREADS)(text))  # fmt: skip
+
+
+def file_name(text: str) -> str:
+    """An output file's name: not empty (an empty one was once ignored without a word)."""
+    if not text:
+        raise argparse.ArgumentTypeError("needs a file name, got ''")
+    return text
+
+
+def writable_target(path: str) -> None:
+    """``UsageError`` unless ``path`` could be created or overwritten: its folder exists and it is not a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a folder")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{path}: the folder {folder} is not writable")
 
 
 def _cpu_times() -> tuple[int, int] | None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 
-from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, non_negative_int, positive_int
+from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, bounded_int, file_name, writable_target
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.scheduler import SchedState
 from pagedkv.core.state import KVState
@@ -29,10 +31,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # a usage error (one line, said) or --help: the status, returned as every path does
         return e.code if isinstance(e.code, int) else USAGE_EXIT
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()  # (what is buffered fails here, inside the handler, not at exit)
+        return code
     except KeyboardInterrupt:
         print(f"pagedkv {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the output cannot be written: a closed pipe (| head -1), a full disk (> /dev/full)
+        _quiet_stdout()
+        what = "standard output was closed" if isinstance(e, BrokenPipeError) else f"cannot write: {e.strerror or e}"
+        with contextlib.suppress(OSError):
+            print(f"pagedkv {args.command}: {what}", file=sys.stderr)
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Standard output pointed at /dev/null: Python's flush at exit then has nowhere to fail."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -47,20 +63,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p.add_argument("file", help="a JSON Lines trace; - reads standard input")
     p.add_argument("--json", action="store_true", help="print one JSON result object per event")
     p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
-    p.add_argument("--page-map", metavar="FILE.png", help="draw who holds which block, event by event (.png, .svg "
+    p.add_argument("--page-map", type=file_name, metavar="FILE.png", help="draw who holds which block, event by event (.png, .svg "
                    "or .pdf; needs matplotlib)")  # fmt: skip
     c = sub.add_parser("check", help="model-check every reachable state of a small configuration",
                        description="Explore every state a small configuration reaches, breadth first, checking "
                                    "the invariants in each; a violation's shortest trace is written to --out.")  # fmt: skip
     d = CheckConfig()
-    c.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per block")
-    c.add_argument("--blocks", type=positive_int, default=d.usable_blocks, help="usable blocks (the null block comes on top)")
-    c.add_argument("--requests", type=positive_int, default=d.requests, help="request ids in the alphabet")
-    c.add_argument("--rows", type=positive_int, default=d.max_rows, help="max rows per request")
-    c.add_argument("--window", type=non_negative_int, default=d.window,
+    # bounds a search can finish in: the state space grows exponentially in each
+    c.add_argument("--block-size", type=bounded_int(1, 16), default=d.block_size, help="tokens per block")
+    c.add_argument("--blocks", type=bounded_int(1, 64), default=d.usable_blocks,
+                   help="usable blocks (the null block comes on top)")
+    c.add_argument("--requests", type=bounded_int(1, 26), default=d.requests, help="request ids in the alphabet (A..Z)")
+    c.add_argument("--rows", type=bounded_int(1, 8), default=d.max_rows, help="max rows per request")
+    c.add_argument("--window", type=bounded_int(0, 64), default=d.window,
                    help="sliding-window group size; 0: one full group only")
     c.add_argument("--no-prefix-caching", action="store_true", help="explore without the prefix cache")
-    c.add_argument("--max-model-len", type=positive_int, default=d.max_model_len, help="tokens a row may hold")
+    c.add_argument("--max-model-len", type=bounded_int(1, 256), default=d.max_model_len, help="tokens a row may hold")
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
@@ -75,9 +93,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                    help="cache every block that fills with a content already cached (vLLM's block pool)")
     c.add_argument("--reset-when-idle", action="store_true",
                    help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)")
-    c.add_argument("--max-states", type=positive_int, default=d.max_states, help="stop after this many states")
-    c.add_argument("--max-depth", type=positive_int, default=None, help="stop at this depth (default: no bound)")
-    c.add_argument("--out", default="counterexample.jsonl", help="where a violation's trace is written")
+    c.add_argument("--max-states", type=bounded_int(1, 10**8), default=d.max_states, help="stop after this many states")
+    c.add_argument("--max-depth", type=bounded_int(1, 10**6), default=None, help="stop at this depth (default: no bound)")
+    c.add_argument("--out", type=file_name, default="counterexample.jsonl", help="where a violation's trace is written "
+                   "(its folder must exist)")  # fmt: skip
     c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
     generate = add_generate(sub)
     add_denoise(sub)
@@ -109,7 +128,8 @@ def _check(args: argparse.Namespace) -> int:
             long_prompts=args.long_prompts,
         )  # fmt: skip
         cfg.cache_config()
-    except InvalidConfig as e:
+        writable_target(args.out)  # before the search: a counterexample found must have somewhere to go
+    except (InvalidConfig, UsageError) as e:
         print(f"pagedkv check: {e}", file=sys.stderr)
         return USAGE_EXIT
     from tqdm import tqdm

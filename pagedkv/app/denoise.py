@@ -8,7 +8,7 @@ import random
 import sys
 from typing import Any
 
-from pagedkv.app.args import USAGE_EXIT, non_negative_int, positive_int
+from pagedkv.app.args import USAGE_EXIT, bounded_int, seed
 
 
 def add_parser(sub: Any) -> None:
@@ -16,12 +16,13 @@ def add_parser(sub: Any) -> None:
                        description="Denoise CFG requests (a conditional and an unconditional row each) with the "
                                    "DiT reference model, through the scheduler and the paged KV cache; per-step "
                                    "timing and pool usage.")  # fmt: skip
-    d.add_argument("--requests", type=positive_int, default=4, help="CFG requests (two rows each)")
-    d.add_argument("--steps", type=positive_int, default=6, help="denoising steps per request")
-    d.add_argument("--image-tokens", type=positive_int, default=16, help="latent tokens each row rewrites per step")
-    d.add_argument("--blocks", type=positive_int, default=48, help="usable blocks in the pool")
-    d.add_argument("--block-size", type=positive_int, default=8, help="tokens per block")
-    d.add_argument("--seed", type=non_negative_int, default=0, help="prompts, references and latents")
+    d.add_argument("--requests", type=bounded_int(1, 4096), default=4, help="CFG requests (two rows each)")
+    d.add_argument("--steps", type=bounded_int(1, 10_000), default=6, help="denoising steps per request")
+    d.add_argument("--image-tokens", type=bounded_int(1, 1 << 16), default=16,
+                   help="latent tokens each row rewrites per step")
+    d.add_argument("--blocks", type=bounded_int(1, 1 << 20), default=48, help="usable blocks in the pool")
+    d.add_argument("--block-size", type=bounded_int(1, 4096), default=8, help="tokens per block")
+    d.add_argument("--seed", type=seed, default=0, help="prompts, references and latents (below 2**63)")
 
 
 def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
@@ -64,9 +65,17 @@ def run(args: argparse.Namespace) -> int:
     except InvalidConfig as e:
         print(f"pagedkv denoise: {e}", file=sys.stderr)
         return USAGE_EXIT
-    rank = build_rank(plan, cfg, max_rows=4, max_tokens=512)
-    runner = DiTRunner(model, rank, get_backend("torch"))
     s, work = _submit_all(args, model, new_scheduler(cfg))
+    # the buffers hold the largest request that fits a row's length (a longer one is refused for good)
+    firsts = [sum(r.num_tokens for r in req.rows or ()) for req in s.seqs.values()]
+    need = max([512] + [n for n in firsts if n <= 4 * 64 * args.block_size])  # (rows of at most max_model_len)
+    try:
+        rank = build_rank(plan, cfg, max_rows=4, max_tokens=need)
+    except (MemoryError, RuntimeError) as e:  # a pool this machine cannot allocate
+        print(f"pagedkv denoise: cannot allocate a pool of {args.blocks} blocks of {args.block_size} tokens: "
+              f"{' '.join(str(e).split())[:160]}", file=sys.stderr)  # fmt: skip
+        return USAGE_EXIT
+    runner = DiTRunner(model, rank, get_backend("torch"))
     usable = cfg.usable_blocks
     refused: list[Any] = []
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")

@@ -7,28 +7,34 @@ the engine and the core, and reported the same way: one line, exit 2."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from typing import Any, TextIO
 
 from pagedkv.app.args import (
+    SEED_LIMIT,
     USAGE_EXIT,
     UsageError,
     auto_threads,
+    bounded_int,
     device,
+    file_name,
     non_negative_float,
-    non_negative_int,
     positive_float,
-    positive_int,
+    seed,
     threads,
     unit_interval,
 )  # fmt: skip
+from pagedkv.core.errors import shown as shown_value
 
 ITEM_KEYS = ("prompt", "max_tokens", "system")
 SHOWN_PROMPT_CHARS = 100
 REFUSED = ("UNSCHEDULABLE", "INVALID")  # finish reasons of a request the core would never admit
 INTERRUPTED_EXIT = 130
+MAX_TOKENS = (1 << 31) - 1  # a request's max_tokens at most (the model stops far before)
+MAX_SEQS = 4096  # requests running at once at most (the worker's buffers are sized by it)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -39,11 +45,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
     g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
                    '"system"?: str} per line; - reads standard input')  # fmt: skip
-    g.add_argument("--max-tokens", metavar="N", type=positive_int, default=64, help="tokens to generate per request at most")
+    g.add_argument("--max-tokens", metavar="N", type=bounded_int(1, MAX_TOKENS), default=64,
+                   help="tokens to generate per request at most")
     g.add_argument("--temperature", metavar="T", type=non_negative_float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", metavar="K", type=non_negative_int, default=0, help="sample from the k likeliest tokens; 0: all")
+    g.add_argument("--top-k", metavar="K", type=bounded_int(0, 1 << 31), default=0,
+                   help="sample from the k likeliest tokens; 0: all")
     g.add_argument("--top-p", metavar="P", type=unit_interval, default=1.0, help="sample from the smallest set holding this mass")
-    g.add_argument("--seed", metavar="S", type=non_negative_int, default=0, help="request i samples with seed + i")
+    g.add_argument("--seed", metavar="S", type=seed, default=0, help="request i samples with seed + i (below 2**63)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
     g.add_argument("--json", action="store_true",
                    help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, '
@@ -56,15 +64,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on cuda (graphs are the default)")
     g.add_argument("--threads", type=threads, default="auto", metavar="N|auto",
                    help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)")
-    g.add_argument("--kv-cache-memory", type=positive_float, default=256.0, metavar="MIB",
+    g.add_argument("--kv-cache-memory", type=positive_float, default=256.0, metavar="MIB",  # (what cannot be allocated: one line)
                    help="KV cache budget per rank in MiB")
-    g.add_argument("--block-size", metavar="TOKENS", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=16, help="requests running at once at most")
+    g.add_argument("--block-size", metavar="TOKENS", type=bounded_int(1, 8192), default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
+                   help="requests running at once at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
-    g.add_argument("--trace", metavar="FILE", help="record the scheduler's inputs and results as a trace (contract "
+    g.add_argument("--trace", metavar="FILE", type=file_name, help="record the scheduler's inputs and results as a trace (contract "
                    "v1), replayable with pagedkv replay FILE")  # fmt: skip
-    g.add_argument("--ranks", metavar="N", type=positive_int, default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
-    g.add_argument("--page-map", metavar="FILE.png", help="draw who holds which block over the run (.png, .svg or "
+    g.add_argument("--ranks", metavar="N", type=bounded_int(1, 64), default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
+    g.add_argument("--page-map", metavar="FILE.png", type=file_name, help="draw who holds which block over the run (.png, .svg or "
                    ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
     return g
 
@@ -77,6 +86,7 @@ def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
     for i, p in enumerate(args.prompt, 1):
         if not p:
             raise UsageError(f"prompt {i} of the command line is empty")
+        _text(p, f"prompt {i} of the command line")
         items.append({"prompt": p, "max_tokens": args.max_tokens})
     if args.prompts:
         name = "standard input" if args.prompts == "-" else args.prompts
@@ -95,7 +105,17 @@ def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
                 items.append(_item(line, f"{name} line {n}", args.max_tokens))
     if not items:
         raise UsageError("no prompts: give them as arguments or with --prompts FILE (- reads standard input)")
+    if args.seed + len(items) - 1 >= SEED_LIMIT:
+        raise UsageError(f"--seed {args.seed}: request i samples with seed + i, and {len(items)} requests pass 2**63")
     return items
+
+
+def _text(text: str, where: str) -> None:
+    """A prompt is valid Unicode: a lone surrogate (bytes that were not UTF-8, escaped by Python) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where} is not valid UTF-8 text (character {e.start}: {e.reason})") from None
 
 
 def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
@@ -105,6 +125,8 @@ def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
         raise UsageError(f"{where} column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise UsageError(f"{where}: nested too deeply") from None
+    except ValueError as e:  # an integer past Python's 4,300 digits
+        raise UsageError(f"{where}: {e}".split(";")[0]) from None
     if not isinstance(obj, dict):
         raise UsageError(f'{where}: expected an object {{"prompt": str, ...}}, got {type(obj).__name__}')
     prompt = obj.get("prompt")
@@ -112,12 +134,15 @@ def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
         raise UsageError(f'{where}: "prompt" must be a string' + ("" if prompt is None else f", got {prompt!r:.40}"))
     if not prompt:
         raise UsageError(f'{where}: "prompt" is empty')
+    _text(prompt, f'{where}: "prompt"')
     n = obj.get("max_tokens", max_tokens)
-    if type(n) is not int or n < 1:
-        raise UsageError(f'{where}: "max_tokens" must be a positive integer, got {json.dumps(n):.40}')
+    if type(n) is not int or not 1 <= n <= MAX_TOKENS:
+        raise UsageError(f'{where}: "max_tokens" must be an integer in [1, {MAX_TOKENS}], got {shown_value(n):.40}')
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
-        raise UsageError(f'{where}: "system" must be a string, got {json.dumps(system):.40}')
+        raise UsageError(f'{where}: "system" must be a string, got {shown_value(system):.40}')
+    if system:
+        _text(system, f'{where}: "system"')
     unknown = [k for k in obj if k not in ITEM_KEYS]
     if unknown:  # a typo (max_token) would silently do nothing: say so, and go on (extra keys were always allowed)
         print(f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: "
@@ -148,6 +173,23 @@ def dtype_for(name: str, device: str) -> Any:
     return getattr(torch, name)
 
 
+def check_backend(name: str, device_name: str) -> None:
+    """The attention backend can run on ``device_name`` here (its package imports), before the model loads."""
+    import torch
+
+    from pagedkv.shell.engine import backend_for
+    from pagedkv.shell.attention import get_backend
+    from pagedkv.shell.errors import BackendUnavailable
+
+    resolved = backend_for(name, torch.device(device_name))
+    if resolved not in ("torch",) and not device_name.startswith("cuda") and resolved != "npu":
+        raise UsageError(f"--backend {name} runs on a CUDA device; use --device cuda, or --backend torch on the CPU")
+    try:
+        get_backend(resolved)
+    except BackendUnavailable as e:
+        raise UsageError(str(e)) from None
+
+
 def check_device(name: str, ranks: int) -> None:
     """The device is there (torch imported), and SmolLM2's 9 query heads split over ``ranks``."""
     import torch
@@ -173,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         items = read_items(args)
         check_outputs(args)
         check_device(args.device, args.ranks)
+        check_backend(args.backend, args.device)
         trace = _open_trace(args.trace)
     except UsageError as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
@@ -187,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, items, trace, n_threads)
     finally:
         if trace is not None:
-            trace.close()
+            with contextlib.suppress(OSError):  # (a failed write was said already)
+                trace.close()
 
 
 def _open_trace(path: str | None) -> TextIO | None:
@@ -223,6 +267,10 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return USAGE_EXIT
+    except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
+        print(f"pagedkv generate: cannot allocate the engine (--kv-cache-memory {args.kv_cache_memory:g} MiB, "
+              f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}", file=sys.stderr)  # fmt: skip
+        return USAGE_EXIT
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
     done: list[Any] = []
@@ -250,28 +298,46 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     finally:
         bar.close()
     gen_s = time.perf_counter() - t1
-    if trace is not None:
-        trace.flush()
     for i, (it, c) in enumerate(zip(items, completions)):
         _print_completion(args, i, it, c)
     if not args.json:
         _summary(args, completions, engine, gen_s, load_s, n_threads=n_threads)
     sys.stdout.flush()  # the completions are out before anything optional can fail
-    status = _refusals(completions)
+    status = _unserved(completions)
+    status = max(status, _trace_written(engine, trace, args.trace))
     if args.page_map:
         status = max(status, _draw(engine, args.page_map))
     return status
 
 
-def _refusals(completions: list[Any]) -> int:
-    """Each request the core refused for good, with why, on stderr; exit 2 when none could run."""
-    refused = [c for c in completions if c.finish_reason in REFUSED]
-    for c in refused:
+def _unserved(completions: list[Any]) -> int:
+    """Each request that was not served, with why, on stderr: exit 2 when the core refused every one (a usage
+    error: too long for the pool), 1 when any was not served, 0 when all were."""
+    unserved = [c for c in completions if c.finish_reason in REFUSED or c.finish_reason == "error"]
+    for c in unserved:
         print(f"pagedkv generate: {c.finish_reason}: {c.error}", file=sys.stderr)
-    if refused and len(refused) == len(completions):
-        print(f"pagedkv generate: no request could run ({len(refused)} refused)", file=sys.stderr)
+    if not unserved:
+        return 0
+    if all(c.finish_reason in REFUSED for c in completions):
+        print(f"pagedkv generate: no request could run ({len(unserved)} refused)", file=sys.stderr)
         return USAGE_EXIT
-    return 0
+    print(f"pagedkv generate: {len(unserved)} of {len(completions)} requests were not served", file=sys.stderr)
+    return 1
+
+
+def _trace_written(engine: Any, trace: TextIO | None, path: str | None) -> int:
+    """1, said on stderr, when the trace could not be written whole (the run itself went on)."""
+    error = engine.trace_error
+    if trace is not None and error is None:
+        try:
+            trace.flush()
+        except OSError as e:
+            error = e
+    if error is None:
+        return 0
+    print(f"pagedkv generate: the trace {path} was not written whole: {getattr(error, 'strerror', None) or error}",
+          file=sys.stderr)  # fmt: skip
+    return 1
 
 
 def _draw(engine: Any, path: str) -> int:

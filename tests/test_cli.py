@@ -43,7 +43,7 @@ def prompt_files(tmp: Path) -> dict[str, str]:
 
 # (argv, a phrase the one line must hold); {name} is a prompts file of prompt_files, {tmp} the folder
 USAGE_ERRORS: list[tuple[list[str], str]] = [
-    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be an integer in [1, 2147483647], got '0'"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be a positive integer up to 2,147,483,647, got '0'"),
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
     (["generate", "--prompts", "{neg}"], 'neg.jsonl line 1: "max_tokens" must be an integer in [1, 2147483647], got -5'),
     (["generate", "--prompts", "{abc}"], '"max_tokens" must be an integer in [1, 2147483647], got \'abc\''),
@@ -56,14 +56,14 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--seed", str(10**30)], "--seed: must be an integer in [0, 2**63)"),
     (["generate", "a", "b", "--seed", str(2**63 - 1)], "2 requests pass 2**63"),
     (["generate", "hi", "--threads", str(10**20)], "--threads: must be an integer in [1, 1024] or auto"),
-    (["generate", "hi", "--max-num-seqs", str(10**9)], "--max-num-seqs: must be an integer in [1, 4096]"),
+    (["generate", "hi", "--max-num-seqs", str(10**9)], "--max-num-seqs: must be a positive integer up to 4,096"),
     (["generate", "hi", "--trace", ""], "--trace: needs a file name"),
     (["generate", "hi", "--page-map", ""], "--page-map: needs a file name"),
     (["generate", "hi", "--backend", "triton"], "--backend triton runs on a CUDA device"),
     (["denoise", "--seed", str(10**30)], "--seed: must be an integer in [0, 2**63)"),
-    (["denoise", "--blocks", str(10**9)], "--blocks: must be an integer in [1, 1048576]"),
-    (["check", "--blocks", str(10**9)], "--blocks: must be an integer in [1, 64]"),
-    (["check", "--requests", str(10**6)], "--requests: must be an integer in [1, 26]"),
+    (["denoise", "--blocks", str(10**9)], "--blocks: must be a positive integer up to 1,048,576"),
+    (["check", "--blocks", str(10**9)], "--blocks: must be a positive integer up to 64"),
+    (["check", "--requests", str(10**6)], "--requests: must be a positive integer up to 26"),
     (["check", "--out", "{tmp}/no/such/dir/c.jsonl"], "does not exist"),
     (["check", "--out", ""], "--out: needs a file name"),
     (["generate", "--prompts", "{sys}"], '"system" must be a string, got 5'),

@@ -59,8 +59,11 @@ def bounded_int(low: int, high: int) -> Callable[[str], float]:
 
     >>> bounded_int(1, 64)("8")
     8
+    >>> bounded_int(1, 64).__name__
+    'a positive integer up to 64'
     """
-    return _number(int, f"an integer in [{low}, {high}]", lambda v: low <= v <= high)
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer from {low}")
+    return _number(int, f"{what} up to {high:,}", lambda v: low <= v <= high)
 
 
 SEED_LIMIT = 1 << 63  # torch's generators take a signed 64-bit seed

@@ -251,3 +251,22 @@ def test_a_trace_that_cannot_be_written_stops_and_the_run_goes_on(tiny: Any, cle
         assert run(eng) == []
         assert isinstance(eng.trace_error, OSError) and eng.recorder is None
         check(eng, clean, tiny)
+
+
+def test_sampling_parameters_it_cannot_sample_with_are_refused_at_the_door(tiny: Any) -> None:
+    """A seed of 10**30 once reached the sampler and failed the step ("Overflow when unpacking long long"):
+    the request ended with error and `generate` exited 0. Now it is a ShellError at add_request, and generate
+    takes all of its prompts or none."""
+    from pagedkv.core.scheduler import sched_digest
+    from pagedkv.shell.errors import ShellError
+
+    eng = engine(tiny)
+    before = sched_digest(eng.state)
+    for bad in (SamplingParams(seed=10**30), SamplingParams(seed=-1), SamplingParams(temperature=float("nan")),
+                SamplingParams(top_p=0.0), SamplingParams(top_k=-2), SamplingParams(stop=("",)),
+                SamplingParams(max_tokens=10**5000)):  # fmt: skip
+        with pytest.raises(ShellError, match="INVALID"):
+            eng.add_request("x", "", [1, 2], bad)
+        with pytest.raises(ShellError, match="INVALID"):
+            eng.generate([("ok", [1, 2], SamplingParams()), ("bad", [3], bad)])
+        assert sched_digest(eng.state) == before and not eng.requests

@@ -18,7 +18,7 @@ import torch
 from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.errors import ErrorCode, RequestId
+from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import FinishReason, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.attention import AttentionBackend, get_backend
@@ -27,7 +27,7 @@ from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.recorder import Recorder
-from pagedkv.shell.sampling import SamplingParams, cut_at_stop, request_seed, sample, sample_batch
+from pagedkv.shell.sampling import SamplingParams, cut_at_stop, params_problem, request_seed, sample, sample_batch
 
 __all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "SamplingParams", "backend_for", "freeze_startup", "sample",
            "sample_batch"]
@@ -155,16 +155,19 @@ class Engine:
 
     # -- step-level API ----------------------------------------------------------
     def add_request(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        req = SeqRequest(rid, tuple(prompt_ids), max_tokens=params.max_tokens)
-        self.state = self._submitted(self.state, req)
+        req = SeqRequest(rid, tuple(prompt_ids), max_tokens=getattr(params, "max_tokens", 0))
+        self.state = self._submitted(self.state, req, params)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
         self._record(lambda r: r.submit(req, self.state))
 
-    def _submitted(self, state: Any, req: SeqRequest) -> Any:
-        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
-        vocabulary does not have) and nothing changed."""
+    def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
+        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
+        sample with, or a token id the model's vocabulary does not have) and nothing changed."""
+        problem = params_problem(params)
+        if problem is not None:  # refused here, not by the step that would sample with it
+            raise refuse(ErrorCode.INVALID, f"request {shown(req.request_id)}: {problem}", request=req.request_id)
         vocab = self.model.config.vocab_size
         bad = next((t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None)  # the core checks types
         if bad is not None:
@@ -423,7 +426,7 @@ class Engine:
         items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
         state = self.state
         for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-            state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=params.max_tokens))
+            state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)), params)
         for rid, text, ids, params in items:
             self.add_request(rid, text, ids, params)
         order = [rid for rid, *_ in items]

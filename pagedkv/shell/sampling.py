@@ -11,11 +11,14 @@ batch is sampled with a few tensor operations and one device-to-host copy (``sam
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from pagedkv.core.errors import shown
 
 _M32 = 0xFFFFFFFF
 
@@ -28,6 +31,31 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # per request: the same seed, the same tokens
     stop: tuple[str, ...] = ()
+
+
+def params_problem(params: object) -> str | None:
+    """What is wrong with ``params`` for the engine (a field it cannot sample with), or None.
+
+    >>> params_problem(SamplingParams(seed=2**70))
+    'seed must be an integer in [0, 2**63) or None, got 1180591620717411303424'
+    """
+    if not isinstance(params, SamplingParams):
+        return f"sampling parameters must be SamplingParams, got {type(params).__name__}"
+    p = params
+    checks = (
+        ("max_tokens", type(p.max_tokens) is int and 1 <= p.max_tokens < 1 << 63, "an integer in [1, 2**63)"),
+        ("temperature", isinstance(p.temperature, (int, float)) and not isinstance(p.temperature, bool)
+         and math.isfinite(p.temperature) and p.temperature >= 0, "a finite number >= 0"),
+        ("top_k", type(p.top_k) is int and 0 <= p.top_k < 1 << 31, "an integer in [0, 2**31)"),
+        ("top_p", isinstance(p.top_p, (int, float)) and not isinstance(p.top_p, bool) and 0 < p.top_p <= 1,
+         "a number in (0, 1]"),
+        ("seed", p.seed is None or (type(p.seed) is int and 0 <= p.seed < 1 << 63), "an integer in [0, 2**63) or None"),
+        ("stop", isinstance(p.stop, tuple) and all(type(x) is str and x for x in p.stop), "a tuple of non-empty strings"),
+    )  # fmt: skip
+    for name, ok, what in checks:
+        if not ok:
+            return f"{name} must be {what}, got {shown(getattr(p, name)):.60}"
+    return None
 
 
 def request_seed(request_id: object, params: SamplingParams) -> int:

@@ -17,7 +17,8 @@ import torch
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Engine, SamplingParams
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.sampling import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
              "Write a haiku about the sea.", "How many legs does a spider have?", "What is 12 times 12?",

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_serve import PROMPTS, WORDS, prompt_text  # noqa: E402
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.errors import BackendUnavailable  # noqa: E402
 
 NEW = 48

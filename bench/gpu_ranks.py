@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from pagedkv.shell.engine import SamplingParams
+from pagedkv.shell.sampling import SamplingParams
 from pagedkv.app.ranks import run_ranks
 
 

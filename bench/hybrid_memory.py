@@ -139,7 +139,8 @@ def part2(new: int, prompt_len: int) -> None:
 
     from pagedkv.models.gguf import LlamaConfig
     from pagedkv.models.llama import IdTokenizer, Llama
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
 
     hf = hf_model("qwen3")
     sd = {k: v.detach() for k, v in hf.state_dict().items()}

@@ -56,7 +56,7 @@ def _ways(rank: int, world: int, path: str, out: str) -> None:
 def main() -> None:
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import SamplingParams
+    from pagedkv.shell.sampling import SamplingParams
     from pagedkv.app.ranks import run_ranks
 
     _, meta = Llama.smollm2()

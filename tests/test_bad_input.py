@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 from pagedkv.core import (
     CacheConfig, RequestSpec, RowSpec, admit, append, append_many, commit, decode_step, digest, initial_state, publish,
 )  # fmt: skip

@@ -21,10 +21,11 @@ from returns.result import Failure, Success
 import pagedkv.core.verify.alphabet as check_mod
 import pagedkv.core.verify.trace_ops as trace_mod
 import tests.test_state_machine_caching as sm_caching
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
-from pagedkv.core import transitions
-from pagedkv.core.check import CheckConfig, check
+from pagedkv.core import admission as admission_mod
+from pagedkv.core.verify.alphabet import CheckConfig
+from pagedkv.core.verify.check import check
 from pagedkv.core import decode as decode_mod
 from pagedkv.core import admission, growth, pool
 from pagedkv.core.txn import Txn
@@ -82,7 +83,7 @@ def _double_free(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _refcount_left_by_refused_admission(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = transitions.admit
+    original = admission_mod.admit
 
     def admit(state: KVState, spec: Any) -> Any:
         result = original(state, spec)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pagedkv.app import args as app_args
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_TRACE = ROOT / "examples" / "shared_prefix_trace.jsonl"
@@ -144,12 +144,12 @@ def test_no_matplotlib_is_said_before_the_run(monkeypatch: pytest.MonkeyPatch, t
 
 def test_argument_errors_come_before_torch_and_without_a_traceback() -> None:
     """In a fresh process, as a user runs it: the flag's mistake is said before torch is imported."""
-    code = ("import sys; from pagedkv.cli import main; rc = main(['generate', 'hi', '--max-tokens', '0']); "
+    code = ("import sys; from pagedkv.app.cli import main; rc = main(['generate', 'hi', '--max-tokens', '0']); "
             "print(rc, 'torch' in sys.modules)")  # fmt: skip
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert res.stdout.split() == ["2", "False"]
     assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1
-    res = subprocess.run([sys.executable, "-m", "pagedkv.cli", "denoise", "--steps", "0"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "pagedkv.app.cli", "denoise", "--steps", "0"], capture_output=True,
                          text=True, cwd=ROOT, check=False)  # fmt: skip
     assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
 
@@ -405,7 +405,8 @@ def test_a_trace_without_expect_fields_on_request(smollm2: tuple[Any, Any]) -> N
 
     from pagedkv.core.verify.trace import replay
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
 
     model, meta = smollm2
     tok = Tokenizer(meta)
@@ -423,7 +424,8 @@ def test_vllm_policies_in_the_engine_keep_its_tokens(smollm2: tuple[Any, Any]) -
     """SmolLM2 with vLLM's caching point and free queue: requests sharing a system prompt hit it in the
     step that computes it (the commit point waits a step), and every completion is the default's."""
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
 
     model, meta = smollm2
     tok = Tokenizer(meta)

@@ -199,7 +199,7 @@ def test_bad_configs_raise_a_typed_error() -> None:
 def test_check_invariants_reports_broken_states() -> None:
     from dataclasses import replace
 
-    from pagedkv.core.invariants import check_invariants
+    from pagedkv.core.verify.invariants import check_invariants
 
     s = admit(pool(), RequestSpec("a", (RowSpec(8),))).unwrap().state
     assert check_invariants(s) == []

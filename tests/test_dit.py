@@ -147,7 +147,7 @@ def test_through_the_scheduler_and_prefix_reuse_by_content() -> None:
 
 
 def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.cli import main
+    from pagedkv.app.cli import main
 
     assert main(["denoise", "--requests", "2", "--steps", "3"]) == 0
     out = capsys.readouterr().out
@@ -158,7 +158,7 @@ def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
     (["--blocks", "0"], "--blocks"), (["--block-size", "0"], "--block-size"), (["--steps", "0"], "positive"),
 ])  # fmt: skip
 def test_denoise_mistakes_are_one_line(flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.cli import main
+    from pagedkv.app.cli import main
 
     assert main(["denoise", *flags]) == 2
     err = capsys.readouterr().err.strip()

@@ -15,7 +15,8 @@ from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.verify.trace import replay
 
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
-from pagedkv.shell.engine import Engine, SamplingParams
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.sampling import SamplingParams
 
 CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
               num_kv_heads=2, max_position=32)  # fmt: skip

@@ -20,7 +20,8 @@ from pagedkv.core.verify.trace import replay
 from pagedkv.core.verify.trace_ops import plan_json
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.attention import get_backend
-from pagedkv.shell.engine import Engine, EngineArgs, SamplingParams
+from pagedkv.shell.engine import Engine, EngineArgs
+from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.sampling import request_seed, sample
 
 CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,

@@ -15,11 +15,11 @@ from pagedkv.core import (
     CacheConfig, ErrorCode, RequestSpec, RowSpec, admit, append, commit, digest, free_queue, initial_state, publish,
     release,
 )  # fmt: skip
-from pagedkv.core.invariants import check_invariants
+from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import (
     SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, sched_digest, schedule, submit,
 )  # fmt: skip
-from pagedkv.core.trace import replay
+from pagedkv.core.verify.trace import replay
 
 CODES = {c.value for c in ErrorCode}
 json_values = st.recursive(

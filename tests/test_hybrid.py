@@ -18,7 +18,8 @@ from pagedkv.core.config import GroupKind  # noqa: E402
 from pagedkv.core.state import request_blocks  # noqa: E402
 from pagedkv.models.gguf import LlamaConfig  # noqa: E402
 from pagedkv.models.llama import IdTokenizer, Llama  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 
 WINDOW = 24
 VOCAB = 512

@@ -132,9 +132,10 @@ print([f"{p}.{k}" for p in packages for k, v in names[p].items() if vars(importl
 
 
 def test_importing_a_module_never_shadows_a_package_name() -> None:
-    """``pagedkv.core.digest`` is both an old module path and the function the package exports: loading
-    every module (as ``--doctest-modules`` does) must leave each package's names as they were. In a fresh
-    interpreter, so that what this session imported before cannot hide it."""
+    """A name a package exports and a submodule of that name would collide (the package's ``digest``
+    function was once shadowed so): loading every module (as ``--doctest-modules`` does) must leave each
+    package's names as they were. In a fresh interpreter, so that what this session imported before cannot
+    hide it."""
     import subprocess
     import sys
 

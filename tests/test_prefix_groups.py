@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 from pagedkv.core import (
     AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit,
     append, commit, digest, free_queue, hash_block, initial_state, release, request_blocks, reset,

@@ -13,7 +13,7 @@ except FileNotFoundError as e:  # pragma: no cover
 
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
-from pagedkv.shell.engine import SamplingParams  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams  # noqa: E402
 from pagedkv.app.ranks import run_ranks  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]

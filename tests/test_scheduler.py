@@ -9,7 +9,7 @@ from returns.result import Failure
 import pytest
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RowSpec, digest
-from pagedkv.core.invariants import check_invariants
+from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import (
     SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit,
 )  # fmt: skip

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 from pagedkv.core import CacheConfig
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, on_output, schedule, sched_digest, submit
 from pagedkv.core.spec import RowSpec
-from pagedkv.core.trace import output_event, plan_json, scheduler_header, submit_event
+from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
+from pagedkv.core.verify.trace_ops import plan_json
 from tests.test_scheduler import model
 
 
@@ -59,7 +60,7 @@ def test_a_recorded_serving_run_replays_with_the_same_plans_and_digests(
     assert main(["replay", "--check", str(path)]) == 0, capsys.readouterr().err
     capsys.readouterr()
     # and in another process, under another hash seed
-    res = subprocess.run([sys.executable, "-m", "pagedkv.cli", "replay", "--json", str(path)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "pagedkv.app.cli", "replay", "--json", str(path)], capture_output=True,
                          text=True, env={"PYTHONHASHSEED": "7", "PATH": ""})  # fmt: skip
     assert res.returncode == 0, res.stderr
     got = [json.loads(line)["plan"] for line in res.stdout.splitlines() if json.loads(line)["op"] == "schedule"]

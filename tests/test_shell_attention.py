@@ -203,7 +203,8 @@ def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None
     from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
     from pagedkv.shell.attention.phases import PhaseBackend
     from pagedkv.shell.attention.torch_ref import TorchBackend
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
 
     class Other(TorchBackend):
         name = "other"

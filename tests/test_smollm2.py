@@ -21,7 +21,8 @@ except FileNotFoundError as e:  # pragma: no cover - CI installs it
 
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
@@ -114,7 +115,7 @@ def test_a_cached_system_prompt_hits_and_gives_the_same_tokens(ours: tuple[Llama
 def test_generate_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
     from pathlib import Path
 
-    from pagedkv.cli import main
+    from pagedkv.app.cli import main
 
     p = Path(str(tmp_path)) / "p.jsonl"
     p.write_text(json.dumps({"prompt": "What is the capital of France?", "max_tokens": 12}) + "\n")
@@ -135,7 +136,7 @@ def test_generate_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: ob
 @pytest.mark.slow
 def test_llm_api_and_a_hugging_face_state_dict(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> None:
     """The whole-request API; and a model built from transformers' own state dict and config gives the same tokens."""
-    from pagedkv.llm import LLM
+    from pagedkv.app.llm import LLM
     from pagedkv.models.gguf import LlamaConfig
 
     model, tok = ours

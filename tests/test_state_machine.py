@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hypothesis import strategies as st
-from pagedkv.core.invariants import check_invariants
+from pagedkv.core.verify.invariants import check_invariants
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from returns.result import Failure, Success
 

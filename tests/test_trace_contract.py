@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cfg_and_decode.jsonl"
@@ -160,7 +160,7 @@ def test_digests_are_stable_across_processes() -> None:
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-m", "pagedkv.cli", "replay", str(EXAMPLE), "--json"],
+        res = subprocess.run([sys.executable, "-m", "pagedkv.app.cli", "replay", str(EXAMPLE), "--json"],
                              capture_output=True, text=True, env=env, check=True)  # fmt: skip
         outs.append([json.loads(line)["digest"] for line in res.stdout.splitlines()])
     assert outs[0] == outs[1]

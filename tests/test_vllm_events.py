@@ -155,7 +155,8 @@ def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
     from pagedkv.core.events import BlockStored as Stored
     from pagedkv.models.gguf import LlamaConfig
     from pagedkv.models.llama import IdTokenizer, random_llama
-    from pagedkv.shell.engine import Engine, SamplingParams
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                       rope_theta=1e4, rms_norm_eps=1e-6, max_position=256)  # fmt: skip

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.app.cli import main
 from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, digest, initial_state, release
 from pagedkv.core import free_queue, hash_block, reset_prefix_cache, root_hash
 from pagedkv.core.config import InvalidConfig

@@ -362,7 +362,7 @@ def _bar(total: int, disable: bool) -> Any:
 
 
 def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
-    from pagedkv.shell.engine import SamplingParams
+    from pagedkv.shell.sampling import SamplingParams
 
     requests = []
     for i, it in enumerate(items):

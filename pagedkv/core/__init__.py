@@ -26,8 +26,7 @@ from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import (
     KVState, Step, free_queue, initial_state, request_blocks, request_generation, row_token_ids,
 )  # fmt: skip
-from pagedkv.core import digest as _digest_path  # noqa: F401  the old module path, loaded first: its name is the function's
-from pagedkv.core.verify.digest import digest  # (bound after, so a later import of the path cannot shadow it)
+from pagedkv.core.verify.digest import digest
 
 __all__ = [
     "Admitted", "AllBlocksCleared", "Appended", "BlockRemoved", "BlockStored", "CacheConfig", "Committed", "DecodeRows",

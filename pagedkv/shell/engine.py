@@ -27,10 +27,9 @@ from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.recorder import Recorder
-from pagedkv.shell.sampling import SamplingParams, cut_at_stop, params_problem, request_seed, sample, sample_batch
+from pagedkv.shell.sampling import SamplingParams, cut_at_stop, params_problem, request_seed, sample_batch
 
-__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "SamplingParams", "backend_for", "freeze_startup", "sample",
-           "sample_batch"]
+__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "backend_for", "freeze_startup"]
 
 
 @dataclass(slots=True)

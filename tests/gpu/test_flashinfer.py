@@ -16,7 +16,8 @@ pytest.importorskip("triton", reason="the comparisons run triton beside it")
 
 from bench import gpu_decode, gpu_prefill_check  # noqa: E402
 from pagedkv.shell.attention import get_backend  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.errors import ShellError  # noqa: E402
 
 CASES = gpu_prefill_check.cases()

@@ -16,7 +16,8 @@ pytest.importorskip("transformers", reason="the reference needs transformers")
 
 from pagedkv.models.gguf import LlamaConfig  # noqa: E402
 from pagedkv.models.llama import IdTokenizer, Llama  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 from tests.test_hybrid import WINDOW, hf_model, prompts  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import torch
 pytestmark = pytest.mark.cuda
 
 from pagedkv.app.ranks import run_ranks
-from pagedkv.shell.engine import SamplingParams
+from pagedkv.shell.sampling import SamplingParams
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")

@@ -13,7 +13,8 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from bench import gpu_decode, gpu_prefill_check  # noqa: E402
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama  # noqa: E402
-from pagedkv.shell.engine import Engine, SamplingParams  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams
 
 CASES = gpu_prefill_check.cases()
 

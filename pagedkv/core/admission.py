@@ -12,7 +12,7 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core import pool
+import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import ErrorCode, KVError, fail, shown
 from pagedkv.core.events import BlockRemoved

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core import pool
+import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.events import BlockRemoved, BlockStored

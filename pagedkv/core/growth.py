@@ -13,7 +13,7 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core import pool
+import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step, pack_ids

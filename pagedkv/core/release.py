@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core import pool
+import pagedkv.core.pool as pool
 from pagedkv.core.commit import forget_ahead, save_states
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown

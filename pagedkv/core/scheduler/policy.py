@@ -19,10 +19,7 @@ by the next ``on_output``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
-from immutables import Map, MapMutation
-from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.admission import admit, growing_refusal
@@ -33,91 +30,24 @@ from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
-from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, SeqRequest, StepPlan
-from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
+from pagedkv.core.scheduler.lifecycle import Event
+from pagedkv.core.scheduler.draft import Draft
+from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
 from pagedkv.core.snapshot import publish
-from pagedkv.core.effects import events_of
-from pagedkv.core.events import KVEvent
-from pagedkv.core.state import KVState, Step
-
-
-class _Draft:
-    """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
-
-    __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
-                 "decode", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
-
-    def __init__(self, state: SchedState) -> None:
-        self.state = state
-        self.kv: KVState = state.kv
-        self.budget = state.config.max_num_batched_tokens
-        self.running = list(state.running)
-        self.waiting: PDeque[RequestId] = state.waiting
-        self.phases: MapMutation[RequestId, Phase] = state.phases.mutate()
-        self.seqs: Map[RequestId, SeqRequest] = state.seqs
-        self.log: TokenLog = state.log
-        self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
-        self.finished: Map[RequestId, FinishReason] = state.finished
-        self.decode: list[RequestId] = []
-        self.prefill: list[tuple[RequestId, int]] = []
-        self.diffusion: list[DiffusionRun] = []
-        self.preempted: list[RequestId] = []
-        self.ended: list[tuple[RequestId, FinishReason]] = []
-        self.refusals: list[KVError] = []  # why each request this step ended did end
-        phases = state.phases
-        self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
-        self.events: list[KVEvent] = []  # the core's KV events of this step, in order
-
-    def apply(self, step: Step[Any]) -> None:
-        """Take a core transition's new state, and keep its events."""
-        self.kv = step.state
-        evs = events_of(step.effect)
-        if evs:
-            self.events.extend(evs)
-
-    def move(self, rid: RequestId, event: Event) -> None:
-        """A lifecycle transition (the table's), and what leaving the phase map means."""
-        phase = advance(self.phases.get(rid), event)
-        if phase is None:
-            del self.phases[rid]
-        else:
-            self.phases[rid] = phase
-
-    def end(self, rid: RequestId, event: Event, why: KVError) -> None:
-        """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,
-        into ``finished`` with the refusal's code."""
-        how = FinishReason(why.code.value)
-        self.refusals.append(why)
-        self.move(rid, event)
-        self.seqs = self.seqs.delete(rid)
-        self.log_edit = self.log_edit or self.log.edit()
-        self.log_edit.drop(rid)
-        self.finished = self.finished.set(rid, how)
-        self.ended.append((rid, how))
-
-    def preempt(self, victim: RequestId) -> None:
-        self.apply(release(self.kv, victim, "preempted").unwrap())
-        self.move(victim, Event.PREEMPT)
-        self.running.remove(victim)
-        self.waiting = self.waiting.appendleft(victim)
-        self.preempted.append(victim)
-        if victim in self.decode:
-            self.decode.remove(victim)
 
 
 def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
     """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output."""
     if state.pending_output:
         return Failure(invalid(f"step {state.step} has not had its on_output yet", field="op"))
-    d = _Draft(state)
+    d = Draft(state)
     _decodes(d)
     _prefill_chunks(d)
     _admissions(d)
     return Success(_plan(d))
 
 
-def _decodes(d: _Draft) -> None:
+def _decodes(d: Draft) -> None:
     """Decodes, oldest first: one token each (its last sampled id). The whole batch as one transition
     when it fits; request by request, preempting the newest as needed, when it does not."""
     prefilling = d.prefilling
@@ -133,29 +63,38 @@ def _decodes(d: _Draft) -> None:
             _decode_one(d, rid, d.log.last(rid))
 
 
-def _decode_one(d: _Draft, rid: RequestId, token: int) -> None:
+def _decode_one(d: Draft, rid: RequestId, token: int) -> None:
+    grown = _grow(d, rid, [token])
+    if grown is True:
+        d.decode.append(rid)
+        d.budget -= 1
+    elif grown is not False:  # max_model_len reached: it cannot go on
+        d.apply(release(d.kv, rid, "error").unwrap())
+        d.running.remove(rid)
+        d.end(rid, Event.OVERRUN, grown)
+
+
+def _grow(d: Draft, rid: RequestId, tokens: list[int]) -> bool | KVError:
+    """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
+    True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
+    refusal that is not about blocks."""
     while True:
-        grown = append(d.kv, rid, [[token]])
+        grown = append(d.kv, rid, [tokens])
         if isinstance(grown, Success):
             d.apply(grown.unwrap())
-            d.decode.append(rid)
-            d.budget -= 1
-            return
+            return True
         err = grown.failure()
-        if err.code is not ErrorCode.NO_CAPACITY:  # max_model_len reached: it cannot go on
-            d.apply(release(d.kv, rid, "error").unwrap())
-            d.running.remove(rid)
-            d.end(rid, Event.OVERRUN, err)
-            return
+        if err.code is not ErrorCode.NO_CAPACITY:
+            return err
         victim = d.running[-1]
         d.preempt(victim)
         if victim == rid:
-            return
+            return False
 
 
-def _prefill_chunks(d: _Draft) -> None:
+def _prefill_chunks(d: Draft) -> None:
     """Chunked prefills of running requests, in admission order, while the budget lasts."""
-    cfg, kv, prefilling = d.state.config, d.kv, d.prefilling
+    cfg, prefilling = d.state.config, d.prefilling
     for rid in d.running if prefilling else ():
         if d.budget <= 0:
             return
@@ -173,17 +112,17 @@ def _prefill_chunks(d: _Draft) -> None:
                 _cache_ahead(d, rid, computed + q)
 
 
-def _output(d: _Draft, rid: RequestId) -> tuple[int, ...]:
+def _output(d: Draft, rid: RequestId) -> tuple[int, ...]:
     """What ``rid`` generated so far (before a preemption), as this draft sees it."""
     return (d.log if d.log_edit is None else d.log_edit).tokens(rid)
 
 
-def _sequence_len(d: _Draft, rid: RequestId) -> int:
+def _sequence_len(d: Draft, rid: RequestId) -> int:
     """What an LLM request computes before it decodes: its prompt and what it generated before a preemption."""
     return len(d.seqs[rid].prompt) + len(_output(d, rid))
 
 
-def _grow_chunk(d: _Draft, rid: RequestId, end: int) -> bool:
+def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
     """``grow_prefill``: the row holds tokens up to ``end`` (its next chunk's blocks), preempting the newest
     running request while the blocks are short; False when ``rid`` itself was the one preempted."""
     slot = d.kv.requests[rid].slots[0]
@@ -191,21 +130,13 @@ def _grow_chunk(d: _Draft, rid: RequestId, end: int) -> bool:
     if end <= length:
         return True
     req = d.seqs[rid]
-    tokens = (req.prompt + _output(d, rid))[length:end]
-    while True:
-        grown = append(d.kv, rid, [list(tokens)])
-        if isinstance(grown, Success):
-            d.apply(grown.unwrap())
-            return True
-        if grown.failure().code is not ErrorCode.NO_CAPACITY:  # (admission checked the whole sequence)
-            raise AssertionError(f"a prefill chunk's growth was refused: {grown.failure().message}")
-        victim = d.running[-1]
-        d.preempt(victim)
-        if victim == rid:
-            return False
+    grown = _grow(d, rid, list((req.prompt + _output(d, rid))[length:end]))
+    if isinstance(grown, KVError):  # (admission checked the whole sequence)
+        raise AssertionError(f"a prefill chunk's growth was refused: {grown.message}")
+    return grown
 
 
-def _admissions(d: _Draft) -> None:
+def _admissions(d: Draft) -> None:
     """Admissions from the head of the waiting queue while budget, seats and blocks allow."""
     cfg = d.state.config
     skipped: list[RequestId] = []
@@ -221,7 +152,7 @@ def _admissions(d: _Draft) -> None:
         d.waiting = d.waiting.appendleft(rid)
 
 
-def _admit_head(d: _Draft, rid: RequestId) -> str:
+def _admit_head(d: Draft, rid: RequestId) -> str:
     """Try the head of the waiting queue: "stop" (it waits, and so do those behind it), "skip" (it
     waits; later ones may overtake it), or "done" (admitted, or ended by a permanent refusal)."""
     cfg = d.state.config
@@ -273,14 +204,14 @@ def _admit_head(d: _Draft, rid: RequestId) -> str:
     return "done"
 
 
-def _cache_ahead(d: _Draft, rid: RequestId, through: int) -> None:
+def _cache_ahead(d: Draft, rid: RequestId, through: int) -> None:
     """Under vLLM's caching point, a planned prefill chunk's full blocks are cached now: a request admitted
     after it in this step can hit them (the one prefill forward writes them before any row reads them)."""
     if d.kv.config.caching_point == "schedule":
         d.apply(cache_ahead(d.kv, rid, [through]).unwrap())
 
 
-def _plan(d: _Draft) -> tuple[SchedState, StepPlan]:
+def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     """The step's metadata (prefill rows' snapshot, then decode rows'), its plan, the next state."""
     state, kv = d.state, d.kv
     metadata: list[KVMetadata] = []

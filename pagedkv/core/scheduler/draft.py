@@ -1,0 +1,83 @@
+"""A ``schedule`` call's working copy of the scheduler state (``Draft``): the lists it grows, the core state it
+moves through transitions, and the lifecycle moves (an end, a preemption) every part of the policy shares.
+It never escapes the call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from immutables import Map, MapMutation
+from pyrsistent import PDeque
+
+from pagedkv.core.effects import events_of
+from pagedkv.core.errors import KVError, RequestId
+from pagedkv.core.events import KVEvent
+from pagedkv.core.release import release
+from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
+from pagedkv.core.scheduler.records import DiffusionRun, SchedState, SeqRequest
+from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
+from pagedkv.core.state import KVState, Step
+
+
+class Draft:
+    """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
+
+    __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
+                 "decode", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
+
+    def __init__(self, state: SchedState) -> None:
+        self.state = state
+        self.kv: KVState = state.kv
+        self.budget = state.config.max_num_batched_tokens
+        self.running = list(state.running)
+        self.waiting: PDeque[RequestId] = state.waiting
+        self.phases: MapMutation[RequestId, Phase] = state.phases.mutate()
+        self.seqs: Map[RequestId, SeqRequest] = state.seqs
+        self.log: TokenLog = state.log
+        self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
+        self.finished: Map[RequestId, FinishReason] = state.finished
+        self.decode: list[RequestId] = []
+        self.prefill: list[tuple[RequestId, int]] = []
+        self.diffusion: list[DiffusionRun] = []
+        self.preempted: list[RequestId] = []
+        self.ended: list[tuple[RequestId, FinishReason]] = []
+        self.refusals: list[KVError] = []  # why each request this step ended did end
+        phases = state.phases
+        self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
+        self.events: list[KVEvent] = []  # the core's KV events of this step, in order
+
+    def apply(self, step: Step[Any]) -> None:
+        """Take a core transition's new state, and keep its events."""
+        self.kv = step.state
+        evs = events_of(step.effect)
+        if evs:
+            self.events.extend(evs)
+
+    def move(self, rid: RequestId, event: Event) -> None:
+        """A lifecycle transition (the table's), and what leaving the phase map means."""
+        phase = advance(self.phases.get(rid), event)
+        if phase is None:
+            del self.phases[rid]
+        else:
+            self.phases[rid] = phase
+
+    def end(self, rid: RequestId, event: Event, why: KVError) -> None:
+        """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,
+        into ``finished`` with the refusal's code."""
+        how = FinishReason(why.code.value)
+        self.refusals.append(why)
+        self.move(rid, event)
+        self.seqs = self.seqs.delete(rid)
+        self.log_edit = self.log_edit or self.log.edit()
+        self.log_edit.drop(rid)
+        self.finished = self.finished.set(rid, how)
+        self.ended.append((rid, how))
+
+    def preempt(self, victim: RequestId) -> None:
+        self.apply(release(self.kv, victim, "preempted").unwrap())
+        self.move(victim, Event.PREEMPT)
+        self.running.remove(victim)
+        self.waiting = self.waiting.appendleft(victim)
+        self.preempted.append(victim)
+        if victim in self.decode:
+            self.decode.remove(victim)

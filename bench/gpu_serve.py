@@ -31,7 +31,8 @@ from bench.generate import NoStop  # noqa: E402  the tokenizer with no stop toke
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Engine, freeze_startup
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.sampling import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."

@@ -20,7 +20,8 @@ from pagedkv.core.verify.trace import replay
 from pagedkv.core.verify.trace_ops import plan_json
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.attention import get_backend
-from pagedkv.shell.engine import Engine, EngineArgs
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.engine_args import EngineArgs
 from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.sampling import request_seed, sample
 

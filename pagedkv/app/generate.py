@@ -177,7 +177,7 @@ def check_backend(name: str, device_name: str) -> None:
     """The attention backend can run on ``device_name`` here (its package imports), before the model loads."""
     import torch
 
-    from pagedkv.shell.engine import backend_for
+    from pagedkv.shell.engine_args import backend_for
     from pagedkv.shell.attention import get_backend
     from pagedkv.shell.errors import BackendUnavailable
 
@@ -252,7 +252,8 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine, EngineArgs, freeze_startup
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.engine_args import EngineArgs, freeze_startup
     from pagedkv.shell.errors import BackendUnavailable, ShellError
 
     t0 = time.perf_counter()

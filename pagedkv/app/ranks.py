@@ -19,7 +19,8 @@ from pagedkv.models.parallel import shard
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.distributed import Leader, describe, follow, init
-from pagedkv.shell.engine import Engine, EngineArgs
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.engine_args import EngineArgs
 from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.rank import build_rank, plan_rank
 

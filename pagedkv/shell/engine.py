@@ -8,7 +8,6 @@ prefill, prefix caching and preemption by recompute come from the scheduler.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,15 +20,15 @@ from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import FinishReason, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
-from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GraphDecoder, buckets_for
-from pagedkv.shell.rank import Rank, rank_for
+from pagedkv.shell.engine_args import EngineArgs, EngineStats
+from pagedkv.shell.rank import Rank
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, cut_at_stop, params_problem, request_seed, sample_batch
 
-__all__ = ["Completion", "Engine", "EngineArgs", "EngineStats", "backend_for", "freeze_startup"]
+__all__ = ["Completion", "Engine"]
 
 
 @dataclass(slots=True)
@@ -53,53 +52,6 @@ class Live:
     params: SamplingParams
     seed: int
     text: TextSoFar | None  # kept only for a request with stop strings
-
-
-@dataclass(frozen=True, slots=True)
-class EngineArgs:
-    """An engine's sizes and switches, in one place (a launcher of several ranks reads them too)."""
-
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 256 << 20  # per rank
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
-    chunked_prefill: bool = True  # off: a prompt runs whole, alone in a step when it is over the budget
-    caching_point: str = "commit"  # CacheConfig.caching_point: "schedule" caches a prefill chunk's blocks when planned
-    free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
-    grow_prefill: bool = False  # SchedulerConfig.grow_prefill: a prompt's blocks chunk by chunk (window groups
-    # then hold a window and a chunk, not the whole prompt)
-
-    def step_tokens(self, model: Any) -> int:
-        """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
-        prompt (up to the model's length), which the scheduler runs alone when it is over the budget."""
-        return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
-                                                                            model.config.max_position)
-
-    def attention(self, model: Any) -> AttentionBackend:
-        """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
-        return get_backend(backend_for(self.backend, model.device))
-
-    def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
-        """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
-        ``attention(model)``) lends the pool its fused K/V write, where it has one."""
-        backend = backend if backend is not None else self.attention(model)
-        return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
-                        kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                        enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
-                        max_tokens=self.step_tokens(model), backend=backend, caching_point=self.caching_point,
-                        free_queue=self.free_queue)  # fmt: skip
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    peak_blocks: int = 0
 
 
 class Engine:
@@ -444,31 +396,3 @@ def _one_line(error: BaseException) -> str:
         text = "(its message could not be read)"
     text = " ".join(text.split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def backend_for(name: str, device: torch.device) -> str:
-    """``auto``: the triton backend on a CUDA device where Triton imports, else torch; any other name as given.
-
-    >>> backend_for("auto", torch.device("cpu")), backend_for("torch", torch.device("cuda"))
-    ('torch', 'torch')
-    """
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "triton"
-    return "torch"
-
-
-def freeze_startup() -> None:
-    """What a serving process should do once its model, pools and engine exist: collect, then move
-    everything alive into CPython's permanent generation (``gc.freeze``, as vLLM's engine core
-    does), so full collections never walk the weights' and the start-up state's objects again.
-    The core does not need it (its step leaves little for the GC to walk, with the GC on at
-    default thresholds: bench/peers.py); it is the process's policy, so the app calls it, never
-    the library on its own."""
-    gc.collect()
-    gc.freeze()

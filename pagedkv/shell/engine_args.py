@@ -1,0 +1,88 @@
+"""What sizes and switches an engine (``EngineArgs``), which attention backend it runs (``backend_for``),
+what it counts (``EngineStats``), and the process's GC policy once it stands (``freeze_startup``)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.rank import Rank, rank_for
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """An engine's sizes and switches, in one place (a launcher of several ranks reads them too)."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 << 20  # per rank
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    backend: str = "auto"  # auto: triton on CUDA (where it imports), torch elsewhere
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs, where the backend can be captured
+    chunked_prefill: bool = True  # off: a prompt runs whole, alone in a step when it is over the budget
+    caching_point: str = "commit"  # CacheConfig.caching_point: "schedule" caches a prefill chunk's blocks when planned
+    free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
+    grow_prefill: bool = False  # SchedulerConfig.grow_prefill: a prompt's blocks chunk by chunk (window groups
+    # then hold a window and a chunk, not the whole prompt)
+
+    def step_tokens(self, model: Any) -> int:
+        """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
+        prompt (up to the model's length), which the scheduler runs alone when it is over the budget."""
+        return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
+                                                                            model.config.max_position)
+
+    def attention(self, model: Any) -> AttentionBackend:
+        """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
+        return get_backend(backend_for(self.backend, model.device))
+
+    def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
+        """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
+        ``attention(model)``) lends the pool its fused K/V write, where it has one."""
+        backend = backend if backend is not None else self.attention(model)
+        return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
+                        kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                        enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
+                        max_tokens=self.step_tokens(model), backend=backend, caching_point=self.caching_point,
+                        free_queue=self.free_queue)  # fmt: skip
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks: int = 0
+
+
+def backend_for(name: str, device: torch.device) -> str:
+    """``auto``: the triton backend on a CUDA device where Triton imports, else torch; any other name as given.
+
+    >>> backend_for("auto", torch.device("cpu")), backend_for("torch", torch.device("cuda"))
+    ('torch', 'torch')
+    """
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"
+
+
+def freeze_startup() -> None:
+    """What a serving process should do once its model, pools and engine exist: collect, then move
+    everything alive into CPython's permanent generation (``gc.freeze``, as vLLM's engine core
+    does), so full collections never walk the weights' and the start-up state's objects again.
+    The core does not need it (its step leaves little for the GC to walk, with the GC on at
+    default thresholds: bench/peers.py); it is the process's policy, so the app calls it, never
+    the library on its own."""
+    gc.collect()
+    gc.freeze()

@@ -58,7 +58,7 @@ def run(eng: Engine, on_token: Callable[[Any, int], None] | None = None, prompts
     for rid, ids, p in prompts:
         eng.add_request(rid, "", ids, p)
     raised = []
-    while eng.has_unfinished() or eng._outbox:
+    while eng.has_unfinished() or eng.outcomes.outbox:
         try:
             eng.step(on_token)
         except BaseException as e:  # noqa: BLE001
@@ -182,7 +182,7 @@ def test_a_kv_event_listener_that_raises_loses_no_request(tiny: Any, clean: Engi
         for rid, ids, p in PROMPTS:
             eng.add_request(rid, "", ids, p)
         raised = 0
-        while eng.has_unfinished() or eng._outbox:
+        while eng.has_unfinished() or eng.outcomes.outbox:
             try:
                 handed += eng.step()
             except Boom:
@@ -250,7 +250,7 @@ def test_a_trace_that_cannot_be_written_stops_and_the_run_goes_on(tiny: Any, cle
     for room in (1, 3, 6, 12):
         eng = engine(tiny, trace=Full(room))
         assert run(eng) == []
-        assert isinstance(eng.trace_error, OSError) and eng.recorder is None
+        assert isinstance(eng.trace_error, OSError) and eng.outcomes.recorder is None
         check(eng, clean, tiny)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 from pagedkv.app.generate import dtype_for
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.shell.engine import Completion, Engine
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.outcomes import Completion
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.sampling import SamplingParams
 

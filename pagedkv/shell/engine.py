@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TextIO
 
 import torch
@@ -19,39 +19,17 @@ from returns.result import Failure
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
-from pagedkv.core.scheduler import FinishReason, SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.rank import Rank
+from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.recorder import Recorder
-from pagedkv.shell.sampling import SamplingParams, cut_at_stop, params_problem, request_seed, sample_batch
+from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
 
-__all__ = ["Completion", "Engine"]
-
-
-@dataclass(slots=True)
-class Completion:
-    request_id: RequestId
-    prompt: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # generated (a stop token included, as HF does)
-    text: str = ""
-    finish_reason: str | None = None  # stop | length | cancelled | error | UNSCHEDULABLE ...
-    cached_tokens: int = 0
-    error: str | None = None  # why it ended unserved: a failed step's exception (finish_reason "error"), or the
-    # core's refusal (UNSCHEDULABLE, INVALID: "request 'req-0' needs 600 blocks; the pool has 363 ..."), one line
-
-
-@dataclass(slots=True)
-class Live:
-    """A request the engine serves: what it gives back, how it samples, its seed, its text so far."""
-
-    completion: Completion
-    params: SamplingParams
-    seed: int
-    text: TextSoFar | None  # kept only for a request with stop strings
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -97,9 +75,8 @@ class Engine:
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
         self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
-        self.recorder = None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
-        self.trace_error: Exception | None = None  # why the trace stopped being written, if it did
-        self._outbox: list[Completion] = []  # ended, not yet handed out by step()
+        self.outcomes = Outcomes(tokenizer, None if trace is None else Recorder(trace, self.cache, sched,
+                                                                               expect=trace_expect))  # fmt: skip
         self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
         self.kv_history: list[Any] | None = [] if keep_history else None
         self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
@@ -111,7 +88,7 @@ class Engine:
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         self.stats.prompt_tokens += len(prompt_ids)
-        self._record(lambda r: r.submit(req, self.state))
+        self.outcomes.record(lambda r: r.submit(req, self.state))
 
     def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
@@ -136,8 +113,13 @@ class Engine:
         self.state = cancelled.unwrap()
         self.worker.remove([rid])
         self.requests[rid].completion.finish_reason = "cancelled"
-        self._record(lambda r: r.cancel(rid, self.state))
+        self.outcomes.record(lambda r: r.cancel(rid, self.state))
         self._kv_events(self.state.kv_events)  # (a listener's fault raises here, the engine consistent)
+
+    @property
+    def trace_error(self) -> Exception | None:
+        """Why the trace stopped being written, if it did (the run went on)."""
+        return self.outcomes.trace_error
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)
@@ -160,12 +142,12 @@ class Engine:
         self.stats.steps += 1
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
-        self._outbox.extend(self._refused(plan))
+        self.outcomes.refused(plan, self.requests)
         self._before, recorded = {}, False
         try:
             ids = self._launch(plan)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
-            self._record(lambda r: r.schedule(self.state, plan))
+            self.outcomes.record(lambda r: r.schedule(self.state, plan))
             recorded = True
             self._note_prefills(plan)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
@@ -177,7 +159,7 @@ class Engine:
                     self._kv_events(scheduled_events + events)
                 raise
             self._kv_events(scheduled_events + events)  # what the plan did to the cache happened; the cancels follow
-            return self._hand_out()
+            return self.outcomes.hand_out()
         self.stats.preemptions += len(plan.preempted)
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
@@ -187,61 +169,21 @@ class Engine:
         for rid, _ in ended:  # kept before anything that may raise
             live = self.requests[rid]
             live.completion.finish_reason = live.completion.finish_reason or "length"
-            self._outbox.append(live.completion)
-            self._write_text(live)
+            self.outcomes.outbox.append(live.completion)
+            self.outcomes.write_text(live)
         if self.kv_history is not None:
             self.kv_history.append(self.state.kv)
         if self.step_times is not None:
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
-        self._record(lambda r: r.output(sampled, stop, self.state, ended))
+        self.outcomes.record(lambda r: r.output(sampled, stop, self.state, ended))
         self._kv_events(scheduled_events + self.state.kv_events)
-        return self._hand_out()
-
-    def _hand_out(self) -> list[Completion]:
-        """The completions kept since the last step that returned, in the order they ended."""
-        done, self._outbox = self._outbox, []
-        return done
+        return self.outcomes.hand_out()
 
     def _kv_events(self, events: tuple[Any, ...]) -> None:
         if events and self.on_kv_events is not None:
             self.on_kv_events(events)
-
-    def _record(self, write: Callable[[Recorder], object]) -> None:
-        """Trace lines, unless the trace cannot be written: then the recording stops (``trace_error`` says why)
-        and the engine serves on; a trace is a record of the run, never a reason to lose one."""
-        if self.recorder is None:
-            return
-        try:
-            write(self.recorder)
-        except Exception as e:  # noqa: BLE001 - a full disk, a closed stream: the run goes on without its trace
-            self.recorder, self.trace_error = None, e
-
-    def _write_text(self, live: Live) -> None:
-        """A completion's text, cut at its stop string; a detokenizer that fails leaves it empty and says so in
-        ``error`` (its tokens stand)."""
-        comp = live.completion
-        try:
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
-        except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
-            comp.text, comp.error = "", f"the detokenizer failed: {_one_line(e)}"
-
-    def _refused(self, plan: StepPlan) -> list[Completion]:
-        """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
-        done = []
-        why = {err.request: err.message for err in plan.refusals}
-        for rid, how in plan.finished:
-            live = self.requests[rid]
-            comp = live.completion
-            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
-            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
-            if ran:
-                self._write_text(live)
-            else:  # the refusal that ended it, with its numbers
-                comp.text, comp.error = "", why.get(rid)
-            done.append(comp)
-        return done
 
     def _fail(self, plan: StepPlan, error: BaseException, recorded: bool) -> tuple[Any, ...]:
         """A step that did not complete: each of its requests still live is ended with reason ``error`` (their
@@ -259,21 +201,21 @@ class Engine:
         planned, self.state = self.state, state
         self.worker.remove(plan_rids)
         self._last = None
-        message = _one_line(error)
+        message = one_line(error)
         for rid in failed:
             live = self.requests[rid]
             comp = live.completion
             del comp.token_ids[self._before.get(rid, len(comp.token_ids)) :]
-            self._write_text(live)
+            self.outcomes.write_text(live)
             comp.finish_reason, comp.error = "error", message
-            self._outbox.append(comp)
+            self.outcomes.outbox.append(comp)
         if not recorded:
-            self._record(lambda r: r.schedule(planned, plan))
+            self.outcomes.record(lambda r: r.schedule(planned, plan))
         def errors(r: Recorder) -> None:
             for rid, s in zip(failed, after):
                 r.error(rid, s)
 
-        self._record(errors)
+        self.outcomes.record(errors)
         return tuple(events)
 
     def _launch(self, plan: StepPlan) -> torch.Tensor | None:
@@ -386,13 +328,3 @@ class Engine:
                 if on_finish is not None:
                     on_finish(comp)
         return [self.requests[rid].completion for rid in order]
-
-
-def _one_line(error: BaseException) -> str:
-    """An exception as one line: its type and message (a message that cannot be shown is said so)."""
-    try:
-        text = str(error)
-    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
-        text = "(its message could not be read)"
-    text = " ".join(text.split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

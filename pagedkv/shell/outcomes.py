@@ -1,0 +1,95 @@
+"""What the engine gives back of each request and records of the run: the ``Completion`` a caller reads,
+the ``Live`` request behind it, the completions kept until ``step()`` hands them out (``Outcomes.outbox``),
+their text (a detokenizer's fault never costs the tokens), and the trace (a write that fails stops the
+recording, ``trace_error``, never the run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.core.errors import RequestId
+from pagedkv.core.scheduler import FinishReason, StepPlan
+from pagedkv.shell.detok import TextSoFar
+from pagedkv.shell.recorder import Recorder
+from pagedkv.shell.sampling import SamplingParams, cut_at_stop
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: RequestId
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated (a stop token included, as HF does)
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | cancelled | error | UNSCHEDULABLE ...
+    cached_tokens: int = 0
+    error: str | None = None  # why it ended unserved: a failed step's exception (finish_reason "error"), or the
+    # core's refusal (UNSCHEDULABLE, INVALID: "request 'req-0' needs 600 blocks; the pool has 363 ..."), one line
+
+
+@dataclass(slots=True)
+class Live:
+    """A request the engine serves: what it gives back, how it samples, its seed, its text so far."""
+
+    completion: Completion
+    params: SamplingParams
+    seed: int
+    text: TextSoFar | None  # kept only for a request with stop strings
+
+
+class Outcomes:
+    """The engine's completions on their way out, and its trace (module docstring)."""
+
+    def __init__(self, tokenizer: Any, recorder: Recorder | None) -> None:
+        self.tokenizer, self.recorder = tokenizer, recorder
+        self.trace_error: Exception | None = None  # why the trace stopped being written, if it did
+        self.outbox: list[Completion] = []  # ended, not yet handed out by step()
+
+    def hand_out(self) -> list[Completion]:
+        """The completions kept since the last step that returned, in the order they ended."""
+        done, self.outbox = self.outbox, []
+        return done
+
+    def record(self, write: Callable[[Recorder], object]) -> None:
+        """Trace lines, unless the trace cannot be written: then the recording stops (``trace_error`` says why)
+        and the engine serves on; a trace is a record of the run, never a reason to lose one."""
+        if self.recorder is None:
+            return
+        try:
+            write(self.recorder)
+        except Exception as e:  # noqa: BLE001 - a full disk, a closed stream: the run goes on without its trace
+            self.recorder, self.trace_error = None, e
+
+    def write_text(self, live: Live) -> None:
+        """A completion's text, cut at its stop string; a detokenizer that fails leaves it empty and says so in
+        ``error`` (its tokens stand)."""
+        comp = live.completion
+        try:
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
+        except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
+            comp.text, comp.error = "", f"the detokenizer failed: {one_line(e)}"
+
+    def refused(self, plan: StepPlan, requests: Mapping[RequestId, Live]) -> None:
+        """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
+        why = {err.request: err.message for err in plan.refusals}
+        for rid, how in plan.finished:
+            live = requests[rid]
+            comp = live.completion
+            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
+            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
+            if ran:
+                self.write_text(live)
+            else:  # the refusal that ended it, with its numbers
+                comp.text, comp.error = "", why.get(rid)
+            self.outbox.append(comp)
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and message (a message that cannot be shown is said so)."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        text = "(its message could not be read)"
+    text = " ".join(text.split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

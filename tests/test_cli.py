@@ -176,7 +176,7 @@ def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.Monke
     import io
 
     from pagedkv.app.cli import _parsers
-    from pagedkv.app.generate import read_items
+    from pagedkv.app.prompts import read_items
 
     _, generate = _parsers()
     args = generate.parse_intermixed_args(["first", "--max-tokens", "3", "second", "--chat", "third"])

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from typing import Any, TextIO
 
 from pagedkv.app.args import (
-    SEED_LIMIT,
     USAGE_EXIT,
     UsageError,
     auto_threads,
@@ -27,13 +25,12 @@ from pagedkv.app.args import (
     threads,
     unit_interval,
 )  # fmt: skip
-from pagedkv.core.errors import shown as shown_value
+from pagedkv.app.prompts import MAX_TOKENS, check_outputs, read_items
+from pagedkv.app.report import (
+    REFUSED, progress_bar, draw_page_map, print_completion, print_one, summary, trace_written, unserved,
+)  # fmt: skip
 
-ITEM_KEYS = ("prompt", "max_tokens", "system")
-SHOWN_PROMPT_CHARS = 100
-REFUSED = ("UNSCHEDULABLE", "INVALID")  # finish reasons of a request the core would never admit
 INTERRUPTED_EXIT = 130
-MAX_TOKENS = (1 << 31) - 1  # a request's max_tokens at most (the model stops far before)
 MAX_SEQS = 4096  # requests running at once at most (the worker's buffers are sized by it)
 
 
@@ -76,88 +73,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--page-map", metavar="FILE.png", type=file_name, help="draw who holds which block over the run (.png, .svg or "
                    ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
     return g
-
-
-# -- the user's input, checked before anything expensive ---------------------------------------------------
-def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}``,
-    or ``UsageError`` naming the first bad one (its line in the file)."""
-    items: list[dict[str, Any]] = []
-    for i, p in enumerate(args.prompt, 1):
-        if not p:
-            raise UsageError(f"prompt {i} of the command line is empty")
-        _text(p, f"prompt {i} of the command line")
-        items.append({"prompt": p, "max_tokens": args.max_tokens})
-    if args.prompts:
-        name = "standard input" if args.prompts == "-" else args.prompts
-        try:
-            if args.prompts == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.prompts, encoding="utf-8") as f:
-                    text = f.read()
-        except OSError as e:
-            raise UsageError(f"cannot read {name}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                items.append(_item(line, f"{name} line {n}", args.max_tokens))
-    if not items:
-        raise UsageError("no prompts: give them as arguments or with --prompts FILE (- reads standard input)")
-    if args.seed + len(items) - 1 >= SEED_LIMIT:
-        raise UsageError(f"--seed {args.seed}: request i samples with seed + i, and {len(items)} requests pass 2**63")
-    return items
-
-
-def _text(text: str, where: str) -> None:
-    """A prompt is valid Unicode: a lone surrogate (bytes that were not UTF-8, escaped by Python) is refused."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{where} is not valid UTF-8 text (character {e.start}: {e.reason})") from None
-
-
-def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where} column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise UsageError(f"{where}: nested too deeply") from None
-    except ValueError as e:  # an integer past Python's 4,300 digits
-        raise UsageError(f"{where}: {e}".split(";")[0]) from None
-    if not isinstance(obj, dict):
-        raise UsageError(f'{where}: expected an object {{"prompt": str, ...}}, got {type(obj).__name__}')
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str):
-        raise UsageError(f'{where}: "prompt" must be a string' + ("" if prompt is None else f", got {prompt!r:.40}"))
-    if not prompt:
-        raise UsageError(f'{where}: "prompt" is empty')
-    _text(prompt, f'{where}: "prompt"')
-    n = obj.get("max_tokens", max_tokens)
-    if type(n) is not int or not 1 <= n <= MAX_TOKENS:
-        raise UsageError(f'{where}: "max_tokens" must be an integer in [1, {MAX_TOKENS}], got {shown_value(n):.40}')
-    system = obj.get("system")
-    if system is not None and not isinstance(system, str):
-        raise UsageError(f'{where}: "system" must be a string, got {shown_value(system):.40}')
-    if system:
-        _text(system, f'{where}: "system"')
-    unknown = [k for k in obj if k not in ITEM_KEYS]
-    if unknown:  # a typo (max_token) would silently do nothing: say so, and go on (extra keys were always allowed)
-        print(f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: "
-              f"{', '.join(ITEM_KEYS)})", file=sys.stderr)  # fmt: skip
-    return {"prompt": prompt, "max_tokens": n, **({"system": system} if system else {})}
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """``--ranks`` against what it combines with, and the optional outputs before the run (not after it)."""
-    if args.ranks > 1 and (args.trace or args.page_map):
-        raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
-    if args.page_map:
-        from pagedkv.app.plot import check_target
-
-        check_target(args.page_map)
 
 
 def dtype_for(name: str, device: str) -> Any:
@@ -275,7 +190,7 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
     done: list[Any] = []
-    bar = _bar(len(requests), disable=args.json)
+    bar = progress_bar(len(requests), disable=args.json)
 
     def finished(c: Any) -> None:
         done.append(c)
@@ -291,7 +206,7 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
         bar.close()
         order = {rid: i for i, rid in enumerate(engine.requests)}  # a fresh engine: ids in prompt order
         for c in sorted(done, key=lambda c: order[c.request_id]):
-            _print_completion(args, order[c.request_id], items[order[c.request_id]], c)
+            print_completion(args, order[c.request_id], items[order[c.request_id]], c)
         sys.stdout.flush()
         print(f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
               + (f"; the trace so far is in {args.trace}" if args.trace else ""), file=sys.stderr)  # fmt: skip
@@ -300,66 +215,15 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
         bar.close()
     gen_s = time.perf_counter() - t1
     for i, (it, c) in enumerate(zip(items, completions)):
-        _print_completion(args, i, it, c)
+        print_completion(args, i, it, c)
     if not args.json:
-        _summary(args, completions, engine, gen_s, load_s, n_threads=n_threads)
+        summary(args, completions, engine, gen_s, load_s, n_threads=n_threads)
     sys.stdout.flush()  # the completions are out before anything optional can fail
-    status = _unserved(completions)
-    status = max(status, _trace_written(engine, trace, args.trace))
+    status = unserved(completions)
+    status = max(status, trace_written(engine, trace, args.trace))
     if args.page_map:
-        status = max(status, _draw(engine, args.page_map))
+        status = max(status, draw_page_map(engine, args.page_map))
     return status
-
-
-def _unserved(completions: list[Any]) -> int:
-    """Each request that was not served, with why, on stderr: exit 2 when the core refused every one (a usage
-    error: too long for the pool), 1 when any was not served, 0 when all were."""
-    unserved = [c for c in completions if c.finish_reason in REFUSED or c.finish_reason == "error"]
-    for c in unserved:
-        print(f"pagedkv generate: {c.finish_reason}: {c.error}", file=sys.stderr)
-    if not unserved:
-        return 0
-    if all(c.finish_reason in REFUSED for c in completions):
-        print(f"pagedkv generate: no request could run ({len(unserved)} refused)", file=sys.stderr)
-        return USAGE_EXIT
-    print(f"pagedkv generate: {len(unserved)} of {len(completions)} requests were not served", file=sys.stderr)
-    return 1
-
-
-def _trace_written(engine: Any, trace: TextIO | None, path: str | None) -> int:
-    """1, said on stderr, when the trace could not be written whole (the run itself went on)."""
-    error = engine.trace_error
-    if trace is not None and error is None:
-        try:
-            trace.flush()
-        except OSError as e:
-            error = e
-    if error is None:
-        return 0
-    print(f"pagedkv generate: the trace {path} was not written whole: {getattr(error, 'strerror', None) or error}",
-          file=sys.stderr)  # fmt: skip
-    return 1
-
-
-def _draw(engine: Any, path: str) -> int:
-    from pagedkv.app.plot import page_map
-
-    try:
-        page_map(engine.kv_history or [engine.state.kv], path, xlabel="engine step",
-                 title="pagedkv generate: blocks held per engine step")  # fmt: skip
-    except (OSError, RuntimeError, ValueError) as e:
-        print(f"pagedkv generate: the page map was not written: {e}", file=sys.stderr)
-        return 1
-    print(f"page map written to {path}", file=sys.stderr)
-    return 0
-
-
-def _bar(total: int, disable: bool) -> Any:
-    """A progress bar of finished requests on a terminal's stderr (tqdm; nothing when stderr is a file)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="generate", file=sys.stderr, disable=True if disable else None,
-                leave=False, dynamic_ncols=True)  # fmt: skip
 
 
 def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
@@ -377,61 +241,6 @@ def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -
                                 top_p=args.top_p, seed=args.seed + i)  # fmt: skip
         requests.append((text, tok.encode(text), params))
     return requests
-
-
-def shown(text: str, limit: int = SHOWN_PROMPT_CHARS) -> str:
-    """A prompt on one line of the summary: its first ``limit`` characters and how long it was.
-
-    >>> shown("What is 2+2?")
-    'What is 2+2?'
-    >>> shown("a b\\nc " * 40, limit=12)
-    'a b c a b c ... (240 characters)'
-    """
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(text):,} characters)"
-
-
-def _print_completion(args: argparse.Namespace, i: int, item: dict[str, Any], c: Any) -> None:
-    _print_one(args, i, item, c.text, c.token_ids, c.finish_reason, c.error, c.cached_tokens)
-
-
-def _print_one(args: argparse.Namespace, i: int, item: dict[str, Any], text: str, token_ids: list[int],
-               reason: str | None, error: str | None, cached: int | None) -> None:  # fmt: skip
-    """One request's output: a JSON line, or its prompt and completion (``cached``: None where unknown)."""
-    if args.json:  # "error" only where a request was not served (the four keys are the contract)
-        print(json.dumps({"prompt": item["prompt"], "text": text, "token_ids": token_ids, "finish_reason": reason,
-                          **({"error": error} if error else {})}))  # fmt: skip
-        return
-    print(f"--- [{i}] {shown(item['prompt'])}")
-    if reason in REFUSED or reason == "error":
-        print(f"(not served: {reason}: {error})")
-    else:
-        tail = "" if cached is None else f", {cached} prompt tokens cached"
-        print(f"{text.strip()}  ({len(token_ids)} tokens, {reason}{tail})")
-
-
-def _summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s: float, load_s: float,
-             n_threads: int) -> None:  # fmt: skip
-    st = engine.stats
-    kv = engine.state.kv
-    served = [c for c in completions if c.finish_reason not in REFUSED]
-    prompt_tokens = sum(len(c.prompt_token_ids) for c in served)  # the prompts that ran (a refused one never did)
-    where = f"on {args.device}" + (f", {n_threads} threads" if args.device == "cpu" else "")
-    print("--- summary")
-    print(f"requests            {len(completions)}" + (f" ({len(completions) - len(served)} refused)"
-                                                        if len(served) < len(completions) else ""))  # fmt: skip
-    print(f"prompt tokens       {prompt_tokens}")
-    print(f"generated tokens    {st.generated_tokens}")
-    if st.generated_tokens and gen_s > 0:
-        print(f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + prompt_tokens) / gen_s:.1f} "
-              f"with prompts) {where}; model load {load_s:.1f} s")  # fmt: skip
-    else:
-        print(f"tokens per second   - (nothing was generated) {where}; model load {load_s:.1f} s")
-    print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
-    print(f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
-          f"of the pool: {engine.sizing})")  # fmt: skip
-    print(f"preemptions         {st.preemptions}")
-    print(f"engine steps        {st.steps}")
 
 
 def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
@@ -461,7 +270,7 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         print("pagedkv generate: " + (usage or "; ".join(errors)), file=sys.stderr)
         return USAGE_EXIT if usage else 1
     for i, (it, (ids, reason, why)) in enumerate(zip(items, lead["completions"])):
-        _print_one(args, i, it, tok.decode(ids), ids, reason, why, None)
+        print_one(args, i, it, tok.decode(ids), ids, reason, why, None)
     if not args.json:
         generated = sum(len(ids) for ids, *_ in lead["completions"])
         print(f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "

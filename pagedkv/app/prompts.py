@@ -1,0 +1,96 @@
+"""``pagedkv generate``'s input: the prompts of the command line and of a prompts file, each checked (valid
+Unicode text, its fields' types and bounds) before anything expensive, and the optional outputs' targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pagedkv.app.args import SEED_LIMIT, UsageError
+from pagedkv.core.errors import shown as shown_value
+
+ITEM_KEYS = ("prompt", "max_tokens", "system")
+MAX_TOKENS = (1 << 31) - 1  # a request's max_tokens at most (the model stops far before)
+
+
+def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}``,
+    or ``UsageError`` naming the first bad one (its line in the file)."""
+    items: list[dict[str, Any]] = []
+    for i, p in enumerate(args.prompt, 1):
+        if not p:
+            raise UsageError(f"prompt {i} of the command line is empty")
+        _text(p, f"prompt {i} of the command line")
+        items.append({"prompt": p, "max_tokens": args.max_tokens})
+    if args.prompts:
+        name = "standard input" if args.prompts == "-" else args.prompts
+        try:
+            if args.prompts == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.prompts, encoding="utf-8") as f:
+                    text = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read {name}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                items.append(_item(line, f"{name} line {n}", args.max_tokens))
+    if not items:
+        raise UsageError("no prompts: give them as arguments or with --prompts FILE (- reads standard input)")
+    if args.seed + len(items) - 1 >= SEED_LIMIT:
+        raise UsageError(f"--seed {args.seed}: request i samples with seed + i, and {len(items)} requests pass 2**63")
+    return items
+
+
+def _text(text: str, where: str) -> None:
+    """A prompt is valid Unicode: a lone surrogate (bytes that were not UTF-8, escaped by Python) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where} is not valid UTF-8 text (character {e.start}: {e.reason})") from None
+
+
+def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: nested too deeply") from None
+    except ValueError as e:  # an integer past Python's 4,300 digits
+        raise UsageError(f"{where}: {e}".split(";")[0]) from None
+    if not isinstance(obj, dict):
+        raise UsageError(f'{where}: expected an object {{"prompt": str, ...}}, got {type(obj).__name__}')
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise UsageError(f'{where}: "prompt" must be a string' + ("" if prompt is None else f", got {prompt!r:.40}"))
+    if not prompt:
+        raise UsageError(f'{where}: "prompt" is empty')
+    _text(prompt, f'{where}: "prompt"')
+    n = obj.get("max_tokens", max_tokens)
+    if type(n) is not int or not 1 <= n <= MAX_TOKENS:
+        raise UsageError(f'{where}: "max_tokens" must be an integer in [1, {MAX_TOKENS}], got {shown_value(n):.40}')
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise UsageError(f'{where}: "system" must be a string, got {shown_value(system):.40}')
+    if system:
+        _text(system, f'{where}: "system"')
+    unknown = [k for k in obj if k not in ITEM_KEYS]
+    if unknown:  # a typo (max_token) would silently do nothing: say so, and go on (extra keys were always allowed)
+        print(f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: "
+              f"{', '.join(ITEM_KEYS)})", file=sys.stderr)  # fmt: skip
+    return {"prompt": prompt, "max_tokens": n, **({"system": system} if system else {})}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--ranks`` against what it combines with, and the optional outputs before the run (not after it)."""
+    if args.ranks > 1 and (args.trace or args.page_map):
+        raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
+    if args.page_map:
+        from pagedkv.app.plot import check_target
+
+        check_target(args.page_map)

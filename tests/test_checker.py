@@ -107,7 +107,7 @@ def _hash_kept_after_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
             after = txn.nxt[b]
             txn.nxt[0] = after
             txn.prv[after] = 0
-            txn.num_free -= 1
+            txn.free_blocks -= 1
             txn.refcount[b] = 1
             out.append(b)  # the cache entry of b survives: a later hit reads someone else's KV
         return tuple(out)

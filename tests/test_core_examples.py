@@ -207,5 +207,5 @@ def test_check_invariants_reports_broken_states() -> None:
     assert "block 1: refcount 2, 1 references held" in check_invariants(leaked)
     cycle = replace(s, free_next=s.free_next.set(8, 3))
     assert "the free queue has a cycle" in check_invariants(cycle)
-    lost = replace(s, num_free=s.num_free - 1)
-    assert any("num_free" in m for m in check_invariants(lost))
+    lost = replace(s, free_blocks=s.free_blocks - 1)
+    assert any("free_blocks" in m for m in check_invariants(lost))

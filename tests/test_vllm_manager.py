@@ -95,7 +95,7 @@ def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str, monkeypatc
 
     state = ours_sched.kv_cache_manager.state
     assert check_invariants(state) == [] and not state.requests
-    assert state.num_free == blocks - 1
+    assert state.free_blocks == blocks - 1
 
 
 def test_event_hashes_as_bytes_when_vllm_sends_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,12 +47,12 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     err = _over_limits(state, spec, held)
     if err is not None:
         return Failure(err)
-    if need + reserve > state.num_free:
+    if need + reserve > state.free_blocks:
         kept = f", {reserve} kept back" if reserve else ""
         return fail(
             ErrorCode.NO_CAPACITY,
-            f"request {shown(rid)} needs {need} blocks; {state.num_free} are free{kept}",
-            rid, requested=need, available=max(state.num_free - reserve, 0),
+            f"request {shown(rid)} needs {need} blocks; {state.free_blocks} are free{kept}",
+            rid, requested=need, available=max(state.free_blocks - reserve, 0),
         )  # fmt: skip
     txn = Txn(state)
     slots, blocks = _reserve(txn, spec, per_row, hit, firsts)

@@ -148,7 +148,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         if windowed:
             _drop_invisible(txn, req, i, slot, c, dropped)
     gen = None
-    before_free = txn.num_free
+    before_free = txn.free_blocks
     if dropped:
         if base.config.free_queue == "vllm":  # group by group, as vLLM's coordinator lets them go
             for g in sorted({d[2] for d in dropped}):
@@ -158,7 +158,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
             pool.unref_many(txn, [b for _, _, _, b in dropped])
         gen = txn.next_generation()
         txn.row_generation[req.slots[0]] = gen
-    return Committed(request_id, gen, txn.num_free - before_free, tuple(txn.events[first_event:]))
+    return Committed(request_id, gen, txn.free_blocks - before_free, tuple(txn.events[first_event:]))
 
 
 def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:

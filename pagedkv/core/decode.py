@@ -89,7 +89,7 @@ def decode_step(
                         if tail is not None:  # the open block's ids: the tail
                             tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
-            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.num_free
+            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.free_blocks
                                        and (tails is None or toks is not None)):  # fmt: skip
                 done_leaf[o] = n  # a block filled: it is hashed (and the token opens the next one)
                 token = None if toks is None or not append_tokens else toks[k]

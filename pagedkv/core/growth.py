@@ -103,7 +103,7 @@ def append_decode(
                     if tail is not None:  # the open block's ids: the tail
                         tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                     continue
-            elif n < limit and ngroups <= txn.num_free and (tails is None or toks is not None):
+            elif n < limit and ngroups <= txn.free_blocks and (tails is None or toks is not None):
                 record, token = txn.rows[slot], None if toks is None else toks[k]  # position n opens a block
                 tail_leaf = tails[hi] if tails is not None else None
                 allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
@@ -173,9 +173,9 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
     if isinstance(planned, KVError):
         return planned
     grown, need = planned
-    if need > txn.num_free:
-        return KVError(ErrorCode.NO_CAPACITY, f"request {shown(rid)} needs {need} more blocks; {txn.num_free} are free",
-                       request=rid, requested=need, available=txn.num_free)  # fmt: skip
+    if need > txn.free_blocks:
+        return KVError(ErrorCode.NO_CAPACITY, f"request {shown(rid)} needs {need} more blocks; {txn.free_blocks} are free",
+                       request=rid, requested=need, available=txn.free_blocks)  # fmt: skip
     for slot, new_len, extra, item in grown:
         _grow_row(txn, slot, new_len, extra, item)
     if not need:

@@ -34,7 +34,7 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
         b = leaves[b >> sh][b & m]
     nxt[0] = b
     txn.prv[b] = 0
-    txn.num_free -= k
+    txn.free_blocks -= k
     own = txn.refcount.own
     cached = txn.cache_view().is_cached
     for x in out:
@@ -61,7 +61,7 @@ def push_free(txn: Txn, b: int) -> None:
         prv[b] = tail
         nxt[b] = 0
         prv[0] = b
-    txn.num_free += 1
+    txn.free_blocks += 1
 
 
 def _hit_able(txn: Txn, b: int) -> bool:
@@ -101,7 +101,7 @@ def unlink_free(txn: Txn, b: int) -> None:
     before, after = prv[b], nxt[b]
     nxt[before] = after
     prv[after] = before
-    txn.num_free -= 1
+    txn.free_blocks -= 1
 
 
 def unref(txn: Txn, b: int, *, push: bool = True) -> bool:
@@ -166,4 +166,4 @@ def _unref_to_tail(txn: Txn, order: Sequence[int]) -> None:
             prev = b
         before[prev >> sh][prev & m] = 0
         prv[0] = prev
-        txn.num_free += len(freed)
+        txn.free_blocks += len(freed)

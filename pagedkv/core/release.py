@@ -41,12 +41,12 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     if req is None:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
     txn = Txn(state)
-    before = txn.num_free
+    before = txn.free_blocks
     _leave_cache(txn, req, reason == "error")
     pool.free_tail_first(txn, req)
     del txn.requests[request_id]
     gen = txn.next_generation()
-    freed = txn.num_free - before
+    freed = txn.free_blocks - before
     events = tuple(txn.events) if txn.events else ()
     return Success(Step(txn.done(), Released(request_id, ReleaseReason(reason), gen, freed, events)))
 
@@ -77,11 +77,11 @@ def release_many(
         if req is None or rid in gone:
             return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
         gone.add(rid)
-        before, first_event = txn.num_free, len(txn.events)
+        before, first_event = txn.free_blocks, len(txn.events)
         _leave_cache(txn, req, why is ReleaseReason.ERROR)
         pool.free_tail_first(txn, req)
         del txn.requests[rid]
-        out.append(Released(rid, why, txn.next_generation(), txn.num_free - before, tuple(txn.events[first_event:])))
+        out.append(Released(rid, why, txn.next_generation(), txn.free_blocks - before, tuple(txn.events[first_event:])))
     return Success(Step(txn.done(), tuple(out)))
 
 

@@ -130,7 +130,7 @@ class KVState:
     refcount: Vec[int]  # by block id; block 0 is never referenced
     free_next: Vec[int]  # free-queue links by block id; 0 is the sentinel
     free_prev: Vec[int]
-    num_free: int
+    free_blocks: int
     requests: Map[RequestId, Request]
     row_len: Vec[int]  # by row slot: seq_len
     row_computed: Vec[int]  # by row slot: tokens whose KV is written
@@ -148,15 +148,10 @@ class KVState:
     prefix_hits: int  # of which came from the cache
 
     @property
-    def free_blocks(self) -> int:
-        """Length of the free queue (the null block is never counted)."""
-        return self.num_free
-
-    @property
     def usage(self) -> float:
         """Referenced blocks over usable blocks (cached blocks nobody holds count as free)."""
         usable = self.config.num_blocks - 1
-        return (usable - self.num_free) / usable
+        return (usable - self.free_blocks) / usable
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -171,13 +166,6 @@ class KVState:
     def row_pending(self) -> _SlotView[Pending]:
         return _SlotView(self, _pending_of)
 
-    @property
-    def row_hashes(self) -> _SlotView[tuple[BlockHash, ...]]:
-        return _SlotView(self, _hashes_of)
-
-    @property
-    def row_tokens(self) -> _SlotView[tuple[int, ...] | None]:
-        return _SlotView(self, row_token_ids)
 
 
 T = TypeVar("T")
@@ -202,11 +190,6 @@ def _blocks_of(state: KVState, slot: int) -> Blocks:
 
 def _pending_of(state: KVState, slot: int) -> Pending:
     return state.rows[slot].pending
-
-
-def _hashes_of(state: KVState, slot: int) -> tuple[BlockHash, ...]:
-    row = state.rows[slot]
-    return tuple(row.hash_at(j) for j in range(row.num_hashed))
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
@@ -252,7 +235,7 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
         refcount=Vec.of([0] * n, ints=True),
         free_next=Vec.of(nxt, ints=True),
         free_prev=Vec.of(prv, ints=True),
-        num_free=n - 1,
+        free_blocks=n - 1,
         requests=Map(),
         row_len=Vec.of((), ints=True, shift=SLOT_SHIFT),
         row_computed=Vec.of((), ints=True, shift=SLOT_SHIFT),

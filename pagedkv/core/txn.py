@@ -28,7 +28,7 @@ class Txn:
     """
 
     __slots__ = (
-        "config", "base", "num_free", "slot_top", "generation", "prefix_queries", "prefix_hits", "events",
+        "config", "base", "free_blocks", "slot_top", "generation", "prefix_queries", "prefix_hits", "events",
         "_refcount", "_nxt", "_prv", "_row_len", "_row_computed", "_row_tail", "_rows", "_row_generation",
         "_slot_stack", "_requests", "_index",
     )  # fmt: skip
@@ -36,7 +36,7 @@ class Txn:
     def __init__(self, s: KVState) -> None:
         self.base = s
         self.config = s.config
-        self.num_free = s.num_free
+        self.free_blocks = s.free_blocks
         self.slot_top = s.slot_top
         self.generation = s.generation
         self.prefix_queries = s.prefix_queries
@@ -141,7 +141,7 @@ class Txn:
             b.refcount if self._refcount is None else self._refcount.persistent(),
             b.free_next if self._nxt is None else self._nxt.persistent(),
             b.free_prev if self._prv is None else self._prv.persistent(),
-            self.num_free,
+            self.free_blocks,
             b.requests if self._requests is None else self._requests.finish(),
             b.row_len if self._row_len is None else self._row_len.persistent(),
             b.row_computed if self._row_computed is None else self._row_computed.persistent(),

@@ -128,8 +128,8 @@ def _free_queue(s: KVState, held: list[int], bad: list[str]) -> None:
     in_free = set(free)
     if len(in_free) != len(free):
         bad.append("a block is in the free queue twice")
-    if len(free) != s.num_free:
-        bad.append(f"num_free is {s.num_free} but the free queue holds {len(free)}")
+    if len(free) != s.free_blocks:
+        bad.append(f"free_blocks is {s.free_blocks} but the free queue holds {len(free)}")
     if 0 in in_free or s.refcount[0] != 0:
         bad.append("the null block is free or referenced")
     for blk in range(1, n):
@@ -192,14 +192,14 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
     who = f"admit {shown(rid)}"
     if refused == "UNSCHEDULABLE" and within and alone <= cfg.usable_blocks:
         return [f"{who} refused for good, though alone it holds {alone} of {cfg.usable_blocks} usable blocks"]
-    if refused == "NO_CAPACITY" and within and taken <= before.num_free:
-        return [f"{who} refused for capacity, though it takes {taken} blocks and {before.num_free} are free"]
+    if refused == "NO_CAPACITY" and within and taken <= before.free_blocks:
+        return [f"{who} refused for capacity, though it takes {taken} blocks and {before.free_blocks} are free"]
     if refused is None and after is not None:
         req = after.requests.get(rid)
         if req is None:
             return [f"{who} succeeded, but the request is not admitted"]
         held = {b for slot in req.slots for ids in after.rows[slot].blocks for b in ids if b}
-        took = before.num_free - after.num_free
+        took = before.free_blocks - after.free_blocks
         if len(held) != alone or took != taken:
             return [f"{who} holds {len(held)} blocks, {took} from the free queue; the count says {alone} and {taken}"]
     return []

@@ -115,7 +115,7 @@ class PagedKVCacheManager:
     def usage(self) -> float:
         """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
         usable = self.config.num_blocks - 1
-        return 1.0 - self._state.num_free / usable if usable else 0.0  # (queued tokens take no block)
+        return 1.0 - self._state.free_blocks / usable if usable else 0.0  # (queued tokens take no block)
 
     def make_prefix_cache_stats(self) -> Any:
         if not self.log_stats:
@@ -193,7 +193,7 @@ class PagedKVCacheManager:
     def _open_block(self, request: Any, n: int, token: int, reserved_blocks: int) -> Any:
         """A decode token that opens a block: its row committed through ``n`` and grown by it, applied at once
         and apart from the queued tokens (they take and free no block, so neither sees the other)."""
-        if self._state.num_free - reserved_blocks < self.num_kv_cache_groups:
+        if self._state.free_blocks - reserved_blocks < self.num_kv_cache_groups:
             return None  # (queued tokens take no block: the free count is the state's)
         rid = request.request_id
         txn = Transaction(self._state)
@@ -225,7 +225,7 @@ class PagedKVCacheManager:
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
-                if self._capped_need(full, computed, hit_ids) + watermark > txn.state.num_free:
+                if self._capped_need(full, computed, hit_ids) + watermark > txn.state.free_blocks:
                     return None
             admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
             if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
@@ -243,7 +243,7 @@ class PagedKVCacheManager:
                 txn.apply(commit(txn.state, rid, [computed]), "commit")
             before = request_blocks(txn.state, rid)[0]
             need = sum(max(-(-need_slot // self.block_size) - len(ids), 0) for ids in before)
-            if need > txn.state.num_free - reserved_blocks:  # (counting what the window let go)
+            if need > txn.state.free_blocks - reserved_blocks:  # (counting what the window let go)
                 return None
             length = txn.state.row_len[slot]
             if need_slot > length:

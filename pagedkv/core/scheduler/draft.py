@@ -13,7 +13,7 @@ from pagedkv.core.effects import events_of
 from pagedkv.core.errors import KVError, RequestId
 from pagedkv.core.events import KVEvent
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Phase, advance
+from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Stage, advance
 from pagedkv.core.scheduler.records import DiffusionRun, SchedState, SeqRequest
 from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
 from pagedkv.core.state import KVState, Step
@@ -22,7 +22,7 @@ from pagedkv.core.state import KVState, Step
 class Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
-    __slots__ = ("state", "kv", "budget", "running", "waiting", "phases", "seqs", "log", "log_edit", "finished",
+    __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit", "finished",
                  "decode", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
@@ -31,7 +31,7 @@ class Draft:
         self.budget = state.config.max_num_batched_tokens
         self.running = list(state.running)
         self.waiting: PDeque[RequestId] = state.waiting
-        self.phases: MapMutation[RequestId, Phase] = state.phases.mutate()
+        self.stages: MapMutation[RequestId, Stage] = state.stages.mutate()
         self.seqs: Map[RequestId, SeqRequest] = state.seqs
         self.log: TokenLog = state.log
         self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
@@ -42,8 +42,8 @@ class Draft:
         self.preempted: list[RequestId] = []
         self.ended: list[tuple[RequestId, FinishReason]] = []
         self.refusals: list[KVError] = []  # why each request this step ended did end
-        phases = state.phases
-        self.prefilling = {rid for rid in self.running if phases[rid] is Phase.PREFILLING}  # (one scan a step)
+        stages = state.stages
+        self.prefilling = {rid for rid in self.running if stages[rid] is Stage.PREFILLING}  # (one scan a step)
         self.events: list[KVEvent] = []  # the core's KV events of this step, in order
 
     def apply(self, step: Step[Any]) -> None:
@@ -55,11 +55,11 @@ class Draft:
 
     def move(self, rid: RequestId, event: Event) -> None:
         """A lifecycle transition (the table's), and what leaving the phase map means."""
-        phase = advance(self.phases.get(rid), event)
+        phase = advance(self.stages.get(rid), event)
         if phase is None:
-            del self.phases[rid]
+            del self.stages[rid]
         else:
-            self.phases[rid] = phase
+            self.stages[rid] = phase
 
     def end(self, rid: RequestId, event: Event, why: KVError) -> None:
         """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,

@@ -24,7 +24,7 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
     log = state.log.edit()
     log.add(rid)
     finished = state.finished.delete(rid) if rid in state.finished else state.finished  # (an id may come again)
-    return Success(replace(state, waiting=state.waiting.append(rid), phases=state.phases.set(rid, moved(None, Event.SUBMIT)),
+    return Success(replace(state, waiting=state.waiting.append(rid), stages=state.stages.set(rid, moved(None, Event.SUBMIT)),
                            seqs=state.seqs.set(rid, req), log=log.persistent(), finished=finished,
                            arrivals=state.arrivals + 1, kv_events=()))  # fmt: skip
 
@@ -55,7 +55,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         return Failure(invalid(f"cancel reason must be cancelled or error, got {shown(reason)}", field="reason"))
     if not is_request_id(request_id) or request_id not in state.seqs:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not waiting or running", None)
-    advance(state.phases[request_id], Event.CANCEL)
+    advance(state.stages[request_id], Event.CANCEL)
     kv, events = state.kv, state.kv_events[:0]
     if request_id in kv.requests:
         released = release(kv, request_id, reason).unwrap()
@@ -64,7 +64,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
     log.drop(request_id)
     return Success(replace(
         state, kv=kv, waiting=_without(state.waiting, request_id),
-        running=tuple(r for r in state.running if r != request_id), phases=state.phases.delete(request_id),
+        running=tuple(r for r in state.running if r != request_id), stages=state.stages.delete(request_id),
         seqs=state.seqs.delete(request_id), log=log.persistent(),
         finished=state.finished.set(request_id, FinishReason(reason)),
         sched_decode=tuple(r for r in state.sched_decode if r != request_id),

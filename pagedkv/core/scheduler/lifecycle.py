@@ -1,4 +1,4 @@
-"""A request's lifecycle in the scheduler, as data: its phases, the events that move it,
+"""A request's lifecycle in the scheduler, as data: its stages, the events that move it,
 and the table of which event may move it from where to where (h11 style).
 
 ``submit``, ``schedule``, ``on_output`` and ``cancel`` move a request only through
@@ -13,8 +13,8 @@ from enum import StrEnum
 from pagedkv.core.errors import shown
 
 
-class Phase(StrEnum):
-    """Where a live request is. An ended one has left the phase map for ``finished``."""
+class Stage(StrEnum):
+    """Where a live request is. An ended one has left the stage map for ``finished``."""
 
     WAITING = "waiting"  # queued (first arrival, or back after a preemption)
     PREFILLING = "prefilling"  # admitted, its prompt (and what it generated) being computed, chunk by chunk
@@ -45,28 +45,28 @@ class FinishReason(StrEnum):
     INVALID = "INVALID"
 
 
-END = None  # a transition's target when the request ends: it leaves the phase map
+END = None  # a transition's target when the request ends: it leaves the stage map
 
-# (event, phases it may come from (None: not yet submitted), phase it goes to, or END)
-TABLE: tuple[tuple[Event, tuple[Phase | None, ...], Phase | None], ...] = (
-    (Event.SUBMIT, (None,), Phase.WAITING),
-    (Event.ADMIT, (Phase.WAITING,), Phase.PREFILLING),
-    (Event.ADMIT_DIFFUSION, (Phase.WAITING,), Phase.DENOISING),
-    (Event.REFUSE, (Phase.WAITING,), END),
-    (Event.PREFILLED, (Phase.PREFILLING,), Phase.DECODING),
-    (Event.PREEMPT, (Phase.PREFILLING, Phase.DECODING), Phase.WAITING),
-    (Event.OVERRUN, (Phase.DECODING,), END),
-    (Event.FINISH, (Phase.DECODING, Phase.DENOISING), END),
-    (Event.CANCEL, (Phase.WAITING, Phase.PREFILLING, Phase.DECODING, Phase.DENOISING), END),
+# (event, stages it may come from (None: not yet submitted), stage it goes to, or END)
+TABLE: tuple[tuple[Event, tuple[Stage | None, ...], Stage | None], ...] = (
+    (Event.SUBMIT, (None,), Stage.WAITING),
+    (Event.ADMIT, (Stage.WAITING,), Stage.PREFILLING),
+    (Event.ADMIT_DIFFUSION, (Stage.WAITING,), Stage.DENOISING),
+    (Event.REFUSE, (Stage.WAITING,), END),
+    (Event.PREFILLED, (Stage.PREFILLING,), Stage.DECODING),
+    (Event.PREEMPT, (Stage.PREFILLING, Stage.DECODING), Stage.WAITING),
+    (Event.OVERRUN, (Stage.DECODING,), END),
+    (Event.FINISH, (Stage.DECODING, Stage.DENOISING), END),
+    (Event.CANCEL, (Stage.WAITING, Stage.PREFILLING, Stage.DECODING, Stage.DENOISING), END),
 )
 _MOVES = {(src, event): dst for event, sources, dst in TABLE for src in sources}
 
 
-def advance(phase: Phase | None, event: Event) -> Phase | None:
+def advance(phase: Stage | None, event: Event) -> Stage | None:
     """The phase ``event`` moves a request to from ``phase`` (None: it ended).
 
-    >>> advance(Phase.WAITING, Event.ADMIT), advance(Phase.DECODING, Event.FINISH)
-    (<Phase.PREFILLING: 'prefilling'>, None)
+    >>> advance(Stage.WAITING, Event.ADMIT), advance(Stage.DECODING, Event.FINISH)
+    (<Stage.PREFILLING: 'prefilling'>, None)
     """
     try:
         return _MOVES[(phase, event)]
@@ -74,7 +74,7 @@ def advance(phase: Phase | None, event: Event) -> Phase | None:
         raise AssertionError(f"the lifecycle has no {shown(event.value)} from {phase}: a scheduler bug") from None
 
 
-def moved(phase: Phase | None, event: Event) -> Phase:
+def moved(phase: Stage | None, event: Event) -> Stage:
     """``advance`` for an event that keeps the request alive."""
     to = advance(phase, event)
     assert to is not None, f"{shown(event.value)} ends a request"

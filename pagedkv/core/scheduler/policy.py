@@ -230,7 +230,7 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
                     tuple(d.ended), tuple(metadata), samples, tuple(d.refusals))  # fmt: skip
     log = d.log if d.log_edit is None else d.log_edit.persistent()
-    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.phases.finish(), d.seqs, log, d.finished,
+    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, d.finished,
                      tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
                      state.arrivals, tuple(d.events))  # fmt: skip
     return new, plan

@@ -14,7 +14,7 @@ from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.errors import KVError, RequestId, is_int, shown
 from pagedkv.core.events import KVEvent
 from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.scheduler.lifecycle import FinishReason, Phase
+from pagedkv.core.scheduler.lifecycle import FinishReason, Stage
 from pagedkv.core.scheduler.tokens import TokenLog
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, initial_state
@@ -136,7 +136,7 @@ class Prefilled(NamedTuple):
 class SchedState:
     """The scheduler's state, a value like the core's.
 
-    Each live request has one ``Phase`` in ``phases`` (the lifecycle table says how it moves);
+    Each live request has one ``Stage`` in ``stages`` (the lifecycle table says how it moves);
     ``waiting`` and ``running`` give the orders (arrival; admission, the newest last). Shaped for
     the common step (every running request decodes one token): what a request is (prompt,
     limits) sits in ``seqs`` and never changes while it runs; what it generated sits in ``log``
@@ -148,7 +148,7 @@ class SchedState:
     kv: KVState
     waiting: PDeque[RequestId]
     running: tuple[RequestId, ...]  # in admission order: the newest is last
-    phases: Map[RequestId, Phase]  # every live request's phase
+    stages: Map[RequestId, Stage]  # every live request's phase
     seqs: Map[RequestId, SeqRequest]  # live requests, as submitted (output empty)
     log: TokenLog  # live requests: the ids each generated so far
     finished: Map[RequestId, FinishReason]  # how each ended
@@ -169,7 +169,7 @@ class SchedState:
     @property
     def prefilling(self) -> frozenset[RequestId]:
         """Running requests whose prompt is not computed yet."""
-        return frozenset(rid for rid, phase in self.phases.items() if phase is Phase.PREFILLING)
+        return frozenset(rid for rid, phase in self.stages.items() if phase is Stage.PREFILLING)
 
     @property
     def scheduled(self) -> tuple[Scheduled, ...]:

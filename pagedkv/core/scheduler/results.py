@@ -37,7 +37,7 @@ def on_output(
     kv = _commit(state, events)
     stop = set(finished)
     decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
-    log, seqs, phases = state.log.edit(), state.seqs, state.phases.mutate()
+    log, seqs, stages = state.log.edit(), state.seqs, state.stages.mutate()
     ending: list[RequestId] = []
     limit = seqs.__getitem__
     for rid, n in zip(decode, log.append_many(decode, toks)):
@@ -45,7 +45,7 @@ def on_output(
             ending.append(rid)
     for rid, _, _, samples in chunks:
         if samples:  # its prompt is computed: it decodes from now on
-            phases[rid] = moved(phases[rid], Event.PREFILLED)
+            stages[rid] = moved(stages[rid], Event.PREFILLED)
             log.append(rid, sampled[rid])
             if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
                 ending.append(rid)
@@ -56,14 +56,14 @@ def on_output(
         kv = released.state
         events.extend(events_of(released.effect))
         for rid in ending:
-            advance(phases[rid], Event.FINISH)
-            del phases[rid]
+            advance(stages[rid], Event.FINISH)
+            del stages[rid]
             seqs = seqs.delete(rid)
             log.drop(rid)
             done = done.set(rid, FinishReason.FINISHED)
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
-    new = SchedState(state.config, kv, state.waiting, running, phases.finish(), seqs, log.persistent(), done, (), (),
+    new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), done, (), (),
                      (), state.step, state.arrivals, tuple(events))  # fmt: skip
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
 

@@ -70,7 +70,7 @@ def step_batching(n: int = 24, steps: int = 8, gap: float = 0.01, blocks: int = 
 
     from pagedkv.app.diffusion import DiTRunner, DiTStepRunner
     from pagedkv.core import publish, release
-    from pagedkv.core.scheduler.steps import DiTJob, StepState, done, submit, tick
+    from pagedkv.core.scheduler.steps import DiTJob, StepState, done, submit_job, tick
     from pagedkv.models.dit import DiT, DiTConfig, DiTRow
     from pagedkv.shell.attention import get_backend
     from pagedkv.shell.rank import build_rank, plan_rank
@@ -120,7 +120,7 @@ def step_batching(n: int = 24, steps: int = 8, gap: float = 0.01, blocks: int = 
         for item in [p for p in pending if p[3] <= now]:
             rid, rows, imgs, at = item
             step_runner.work[rid] = (rows, [i.clone() for i in imgs], steps)
-            state = submit(state, DiTJob(rid, spec(rid, rows), steps)).unwrap()
+            state = submit_job(state, DiTJob(rid, spec(rid, rows), steps)).unwrap()
             arrived[rid] = at
             pending.remove(item)
         if not (state.active or state.waiting):

@@ -10,7 +10,7 @@ import torch
 
 from pagedkv.app.diffusion import DiTRunner, DiTStepRunner
 from pagedkv.core import CacheConfig, RequestSpec, admit, initial_state, publish
-from pagedkv.core.scheduler.steps import DiTJob, StepState, cancel, done, submit, tick
+from pagedkv.core.scheduler.steps import DiTJob, StepState, cancel_job, done, submit_job, tick
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.models.dit import DiT, DiTRow
 from pagedkv.shell.attention import get_backend
@@ -63,11 +63,11 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
         for item in [p for p in pending if p[4] <= state.tick]:
             rid, rows, imgs, steps, _ = item
             runner.work[rid] = (rows, [i.clone() for i in imgs], steps)
-            state = submit(state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows),
+            state = submit_job(state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows),
                                                          rows[0].content_key()), steps)).unwrap()  # fmt: skip
             pending.remove(item)
         if state.tick == 3 and any(rid == cancelled for rid, _, _ in state.active):
-            state = cancel(state, cancelled).unwrap()  # between ticks, mid-way through its steps
+            state = cancel_job(state, cancelled).unwrap()  # between ticks, mid-way through its steps
             rank.worker.remove([cancelled])
         state, plan = tick(state).unwrap()
         waited |= bool(state.waiting)
@@ -90,19 +90,19 @@ def test_submit_checks_the_job() -> None:
     state = StepState.empty(initial_state(cache_config(20)))
     rows = [DiTRow((1, 2, 3))]
     spec = RequestSpec("a", tuple(r.spec(IMAGE) for r in rows))
-    state = submit(state, DiTJob("a", spec, 2)).unwrap()
-    assert submit(state, DiTJob("a", spec, 2)).failure().field == "request"
-    assert submit(state, DiTJob("b", RequestSpec("b", spec.rows), 0)).failure().field == "steps"
+    state = submit_job(state, DiTJob("a", spec, 2)).unwrap()
+    assert submit_job(state, DiTJob("a", spec, 2)).failure().field == "request"
+    assert submit_job(state, DiTJob("b", RequestSpec("b", spec.rows), 0)).failure().field == "steps"
     from pagedkv.core.spec import RowSpec
 
-    assert submit(state, DiTJob("c", RequestSpec("c", (RowSpec(4),)), 2)).failure().field == "rows"
-    assert cancel(state, "zzz").failure().code.value == "UNKNOWN_REQUEST"
-    assert cancel(state, "a", "oops").failure().field == "reason"
+    assert submit_job(state, DiTJob("c", RequestSpec("c", (RowSpec(4),)), 2)).failure().field == "rows"
+    assert cancel_job(state, "zzz").failure().code.value == "UNKNOWN_REQUEST"
+    assert cancel_job(state, "a", "oops").failure().field == "reason"
     state, _ = tick(state).unwrap()
     assert tick(state).failure().field == "op"  # a tick before the last one's done
-    assert cancel(state, "a").failure().field == "op"  # a cancel comes between ticks
+    assert cancel_job(state, "a").failure().field == "op"  # a cancel comes between ticks
     state, _ = done(state).unwrap()
-    failed = cancel(state, "a", "error").unwrap()  # its step failed: released, every block back
+    failed = cancel_job(state, "a", "error").unwrap()  # its step failed: released, every block back
     assert not failed.active and failed.kv.free_blocks == failed.kv.config.usable_blocks
 
 
@@ -125,14 +125,14 @@ def test_a_step_batching_trace_replays_event_for_event() -> None:
         for item in [p for p in pending if p[4] <= state.tick]:
             rid, rows, _, steps, _ = item
             spec = RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows), rows[0].content_key())
-            state = submit(state, DiTJob(rid, spec, steps)).unwrap()
+            state = submit_job(state, DiTJob(rid, spec, steps)).unwrap()
             ev = {"op": "submit", "request": rid, "rows": [row_json(r) for r in spec.rows], "steps": steps}
             if spec.extra_keys:
                 ev["extra_keys"] = list(spec.extra_keys)
             lines.append(ev)
             pending.remove(item)
         if state.tick == 3 and any(rid == "r3" for rid, _, _ in state.active):
-            state = cancel(state, "r3").unwrap()
+            state = cancel_job(state, "r3").unwrap()
             lines.append({"op": "cancel", "request": "r3"})
         state, plan = tick(state).unwrap()
         forwards = [[f.phase, list(f.request_ids), list(f.step_index)] for f in plan.forwards]

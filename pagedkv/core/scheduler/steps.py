@@ -12,8 +12,8 @@ never preempted: their blocks are fixed at admission and a preempted DiT request
 from its latent, so a request that does not fit waits instead.
 
     s = StepState.empty(kv)
-    s = submit(s, DiTJob("img", spec, steps=30)).unwrap()
-    s, plan = tick(s).unwrap()          # StepPlan: forwards (phase, request ids, metadata, their step index)
+    s = submit_job(s, DiTJob("img", spec, steps=30)).unwrap()
+    s, plan = tick(s).unwrap()          # TickPlan: forwards (phase, request ids, metadata, their step index)
     ... run each forward ...
     s, finished = done(s).unwrap()
 """
@@ -55,7 +55,7 @@ class Forward:
 
 
 @dataclass(frozen=True, slots=True)
-class StepPlan:
+class TickPlan:
     tick: int
     forwards: tuple[Forward, ...]
     admitted: tuple[RequestId, ...]  # admitted before this tick
@@ -76,7 +76,7 @@ class StepState:
         return StepState(kv, (), ())
 
 
-def submit(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
+def submit_job(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
     """Queue ``job`` (its rows must be diffusion rows; its id new)."""
     rid = job.request_id
     if rid in state.kv.requests or any(j.request_id == rid for j in state.waiting):
@@ -90,7 +90,7 @@ def submit(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
     return Success(StepState(state.kv, (*state.waiting, job), state.active, state.tick, state.planned))
 
 
-def tick(state: StepState) -> Result[tuple[StepState, StepPlan], KVError]:
+def tick(state: StepState) -> Result[tuple[StepState, TickPlan], KVError]:
     """Admit what fits (in order; the first that does not fit stops admission), then plan one step of every
     active request, one forward per segment structure."""
     if state.planned:
@@ -126,7 +126,7 @@ def tick(state: StepState) -> Result[tuple[StepState, StepPlan], KVError]:
                                 meta.unwrap().effect))  # fmt: skip
     new = StepState(kv, tuple(waiting), tuple(active), state.tick + 1,
                     tuple(rid for f in forwards for rid in f.request_ids))  # fmt: skip
-    return Success((new, StepPlan(state.tick, tuple(forwards), tuple(admitted))))
+    return Success((new, TickPlan(state.tick, tuple(forwards), tuple(admitted))))
 
 
 def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KVError]:
@@ -157,7 +157,7 @@ def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KV
     return Success((StepState(kv, state.waiting, tuple(active), state.tick), tuple(finished)))
 
 
-def digest(state: StepState) -> str:
+def steps_digest(state: StepState) -> str:
     """The state's digest: the core's and the queues' (replay compares it event by event)."""
     from pagedkv.core.verify.digest import digest as kv_digest  # (verify imports this module: not at the top)
 
@@ -166,7 +166,7 @@ def digest(state: StepState) -> str:
     return hashlib.blake2b(repr(queues).encode(), digest_size=16).hexdigest()
 
 
-def cancel(state: StepState, request_id: RequestId, reason: str = "cancelled") -> Result[StepState, KVError]:
+def cancel_job(state: StepState, request_id: RequestId, reason: str = "cancelled") -> Result[StepState, KVError]:
     """Drop a waiting request, or release an active one (between ticks); its blocks go back. ``reason``
     ``"error"`` for a request whose step failed (the core then takes back what it cached ahead)."""
     if reason not in ("cancelled", "error"):

@@ -169,7 +169,7 @@ def _kv(state: Any) -> KVState:
 
 def _digest(state: Any) -> str:
     if isinstance(state, dit_steps.StepState):
-        return dit_steps.digest(state)
+        return dit_steps.steps_digest(state)
     return sched_digest(state) if isinstance(state, SchedState) else digest(state)
 
 

@@ -202,8 +202,8 @@ def apply_steps(
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "cancel":
-        return steps.cancel(state, ev["request"], ev.get("reason", "cancelled")).map(lambda s: (s, {}, None))
+        return steps.cancel_job(state, ev["request"], ev.get("reason", "cancelled")).map(lambda s: (s, {}, None))
     spec = admit_spec(ev)
     if isinstance(spec, KVError):
         return Failure(spec)
-    return steps.submit(state, steps.DiTJob(ev["request"], spec, ev.get("steps", 1))).map(lambda s: (s, {}, None))
+    return steps.submit_job(state, steps.DiTJob(ev["request"], spec, ev.get("steps", 1))).map(lambda s: (s, {}, None))

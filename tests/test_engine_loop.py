@@ -49,7 +49,7 @@ def sequential(model: Any) -> tuple[list[dict[str, Any]], list[list[int]], list[
     for rid, ids, p in reqs:
         state = submit(state, SeqRequest(rid, tuple(ids), max_tokens=p.max_tokens)).unwrap()
     plans, digests = [], []
-    while state.requests:
+    while state.live:
         state, plan = schedule(state).unwrap()
         plans.append(plan_json(plan))
         digests.append(sched_digest(state))

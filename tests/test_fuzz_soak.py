@@ -112,21 +112,21 @@ def test_soak_ten_thousand_random_events_leave_every_block_free() -> None:
             base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]])
             prompt = tuple(base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(4))])
             s = submit(s, SeqRequest(next(ids), prompt, max_tokens=rng.randrange(1, 12))).unwrap()
-        elif roll < 0.30 and s.requests:
-            victim = rng.choice(sorted(s.requests.keys()))
+        elif roll < 0.30 and s.live:
+            victim = rng.choice(sorted(s.live.keys()))
             s = cancel(s, victim, rng.choice(["cancelled", "error"])).unwrap()
             cancelled += 1
         else:
-            if s.scheduled:
+            if s.pending_output:
                 sampled = {rid: rng.randrange(50) for rid in plan.samples}
                 stop = [r for r in sampled if rng.random() < 0.05]
                 s, _ = on_output(s, sampled, stop).unwrap()
             else:
                 s, plan = schedule(s).unwrap()
                 preempted += len(plan.preempted)
-    if s.scheduled:
+    if s.pending_output:
         s, _ = on_output(s, {rid: 1 for rid in plan.samples}).unwrap()
-    for rid in sorted(s.requests.keys()):
+    for rid in sorted(s.live.keys()):
         s = cancel(s, rid).unwrap()
     assert preempted > 0 and cancelled > 0, (preempted, cancelled)
     assert check_invariants(s.kv) == []

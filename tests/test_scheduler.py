@@ -27,12 +27,12 @@ def run(state: SchedState, max_steps: int = 200) -> tuple[SchedState, dict[objec
         state, plan = schedule(state).unwrap()
         preempted += plan.preempted
         assert plan.num_tokens <= state.config.max_num_batched_tokens or len(plan.diffusion) == 1
-        sampled = {rid: model(state.requests[rid].prompt + state.requests[rid].output) for rid in plan.samples}
+        sampled = {rid: model(state.live[rid].prompt + state.live[rid].output) for rid in plan.samples}
         for rid in sampled:
-            outputs[rid] = state.requests[rid].output + (sampled[rid],)
+            outputs[rid] = state.live[rid].output + (sampled[rid],)
         state, _ = on_output(state, sampled).unwrap()
         assert check_invariants(state.kv) == []
-        if not state.requests:
+        if not state.live:
             break
     return state, outputs, preempted
 
@@ -80,7 +80,7 @@ def test_the_newest_running_request_is_preempted_and_goes_to_the_front() -> None
     s, plan = schedule(s).unwrap()  # old's 5th token needs a block: new is preempted
     assert plan.preempted == ("new",) and plan.decode == ("old",)
     assert list(s.waiting) == ["new", "later"]
-    assert s.requests["new"].output == (2,)  # resumes from prompt + (2,)
+    assert s.live["new"].output == (2,)  # resumes from prompt + (2,)
 
 
 def test_no_capacity_waits_at_the_head_unless_overtaking_is_allowed() -> None:
@@ -130,7 +130,7 @@ def test_a_prompt_that_hits_its_own_cached_prefix_under_windows_is_served(usable
             hits.update((r.request_id, r.kv_start_pos) for r in meta.rows if r.request_id not in hits)
         s, _ = on_output(s, {r: 7 for r in plan.samples}).unwrap()
         assert check_invariants(s.kv) == []
-        if step > second_at and not s.requests:
+        if step > second_at and not s.live:
             break
     assert dict(s.finished) == {"a": "finished", "b": "finished"}
     if second_at == 30 and usable > 15:  # (at 15 blocks the first's own window blocks are reused as it runs)
@@ -161,7 +161,7 @@ def test_cancel_and_error_release_everything() -> None:
     s = cancel(s, "a").unwrap()
     s = cancel(s, "w").unwrap()
     s = cancel(s, "b", "error").unwrap()
-    assert s.kv.free_blocks == 19 and not s.requests and s.scheduled == ()
+    assert s.kv.free_blocks == 19 and not s.live and not s.pending_output
     assert dict(s.finished) == {"a": "cancelled", "w": "cancelled", "b": "error"}
     assert isinstance(cancel(s, "a"), Failure)
 

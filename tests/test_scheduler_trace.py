@@ -31,7 +31,7 @@ def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:
             req = arrivals.pop(0)
             s = submit(s, req).unwrap()
             lines.append({**submit_event(req), "expect": {"ok": True, "digest": sched_digest(s)}})
-        if step == 9 and "r1" in s.requests:
+        if step == 9 and "r1" in s.live:
             from pagedkv.core.scheduler import cancel
 
             s = cancel(s, "r1").unwrap()
@@ -40,11 +40,11 @@ def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:
         expected.append(plan_json(plan))
         lines.append({"op": "schedule", "expect": {"plan": plan_json(plan), "digest": sched_digest(s),
                                                    "free_blocks": s.kv.free_blocks}})  # fmt: skip
-        sampled = {rid: model(s.requests[rid].prompt + s.requests[rid].output) for rid in plan.samples}
+        sampled = {rid: model(s.live[rid].prompt + s.live[rid].output) for rid in plan.samples}
         stop = [rid for rid, tok in sampled.items() if tok == 0]  # an "EOS"
         s, _ = on_output(s, sampled, stop).unwrap()
         lines.append({**output_event(sampled, stop), "expect": {"digest": sched_digest(s)}})
-        if not s.requests and not arrivals:
+        if not s.live and not arrivals:
             break
     path = tmp_path / "serving.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     usable = cfg.usable_blocks
     refused: list[Any] = []
     print(f"{'request':<8} {'rows':>4} {'tokens':>7} {'cached':>7} {'blocks':>7} {'pool':>6}  per-step ms")
-    while s.requests:
+    while s.live:
         s, plan_ = schedule(s).unwrap()
         why = {err.request: err.message for err in plan_.refusals}
         for rid, how in plan_.finished:  # refused for good at admission (too long for the pool, say)

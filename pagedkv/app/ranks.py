@@ -52,8 +52,9 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
         Leader.stop()
     except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere
         result["error"] = describe(e)
-        step_ids = {rid for _, rid, *_ in eng.state.scheduled}
-        for rid in sorted(eng.state.requests.keys(), key=str):
+        st = eng.state
+        step_ids = {*st.sched_decode, *(p.request_id for p in st.sched_prefill), *st.sched_diffusion}
+        for rid in sorted(eng.state.live.keys(), key=str):
             eng.state = cancel(eng.state, rid, "error" if rid in step_ids else "cancelled").unwrap()
             eng.worker.remove([rid])
     kv = eng.state.kv

@@ -122,7 +122,7 @@ class Engine:
         return self.outcomes.trace_error
 
     def has_unfinished(self) -> bool:
-        return bool(self.state.requests)
+        return bool(self.state.live)
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
         """One engine step; the completions that finished in it (and any a hook's fault kept back before).

@@ -11,13 +11,13 @@ from pagedkv.core.scheduler.inputs import cancel, submit
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Stage
 from pagedkv.core.scheduler.policy import schedule
 from pagedkv.core.scheduler.records import (
-    DiffusionRun, Kind, Prefilled, Requests, SchedState, SchedulerConfig, Scheduled, SeqRequest, StepPlan,
+    DiffusionRun, LiveRequests, Prefilled, SchedState, SchedulerConfig, SeqRequest, StepPlan,
     new_scheduler,
 )  # fmt: skip
 from pagedkv.core.scheduler.results import on_output
 
 __all__ = [
-    "DiffusionRun", "Event", "FinishReason", "Kind", "Stage", "Prefilled", "Requests", "SchedState", "SchedulerConfig",
-    "Scheduled", "SeqRequest", "StepPlan", "cancel", "new_scheduler", "on_output", "sched_canonical", "sched_digest",
+    "DiffusionRun", "Event", "FinishReason", "LiveRequests", "Prefilled", "SchedState", "SchedulerConfig",
+    "SeqRequest", "Stage", "StepPlan", "cancel", "new_scheduler", "on_output", "sched_canonical", "sched_digest",
     "schedule", "submit",
 ]  # fmt: skip

@@ -13,14 +13,23 @@ from pagedkv.core.verify.digest import canonical
 def sched_canonical(state: SchedState) -> tuple[Any, ...]:
     """The scheduler state's canonical form: the core's, and the queues, requests, outcomes and plan
     as ints, strings and tuples (enums as their values)."""
-    order = sorted(state.requests.keys(), key=lambda r: (type(r).__name__, r))
-    reqs = tuple((type(r).__name__, r, _req_key(state.requests[r])) for r in order)
+    order = sorted(state.live.keys(), key=lambda r: (type(r).__name__, r))
+    reqs = tuple((type(r).__name__, r, _req_key(state.live[r])) for r in order)
     fin = tuple(sorted(((type(r).__name__, r, str(how)) for r, how in state.finished.items())))
-    plan = tuple((str(e.kind), e.request_id, e.query_tokens, e.target, e.samples) for e in state.scheduled)
+    plan = _pending_plan(state)
     cfg = state.config
     return ("pagedkv-scheduler/1", cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill,
             cfg.watermark_blocks, cfg.allow_overtaking, canonical(state.kv), tuple(state.waiting), state.running,
             tuple(sorted(state.prefilling, key=str)), reqs, fin, plan, state.step, state.arrivals)  # fmt: skip
+
+
+def _pending_plan(state: SchedState) -> tuple[tuple[Any, ...], ...]:
+    """The last plan's entries until its on_output (decodes, prefill chunks, diffusion runs) as tuples."""
+    kv = state.kv
+    out = [("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True) for rid in state.sched_decode]
+    out += [("prefill", *p) for p in state.sched_prefill]
+    out += [("diffusion", rid, 0, 0, False) for rid in state.sched_diffusion]
+    return tuple(out)
 
 
 def _req_key(r: SeqRequest) -> tuple[Any, ...]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import NamedTuple
 
 from immutables import Map
@@ -107,22 +106,6 @@ class StepPlan:
         return not (self.decode or self.prefill or self.diffusion)
 
 
-class Kind(StrEnum):
-    DECODE = "decode"
-    PREFILL = "prefill"
-    DIFFUSION = "diffusion"
-
-
-class Scheduled(NamedTuple):
-    """One entry of a plan, until its on_output."""
-
-    kind: Kind
-    request_id: RequestId
-    query_tokens: int
-    target: int  # the computed count after it
-    samples: bool  # does its forward yield a token?
-
-
 class Prefilled(NamedTuple):
     """A prefill chunk of the last plan."""
 
@@ -162,9 +145,9 @@ class SchedState:
     kv_events: tuple[KVEvent, ...] = field(default=(), compare=False)
 
     @property
-    def requests(self) -> Requests:
+    def live(self) -> LiveRequests:
         """Waiting and running requests by id, each with what it has generated (``output``)."""
-        return Requests(self.seqs, self.log)
+        return LiveRequests(self.seqs, self.log)
 
     @property
     def prefilling(self) -> frozenset[RequestId]:
@@ -172,22 +155,13 @@ class SchedState:
         return frozenset(rid for rid, phase in self.stages.items() if phase is Stage.PREFILLING)
 
     @property
-    def scheduled(self) -> tuple[Scheduled, ...]:
-        """The last plan's entries until its on_output: decodes, then prefill chunks, then diffusion runs."""
-        kv = self.kv
-        out = [Scheduled(Kind.DECODE, rid, 1, kv.row_len[kv.requests[rid].slots[0]], True) for rid in self.sched_decode]
-        out += [Scheduled(Kind.PREFILL, *p) for p in self.sched_prefill]
-        out += [Scheduled(Kind.DIFFUSION, rid, 0, 0, False) for rid in self.sched_diffusion]
-        return tuple(out)
-
-    @property
     def pending_output(self) -> bool:
         """Has the last plan not had its on_output yet?"""
         return bool(self.sched_decode or self.sched_prefill or self.sched_diffusion)
 
 
-class Requests(Mapping[RequestId, SeqRequest]):
-    """``SchedState.requests``: a read-only view that puts each request's output back in its record."""
+class LiveRequests(Mapping[RequestId, SeqRequest]):
+    """``SchedState.live``: a read-only view that puts each request's output back in its record."""
 
     __slots__ = ("seqs", "log")
 

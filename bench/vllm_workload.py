@@ -1,5 +1,5 @@
 """vLLM's real v1 ``Scheduler`` on the CPU, driven step by step without a model: the differential test of
-pagedkv's KV cache manager (tests/test_vllm_manager.py) and bench/vllm_step.py share it.
+pagedkv's KV cache manager (tests/integrations/test_vllm_manager.py) and bench/vllm_step.py share it.
 
 Needs vLLM 0.33 importable (../shared/peers' venv: ``VLLM_TARGET_DEVICE=cpu``; ``pip install einops``
 there). A folder holding a tiny Llama ``config.json`` stands for the model (no hub, no weights, no

@@ -1,6 +1,6 @@
 """``LLM``: the whole-request API over the engine.
 
-Usage (loads SmolLM2, so it is shown here and run in tests/test_smollm2.py rather than as a doctest)::
+Usage (loads SmolLM2, so it is shown here and run in tests/models/test_smollm2.py rather than as a doctest)::
 
     llm = LLM()
     [c.text for c in llm.generate(["What is the capital of France?"], chat=True)]

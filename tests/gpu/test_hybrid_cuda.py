@@ -18,7 +18,7 @@ from pagedkv.models.gguf import LlamaConfig  # noqa: E402
 from pagedkv.models.llama import IdTokenizer, Llama  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams
-from tests.test_hybrid import WINDOW, hf_model, prompts  # noqa: E402
+from tests.models.test_hybrid import WINDOW, hf_model, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """pagedkv's KV events in vLLM's wire format (vLLM 0.33's ``vllm.distributed.kv_events``): msgspec
 structs of the same names, fields, order, defaults and tags, so the msgpack bytes are the ones vLLM's
-own types produce (tests/test_vllm_events.py holds them byte for byte against bytes vLLM encoded) and
+own types produce (tests/integrations/test_vllm_events.py holds them byte for byte against bytes vLLM encoded) and
 vLLM's decoder reads them. Block hashes go out as int64, vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
 rule applied to pagedkv's 16-byte chain hashes (the low 64 bits of the big-endian integer). A run of
 blocks one request stored in one group, each the parent of the next, is one ``BlockStored``, as vLLM

@@ -25,7 +25,7 @@ Every call is all or nothing: its transitions run on a value of the state, which
 when the call succeeds; a refusal leaves the manager as it was and answers as vLLM's manager does (None when
 the blocks are short; ``ManagerError`` where vLLM's would have done what the core refused). The core runs
 with vLLM's block-pool policies and the hash kind, seed and extra keys vLLM hashes with, so block ids, hits,
-hashes, events and metrics are the ones vLLM's own manager gives (tests/test_vllm_manager.py runs both under
+hashes, events and metrics are the ones vLLM's own manager gives (tests/integrations/test_vllm_manager.py runs both under
 vLLM's real scheduler, step by step). Everything else is refused at construction with the reason
 (``Unsupported``). ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
 """

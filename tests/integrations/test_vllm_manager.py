@@ -8,7 +8,7 @@ identical preemptions and endings, identical KV events after vLLM's own msgspec 
 them, identical usage and prefix-cache stats. Skipped where vLLM is not installed (CI); run in
 ../shared/peers' venv (``pip install pytest hypothesis`` there):
 
-    /work/peers-venv/bin/python -m pytest -q tests/test_vllm_manager.py
+    /work/peers-venv/bin/python -m pytest -q tests/integrations/test_vllm_manager.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.app.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "cfg_and_decode.jsonl"
 HEADER = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9}}
 KEYS = ["i", "op", "ok", "error", "generation", "free_blocks", "digest"]

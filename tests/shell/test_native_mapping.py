@@ -19,7 +19,7 @@ from hypothesis import given
 from pagedkv.core import GroupKind, GroupSpec
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.errors import BackendUnavailable, ShellError
-from tests.test_shell_attention import build, scenario
+from tests.shell.test_shell_attention import build, scenario
 
 
 def fused_infer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,

@@ -1,5 +1,5 @@
 """KV events in vLLM's wire format: the bytes equal those vLLM 0.33's own msgspec types encode for the
-same events (tests/data/vllm_events.msgpack, written by tests/data/make_vllm_events_golden.py where vLLM
+same events (tests/integrations/data/vllm_events.msgpack, written by tests/integrations/data/make_vllm_events_golden.py where vLLM
 is installed), vLLM's decoder reads them where vLLM is here, and the int64 hashes are stable across
 processes."""
 
@@ -17,10 +17,10 @@ from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initi
 from pagedkv.integrations.vllm.events import (  # noqa: E402
     AllBlocksCleared, BlockRemoved, BlockStored, decode, encode, int64_hash, to_vllm, to_vllm_batch,
 )  # fmt: skip
-from tests.vllm_events_scenario import CONFIG, events  # noqa: E402
+from tests.integrations.vllm_events_scenario import CONFIG, events  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_events.msgpack"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch() -> object:
@@ -60,7 +60,7 @@ def test_a_chain_continues_from_its_parent() -> None:
 
 def test_int64_hashes_are_stable_across_processes() -> None:
     here = [e.block_hashes for e in batch().events if not isinstance(e, AllBlocksCleared)]  # type: ignore[attr-defined]
-    code = ("from tests.vllm_events_scenario import CONFIG, events; "
+    code = ("from tests.integrations.vllm_events_scenario import CONFIG, events; "
             "from pagedkv.integrations.vllm.events import to_vllm; "
             "print([e.block_hashes for e in to_vllm(events(), CONFIG) if hasattr(e, 'block_hashes')])")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,

@@ -1,6 +1,6 @@
 """One run through the core whose KV events cover every kind (stores in two groups, a window's drops,
-evictions, a prefix-cache reset): shared by tests/test_vllm_events.py and the script that wrote
-tests/data/vllm_events.msgpack with vLLM's own types."""
+evictions, a prefix-cache reset): shared by tests/integrations/test_vllm_events.py and the script that wrote
+tests/integrations/data/vllm_events.msgpack with vLLM's own types."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from pagedkv.app import args as app_args
 from pagedkv.app.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = ROOT / "examples" / "shared_prefix_trace.jsonl"
 
 

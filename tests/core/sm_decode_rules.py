@@ -1,4 +1,4 @@
-"""The caching state machine's batch rules (``tests/test_state_machine_caching.py``): each decode
+"""The caching state machine's batch rules (``tests/core/test_state_machine_caching.py``): each decode
 fast path (``append_decode``, ``decode_step``, ``commit_decode``, ``release_many``) against its
 general form, one request after another, on the machine's state and content oracle."""
 

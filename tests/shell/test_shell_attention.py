@@ -191,7 +191,7 @@ def test_the_documented_model_runner_runs() -> None:
     import runpy
     from pathlib import Path
 
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "shell_runner.py"), run_name="__main__")
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "shell_runner.py"), run_name="__main__")
 
 
 def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None:

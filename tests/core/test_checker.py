@@ -20,7 +20,7 @@ from returns.result import Failure, Success
 
 import pagedkv.core.verify.alphabet as check_mod
 import pagedkv.core.verify.trace_ops as trace_mod
-import tests.test_state_machine_caching as sm_caching
+import tests.core.test_state_machine_caching as sm_caching
 from pagedkv.app.cli import main
 from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
 from pagedkv.core import admission as admission_mod

@@ -26,8 +26,8 @@ from pagedkv.core import (
     reset_prefix_cache,
 )  # fmt: skip
 from pagedkv.core.verify.invariants import admission_violations, check_invariants
-from tests.sm_decode_rules import IDS, DecodeRules
-from tests.test_state_machine import check_history
+from tests.core.sm_decode_rules import IDS, DecodeRules
+from tests.core.test_state_machine import check_history
 
 BASES = [[0, 1, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]]  # shared prefixes hit
 GROUPINGS = {

@@ -15,7 +15,7 @@ from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, o
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
 from pagedkv.core.verify.trace_ops import plan_json
-from tests.test_scheduler import model
+from tests.core.test_scheduler import model
 
 
 def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.vllm_workload import BLOCK_SIZE, Layout, make_scheduler, sampled  # noqa: E402
+from tests.integrations.vllm_harness import BLOCK_SIZE, Layout, make_scheduler, sampled  # noqa: E402
 
 TIMED = ("allocate_slots", "get_computed_blocks", "free", "get_blocks", "take_events")
 

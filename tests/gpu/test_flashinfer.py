@@ -14,13 +14,14 @@ pytestmark = pytest.mark.cuda
 pytest.importorskip("flashinfer", reason="the flashinfer backend needs flashinfer-python (pip install flashinfer-python)")
 pytest.importorskip("triton", reason="the comparisons run triton beside it")
 
-from bench import gpu_decode, gpu_prefill_check  # noqa: E402
+from bench import gpu_decode
+from tests.gpu import prefill_cases  # noqa: E402
 from pagedkv.shell.attention import get_backend  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.errors import ShellError  # noqa: E402
 
-CASES = gpu_prefill_check.cases()
+CASES = prefill_cases.cases()
 REFUSED = {"sliding window, image span"}  # a full span under a window: no FlashInfer window form
 
 
@@ -28,16 +29,16 @@ REFUSED = {"sliding window, image span"}  # a full span under a window: no Flash
 def test_multi_token_phases_equal_the_reference(name: str, rows: list, spec: object, bs: int) -> None:
     if name in REFUSED:
         with pytest.raises(ShellError, match="full span under a sliding window"):
-            gpu_prefill_check.case(name, rows, spec, bs, torch.bfloat16, backend="flashinfer")  # type: ignore[arg-type]
+            prefill_cases.case(name, rows, spec, bs, torch.bfloat16, backend="flashinfer")  # type: ignore[arg-type]
         return
-    _, err, _, _ = gpu_prefill_check.case(name, rows, spec, bs, torch.bfloat16, backend="flashinfer")  # type: ignore[arg-type]
-    assert err < gpu_prefill_check.TOLERANCE[torch.bfloat16], err
+    _, err, _, _ = prefill_cases.case(name, rows, spec, bs, torch.bfloat16, backend="flashinfer")  # type: ignore[arg-type]
+    assert err < prefill_cases.TOLERANCE[torch.bfloat16], err
 
 
 def test_float32_is_refused_with_the_reason() -> None:
     name, rows, spec, bs = CASES[0]
     with pytest.raises(ShellError, match="float16 and bfloat16"):
-        gpu_prefill_check.case(name, rows, spec, bs, torch.float32, backend="flashinfer")
+        prefill_cases.case(name, rows, spec, bs, torch.float32, backend="flashinfer")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_graph_replay_equals_the_eager_step(decode_bench: gpu_decode.DecodeBench
     assert diff < 2e-2, diff
 
 
-DECODE = gpu_prefill_check.decode_cases()
+DECODE = prefill_cases.decode_cases()
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
@@ -60,9 +61,9 @@ def test_decode_equals_the_reference(name: str, rows: list, spec: object, bs: in
     """Both backends' decode on the same shuffled pages against the float32 torch reference (bf16 inputs)."""
     from pagedkv.core import Phase
 
-    _, err, _, _ = gpu_prefill_check.case(name, rows, spec, bs, torch.bfloat16, backend=backend,  # type: ignore[arg-type]
+    _, err, _, _ = prefill_cases.case(name, rows, spec, bs, torch.bfloat16, backend=backend,  # type: ignore[arg-type]
                                           phase=Phase.DECODE)  # fmt: skip
-    assert err < gpu_prefill_check.TOLERANCE[torch.bfloat16], err
+    assert err < prefill_cases.TOLERANCE[torch.bfloat16], err
 
 
 def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:

@@ -11,19 +11,20 @@ pytestmark = pytest.mark.cuda
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from bench import gpu_decode, gpu_prefill_check  # noqa: E402
+from bench import gpu_decode
+from tests.gpu import prefill_cases  # noqa: E402
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams
 
-CASES = gpu_prefill_check.cases()
+CASES = prefill_cases.cases()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name, rows, spec, bs", CASES, ids=[c[0] for c in CASES])
 def test_varlen_equals_the_reference(name: str, rows: list, spec: object, bs: int, dtype: torch.dtype) -> None:
-    _, err, _, _ = gpu_prefill_check.case(name, rows, spec, bs, dtype)  # type: ignore[arg-type]
-    assert err < gpu_prefill_check.TOLERANCE[dtype], err
+    _, err, _, _ = prefill_cases.case(name, rows, spec, bs, dtype)  # type: ignore[arg-type]
+    assert err < prefill_cases.TOLERANCE[dtype], err
 
 
 def test_the_fused_kv_write_equals_index_copy() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.vllm_workload import Layout, Workload, differential, drive, fuzzed, make_scheduler, vllm_available
+from tests.integrations.vllm_harness import Layout, Workload, differential, drive, fuzzed, make_scheduler, vllm_available
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
 
@@ -114,10 +114,10 @@ def test_event_hashes_as_bytes_when_vllm_sends_bytes(monkeypatch: pytest.MonkeyP
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_fuzzed_configurations_are_identical_to_the_end(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Seeded configurations (bench/vllm_workload.fuzzed: windows, pool sizes from tight to roomy, chunk sizes,
+    """Seeded configurations (tests/integrations/vllm_harness.fuzzed: windows, pool sizes from tight to roomy, chunk sizes,
     the watermark, caching on or off, every hash kind, LoRA, salts, report mode, metrics, long and repeated
     prompts, resets): vLLM's scheduler decides the same with pagedkv's manager as with its own, to the end.
-    ``python bench/vllm_workload.py FIRST COUNT`` runs more."""
+    ``python -m tests.integrations.vllm_harness FIRST COUNT`` runs more."""
     blocks, layout, work, options = fuzzed(seed)
     if options["hash_algo"].startswith("xxhash"):
         pytest.importorskip("xxhash")

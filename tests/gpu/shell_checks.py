@@ -2,7 +2,7 @@
 installs into device buffers, and the torch reference attention over device pages against a
 float64 dense reference on the CPU, in fp32 and bf16. Prints a table; exits 1 on a failed check.
 
-    python bench/gpu_shell_check.py
+    python -m tests.gpu.shell_checks
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dic
 
 
 def main() -> None:
-    """Seeded fuzzing of the differential: ``python bench/vllm_workload.py [first_seed] [count]``, one line a
+    """Seeded fuzzing of the differential: ``python -m tests.integrations.vllm_harness [first_seed] [count]``, one line a
     configuration and a total (PYTHONHASHSEED is set, so the xxhash kinds' seed is shared by both runs)."""
     import sys
     import time

@@ -4,7 +4,7 @@ prefill, chunked prefill and denoising steps, causal and full segments, GQA, sli
 block tables; bf16 and fp32 (FlashInfer has no fp32: refused, and said so). A backend that cannot run
 here (flashinfer not installed) is a line saying why.
 
-    python bench/gpu_prefill_check.py
+    python -m tests.gpu.prefill_cases
 """
 
 from __future__ import annotations

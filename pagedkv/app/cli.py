@@ -166,22 +166,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_path: str | None = None) -> int:
-    if page_map_path:
-        from pagedkv.app.plot import check_target
-
-        try:
-            check_target(page_map_path)
-        except UsageError as e:
-            print(f"pagedkv replay: {e}", file=sys.stderr)
-            return USAGE_EXIT
     try:
-        if path == "-":
-            lines = sys.stdin.read().splitlines()
-        else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
-    except OSError as e:
-        print(f"pagedkv replay: cannot read {path}: {e.strerror}", file=sys.stderr)
+        lines = _trace_lines(path, page_map_path)
+    except UsageError as e:
+        print(f"pagedkv replay: {e}", file=sys.stderr)
         return USAGE_EXIT
     first: str | None = None
     events = divergences = failures = 0
@@ -229,6 +217,21 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
             print(f"pagedkv replay: {divergences} events diverged in all", file=sys.stderr)
         return 1
     return 0
+
+
+def _trace_lines(path: str, page_map_path: str | None) -> list[str]:
+    """The trace's lines (``-``: standard input), once the page map's target is checked; ``UsageError`` else."""
+    if page_map_path:
+        from pagedkv.app.plot import check_target
+
+        check_target(page_map_path)
+    try:
+        if path == "-":
+            return sys.stdin.read().splitlines()
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
 
 
 def _row(line: int, r: dict[str, object]) -> str:

@@ -163,30 +163,15 @@ def _auto_threads(device: str) -> int:
 
 
 def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | None, n_threads: int) -> int:
-    from pagedkv.core.config import InvalidConfig
-    from pagedkv.models.gguf import ModelFileMissing
-    from pagedkv.models.llama import Llama
-    from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine
-    from pagedkv.shell.engine_args import EngineArgs, freeze_startup
-    from pagedkv.shell.errors import BackendUnavailable, ShellError
+    from pagedkv.shell.engine_args import freeze_startup
+    from pagedkv.shell.errors import ShellError
 
     t0 = time.perf_counter()
-    try:
-        model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
-        tok = Tokenizer(meta)
-        load_s = time.perf_counter() - t0
-        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
-                                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
-        engine = Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map))
-    except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:
-        print(f"pagedkv generate: {e}", file=sys.stderr)
-        return USAGE_EXIT
-    except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
-        print(f"pagedkv generate: cannot allocate the engine (--kv-cache-memory {args.kv_cache_memory:g} MiB, "
-              f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}", file=sys.stderr)  # fmt: skip
-        return USAGE_EXIT
+    built = _engine(args, trace)
+    if isinstance(built, int):
+        return built
+    engine, tok = built
+    load_s = time.perf_counter() - t0
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
     done: list[Any] = []
@@ -224,6 +209,31 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     if args.page_map:
         status = max(status, draw_page_map(engine, args.page_map))
     return status
+
+
+def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] | int:
+    """The model loaded and its engine built, with its tokenizer; or the exit status, said in one line."""
+    from pagedkv.core.config import InvalidConfig
+    from pagedkv.models.gguf import ModelFileMissing
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.engine_args import EngineArgs
+    from pagedkv.shell.errors import BackendUnavailable
+
+    try:
+        model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
+        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+                                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+        tok = Tokenizer(meta)
+        return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
+    except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+    except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
+        print(f"pagedkv generate: cannot allocate the engine (--kv-cache-memory {args.kv_cache_memory:g} MiB, "
+              f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}", file=sys.stderr)  # fmt: skip
+    return USAGE_EXIT
 
 
 def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:

@@ -132,17 +132,22 @@ def draw(states: Sequence[KVState], title: str = "pagedkv: blocks held", xlabel:
     ax.set_ylabel(f"block id (1-{top} of {pm.usable})")
     ax.set_title(f"{title}: {len(rids)} requests, {pm.usable} usable blocks")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    f = pm.fill()
-    x = np.arange(steps)
-    fill_ax.stackplot(x, f["held"], f["shared"], f["cached"], step="mid",
-                      colors=("tab:blue", "black", CACHED_GREY),
-                      labels=("held by one request", "shared", "cached, free"))  # fmt: skip
-    fill_ax.set_ylim(0, pm.usable)
-    fill_ax.set_ylabel("blocks")
-    fill_ax.set_xlabel(xlabel)
-    fill_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fill_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="pool fill", title_fontsize=8)
+    _fill(fill_ax, pm, steps, xlabel)
     return fig
+
+
+def _fill(ax: Any, pm: PageMap, steps: int, xlabel: str) -> None:
+    """The pool's fill below the map: held by one request, shared, cached and free."""
+    from matplotlib.ticker import MaxNLocator
+
+    f = pm.fill()
+    ax.stackplot(list(range(steps)), f["held"], f["shared"], f["cached"], step="mid",
+                 colors=("tab:blue", "black", CACHED_GREY), labels=("held by one request", "shared", "cached, free"))
+    ax.set_ylim(0, pm.usable)
+    ax.set_ylabel("blocks")
+    ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="pool fill", title_fontsize=8)
 
 
 def page_map(states: Sequence[KVState], path: str, title: str = "pagedkv: blocks held", xlabel: str = "step") -> int:

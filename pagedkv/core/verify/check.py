@@ -131,12 +131,7 @@ def check(
                     continue
                 parents[k2] = (key, ev.to_json(state))
                 result.states += 1
-                broken = invariants(new) + judged
-                must = takes_generation(step.effect)
-                if must is True and new.generation <= state.generation:
-                    broken = broken + [f"{ev.name} changed a block layout without a new generation"]
-                elif must is False and new.generation != state.generation:
-                    broken = broken + [f"{ev.name} took a generation without a layout change"]
+                broken = invariants(new) + judged + _generation_rule(ev, state, step)
                 if broken:
                     result.depth += 1
                     result.violation, result.trace = broken, _trace(cfg, parents, k2)
@@ -154,6 +149,16 @@ def check(
                 progress(result)
     result.exhaustive = True
     return result
+
+
+def _generation_rule(ev: Event, state: KVState, step: Any) -> list[str]:
+    """A transition takes a new generation exactly when it changes a block layout (``takes_generation``)."""
+    must, new = takes_generation(step.effect), step.state
+    if must is True and new.generation <= state.generation:
+        return [f"{ev.name} changed a block layout without a new generation"]
+    if must is False and new.generation != state.generation:
+        return [f"{ev.name} took a generation without a layout change"]
+    return []
 
 
 def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec
+from pagedkv.core.state import KVState
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for a cryptographic hash when PYTHONHASHSEED is unset
 
@@ -42,6 +43,19 @@ class Geometry:
     config: CacheConfig  # the core's, with vLLM's block-pool policies
     caps: tuple[int | None, ...]  # per group: a window group's admission cap (full_sequence_must_fit), vLLM's
     windows: tuple[int | None, ...]  # per group: its sliding window, or None
+
+    def capped_need(self, state: KVState, num_tokens: int, computed: int, hit_ids: Any) -> int:
+        """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
+        group's capped at its admission cap (its ``max_admission_blocks_per_request``), each hit block no one
+        holds counted."""
+        bs, refcount = self.config.block_size, state.refcount
+        total = 0
+        for ids, window, cap in zip(hit_ids or ((),) * len(self.caps), self.windows, self.caps):
+            required = -(-num_tokens // bs) if cap is None else min(-(-num_tokens // bs), cap)
+            skipped = max(0, computed - window + 1) // bs if window else 0
+            total += max(required - max(skipped, len(ids)), 0)
+            total += sum(1 for b in ids[skipped:] if b and refcount[b] == 0)
+        return total
 
 
 def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_flight: int, caching: bool,

@@ -1,33 +1,15 @@
 """pagedkv's pure core as vLLM 0.33's KV cache manager (``vllm.v1.core.kv_cache_manager.KVCacheManager``).
 
-``PagedKVCacheManager`` answers every call vLLM's v1 ``Scheduler`` makes of its manager on the paths it
-supports (full attention and sliding-window groups of one block size, prefix caching on or off, events,
-stats, KV cache residency metrics, the watermark, ``full_sequence_must_fit``), each decision taken by a
-transition of the core:
-
-=====================================  ===========================================================
-vLLM's call                            the core
-=====================================  ===========================================================
-``get_computed_blocks``                ``find_hit`` (read only, as vLLM's lookup)
-``allocate_slots`` (a new request)     ``admit`` of a row holding the hit and the chunk (the core's
-                                       the watermark and the reserve kept back), then
-                                       ``cache_ahead``
-``allocate_slots`` (a running one)     ``commit`` of what vLLM counts computed (a window's blocks go),
-                                       ``append`` of the chunk's ids, ``cache_ahead``; a decode token
-                                       joins the step's one ``decode_step`` (applied before anything
-                                       reads the state; one that opens a block at once)
-``free``                               ``release`` (finished, aborted, preempted)
-``reset_prefix_cache``                 ``reset_prefix_cache`` (refused while blocks are held)
-``take_events``                        the core's events as vLLM's ``BlockStored`` / ``BlockRemoved``
-=====================================  ===========================================================
-
-Every call is all or nothing: its transitions run on a value of the state, which becomes the manager's only
-when the call succeeds; a refusal leaves the manager as it was and answers as vLLM's manager does (None when
-the blocks are short; ``ManagerError`` where vLLM's would have done what the core refused). The core runs
-with vLLM's block-pool policies and the hash kind, seed and extra keys vLLM hashes with, so block ids, hits,
-hashes, events and metrics are the ones vLLM's own manager gives (tests/integrations/test_vllm_manager.py runs both under
-vLLM's real scheduler, step by step). Everything else is refused at construction with the reason
-(``Unsupported``). ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
+``PagedKVCacheManager`` answers every call vLLM's v1 ``Scheduler`` makes of its manager, each decision a
+transition of the core (docs/vllm.md has the table): a lookup is ``find_hit``; a new request's allocation
+``admit`` (keeping the watermark and the reserve back) then ``cache_ahead``; a running one's ``commit`` (a
+window lets blocks go), ``append``, ``cache_ahead``, a decode token queued into the step's one
+``decode_step``; ``free`` is ``release``. Every call is all or nothing: its transitions run in a
+``stream.Transaction`` on a value of the state, kept only when the call completes; a refusal leaves the
+manager as it was and answers as vLLM (None when short; ``ManagerError`` where vLLM's manager would have done
+what the core refused). The configuration is translated (and what is not served refused) in ``geometry``,
+a request's hash keys are read in ``requests``, events and metrics go out through ``stream``, the
+read-only surface is ``reads``. ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
 """
 
 from __future__ import annotations
@@ -42,6 +24,7 @@ from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
+from pagedkv.integrations.vllm.reads import ManagerReads
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
 from pagedkv.integrations.vllm.stream import EventStream, Refused, Transaction
 
@@ -50,7 +33,7 @@ class ManagerError(RuntimeError):
     is left as it was before the call."""
 
 
-class PagedKVCacheManager:
+class PagedKVCacheManager(ManagerReads):
     """vLLM's ``KVCacheManager`` surface over pagedkv's core (module docstring)."""
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, scheduler_block_size: int, hash_block_size: int,
@@ -72,7 +55,8 @@ class PagedKVCacheManager:
         geometry = translate(kv_cache_config, max_model_len=max_model_len, block_size=scheduler_block_size,
                              in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
                              caching=enable_caching, hash_algo=hash_algo, refused=refused)  # fmt: skip
-        self.config, self._caps, self._windows = geometry.config, geometry.caps, geometry.windows
+        self.geometry = geometry
+        self.config = geometry.config
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.block_size = scheduler_block_size
@@ -80,7 +64,7 @@ class PagedKVCacheManager:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.use_eagle = False
-        self.num_kv_cache_groups = len(self._caps)
+        self.num_kv_cache_groups = len(geometry.caps)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
         self._state: KVState = initial_state(self.config)
@@ -89,13 +73,13 @@ class PagedKVCacheManager:
         # decode tokens that go into a request's open block, queued and applied as one decode_step before
         # anything reads the state (they allocate, free and evict nothing, so nothing else sees them first)
         self._len: dict[str, int] = {}  # each request's row length, queued tokens included
-        self._fast = not any(self._windows)  # windows let blocks go at each commit
+        self._fast = not any(geometry.windows)  # windows let blocks go at each commit
         self._queue_ids: list[str] = []
         self._queue_tokens: list[int] = []
         self._queue_full: list[tuple[Any, int]] = []  # (request, length) whose token fills its block
         self._blocks_cls = kvm.KVCacheBlocks
         self._block = self._stream.blocks
-        self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in self._caps))
+        self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in geometry.caps))
         from vllm.v1.metrics.stats import PrefixCacheStats
 
         self._stats_cls = PrefixCacheStats
@@ -110,28 +94,6 @@ class PagedKVCacheManager:
         if self._queue_ids:
             self._flush()
         return self._state
-
-    @property
-    def usage(self) -> float:
-        """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
-        usable = self.config.num_blocks - 1
-        return 1.0 - self._state.free_blocks / usable if usable else 0.0  # (queued tokens take no block)
-
-    def make_prefix_cache_stats(self) -> Any:
-        if not self.log_stats:
-            return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
-            return
-        assert self.prefix_cache_stats is not None
-        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
-                                       preempted=request.num_preemptions > 0)  # fmt: skip
 
     # -- lookup and allocation -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
@@ -225,7 +187,7 @@ class PagedKVCacheManager:
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
-                if self._capped_need(full, computed, hit_ids) + watermark > txn.state.free_blocks:
+                if self.geometry.capped_need(txn.state, full, computed, hit_ids) + watermark > txn.state.free_blocks:
                     return None
             admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
             if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
@@ -256,19 +218,6 @@ class PagedKVCacheManager:
         new = [[b for b in ids[len(old):] if b] for ids, old in zip(request_blocks(txn.state, rid)[0], before)]
         txn.allocated = [b for ids in new for b in ids]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
-
-    def _capped_need(self, num_tokens: int, computed: int, hit_ids: Any) -> int:
-        """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
-        group's capped at its admission cap (its ``max_admission_blocks_per_request``), each hit block no one
-        holds counted."""
-        bs, refcount = self.block_size, self._state.refcount
-        total = 0
-        for ids, window, cap in zip(hit_ids or ((),) * len(self._caps), self._windows, self._caps):
-            required = -(-num_tokens // bs) if cap is None else min(-(-num_tokens // bs), cap)
-            skipped = max(0, computed - window + 1) // bs if window else 0
-            total += max(required - max(skipped, len(ids)), 0)
-            total += sum(1 for b in ids[skipped:] if b and refcount[b] == 0)
-        return total
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
@@ -316,61 +265,11 @@ class PagedKVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
-    # -- what the scheduler reads of a request ---------------------------------------------------------------
-    def get_blocks(self, request_id: str) -> Any:
-        if request_id not in self.state.requests:
-            return self.empty_kv_cache_blocks
-        block = self._block
-        return self._blocks_cls(tuple([block[b] for b in ids] for ids in request_blocks(self.state, request_id)[0]))
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        if request_id not in self.state.requests:
-            return tuple([] for _ in range(self.num_kv_cache_groups))
-        return tuple(list(ids) for ids in request_blocks(self.state, request_id)[0])
-
-    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        n = -(-num_computed_tokens // self.block_size)
-        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
-
-    def estimate_cached_tokens(self, request: Any) -> int:
-        """Tokens of the request's blocks that are in the prefix cache (vLLM's estimate for its stats)."""
-        req = self.state.requests.get(request.request_id)
-        if req is None:
-            return 0
-        return self.state.rows[req.slots[0]].num_hashed * self.block_size
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0] * self.num_kv_cache_groups
-
-    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:
-        return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
-
     def take_events(self) -> list[Any]:
         """The KV events since the last call, as vLLM's own event objects (as its block pool sends them)."""
         if self._queue_ids:
             self._flush()
         return self._stream.take()
-
-    # -- hooks of features refused at construction: nothing to do, or never reached --------------------------
-    def new_step_starts(self) -> None:
-        return None
-
-    def take_new_block_ids(self) -> list[int]:
-        return []
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("coordinator", "block_pool", "pop_blocks_for_free", "evict_blocks", "remove_skipped_blocks",
-                    "truncate_computed_blocks", "record_blocks_for_zeroing", "finalize_partial_tail_offloads",
-                    "get_computed_blocks_for_connector"):  # fmt: skip
-            raise Unsupported(f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
-                              "connectors, Mamba groups or speculative decoding (refused at construction)")  # fmt: skip
-        raise AttributeError(name)
 
     # -- the core's steps ------------------------------------------------------------------------------------
     def _flush(self) -> None:

@@ -67,14 +67,12 @@ class Engine:
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
-        self._before: dict[RequestId, int] = {}  # how many tokens each sampled request had before this step's
         self.graphs: GraphDecoder | None = None
         if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
                 and getattr(model, "capturable", True)):  # fmt: skip
             self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(args.max_num_seqs))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
-        self._prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
         self.outcomes = Outcomes(tokenizer, None if trace is None else Recorder(trace, self.cache, sched,
                                                                                expect=trace_expect))  # fmt: skip
         self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
@@ -143,15 +141,16 @@ class Engine:
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
         self.outcomes.refused(plan, self.requests)
-        self._before, recorded = {}, False
+        self.outcomes.before, recorded = {}, False
         try:
             ids = self._launch(plan)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
             self.outcomes.record(lambda r: r.schedule(self.state, plan))
             recorded = True
-            self._note_prefills(plan)
+            self.outcomes.note_prefills(plan, self.requests)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-            sampled, stop = self._take(plan.samples, tokens, on_token)
+            sampled, stop = self.outcomes.take(plan.samples, tokens, on_token, self.requests)
+            self.stats.generated_tokens += len(tokens)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
             events = self._fail(plan, e, recorded)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
@@ -205,7 +204,7 @@ class Engine:
         for rid in failed:
             live = self.requests[rid]
             comp = live.completion
-            del comp.token_ids[self._before.get(rid, len(comp.token_ids)) :]
+            del comp.token_ids[self.outcomes.before.get(rid, len(comp.token_ids)) :]
             self.outcomes.write_text(live)
             comp.finish_reason, comp.error = "error", message
             self.outcomes.outbox.append(comp)
@@ -250,37 +249,6 @@ class Engine:
                            [len(x.completion.token_ids) for x in live])  # fmt: skip
         self._last = (samples, ids)
         return ids
-
-    def _note_prefills(self, plan: StepPlan) -> None:
-        """A request's first prefill starts where its prefix-cache hit ended: its cached tokens."""
-        for meta in plan.metadata:
-            if meta.phase is Phase.PREFILL:
-                for row in meta.rows:
-                    if row.request_id not in self._prefilled:
-                        self._prefilled.add(row.request_id)
-                        self.requests[row.request_id].completion.cached_tokens = row.kv_start_pos
-
-    def _take(self, samples: tuple[RequestId, ...], tokens: list[int],
-              on_token: Callable[[RequestId, int], None] | None) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
-        """Each sampled token kept by its request, and the requests that stopped on it (a stop token,
-        or a stop string in the text so far)."""
-        sampled = dict(zip(samples, tokens))
-        self._before = {rid: len(self.requests[rid].completion.token_ids) for rid in samples}  # for a failed step
-        stop: list[RequestId] = []
-        stop_ids = self.tokenizer.stop_token_ids
-        for rid, tok in sampled.items():
-            live = self.requests[rid]
-            live.completion.token_ids.append(tok)
-            if on_token is not None:
-                on_token(rid, tok)
-            if tok in stop_ids:
-                live.completion.finish_reason = "stop"
-                stop.append(rid)
-            elif live.text is not None and live.text.holds(live.params.stop, live.text.push(tok)):
-                live.completion.finish_reason = "stop"
-                stop.append(rid)
-        self.stats.generated_tokens += len(tokens)
-        return sampled, stop
 
     def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId]) -> torch.Tensor:
         """What the rows' query positions hold, on the model's device. A decode batch in the order of the

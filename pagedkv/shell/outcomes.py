@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.errors import RequestId
+from pagedkv.core.metadata import Phase
 from pagedkv.core.scheduler import FinishReason, StepPlan
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.recorder import Recorder
@@ -46,6 +47,36 @@ class Outcomes:
         self.tokenizer, self.recorder = tokenizer, recorder
         self.trace_error: Exception | None = None  # why the trace stopped being written, if it did
         self.outbox: list[Completion] = []  # ended, not yet handed out by step()
+        self.before: dict[RequestId, int] = {}  # tokens each sampled request had before this step's (a failed
+        # step drops what it took)
+        self.prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
+
+    def note_prefills(self, plan: StepPlan, requests: Mapping[RequestId, Live]) -> None:
+        """A request's first prefill starts where its prefix-cache hit ended: its cached tokens."""
+        for meta in plan.metadata:
+            if meta.phase is Phase.PREFILL:
+                for row in meta.rows:
+                    if row.request_id not in self.prefilled:
+                        self.prefilled.add(row.request_id)
+                        requests[row.request_id].completion.cached_tokens = row.kv_start_pos
+
+    def take(self, samples: tuple[RequestId, ...], tokens: list[int], on_token: Callable[[RequestId, int], None] | None,
+             requests: Mapping[RequestId, Live]) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
+        """Each sampled token kept by its request, and the requests that stopped on it (a stop token, or a stop
+        string in the text so far)."""
+        sampled = dict(zip(samples, tokens))
+        self.before = {rid: len(requests[rid].completion.token_ids) for rid in samples}
+        stop: list[RequestId] = []
+        stop_ids = self.tokenizer.stop_token_ids
+        for rid, tok in sampled.items():
+            live = requests[rid]
+            live.completion.token_ids.append(tok)
+            if on_token is not None:
+                on_token(rid, tok)
+            if tok in stop_ids or (live.text is not None and live.text.holds(live.params.stop, live.text.push(tok))):
+                live.completion.finish_reason = "stop"
+                stop.append(rid)
+        return sampled, stop
 
     def hand_out(self) -> list[Completion]:
         """The completions kept since the last step that returned, in the order they ended."""

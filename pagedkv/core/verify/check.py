@@ -100,10 +100,9 @@ def check(
     events = alphabet if alphabet is not None else default_alphabet(cfg)
     start = initial_state(cfg.cache_config())
     parents: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any] | None] = {canonical_key(start): None}
-    result = CheckResult(states=1)
-    broken = invariants(start)
-    if broken:
-        result.violation, result.trace = broken, _trace(cfg, parents, canonical_key(start))
+    result = CheckResult(states=1, violation=invariants(start))
+    if result.violation:
+        result.trace = _trace(cfg, parents, canonical_key(start))
         return result
     frontier = [(start, canonical_key(start))]
     while frontier:
@@ -111,37 +110,8 @@ def check(
             return result
         nxt: list[tuple[KVState, tuple[Any, ...]]] = []
         for state, key in frontier:
-            for ev in events:
-                outcome = ev.apply(state)
-                if outcome is None:
-                    continue
-                result.transitions += 1
-                judged = _judged(ev, state, outcome)
-                if judged and isinstance(outcome, Failure):  # a wrong refusal: the trace to here, then it
-                    result.depth += 1
-                    result.violation = judged
-                    result.trace = _trace(cfg, parents, key) + [json.dumps(ev.to_json(state))]
-                    return result
-                if isinstance(outcome, Failure):
-                    continue  # a refusal returns no state: the caller keeps the old one
-                step = outcome.unwrap()
-                new = step.state
-                k2 = canonical_key(new)
-                if k2 in parents:
-                    continue
-                parents[k2] = (key, ev.to_json(state))
-                result.states += 1
-                broken = invariants(new) + judged + _generation_rule(ev, state, step)
-                if broken:
-                    result.depth += 1
-                    result.violation, result.trace = broken, _trace(cfg, parents, k2)
-                    return result
-                nxt.append((new, k2))
-                if progress is not None and result.states % PROGRESS_EVERY == 0:
-                    progress(result)
-                if result.states >= cfg.max_states:
-                    result.depth += 1
-                    return result
+            if _expand(cfg, state, key, events, invariants, parents, result, nxt, progress):
+                return result
         frontier = nxt
         if frontier:
             result.depth += 1
@@ -149,6 +119,45 @@ def check(
                 progress(result)
     result.exhaustive = True
     return result
+
+
+def _expand(cfg: CheckConfig, state: KVState, key: tuple[Any, ...], events: list[Event],
+            invariants: Callable[[KVState], list[str]], parents: dict[Any, Any], result: CheckResult,
+            nxt: list[tuple[KVState, tuple[Any, ...]]], progress: Callable[[CheckResult], None] | None) -> bool:  # fmt: skip
+    """Every event applied to ``state``: new states into ``nxt`` (and ``parents``), each checked; True when the
+    search stops here (a violation, the state bound)."""
+    for ev in events:
+        outcome = ev.apply(state)
+        if outcome is None:
+            continue
+        result.transitions += 1
+        if isinstance(outcome, Failure):  # a refusal returns no state: the caller keeps the old one
+            wrong = _judged(ev, state, outcome)  # unless it should not have been refused
+            if wrong:
+                result.depth += 1
+                result.violation = wrong
+                result.trace = _trace(cfg, parents, key) + [json.dumps(ev.to_json(state))]
+                return True
+            continue
+        step = outcome.unwrap()
+        new = step.state
+        k2 = canonical_key(new)
+        if k2 in parents:
+            continue
+        parents[k2] = (key, ev.to_json(state))
+        result.states += 1
+        broken = invariants(new) + _judged(ev, state, outcome) + _generation_rule(ev, state, step)
+        if broken:
+            result.depth += 1
+            result.violation, result.trace = broken, _trace(cfg, parents, k2)
+            return True
+        nxt.append((new, k2))
+        if progress is not None and result.states % PROGRESS_EVERY == 0:
+            progress(result)
+        if result.states >= cfg.max_states:
+            result.depth += 1
+            return True
+    return False
 
 
 def _generation_rule(ev: Event, state: KVState, step: Any) -> list[str]:

@@ -159,7 +159,7 @@ def test_a_refused_request_leaves_the_engine_as_it_was(ours: tuple[Llama, Tokeni
     before = digest(eng.state.kv)
     with pytest.raises(ShellError, match="max_tokens"):
         eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4)), ("b", [4], SamplingParams(max_tokens=0))])
-    assert not eng.requests and not eng.state.requests and digest(eng.state.kv) == before
+    assert not eng.requests and not eng.state.live and digest(eng.state.kv) == before
     with pytest.raises(ShellError, match="UNKNOWN_REQUEST|not"):
         eng.cancel("nobody")
     (done,) = eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4))])  # and it still serves

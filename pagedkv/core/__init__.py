@@ -7,17 +7,18 @@ release, destination); this package re-exports the public names.
 """
 
 from pagedkv.core.admission import admit
+from pagedkv.core.ahead import fill, fill_many, truncate, truncate_many
 from pagedkv.core.commit import cache_ahead, cache_ahead_many, commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
 from pagedkv.core.decode import commit_decode, decode_step
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import (
-    Admitted, Appended, Committed, Decoded, MarkedReady, PrefixCacheReset, Released, ReleaseReason, WasReset,
-    takes_generation,
+    Admitted, Appended, Committed, Decoded, Filled, MarkedReady, PrefixCacheReset, Released, ReleaseReason,
+    Truncated, WasReset, takes_generation,
 )  # fmt: skip
 from pagedkv.core.errors import ErrorCode, KVError, RequestId
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pagedkv.core.growth import append, append_decode, append_many
+from pagedkv.core.growth import Placeholders, append, append_decode, append_many
 from pagedkv.core.hashing import hash_block, root_hash
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
 from pagedkv.core.release import release, release_many, reset, reset_prefix_cache
@@ -30,10 +31,10 @@ from pagedkv.core.verify.digest import digest
 
 __all__ = [
     "Admitted", "AllBlocksCleared", "Appended", "BlockRemoved", "BlockStored", "CacheConfig", "Committed", "DecodeRows",
-    "Decoded", "ErrorCode", "GroupKind", "GroupSpec", "InvalidConfig", "KVError", "KVEvent", "KVMetadata", "KVState",
+    "Decoded", "ErrorCode", "Filled", "Placeholders", "Truncated", "GroupKind", "GroupSpec", "InvalidConfig", "KVError", "KVEvent", "KVMetadata", "KVState",
     "MarkedReady", "Phase", "PrefixCacheReset", "ReleaseReason", "Released", "RequestId", "RequestSpec", "RowMetadata",
     "RowSpec", "Segment", "Step", "WasReset", "admit", "append", "append_decode", "append_many", "cache_ahead",
-    "cache_ahead_many", "commit", "commit_decode", "commit_many", "decode_step", "digest", "free_queue", "hash_block", "initial_state",
+    "cache_ahead_many", "commit", "commit_decode", "commit_many", "decode_step", "digest", "fill", "fill_many", "free_queue", "hash_block", "initial_state",
     "mark_ready", "publish", "release", "release_many", "request_blocks", "request_generation", "reset",
-    "reset_prefix_cache", "root_hash", "row_token_ids", "takes_generation",
+    "reset_prefix_cache", "root_hash", "row_token_ids", "takes_generation", "truncate", "truncate_many",
 ]  # fmt: skip

@@ -16,7 +16,7 @@ import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids
+from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids, known_ids
 from pagedkv.core.txn import Txn
 
 
@@ -189,7 +189,7 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
         return record
     cfg = txn.config
     bs = cfg.block_size
-    known = record.chunked + (len(tail) >> 3 if tail is not None else 0)
+    known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
     full = min(computed, cacheable, known) // bs

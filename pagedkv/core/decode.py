@@ -18,7 +18,7 @@ from pagedkv.core.effects import Decoded
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.events import BlockStored
 from pagedkv.core.growth import _batch, _batch_leaves, _grow, _open_block
-from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step, unpack_ids
+from pagedkv.core.state import SLOT_SHIFT, Awaiting, KVState, Request, Row, Step, unpack_ids
 from pagedkv.core.txn import Txn
 
 
@@ -84,13 +84,14 @@ def decode_step(
                         continue
                     tail_leaf = tails[hi]
                     tail = tail_leaf[o]
-                    if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
+                    if tail is None or (toks is not None and type(tail) is bytes):  # (a count stops a row's ids;
+                        # a row awaiting ids takes the general path)
                         done_leaf[o], leaf[o] = n, n + 1
                         if tail is not None:  # the open block's ids: the tail
                             tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
-            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.free_blocks
-                                       and (tails is None or toks is not None)):  # fmt: skip
+            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.free_blocks and (
+                    tails is None or (toks is not None and type(tails[hi][o]) is not Awaiting))):  # fmt: skip
                 done_leaf[o] = n  # a block filled: it is hashed (and the token opens the next one)
                 token = None if toks is None or not append_tokens else toks[k]
                 gen = _block_filled(txn, req, slot, n, token, append_tokens, leaf,

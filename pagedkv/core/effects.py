@@ -79,6 +79,24 @@ class PrefixCacheReset:
 
 
 @dataclass(frozen=True, slots=True)
+class Filled:
+    """Token ids arrived for positions a row grew by without them (placeholders)."""
+
+    request_id: RequestId
+    events: tuple[KVEvent, ...] = ()  # blocks the ids completed, hashed and cached
+
+
+@dataclass(frozen=True, slots=True)
+class Truncated:
+    """A row's unverified tail was cut back (rejected draft tokens); the blocks that held only cut positions
+    went back to the free queue."""
+
+    request_id: RequestId
+    generation: int | None  # taken only when a block went back
+    freed_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class MarkedReady:
     request_id: RequestId
     row: int
@@ -98,6 +116,8 @@ def takes_generation(effect: object) -> bool | None:
     if any(isinstance(e, (Admitted, Released)) for e in several):
         return True
     if any(isinstance(e, (Appended, Decoded)) and e.allocations for e in several):
+        return True
+    if any(isinstance(e, Truncated) and e.freed_blocks for e in several):
         return True
     if any(isinstance(e, Committed) for e in several):
         return None

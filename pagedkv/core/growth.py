@@ -9,20 +9,28 @@ tail, the rest in its record) and stop at the first growth by a count.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
-from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step, pack_ids
+from pagedkv.core.state import SLOT_SHIFT, Awaiting, Blocks, KVState, Request, Row, Step, as_tail, known_ids, pack_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.vec import VecEdit
 
 
-# One row's growth in an append: a token count, or the token ids themselves.
-Growth = int | Sequence[int]
+class Placeholders(NamedTuple):
+    """Growth by ``n`` positions whose token ids are not known yet (a step planned before the last one's
+    tokens came back, draft slots): the row's known ids stay a prefix, and ``ahead.fill`` gives the rest, in
+    order. No block is hashed over a position without its id."""
+
+    n: int
+
+
+# One row's growth in an append: a token count (the row's ids stop there), its token ids, or placeholders.
+Growth = int | Sequence[int] | Placeholders
 
 
 def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Result[Step[Appended], KVError]:
@@ -98,12 +106,13 @@ def append_decode(
                     continue
                 tail_leaf = tails[hi]
                 tail = tail_leaf[o]
-                if tail is None or toks is not None:  # (a count stops a row's ids: the general path)
-                    leaf[o] = n + 1
+                if tail is None or (toks is not None and type(tail) is bytes):  # (a count stops a row's ids, a
+                    leaf[o] = n + 1  # row awaiting ids refuses more: the general path)
                     if tail is not None:  # the open block's ids: the tail
                         tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                     continue
-            elif n < limit and ngroups <= txn.free_blocks and (tails is None or toks is not None):
+            elif (n < limit and ngroups <= txn.free_blocks
+                  and (tails is None or (toks is not None and type(tails[hi][o]) is not Awaiting))):  # fmt: skip
                 record, token = txn.rows[slot], None if toks is None else toks[k]  # position n opens a block
                 tail_leaf = tails[hi] if tails is not None else None
                 allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
@@ -193,12 +202,17 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
     need = 0
     grown: list[tuple[int, int, int, Growth]] = []
     for i, item in enumerate(rows):
-        if type(item) is int:
-            n = item
-            if not 0 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no row, nor a message)
+        if type(item) is int or type(item) is Placeholders:
+            n = item if type(item) is int else item.n  # type: ignore[union-attr]
+            if type(n) is not int or not 0 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no row, nor a message)
                 return invalid(f"request {shown(rid)} row {i}: cannot append {shown(n)} tokens", request=rid,
                                field="num_tokens")  # fmt: skip
         elif isinstance(item, (list, tuple)):
+            if type(txn.row_tail[req.slots[i]]) is Awaiting:  # ids go where the known ones end: fill first
+                slot = req.slots[i]
+                return invalid(f"request {shown(rid)} row {i}: positions {known_ids(records[slot], txn.row_tail[slot])}.."
+                               f"{row_len[slot]} await their ids (fill them before appending ids)", request=rid,
+                               field="tokens")  # fmt: skip
             for t in item:
                 if not is_token_id(t):
                     return invalid(f"request {shown(rid)} row {i}: token ids must be non-negative integers below 2**64, got {shown(t)}",
@@ -230,14 +244,10 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
     record = records[slot]
     tail = tails[slot]
     if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
-        if isinstance(item, (list, tuple)):
-            tail += pack_ids(item)
-            last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
-            if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
-                cut = (last_block - record.chunked) << 3
-                record = record.with_ids(tail[:cut])
-                tail = tail[cut:]
-            tails[slot] = tail
+        if type(item) is Placeholders:  # the known ids stay a prefix; the rest await theirs
+            tails[slot] = as_tail(tail, True)
+        elif isinstance(item, (list, tuple)):
+            record, tails[slot] = with_more_ids(record, tail, pack_ids(item), bs, awaiting=False)
         else:
             if tail:
                 record = record.with_ids(tail)
@@ -247,6 +257,18 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
         record = record.with_blocks(_extended(txn, record.blocks, extra))
     if record is not records[slot]:
         records[slot] = record
+
+
+def with_more_ids(record: Row, tail: bytes, packed: bytes, bs: int, *, awaiting: bool) -> tuple[Row, bytes]:
+    """A row's record and tail once ``packed`` ids follow its known ones: the blocks before the one holding the
+    last known id join the record, the rest stay in the tail (marked while positions still await ids)."""
+    tail += packed
+    last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
+    if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
+        cut = (last_block - record.chunked) << 3
+        record = record.with_ids(tail[:cut])
+        tail = tail[cut:]
+    return record, as_tail(tail, awaiting)
 
 
 def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:

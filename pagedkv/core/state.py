@@ -197,6 +197,28 @@ def pack_ids(ids: Iterable[int]) -> bytes:
     return array("Q", ids).tobytes()
 
 
+class Awaiting(bytes):
+    """A row's tail while positions past its known ids await theirs (it grew by placeholders): the known ids,
+    as any tail holds them. Its type is the mark the decode fast paths test (``type(tail) is Awaiting``): a
+    row awaiting ids takes the general path, which refuses ids appended past the gap."""
+
+    __slots__ = ()
+
+
+def as_tail(ids: bytes, awaiting: bool) -> bytes:
+    """A tail of ``ids``, marked ``Awaiting`` while positions past them have no ids yet.
+
+    >>> type(as_tail(b"", True)).__name__, type(as_tail(b"", False)).__name__
+    ('Awaiting', 'bytes')
+    """
+    return Awaiting(ids) if awaiting else bytes(ids)
+
+
+def known_ids(record: Row, tail: bytes | None) -> int:
+    """How many leading positions of a row have known token ids (its record's, then its tail's)."""
+    return record.chunked + (len(tail) >> 3 if tail is not None else 0)
+
+
 def unpack_ids(data: bytes) -> tuple[int, ...]:
     a = array("Q")
     a.frombytes(data)

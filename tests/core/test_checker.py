@@ -315,3 +315,43 @@ def test_the_checker_catches_a_planted_window_over_count(monkeypatch: pytest.Mon
     assert main(["replay", "--check", str(path)]) == 1
     assert f"line {len(result.trace)} " in capsys.readouterr().err
 
+
+
+# -- rows that run ahead of their tokens (issue 31) ----------------------------------------------------------------
+
+AHEAD = CheckConfig(usable_blocks=4, requests=1, max_model_len=6, ahead=True, cache_at_schedule=True)
+
+
+def test_placeholders_fills_and_cuts_are_exhaustive_without_a_violation() -> None:
+    for cfg in (AHEAD, replace(AHEAD, cache_at_schedule=False, window=None), replace(AHEAD, free_queue="vllm")):
+        result = check(cfg)
+        assert result.violation == [] and result.exhaustive and result.states > 1000, cfg
+
+
+def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    commit_mod = sys.modules["pagedkv.core.commit"]  # (the package's ``commit`` is the function)
+    monkeypatch.setattr(commit_mod, "known_ids", lambda record, tail: 1 << 20)  # every position taken as known
+
+
+def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedkv.core.ahead as ahead_mod
+
+    monkeypatch.setattr(ahead_mod, "cut_floor", lambda txn, slot: txn.row_computed[slot])  # blocks cached ahead too
+
+
+@pytest.mark.parametrize("plant", [_hash_over_a_placeholder, _cut_frees_a_cached_block])
+def test_the_checker_catches_planted_bugs_of_rows_ahead_of_their_tokens(
+    plant: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plant(monkeypatch)
+    result = check(AHEAD)
+    assert result.violation, "the checker missed it"
+    # a hash over positions without ids (placeholders, or ids stopped by a count), or a cut into the cache
+    assert any("hashed" in v or "hash" in v for v in result.violation) or any('"truncate"' in x for x in result.trace)
+    path = tmp_path / "counterexample.jsonl"
+    path.write_text("\n".join(result.trace) + "\n")
+    assert main(["replay", "--check", str(path)]) == 1
+    capsys.readouterr()

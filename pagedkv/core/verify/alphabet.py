@@ -14,16 +14,17 @@ from typing import Any
 from returns.result import Result
 
 from pagedkv.core.admission import admit
+from pagedkv.core.ahead import fill, truncate
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.decode import decode_step
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.errors import KVError
-from pagedkv.core.growth import append
+from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.verify.record import keys_json, row_json
-from pagedkv.core.state import KVState, Step
+from pagedkv.core.state import Awaiting, KVState, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class CheckConfig:
     cache_at_schedule: bool = False  # CacheConfig.caching_point "schedule", and a cache_ahead event per id
     duplicates: bool = False  # CacheConfig.cache_duplicates: every block that fills with a cached content cached
     long_prompts: bool = False  # also admit a prompt whose hit leaves window positions null (grown to from a chunk)
+    ahead: bool = False  # rows that run ahead of their tokens: placeholders, their ids filling in, tail cuts
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -102,6 +104,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
         if cfg.destinations:
             events.append(Event(f"ready {rid}", _ready(rid), _ready_json(rid)))
+        if cfg.ahead:
+            events += _ahead_events(rid)
         if cfg.cache_at_schedule:  # vLLM's caching point: the whole row planned, then a failed step
             events.append(Event(f"cache_ahead {rid}", _ahead(rid), _ahead_json(rid)))
             events.append(Event(f"release {rid} error", _release(rid, "error"),
@@ -111,6 +115,52 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
     if cfg.prefix_caching:
         events.append(Event("reset_prefix_cache", reset_prefix_cache, _const({"op": "reset_prefix_cache"})))
     return events
+
+
+def _ahead_events(rid: str) -> list[Event]:
+    """A placeholder a row, one id filling in (two kinds), and a cut back to what is computed."""
+    out = [Event(f"placeholder {rid}", lambda s: append(s, rid, [Placeholders(1)] * _nrows(s, rid)) if rid in s.requests
+                 else None, lambda s: {"op": "append", "request": rid, "placeholders": [1] * _nrows(s, rid)})]  # fmt: skip
+    for tok in (1, 2):
+        out.append(Event(f"fill {rid} {tok}", _fill(rid, tok), _fill_json(rid, tok)))
+    out.append(Event(f"truncate {rid}", _cut(rid), lambda s: {"op": "truncate", "request": rid,
+                                                              "lengths": _cut_lengths(s, rid)}))  # fmt: skip
+    return out
+
+
+def _fills(s: KVState, rid: str, tok: int) -> list[list[int]]:
+    """One id for each row that awaits ids, none for the others."""
+    return [[tok] if type(s.row_tail[x]) is Awaiting else [] for x in s.requests[rid].slots]
+
+
+def _fill_json(rid: str, tok: int) -> Callable[[KVState], dict[str, Any]]:
+    return lambda s: {"op": "fill", "request": rid, "tokens": _fills(s, rid, tok)}
+
+
+def _fill(rid: str, tok: int) -> Callable[[KVState], Any]:
+    def apply(s: KVState) -> Any:
+        if rid not in s.requests or not any(_fills(s, rid, tok)):
+            return None
+        return fill(s, rid, _fills(s, rid, tok))
+
+    return apply
+
+
+def _cut_lengths(s: KVState, rid: str) -> list[int]:
+    """Each row cut to what it computed: the lowest a caller may ask (refused where blocks are cached ahead)."""
+    return [s.row_computed[x] for x in s.requests[rid].slots]
+
+
+def _cut(rid: str) -> Callable[[KVState], Any]:
+    def apply(s: KVState) -> Any:
+        if rid not in s.requests:
+            return None
+        lengths = _cut_lengths(s, rid)
+        if lengths == [s.row_len[x] for x in s.requests[rid].slots]:
+            return None  # nothing to cut
+        return truncate(s, rid, lengths)
+
+    return apply
 
 
 def _admit(spec: RequestSpec) -> Callable[[KVState], Any]:

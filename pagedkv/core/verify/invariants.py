@@ -11,7 +11,7 @@ from pagedkv.core.config import GroupKind, GroupSpec
 from pagedkv.core.errors import shown
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import KVState
+from pagedkv.core.state import Awaiting, KVState
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -59,10 +59,13 @@ def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
         known = record.chunked + (len(tail) // 8 if tail is not None else 0)
         if known > length:
             bad.append(f"{where}: {known} known token ids for {length} tokens")
-        elif tail is not None and known != length:
-            bad.append(f"{where}: token ids tracked but {known} known of {length}")
+        elif tail is not None and (known < length) != (type(tail) is Awaiting):
+            bad.append(f"{where}: {known} known ids of {length}, but the tail says "
+                       f"{'positions await ids' if type(tail) is Awaiting else 'none await'}")
         elif tail and (known - 1) // s.config.block_size != record.chunked // s.config.block_size:
             bad.append(f"{where}: the token tail reaches past the row's last block")
+        if record.num_hashed * s.config.block_size > known:  # a hash covers only ids it was computed over
+            bad.append(f"{where}: {record.num_hashed} blocks hashed, but only {known} positions have known ids")
 
 
 def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int], bad: list[str]) -> None:

@@ -13,7 +13,8 @@ from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import KVError, invalid
-from pagedkv.core.growth import append
+from pagedkv.core.ahead import fill, truncate
+from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release, reset, reset_prefix_cache
 from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, schedule, submit
@@ -21,11 +22,12 @@ from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 
-OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead")
+OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead",
+       "fill", "truncate")
 SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
 STEP_OPS = ("submit", "tick", "done", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
-EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",),
+EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",), "truncate": ("blocks",),
                 "cache_ahead": ("blocks",),
                 "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tick": ("forwards", "admitted"),
                 "done": ("finished",)}  # fmt: skip
@@ -37,18 +39,12 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
         if isinstance(spec, KVError):
             return Failure(spec)
         return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
-    if op in ("append", "commit", "release", "mark_ready", "cache_ahead") and "request" not in ev:
+    if op in ("append", "commit", "release", "mark_ready", "cache_ahead", "fill", "truncate") and "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "append":
-        has_t, has_n = "tokens" in ev, "num_tokens" in ev
-        if has_t == has_n:
-            return Failure(invalid('append takes exactly one of "tokens" and "num_tokens"', field="tokens"))
-        rows = ev["tokens"] if has_t else ev["num_tokens"]
-        if not isinstance(rows, list) or any(type(r) is not (list if has_t else int) for r in rows):
-            what = "a list of token-id lists, one per row" if has_t else "a list of counts, one per row"
-            return Failure(invalid(f"append {'tokens' if has_t else 'num_tokens'} must be {what}", field="tokens"))
-        rid = ev["request"]
-        return append(state, rid, rows).map(lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect))
+        return _append(state, ev)
+    if op in ("fill", "truncate"):
+        return _ahead(state, op, ev)
     if op == "commit":
         rid = ev["request"]
         return commit(state, rid, ev.get("computed")).map(  # type: ignore[arg-type]
@@ -111,6 +107,35 @@ def apply_scheduler(
             return Failure(invalid('submit needs "prompt" (token ids) or "rows" (a diffusion request)', field="prompt"))
         req = SeqRequest(rid, tuple(prompt), max_tokens=ev.get("max_tokens", 16), extra_keys=tuple(extra))
     return submit(state, req).map(lambda s: (s, {}, None))
+
+
+def _append(state: KVState, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
+    """An append of token ids, of a count (the row's ids stop), or of placeholders (ids that come later)."""
+    forms = [k for k in ("tokens", "num_tokens", "placeholders") if k in ev]
+    if len(forms) != 1:
+        if "placeholders" not in ev:  # (the message of a trace written before placeholders, unchanged)
+            return Failure(invalid('append takes exactly one of "tokens" and "num_tokens"', field="tokens"))
+        return Failure(invalid('append takes exactly one of "tokens", "num_tokens" and "placeholders"', field="tokens"))
+    form = forms[0]
+    rows = ev[form]
+    if not isinstance(rows, list) or any(type(r) is not (list if form == "tokens" else int) for r in rows):
+        what = "a list of token-id lists, one per row" if form == "tokens" else "a list of counts, one per row"
+        return Failure(invalid(f"append {form} must be {what}", field="tokens"))
+    growth = [Placeholders(n) for n in rows] if form == "placeholders" else rows
+    rid = ev["request"]
+    return append(state, rid, growth).map(lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect))
+
+
+def _ahead(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
+    """``fill`` (ids of positions that awaited theirs) and ``truncate`` (rows cut back)."""
+    rid = ev["request"]
+    if op == "fill":
+        rows = ev.get("tokens")
+        if not isinstance(rows, list) or any(not isinstance(r, list) for r in rows):
+            return Failure(invalid('fill needs "tokens": a list of token-id lists, one per row', field="tokens"))
+        return fill(state, rid, rows).map(lambda s: (s.state, {}, s.effect))
+    return truncate(state, rid, ev.get("lengths")).map(  # type: ignore[arg-type]
+        lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect))
 
 
 def plan_json(plan: StepPlan) -> dict[str, Any]:

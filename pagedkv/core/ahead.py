@@ -1,0 +1,183 @@
+"""Rows that run ahead of their tokens: the ids of positions a row grew by without them arrive
+(``fill``), and a row's unverified tail is cut back to what was accepted (``truncate``).
+
+A row grows by ``growth.Placeholders`` when a step is planned before the last one's tokens are known
+(async scheduling) or for draft tokens. Its known ids stay a prefix; ``fill`` gives the next ones, in
+order, and only then are the blocks they complete hashed and cached (under either caching point: no
+cached block ever holds an unknown id). ``truncate`` cuts rows back (rejected drafts): never below what
+is computed or cached, so nothing cached or shared is touched; blocks that held only cut positions go
+back to the free queue and the request takes a new generation (a worker accepts the shorter lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from returns.result import Failure, Result, Success
+
+import pagedkv.core.pool as pool
+from pagedkv.core.commit import _hash_full_blocks
+from pagedkv.core.effects import Filled, Truncated
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id, shown
+from pagedkv.core.growth import with_more_ids
+from pagedkv.core.state import KVState, Request, Row, Step, as_tail, known_ids, pack_ids
+from pagedkv.core.txn import Txn
+
+
+def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -> Result[Step[Filled], KVError]:
+    """The ids of the next positions that await theirs, per row (``rows[i]``, maybe empty); the blocks they
+    complete and that are computed enter the prefix cache.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state
+    >>> from pagedkv.core.growth import Placeholders, append
+    >>> s = initial_state(CacheConfig(block_size=2, num_blocks=9, enable_prefix_caching=True))
+    >>> s = admit(s, RequestSpec("a", (RowSpec.of_tokens([1]),))).unwrap().state
+    >>> s = append(s, "a", [Placeholders(2)]).unwrap().state      # two positions, ids unknown
+    >>> s = commit(s, "a", [3]).unwrap().state                     # computed: nothing cached over them
+    >>> len(s.cache), len(fill(s, "a", [[7, 8]]).unwrap().state.cache)
+    (0, 1)
+    """
+    return fill_many(state, ((request_id, rows),)).map(lambda step: Step(step.state, step.effect[0]))
+
+
+def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]]) -> Result[Step[tuple[Filled, ...]], KVError]:
+    """Several ``fill`` as one transition (a step's sampled tokens, a step late): all, in order, or none."""
+    txn = Txn(state)
+    out = []
+    for rid, rows in items:
+        first = len(txn.events)
+        err = _fill_one(txn, rid, rows)
+        if err is not None:
+            return Failure(err)
+        out.append(Filled(rid, tuple(txn.events[first:])))
+    return Success(Step(txn.done(), tuple(out)))
+
+
+def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVError | None:
+    req = _request(txn, rid, rows, "fill")
+    if isinstance(req, KVError):
+        return req
+    cfg = txn.config
+    for i, (slot, ids) in enumerate(zip(req.slots, rows)):
+        if not isinstance(ids, (list, tuple)) or not all(is_token_id(t) for t in ids):
+            return invalid(f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
+                           request=rid, field="tokens")  # fmt: skip
+        if not ids:
+            continue
+        record, tail, length = txn.rows[slot], txn.row_tail[slot], txn.row_len[slot]
+        if tail is None:
+            return invalid(f"request {shown(rid)} row {i} keeps no token ids (it grew by a count, or prefix caching "
+                           "is off): there is nothing to fill", request=rid, field="tokens")  # fmt: skip
+        known = known_ids(record, tail)
+        if known + len(ids) > length:
+            return invalid(f"request {shown(rid)} row {i}: {len(ids)} ids for the {length - known} positions that "
+                           f"await theirs", request=rid, field="tokens")  # fmt: skip
+        record, tail = with_more_ids(record, tail, pack_ids(ids), cfg.block_size,
+                                     awaiting=known + len(ids) < length)  # fmt: skip
+        txn.row_tail[slot] = tail
+        if cfg.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch:
+            record = _hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)
+        txn.rows[slot] = record
+    return None
+
+
+def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> Result[Step[Truncated], KVError]:
+    """Cut each row back to ``lengths[i]`` positions (rejected drafts): never below what is computed or cached
+    (``INVALID``), the known ids past it dropped, the blocks that held only cut positions back to the free
+    queue (tail first); a new generation when one went back.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
+    >>> from pagedkv.core.growth import append
+    >>> s = initial_state(CacheConfig(block_size=2, num_blocks=9))
+    >>> s = admit(s, RequestSpec("a", (RowSpec(2),))).unwrap().state
+    >>> s = append(s, "a", [3]).unwrap().state                     # three drafts: positions 2, 3, 4
+    >>> step = truncate(s, "a", [3]).unwrap()                      # one accepted
+    >>> step.effect.freed_blocks, step.state.row_len[0], step.state.free_blocks
+    (1, 3, 6)
+    """
+    txn = Txn(state)
+    got = _truncate_one(txn, request_id, lengths)
+    if isinstance(got, KVError):
+        return Failure(got)
+    return Success(Step(txn.done(), got))
+
+
+def truncate_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]) -> Result[Step[tuple[Truncated, ...]], KVError]:
+    """Several ``truncate`` as one transition (a step's verified drafts): all, in order, or none."""
+    txn = Txn(state)
+    out = []
+    for rid, lengths in items:
+        got = _truncate_one(txn, rid, lengths)
+        if isinstance(got, KVError):
+            return Failure(got)
+        out.append(got)
+    return Success(Step(txn.done(), tuple(out)))
+
+
+def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated | KVError:
+    req = _request(txn, rid, lengths, "truncate")
+    if isinstance(req, KVError):
+        return req
+    cfg = txn.config
+    bs = cfg.block_size
+    if cfg.state_group_set:
+        return invalid(f"request {shown(rid)}: a pool with state (Mamba) groups cannot cut a row back (its state "
+                       "is past the cut)", request=rid, field="op")  # fmt: skip
+    for i, (slot, n) in enumerate(zip(req.slots, lengths)):
+        floor = cut_floor(txn, slot)
+        if not is_int(n) or not floor <= n <= txn.row_len[slot]:
+            return invalid(f"truncate of request {shown(rid)} row {i}: a length in [{floor}, {txn.row_len[slot]}] "
+                           f"(not below what is computed or cached), got {shown(n)}", request=rid,
+                           field="lengths")  # fmt: skip
+        if req.layouts[i].is_diffusion or txn.rows[slot].pending[1]:
+            return invalid(f"request {shown(rid)} row {i}: a diffusion row or one awaiting KV has a fixed length",
+                           request=rid, field="lengths")  # fmt: skip
+    gone: list[int] = []
+    for slot, n in zip(req.slots, lengths):
+        record, tail = txn.rows[slot], txn.row_tail[slot]
+        keep = -(-n // bs)
+        if keep < len(record.blocks[0]):
+            gone += [b for ids in record.blocks for b in reversed(ids[keep:]) if b]
+            record = record.with_blocks(tuple(ids[:keep] for ids in record.blocks))
+        record, tail = _cut_ids(record, tail, n)
+        txn.rows[slot], txn.row_tail[slot], txn.row_len[slot] = record, tail, n
+    if not gone:
+        return Truncated(rid, None, 0)
+    before = txn.free_blocks
+    pool.unref_many(txn, gone)  # (positions descending, rows in order: the last cut block reused last)
+    gen = txn.next_generation()
+    txn.row_generation[req.slots[0]] = gen
+    return Truncated(rid, gen, txn.free_blocks - before)
+
+
+def cut_floor(txn: Txn, slot: int) -> int:
+    """The shortest a row may be cut to: what it computed, every block it cached (ahead of the forward, under the
+    ``schedule`` caching point) kept whole, and one token at least."""
+    return max(1, txn.row_computed[slot], txn.rows[slot].num_hashed * txn.config.block_size)  # (a row keeps a token)
+
+
+def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None]:
+    """A row's known ids cut to the first ``n`` positions (those past them go with the cut)."""
+    if tail is None:
+        if record.ids is not None and record.chunked > n:
+            record = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw)
+        return record, tail
+    known = known_ids(record, tail)
+    if known > n:
+        if n >= record.chunked:
+            tail = tail[: (n - record.chunked) << 3]
+        else:
+            assert record.ids is not None
+            record, tail = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw), b""
+        known = n
+    return record, as_tail(tail, known < n)
+
+
+def _request(txn: Txn, rid: RequestId, rows: object, op: str) -> Request | KVError:
+    req = txn.base.requests.get(rid) if is_request_id(rid) else None
+    if req is None:
+        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
+    if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
+        return invalid(f"{op} of request {shown(rid)} must give one entry per row ({len(req.slots)})", request=rid,
+                       field="tokens" if op == "fill" else "lengths")  # fmt: skip
+    return req

@@ -325,7 +325,7 @@ AHEAD = CheckConfig(usable_blocks=4, requests=1, max_model_len=6, ahead=True, ca
 def test_placeholders_fills_and_cuts_are_exhaustive_without_a_violation() -> None:
     for cfg in (AHEAD, replace(AHEAD, cache_at_schedule=False, window=None), replace(AHEAD, free_queue="vllm")):
         result = check(cfg)
-        assert result.violation == [] and result.exhaustive and result.states > 1000, cfg
+        assert result.violation == [] and result.exhaustive and result.states > 900, cfg
 
 
 def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:

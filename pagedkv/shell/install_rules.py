@@ -149,9 +149,7 @@ class InstallRules:
                                                 f"{table[p // bs] * bs + p % bs}", request=r.request_id)  # fmt: skip
 
     def _extends(self, old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> bool:
-        for g, (a, b) in enumerate(zip(old, new)):
-            if len(b) < len(a):
-                return False
+        for g, (a, b) in enumerate(zip(old, new)):  # (shorter lists: a row cut back, its tail's blocks gone)
             for x, y in zip(a, b):
                 if x != y and not (y == 0 and self.w.windowed[g]):
                     return False

@@ -93,6 +93,23 @@ def test_a_newer_extending_snapshot_writes_only_new_ids_and_windows_may_null() -
     assert b.block_tables[:, 0, :3].tolist() == [[1, 2, 5], [0, 4, 6]]
 
 
+def test_a_row_cut_back_installs_and_grows_again() -> None:
+    """Issue 31: drafts rejected (``truncate``) leave shorter block lists under a newer generation; the worker
+    takes them, and the row's next growth writes its new block where the cut one stood."""
+    from pagedkv.core import truncate
+
+    s = state_with_a()
+    w = worker()
+    s = append(commit(s, "a", [6]).unwrap().state, "a", [5]).unwrap().state  # 11 tokens: five drafts, block 5
+    w.install(publish(s, ["a"], "prefill", query_limits={"a": 5}).unwrap().effect)
+    s = truncate(s, "a", [8]).unwrap().state  # two accepted: block 5 goes back
+    b = w.install(publish(s, ["a"], "prefill", query_limits={"a": 2}).unwrap().effect)
+    assert b.seq_lens[:1].tolist() == [8] and b.block_tables[0, 0, :2].tolist() == [1, 2]
+    s = append(commit(s, "a", [8]).unwrap().state, "a", [1]).unwrap().state  # position 8 opens a block again
+    b = w.install(publish(s, ["a"], "decode").unwrap().effect)
+    assert b.block_tables[0, 0, :3].tolist() == list(s.rows[0].blocks[0]) and b.seq_lens[:1].tolist() == [9]
+
+
 @pytest.mark.parametrize("mutate", ["block_size", "groups", "block_range", "lengths", "slots", "capacity", "rows"])
 def test_malformed_snapshots_are_invalid_and_change_nothing(mutate: str) -> None:
     s = state_with_a()

@@ -21,10 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from returns.result import Failure, Success
 
 from pagedkv.core import (
-    Admitted, Appended, Committed, Decoded, Released, CacheConfig, GroupKind, GroupSpec, KVState, RequestSpec, RowSpec,
-    admit, append_decode, append_many, cache_ahead, commit, digest, initial_state, release, request_blocks, reset,
-    reset_prefix_cache,
+    Admitted, Appended, Committed, Decoded, Placeholders, Released, CacheConfig, GroupKind, GroupSpec, KVState,
+    RequestSpec, RowSpec, Truncated, admit, append_decode, append_many, cache_ahead, commit, digest, fill,
+    initial_state, release, request_blocks, reset, reset_prefix_cache, truncate,
 )  # fmt: skip
+from pagedkv.core.ahead import cut_floor
+from pagedkv.core.state import known_ids
+from pagedkv.core.txn import Txn
 from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from tests.core.sm_decode_rules import IDS, DecodeRules
 from tests.core.test_state_machine import check_history
@@ -82,6 +85,7 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         several = effect if isinstance(effect, tuple) else (effect,)  # release_many, commit_many
         changed_layout = any(
             isinstance(e, (Admitted, Released)) or (isinstance(e, (Appended, Decoded)) and bool(e.allocations))
+            or (isinstance(e, Truncated) and bool(e.freed_blocks))
             or (isinstance(e, Committed) and self._nulled(old, self.state)) for e in several
         )  # fmt: skip
         if changed_layout:
@@ -194,6 +198,59 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                     toks.extend(item)
                 lens[rid][i] += item if isinstance(item, int) else len(item)
         self._fresh_after_append(before)
+
+    @rule(rid=st.sampled_from(IDS), k=st.integers(1, 3))
+    def placeholders(self, rid: Any, k: int) -> None:
+        """Positions whose ids come later (a step planned before the last one's tokens, draft slots)."""
+        req = self.state.requests.get(rid)
+        before = self._snapshot()
+        if self.step(append_many(self.state, [(rid, [Placeholders(k)] * (len(req.slots) if req else 1))])) is not None:
+            event("placeholders")
+            self._fresh_after_append(before)  # (the known ids stay a prefix: self.tokens is unchanged)
+
+    @rule(rid=st.sampled_from(IDS), data=st.data())
+    def fill_ids(self, rid: Any, data: st.DataObject) -> None:
+        """The ids of the next positions that await theirs arrive: the model now knows what the forward computed
+        there (it had the ids on the device), so blocks it completes hold that content."""
+        req = self.state.requests.get(rid)
+        if req is None:
+            assert isinstance(fill(self.state, rid, [[1]]), Failure)
+            return
+        rows = []
+        for s in req.slots:
+            tail = self.state.row_tail[s]
+            gap = self.state.row_len[s] - known_ids(self.state.rows[s], tail) if tail is not None else 0
+            rows.append(data.draw(st.lists(st.integers(0, 1), max_size=gap + 1)))  # (one too many is refused)
+        if self.step(fill(self.state, rid, rows)) is None:
+            return
+        event("ids filled in")
+        bs = self.cfg.block_size
+        for i, (s, ids) in enumerate(zip(req.slots, rows)):
+            toks = self.tokens[rid][i]
+            if toks is None:
+                continue
+            toks.extend(ids)
+            blocks = request_blocks(self.state, rid)[i]
+            for j in range(min(self.state.row_computed[s], len(toks)) // bs):  # computed, and now known
+                for g, group_ids in enumerate(blocks):
+                    if group_ids[j] and not self.cfg.groups[g].is_state and self.content.get(group_ids[j]) is not None:
+                        self.content[group_ids[j]] = self.expected_content(rid, i, g, j)
+
+    @rule(rid=st.sampled_from(IDS), data=st.data())
+    def cut_back(self, rid: Any, data: st.DataObject) -> None:
+        """Rejected drafts: each row cut back, never below what it computed or cached (else refused)."""
+        req = self.state.requests.get(rid)
+        if req is None:
+            return
+        txn = Txn(self.state)
+        lengths = [data.draw(st.integers(max(0, cut_floor(txn, s) - 1), self.state.row_len[s])) for s in req.slots]
+        if self.step(truncate(self.state, rid, lengths)) is None:
+            return
+        event("rows cut back")
+        for i, n in enumerate(lengths):
+            toks = self.tokens[rid][i]
+            if toks is not None:
+                del toks[n:]
 
     @rule(rids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
     def decode(self, rids: list[Any]) -> None:

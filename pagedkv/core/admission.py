@@ -19,7 +19,8 @@ from pagedkv.core.events import BlockRemoved
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step, pack_ids
+from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
+from pagedkv.core.tails import pack_ids
 from pagedkv.core.txn import Txn
 
 

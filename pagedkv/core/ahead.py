@@ -19,8 +19,8 @@ import pagedkv.core.pool as pool
 from pagedkv.core.commit import _hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id, shown
-from pagedkv.core.growth import with_more_ids
-from pagedkv.core.state import KVState, Request, Row, Step, as_tail, known_ids, pack_ids
+from pagedkv.core.state import KVState, Request, Row, Step
+from pagedkv.core.tails import as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
 
 

@@ -16,7 +16,8 @@ import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.state import KVState, Request, Row, Step, unpack_ids, known_ids
+from pagedkv.core.state import KVState, Request, Row, Step
+from pagedkv.core.tails import unpack_ids, known_ids
 from pagedkv.core.txn import Txn
 
 

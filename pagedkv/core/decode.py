@@ -18,7 +18,8 @@ from pagedkv.core.effects import Decoded
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.events import BlockStored
 from pagedkv.core.growth import _batch, _batch_leaves, _grow, _open_block
-from pagedkv.core.state import SLOT_SHIFT, Awaiting, KVState, Request, Row, Step, unpack_ids
+from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step
+from pagedkv.core.tails import Awaiting, unpack_ids
 from pagedkv.core.txn import Txn
 
 

@@ -16,7 +16,8 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
-from pagedkv.core.state import SLOT_SHIFT, Awaiting, Blocks, KVState, Request, Row, Step, as_tail, known_ids, pack_ids
+from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
+from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.vec import VecEdit
 
@@ -257,18 +258,6 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
         record = record.with_blocks(_extended(txn, record.blocks, extra))
     if record is not records[slot]:
         records[slot] = record
-
-
-def with_more_ids(record: Row, tail: bytes, packed: bytes, bs: int, *, awaiting: bool) -> tuple[Row, bytes]:
-    """A row's record and tail once ``packed`` ids follow its known ones: the blocks before the one holding the
-    last known id join the record, the rest stay in the tail (marked while positions still await ids)."""
-    tail += packed
-    last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
-    if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
-        cut = (last_block - record.chunked) << 3
-        record = record.with_ids(tail[:cut])
-        tail = tail[cut:]
-    return record, as_tail(tail, awaiting)
 
 
 def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:

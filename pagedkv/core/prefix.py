@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pagedkv.core.hashing import BlockHash, BlockKeys
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState, pack_ids
+from pagedkv.core.state import KVState
+from pagedkv.core.tails import pack_ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,7 @@ integers and bytes per request.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from immutables import Map
@@ -40,6 +38,7 @@ from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.spec import Span
 from pagedkv.core.vec import Vec
+from pagedkv.core.tails import unpack_ids
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
 Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)
@@ -190,39 +189,6 @@ def _blocks_of(state: KVState, slot: int) -> Blocks:
 
 def _pending_of(state: KVState, slot: int) -> Pending:
     return state.rows[slot].pending
-
-
-def pack_ids(ids: Iterable[int]) -> bytes:
-    """Token ids as the tail stores them: eight little-endian bytes each."""
-    return array("Q", ids).tobytes()
-
-
-class Awaiting(bytes):
-    """A row's tail while positions past its known ids await theirs (it grew by placeholders): the known ids,
-    as any tail holds them. Its type is the mark the decode fast paths test (``type(tail) is Awaiting``): a
-    row awaiting ids takes the general path, which refuses ids appended past the gap."""
-
-    __slots__ = ()
-
-
-def as_tail(ids: bytes, awaiting: bool) -> bytes:
-    """A tail of ``ids``, marked ``Awaiting`` while positions past them have no ids yet.
-
-    >>> type(as_tail(b"", True)).__name__, type(as_tail(b"", False)).__name__
-    ('Awaiting', 'bytes')
-    """
-    return Awaiting(ids) if awaiting else bytes(ids)
-
-
-def known_ids(record: Row, tail: bytes | None) -> int:
-    """How many leading positions of a row have known token ids (its record's, then its tail's)."""
-    return record.chunked + (len(tail) >> 3 if tail is not None else 0)
-
-
-def unpack_ids(data: bytes) -> tuple[int, ...]:
-    a = array("Q")
-    a.frombytes(data)
-    return tuple(a)
 
 
 def row_token_ids(state: KVState, slot: int) -> tuple[int, ...] | None:

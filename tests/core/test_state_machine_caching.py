@@ -26,7 +26,7 @@ from pagedkv.core import (
     initial_state, release, request_blocks, reset, reset_prefix_cache, truncate,
 )  # fmt: skip
 from pagedkv.core.ahead import cut_floor
-from pagedkv.core.state import known_ids
+from pagedkv.core.tails import known_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from tests.core.sm_decode_rules import IDS, DecodeRules

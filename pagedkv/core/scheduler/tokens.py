@@ -16,7 +16,7 @@ from typing import Any
 from immutables import Map
 
 from pagedkv.core.errors import RequestId
-from pagedkv.core.state import unpack_ids
+from pagedkv.core.tails import unpack_ids
 from pagedkv.core.vec import Vec, VecEdit
 
 _SHIFT = 5

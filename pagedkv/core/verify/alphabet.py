@@ -24,7 +24,8 @@ from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.verify.record import keys_json, row_json
-from pagedkv.core.state import Awaiting, KVState, Step
+from pagedkv.core.state import KVState, Step
+from pagedkv.core.tails import Awaiting
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ from pagedkv.core.config import GroupKind, GroupSpec
 from pagedkv.core.errors import shown
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import Awaiting, KVState
+from pagedkv.core.state import KVState
+from pagedkv.core.tails import Awaiting
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:

@@ -38,7 +38,7 @@ from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.spec import Span
 from pagedkv.core.vec import Vec
-from pagedkv.core.tails import unpack_ids
+from pagedkv.core.tails import known_ids, unpack_ids
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
 Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)
@@ -198,6 +198,12 @@ def row_token_ids(state: KVState, slot: int) -> tuple[int, ...] | None:
         return None
     tail = state.row_tail[slot]
     return unpack_ids(row.ids + tail if tail else row.ids)
+
+
+def row_known(state: KVState, slot: int) -> int:
+    """How many leading positions of a row have known token ids (past them, positions the row grew by as
+    placeholders await theirs); 0 for a row that keeps none."""
+    return known_ids(state.rows[slot], state.row_tail[slot])
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import tempfile
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,15 +59,47 @@ class Layout:
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)  # no worker here
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as vLLM's ``SpeculativeConfig`` sets it up: n-gram prompt lookup or EAGLE, ``k``
+    drafts a step; EAGLE's block hashes cover the token after each block (vLLM 0.33's default) or, with
+    ``lookahead_hashes`` off, a hit drops its last block instead."""
+
+    method: str  # "ngram" or "eagle"
+    k: int
+    lookahead_hashes: bool = True
+
+
 def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_num_seqs: int = 32,
                    max_num_batched_tokens: int = 256, max_model_len: int = 2048, events: bool = True,
                    log_stats: bool = True, caching: bool = True, watermark: float = 0.0,
-                   hash_algo: str = "sha256_cbor", metrics: bool = False) -> Any:  # fmt: skip
+                   hash_algo: str = "sha256_cbor", metrics: bool = False, async_scheduling: bool = False,
+                   speculation: Speculation | None = None, v2_runner: bool = False) -> Any:  # fmt: skip
     """vLLM's ``Scheduler`` (or a subclass) over a ``num_blocks`` pool, as its engine core builds it;
     ``hash_algo`` its ``--prefix-caching-hash-algo``, ``metrics`` its KV cache residency metrics (every block
-    sampled, so the counts are deterministic)."""
+    sampled, so the counts are deterministic); ``async_scheduling`` on (``scheduler_cls`` is then an
+    ``AsyncScheduler``: vLLM's CPU platform turns it off, it is turned on again here), ``speculation``,
+    ``v2_runner`` vLLM's V2 model runner (what the scheduler sends it and how it resumes requests)."""
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2_runner else "0"  # (read while the config and scheduler are built)
+    try:
+        return _make_scheduler(scheduler_cls, num_blocks, layout, max_num_seqs, max_num_batched_tokens, max_model_len,
+                               events, log_stats, caching, watermark, hash_algo, metrics, async_scheduling,
+                               speculation)  # fmt: skip
+    finally:
+        if env is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
+
+
+def _make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, max_num_seqs: int,
+                    max_num_batched_tokens: int, max_model_len: int, events: bool, log_stats: bool, caching: bool,
+                    watermark: float, hash_algo: str, metrics: bool, async_scheduling: bool,
+                    speculation: Speculation | None) -> Any:  # fmt: skip
     from vllm.config import (
-        CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig,
+        CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig,
+        SpeculativeConfig, VllmConfig,
     )  # fmt: skip
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -81,8 +114,18 @@ def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_
                             max_model_len=max_model_len, is_encoder_decoder=False, watermark=watermark)  # fmt: skip
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     observe = ObservabilityConfig(kv_cache_metrics=metrics, kv_cache_metrics_sample=1.0)
+    parallel = ParallelConfig()
+    spec = None
+    if speculation is not None:
+        how: dict[str, Any] = ({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if speculation.method == "ngram" else
+                               {"model": folder, "disable_lookahead_block_hashes": not speculation.lookahead_hashes})
+        spec = SpeculativeConfig(target_model_config=model, target_parallel_config=parallel, method=speculation.method,
+                                 num_speculative_tokens=speculation.k, **how)  # fmt: skip
+    sched.async_scheduling = async_scheduling  # (validated as vLLM does on a GPU)
     config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, device_config=DeviceConfig("cpu"),
-                        kv_events_config=kv_events, observability_config=observe)  # fmt: skip
+                        kv_events_config=kv_events, observability_config=observe, parallel_config=parallel,
+                        speculative_config=spec)  # fmt: skip
+    config.scheduler_config.async_scheduling = async_scheduling  # (the CPU platform turned it off)
     config.cache_config.num_gpu_blocks = num_blocks
     init_none_hash(get_hash_fn_by_name(hash_algo))
     return scheduler_cls(vllm_config=config, kv_cache_config=layout.kv_cache_config(num_blocks),
@@ -146,6 +189,22 @@ def sampled(req_id: str, step: int) -> int:
     return (sum(map(ord, req_id)) * 31 + step * 17) % 999 + 1
 
 
+def _mix(req_id: str, step: int, salt: int) -> int:
+    return (sum(map(ord, req_id)) * (salt * 2 + 131) + step * (salt * 6 + 37) + salt * 1009) % 10007
+
+
+def draft_ids(req_id: str, step: int, k: int) -> list[int]:
+    """The drafts the fake drafter proposes for a request after a step: 0 to k ids (n-gram lookup often finds
+    fewer, or none)."""
+    n = min(k, _mix(req_id, step, 1) % (k + 2))
+    return [(_mix(req_id, step, 2 + j) % 999) + 1 for j in range(n)]
+
+
+def accepted(req_id: str, step: int, drafts: int) -> int:
+    """How many of a request's ``drafts`` scheduled drafts the fake target model accepts at a step."""
+    return min(drafts, _mix(req_id, step, 3) % (drafts + 2))
+
+
 @dataclass
 class StepRecord:
     scheduled: dict[str, int]  # request -> tokens scheduled
@@ -155,29 +214,67 @@ class StepRecord:
     finished: tuple[str, ...]
     events: list[Any]  # decoded with vLLM's types
     stats: tuple[Any, ...]  # KV cache usage, the step's prefix-cache stats (vLLM's SchedulerStats), a reset's answer
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the draft ids scheduled (-1: a placeholder)
+
+
+def model_output(scheduler: Any, out: Any, step: int) -> Any:
+    """What the fake model returns for a scheduled step, decided when it is scheduled (the GPU runs it then):
+    a token for each request whose step ends its prefill, after the drafts it accepts. Under async scheduling
+    the scheduler sends -1 placeholders for drafts the worker made itself; the fake worker's drafts stand
+    behind them, but not behind the padding of a request just taken from the waiting queue (it has none)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    async_ = scheduler.scheduler_config.async_scheduling
+    fresh = {new.req_id for new in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.resumed_req_ids)
+    req_ids = list(out.num_scheduled_tokens)
+    tokens = []
+    for rid in req_ids:
+        if scheduler.requests[rid].is_prefill_chunk:
+            tokens.append([])
+            continue
+        drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+        if async_ and rid not in fresh and drafts:
+            drafts = [(_mix(rid, step, 4 + j) % 999) + 1 for j in range(len(drafts))]
+        good = []
+        for t in drafts[: accepted(rid, step, len(drafts))]:
+            if t < 0:  # (padding is never accepted)
+                break
+            good.append(t)
+        tokens.append(good + [sampled(rid, step)])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=tokens)  # fmt: skip
 
 
 def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
           on_step: Callable[[int], None] | None = None) -> list[StepRecord]:  # fmt: skip
-    """Run the workload to its end through ``scheduler``; what each step decided."""
+    """Run the workload to its end through ``scheduler`` as vLLM's engine core drives it (``EngineCore.step``,
+    and under async scheduling ``step_with_batch_queue`` with two batches in flight: step N+1 is scheduled
+    before step N's output is read); what each step decided. With speculative decoding and no async
+    scheduling, the drafter's proposals reach the scheduler after each step's output (``post_step``)."""
     import msgspec
     from vllm.distributed.kv_events import KVEventBatch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request, RequestStatus
 
-    hasher = get_request_block_hasher(BLOCK_SIZE, get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo))
+    config = scheduler.vllm_config
+    hasher = get_request_block_hasher(BLOCK_SIZE, get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo),
+                                      config.num_hash_lookahead_tokens)  # fmt: skip
     recorder = Recorder(msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch))
     scheduler.kv_event_publisher = recorder
+    async_ = scheduler.scheduler_config.async_scheduling
+    depth = 2 if async_ else 1  # (vLLM's max_concurrent_batches without pipeline parallelism)
+    k = scheduler.num_spec_tokens
+    in_flight: deque[tuple[Any, Any, int]] = deque()
     pending = list(workload.requests)
     started: dict[str, int] = {}  # request -> the step it was first scheduled at
     abort_at = {rid: a for rid, _, _, a in workload.requests if a is not None}
     records: list[StepRecord] = []
     step = 0
     first_late = len(pending) if workload.idle_after is None else workload.idle_after
-    while (pending or scheduler.has_unfinished_requests()) and step < max_steps:
+    while (pending or scheduler.has_requests() or in_flight) and step < max_steps:
         arriving = pending[: workload.arrivals_per_step]
         if len(workload.requests) - len(pending) >= first_late and scheduler.has_unfinished_requests():
             arriving = []  # the late ones wait for an idle scheduler (a reset between them then clears the cache)
@@ -192,42 +289,44 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
             if rid in started and step - started[rid] >= at:
                 scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
                 del abort_at[rid]
-        out = scheduler.schedule()
-        new_blocks: dict[str, tuple[tuple[int, ...], ...]] = {}
-        hits: dict[str, int] = {}
-        for new in out.scheduled_new_reqs:
-            new_blocks[new.req_id] = tuple(tuple(g) for g in new.block_ids)
-            hits[new.req_id] = new.num_computed_tokens
-            started.setdefault(new.req_id, step)
-        cached = out.scheduled_cached_reqs
-        for rid, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            new_blocks[rid] = tuple(tuple(g) for g in ids) if ids is not None else ()
-            if rid in cached.resumed_req_ids:
-                hits[rid] = computed
-        req_ids = list(out.num_scheduled_tokens)
-        sampled_ids = []
-        for rid in req_ids:
-            req = scheduler.requests[rid]
-            done_prefill = req.num_computed_tokens >= req.num_tokens  # the scheduler advanced it already
-            sampled_ids.append([sampled(rid, step)] if done_prefill else [])
-        runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled_ids)  # fmt: skip
-        engine_out = scheduler.update_from_output(out, runner)
-        stats: tuple[Any, ...] = ()
-        for eco in engine_out.values():
-            if eco.scheduler_stats is not None:
-                st = eco.scheduler_stats
-                p = st.prefix_cache_stats
-                stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
-                         p.preempted_queries, p.preempted_hits, p.reset,
-                         tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
+        record = StepRecord({}, {}, {}, (), (), [], ())
+        out = None
+        if scheduler.has_requests():
+            out = scheduler.schedule()
+            in_flight.appendleft((out, model_output(scheduler, out, step), step))
+            for new in out.scheduled_new_reqs:
+                record.new_blocks[new.req_id] = tuple(tuple(g) for g in new.block_ids)
+                record.hits[new.req_id] = new.num_computed_tokens
+                started.setdefault(new.req_id, step)
+            cached = out.scheduled_cached_reqs
+            for rid, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+                record.new_blocks[rid] = tuple(tuple(g) for g in ids) if ids is not None else ()
+                if rid in cached.resumed_req_ids:
+                    record.hits[rid] = computed
+            record.scheduled = dict(out.num_scheduled_tokens)
+            record.preempted = tuple(sorted(out.preempted_req_ids or ()))
+            record.finished = tuple(sorted(out.finished_req_ids))
+            record.drafts = {rid: tuple(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
+        ran = out is not None and (out.total_num_scheduled_tokens > 0 or scheduler.has_requests())
+        if in_flight and not (ran and len(in_flight) < depth):  # the oldest batch's output is read
+            done, runner, at_step = in_flight.pop()
+            engine_out = scheduler.update_from_output(done, runner)
+            for eco in engine_out.values():
+                if eco.scheduler_stats is not None:
+                    st = eco.scheduler_stats
+                    p = st.prefix_cache_stats
+                    record.stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
+                                    p.preempted_queries, p.preempted_hits, p.reset,
+                                    tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
+            if k and not async_ and done.total_num_scheduled_tokens > 0:  # the drafter's proposals (post_step)
+                ids = list(done.num_scheduled_tokens)
+                drafts = [draft_ids(rid, at_step, k) if runner.sampled_token_ids[i] else [] for i, rid in enumerate(ids)]
+                scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
         if workload.reset_every and step % workload.reset_every == workload.reset_every - 1:
-            stats += (scheduler.reset_prefix_cache(),)  # refused while blocks are held; else clears the cache
-        events = [ev for batch in recorder.batches for ev in batch.events]
+            record.stats += (scheduler.reset_prefix_cache(),)  # refused while blocks are held; else clears the cache
+        record.events = [ev for batch in recorder.batches for ev in batch.events]
         recorder.batches.clear()
-        records.append(StepRecord(dict(out.num_scheduled_tokens), new_blocks, hits,
-                                  tuple(sorted(out.preempted_req_ids or ())), tuple(sorted(out.finished_req_ids)),
-                                  events, stats))  # fmt: skip
+        records.append(record)
         if on_step is not None:
             on_step(step)
         step += 1
@@ -248,7 +347,7 @@ class Recorder:
         pass
 
 
-FIELDS = ("scheduled", "new_blocks", "hits", "preempted", "finished", "events", "stats")
+FIELDS = ("scheduled", "new_blocks", "hits", "preempted", "finished", "events", "stats", "drafts")
 
 
 def first_difference(theirs: list[StepRecord], ours: list[StepRecord]) -> str | None:
@@ -282,15 +381,25 @@ def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
     return blocks, Layout(windows=windows), work, options
 
 
+def scheduler_classes(async_scheduling: bool) -> tuple[type, type]:
+    """(vLLM's scheduler, pagedkv's) for the setting: ``Scheduler`` and ``PagedKVScheduler``, or their async forms."""
+    from pagedkv.integrations import vllm as ours
+
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler, ours.PagedKVAsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler, ours.PagedKVScheduler
+
+
 def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dict[str, Any]) -> tuple[str | None, int, Any]:
     """vLLM's scheduler with its own manager and with pagedkv's on one workload: the first difference (or
     None; a raise in either run is one), the steps run, and pagedkv's manager."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from pagedkv.integrations.vllm import PagedKVScheduler
-
-    theirs = drive(make_scheduler(Scheduler, blocks, layout, **options), Workload(**work))
-    ours_sched = make_scheduler(PagedKVScheduler, blocks, layout, **options)
+    theirs_cls, ours_cls = scheduler_classes(options.get("async_scheduling", False))
+    theirs = drive(make_scheduler(theirs_cls, blocks, layout, **options), Workload(**work))
+    ours_sched = make_scheduler(ours_cls, blocks, layout, **options)
     try:
         ours = drive(ours_sched, Workload(**work))
     except Exception as e:  # noqa: BLE001  (a raise is a difference, reported with the rest)

@@ -8,8 +8,8 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:  # vLLM is imported only when the scheduler is asked for
-    if name == "PagedKVScheduler":
-        from pagedkv.integrations.vllm.scheduler import PagedKVScheduler
+    if name in ("PagedKVScheduler", "PagedKVAsyncScheduler"):
+        from pagedkv.integrations.vllm import scheduler
 
-        return PagedKVScheduler
+        return getattr(scheduler, name)
     raise AttributeError(name)

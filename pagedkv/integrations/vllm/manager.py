@@ -19,10 +19,11 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core import RequestSpec, RowSpec, initial_state
-from pagedkv.core import admit, append, cache_ahead, cache_ahead_many, commit, decode_step, release, request_blocks, reset_prefix_cache
+from pagedkv.core import Placeholders, admit, append, append_many, cache_ahead, cache_ahead_many, commit, decode_step, fill
+from pagedkv.core import release, request_blocks, reset_prefix_cache
 from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
-from pagedkv.core.state import KVState
+from pagedkv.core.state import KVState, row_known
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
 from pagedkv.integrations.vllm.reads import ManagerReads
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
@@ -122,13 +123,14 @@ class PagedKVCacheManager(ManagerReads):
         when the pool cannot hold them (nothing then changes but a window's blocks let go, as in vLLM)."""
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        if num_lookahead_tokens or num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise Unsupported("pagedkv's KV cache manager allocates no lookahead, external (connector) or encoder "
-                              "slots; the scheduler was built with a feature it refuses")  # fmt: skip
+        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
+            raise Unsupported("pagedkv's KV cache manager allocates no external (connector) or encoder slots; the "
+                              "scheduler was built with a feature it refuses")  # fmt: skip
         rid = request.request_id
         n = self._len.get(rid)
         if (n is not None and self._fast and num_new_tokens == 1 and not num_new_computed_tokens
-                and request.num_computed_tokens == n and n < self.max_model_len):  # fmt: skip
+                and not num_lookahead_tokens and request.num_computed_tokens == n and n < self.max_model_len
+                and n < request.num_tokens):  # (the token is known: not a step planned before it came back)  # fmt: skip
             token = request.all_token_ids[n]
             if type(token) is int and 0 <= token < TOKEN_ID_LIMIT:  # (what decode_step accepts: it cannot refuse)
                 if n % self.block_size:  # into the open block: nothing taken or freed, nothing seen yet
@@ -143,7 +145,8 @@ class PagedKVCacheManager(ManagerReads):
         txn = Transaction(self.state)
         try:
             new = self._allocate(txn, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                 full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)  # fmt: skip
+                                 num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
+                                 has_scheduled_reqs)  # fmt: skip
         except Refused as r:
             raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
         self._state = self._stream.keep(txn, request)
@@ -173,17 +176,23 @@ class PagedKVCacheManager(ManagerReads):
         return self._blocks_cls(tuple([block[b]] for b in opened))
 
     def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
-                  new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
-                  has_scheduled_reqs: bool) -> tuple[list[Any], ...] | None:  # fmt: skip
-        """``allocate_slots``' transitions on ``txn``: the new blocks per group, or None when they do not fit."""
+                  new_computed_blocks: Any, num_lookahead_tokens: int, full_sequence_must_fit: bool,
+                  reserved_blocks: int, has_scheduled_reqs: bool) -> tuple[list[Any], ...] | None:  # fmt: skip
+        """``allocate_slots``' transitions on ``txn``: the new blocks per group, or None when they do not fit.
+
+        Slots past the request's known tokens (a step scheduled before the last one's tokens came back, draft
+        and lookahead slots) grow the row by placeholders; their ids are filled in as they arrive, and only
+        then can the blocks they complete be cached. Rejected drafts are not cut back: as vLLM's manager
+        does, the row keeps its slots, and positions past the accepted tokens take their ids again later."""
         rid = request.request_id
         req = txn.state.requests.get(rid)
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
-        need_slot = min(computed + num_new_tokens, self.max_model_len)
+        need_slot = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if req is None:  # a new (or resumed) request: admitted with its hit
             watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
             lookup = self.prefix_cache_lookup_enabled(request)
-            spec = self._spec(request, request.all_token_ids[:need_slot], num_new_computed_tokens if lookup else 0)
+            known = min(need_slot, request.num_tokens)
+            spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0)
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
@@ -199,17 +208,24 @@ class PagedKVCacheManager(ManagerReads):
             before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
                                                         for ids in step.effect.blocks[0])  # fmt: skip
             txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
+            if need_slot > known:  # draft padding, lookahead slots: vLLM counts them with the rest
+                if not self._grow(txn, request, known, need_slot) or txn.state.free_blocks < watermark + reserved_blocks:
+                    return None
         else:
             slot = req.slots[0]
-            if computed > txn.state.row_computed[slot]:  # what vLLM counts computed: a window lets its blocks go
-                txn.apply(commit(txn.state, rid, [computed]), "commit")
+            self._fill(txn, request, slot)
+            # what the scheduler's processed steps computed (steps in flight, rejected drafts not counted): a
+            # window lets its blocks go on that basis, as vLLM's does
+            done = max(computed - request.num_in_flight_tokens, 0)
+            if done > txn.state.row_computed[slot]:
+                txn.apply(commit(txn.state, rid, [done]), "commit")
             before = request_blocks(txn.state, rid)[0]
             need = sum(max(-(-need_slot // self.block_size) - len(ids), 0) for ids in before)
             if need > txn.state.free_blocks - reserved_blocks:  # (counting what the window let go)
                 return None
             length = txn.state.row_len[slot]
-            if need_slot > length:
-                txn.apply(append(txn.state, rid, [request.all_token_ids[length:need_slot]]), "append")
+            if need_slot > length and not self._grow(txn, request, length, need_slot):
+                return None
         slot = txn.state.requests[rid].slots[0]
         through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
         if self.enable_caching and through > txn.state.row_computed[slot]:
@@ -219,6 +235,32 @@ class PagedKVCacheManager(ManagerReads):
         txn.allocated = [b for ids in new for b in ids]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
 
+    def _grow(self, txn: Transaction, request: Any, length: int, need_slot: int) -> bool:
+        """The row grown from ``length`` to ``need_slot`` positions: by the request's tokens while they are known,
+        then by placeholders; False when the pool cannot hold them."""
+        rid = request.request_id
+        if not self.enable_caching:  # (no block is hashed: a count is all the row needs)
+            grown = append(txn.state, rid, [need_slot - length])
+        else:
+            known = min(need_slot, max(request.num_tokens, length))
+            rows = [request.all_token_ids[length:known]] if known > length else []
+            if need_slot > known:
+                rows.append(Placeholders(need_slot - known))
+            grown = append_many(txn.state, [(rid, [r]) for r in rows])
+        if isinstance(grown, Failure) and grown.failure().code is ErrorCode.NO_CAPACITY:
+            return False
+        txn.apply(grown, "append")
+        return True
+
+    def _fill(self, txn: Transaction, request: Any, slot: int) -> None:
+        """The row's ids that came back since it grew past them (sampled tokens, accepted drafts), in order."""
+        if not self.enable_caching:
+            return
+        state = txn.state
+        known, upto = row_known(state, slot), min(request.num_tokens, state.row_len[slot])
+        if known < upto:
+            txn.apply(fill(state, request.request_id, [request.all_token_ids[known:upto]]), "fill")
+
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
             return
@@ -226,13 +268,15 @@ class PagedKVCacheManager(ManagerReads):
         if req is None:
             return
         slot = req.slots[0]
-        through = min(num_computed_tokens, self._state.row_len[slot])
-        if through > self._state.row_computed[slot]:
-            txn = Transaction(self._state)
-            try:
-                txn.apply(cache_ahead(self._state, request.request_id, [through]), "cache_ahead")
-            except Refused as r:
-                raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
+        txn = Transaction(self._state)
+        try:
+            self._fill(txn, request, slot)  # (the tokens a step late, the accepted drafts)
+            through = min(num_computed_tokens, txn.state.row_len[slot])
+            if through > txn.state.row_computed[slot]:
+                txn.apply(cache_ahead(txn.state, request.request_id, [through]), "cache_ahead")
+        except Refused as r:
+            raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
+        if txn.effects:
             self._state = self._stream.keep(txn, request)
 
     def free(self, request: Any) -> None:

@@ -1,12 +1,14 @@
-"""vLLM's v1 ``Scheduler`` with pagedkv's KV cache manager installed: ``--scheduler-cls
-pagedkv.integrations.vllm.PagedKVScheduler`` (vLLM's seam for an out-of-tree scheduler).
+"""vLLM's v1 schedulers with pagedkv's KV cache manager installed: ``--scheduler-cls
+pagedkv.integrations.vllm.PagedKVScheduler`` (vLLM's seam for an out-of-tree scheduler), or
+``PagedKVAsyncScheduler`` under async scheduling (vLLM's default on GPUs).
 
-The scheduler is vLLM's own, unchanged; only its ``kv_cache_manager`` is pagedkv's
-(``PagedKVCacheManager``, backed by the pure core). What the manager does not serve is refused here,
-before anything runs: KV connectors (P/D, offloading; they reach the manager's ``coordinator`` and
-``block_pool``), speculative decoding, encoder-decoder models, decode context parallelism, pipeline
-parallelism and async scheduling (both schedule a step before the last one's tokens are known; the
-core hashes the tokens it holds).
+The schedulers are vLLM's own (``Scheduler``, ``AsyncScheduler``), unchanged; only their
+``kv_cache_manager`` is pagedkv's (``PagedKVCacheManager``, backed by the pure core). Steps scheduled
+before the last one's tokens are back and speculative decoding's drafts grow a row by placeholders whose
+ids arrive later. What the manager does not serve is refused here, before anything runs: KV connectors
+(P/D, offloading; they reach the manager's ``coordinator`` and ``block_pool``), encoder-decoder models,
+decode context parallelism and pipeline parallelism, and a scheduler class that does not match the async
+scheduling setting.
 """
 
 from __future__ import annotations
@@ -17,28 +19,52 @@ from pagedkv.integrations.vllm.geometry import Unsupported, vllm_modules
 from pagedkv.integrations.vllm.manager import PagedKVCacheManager
 
 try:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
-except ImportError:  # vLLM is the extra: the class is defined only where it is installed
-    _VllmScheduler = None
+except ImportError:  # vLLM is the extra: the classes are defined only where it is installed
+    _VllmScheduler = _VllmAsyncScheduler = None
 
 
-def refusals(vllm_config: Any) -> list[str]:
-    """What of ``vllm_config`` pagedkv's manager does not serve (empty: it serves it)."""
+def refusals(vllm_config: Any, *, async_class: bool = False) -> list[str]:
+    """What of ``vllm_config`` pagedkv's manager does not serve under the scheduler class (async or not)
+    (empty: it serves it)."""
     out = []
     if vllm_config.kv_transfer_config is not None:
         out.append("a KV connector (kv_transfer_config)")
-    if vllm_config.speculative_config is not None:
-        out.append("speculative decoding (speculative_config)")
     if vllm_config.model_config is not None and vllm_config.model_config.is_encoder_decoder:
         out.append("an encoder-decoder model (cross-attention blocks)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         out.append("decode context parallelism")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append("pipeline parallelism (steps in flight)")
-    if vllm_config.scheduler_config.async_scheduling:
-        out.append("async scheduling (run with --no-async-scheduling: a step's tokens must be known when the "
-                   "next is scheduled, the core hashes them)")
+    if bool(vllm_config.scheduler_config.async_scheduling) != async_class:
+        out.append("async scheduling with PagedKVScheduler (use --scheduler-cls "
+                   "pagedkv.integrations.vllm.PagedKVAsyncScheduler)" if not async_class else
+                   "PagedKVAsyncScheduler without async scheduling (use PagedKVScheduler)")  # fmt: skip
     return out
+
+
+def _install(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """``scheduler``'s KV cache manager replaced by pagedkv's, built from the same settings as vLLM built its own."""
+    theirs: Any = scheduler.kv_cache_manager
+    scheduler.kv_cache_manager = PagedKVCacheManager(
+        kv_cache_config=kv_cache_config, max_model_len=scheduler.max_model_len,
+        scheduler_block_size=scheduler.block_size, hash_block_size=scheduler.hash_block_size,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=theirs.enable_caching,
+        use_eagle=theirs.use_eagle, num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
+        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
+        enable_kv_cache_events=theirs.enable_kv_cache_events,
+        watermark=scheduler.scheduler_config.watermark, metrics_collector=scheduler.kv_metrics_collector,
+        enable_mamba_shared_prefix_checkpoint=scheduler.cache_config.enable_mamba_shared_prefix_checkpoint,
+        hash_algo=scheduler.cache_config.prefix_caching_hash_algo,
+    )  # fmt: skip
+
+
+def _check(vllm_config: Any, *, async_class: bool) -> None:
+    refused = refusals(vllm_config, async_class=async_class)
+    if refused:
+        raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
+    vllm_modules()
 
 
 if _VllmScheduler is not None:
@@ -48,27 +74,27 @@ if _VllmScheduler is not None:
 
         def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
                      hash_block_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
-            refused = refusals(vllm_config)
-            if refused:
-                raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
-            vllm_modules()
+            _check(vllm_config, async_class=False)
             super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
                              hash_block_size=hash_block_size, **kwargs)  # fmt: skip
-            theirs: Any = self.kv_cache_manager  # type: ignore[has-type]
-            self.kv_cache_manager = PagedKVCacheManager(
-                kv_cache_config=kv_cache_config, max_model_len=self.max_model_len,
-                scheduler_block_size=self.block_size, hash_block_size=self.hash_block_size,
-                max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=theirs.enable_caching,
-                use_eagle=theirs.use_eagle, log_stats=self.log_stats,
-                enable_kv_cache_events=theirs.enable_kv_cache_events,
-                watermark=self.scheduler_config.watermark, metrics_collector=self.kv_metrics_collector,
-                enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
-                hash_algo=self.cache_config.prefix_caching_hash_algo,
-            )  # fmt: skip
-            del theirs
+            _install(self, vllm_config, kv_cache_config)
+
+    class PagedKVAsyncScheduler(_VllmAsyncScheduler):  # type: ignore[misc]
+        """vLLM's ``AsyncScheduler`` (step N+1 scheduled while step N runs) whose KV cache manager is pagedkv's
+        core."""
+
+        def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
+                     hash_block_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+            _check(vllm_config, async_class=True)
+            super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
+                             hash_block_size=hash_block_size, **kwargs)  # fmt: skip
+            _install(self, vllm_config, kv_cache_config)
 
 else:  # pragma: no cover - vLLM absent
 
     class PagedKVScheduler:  # type: ignore[no-redef]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             vllm_modules()
+
+    class PagedKVAsyncScheduler(PagedKVScheduler):  # type: ignore[no-redef]
+        pass

@@ -20,7 +20,7 @@ from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
-from pagedkv.core.tails import pack_ids
+from pagedkv.core.tails import as_tail, pack_ids
 from pagedkv.core.txn import Txn
 
 
@@ -219,7 +219,8 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
         if cfg.enable_prefix_caching and row.tokens is not None:  # the ids stay known while the row grows by ids
-            record, tail = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending, cfg.hash_width), b""
+            record = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending, cfg.hash_width)
+            tail = as_tail(b"", row.placeholders > 0)  # (its last positions await their ids)
         else:
             record, tail = Row(rb, None, b"".join(hashes), pending, cfg.hash_width), None
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))

@@ -190,13 +190,16 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
         return record
     cfg = txn.config
     bs = cfg.block_size
+    ahead = cfg.hash_lookahead  # ids after a block its hash covers: they must be known too
     known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
-    full = min(computed, cacheable, known) // bs
+    full = min(computed, cacheable, known - ahead) // bs
     done = record.num_hashed
     if full <= done:
         return record
+    if ahead:
+        return _hash_ahead(txn, req, record, tail, done, full)
     blocks = record.blocks
     states = cfg.state_group_set
     parent = record.hashes[-record.hw :] if done else txn.base.cache.root
@@ -219,6 +222,34 @@ def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, 
             if b and (not states or g not in states) and add(g, h, b):
                 events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
                                           keys.every if plain is not None else keys.raw(j, bs)))  # fmt: skip
+        new.append(h)
+        parent = h
+    return record.with_hashes(b"".join(new))
+
+
+def _hash_ahead(txn: Txn, req: Request, record: Row, tail: bytes | None, done: int, full: int) -> Row:
+    """``_hash_full_blocks`` when each hash also covers the ``hash_lookahead`` ids after its block (vLLM's
+    EAGLE lookahead hashes: a drafter's KV at a block's last position depends on them)."""
+    cfg = txn.config
+    bs, ahead = cfg.block_size, cfg.hash_lookahead
+    blocks = record.blocks
+    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
+    hash_packed = cfg.hash_fn
+    new = [record.hashes]
+    add = txn.index.add
+    keys = req.keys
+    span = _token_span(record, tail, done * bs, full * bs + ahead)
+    ids = unpack_ids(span)
+    width = bs << 3
+    for j in range(done, full):
+        i = j - done
+        following = ids[(i + 1) * bs : (i + 1) * bs + ahead]
+        h = hash_packed(parent, span[i * width : (i + 1) * width], keys.ahead(j, bs, following))
+        for g, group_blocks in enumerate(blocks):
+            b = group_blocks[j]
+            if b and add(g, h, b):
+                txn.events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
+                                              keys.raw(j, bs, ahead), following))  # fmt: skip
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))

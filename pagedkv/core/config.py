@@ -123,6 +123,7 @@ class CacheConfig:
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
     block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; vLLM's: "sha256", "sha256_cbor", "xxhash"...
     cache_duplicates: bool = False  # False: one block per content; True: every block that fills is cached (vLLM)
+    hash_lookahead: int = 0  # ids after each block that its hash also covers (vLLM's EAGLE lookahead hashes)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
@@ -170,6 +171,11 @@ class CacheConfig:
         for key in ("enable_prefix_caching", "cache_duplicates"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
+        if not is_int(self.hash_lookahead) or not 0 <= self.hash_lookahead <= self.block_size:
+            raise InvalidConfig(f"hash_lookahead must be an integer in [0, block_size], got {shown(self.hash_lookahead)}")
+        if self.hash_lookahead and self.state_group_set:
+            raise InvalidConfig("hash_lookahead with state (Mamba) groups: a saved state is keyed by the hash of the "
+                                "block it ends, which would wait for ids past the state")  # fmt: skip
         for key in ("max_rows_per_request", "max_model_len"):
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):

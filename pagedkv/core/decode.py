@@ -60,7 +60,8 @@ def decode_step(
     ids, toks = batch
     txn, cfg, get = Txn(state), state.config, state.requests.get
     bs, limit, ngroups, mask = cfg.block_size, cfg.length_limit, len(cfg.groups), (1 << SLOT_SHIFT) - 1
-    fast = not any(g.is_windowed or g.is_state for g in cfg.groups)  # full attention only: no window logic
+    # full attention only (no window logic), each hash over its own block (it fills as its last token commits)
+    fast = not any(g.is_windowed or g.is_state for g in cfg.groups) and not cfg.hash_lookahead
     lens, done = _batch_leaves(txn.row_len, len(ids)), _batch_leaves(txn.row_computed, len(ids))
     # token tails: written when ids arrive; a count stops a row's ids (the general path does that)
     tails = _batch_leaves(txn.row_tail, len(ids)) if append_tokens and cfg.enable_prefix_caching else None

@@ -22,6 +22,7 @@ class BlockStored(NamedTuple):
     group: int
     block_id: int
     extra_keys: tuple[Any, ...] = ()  # the block's extra keys (hashing.BlockKeys.raw), as vLLM's events carry them
+    lookahead: tuple[int, ...] | None = None  # the ids after the block its hash covers (CacheConfig.hash_lookahead)
 
 
 class BlockRemoved(NamedTuple):

@@ -166,16 +166,26 @@ class BlockKeys:
         """Do some blocks hash other keys than ``plain``?"""
         return bool(self.content or self.first)
 
-    def raw(self, j: int, block_size: int) -> tuple[Key, ...]:
-        """Block j's keys: every block's, the content spans it touches (offset from its start), then the
-        first block's."""
+    def raw(self, j: int, block_size: int, lookahead: int = 0) -> tuple[Key, ...]:
+        """Block j's keys: every block's, the content spans it (and the ``lookahead`` ids after it its hash
+        covers) touches, offset from its start, then the first block's."""
         keys = self.every
         if self.content:
-            start, end = j * block_size, (j + 1) * block_size
+            start, end = j * block_size, (j + 1) * block_size + lookahead
             keys += tuple(("mm", ident, off - start) for ident, off, n in self.content if end > off and start < off + n)
         if j == 0 and self.first:
             keys += self.first
         return keys
+
+    def ahead(self, j: int, block_size: int, next_ids: tuple[int, ...]) -> Any:
+        """Block j's keys, encoded, when its hash also covers the ids after it (``CacheConfig.hash_lookahead``):
+        vLLM's lookahead hash keys ``(the keys of the block and those ids, or None, *those ids)``.
+
+        >>> k = BlockKeys.of(content=(("img", 4, 2),), kind="sha256")
+        >>> k.ahead(0, 4, (9,)), k.ahead(1, 4, (9,))   # an image at positions 4 and 5: block 1's, and block 0's peek
+        (((('mm', 'img', 4),), 9), ((('mm', 'img', 0),), 9))
+        """
+        return encode_keys((self.raw(j, block_size, len(next_ids)) or None, *next_ids), self.kind)
 
     def at(self, j: int, block_size: int) -> Any:
         """Block j's keys, encoded for the hash."""

@@ -31,37 +31,30 @@ class Hit:
     ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
 
 
-def find_hit(state: KVState, spec: RequestSpec) -> Hit:
-    """The longest hit of ``spec`` in the prefix cache, common to all its rows (module docstring)."""
+def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False) -> Hit:
+    """The longest hit of ``spec`` in the prefix cache, common to all its rows (module docstring).
+
+    ``drop_last_block``: vLLM's lookup for an EAGLE drafter (its ``use_eagle`` block drop, for a drafter
+    whose KV at a block's last position depends on the token after it, which a later request need not
+    share): the full-attention groups match up to one block past the limit and give the last block back;
+    each window group, the first time it searches a candidate, holds one block past it too and gives it back.
+    """
     cfg = state.config
     rows = spec.rows
     ngroups = len(cfg.groups)
     if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows) or spec.max_hit == 0:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     try:
-        chains = _full_chains(state, spec)
+        chains = _full_chains(state, spec, drop_last_block)
     except (OverflowError, TypeError, ValueError):  # ids, keys or lengths no admission takes: no hit
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     hit = len(chains[-1])  # each row's chain stops at the shortest before it
+    if drop_last_block and hit:
+        hit -= 1
     if not hit:  # the common case: the first block already misses
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
+    hit = _reconcile(state, chains, hit, spec, drop_last_block)
     bs, cache = cfg.block_size, state.cache
-    windowed = [g for g, gs in enumerate(cfg.groups) if gs.is_windowed]
-    states = [g for g, gs in enumerate(cfg.groups) if gs.is_state]
-
-    def windows_hold(n: int) -> bool:
-        for g in windowed:
-            first = cfg.groups[g].first_visible_block(n * bs, bs)
-            if any((g, chain[j]) not in cache for chain in chains for j in range(first, n)):
-                return False
-        for g in states:  # a state saved where the hit ends, a different one for each row (it is taken over)
-            saved = [cache.get((g, chain[n - 1])) for chain in chains]
-            if None in saved or len(set(saved)) < len(saved):
-                return False
-        return True
-
-    while hit and not windows_hold(hit):
-        hit -= 1
     # A hit never splits a request's rows into different segment structures: rows
     # that could share one forward from position 0 (CFG branches) still can.
     def structure(row_index: int, n: int) -> tuple[bool, ...]:
@@ -84,28 +77,99 @@ def find_hit(state: KVState, spec: RequestSpec) -> Hit:
     return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids))
 
 
-def _full_chains(state: KVState, spec: RequestSpec) -> list[list[BlockHash]]:
-    """Per row, the hashes of its leading blocks that every full-attention group has cached; a
-    row's chain is never longer than the one before it (the hit is common to all rows)."""
+def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: RequestSpec, drop: bool) -> int:
+    """The hit the window and state groups allow, at most the full groups' ``full`` blocks, as vLLM's
+    coordinator finds it: each kind of group in turn takes the longest hit it holds within the candidate,
+    until a pass shortens it no more (one pass beside a single kind). Under ``drop`` a window kind, the first
+    time it searches a candidate, must hold the block after its hit too (vLLM's EAGLE drop, once per candidate
+    length: a kind that shortens the candidate without it lets the others drop again)."""
+    cfg = state.config
+    bs = cfg.block_size
+    kinds: dict[tuple[object, ...], list[int]] = {}  # groups of one spec are searched together, as vLLM's
+    for g, gs in enumerate(cfg.groups):
+        if gs.is_windowed or gs.is_state:
+            kinds.setdefault((gs.kind, gs.window, gs.chunk), []).append(g)
+    if not kinds:
+        return full
+    searches = list(kinds.values())
+    simple = len(searches) == 1
+    length = _cap_tokens(spec, bs)  # vLLM's candidate, in tokens (the scheduler's cap to start with)
+    verified: set[int] = set()
+    while True:
+        curr = min(length, full * bs)
+        for k, groups in enumerate(searches):
+            peek = drop and k not in verified and not cfg.groups[groups[0]].is_state
+            n = min(curr // bs, len(chains[-1]) - 1) if peek else curr // bs
+            while n and not _holds(state, chains, groups, n, peek):
+                n -= 1
+            if peek:
+                verified.add(k)
+            elif n * bs < curr:
+                verified.clear()
+            curr = n * bs
+        if curr >= length or simple:
+            return curr // bs
+        length = curr
+
+
+def _cap_tokens(spec: RequestSpec, bs: int) -> int:
+    """The longest hit any row allows, in tokens."""
+    cap = min((r.prefix_len // bs * bs if r.prefix_len is not None else r.num_tokens - 1) for r in spec.rows)
+    return cap if spec.max_hit is None else min(cap, spec.max_hit)
+
+
+def _holds(state: KVState, chains: list[list[BlockHash]], groups: list[int], n: int, peek: bool) -> bool:
+    """Do ``groups`` (one kind) hold a hit of ``n`` blocks for every row: a window group every block a query at
+    the boundary can see (and the block after it, under ``peek``), a state group a state saved where the hit
+    ends, a different one for each row (it is taken over)."""
+    cfg, cache = state.config, state.cache
+    bs = cfg.block_size
+    for g in groups:
+        gs = cfg.groups[g]
+        if gs.is_state:
+            saved = [cache.get((g, chain[n - 1])) for chain in chains]
+            if None in saved or len(set(saved)) < len(saved):
+                return False
+            continue
+        first = gs.first_visible_block(n * bs, bs)
+        if any((g, chain[j]) not in cache for chain in chains for j in range(first, n + peek)):
+            return False
+    return True
+
+
+def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[list[BlockHash]]:
+    """Per row, the hashes of its leading blocks that every full-attention group has cached (under ``drop``,
+    one block past the limit when the row's ids fill it); a row's chain is never longer than the one before
+    it (the hit is common to all rows)."""
     cfg, cache = state.config, state.cache
     bs = cfg.block_size
     full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
     chains: list[list[BlockHash]] = []
-    limit: int | None = None if spec.max_hit is None else spec.max_hit // bs
+    limit: int | None = None if spec.max_hit is None else spec.max_hit // bs + drop
     keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash)
     plain = None if keys.varies else keys.plain  # (most requests: every block hashes the same keys)
     hash_packed = cfg.hash_fn
     width = bs << 3  # bytes of one block's packed ids
+    ahead = cfg.hash_lookahead  # a block's hash covers the ids after it: a block before them only
     for row in spec.rows:
         assert row.tokens is not None
-        cap = (row.prefix_len if row.prefix_len is not None else row.num_tokens - 1) // bs
+        known = row.known  # (placeholders have no ids to hash)
+        cap = min((row.prefix_len if row.prefix_len is not None else row.num_tokens - 1), known) // bs
+        if drop:  # the block the hit gives back, where the row's ids fill it
+            cap = min(cap + 1, known // bs)
+        if ahead:
+            cap = min(cap, (known - ahead) // bs)
         if limit is not None:
             cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
         chain: list[BlockHash] = []
         parent = cache.root
-        packed = pack_ids(row.tokens[: cap * bs])
+        packed = pack_ids(row.tokens[: cap * bs + ahead])
         for j in range(cap):
-            h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
+            if ahead:
+                h = hash_packed(parent, packed[j * width : (j + 1) * width],
+                                keys.ahead(j, bs, row.tokens[(j + 1) * bs : (j + 1) * bs + ahead]))  # fmt: skip
+            else:
+                h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
             if any((g, h) not in cache for g in full):
                 break
             chain.append(h)

@@ -36,6 +36,7 @@ class RowSpec:
     target_len: int | None = None
     spans: tuple[Span, ...] = ()
     pending_tokens: int = 0  # KV of tokens [0, n) arrives from elsewhere (an AR stage): destination blocks
+    placeholders: int = 0  # the last positions' ids are not known yet (``tokens`` are the ones before them)
 
     @staticmethod
     def of_tokens(
@@ -45,9 +46,17 @@ class RowSpec:
         target_len: int | None = None,
         spans: Sequence[Span] = (),
         pending_tokens: int = 0,
+        placeholders: int = 0,
     ) -> RowSpec:
-        return RowSpec(len(tokens), tuple(tokens), prefix_len, target_len, tuple(tuple(s) for s in spans),  # type: ignore[misc]
-                       pending_tokens)  # fmt: skip
+        """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``ahead.fill``: a step
+        planned before the last one's tokens are back, draft and lookahead slots)."""
+        return RowSpec(len(tokens) + placeholders, tuple(tokens), prefix_len, target_len,  # type: ignore[misc]
+                       tuple(tuple(s) for s in spans), pending_tokens, placeholders)  # fmt: skip
+
+    @property
+    def known(self) -> int:
+        """How many leading positions have known ids (0 for a row of a count)."""
+        return self.num_tokens - self.placeholders if self.tokens is not None else 0
 
     @property
     def is_diffusion(self) -> bool:
@@ -125,9 +134,14 @@ def _check_row(row: object, where: str) -> KVError | None:
     n = row.num_tokens
     if not is_int(n) or not 1 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no pool, nor a message)
         return invalid(f"{where}: num_tokens must be a positive integer below 2**63, got {shown(n)}", field="num_tokens")
+    w = row.placeholders
+    if not is_int(w) or not 0 <= w <= n or (w and (row.tokens is None or row.target_len is not None)):
+        return invalid(f"{where}: placeholders must be an integer in [0, num_tokens], and only in a row of token "
+                       f"ids that is not a diffusion row, got {shown(w)}", field="placeholders")  # fmt: skip
     if row.tokens is not None:
-        if not isinstance(row.tokens, tuple) or len(row.tokens) != n:
-            return invalid(f"{where}: tokens must be a tuple of num_tokens ({shown(n)}) ids", field="tokens")
+        if not isinstance(row.tokens, tuple) or len(row.tokens) != n - w:
+            return invalid(f"{where}: tokens must be a tuple of num_tokens - placeholders ({shown(n - w)}) ids",
+                           field="tokens")  # fmt: skip
         toks = row.tokens  # judged at C speed (the types, then the range as unsigned 64-bit); the loop names a bad id
         if not are_token_ids(toks):
             bad = next(t for t in toks if not is_token_id(t))

@@ -378,6 +378,13 @@ def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
     options = {"max_num_batched_tokens": chunk, "max_num_seqs": rng.choice((8, 32)),
                "watermark": rng.choice((0.0, 0.0, 0.05)), "caching": rng.random() < 0.9, "hash_algo": algo,
                "metrics": rng.random() < 0.5}  # fmt: skip
+    # issue 31 (drawn after the rest, so each seed's other choices stay what they were): async scheduling,
+    # speculative decoding (n-gram, EAGLE with lookahead hashes or its block drop), vLLM's V2 model runner
+    method = rng.choice((None, None, "ngram", "eagle"))
+    options["async_scheduling"] = rng.random() < 0.4
+    if method is not None:
+        options["speculation"] = Speculation(method, rng.choice((1, 2, 3, 4, 8)), lookahead_hashes=rng.random() < 0.6)
+    options["v2_runner"] = options["async_scheduling"] and (method == "ngram" or rng.random() < 0.5)
     return blocks, Layout(windows=windows), work, options
 
 
@@ -407,6 +414,15 @@ def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dic
     return first_difference(theirs, ours), len(theirs), ours_sched.kv_cache_manager
 
 
+def ahead_of(options: dict[str, Any]) -> str:
+    """A configuration's async scheduling and speculation, shortly: ``async+eagle4/drop``, ``ngram2``, ``-``."""
+    spec = options.get("speculation")
+    parts = ["async" if options.get("async_scheduling") else "",
+             "" if spec is None else f"{spec.method}{spec.k}" + ("" if spec.lookahead_hashes or spec.method != "eagle"
+                                                                   else "/drop")]  # fmt: skip
+    return "+".join(p for p in parts if p) or "-"
+
+
 def main() -> None:
     """Seeded fuzzing of the differential: ``python -m tests.integrations.vllm_harness [first_seed] [count]``, one line a
     configuration and a total (PYTHONHASHSEED is set, so the xxhash kinds' seed is shared by both runs)."""
@@ -416,14 +432,14 @@ def main() -> None:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     first, count = (int(sys.argv[1]) if len(sys.argv) > 1 else 0), (int(sys.argv[2]) if len(sys.argv) > 2 else 20)
     same = steps = 0
-    print(f"{'seed':>5} {'blocks':>6} {'windows':<10} {'algo':<12} {'steps':>6} {'s':>6}  result")
+    print(f"{'seed':>5} {'blocks':>6} {'windows':<10} {'algo':<12} {'ahead':<16} {'steps':>6} {'s':>6}  result")
     for seed in range(first, first + count):
         blocks, layout, work, options = fuzzed(seed)
         t = time.perf_counter()
         diff, n, _ = differential(blocks, layout, work, options)
         steps += n
         same += diff is None
-        print(f"{seed:>5} {blocks:>6} {str(layout.windows):<10} {options['hash_algo']:<12} {n:>6} "
+        print(f"{seed:>5} {blocks:>6} {str(layout.windows):<10} {options['hash_algo']:<12} {ahead_of(options):<16} {n:>6} "
               f"{time.perf_counter() - t:>6.1f}  {diff or 'identical'}", flush=True)
     print(f"{same} of {count} configurations identical to the end, {steps} steps")
 

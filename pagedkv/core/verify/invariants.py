@@ -65,7 +65,8 @@ def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
                        f"{'positions await ids' if type(tail) is Awaiting else 'none await'}")
         elif tail and (known - 1) // s.config.block_size != record.chunked // s.config.block_size:
             bad.append(f"{where}: the token tail reaches past the row's last block")
-        if record.num_hashed * s.config.block_size > known:  # a hash covers only ids it was computed over
+        ahead = s.config.hash_lookahead if record.num_hashed else 0  # (and the ids after its block)
+        if record.num_hashed * s.config.block_size + ahead > known:  # a hash covers only ids it was computed over
             bad.append(f"{where}: {record.num_hashed} blocks hashed, but only {known} positions have known ids")
 
 

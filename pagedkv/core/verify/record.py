@@ -24,12 +24,12 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
                                             **({"grow_prefill": True} if sched.grow_prefill else {})}}}  # fmt: skip
 
 
-def policy_keys(cache: CacheConfig) -> dict[str, str | bool]:
+def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:
     """The header keys of the policies that differ from the defaults (a default header stays as it was)."""
-    keys: dict[str, tuple[str | bool, str | bool]] = {
+    keys: dict[str, tuple[str | bool | int, str | bool | int]] = {
         "free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
         "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash),
-        "cache_duplicates": (False, cache.cache_duplicates)}  # fmt: skip
+        "cache_duplicates": (False, cache.cache_duplicates), "hash_lookahead": (0, cache.hash_lookahead)}  # fmt: skip
     return {k: v for k, (default, v) in keys.items() if v != default}
 
 
@@ -40,6 +40,8 @@ def row_json(r: RowSpec) -> dict[str, Any]:
         row.update(prefix_len=r.prefix_len, target_len=r.target_len)
     if r.pending_tokens:
         row["pending_tokens"] = r.pending_tokens
+    if r.placeholders:
+        row["placeholders"] = r.placeholders
     if r.spans:
         row["spans"] = [list(sp) for sp in r.spans]
     return row

@@ -12,7 +12,7 @@ from pagedkv.core.admission import admit
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
-from pagedkv.core.errors import KVError, invalid
+from pagedkv.core.errors import KVError, invalid, is_int
 from pagedkv.core.ahead import fill, truncate
 from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
@@ -173,10 +173,13 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
         if not isinstance(spans, list) or any(not isinstance(s, list) or len(s) != 2 for s in spans):
             return invalid(f'row {i}: "spans" must be a list of [start, end] pairs', field="spans")
         tokens = tuple(r["tokens"]) if has_t else None
+        waiting = r.get("placeholders", 0)
+        if not is_int(waiting) or waiting < 0:
+            return invalid(f'row {i}: "placeholders" must be a non-negative integer', field="placeholders")
         rows.append(RowSpec(
-            num_tokens=len(r["tokens"]) if has_t else r["num_tokens"], tokens=tokens,
+            num_tokens=len(r["tokens"]) + waiting if has_t else r["num_tokens"], tokens=tokens,
             prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
-            pending_tokens=r.get("pending_tokens", 0),
+            pending_tokens=r.get("pending_tokens", 0), placeholders=waiting,
         ))  # fmt: skip
     return RequestSpec(ev["request"], tuple(rows), keys["extra_keys"], ev.get("max_hit"),
                        keys["first_block_keys"], keys["content"])  # fmt: skip

@@ -142,6 +142,8 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
                 prev.token_ids.extend(ev.token_ids)
                 if prev.extra_keys is not None:
                     prev.extra_keys.append(event_keys(ev.extra_keys) if ev.extra_keys else None)
+                if prev.lookahead_token_ids is not None and ev.lookahead is not None:
+                    prev.lookahead_token_ids.append(list(ev.lookahead))
             else:
                 g = config.groups[ev.group]
                 keys = None if request is None else [event_keys(ev.extra_keys) if ev.extra_keys else None]
@@ -150,7 +152,8 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
                     parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
                     token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=lora_id, medium=medium,
                     lora_name=lora_name, extra_keys=keys, group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind],
-                    kv_cache_spec_sliding_window=g.window, session_id=session_id))  # fmt: skip
+                    kv_cache_spec_sliding_window=g.window, session_id=session_id,
+                    lookahead_token_ids=None if ev.lookahead is None else [list(ev.lookahead)]))  # fmt: skip
             last = (ev.group, ev.block_hash)
             continue
         last = None

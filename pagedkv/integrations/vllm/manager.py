@@ -19,7 +19,7 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core import RequestSpec, RowSpec, initial_state
-from pagedkv.core import Placeholders, admit, append, append_many, cache_ahead, cache_ahead_many, commit, decode_step, fill
+from pagedkv.core import Placeholders, admit, append, cache_ahead, cache_ahead_many, commit, decode_step, fill
 from pagedkv.core import release, request_blocks, reset_prefix_cache
 from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
@@ -45,8 +45,9 @@ class PagedKVCacheManager(ManagerReads):
                  enable_mamba_shared_prefix_checkpoint: bool = False, hash_algo: str = "sha256") -> None:  # fmt: skip
         kvm = vllm_modules()[0]
         refused = [why for bad, why in (
-            (use_eagle, "EAGLE speculative decoding"),
-            (num_hash_lookahead_tokens or num_prefill_lookahead, "lookahead hashing / multi-module MTP prefill"),
+            (num_prefill_lookahead > 1, f"a prefill lookahead of {num_prefill_lookahead} tokens (multi-module MTP: "
+                                        "its last chunk's tokens are prefilled again)"),
+            (use_eagle and num_hash_lookahead_tokens, "EAGLE's block drop with lookahead hashes"),
             (dcp_world_size != 1 or pcp_world_size != 1, "decode / prefill context parallelism"),
             (enable_mamba_shared_prefix_checkpoint, "Mamba checkpoints"),
             (hash_block_size != scheduler_block_size, f"a hash block size ({hash_block_size}) other than the "
@@ -55,7 +56,8 @@ class PagedKVCacheManager(ManagerReads):
         ) if bad]  # fmt: skip
         geometry = translate(kv_cache_config, max_model_len=max_model_len, block_size=scheduler_block_size,
                              in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
-                             caching=enable_caching, hash_algo=hash_algo, refused=refused)  # fmt: skip
+                             caching=enable_caching, hash_algo=hash_algo, hash_lookahead=num_hash_lookahead_tokens,
+                             refused=refused)  # fmt: skip
         self.geometry = geometry
         self.config = geometry.config
         self.kv_cache_config = kv_cache_config
@@ -64,7 +66,7 @@ class PagedKVCacheManager(ManagerReads):
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
-        self.use_eagle = False
+        self.use_eagle = use_eagle  # EAGLE's block drop: a hit matches one block past it and gives it back
         self.num_kv_cache_groups = len(geometry.caps)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
@@ -106,7 +108,7 @@ class PagedKVCacheManager(ManagerReads):
         if cap < self.block_size:
             return self.empty_kv_cache_blocks, 0, 0
         spec = self._spec(request, request.all_token_ids, cap)
-        hit = find_hit(self.state, spec)
+        hit = find_hit(self.state, spec, drop_last_block=self.use_eagle)
         if not hit.num_blocks:
             return self.empty_kv_cache_blocks, 0, 0
         if self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
@@ -191,8 +193,9 @@ class PagedKVCacheManager(ManagerReads):
         if req is None:  # a new (or resumed) request: admitted with its hit
             watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
             lookup = self.prefix_cache_lookup_enabled(request)
-            known = min(need_slot, request.num_tokens)
-            spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0)
+            known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
+            spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0,
+                              need_slot - known)  # fmt: skip
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
@@ -208,9 +211,6 @@ class PagedKVCacheManager(ManagerReads):
             before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
                                                         for ids in step.effect.blocks[0])  # fmt: skip
             txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
-            if need_slot > known:  # draft padding, lookahead slots: vLLM counts them with the rest
-                if not self._grow(txn, request, known, need_slot) or txn.state.free_blocks < watermark + reserved_blocks:
-                    return None
         else:
             slot = req.slots[0]
             self._fill(txn, request, slot)
@@ -236,20 +236,22 @@ class PagedKVCacheManager(ManagerReads):
         return tuple([block[b] for b in ids] for ids in new)
 
     def _grow(self, txn: Transaction, request: Any, length: int, need_slot: int) -> bool:
-        """The row grown from ``length`` to ``need_slot`` positions: by the request's tokens while they are known,
-        then by placeholders; False when the pool cannot hold them."""
+        """The row grown from ``length`` to ``need_slot`` positions, by the request's tokens while they are known and
+        then by placeholders, in one growth (every group's new blocks in turn, as vLLM allocates them); False
+        when the pool cannot hold them."""
         rid = request.request_id
         if not self.enable_caching:  # (no block is hashed: a count is all the row needs)
-            grown = append(txn.state, rid, [need_slot - length])
+            growth: Any = need_slot - length
+        elif need_slot <= request.num_tokens:
+            growth = request.all_token_ids[length:need_slot]
         else:
-            known = min(need_slot, max(request.num_tokens, length))
-            rows = [request.all_token_ids[length:known]] if known > length else []
-            if need_slot > known:
-                rows.append(Placeholders(need_slot - known))
-            grown = append_many(txn.state, [(rid, [r]) for r in rows])
+            growth = Placeholders(need_slot - length)  # (the known ones among them filled in next)
+        grown = append(txn.state, rid, [growth])
         if isinstance(grown, Failure) and grown.failure().code is ErrorCode.NO_CAPACITY:
             return False
         txn.apply(grown, "append")
+        if type(growth) is Placeholders:
+            self._fill(txn, request, txn.state.requests[rid].slots[0])
         return True
 
     def _fill(self, txn: Transaction, request: Any, slot: int) -> None:
@@ -331,10 +333,12 @@ class PagedKVCacheManager(ManagerReads):
         self._queue_tokens.clear()
         self._queue_full.clear()
 
-    def _spec(self, request: Any, tokens: Any, max_hit: int | None) -> RequestSpec:
-        """The core's spec of a vLLM request's row: its tokens and the keys its blocks hash (vLLM's)."""
+    def _spec(self, request: Any, tokens: Any, max_hit: int | None, placeholders: int = 0) -> RequestSpec:
+        """The core's spec of a vLLM request's row: its tokens (then the slots whose ids are not known yet) and
+        the keys its blocks hash (vLLM's)."""
         try:
             every, content, first = block_keys(request)
         except RefusedRequest as e:
             raise Unsupported(str(e)) from None
-        return RequestSpec(request.request_id, (RowSpec.of_tokens(tokens),), every, max_hit, first, content)
+        row = RowSpec.of_tokens(tokens, placeholders=placeholders)
+        return RequestSpec(request.request_id, (row,), every, max_hit, first, content)

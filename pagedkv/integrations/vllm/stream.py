@@ -130,12 +130,12 @@ class EventStream:
     def announce(self, hit: Hit, spec: RequestSpec, fields: RequestFields) -> None:
         """``kv_cache_report_mode="full"``: the hit's blocks stored again, group by group, from block 0 (vLLM's
         ``emit_cached_block_events``: the cache is untouched, the consumer learns of the reuse)."""
-        bs, hashes = self.config.block_size, hit.hashes[0]
+        bs, ahead, hashes = self.config.block_size, self.config.hash_lookahead, hit.hashes[0]
         tokens = spec.rows[0].tokens or ()
         keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys)
         stores = [BlockStored(h, hashes[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), g, b,
-                              keys.raw(j, bs))  # fmt: skip
-                  for g, ids in enumerate(hit.ids[0]) for j, (h, b) in enumerate(zip(hashes, ids))]
+                              keys.raw(j, bs, ahead), tuple(tokens[(j + 1) * bs : (j + 1) * bs + ahead]) if ahead else None)
+                  for g, ids in enumerate(hit.ids[0]) for j, (h, b) in enumerate(zip(hashes, ids))]  # fmt: skip
         self._send(tuple(stores), fields)
 
     def reset_metrics(self) -> None:

@@ -84,6 +84,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
     c.add_argument("--ahead", action="store_true",
                    help="also grow rows by placeholders, fill their ids and cut rows back (async scheduling, drafts)")
+    c.add_argument("--hash-lookahead", type=bounded_int(0, 16), default=d.hash_lookahead,
+                   help="ids after each block its hash also covers (vLLM's EAGLE lookahead hashes)")
     c.add_argument("--long-prompts", action="store_true",
                    help="also admit a prompt long enough that its prefix hit leaves window positions null")
     c.add_argument("--free-queue", choices=("tail", "vllm"), default="tail",
@@ -127,7 +129,7 @@ def _check(args: argparse.Namespace) -> int:
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
             free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
             cache_at_schedule=args.caching_point == "schedule", duplicates=args.cache_duplicates,
-            long_prompts=args.long_prompts, ahead=args.ahead,
+            long_prompts=args.long_prompts, ahead=args.ahead, hash_lookahead=args.hash_lookahead,
         )  # fmt: skip
         cfg.cache_config()
         writable_target(args.out)  # before the search: a counterexample found must have somewhere to go

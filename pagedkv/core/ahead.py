@@ -152,8 +152,11 @@ def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated
 
 def cut_floor(txn: Txn, slot: int) -> int:
     """The shortest a row may be cut to: what it computed, every block it cached (ahead of the forward, under the
-    ``schedule`` caching point) kept whole, and one token at least."""
-    return max(1, txn.row_computed[slot], txn.rows[slot].num_hashed * txn.config.block_size)  # (a row keeps a token)
+    ``schedule`` caching point) kept whole with the ids after it its hash covers (``hash_lookahead``), and one
+    token at least."""
+    hashed = txn.rows[slot].num_hashed
+    cached = hashed * txn.config.block_size + (txn.config.hash_lookahead if hashed else 0)
+    return max(1, txn.row_computed[slot], cached)  # (a row keeps a token)
 
 
 def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None]:

@@ -51,6 +51,26 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "async ngram k=8, V2 runner, report mode full": (90, Layout(), {
         "num_requests": 100, "seed": 12, "report_every": 3, "repeats": 0.4},
         {**V2, "speculation": Speculation("ngram", 8)}),
+    # EAGLE: k lookahead slots past the drafts; its block hashes cover the token after each block (vLLM 0.33's
+    # default) or, with that off, a hit matches one block past it and gives it back
+    "eagle k=1": (60, Layout(), {"num_requests": 100, "seed": 13, "repeats": 0.4}, {"speculation": Speculation("eagle", 1)}),
+    "eagle k=3, window 32, report mode full": (60, Layout(windows=(32,)), {
+        "num_requests": 100, "seed": 14, "repeats": 0.4, "report_every": 3}, {"speculation": Speculation("eagle", 3)}),
+    "eagle k=8, LoRA and salts, sha256": (90, Layout(), {
+        "num_requests": 100, "seed": 15, "repeats": 0.3, "lora_every": 3, "salt_every": 4},
+        {"speculation": Speculation("eagle", 8), "hash_algo": "sha256"}),
+    "eagle k=2, block drop": (60, Layout(), {"num_requests": 100, "seed": 16, "repeats": 0.5},
+                              {"speculation": Speculation("eagle", 2, lookahead_hashes=False)}),
+    "eagle k=4, block drop, windows 32 and 64": (90, Layout(windows=(32, 64)), {
+        "num_requests": 100, "seed": 17, "repeats": 0.5}, {"speculation": Speculation("eagle", 4, lookahead_hashes=False)}),
+    "async eagle k=2, V1 runner, window 16": (60, Layout(windows=(16,)), {"num_requests": 100, "seed": 18, "repeats": 0.4},
+                                              {**ASYNC, "speculation": Speculation("eagle", 2)}),
+    "async eagle k=3, V2 runner, block drop, window 32": (60, Layout(windows=(32,)), {
+        "num_requests": 100, "seed": 19, "repeats": 0.5},
+        {**V2, "speculation": Speculation("eagle", 3, lookahead_hashes=False)}),
+    "async eagle k=5, V2 runner, salts, metrics": (60, Layout(), {
+        "num_requests": 100, "seed": 20, "repeats": 0.4, "salt_every": 3},
+        {**V2, "speculation": Speculation("eagle", 5), "metrics": True}),
 }  # fmt: skip
 
 
@@ -82,8 +102,16 @@ def test_ahead_of_tokens_pagedkv_decides_as_vllms_own_step_by_step(name: str) ->
         assert len(drafts) > 100 and max(map(len, drafts)) == spec.k
         if not options.get("async_scheduling"):  # real draft ids, and the -1 padding of a request a hit
             assert any(t > 0 for d in drafts for t in d)  # took to its last token
-            if work.get("repeats", 0) >= 0.4:
-                assert any(t < 0 for d in drafts for t in d)
+            if work.get("repeats", 0) >= 0.4 and (spec.method != "eagle" or spec.lookahead_hashes):  # (a dropped
+                assert any(t < 0 for d in drafts for t in d)  # block leaves a hit a block short of the last token)
+        stored = [ev for rec in theirs for ev in rec.events if type(ev).__name__ == "BlockStored"]
+        lookahead = [ev for ev in stored if ev.lookahead_token_ids is not None]
+        if spec.method == "eagle" and spec.lookahead_hashes:  # every store names the token after each block
+            assert stored and len(lookahead) == len(stored)
+        else:
+            assert not lookahead
+        if spec.method == "eagle":  # hits (the drop gives back a block: hits end a block short of the run)
+            assert sum(1 for rec in theirs for hit in rec.hits.values() if hit) > 5
     from pagedkv.core.verify.invariants import check_invariants
 
     state = ours_sched.kv_cache_manager.state

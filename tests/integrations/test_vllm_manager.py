@@ -164,8 +164,11 @@ def test_what_the_manager_does_not_serve_is_refused_at_construction() -> None:
     with pytest.raises(Unsupported, match="MambaSpec"):
         PagedKVCacheManager(cfg, max_model_len=512, scheduler_block_size=16, hash_block_size=16)
     one = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], full)])
-    with pytest.raises(Unsupported, match="EAGLE"):
-        PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, use_eagle=True)
+    with pytest.raises(Unsupported, match="multi-module MTP"):
+        PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, num_prefill_lookahead=3)
+    with pytest.raises(Unsupported, match="block drop with lookahead hashes"):
+        PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, use_eagle=True,
+                            num_hash_lookahead_tokens=1)  # fmt: skip
     with pytest.raises(Unsupported, match="hash block size"):
         PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=8)
     with pytest.raises(Unsupported, match="block size 16"):
@@ -239,10 +242,13 @@ def test_a_refused_call_leaves_the_manager_as_it_was() -> None:
     assert digest(ours.state) != before
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
-def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str) -> None:
-    """A request with a LoRA adapter, two images (one spanning a block boundary) and a cache salt: the core's
-    chain, from the keys the manager reads off the request, is ``request.block_hashes`` byte for byte."""
+def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str, lookahead: int) -> None:
+    """A request with a LoRA adapter, three images (one spanning a block boundary, one starting right after a
+    block, in its lookahead) and a cache salt: the core's chain, from the keys the manager reads off the
+    request, is ``request.block_hashes`` byte for byte; with EAGLE's lookahead hashes too (each block's hash
+    covers the ``lookahead`` tokens after it and the images they touch)."""
     if algo == "xxhash":
         pytest.importorskip("xxhash")
     from vllm.lora.request import LoRARequest
@@ -257,12 +263,12 @@ def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str) -> None:
 
     init_none_hash(get_hash_fn_by_name(algo))
     images = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(off, n))
-              for ident, off, n in (("img-a", 3, 10), ("img-b", 40, 30))]  # fmt: skip
+              for ident, off, n in (("img-a", 3, 10), ("img-b", 40, 30), ("img-c", 80, 5))]  # fmt: skip
     request = Request("mm", list(range(1, 101)), SamplingParams(max_tokens=4), pooling_params=None,
-                      block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo)), mm_features=images,
-                      lora_request=LoRARequest("ad", 3, "/ad"), cache_salt="tenant")  # fmt: skip
+                      block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo), lookahead),
+                      mm_features=images, lora_request=LoRARequest("ad", 3, "/ad"), cache_salt="tenant")  # fmt: skip
     manager = PagedKVCacheManager(Layout().kv_cache_config(32), max_model_len=512, scheduler_block_size=16,
-                                  hash_block_size=16, hash_algo=algo)  # fmt: skip
+                                  hash_block_size=16, hash_algo=algo, num_hash_lookahead_tokens=lookahead)  # fmt: skip
     spec = manager._spec(request, request.all_token_ids, None)
     state = commit(admit(manager.state, spec).unwrap().state, "mm", [100]).unwrap().state
     ours = [state.rows[state.requests["mm"].slots[0]].hash_at(j) for j in range(6)]

@@ -49,6 +49,7 @@ class CheckConfig:
     duplicates: bool = False  # CacheConfig.cache_duplicates: every block that fills with a cached content cached
     long_prompts: bool = False  # also admit a prompt whose hit leaves window positions null (grown to from a chunk)
     ahead: bool = False  # rows that run ahead of their tokens: placeholders, their ids filling in, tail cuts
+    hash_lookahead: int = 0  # CacheConfig.hash_lookahead: each block's hash covers the ids after it
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -61,7 +62,7 @@ class CheckConfig:
                            max_model_len=self.max_model_len, free_queue=self.free_queue,
                            reset_prefix_cache="when_idle" if self.reset_when_idle else "always",
                            caching_point="schedule" if self.cache_at_schedule else "commit",
-                           cache_duplicates=self.duplicates)  # fmt: skip
+                           cache_duplicates=self.duplicates, hash_lookahead=self.hash_lookahead)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,8 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
     ]
     if cfg.long_prompts:  # [1, 1, 1] admitted as a chunk grows to it; a later admission hits two blocks of it
         rows.append(((RowSpec.of_tokens([1, 1, 1, 1, 2]),), ()))
+    if cfg.ahead:  # admitted with a slot whose id comes later (draft padding, a lookahead slot)
+        rows.append(((RowSpec.of_tokens([1, 1], placeholders=1),), ()))
     if cfg.destinations:  # AR -> DiT: the first tokens' KV arrives into reserved blocks, marked ready later
         rows.append(((RowSpec(4, tokens=(1, 1, 2, 2), pending_tokens=3),), ()))
     rows = [r for r in rows if len(r[0]) <= cfg.max_rows]

@@ -50,8 +50,8 @@ class RowSpec:
     ) -> RowSpec:
         """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``ahead.fill``: a step
         planned before the last one's tokens are back, draft and lookahead slots)."""
-        return RowSpec(len(tokens) + placeholders, tuple(tokens), prefix_len, target_len,  # type: ignore[misc]
-                       tuple(tuple(s) for s in spans), pending_tokens, placeholders)  # fmt: skip
+        return RowSpec(len(tokens) + placeholders, tuple(tokens), prefix_len, target_len,
+                       tuple((start, end) for start, end in spans), pending_tokens, placeholders)  # fmt: skip
 
     @property
     def known(self) -> int:

@@ -245,18 +245,50 @@ def model_output(scheduler: Any, out: Any, step: int) -> Any:
                              sampled_token_ids=tokens)  # fmt: skip
 
 
+class EngineLoop:
+    """vLLM's engine core driving a scheduler (``EngineCore.step``, and under async scheduling
+    ``step_with_batch_queue`` with two batches in flight: step N+1 is scheduled before step N's output is
+    read), the fake model answering each batch (``model_output``); with speculative decoding and no async
+    scheduling, the drafter's proposals reach the scheduler after each step's output (``post_step``)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.async_ = scheduler.scheduler_config.async_scheduling
+        self.depth = 2 if self.async_ else 1  # (vLLM's max_concurrent_batches without pipeline parallelism)
+        self.k = scheduler.num_spec_tokens
+        self.in_flight: deque[tuple[Any, Any, int]] = deque()
+
+    def step(self, step: int) -> tuple[Any, Any]:
+        """One engine-core step: (the scheduler output scheduled, or None; the engine outputs of the batch whose
+        output was read, or None)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        sched = self.scheduler
+        out = None
+        if sched.has_requests():
+            out = sched.schedule()
+            self.in_flight.appendleft((out, model_output(sched, out, step), step))
+        ran = out is not None and (out.total_num_scheduled_tokens > 0 or sched.has_requests())
+        if not self.in_flight or (ran and len(self.in_flight) < self.depth):
+            return out, None  # (the batch runs; no output is read this step)
+        done, runner, at = self.in_flight.pop()
+        engine_out = sched.update_from_output(done, runner)
+        if self.k and not self.async_ and done.total_num_scheduled_tokens > 0:  # the drafter's proposals
+            ids = list(done.num_scheduled_tokens)
+            drafts = [draft_ids(rid, at, self.k) if runner.sampled_token_ids[i] else [] for i, rid in enumerate(ids)]
+            sched.update_draft_token_ids(DraftTokenIds(ids, drafts))
+        return out, engine_out
+
+
 def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
           on_step: Callable[[int], None] | None = None) -> list[StepRecord]:  # fmt: skip
-    """Run the workload to its end through ``scheduler`` as vLLM's engine core drives it (``EngineCore.step``,
-    and under async scheduling ``step_with_batch_queue`` with two batches in flight: step N+1 is scheduled
-    before step N's output is read); what each step decided. With speculative decoding and no async
-    scheduling, the drafter's proposals reach the scheduler after each step's output (``post_step``)."""
+    """Run the workload to its end through ``scheduler`` as vLLM's engine core drives it (``EngineLoop``);
+    what each step decided."""
     import msgspec
     from vllm.distributed.kv_events import KVEventBatch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request, RequestStatus
 
     config = scheduler.vllm_config
@@ -264,17 +296,14 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
                                       config.num_hash_lookahead_tokens)  # fmt: skip
     recorder = Recorder(msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch))
     scheduler.kv_event_publisher = recorder
-    async_ = scheduler.scheduler_config.async_scheduling
-    depth = 2 if async_ else 1  # (vLLM's max_concurrent_batches without pipeline parallelism)
-    k = scheduler.num_spec_tokens
-    in_flight: deque[tuple[Any, Any, int]] = deque()
+    engine = EngineLoop(scheduler)
     pending = list(workload.requests)
     started: dict[str, int] = {}  # request -> the step it was first scheduled at
     abort_at = {rid: a for rid, _, _, a in workload.requests if a is not None}
     records: list[StepRecord] = []
     step = 0
     first_late = len(pending) if workload.idle_after is None else workload.idle_after
-    while (pending or scheduler.has_requests() or in_flight) and step < max_steps:
+    while (pending or scheduler.has_requests() or engine.in_flight) and step < max_steps:
         arriving = pending[: workload.arrivals_per_step]
         if len(workload.requests) - len(pending) >= first_late and scheduler.has_unfinished_requests():
             arriving = []  # the late ones wait for an idle scheduler (a reset between them then clears the cache)
@@ -290,10 +319,8 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
                 scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
                 del abort_at[rid]
         record = StepRecord({}, {}, {}, (), (), [], ())
-        out = None
-        if scheduler.has_requests():
-            out = scheduler.schedule()
-            in_flight.appendleft((out, model_output(scheduler, out, step), step))
+        out, engine_out = engine.step(step)
+        if out is not None:
             for new in out.scheduled_new_reqs:
                 record.new_blocks[new.req_id] = tuple(tuple(g) for g in new.block_ids)
                 record.hits[new.req_id] = new.num_computed_tokens
@@ -307,21 +334,13 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
             record.preempted = tuple(sorted(out.preempted_req_ids or ()))
             record.finished = tuple(sorted(out.finished_req_ids))
             record.drafts = {rid: tuple(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
-        ran = out is not None and (out.total_num_scheduled_tokens > 0 or scheduler.has_requests())
-        if in_flight and not (ran and len(in_flight) < depth):  # the oldest batch's output is read
-            done, runner, at_step = in_flight.pop()
-            engine_out = scheduler.update_from_output(done, runner)
-            for eco in engine_out.values():
-                if eco.scheduler_stats is not None:
-                    st = eco.scheduler_stats
-                    p = st.prefix_cache_stats
-                    record.stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
-                                    p.preempted_queries, p.preempted_hits, p.reset,
-                                    tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
-            if k and not async_ and done.total_num_scheduled_tokens > 0:  # the drafter's proposals (post_step)
-                ids = list(done.num_scheduled_tokens)
-                drafts = [draft_ids(rid, at_step, k) if runner.sampled_token_ids[i] else [] for i, rid in enumerate(ids)]
-                scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
+        for eco in (engine_out or {}).values():
+            if eco.scheduler_stats is not None:
+                st = eco.scheduler_stats
+                p = st.prefix_cache_stats
+                record.stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
+                                p.preempted_queries, p.preempted_hits, p.reset,
+                                tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
         if workload.reset_every and step % workload.reset_every == workload.reset_every - 1:
             record.stats += (scheduler.reset_prefix_cache(),)  # refused while blocks are held; else clears the cache
         record.events = [ev for batch in recorder.batches for ev in batch.events]

@@ -2,12 +2,19 @@
 
 ``PagedKVCacheManager`` answers every call vLLM's v1 ``Scheduler`` makes of its manager, each decision a
 transition of the core (docs/vllm.md has the table): a lookup is ``find_hit``; a new request's allocation
-``admit`` (keeping the watermark and the reserve back) then ``cache_ahead``; a running one's ``commit`` (a
-window lets blocks go), ``append``, ``cache_ahead``, a decode token queued into the step's one
-``decode_step``; ``free`` is ``release``. Every call is all or nothing: its transitions run in a
-``stream.Transaction`` on a value of the state, kept only when the call completes; a refusal leaves the
-manager as it was and answers as vLLM (None when short; ``ManagerError`` where vLLM's manager would have done
-what the core refused). The configuration is translated (and what is not served refused) in ``geometry``,
+``admit`` (keeping the watermark and the reserve back) then ``cache_ahead``; a running one's ``fill`` (the
+ids that came back), ``commit`` (a window lets blocks go), ``append``, ``cache_ahead``; ``free`` is
+``release``. Every call is all or nothing: its transitions run in a ``stream.Transaction`` on a value of the
+state, kept only when the call completes; a refusal leaves the manager as it was and answers as vLLM (None
+when short; ``ManagerError`` where vLLM's manager would have done what the core refused).
+
+In a pool without windows a running request's call is cut to what moves blocks. Slots inside a row's open
+block take none: the manager keeps the row's length itself (``_len``) and the core's row catches up when it
+next opens a block (one ``append``, at once: its new blocks are the answer) or when ``state`` is read. A block
+to cache is queued with its place in the event stream, and the queue is applied as one batch (``fill`` the
+ids that call knew, ``cache_ahead``) before anything reads the cache or frees a block: vLLM keeps every block
+that fills (duplicate contents too), so caching a block in use commutes with the pops between. A window lets
+blocks go at each commit: there every call is applied as it comes. The configuration is translated (and what is not served refused) in ``geometry``,
 a request's hash keys are read in ``requests``, events and metrics go out through ``stream``, the
 read-only surface is ``reads``. ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
 """
@@ -19,9 +26,10 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core import RequestSpec, RowSpec, initial_state
-from pagedkv.core import Placeholders, admit, append, cache_ahead, cache_ahead_many, commit, decode_step, fill
+from pagedkv.core import Placeholders, admit, append, append_many, cache_ahead, cache_ahead_many, commit, fill
+from pagedkv.core import fill_many
 from pagedkv.core import release, request_blocks, reset_prefix_cache
-from pagedkv.core.errors import TOKEN_ID_LIMIT, ErrorCode, KVError
+from pagedkv.core.errors import ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState, row_known
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
@@ -67,19 +75,20 @@ class PagedKVCacheManager(ManagerReads):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.use_eagle = use_eagle  # EAGLE's block drop: a hit matches one block past it and gives it back
+        self._ahead = num_hash_lookahead_tokens  # (a block is cached once the ids after it its hash covers are known)
         self.num_kv_cache_groups = len(geometry.caps)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
         self._state: KVState = initial_state(self.config)
         self._stream = EventStream(self.config, enable_kv_cache_events, caching=enable_caching,
                                    metrics=metrics_collector, blocks=kv_cache_config.num_blocks)  # fmt: skip
-        # decode tokens that go into a request's open block, queued and applied as one decode_step before
-        # anything reads the state (they allocate, free and evict nothing, so nothing else sees them first)
-        self._len: dict[str, int] = {}  # each request's row length, queued tokens included
-        self._fast = not any(geometry.windows)  # windows let blocks go at each commit
-        self._queue_ids: list[str] = []
-        self._queue_tokens: list[int] = []
-        self._queue_full: list[tuple[Any, int]] = []  # (request, length) whose token fills its block
+        # each admitted request's row as vLLM sees it: its length (the core's may lag inside the open block), the
+        # blocks of it the core has hashed, and the request (its ids, for the core's row to catch up)
+        self._len: dict[str, int] = {}
+        self._hashed: dict[str, int] = {}
+        self._requests: dict[str, Any] = {}
+        self._lag = not any(geometry.windows)  # (a window lets blocks go at each commit: every call is applied)
+        self._queue: list[tuple[Any, int, int]] = []  # blocks to cache: (request, through, its known tokens then)
         self._blocks_cls = kvm.KVCacheBlocks
         self._block = self._stream.blocks
         self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in geometry.caps))
@@ -93,9 +102,17 @@ class PagedKVCacheManager(ManagerReads):
     # -- the state the scheduler reads ---------------------------------------------------------------------
     @property
     def state(self) -> KVState:
-        """The core's state, every queued decode token applied (a value: keep it, replay from it)."""
-        if self._queue_ids:
-            self._flush()
+        """The core's state, every row at the length vLLM sees (a value: keep it, replay from it)."""
+        self._flush()
+        behind = [rid for rid, n in self._len.items() if n != self._state.row_len[self._state.requests[rid].slots[0]]]
+        if behind:
+            txn = Transaction(self._state)
+            try:
+                for rid in behind:
+                    self._catch_up(txn, self._requests[rid], txn.state.requests[rid].slots[0])
+            except Refused as r:  # (each growth was checked when vLLM asked for it: a bug)
+                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+            self._state = self._stream.keep(txn, None)
         return self._state
 
     # -- lookup and allocation -------------------------------------------------------------------------------
@@ -107,8 +124,9 @@ class PagedKVCacheManager(ManagerReads):
         cap = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         if cap < self.block_size:
             return self.empty_kv_cache_blocks, 0, 0
+        self._flush()
         spec = self._spec(request, request.all_token_ids, cap)
-        hit = find_hit(self.state, spec, drop_last_block=self.use_eagle)
+        hit = find_hit(self._state, spec, drop_last_block=self.use_eagle)
         if not hit.num_blocks:
             return self.empty_kv_cache_blocks, 0, 0
         if self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
@@ -130,21 +148,10 @@ class PagedKVCacheManager(ManagerReads):
                               "scheduler was built with a feature it refuses")  # fmt: skip
         rid = request.request_id
         n = self._len.get(rid)
-        if (n is not None and self._fast and num_new_tokens == 1 and not num_new_computed_tokens
-                and not num_lookahead_tokens and request.num_computed_tokens == n and n < self.max_model_len
-                and n < request.num_tokens):  # (the token is known: not a step planned before it came back)  # fmt: skip
-            token = request.all_token_ids[n]
-            if type(token) is int and 0 <= token < TOKEN_ID_LIMIT:  # (what decode_step accepts: it cannot refuse)
-                if n % self.block_size:  # into the open block: nothing taken or freed, nothing seen yet
-                    self._queue_ids.append(rid)
-                    self._queue_tokens.append(token)
-                    self._len[rid] = n + 1
-                    if (n + 1) % self.block_size == 0 and self.enable_caching:  # it fills the block: cached with
-                        self._queue_full.append((request, n + 1))  # the batch, as vLLM caches it when it allocates
-                        self._stream.hold_place()
-                    return self.empty_kv_cache_blocks
-                return self._open_block(request, n, token, reserved_blocks)
-        txn = Transaction(self.state)
+        if n is not None and self._lag and not num_new_computed_tokens:
+            return self._running(request, n, num_new_tokens + num_lookahead_tokens, num_new_tokens, reserved_blocks)
+        self._flush()  # (an admission reads the cache, a window's commit frees blocks)
+        txn = Transaction(self._state)
         try:
             new = self._allocate(txn, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                  num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
@@ -154,28 +161,97 @@ class PagedKVCacheManager(ManagerReads):
         self._state = self._stream.keep(txn, request)
         if new is None:
             return None
-        self._len[rid] = self._state.row_len[self._state.requests[rid].slots[0]]
+        self._mirror(request)
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
 
-    def _open_block(self, request: Any, n: int, token: int, reserved_blocks: int) -> Any:
-        """A decode token that opens a block: its row committed through ``n`` and grown by it, applied at once
-        and apart from the queued tokens (they take and free no block, so neither sees the other)."""
-        if self._state.free_blocks - reserved_blocks < self.num_kv_cache_groups:
-            return None  # (queued tokens take no block: the free count is the state's)
+    def _running(self, request: Any, n: int, slots: int, num_new_tokens: int, reserved_blocks: int) -> Any:
+        """A running request's slots in a pool without windows (module docstring): the blocks its row opens,
+        at once; the blocks it fills, queued to be cached."""
         rid = request.request_id
-        txn = Transaction(self._state)
+        computed = min(request.num_computed_tokens, self.max_model_len)
+        length = max(min(computed + slots, self.max_model_len), n)
+        bs, state = self.block_size, self._state
+        opens = -(-length // bs) - -(-n // bs)
+        if opens * self.num_kv_cache_groups > state.free_blocks - reserved_blocks:
+            return None  # (as vLLM: even a call that takes no block, when the reserve is short)
+        new = self.empty_kv_cache_blocks
+        if opens:
+            slot = state.requests[rid].slots[0]
+            txn = Transaction(state)
+            try:
+                txn.apply(append(state, rid, [self._growth(request, state, slot, length)]), "append")
+            except Refused as r:
+                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+            opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
+            txn.allocated = [b for ids in opened for b in ids]
+            self._state = self._stream.keep(txn, request)
+            block = self._block
+            new = self._blocks_cls(tuple([block[b] for b in ids] for ids in opened))
+        self._len[rid] = length
+        if self.enable_caching:
+            self._to_cache(request, min(computed + num_new_tokens, length))
+        return new
+
+    def _growth(self, request: Any, state: KVState, slot: int, target: int) -> Any:
+        """The core's row's growth to ``target`` positions: the request's ids while they follow the row's known
+        ones, else placeholders (their ids filled when a block they complete is cached), a count without
+        caching."""
+        length = state.row_len[slot]
+        if not self.enable_caching:
+            return target - length
+        if target <= request.num_tokens and row_known(state, slot) == length:
+            return request.all_token_ids[length:target]
+        return Placeholders(target - length)
+
+    def _to_cache(self, request: Any, through: int) -> None:
+        """The blocks before ``through`` whose ids (and the lookahead ids after them) are known, queued to be
+        cached in this call's place in the event stream."""
+        rid = request.request_id
+        known = request.num_tokens
+        full = min(through, known - self._ahead) // self.block_size
+        if full > self._hashed[rid]:
+            self._queue.append((request, through, known))
+            self._stream.hold_place()
+            self._hashed[rid] = full
+
+    def _flush(self) -> None:
+        """The queued blocks cached, as one batch: the rows brought to vLLM's lengths (placeholders), the ids
+        each call knew filled in, the blocks cached, each call's events in the place it held."""
+        if not self._queue:
+            return
+        items, self._queue = self._queue, []
+        state = self._state
+        txn = Transaction(state)
+        rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
+        slots = {rid: state.requests[rid].slots[0] for rid in rids}
         try:
-            txn.apply(decode_step(self._state, [rid], [token]), "decode")
-            if self.enable_caching and self.block_size == 1:  # (a block of one token fills as it opens)
-                txn.apply(cache_ahead(txn.state, rid, [n + 1]), "cache_ahead")
-        except Refused as r:
+            behind = [(rid, [Placeholders(self._len[rid] - state.row_len[slots[rid]])]) for rid in rids
+                      if self._len[rid] > state.row_len[slots[rid]]]  # fmt: skip
+            if behind:
+                txn.apply(append_many(state, behind), "append")
+            known = {rid: row_known(txn.state, slots[rid]) for rid in rids}
+            fills = []
+            for request, _, upto in items:
+                rid = request.request_id
+                start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
+                fills.append((rid, [request.all_token_ids[start:upto] if upto > start else []]))
+                known[rid] = max(start, upto)
+            txn.apply(fill_many(txn.state, fills), "fill")
+            txn.apply(cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead")
+        except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
+            self._queue = items + self._queue
             raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
-        opened = [ids[-1] for ids in request_blocks(txn.state, rid)[0]]
-        txn.allocated = opened
-        self._state = self._stream.keep(txn, request)
-        self._len[rid] = n + 1
-        block = self._block
-        return self._blocks_cls(tuple([block[b]] for b in opened))
+        self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
+        for rid in rids:
+            self._hashed[rid] = self._state.rows[slots[rid]].num_hashed
+
+    def _mirror(self, request: Any) -> None:
+        """The manager's view of a request's row, after a call the core applied."""
+        rid, state = request.request_id, self._state
+        slot = state.requests[rid].slots[0]
+        self._len[rid] = state.row_len[slot]
+        self._hashed[rid] = state.rows[slot].num_hashed
+        self._requests[rid] = request
 
     def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: Any, num_lookahead_tokens: int, full_sequence_must_fit: bool,
@@ -213,7 +289,7 @@ class PagedKVCacheManager(ManagerReads):
             txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
         else:
             slot = req.slots[0]
-            self._fill(txn, request, slot)
+            self._catch_up(txn, request, slot)
             # what the scheduler's processed steps computed (steps in flight, rejected drafts not counted): a
             # window lets its blocks go on that basis, as vLLM's does
             done = max(computed - request.num_in_flight_tokens, 0)
@@ -263,40 +339,57 @@ class PagedKVCacheManager(ManagerReads):
         if known < upto:
             txn.apply(fill(state, request.request_id, [request.all_token_ids[known:upto]]), "fill")
 
+    def _catch_up(self, txn: Transaction, request: Any, slot: int) -> None:
+        """The core's row brought to the length vLLM sees: the ids that came back filled in, then the growth
+        inside its open block the manager kept (no block taken)."""
+        self._fill(txn, request, slot)
+        length = txn.state.row_len[slot]
+        target = self._len.get(request.request_id, length)
+        if target > length:
+            self._grow(txn, request, length, target)
+
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
             return
-        req = self.state.requests.get(request.request_id)
-        if req is None:
+        rid = request.request_id
+        n = self._len.get(rid)
+        if n is None:
             return
-        slot = req.slots[0]
+        if self._lag:
+            self._to_cache(request, min(num_computed_tokens, n))
+            return
+        if min(num_computed_tokens, request.num_tokens - self._ahead, n) // self.block_size <= self._hashed[rid]:
+            return  # (no block to cache: nothing to apply)
+        slot = self._state.requests[rid].slots[0]
         txn = Transaction(self._state)
         try:
-            self._fill(txn, request, slot)  # (the tokens a step late, the accepted drafts)
+            self._catch_up(txn, request, slot)  # (the tokens a step late, the accepted drafts)
             through = min(num_computed_tokens, txn.state.row_len[slot])
             if through > txn.state.row_computed[slot]:
-                txn.apply(cache_ahead(txn.state, request.request_id, [through]), "cache_ahead")
+                txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
         except Refused as r:
             raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
-        if txn.effects:
-            self._state = self._stream.keep(txn, request)
+        self._state = self._stream.keep(txn, request)
+        self._mirror(request)
 
     def free(self, request: Any) -> None:
         """The request's blocks go back (tail first, group by group), its cached blocks stay cached."""
         rid = request.request_id
-        if rid not in self.state.requests:
-            self._len.pop(rid, None)
-            return
-        txn = Transaction(self._state)
-        try:
-            txn.apply(release(self._state, rid, release_reason(request)), "release")
-        except Refused as r:
-            raise ManagerError(f"the core refused release: {r.error.message}") from None
-        self._state = self._stream.keep(txn, request)
+        self._flush()
+        if rid in self._state.requests:
+            txn = Transaction(self._state)
+            try:
+                txn.apply(release(self._state, rid, release_reason(request)), "release")
+            except Refused as r:
+                raise ManagerError(f"the core refused release: {r.error.message}") from None
+            self._state = self._stream.keep(txn, request)
         self._len.pop(rid, None)
+        self._hashed.pop(rid, None)
+        self._requests.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
-        result = reset_prefix_cache(self.state)
+        self._flush()
+        result = reset_prefix_cache(self._state)
         if isinstance(result, Failure):
             err = result.failure()
             if err.code is ErrorCode.BLOCKS_IN_USE:
@@ -313,25 +406,10 @@ class PagedKVCacheManager(ManagerReads):
 
     def take_events(self) -> list[Any]:
         """The KV events since the last call, as vLLM's own event objects (as its block pool sends them)."""
-        if self._queue_ids:
-            self._flush()
+        self._flush()
         return self._stream.take()
 
     # -- the core's steps ------------------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """The queued decode tokens as one transition (each row committed through its length, its token
-        appended), then the blocks they filled cached, each request's events in its place in the stream."""
-        txn = Transaction(self._state)
-        try:
-            txn.apply(decode_step(self._state, self._queue_ids, self._queue_tokens), "the decode batch")
-            if self._queue_full:
-                txn.apply(cache_ahead_many(txn.state, [(r.request_id, [n]) for r, n in self._queue_full]), "cache_ahead")
-        except Refused as r:  # (each token was checked when queued: a bug, and nothing is lost by raising)
-            raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
-        self._state = self._stream.keep_queued(txn, [request for request, _ in self._queue_full])
-        self._queue_ids.clear()
-        self._queue_tokens.clear()
-        self._queue_full.clear()
 
     def _spec(self, request: Any, tokens: Any, max_hit: int | None, placeholders: int = 0) -> RequestSpec:
         """The core's spec of a vLLM request's row: its tokens (then the slots whose ids are not known yet) and

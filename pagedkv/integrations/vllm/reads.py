@@ -1,6 +1,7 @@
 """What vLLM's scheduler reads of pagedkv's manager besides its decisions: a request's blocks and ids, the
 cached-token estimate, usage and prefix-cache stats, and the hooks of features refused at construction (nothing to do, or never
-reached). A base of ``PagedKVCacheManager``: it reads only ``state`` and the block objects."""
+reached). A base of ``PagedKVCacheManager``: it reads the core's blocks and cache (never behind: only a row's length
+inside its open block may be) and the block objects."""
 
 from __future__ import annotations
 
@@ -26,16 +27,13 @@ class ManagerReads:
     prefix_cache_stats: Any
     _stats_cls: Any
     _state: KVState
-
-    @property
-    def state(self) -> KVState:
-        raise NotImplementedError
+    _flush: Any  # (the queued blocks cached: before a read of the cache)
 
     @property
     def usage(self) -> float:
         """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
         usable = self.config.num_blocks - 1
-        return 1.0 - self._state.free_blocks / usable if usable else 0.0  # (queued tokens take no block)
+        return 1.0 - self._state.free_blocks / usable if usable else 0.0  # (a row's length kept by the manager takes no block)
 
     def make_prefix_cache_stats(self) -> Any:
         if not self.log_stats:
@@ -55,15 +53,15 @@ class ManagerReads:
 
     # -- what the scheduler reads of a request ---------------------------------------------------------------
     def get_blocks(self, request_id: str) -> Any:
-        if request_id not in self.state.requests:
+        if request_id not in self._state.requests:
             return self.empty_kv_cache_blocks
         block = self._block
-        return self._blocks_cls(tuple([block[b] for b in ids] for ids in request_blocks(self.state, request_id)[0]))
+        return self._blocks_cls(tuple([block[b] for b in ids] for ids in request_blocks(self._state, request_id)[0]))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        if request_id not in self.state.requests:
+        if request_id not in self._state.requests:
             return tuple([] for _ in range(self.num_kv_cache_groups))
-        return tuple(list(ids) for ids in request_blocks(self.state, request_id)[0])
+        return tuple(list(ids) for ids in request_blocks(self._state, request_id)[0])
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
         n = -(-num_computed_tokens // self.block_size)
@@ -71,10 +69,11 @@ class ManagerReads:
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of the request's blocks that are in the prefix cache (vLLM's estimate for its stats)."""
-        req = self.state.requests.get(request.request_id)
+        self._flush()
+        req = self._state.requests.get(request.request_id)
         if req is None:
             return 0
-        return self.state.rows[req.slots[0]].num_hashed * self.block_size
+        return self._state.rows[req.slots[0]].num_hashed * self.block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
@@ -100,5 +99,5 @@ class ManagerReads:
                     "truncate_computed_blocks", "record_blocks_for_zeroing", "finalize_partial_tail_offloads",
                     "get_computed_blocks_for_connector"):  # fmt: skip
             raise Unsupported(f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
-                              "connectors, Mamba groups or speculative decoding (refused at construction)")  # fmt: skip
+                              "connectors or Mamba groups (refused at construction)")  # fmt: skip
         raise AttributeError(name)

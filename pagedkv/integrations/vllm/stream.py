@@ -59,7 +59,7 @@ class Transaction:
 
 
 class _Place:
-    """Where a queued decode token's filled block's events go in the stream (filled in when applied)."""
+    """Where a queued call's events go in the stream (filled in when the queue is applied)."""
 
     __slots__ = ("events",)
 
@@ -85,7 +85,7 @@ class EventStream:
         self.blocks = [KVCacheBlock(i) for i in range(blocks)]
         self.blocks[0].is_null = True
         self._events: list[Any] = []  # our msgspec structs, or _Place
-        self._places: list[_Place] = []  # the places queued tokens hold, in queue order
+        self._places: list[_Place] = []  # the places queued calls hold, in queue order
 
     def keep(self, txn: Transaction, request: Any) -> KVState:
         """A completed call: its events (the request's fields on its stores) and its metrics; its state."""
@@ -107,24 +107,24 @@ class EventStream:
         return txn.state
 
     def hold_place(self) -> None:
-        """A place in the stream for the events of a queued token's filled block."""
+        """A place in the stream for the events of a queued call."""
         if self.enabled:
             place = _Place()
             self._events.append(place)
             self._places.append(place)
 
-    def keep_queued(self, txn: Transaction, filled: Sequence[Any]) -> KVState:
-        """The decode batch (its events where it is applied) and the caching of the blocks its tokens filled
-        (each request's events in the place it held): ``txn.effects`` is the batch's, then ``filled``'s."""
+    def keep_queued(self, txn: Transaction, requests: Sequence[Any]) -> KVState:
+        """The queue applied: ``txn``'s effects are per-call tuples (one effect per queued call, in queue
+        order), each call's events go in the place it held; an effect of the whole batch (the rows' growth)
+        sends none."""
         if self.enabled:
-            batch, *cached = txn.effects
-            cached = list(cached[0]) if cached else []  # (cache_ahead_many: one effect a request)
-            for place, effect, request in zip(self._places, cached, filled, strict=True):
-                events = events_of(effect)
+            per_call = [effect for effect in txn.effects if isinstance(effect, tuple)]
+            assert not any(events_of(e) for e in txn.effects if not isinstance(e, tuple)), "the growth sends no events"
+            for k, (place, request) in enumerate(zip(self._places, requests, strict=True)):
+                events = [e for effects in per_call for e in events_of(effects[k])]
                 if events:
                     place.events = to_vllm(events, self.config, request=event_fields(request), external=self._external)
             self._places.clear()
-            self._send(events_of(batch), None)
         return txn.state
 
     def announce(self, hit: Hit, spec: RequestSpec, fields: RequestFields) -> None:

@@ -179,7 +179,8 @@ class PagedKVCacheManager(ManagerReads):
             slot = state.requests[rid].slots[0]
             txn = Transaction(state)
             try:
-                txn.apply(append(state, rid, [self._growth(request, state, slot, length)]), "append")
+                txn.apply(append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]),
+                          "append")  # fmt: skip
             except Refused as r:
                 raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
             opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
@@ -192,14 +193,14 @@ class PagedKVCacheManager(ManagerReads):
             self._to_cache(request, min(computed + num_new_tokens, length))
         return new
 
-    def _growth(self, request: Any, state: KVState, slot: int, target: int) -> Any:
-        """The core's row's growth to ``target`` positions: the request's ids while they follow the row's known
-        ones, else placeholders (their ids filled when a block they complete is cached), a count without
-        caching."""
+    def _growth(self, request: Any, known: int, state: KVState, slot: int, target: int) -> Any:
+        """The core's row's growth to ``target`` positions: the request's first ``known`` ids, where they
+        cover it and follow the row's known ones, else placeholders (their ids filled when a block they
+        complete is cached); a count without caching."""
         length = state.row_len[slot]
         if not self.enable_caching:
             return target - length
-        if target <= request.num_tokens and row_known(state, slot) == length:
+        if target <= known and row_known(state, slot) == length:
             return request.all_token_ids[length:target]
         return Placeholders(target - length)
 
@@ -225,7 +226,8 @@ class PagedKVCacheManager(ManagerReads):
         rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
         slots = {rid: state.requests[rid].slots[0] for rid in rids}
         try:
-            behind = [(rid, [Placeholders(self._len[rid] - state.row_len[slots[rid]])]) for rid in rids
+            first = {request.request_id: (request, upto) for request, _, upto in reversed(items)}  # (its first call)
+            behind = [(rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])]) for rid in rids
                       if self._len[rid] > state.row_len[slots[rid]]]  # fmt: skip
             if behind:
                 txn.apply(append_many(state, behind), "append")
@@ -236,7 +238,8 @@ class PagedKVCacheManager(ManagerReads):
                 start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
                 fills.append((rid, [request.all_token_ids[start:upto] if upto > start else []]))
                 known[rid] = max(start, upto)
-            txn.apply(fill_many(txn.state, fills), "fill")
+            if any(ids for _, (ids,) in fills):
+                txn.apply(fill_many(txn.state, fills), "fill")
             txn.apply(cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead")
         except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
             self._queue = items + self._queue

@@ -12,8 +12,9 @@ In a pool without windows a running request's call is cut to what moves blocks. 
 block take none: the manager keeps the row's length itself (``_len``) and the core's row catches up when it
 next opens a block (one ``append``, at once: its new blocks are the answer) or when ``state`` is read. A block
 to cache is queued with its place in the event stream, and the queue is applied as one batch (``fill`` the
-ids that call knew, ``cache_ahead``) before anything reads the cache or frees a block: vLLM keeps every block
-that fills (duplicate contents too), so caching a block in use commutes with the pops between. A window lets
+ids that call knew, ``cache_ahead``) before anything reads the cache or frees a queued row's blocks: vLLM
+keeps every block that fills (duplicate contents too), so caching a block in use commutes with the pops and
+frees of other rows between. A window lets
 blocks go at each commit: there every call is applied as it comes. The configuration is translated (and what is not served refused) in ``geometry``,
 a request's hash keys are read in ``requests``, events and metrics go out through ``stream``, the
 read-only surface is ``reads``. ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
@@ -89,6 +90,7 @@ class PagedKVCacheManager(ManagerReads):
         self._requests: dict[str, Any] = {}
         self._lag = not any(geometry.windows)  # (a window lets blocks go at each commit: every call is applied)
         self._queue: list[tuple[Any, int, int]] = []  # blocks to cache: (request, through, its known tokens then)
+        self._queued: set[str] = set()  # the requests in it
         self._blocks_cls = kvm.KVCacheBlocks
         self._block = self._stream.blocks
         self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in geometry.caps))
@@ -212,6 +214,7 @@ class PagedKVCacheManager(ManagerReads):
         full = min(through, known - self._ahead) // self.block_size
         if full > self._hashed[rid]:
             self._queue.append((request, through, known))
+            self._queued.add(rid)
             self._stream.hold_place()
             self._hashed[rid] = full
 
@@ -221,6 +224,7 @@ class PagedKVCacheManager(ManagerReads):
         if not self._queue:
             return
         items, self._queue = self._queue, []
+        self._queued.clear()
         state = self._state
         txn = Transaction(state)
         rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
@@ -243,6 +247,7 @@ class PagedKVCacheManager(ManagerReads):
             txn.apply(cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead")
         except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
             self._queue = items + self._queue
+            self._queued.update(r.request_id for r, _, _ in items)
             raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
         self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
         for rid in rids:
@@ -378,7 +383,8 @@ class PagedKVCacheManager(ManagerReads):
     def free(self, request: Any) -> None:
         """The request's blocks go back (tail first, group by group), its cached blocks stay cached."""
         rid = request.request_id
-        self._flush()
+        if rid in self._queued:  # (its blocks cached before they go back; others' commute with the frees)
+            self._flush()
         if rid in self._state.requests:
             txn = Transaction(self._state)
             try:

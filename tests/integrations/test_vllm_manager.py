@@ -227,7 +227,7 @@ def test_a_refused_call_leaves_the_manager_as_it_was() -> None:
     """A call the core refuses raises ManagerError and changes nothing: the state, the events, the row lengths;
     the next calls go on as if it never came."""
     from pagedkv.core import digest
-    from pagedkv.integrations.vllm.manager import ManagerError
+    from pagedkv.integrations.vllm.stream import ManagerError
 
     _, ours, request = _managers(max_model_len=64)
     first = request("a", list(range(1, 21)))

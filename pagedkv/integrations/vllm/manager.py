@@ -8,16 +8,8 @@ ids that came back), ``commit`` (a window lets blocks go), ``append``, ``cache_a
 state, kept only when the call completes; a refusal leaves the manager as it was and answers as vLLM (None
 when short; ``ManagerError`` where vLLM's manager would have done what the core refused).
 
-In a pool without windows a running request's call is cut to what moves blocks. Slots inside a row's open
-block take none: the manager keeps the row's length itself (``_len``) and the core's row catches up when it
-next opens a block (one ``append``, at once: its new blocks are the answer) or when ``state`` is read. A block
-to cache is queued with its place in the event stream, and the queue is applied as one batch (``fill`` the
-ids that call knew, ``cache_ahead``) before anything reads the cache or frees a queued row's blocks: vLLM
-keeps every block that fills (duplicate contents too), so caching a block in use commutes with the pops and
-frees of other rows between. A window lets
-blocks go at each commit: there every call is applied as it comes. The configuration is translated (and what is not served refused) in ``geometry``,
-a request's hash keys are read in ``requests``, events and metrics go out through ``stream``, the
-read-only surface is ``reads``. ``PagedKVScheduler`` is vLLM's ``Scheduler`` with this manager installed.
+In a pool without windows a running request's call is cut to what moves blocks: ``rows`` keeps each row
+as vLLM sees it and tells the core what opens a block at once and what fills one in a queued batch.
 """
 
 from __future__ import annotations
@@ -26,24 +18,17 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core import RequestSpec, RowSpec, initial_state
-from pagedkv.core import Placeholders, admit, append, append_many, cache_ahead, cache_ahead_many, commit, fill
-from pagedkv.core import fill_many
-from pagedkv.core import release, request_blocks, reset_prefix_cache
+from pagedkv.core import RequestSpec, RowSpec, admit, cache_ahead, commit, initial_state, release, request_blocks
+from pagedkv.core import reset_prefix_cache
 from pagedkv.core.errors import ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
-from pagedkv.core.state import KVState, row_known
+from pagedkv.core.state import KVState
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
-from pagedkv.integrations.vllm.reads import ManagerReads
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
-from pagedkv.integrations.vllm.stream import EventStream, Refused, Transaction
+from pagedkv.integrations.vllm.rows import RunningRows
+from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
-class ManagerError(RuntimeError):
-    """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it; the manager
-    is left as it was before the call."""
-
-
-class PagedKVCacheManager(ManagerReads):
+class PagedKVCacheManager(RunningRows):
     """vLLM's ``KVCacheManager`` surface over pagedkv's core (module docstring)."""
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, scheduler_block_size: int, hash_block_size: int,
@@ -101,22 +86,6 @@ class PagedKVCacheManager(ManagerReads):
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
 
-    # -- the state the scheduler reads ---------------------------------------------------------------------
-    @property
-    def state(self) -> KVState:
-        """The core's state, every row at the length vLLM sees (a value: keep it, replay from it)."""
-        self._flush()
-        behind = [rid for rid, n in self._len.items() if n != self._state.row_len[self._state.requests[rid].slots[0]]]
-        if behind:
-            txn = Transaction(self._state)
-            try:
-                for rid in behind:
-                    self._catch_up(txn, self._requests[rid], txn.state.requests[rid].slots[0])
-            except Refused as r:  # (each growth was checked when vLLM asked for it: a bug)
-                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
-            self._state = self._stream.keep(txn, None)
-        return self._state
-
     # -- lookup and allocation -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """The longest prefix hit (whole blocks, at most ``num_tokens - 1`` tokens): its blocks and tokens; with
@@ -165,101 +134,6 @@ class PagedKVCacheManager(ManagerReads):
             return None
         self._mirror(request)
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
-
-    def _running(self, request: Any, n: int, slots: int, num_new_tokens: int, reserved_blocks: int) -> Any:
-        """A running request's slots in a pool without windows (module docstring): the blocks its row opens,
-        at once; the blocks it fills, queued to be cached."""
-        rid = request.request_id
-        computed = min(request.num_computed_tokens, self.max_model_len)
-        length = max(min(computed + slots, self.max_model_len), n)
-        bs, state = self.block_size, self._state
-        opens = -(-length // bs) - -(-n // bs)
-        if opens * self.num_kv_cache_groups > state.free_blocks - reserved_blocks:
-            return None  # (as vLLM: even a call that takes no block, when the reserve is short)
-        new = self.empty_kv_cache_blocks
-        if opens:
-            slot = state.requests[rid].slots[0]
-            txn = Transaction(state)
-            try:
-                txn.apply(append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]),
-                          "append")  # fmt: skip
-            except Refused as r:
-                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
-            opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
-            txn.allocated = [b for ids in opened for b in ids]
-            self._state = self._stream.keep(txn, request)
-            block = self._block
-            new = self._blocks_cls(tuple([block[b] for b in ids] for ids in opened))
-        self._len[rid] = length
-        if self.enable_caching:
-            self._to_cache(request, min(computed + num_new_tokens, length))
-        return new
-
-    def _growth(self, request: Any, known: int, state: KVState, slot: int, target: int) -> Any:
-        """The core's row's growth to ``target`` positions: the request's first ``known`` ids, where they
-        cover it and follow the row's known ones, else placeholders (their ids filled when a block they
-        complete is cached); a count without caching."""
-        length = state.row_len[slot]
-        if not self.enable_caching:
-            return target - length
-        if target <= known and row_known(state, slot) == length:
-            return request.all_token_ids[length:target]
-        return Placeholders(target - length)
-
-    def _to_cache(self, request: Any, through: int) -> None:
-        """The blocks before ``through`` whose ids (and the lookahead ids after them) are known, queued to be
-        cached in this call's place in the event stream."""
-        rid = request.request_id
-        known = request.num_tokens
-        full = min(through, known - self._ahead) // self.block_size
-        if full > self._hashed[rid]:
-            self._queue.append((request, through, known))
-            self._queued.add(rid)
-            self._stream.hold_place()
-            self._hashed[rid] = full
-
-    def _flush(self) -> None:
-        """The queued blocks cached, as one batch: the rows brought to vLLM's lengths (placeholders), the ids
-        each call knew filled in, the blocks cached, each call's events in the place it held."""
-        if not self._queue:
-            return
-        items, self._queue = self._queue, []
-        self._queued.clear()
-        state = self._state
-        txn = Transaction(state)
-        rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
-        slots = {rid: state.requests[rid].slots[0] for rid in rids}
-        try:
-            first = {request.request_id: (request, upto) for request, _, upto in reversed(items)}  # (its first call)
-            behind = [(rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])]) for rid in rids
-                      if self._len[rid] > state.row_len[slots[rid]]]  # fmt: skip
-            if behind:
-                txn.apply(append_many(state, behind), "append")
-            known = {rid: row_known(txn.state, slots[rid]) for rid in rids}
-            fills = []
-            for request, _, upto in items:
-                rid = request.request_id
-                start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
-                fills.append((rid, [request.all_token_ids[start:upto] if upto > start else []]))
-                known[rid] = max(start, upto)
-            if any(ids for _, (ids,) in fills):
-                txn.apply(fill_many(txn.state, fills), "fill")
-            txn.apply(cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead")
-        except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
-            self._queue = items + self._queue
-            self._queued.update(r.request_id for r, _, _ in items)
-            raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
-        self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
-        for rid in rids:
-            self._hashed[rid] = self._state.rows[slots[rid]].num_hashed
-
-    def _mirror(self, request: Any) -> None:
-        """The manager's view of a request's row, after a call the core applied."""
-        rid, state = request.request_id, self._state
-        slot = state.requests[rid].slots[0]
-        self._len[rid] = state.row_len[slot]
-        self._hashed[rid] = state.rows[slot].num_hashed
-        self._requests[rid] = request
 
     def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: Any, num_lookahead_tokens: int, full_sequence_must_fit: bool,
@@ -318,43 +192,6 @@ class PagedKVCacheManager(ManagerReads):
         new = [[b for b in ids[len(old):] if b] for ids, old in zip(request_blocks(txn.state, rid)[0], before)]
         txn.allocated = [b for ids in new for b in ids]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
-
-    def _grow(self, txn: Transaction, request: Any, length: int, need_slot: int) -> bool:
-        """The row grown from ``length`` to ``need_slot`` positions, by the request's tokens while they are known and
-        then by placeholders, in one growth (every group's new blocks in turn, as vLLM allocates them); False
-        when the pool cannot hold them."""
-        rid = request.request_id
-        if not self.enable_caching:  # (no block is hashed: a count is all the row needs)
-            growth: Any = need_slot - length
-        elif need_slot <= request.num_tokens:
-            growth = request.all_token_ids[length:need_slot]
-        else:
-            growth = Placeholders(need_slot - length)  # (the known ones among them filled in next)
-        grown = append(txn.state, rid, [growth])
-        if isinstance(grown, Failure) and grown.failure().code is ErrorCode.NO_CAPACITY:
-            return False
-        txn.apply(grown, "append")
-        if type(growth) is Placeholders:
-            self._fill(txn, request, txn.state.requests[rid].slots[0])
-        return True
-
-    def _fill(self, txn: Transaction, request: Any, slot: int) -> None:
-        """The row's ids that came back since it grew past them (sampled tokens, accepted drafts), in order."""
-        if not self.enable_caching:
-            return
-        state = txn.state
-        known, upto = row_known(state, slot), min(request.num_tokens, state.row_len[slot])
-        if known < upto:
-            txn.apply(fill(state, request.request_id, [request.all_token_ids[known:upto]]), "fill")
-
-    def _catch_up(self, txn: Transaction, request: Any, slot: int) -> None:
-        """The core's row brought to the length vLLM sees: the ids that came back filled in, then the growth
-        inside its open block the manager kept (no block taken)."""
-        self._fill(txn, request, slot)
-        length = txn.state.row_len[slot]
-        target = self._len.get(request.request_id, length)
-        if target > length:
-            self._grow(txn, request, length, target)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:

@@ -35,6 +35,11 @@ class Refused(Exception):
         self.what, self.error = what, error
 
 
+class ManagerError(RuntimeError):
+    """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it; the manager
+    is left as it was before the call."""
+
+
 class Transaction:
     """One manager call's transitions, applied to a value of the state (``state``) and their effects kept
     in order; the manager takes the state only when the call completes. ``touched`` and ``allocated`` are

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.gpu_serve import PROMPTS, WORDS, prompt_text  # noqa: E402
+from bench.gpu_serve import WORDS  # noqa: E402
+from tests.gpu.prompts import PROMPTS, prompt_text  # noqa: E402
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402

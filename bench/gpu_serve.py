@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
 from bench.generate import NoStop  # noqa: E402  the tokenizer with no stop tokens, as bench/generate.py has it
+from tests.gpu.prompts import PROMPTS, prompt_text  # noqa: E402
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
@@ -35,18 +36,9 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.sampling import SamplingParams
 
-SYSTEM = "You are a concise assistant. Answer in one or two sentences."
-PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
-           ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
 WORDS = ("the cache keeps pages of keys and values for every request while the scheduler admits grows and "
          "releases them as tokens arrive in batches on the device").split()  # fmt: skip
 
-
-def prompt_text(tok: Tokenizer, prompt: str, system: str | None) -> str:
-    if system == "raw":
-        return prompt
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tok.apply_chat_template(messages)
 
 
 def hf_model(dtype: torch.dtype) -> Any:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cuda
 pytest.importorskip("flashinfer", reason="the flashinfer backend needs flashinfer-python (pip install flashinfer-python)")
 pytest.importorskip("triton", reason="the comparisons run triton beside it")
 
-from bench import gpu_decode
+from tests.gpu import decode_rig  # noqa: E402
 from tests.gpu import prefill_cases  # noqa: E402
 from pagedkv.shell.attention import get_backend  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
@@ -42,13 +42,13 @@ def test_float32_is_refused_with_the_reason() -> None:
 
 
 @pytest.fixture(scope="module")
-def decode_bench() -> gpu_decode.DecodeBench:
-    return gpu_decode.DecodeBench(get_backend("flashinfer"))
+def rig() -> decode_rig.DecodeRig:
+    return decode_rig.DecodeRig(get_backend("flashinfer"))
 
 
 @pytest.mark.parametrize("batch_size", [1, 5, 8, 64])  # 5: a bucket of 8 with three padding rows
-def test_graph_replay_equals_the_eager_step(decode_bench: gpu_decode.DecodeBench, batch_size: int) -> None:
-    _, _, diff = decode_bench.compare(batch_size)
+def test_graph_replay_equals_the_eager_step(rig: decode_rig.DecodeRig, batch_size: int) -> None:
+    _, _, diff = rig.compare(batch_size)
     assert diff < 2e-2, diff
 
 
@@ -72,7 +72,7 @@ def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:
     first 16 tokens of every prompt equal triton's (bf16 kernels summing in another order may part at a
     near tie later: bench/gpu_backends.py reports where). Random weights are no oracle here: their greedy
     runs are full of near ties."""
-    from bench.gpu_serve import PROMPTS, prompt_text
+    from tests.gpu.prompts import PROMPTS, prompt_text
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer

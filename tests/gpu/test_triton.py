@@ -11,7 +11,7 @@ pytestmark = pytest.mark.cuda
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from bench import gpu_decode
+from tests.gpu import decode_rig  # noqa: E402
 from tests.gpu import prefill_cases  # noqa: E402
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
@@ -28,17 +28,17 @@ def test_varlen_equals_the_reference(name: str, rows: list, spec: object, bs: in
 
 
 def test_the_fused_kv_write_equals_index_copy() -> None:
-    assert gpu_decode.fused_write_matches()
+    assert decode_rig.fused_write_matches()
 
 
 @pytest.fixture(scope="module")
-def decode_bench() -> gpu_decode.DecodeBench:
-    return gpu_decode.DecodeBench()
+def rig() -> decode_rig.DecodeRig:
+    return decode_rig.DecodeRig()
 
 
 @pytest.mark.parametrize("batch_size", [1, 5, 8, 64])  # 5: a bucket of 8 with three padding rows
-def test_graph_replay_equals_the_eager_step(decode_bench: gpu_decode.DecodeBench, batch_size: int) -> None:
-    _, _, diff = decode_bench.compare(batch_size)
+def test_graph_replay_equals_the_eager_step(rig: decode_rig.DecodeRig, batch_size: int) -> None:
+    _, _, diff = rig.compare(batch_size)
     assert diff < 2e-2, diff  # bf16: the graph and the eager step run the same kernels
 
 

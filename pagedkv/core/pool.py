@@ -45,46 +45,59 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def push_free(txn: Txn, b: int) -> None:
-    """Put ``b`` in the free queue: at the tail (most recently freed), or, under the ``vllm`` policy, at the
-    head when it carries no hash (it can never be hit: reused first, as vLLM's block pool does)."""
-    nxt, prv = txn.nxt, txn.prv
-    if txn.config.free_queue == "vllm" and not _hit_able(txn, b):
-        head = nxt[0]
-        prv[head] = b
-        nxt[b] = head
-        prv[b] = 0
-        nxt[0] = b
-    else:
-        tail = prv[0]
-        nxt[tail] = b
-        prv[b] = tail
-        nxt[b] = 0
-        prv[0] = b
-    txn.free_blocks += 1
-
-
-def _hit_able(txn: Txn, b: int) -> bool:
-    return txn.config.enable_prefix_caching and txn.cache_view().is_cached(b)
-
-
 def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
-    """Drop one reference to each of ``blocks``, in order (the first to be reused first among equals): under
-    the ``vllm`` policy the freed ones without a hash go to the head together in this order (vLLM's
-    ``prepend_n``), the others to the tail in this order."""
-    if txn.config.free_queue != "vllm":
-        for b in blocks:
-            unref(txn, b)
-        return
+    """Drop one reference to each of ``blocks``, in order (the null block, a position a window let go, is
+    skipped); the blocks whose last reference goes join the free queue in this order: at the tail (most
+    recently freed, reused last), or under the ``vllm`` policy those without a hash at the head together
+    (vLLM's ``prepend_n``: they can never be hit, so they are reused first). Each leaf of the refcounts and
+    links is copied once, then written in place."""
+    refcount = txn.refcount
+    sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
+    counts = refcount.own_many({b >> sh for b in blocks})
+    vllm = txn.config.free_queue == "vllm"
+    cached = txn.cache_view().is_cached if vllm and txn.config.enable_prefix_caching else None
+    tail: list[int] = []
     head: list[int] = []
     for b in blocks:
-        if unref(txn, b, push=False):
-            if _hit_able(txn, b):
-                push_free(txn, b)
-            else:
-                head.append(b)
-    for b in reversed(head):  # pushed at the head one by one, last first: the first ends up first
-        push_free(txn, b)
+        if not b:
+            continue
+        leaf = counts[b >> sh]
+        rc = leaf[b & m] - 1
+        assert rc >= 0, f"block {b} released more often than it was referenced"
+        leaf[b & m] = rc
+        if not rc:
+            (head if vllm and (cached is None or not cached(b)) else tail).append(b)
+    link_free(txn, tail, head)
+
+
+def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int]) -> None:
+    """Put blocks no one holds in the free queue: ``tail`` after its tail, in order; then ``head`` before
+    its head, in order (``head[0]`` first)."""
+    if not tail and not head:
+        return
+    nxt, prv = txn.nxt, txn.prv
+    sh, m = nxt.shift, nxt.mask
+    first, last = nxt[0], prv[0]  # (0 for an empty queue: the null block is the list's sentinel)
+    ks = {b >> sh for b in (*tail, *head)} | {0, first >> sh, last >> sh}
+    after, before = nxt.own_many(ks), prv.own_many(ks)
+    if tail:
+        prev = last
+        for b in tail:
+            after[prev >> sh][prev & m] = b
+            before[b >> sh][b & m] = prev
+            prev = b
+        after[prev >> sh][prev & m] = 0
+        before[0][0] = prev
+        first = after[0][0]
+    if head:
+        nxt_b = first
+        for b in reversed(head):
+            after[b >> sh][b & m] = nxt_b
+            before[nxt_b >> sh][nxt_b & m] = b
+            nxt_b = b
+        after[0][0] = nxt_b
+        before[nxt_b >> sh][nxt_b & m] = 0
+    txn.free_blocks += len(tail) + len(head)
 
 
 def take_hit(txn: Txn, b: int) -> None:
@@ -104,17 +117,6 @@ def unlink_free(txn: Txn, b: int) -> None:
     txn.free_blocks -= 1
 
 
-def unref(txn: Txn, b: int, *, push: bool = True) -> bool:
-    """Drop one reference to ``b``; True when it was the last (the block then joins the free queue, unless
-    ``push`` is False and the caller places it)."""
-    rc = txn.refcount[b] - 1
-    assert rc >= 0, f"block {b} released more often than it was referenced"
-    txn.refcount[b] = rc
-    if rc == 0 and push:
-        push_free(txn, b)
-    return rc == 0
-
-
 def free_tail_first(txn: Txn, req: Request) -> None:
     """Drop one reference to each block, positions descending over all rows and
     groups (rows, then groups, in order within one position); a block whose
@@ -124,46 +126,15 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     to the head, before those of the groups freed earlier)."""
     records = txn.rows
     rows = [records[s].blocks for s in req.slots]
-    if txn.config.free_queue == "vllm":  # the blocks without a hash go to the head: the general path
+    if txn.config.free_queue == "vllm":  # group by group: each group's blocks without a hash to the head
         for g in range(len(rows[0])):
-            unref_many(txn, [b for r in rows for b in r[g][::-1] if b])
+            unref_many(txn, [b for r in rows for b in r[g][::-1]])
     else:
         if len(rows) == 1 and len(rows[0]) == 1:
             order: Sequence[int] = rows[0][0][::-1]
         else:
             longest = max(len(g) for r in rows for g in r)
             order = [g[pos] for pos in range(longest - 1, -1, -1) for r in rows for g in r if pos < len(g)]
-        _unref_to_tail(txn, order)
+        unref_many(txn, order)
     for s in req.slots:
         txn.free_slot(s)
-
-
-def _unref_to_tail(txn: Txn, order: Sequence[int]) -> None:
-    """``free_tail_first``'s fast path: the references dropped leaf by leaf, the freed blocks linked after the
-    tail in one pass."""
-    refcount, nxt, prv = txn.refcount, txn.nxt, txn.prv
-    sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
-    counts = refcount.own_many({b >> sh for b in order})  # each leaf copied once, then written in place
-    freed: list[int] = []
-    for b in order:
-        if not b:
-            continue  # the null block stands for a position a windowed group let go
-        leaf = counts[b >> sh]
-        rc = leaf[b & m] - 1
-        assert rc >= 0, f"block {b} released more often than it was referenced"
-        leaf[b & m] = rc
-        if not rc:
-            freed.append(b)
-    if freed:  # the freed blocks, in this order, go after the tail of the free queue
-        prev = prv[0]
-        ks = {b >> sh for b in freed}
-        after = prv.own_many(ks)
-        ks.add(prev >> sh)
-        before = nxt.own_many(ks)
-        for b in freed:
-            before[prev >> sh][prev & m] = b
-            after[b >> sh][b & m] = prev
-            prev = b
-        before[prev >> sh][prev & m] = 0
-        prv[0] = prev
-        txn.free_blocks += len(freed)

@@ -76,7 +76,7 @@ def _double_free(monkeypatch: pytest.MonkeyPatch) -> None:
     def free_slot(self: Txn, slot: int) -> None:
         blocks = self.rows[slot].blocks
         if blocks and blocks[0] and blocks[0][-1]:
-            pool.push_free(self, blocks[0][-1])  # the last block goes back a second time
+            pool.link_free(self, [blocks[0][-1]], [])  # the last block goes back a second time
         original(self, slot)
 
     monkeypatch.setattr(Txn, "free_slot", free_slot)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.state import row_token_ids
-
 from tests.integrations.vllm_harness import (
-    Layout, Speculation, Workload, drive, first_difference, make_scheduler, scheduler_classes, vllm_available,
+    Layout, Speculation, Workload, drive, first_difference, make_scheduler, rows_as_vllm_sees_them, scheduler_classes,
+    vllm_available,
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
@@ -92,7 +91,7 @@ def test_ahead_of_tokens_pagedkv_decides_as_vllms_own_step_by_step(name: str) ->
 
     def read_state(step: int) -> None:  # the core's value read mid-run: rows at vLLM's lengths, decisions unchanged
         if step % 5 == 2:
-            read.append(_rows_as_vllm_sees_them(ours_sched))
+            read.append(rows_as_vllm_sees_them(ours_sched))
 
     ours = drive(ours_sched, Workload(**work), on_step=read_state)
     assert first_difference(theirs, ours) is None
@@ -137,21 +136,3 @@ def test_a_scheduler_class_that_does_not_match_async_scheduling_is_refused() -> 
     with pytest.raises(Unsupported, match="without async scheduling"):
         make_scheduler(PagedKVAsyncScheduler, 40, Layout())
 
-
-def _rows_as_vllm_sees_them(scheduler: object) -> int:
-    """``manager.state``: each running request's row holds a slot for every position vLLM gave it, its known ids
-    are vLLM's tokens (a prefix of them), and its blocks are the ones vLLM's scheduler holds; how many rows."""
-    manager = scheduler.kv_cache_manager  # type: ignore[attr-defined]
-    state = manager.state
-    rows = 0
-    for request in scheduler.running:  # type: ignore[attr-defined]
-        req = state.requests.get(request.request_id)
-        if req is None:
-            continue
-        slot = req.slots[0]
-        length, ids = state.row_len[slot], row_token_ids(state, slot)
-        assert length >= request.num_computed_tokens and -(-length // manager.block_size) == len(
-            manager.get_block_ids(request.request_id)[0])
-        assert ids is None or list(ids) == list(request.all_token_ids[: len(ids)])
-        rows += 1
-    return rows

@@ -463,5 +463,26 @@ def main() -> None:
     print(f"{same} of {count} configurations identical to the end, {steps} steps")
 
 
+def rows_as_vllm_sees_them(scheduler: Any) -> int:
+    """``manager.state``: each running request's row holds a slot for every position vLLM gave it, its known ids
+    are vLLM's tokens (a prefix of them), and its blocks are the ones vLLM's scheduler holds; how many rows."""
+    from pagedkv.core.state import row_token_ids
+
+    manager = scheduler.kv_cache_manager
+    state = manager.state
+    rows = 0
+    for request in scheduler.running:
+        req = state.requests.get(request.request_id)
+        if req is None:
+            continue
+        slot = req.slots[0]
+        length, ids = state.row_len[slot], row_token_ids(state, slot)
+        assert length >= request.num_computed_tokens and -(-length // manager.block_size) == len(
+            manager.get_block_ids(request.request_id)[0])
+        assert ids is None or list(ids) == list(request.all_token_ids[: len(ids)])
+        rows += 1
+    return rows
+
+
 if __name__ == "__main__":
     main()

@@ -92,9 +92,14 @@ def _cbor_triple(parent: BlockHash, packed_ids: bytes, extra: bytes) -> bytes:
     ids = array("Q")
     ids.frombytes(packed_ids)
     table = _UINTS or _uints()
-    n = len(table)
-    return b"".join([b"\x83", _cbor_head(2, len(parent)), parent, _cbor_head(4, len(ids)),
-                     *[table[i] if i < n else _cbor_head(0, i) for i in ids], extra])  # fmt: skip
+    if ids and max(ids) < len(table):  # (token ids: every head from the table, in C)
+        body = b"".join(map(table.__getitem__, ids))
+    else:
+        body = b"".join([_cbor_head(0, i) for i in ids])
+    heads = _HEADS.get((len(parent), len(ids)))
+    if heads is None:
+        heads = _HEADS[(len(parent), len(ids))] = (b"\x83" + _cbor_head(2, len(parent)), _cbor_head(4, len(ids)))
+    return b"".join((heads[0], parent, heads[1], body, extra))
 
 
 def hash_packed_cbor(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash:
@@ -220,6 +225,7 @@ def cbor(obj: Any) -> bytes:
 
 
 _UINTS: list[bytes] = []  # the CBOR of each integer below 2**17 (token ids), built at the first use
+_HEADS: dict[tuple[int, int], tuple[bytes, bytes]] = {}  # (parent bytes, ids) -> the triple's two heads
 
 
 def _uints() -> list[bytes]:

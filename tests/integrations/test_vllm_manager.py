@@ -158,6 +158,24 @@ def test_pagedkv_hashes_are_vllms_sha256_cbor() -> None:
     assert computed and computed & cached == cached  # every cached hash is one vLLM computed
 
 
+@pytest.mark.parametrize("ids", [[], [5], [0, 23, 24, 255, 256, 65535, 65536, 131071, 131072, 2**32 + 5, 2**64 - 1],
+                                 list(range(131_060, 131_080))])  # fmt: skip
+def test_the_sha256_cbor_block_hash_is_vllms_for_any_ids(ids: list[int]) -> None:
+    """The CBOR pagedkv hashes (table heads for token ids, computed heads past the table) is cbor2's, and the
+    hash vLLM's ``sha256_cbor`` gives, for ids at every head width and past the table."""
+    from array import array
+
+    import cbor2
+    from vllm.utils.hashing import sha256_cbor
+
+    from pagedkv.core.hashing import hash_packed_cbor, root_hash
+
+    parent = root_hash("vllm-none-hash", "sha256_cbor")
+    for extra in (None, ("lora-1", "salt")):
+        assert hash_packed_cbor(parent, array("Q", ids).tobytes(), cbor2.dumps(extra, canonical=True)) == sha256_cbor(
+            (parent, tuple(ids), extra))
+
+
 def test_what_the_manager_does_not_serve_is_refused_at_construction() -> None:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec

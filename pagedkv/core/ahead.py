@@ -18,7 +18,7 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.commit import _hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_token_id, shown
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, shown
 from pagedkv.core.state import KVState, Request, Row, Step
 from pagedkv.core.tails import as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
@@ -59,7 +59,7 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
         return req
     cfg = txn.config
     for i, (slot, ids) in enumerate(zip(req.slots, rows)):
-        if not isinstance(ids, (list, tuple)) or not all(is_token_id(t) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
             return invalid(f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
                            request=rid, field="tokens")  # fmt: skip
         if not ids:

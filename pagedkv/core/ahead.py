@@ -16,12 +16,12 @@ from collections.abc import Iterable, Sequence
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
-from pagedkv.core.commit import _hash_full_blocks
+from pagedkv.core.caching import hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, shown
 from pagedkv.core.state import KVState, Request, Row, Step
 from pagedkv.core.tails import as_tail, known_ids, pack_ids, with_more_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.txn import Txn, each
 
 
 def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -> Result[Step[Filled], KVError]:
@@ -42,22 +42,15 @@ def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -
 
 def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]]) -> Result[Step[tuple[Filled, ...]], KVError]:
     """Several ``fill`` as one transition (a step's sampled tokens, a step late): all, in order, or none."""
-    txn = Txn(state)
-    out = []
-    for rid, rows in items:
-        first = len(txn.events)
-        err = _fill_one(txn, rid, rows)
-        if err is not None:
-            return Failure(err)
-        out.append(Filled(rid, tuple(txn.events[first:])))
-    return Success(Step(txn.done(), tuple(out)))
+    return each(state, items, _fill_one)
 
 
-def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVError | None:
+def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVError | Filled:
     req = _request(txn, rid, rows, "fill")
     if isinstance(req, KVError):
         return req
     cfg = txn.config
+    first = len(txn.events)
     for i, (slot, ids) in enumerate(zip(req.slots, rows)):
         if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
             return invalid(f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
@@ -76,9 +69,9 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
                                      awaiting=known + len(ids) < length)  # fmt: skip
         txn.row_tail[slot] = tail
         if cfg.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch:
-            record = _hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)
+            record = hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)
         txn.rows[slot] = record
-    return None
+    return Filled(rid, tuple(txn.events[first:]))
 
 
 def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> Result[Step[Truncated], KVError]:
@@ -104,14 +97,7 @@ def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> R
 
 def truncate_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]) -> Result[Step[tuple[Truncated, ...]], KVError]:
     """Several ``truncate`` as one transition (a step's verified drafts): all, in order, or none."""
-    txn = Txn(state)
-    out = []
-    for rid, lengths in items:
-        got = _truncate_one(txn, rid, lengths)
-        if isinstance(got, KVError):
-            return Failure(got)
-        out.append(got)
-    return Success(Step(txn.done(), tuple(out)))
+    return each(state, items, _truncate_one)
 
 
 def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated | KVError:

@@ -15,10 +15,10 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
-from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.state import KVState, Request, Row, Step
-from pagedkv.core.tails import unpack_ids, known_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.caching import cache_full_blocks
+from pagedkv.core.events import BlockRemoved
+from pagedkv.core.state import KVState, Request, Step
+from pagedkv.core.txn import Txn, each
 
 
 def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Result[Step[Committed], KVError]:
@@ -63,18 +63,10 @@ def cache_ahead_many(
     """Several ``cache_ahead`` as one transition (the blocks a step's decode tokens fill): all, in order, or none."""
     if state.config.caching_point != "schedule":
         return Failure(invalid('cache_ahead needs CacheConfig(caching_point="schedule")', field="op"))
-    txn = Txn(state)
-    effects = []
-    for rid, through in items:
-        first = len(txn.events)
-        err = _ahead_one(txn, rid, through)
-        if err is not None:
-            return Failure(err)
-        effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
-    return Success(Step(txn.done(), tuple(effects)))
+    return each(state, items, _ahead_one)
 
 
-def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | None:
+def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | Committed:
     base = txn.base
     req = base.requests.get(request_id) if is_request_id(request_id) else None
     if req is None:
@@ -87,10 +79,11 @@ def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVErr
             return invalid(f"request {shown(request_id)} row {i}: through must be an integer in "
                            f"[{txn.row_computed[slot]}, {txn.row_len[slot]}], got {shown(t)}",
                            request=request_id, field="through")  # fmt: skip
+    first = len(txn.events)
     if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
         for i, (slot, t) in enumerate(zip(req.slots, through)):
-            _cache_full_blocks(txn, req, i, slot, t)
-    return None
+            cache_full_blocks(txn, req, i, slot, t)
+    return Committed(request_id, None, 0, tuple(txn.events[first:]))
 
 
 def forget_ahead(txn: Txn, req: Request) -> None:
@@ -112,14 +105,7 @@ def commit_many(
     state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
 ) -> Result[Step[tuple[Committed, ...]], KVError]:
     """Several commits as one transition (a step's outputs): all of them, in order, or none."""
-    txn = Txn(state)
-    effects = []
-    for rid, computed in items:
-        result = _commit_one(txn, rid, computed)
-        if isinstance(result, KVError):
-            return Failure(result)
-        effects.append(result)
-    return Success(Step(txn.done(), tuple(effects)))
+    return each(state, items, _commit_one)
 
 
 def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
@@ -145,7 +131,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c
         if caching:
-            _cache_full_blocks(txn, req, i, slot, c)
+            cache_full_blocks(txn, req, i, slot, c)
         if windowed:
             _drop_invisible(txn, req, i, slot, c, dropped)
     gen = None
@@ -160,122 +146,6 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         gen = txn.next_generation()
         txn.row_generation[req.slots[0]] = gen
     return Committed(request_id, gen, txn.free_blocks - before_free, tuple(txn.events[first_event:]))
-
-
-def _token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
-    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
-    assert record.ids is not None
-    c = record.chunked
-    if end <= c:
-        blob = record.ids[start << 3 : end << 3]
-    elif start >= c:
-        blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
-    else:
-        blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
-    return blob
-
-
-def _cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
-    """Put row i's newly full computed blocks into the cache index (once per content)."""
-    record = txn.rows[slot]
-    new = _hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
-    if new is not record:
-        txn.rows[slot] = new
-
-
-def _hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row,
-                      tail: bytes | None) -> Row:  # fmt: skip
-    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record."""
-    if record.ids is None:
-        return record
-    cfg = txn.config
-    bs = cfg.block_size
-    ahead = cfg.hash_lookahead  # ids after a block its hash covers: they must be known too
-    known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
-    layout = req.layouts[i]
-    cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
-    full = min(computed, cacheable, known - ahead) // bs
-    done = record.num_hashed
-    if full <= done:
-        return record
-    if ahead:
-        return _hash_ahead(txn, req, record, tail, done, full)
-    blocks = record.blocks
-    states = cfg.state_group_set
-    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
-    hash_packed = cfg.hash_fn
-    new = [record.hashes]
-    add = txn.index.add
-    events = txn.events
-    keys = req.keys
-    plain = None if keys.varies else keys.plain  # (most requests: every block hashes the same keys)
-    span = _token_span(record, tail, done * bs, full * bs)  # the packed ids of every block to hash
-    ids = unpack_ids(span)  # (the events carry them as ints)
-    width = bs << 3
-    for j in range(done, full):
-        i = j - done
-        h = hash_packed(parent, span[i * width : (i + 1) * width], keys.at(j, bs) if plain is None else plain)
-        for g, group_blocks in enumerate(blocks):
-            b = group_blocks[j]
-            # not let go already, not cached already, and no other block holds the same content; a state
-            # group's block is the row's live state (cached only when the row ends on this boundary)
-            if b and (not states or g not in states) and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
-                                          keys.every if plain is not None else keys.raw(j, bs)))  # fmt: skip
-        new.append(h)
-        parent = h
-    return record.with_hashes(b"".join(new))
-
-
-def _hash_ahead(txn: Txn, req: Request, record: Row, tail: bytes | None, done: int, full: int) -> Row:
-    """``_hash_full_blocks`` when each hash also covers the ``hash_lookahead`` ids after its block (vLLM's
-    EAGLE lookahead hashes: a drafter's KV at a block's last position depends on them)."""
-    cfg = txn.config
-    bs, ahead = cfg.block_size, cfg.hash_lookahead
-    blocks = record.blocks
-    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
-    hash_packed = cfg.hash_fn
-    new = [record.hashes]
-    add = txn.index.add
-    keys = req.keys
-    span = _token_span(record, tail, done * bs, full * bs + ahead)
-    ids = unpack_ids(span)
-    width = bs << 3
-    for j in range(done, full):
-        i = j - done
-        following = ids[(i + 1) * bs : (i + 1) * bs + ahead]
-        h = hash_packed(parent, span[i * width : (i + 1) * width], keys.ahead(j, bs, following))
-        for g, group_blocks in enumerate(blocks):
-            b = group_blocks[j]
-            if b and add(g, h, b):
-                txn.events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
-                                              keys.raw(j, bs, ahead), following))  # fmt: skip
-        new.append(h)
-        parent = h
-    return record.with_hashes(b"".join(new))
-
-
-def save_states(txn: Txn, req: Request) -> None:
-    """A request that ends (not by error) leaves each row's state cached where it stands, when its computed
-    tokens end on a block boundary whose hash the row knows: under that block's chain hash, for a later
-    request with the same leading tokens to take over (``prefix.find_hit``). Call before its blocks go."""
-    cfg = txn.config
-    states = cfg.state_group_set
-    if not states or not cfg.enable_prefix_caching or req.cache_epoch != txn.base.cache_epoch:
-        return
-    bs = cfg.block_size
-    for slot in req.slots:
-        computed, record = txn.row_computed[slot], txn.rows[slot]
-        j = computed // bs - 1
-        if computed % bs or j < 0 or record.num_hashed <= j:
-            continue
-        h = record.hash_at(j)
-        parent = record.hash_at(j - 1) if j else None
-        ids = unpack_ids(_token_span(record, txn.row_tail[slot], j * bs, (j + 1) * bs))
-        for g in sorted(states):
-            b = record.blocks[g][-1]
-            if b and txn.index.add(g, h, b):
-                txn.events.append(BlockStored(h, parent, ids, g, b, req.keys.raw(j, bs)))
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.commit import _commit_one, _hash_full_blocks
+from pagedkv.core.caching import hash_full_blocks
+from pagedkv.core.commit import _commit_one
 from pagedkv.core.effects import Decoded
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
 from pagedkv.core.events import BlockStored
@@ -156,7 +157,7 @@ def _hash_filled(txn: Txn, req: Request, slot: int, n: int, record: Row, tail: b
     j = n // bs - 1
     hw = record.hw
     if tail is None or len(tail) != bs << 3 or len(hashes) != j * hw:
-        return _hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
+        return hash_full_blocks(txn, req, 0, slot, n, record, tail).hashes
     parent = hashes[-hw:] if j else base.cache.root
     keys = req.keys
     h = base.config.hash_fn(parent, tail, keys.at(j, bs))

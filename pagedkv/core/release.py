@@ -14,7 +14,8 @@ from dataclasses import replace
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
-from pagedkv.core.commit import forget_ahead, save_states
+from pagedkv.core.caching import save_states
+from pagedkv.core.commit import forget_ahead
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent

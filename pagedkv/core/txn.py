@@ -8,13 +8,19 @@ are here.
 
 from __future__ import annotations
 
-from immutables import MapMutation
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-from pagedkv.core.errors import RequestId
+from immutables import MapMutation
+from returns.result import Failure, Result, Success
+
+from pagedkv.core.errors import KVError, RequestId
 from pagedkv.core.events import KVEvent
 from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
-from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row
+from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row, Step
 from pagedkv.core.vec import VecEdit
+
+E = TypeVar("E")
 
 
 class Txn:
@@ -188,3 +194,17 @@ class Txn:
         else:
             self.slot_stack.append(slot)
         self.slot_top += 1
+
+
+def each(state: KVState, items: Iterable[tuple[RequestId, Any]],
+         one: Callable[[Txn, RequestId, Any], E | KVError]) -> Result[Step[tuple[E, ...]], KVError]:  # fmt: skip
+    """Several one-request changes as one transition (``commit_many``, ``fill_many``, ...): ``one`` applied to
+    each item in order on a single working copy; all of them, or none (the first refusal)."""
+    txn = Txn(state)
+    out: list[E] = []
+    for rid, arg in items:
+        got = one(txn, rid, arg)
+        if isinstance(got, KVError):
+            return Failure(got)
+        out.append(got)
+    return Success(Step(txn.done(), tuple(out)))

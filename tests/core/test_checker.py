@@ -329,10 +329,9 @@ def test_placeholders_fills_and_cuts_are_exhaustive_without_a_violation() -> Non
 
 
 def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
+    import pagedkv.core.caching as caching_mod
 
-    commit_mod = sys.modules["pagedkv.core.commit"]  # (the package's ``commit`` is the function)
-    monkeypatch.setattr(commit_mod, "known_ids", lambda record, tail: 1 << 20)  # every position taken as known
+    monkeypatch.setattr(caching_mod, "known_ids", lambda record, tail: 1 << 20)  # every position taken as known
 
 
 def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,106 @@
+"""A row's full blocks entering the prefix cache: each hashed (chained, with the request's keys) once its
+ids are known, cached once per content (or every block, ``cache_duplicates``), a ``BlockStored`` for each;
+and a state (Mamba) group's block saved where a row ends on a boundary. ``commit``, ``cache_ahead`` and
+``fill`` decide when; this module, how.
+"""
+
+from __future__ import annotations
+
+from pagedkv.core.events import BlockStored
+from pagedkv.core.state import Request, Row
+from pagedkv.core.tails import known_ids, unpack_ids
+from pagedkv.core.txn import Txn
+
+
+def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
+    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
+    assert record.ids is not None
+    c = record.chunked
+    if end <= c:
+        blob = record.ids[start << 3 : end << 3]
+    elif start >= c:
+        blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
+    else:
+        blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
+    return blob
+
+
+def cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
+    """Put row i's newly full computed blocks into the cache index (once per content)."""
+    record = txn.rows[slot]
+    new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
+    if new is not record:
+        txn.rows[slot] = new
+
+
+def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row,
+                     tail: bytes | None) -> Row:  # fmt: skip
+    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
+    ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
+    drafter's KV at a block's last position depends on them), and a block waits for them."""
+    if record.ids is None:
+        return record
+    cfg = txn.config
+    bs = cfg.block_size
+    ahead = cfg.hash_lookahead
+    known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
+    layout = req.layouts[i]
+    cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
+    full = min(computed, cacheable, known - ahead) // bs
+    done = record.num_hashed
+    if full <= done:
+        return record
+    blocks = record.blocks
+    states = cfg.state_group_set
+    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
+    hash_packed = cfg.hash_fn
+    new = [record.hashes]
+    add = txn.index.add
+    events = txn.events
+    keys = req.keys
+    plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
+    span = token_span(record, tail, done * bs, full * bs + ahead)  # the packed ids of every block to hash
+    ids = unpack_ids(span)  # (the events carry them as ints)
+    width = bs << 3
+    following = None
+    for j in range(done, full):
+        i = j - done
+        if ahead:
+            following = ids[(i + 1) * bs : (i + 1) * bs + ahead]
+            extra = keys.ahead(j, bs, following)
+        else:
+            extra = keys.at(j, bs) if plain is None else plain
+        h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
+        for g, group_blocks in enumerate(blocks):
+            b = group_blocks[j]
+            # not let go already, not cached already, and no other block holds the same content; a state
+            # group's block is the row's live state (cached only when the row ends on this boundary)
+            if b and (not states or g not in states) and add(g, h, b):
+                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
+                                          keys.every if plain is not None else keys.raw(j, bs, ahead), following))
+        new.append(h)
+        parent = h
+    return record.with_hashes(b"".join(new))
+
+
+def save_states(txn: Txn, req: Request) -> None:
+    """A request that ends (not by error) leaves each row's state cached where it stands, when its computed
+    tokens end on a block boundary whose hash the row knows: under that block's chain hash, for a later
+    request with the same leading tokens to take over (``prefix.find_hit``). Call before its blocks go."""
+    cfg = txn.config
+    states = cfg.state_group_set
+    if not states or not cfg.enable_prefix_caching or req.cache_epoch != txn.base.cache_epoch:
+        return
+    bs = cfg.block_size
+    for slot in req.slots:
+        computed, record = txn.row_computed[slot], txn.rows[slot]
+        j = computed // bs - 1
+        if computed % bs or j < 0 or record.num_hashed <= j:
+            continue
+        h = record.hash_at(j)
+        parent = record.hash_at(j - 1) if j else None
+        ids = unpack_ids(token_span(record, txn.row_tail[slot], j * bs, (j + 1) * bs))
+        for g in sorted(states):
+            b = record.blocks[g][-1]
+            if b and txn.index.add(g, h, b):
+                txn.events.append(BlockStored(h, parent, ids, g, b, req.keys.raw(j, bs)))

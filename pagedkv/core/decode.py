@@ -58,9 +58,8 @@ def decode_step(
     batch = _batch(request_ids, tokens)
     if isinstance(batch, KVError):
         return Failure(batch)
-    ids, toks = batch
-    txn, cfg, get = Txn(state), state.config, state.requests.get
-    bs, limit, ngroups, mask = cfg.block_size, cfg.length_limit, len(cfg.groups), (1 << SLOT_SHIFT) - 1
+    (ids, toks), txn, cfg, get = batch, Txn(state), state.config, state.requests.get
+    bs, limit, mask = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1
     # full attention only (no window logic), each hash over its own block (it fills as its last token commits)
     fast = not any(g.is_windowed or g.is_state for g in cfg.groups) and not cfg.hash_lookahead
     lens, done = _batch_leaves(txn.row_len, len(ids)), _batch_leaves(txn.row_computed, len(ids))
@@ -81,24 +80,15 @@ def decode_step(
                 if not append_tokens:
                     done_leaf[o] = n
                     continue
-                if n % bs and n < limit:  # and the new token goes into the open block
-                    if tails is None:
-                        done_leaf[o], leaf[o] = n, n + 1
-                        continue
-                    tail_leaf = tails[hi]
-                    tail = tail_leaf[o]
-                    if tail is None or (toks is not None and type(tail) is bytes):  # (a count stops a row's ids;
-                        # a row awaiting ids takes the general path)
+                if n % bs and n < limit:  # and the new token goes into the open block (a count stops a row's
+                    tail = None if tails is None else tails[hi][o]  # ids; a row awaiting ids: the general path)
+                    if tail is None or (toks is not None and type(tail) is bytes):
                         done_leaf[o], leaf[o] = n, n + 1
                         if tail is not None:  # the open block's ids: the tail
-                            tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                            tails[hi][o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
                         continue
-            elif not append_tokens or (n % bs == 0 and n < limit and ngroups <= txn.free_blocks and (
-                    tails is None or (toks is not None and type(tails[hi][o]) is not Awaiting))):  # fmt: skip
-                done_leaf[o] = n  # a block filled: it is hashed (and the token opens the next one)
-                token = None if toks is None or not append_tokens else toks[k]
-                gen = _block_filled(txn, req, slot, n, token, append_tokens, leaf,
-                                    None if tails is None else tails[hi])  # fmt: skip
+            elif (gen := _block_filled(txn, req, slot, n, None if toks is None or not append_tokens else toks[k],
+                                       append_tokens, leaf, done_leaf, None if tails is None else tails[hi])) >= 0:
                 if gen:
                     allocations.append((rid, gen))
                 continue
@@ -113,16 +103,22 @@ def decode_step(
 
 
 def _block_filled(txn: Txn, req: Request, slot: int, n: int, token: int | None, append_tokens: bool,
-                  leaf: list[int], tail_leaf: list[bytes | None] | None) -> int:  # fmt: skip
-    """A one-row request committed through ``n`` filled a block: hash it; when appending, the
-    token opens the next block. The generation that takes (0 when nothing was appended)."""
+                  leaf: list[int], done_leaf: list[int], tail_leaf: list[bytes | None] | None) -> int:  # fmt: skip
+    """A one-row request committed through ``n`` filled a block: hash it; when appending, the token opens
+    the next block. The generation that takes (0 when nothing was appended), or -1 when the row takes the
+    general path (the token cannot open a block here: a length limit, a short pool, ids still awaited)."""
+    o = slot & ((1 << SLOT_SHIFT) - 1)
+    if append_tokens and not (n % txn.config.block_size == 0 and n < txn.config.length_limit
+                              and len(txn.config.groups) <= txn.free_blocks
+                              and (tail_leaf is None or (token is not None and type(tail_leaf[o]) is not Awaiting))):
+        return -1
+    done_leaf[o] = n
     record = txn.rows[slot]
     if not append_tokens:
         hashes = _hash_filled(txn, req, slot, n, record, txn.row_tail[slot])
         if hashes is not record.hashes:
             txn.rows[slot] = record.with_hashes(hashes)
         return 0
-    o = slot & ((1 << SLOT_SHIFT) - 1)
     hashes = _hash_filled(txn, req, slot, n, record, tail_leaf[o] if tail_leaf is not None else None)
     return _open_block(txn, slot, n, token, record, hashes, leaf, tail_leaf)
 

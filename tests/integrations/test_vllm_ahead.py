@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integrations.vllm_harness import (
-    Layout, Speculation, Workload, drive, first_difference, make_scheduler, rows_as_vllm_sees_them, scheduler_classes,
+    Layout, Speculation, Workload, drive, drive_reading_state, first_difference, make_scheduler, scheduler_classes,
     vllm_available,
 )  # fmt: skip
 
@@ -87,15 +87,9 @@ def test_ahead_of_tokens_pagedkv_decides_as_vllms_own_step_by_step(name: str) ->
 
     theirs = drive(theirs_sched, Workload(**work), on_step=on_step)
     ours_sched = make_scheduler(ours_cls, blocks, layout, **options)
-    read: list[int] = []
-
-    def read_state(step: int) -> None:  # the core's value read mid-run: rows at vLLM's lengths, decisions unchanged
-        if step % 5 == 2:
-            read.append(rows_as_vllm_sees_them(ours_sched))
-
-    ours = drive(ours_sched, Workload(**work), on_step=read_state)
+    ours, read = drive_reading_state(ours_sched, Workload(**work))  # (decisions unchanged by the reads)
     assert first_difference(theirs, ours) is None
-    assert sum(read) > 0
+    assert read > 0
     # what the setup is for happened (a test that cannot fail proves nothing)
     n = work["num_requests"]
     assert len({r for rec in theirs for r in rec.finished}) >= n - 1

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.vllm_harness import (
-    Layout, Workload, differential, drive, fuzzed, make_scheduler, rows_as_vllm_sees_them, vllm_available,
+    Layout, Workload, differential, drive, drive_reading_state, fuzzed, make_scheduler, vllm_available,
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
@@ -62,14 +62,8 @@ def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str, monkeypatc
         monkeypatch.setenv("PYTHONHASHSEED", "7")  # (else vLLM seeds an xxhash chain at random, per scheduler)
     theirs = drive(make_scheduler(Scheduler, blocks, layout, **options), Workload(**work))
     ours_sched = make_scheduler(PagedKVScheduler, blocks, layout, **options)
-    read: list[int] = []
-
-    def read_state(step: int) -> None:  # the core's value read mid-run: rows at vLLM's lengths, decisions unchanged
-        if step % 5 == 2:
-            read.append(rows_as_vllm_sees_them(ours_sched))
-
-    ours = drive(ours_sched, Workload(**work), on_step=read_state)
-    assert len(ours) == len(theirs) and sum(read) > 0
+    ours, read = drive_reading_state(ours_sched, Workload(**work))  # (decisions unchanged by the reads)
+    assert len(ours) == len(theirs) and read > 0
     for i, (a, b) in enumerate(zip(theirs, ours)):
         for field in ("scheduled", "new_blocks", "hits", "preempted", "finished", "events", "stats"):
             assert getattr(b, field) == getattr(a, field), f"step {i}: {field} differs"

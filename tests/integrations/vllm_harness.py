@@ -463,6 +463,18 @@ def main() -> None:
     print(f"{same} of {count} configurations identical to the end, {steps} steps")
 
 
+def drive_reading_state(scheduler: Any, workload: Workload) -> tuple[list[StepRecord], int]:
+    """``drive``, reading pagedkv's ``manager.state`` every fifth step (``rows_as_vllm_sees_them``): what each
+    step decided, and how many rows the reads checked."""
+    read: list[int] = []
+
+    def on_step(step: int) -> None:
+        if step % 5 == 2:
+            read.append(rows_as_vllm_sees_them(scheduler))
+
+    return drive(scheduler, workload, on_step=on_step), sum(read)
+
+
 def rows_as_vllm_sees_them(scheduler: Any) -> int:
     """``manager.state``: each running request's row holds a slot for every position vLLM gave it, its known ids
     are vLLM's tokens (a prefix of them), and its blocks are the ones vLLM's scheduler holds; how many rows."""

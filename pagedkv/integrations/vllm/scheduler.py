@@ -69,26 +69,27 @@ def _check(vllm_config: Any, *, async_class: bool) -> None:
 
 if _VllmScheduler is not None:
 
-    class PagedKVScheduler(_VllmScheduler):  # type: ignore[misc]
-        """vLLM's ``Scheduler`` whose KV cache manager is pagedkv's core."""
+    class _OnPagedKV:
+        """A vLLM scheduler class with pagedkv's manager installed after vLLM's own constructor ran (the
+        configuration checked first: ``_async`` says which of vLLM's classes it is)."""
+
+        _async = False
 
         def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
                      hash_block_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
-            _check(vllm_config, async_class=False)
-            super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
+            _check(vllm_config, async_class=self._async)
+            super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,  # type: ignore[call-arg]
                              hash_block_size=hash_block_size, **kwargs)  # fmt: skip
             _install(self, vllm_config, kv_cache_config)
 
-    class PagedKVAsyncScheduler(_VllmAsyncScheduler):  # type: ignore[misc]
+    class PagedKVScheduler(_OnPagedKV, _VllmScheduler):  # type: ignore[misc]
+        """vLLM's ``Scheduler`` whose KV cache manager is pagedkv's core."""
+
+    class PagedKVAsyncScheduler(_OnPagedKV, _VllmAsyncScheduler):  # type: ignore[misc]
         """vLLM's ``AsyncScheduler`` (step N+1 scheduled while step N runs) whose KV cache manager is pagedkv's
         core."""
 
-        def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
-                     hash_block_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
-            _check(vllm_config, async_class=True)
-            super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
-                             hash_block_size=hash_block_size, **kwargs)  # fmt: skip
-            _install(self, vllm_config, kv_cache_config)
+        _async = True
 
 else:  # pragma: no cover - vLLM absent
 

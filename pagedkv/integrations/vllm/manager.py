@@ -61,7 +61,6 @@ class PagedKVCacheManager(RunningRows):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.use_eagle = use_eagle  # EAGLE's block drop: a hit matches one block past it and gives it back
-        self._ahead = num_hash_lookahead_tokens  # (a block is cached once the ids after it its hash covers are known)
         self.num_kv_cache_groups = len(geometry.caps)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
@@ -203,7 +202,7 @@ class PagedKVCacheManager(RunningRows):
         if self._lag:
             self._to_cache(request, min(num_computed_tokens, n))
             return
-        if min(num_computed_tokens, request.num_tokens - self._ahead, n) // self.block_size <= self._hashed[rid]:
+        if min(num_computed_tokens, request.num_tokens - self.config.hash_lookahead, n) // self.block_size <= self._hashed[rid]:
             return  # (no block to cache: nothing to apply)
         slot = self._state.requests[rid].slots[0]
         txn = Transaction(self._state)

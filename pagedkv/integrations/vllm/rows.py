@@ -28,7 +28,6 @@ class RunningRows(ManagerReads):
     """Each admitted request's row as vLLM sees it, and the core's catching up (module docstring)."""
 
     max_model_len: int
-    _ahead: int
     _stream: EventStream
     _len: dict[str, int]  # each admitted request's row length as vLLM sees it (the core's may lag in the open block)
     _hashed: dict[str, int]  # the blocks of it the core has hashed (or will, once the queue is applied)
@@ -96,7 +95,7 @@ class RunningRows(ManagerReads):
         cached in this call's place in the event stream."""
         rid = request.request_id
         known = request.num_tokens
-        full = min(through, known - self._ahead) // self.block_size
+        full = min(through, known - self.config.hash_lookahead) // self.block_size
         if full > self._hashed[rid]:
             self._queue.append((request, through, known))
             self._queued.add(rid)
@@ -151,17 +150,12 @@ class RunningRows(ManagerReads):
         then by placeholders, in one growth (every group's new blocks in turn, as vLLM allocates them); False
         when the pool cannot hold them."""
         rid = request.request_id
-        if not self.enable_caching:  # (no block is hashed: a count is all the row needs)
-            growth: Any = need_slot - length
-        elif need_slot <= request.num_tokens:
-            growth = request.all_token_ids[length:need_slot]
-        else:
-            growth = Placeholders(need_slot - length)  # (the known ones among them filled in next)
+        growth = self._growth(request, request.num_tokens, txn.state, txn.state.requests[rid].slots[0], need_slot)
         grown = append(txn.state, rid, [growth])
         if isinstance(grown, Failure) and grown.failure().code is ErrorCode.NO_CAPACITY:
             return False
         txn.apply(grown, "append")
-        if type(growth) is Placeholders:
+        if type(growth) is Placeholders:  # (the known ones among them filled in next)
             self._fill(txn, request, txn.state.requests[rid].slots[0])
         return True
 

@@ -17,7 +17,7 @@ from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.caching import cache_full_blocks
 from pagedkv.core.events import BlockRemoved
-from pagedkv.core.state import KVState, Request, Step
+from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Step
 from pagedkv.core.txn import Txn, each
 
 
@@ -32,11 +32,7 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
     >>> commit(s, "a", [7]).failure().code.value
     'INVALID'
     """
-    txn = Txn(state)
-    result = _commit_one(txn, request_id, computed)
-    if isinstance(result, KVError):
-        return Failure(result)
-    return Success(Step(txn.done(), result))
+    return commit_many(state, ((request_id, computed),)).map(lambda step: Step(step.state, step.effect[0]))
 
 
 def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -> Result[Step[Committed], KVError]:
@@ -105,7 +101,67 @@ def commit_many(
     state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
 ) -> Result[Step[tuple[Committed, ...]], KVError]:
     """Several commits as one transition (a step's outputs): all of them, in order, or none."""
-    return each(state, items, _commit_one)
+    ids: list[RequestId] = []
+    counts: list[Sequence[int]] = []
+    for rid, computed in items:
+        ids.append(rid)
+        counts.append(computed)
+    txn = Txn(state)
+    effects: list[Committed] = []
+    done = commit_each(txn, ids, counts, effects)
+    if isinstance(done, KVError):
+        return Failure(done)
+    return Success(Step(txn.done(), tuple(effects)))
+
+
+def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[int]] | None,
+                effects: list[Committed] | None = None) -> tuple[list[tuple[int, int]], int] | KVError:  # fmt: skip
+    """The commit loop every commit runs (``commit``, ``commit_many``, ``commit_decode``, ``decode_step``):
+    request ``ids[k]`` committed through ``counts[k]`` (a count a row), or through each row's length
+    (``counts`` None), in order on ``txn``. Each request's ``Committed`` goes to ``effects`` when given.
+    Returns (batch index, generation) for each request whose layout changed, and the blocks freed.
+
+    A one-row request in a pool without windows whose commit completes no block changes one number, and
+    only that is done for it here; everything else (a block to hash, a window to move, several rows,
+    a lookahead, a refusal) is ``_commit_one``'s."""
+    cfg = txn.config
+    bs, mask = cfg.block_size, (1 << SLOT_SHIFT) - 1
+    quick = not cfg.has_windows and not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
+    get = txn.base.requests.get
+    lens = txn.row_len.leaves  # (read only)
+    done = txn.row_computed.own_for(len(ids))
+    generations: list[tuple[int, int]] = []
+    freed = 0
+    for k, rid in enumerate(ids):
+        try:
+            req = get(rid) if type(rid) is str or type(rid) is int else None
+        except TypeError:
+            req = None
+        if quick and req is not None and (slot := req.decode_slot) >= 0:
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            leaf, n = done[hi], lens[hi][o]
+            if counts is None:
+                c = n
+            else:
+                row = counts[k]
+                c = row[0] if (type(row) is list or type(row) is tuple) and len(row) == 1 else None
+            if type(c) is int and leaf[o] <= c <= n and leaf[o] // bs == c // bs:  # no block completes
+                leaf[o] = c
+                if effects is not None:
+                    effects.append(Committed(rid, None))
+                continue
+        if counts is None:
+            got = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots] if req is not None else ())
+        else:
+            got = _commit_one(txn, rid, counts[k])
+        if isinstance(got, KVError):
+            return got
+        if got.generation is not None:
+            generations.append((k, got.generation))
+        freed += got.freed_blocks
+        if effects is not None:
+            effects.append(got)
+    return generations, freed
 
 
 def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
@@ -126,7 +182,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
                 request=request_id, field="computed")  # fmt: skip
     first_event = len(txn.events)
     caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch
-    windowed = any(g.is_windowed for g in base.config.groups)
+    windowed = base.config.has_windows
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c

@@ -126,6 +126,7 @@ class CacheConfig:
     hash_lookahead: int = 0  # ids after each block that its hash also covers (vLLM's EAGLE lookahead hashes)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
+    has_windows: bool = field(init=False, repr=False, compare=False)  # a group lets blocks go as its window moves
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
     hash_fn: Callable[[bytes, bytes, Any], bytes] = field(init=False, repr=False, compare=False)
 
@@ -156,6 +157,7 @@ class CacheConfig:
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "state_group_set", frozenset(i for i, g in enumerate(groups) if g.is_state))
         object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set))
+        object.__setattr__(self, "has_windows", any(g.is_windowed for g in groups))
         if groups[0].is_state:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip

@@ -9,17 +9,16 @@ tail, the rest in its record) and stop at the first growth by a count.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
-from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
+from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
-from pagedkv.core.vec import VecEdit
 
 
 class Placeholders(NamedTuple):
@@ -54,15 +53,12 @@ def append_many(
     state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]
 ) -> Result[Step[Appended], KVError]:
     """Several appends as one transition: all of them, in order, or none."""
-    txn = Txn(state)
-    allocations: list[tuple[RequestId, int]] = []
-    for rid, rows in items:
-        result = _grow(txn, rid, rows)
-        if isinstance(result, KVError):
-            return Failure(result)
-        if result:
-            allocations.append((rid, result))
-    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+    ids: list[RequestId] = []
+    rows: list[Sequence[Growth]] = []
+    for rid, growth in items:
+        ids.append(rid)
+        rows.append(growth)
+    return _appended(state, ids, None, rows)
 
 
 def append_decode(
@@ -70,8 +66,7 @@ def append_decode(
 ) -> Result[Step[Appended], KVError]:
     """One decode step's growth: every row of every named request grows by one token, ``tokens[k]``
     (every row of request k gets it, as CFG branches do) or, without ids, by a count. The same as
-    ``append_many`` with one token per row (a test holds them equal), at a dict update a request
-    when the token opens no block (a row of length L opens one exactly when L % block_size == 0).
+    ``append_many`` with one token per row.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -80,76 +75,85 @@ def append_decode(
     >>> step.effect.allocations, step.state.row_len[0]
     ((), 4)
     """
-    batch = _batch(request_ids, tokens)
+    batch = decode_batch(request_ids, tokens)
     if isinstance(batch, KVError):
         return Failure(batch)
-    ids, toks = batch
+    return _appended(state, *batch, None)
+
+
+def _appended(state: KVState, ids: Sequence[RequestId], toks: Sequence[int] | None,
+              rows: Sequence[Sequence[Growth]] | None) -> Result[Step[Appended], KVError]:  # fmt: skip
     txn = Txn(state)
-    cfg = state.config
-    bs, limit = cfg.block_size, cfg.length_limit
-    get = state.requests.get
-    lens = _batch_leaves(txn.row_len, len(ids))
-    tails = _batch_leaves(txn.row_tail, len(ids)) if cfg.enable_prefix_caching else None
-    mask, ngroups = (1 << SLOT_SHIFT) - 1, cfg.paged_groups  # the blocks a row opening one takes
-    allocations: list[tuple[RequestId, int]] = []
+    grown = grow_each(txn, ids, toks, rows)
+    if isinstance(grown, KVError):
+        return Failure(grown)
+    return Success(Step(txn.done(), Appended(tuple((ids[k], gen) for k, gen in grown), tuple(txn.events))))
+
+
+def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
+              rows: Sequence[Sequence[Growth]] | None) -> list[tuple[int, int]] | KVError:  # fmt: skip
+    """The growth loop every append runs (``append``, ``append_many``, ``append_decode``, ``decode_step``):
+    request ``ids[k]`` grows by ``rows[k]`` (a growth a row), or (``rows`` None) every row of it by one
+    token, ``toks[k]`` or a count (``toks`` None), in order on ``txn``. Returns (batch index, generation)
+    for each request that took blocks.
+
+    A one-row request growing by one token inside its open block changes its length (and its tail, the
+    open block's ids), and only that is done for it here; everything else (a block to open, a count that
+    stops the row's ids, placeholders, several rows, a refusal) is ``_grow``'s."""
+    cfg = txn.config
+    bs, limit, mask = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1
+    get = txn.base.requests.get
+    lens = txn.row_len.own_for(len(ids))
+    tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
+    generations: list[tuple[int, int]] = []
     for k, rid in enumerate(ids):
         try:
-            req = get(rid)
-        except TypeError:  # an unhashable id: the general path says INVALID
+            req = get(rid) if type(rid) is str or type(rid) is int else None
+        except TypeError:
             req = None
-        if req is not None and (slot := req.decode_slot) >= 0:
+        if rows is None:
+            one, token = True, None if toks is None else toks[k]
+        else:
+            one, token = _one_token(rows[k])
+        if one and req is not None and (slot := req.decode_slot) >= 0:
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
-            if n % bs and n < limit:  # no block opens: one integer, maybe eight bytes
+            if n % bs and n < limit:  # the token goes into the open block
                 if tails is None:
                     leaf[o] = n + 1
                     continue
                 tail_leaf = tails[hi]
                 tail = tail_leaf[o]
-                if tail is None or (toks is not None and type(tail) is bytes):  # (a count stops a row's ids, a
-                    leaf[o] = n + 1  # row awaiting ids refuses more: the general path)
-                    if tail is not None:  # the open block's ids: the tail
-                        tail_leaf[o] = tail + toks[k].to_bytes(8, "little")  # type: ignore[index]
+                if tail is None or (token is not None and type(tail) is bytes):  # (a count stops a row's ids,
+                    leaf[o] = n + 1  # a row awaiting ids takes no more: _grow)
+                    if tail is not None:
+                        tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
                     continue
-            elif (n < limit and ngroups <= txn.free_blocks
-                  and (tails is None or (toks is not None and type(tails[hi][o]) is not Awaiting))):  # fmt: skip
-                record, token = txn.rows[slot], None if toks is None else toks[k]  # position n opens a block
-                tail_leaf = tails[hi] if tails is not None else None
-                allocations.append((rid, _open_block(txn, slot, n, token, record, record.hashes, leaf, tail_leaf)))
-                continue
-        result = _grow(txn, rid, None if toks is None else [[toks[k]]] * _num_rows(req))
-        if isinstance(result, KVError):
-            return Failure(result)
-        if result:
-            allocations.append((rid, result))
-    return Success(Step(txn.done(), Appended(tuple(allocations), tuple(txn.events))))
+        if rows is not None:
+            got = _grow(txn, rid, rows[k])
+        else:
+            got = _grow(txn, rid, None if toks is None else [[toks[k]]] * (len(req.slots) if req is not None else 1))
+        if isinstance(got, KVError):
+            return got
+        if got:
+            generations.append((k, got))
+    return generations
 
 
-class _OwnOnRead:
-    """Leaves owned one at a time, when a batch is too small to be worth owning them all."""
-
-    __slots__ = ("own",)
-
-    def __init__(self, edit: VecEdit[Any]) -> None:
-        self.own = edit.own
-
-    def __getitem__(self, k: int) -> Any:
-        return self.own(k)
-
-
-def _batch_leaves(edit: VecEdit[Any], batch: int) -> Any:
-    """Writable leaves for a batch loop: all of them at once for a large batch (a decode step
-    writes every row), else each on first use."""
-    return edit.own_all() if batch * 2 >= len(edit.leaves) else _OwnOnRead(edit)
+def _one_token(rows: Sequence[Growth]) -> tuple[bool, int | None]:
+    """Is this growth one token for a single row: (True, its id), (True, None) for a count of 1?"""
+    if (type(rows) is list or type(rows) is tuple) and len(rows) == 1:
+        g = rows[0]
+        if type(g) is int:
+            return g == 1, None
+        if (type(g) is list or type(g) is tuple) and len(g) == 1 and is_token_id(g[0]):
+            return True, g[0]
+    return False, None
 
 
-def _num_rows(req: Request | None) -> int:
-    return len(req.slots) if req is not None else 1
-
-
-def _batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
-           ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
+def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
+                 ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
     """A decode batch's ids and token ids, the token ids checked once for the whole call."""
     ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
     if tokens is None:
@@ -268,29 +272,3 @@ def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
         return tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
     return tuple(g + pool.pop_blocks(txn, extra) if i not in states else g[:-1] + (0,) * extra + g[-1:]
                  for i, g in enumerate(blocks))  # fmt: skip
-
-
-def _open_block(txn: Txn, slot: int, n: int, token: int | None, record: Row, hashes: bytes, leaf: Any,
-                tail_leaf: Any) -> int:  # fmt: skip
-    """A one-row full-attention row grows to n + 1 where position n opens a block in every group
-    (n % block_size == 0, the blocks are free): the tail's ids join the row's, the token starts
-    the new tail. What ``_grow`` does for it, in one record; returns the generation taken.
-    ``leaf`` and ``tail_leaf`` are the row's writable leaves of the length and tail vectors
-    (``tail_leaf`` None without prefix caching)."""
-    o = slot & ((1 << SLOT_SHIFT) - 1)
-    ids = record.ids
-    tail = tail_leaf[o] if tail_leaf is not None else None
-    if tail is not None:
-        assert ids is not None, "a row with a token tail has token ids"
-        ids += tail
-        tail_leaf[o] = None if token is None else token.to_bytes(8, "little")
-    blocks = record.blocks
-    if len(blocks) == 1:
-        new_blocks: Blocks = (blocks[0] + pool.pop_blocks(txn, 1),)
-    else:
-        new_blocks = _extended(txn, blocks, 1)
-    txn.rows[slot] = Row(new_blocks, ids, hashes, record.pending, record.hw)
-    leaf[o] = n + 1
-    gen = txn.next_generation()
-    txn.row_generation[slot] = gen
-    return gen

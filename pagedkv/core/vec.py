@@ -192,6 +192,11 @@ class VecEdit(Generic[T]):
             owned.update(range(len(leaves)))
         return leaves  # type: ignore[no-any-return]
 
+    def own_for(self, batch: int) -> Any:
+        """Writable leaves for a loop over ``batch`` entries: all of them at once when the batch is large
+        against the vector (a decode step writes every row), else each leaf on its first use."""
+        return self.own_all() if batch * 2 >= len(self.leaves) else _OwnOnRead(self)
+
     def append(self, value: T) -> int:
         """Add an entry at the end; returns its index."""
         i = self.n
@@ -224,3 +229,15 @@ class VecEdit(Generic[T]):
         out: Vec[T] = Vec(self.leaves, self.n, self.shift, self.ints)
         self.base = out
         return out
+
+
+class _OwnOnRead:
+    """``VecEdit.own_for`` for a small batch: leaf ``k`` owned (copied) when first read."""
+
+    __slots__ = ("own",)
+
+    def __init__(self, edit: VecEdit[Any]) -> None:
+        self.own = edit.own
+
+    def __getitem__(self, k: int) -> Any:
+        return self.own(k)

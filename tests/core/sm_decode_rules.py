@@ -48,28 +48,19 @@ class DecodeRules:
 
     @rule(data=st.data(), ids=st.booleans())
     def decode_step(self, data: st.DataObject, ids: bool) -> None:
-        """One decode step: each row committed through its length, then grown by the sampled token;
-        the same as a commit then an append per request, one after another."""
+        """One decode step: each row committed through its length, then each grown by the sampled token;
+        the same as a commit per request, one after another, then an append per request."""
         rids = self._running(data)
         toks = [data.draw(st.integers(0, 1)) for _ in rids] if ids else None
         fast = decode_step(self.state, rids, toks)
         event(f"decode_step {'ok' if isinstance(fast, Success) else fast.failure().code.value}")
         chain: Any = Success((self.state, ()))
-        for k, rid in enumerate(rids):
-            if not isinstance(chain, Success):
-                break
-            s, events = chain.unwrap()
-            req = s.requests.get(rid)
-            if req is None:
-                chain = commit(s, rid, [1])
-                break
-            c = commit(s, rid, [s.row_len[x] for x in req.slots])
-            if isinstance(c, Failure):
-                chain = c
-                break
-            growth = [[toks[k]] if toks is not None else 1] * len(req.slots)
-            a = append_many(c.unwrap().state, [(rid, growth)])
-            chain = a.map(lambda st_, ev=events + c.unwrap().effect.events: (st_.state, ev + st_.effect.events))
+        for rid in rids:  # the commits
+            chain = chain.bind(lambda se, r=rid: commit(se[0], r, _lengths(se[0], r)).map(
+                lambda c, ev=se[1]: (c.state, ev + c.effect.events)))
+        for k, rid in enumerate(rids):  # then the appends
+            chain = chain.bind(lambda se, r=rid, k=k: append_many(se[0], [(r, _one_each(se[0], r, toks, k))]).map(
+                lambda a, ev=se[1]: (a.state, ev + a.effect.events)))
         if isinstance(fast, Failure) or isinstance(chain, Failure):
             assert isinstance(fast, Failure) and isinstance(chain, Failure), (fast, chain)
             assert fast.failure().code == chain.failure().code and fast.failure().message == chain.failure().message
@@ -78,10 +69,10 @@ class DecodeRules:
         assert digest(fast.unwrap().state) == digest(chain.unwrap()[0])
         assert fast.unwrap().effect.events == chain.unwrap()[1]
         # drive the content oracle through the same commits and appends, then keep the fast state
+        for rid in rids:
+            self._commit(rid, _lengths(self.state, rid))
         for k, rid in enumerate(rids):
-            req = self.state.requests[rid]
-            self._commit(rid, [self.state.row_len[x] for x in req.slots])
-            self.append([(rid, [[toks[k]] if toks is not None else 1] * len(req.slots))])
+            self.append([(rid, _one_each(self.state, rid, toks, k))])
         assert digest(self.state) == digest(fast.unwrap().state)
         self.state = fast.unwrap().state
 
@@ -106,6 +97,17 @@ class DecodeRules:
             chain = chain.bind(lambda s, r=rid: release(s, r, "finished").map(lambda x: x.state))
         _same(fast, chain.map(lambda s: type("S", (), {"state": s})()))
         self.step(fast)
+
+
+def _lengths(state: KVState, rid: Any) -> list[int]:
+    """Each row's length (a commit through it); an unknown id: a count the commit refuses for the id."""
+    req = state.requests.get(rid)
+    return [state.row_len[x] for x in req.slots] if req is not None else [1]
+
+
+def _one_each(state: KVState, rid: Any, toks: list[int] | None, k: int) -> list[Any]:
+    """One token for every row of ``rid``: ``toks[k]``, or a count."""
+    return [[toks[k]] if toks is not None else 1] * _rows(state, rid)
 
 
 def _rows(state: KVState, rid: Any) -> int:

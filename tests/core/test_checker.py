@@ -8,7 +8,10 @@ must be caught three ways: by the checker with a short counterexample, by
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +29,6 @@ from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
 from pagedkv.core import admission as admission_mod
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
-from pagedkv.core import decode as decode_mod
 from pagedkv.core import admission, growth, pool
 from pagedkv.core.txn import Txn
 
@@ -220,49 +222,56 @@ def test_the_checker_catches_planted_state_group_bugs(plant: str, monkeypatch: p
     capsys.readouterr()
 
 
-# -- planted bugs in the decode fast paths (full attention only: windowed groups take the general path) --
+# -- planted bugs in the commit and growth loops' common rows (full attention: no window to move) --
 
 FULL = CheckConfig(usable_blocks=3, requests=2, max_model_len=6, window=None)  # 9,076 states
 
 
-def _boundary_keeps_its_tail(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = decode_mod._open_block
+def _mutated(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, old: str, new: str) -> None:
+    """Plant a bug inside a loop (no function to wrap there): ``module.name`` recompiled with ``old`` -> ``new``
+    in its source, in the module's own namespace."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert source.count(old) == 1, f"the plant's line is not in {name}: {old}"
+    namespace: dict[str, Any] = {}
+    exec(compile(source.replace(old, new), module.__file__, "exec"), vars(module).copy(), namespace)
+    original = getattr(module, name)
+    for user in list(sys.modules.values()):  # every module that imported it by name
+        if getattr(user, "__name__", "").startswith("pagedkv.") and getattr(user, name, None) is original:
+            monkeypatch.setattr(user, name, namespace[name])
 
-    def open_block(txn: Txn, slot: int, n: int, token: int | None, record: Any, hashes: bytes, leaf: Any,
-                   tail_leaf: Any) -> int:  # fmt: skip
-        if tail_leaf is not None:
-            o = slot & 31
-            tail = tail_leaf[o]
-            gen = original(txn, slot, n, token, record, hashes, leaf, tail_leaf)
-            if tail is not None and token is not None:
-                tail_leaf[o] = tail + token.to_bytes(8, "little")  # the full block's ids stay in the tail too
-            return gen
-        return original(txn, slot, n, token, record, hashes, leaf, tail_leaf)
 
-    monkeypatch.setattr(decode_mod, "_open_block", open_block)
+def _open_block_id_dropped(monkeypatch: pytest.MonkeyPatch) -> None:  # the id never joins the open block's ids
+    _mutated(monkeypatch, growth, "grow_each", 'tail_leaf[o] = tail + token.to_bytes(8, "little")', "tail_leaf[o] = tail")
+
+
+def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a commit past a boundary, one write
+    _mutated(monkeypatch, sys.modules["pagedkv.core.commit"], "commit_each", "and leaf[o] // bs == c // bs:", ":")
 
 
 def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = decode_mod._open_block
+    original = growth._grow
 
-    def open_block(txn: Txn, *args: Any) -> int:
+    def grow(txn: Txn, *args: Any) -> Any:
         before = txn.generation
-        original(txn, *args)
-        txn.generation = before  # the new block is installed under the old generation
-        return before
+        gen = original(txn, *args)
+        if isinstance(gen, int) and gen:
+            txn.generation = before  # the new block is installed under the old generation
+            txn.row_generation[txn.base.requests[args[0]].slots[0]] = before
+            return before
+        return gen
 
-    monkeypatch.setattr(decode_mod, "_open_block", open_block)
+    monkeypatch.setattr(growth, "_grow", grow)
 
 
-@pytest.mark.parametrize("plant", [_boundary_keeps_its_tail, _boundary_without_a_generation])
-def test_the_checker_catches_a_planted_bug_in_the_decode_fast_path(plant: Callable[[pytest.MonkeyPatch], None],
+@pytest.mark.parametrize("plant", [_open_block_id_dropped, _completed_block_not_hashed, _boundary_without_a_generation])
+def test_the_checker_catches_a_planted_bug_in_the_decode_loops(plant: Callable[[pytest.MonkeyPatch], None],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     clean = check(FULL)
     assert clean.violation == [] and clean.states == 9076
     plant(monkeypatch)
     result = check(FULL)
-    assert result.violation, "the checker missed a decode fast-path bug"
-    assert any("decode" in line or "append" in line for line in result.trace[1:])
+    assert result.violation, "the checker missed a bug in the decode loops"
+    assert any(op in line for line in result.trace[1:] for op in ("decode", "append", "commit"))
 
 
 def test_destination_reservations_are_explored_and_the_window_bug_is_caught(

@@ -11,8 +11,8 @@ from pagedkv.core.config import GroupKind, GroupSpec
 from pagedkv.core.errors import shown
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import KVState
-from pagedkv.core.tails import Awaiting
+from pagedkv.core.state import KVState, Request
+from pagedkv.core.tails import Awaiting, known_ids
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -43,6 +43,7 @@ def check_invariants(state: KVState) -> list[str]:
             layout = req.layouts[i]
             future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
             _token_ids(state, slot, where, bad)
+            _hashed(state, req, i, slot, where, bad)
             _row_blocks(state, slot, where, future, held, bad)
     _free_queue(state, held, bad)
     _cache_index(state, bad)
@@ -68,6 +69,21 @@ def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
         ahead = s.config.hash_lookahead if record.num_hashed else 0  # (and the ids after its block)
         if record.num_hashed * s.config.block_size + ahead > known:  # a hash covers only ids it was computed over
             bad.append(f"{where}: {record.num_hashed} blocks hashed, but only {known} positions have known ids")
+
+
+def _hashed(s: KVState, req: Request, i: int, slot: int, where: str, bad: list[str]) -> None:
+    """Every full block a caching row has computed, with its ids known (and the lookahead's), is hashed (a row
+    whose KV arrives from elsewhere, ``pending_tokens``, caches on its own terms: not judged here)."""
+    cfg, record = s.config, s.rows[slot]
+    if not cfg.enable_prefix_caching or req.cache_epoch != s.cache_epoch or record.ids is None or record.pending[0]:
+        return
+    layout = req.layouts[i]
+    cacheable = layout.prefix_len if layout.prefix_len is not None else s.row_len[slot]
+    known = known_ids(record, s.row_tail[slot])
+    ahead = cfg.hash_lookahead  # (a block hashes once its lookahead ids are known, at the next commit or fill)
+    full = min(s.row_computed[slot] - ahead, cacheable, known - ahead) // cfg.block_size
+    if record.num_hashed < full:
+        bad.append(f"{where}: {full} full computed blocks, only {record.num_hashed} hashed")
 
 
 def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int], bad: list[str]) -> None:

@@ -65,8 +65,10 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
         if known + len(ids) > length:
             return invalid(f"request {shown(rid)} row {i}: {len(ids)} ids for the {length - known} positions that "
                            f"await theirs", request=rid, field="tokens")  # fmt: skip
-        record, tail = with_more_ids(record, tail, pack_ids(ids), cfg.block_size,
-                                     awaiting=known + len(ids) < length)  # fmt: skip
+        assert record.ids is not None, "a row with a token tail has token ids"
+        more, tail = with_more_ids(record.ids, tail, pack_ids(ids), cfg.block_size, awaiting=known + len(ids) < length)
+        if more is not record.ids:
+            record = Row(record.blocks, more, record.hashes, record.pending, record.hw)
         txn.row_tail[slot] = tail
         if cfg.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch:
             record = hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)

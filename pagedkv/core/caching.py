@@ -38,7 +38,8 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them."""
-    if record.ids is None:
+    ids = record.ids
+    if ids is None:
         return record
     cfg = txn.config
     bs = cfg.block_size
@@ -47,26 +48,27 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
     full = min(computed, cacheable, known - ahead) // bs
-    done = record.num_hashed
+    hw = record.hw
+    done = len(record.hashes) // hw
     if full <= done:
         return record
     blocks = record.blocks
     states = cfg.state_group_set
-    parent = record.hashes[-record.hw :] if done else txn.base.cache.root
-    hash_packed = cfg.hash_fn
     new = [record.hashes]
+    parent = record.hashes[-hw:] if done else txn.base.cache.root
+    hash_packed = cfg.hash_fn
     add = txn.index.add
     events = txn.events
     keys = req.keys
     plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
     span = token_span(record, tail, done * bs, full * bs + ahead)  # the packed ids of every block to hash
-    ids = unpack_ids(span)  # (the events carry them as ints)
+    unpacked = unpack_ids(span)  # (the events carry them as ints)
     width = bs << 3
     following = None
     for j in range(done, full):
         i = j - done
         if ahead:
-            following = ids[(i + 1) * bs : (i + 1) * bs + ahead]
+            following = unpacked[(i + 1) * bs : (i + 1) * bs + ahead]
             extra = keys.ahead(j, bs, following)
         else:
             extra = keys.at(j, bs) if plain is None else plain
@@ -76,7 +78,7 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b):
-                events.append(BlockStored(h, parent if j else None, ids[i * bs : (i + 1) * bs], g, b,
+                events.append(BlockStored(h, parent if j else None, unpacked[i * bs : (i + 1) * bs], g, b,
                                           keys.every if plain is not None else keys.raw(j, bs, ahead), following))
         new.append(h)
         parent = h

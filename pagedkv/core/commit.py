@@ -121,12 +121,13 @@ def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[in
     (``counts`` None), in order on ``txn``. Each request's ``Committed`` goes to ``effects`` when given.
     Returns (batch index, generation) for each request whose layout changed, and the blocks freed.
 
-    A one-row request in a pool without windows whose commit completes no block changes one number, and
-    only that is done for it here; everything else (a block to hash, a window to move, several rows,
-    a lookahead, a refusal) is ``_commit_one``'s."""
+    A one-row request in a pool without windows or a lookahead is judged here: its count changes one
+    number, and the blocks it completes go through the caching rule (``cache_full_blocks``). Everything
+    else (a window to move, several rows, a lookahead, a refusal) is ``_commit_one``'s."""
     cfg = txn.config
     bs, mask = cfg.block_size, (1 << SLOT_SHIFT) - 1
     quick = not cfg.has_windows and not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
+    caching, epoch = cfg.enable_prefix_caching, txn.base.cache_epoch
     get = txn.base.requests.get
     lens = txn.row_len.leaves  # (read only)
     done = txn.row_computed.own_for(len(ids))
@@ -139,16 +140,25 @@ def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[in
             req = None
         if quick and req is not None and (slot := req.decode_slot) >= 0:
             hi, o = slot >> SLOT_SHIFT, slot & mask
-            leaf, n = done[hi], lens[hi][o]
+            leaf = done[hi]
+            before = leaf[o]
             if counts is None:
-                c = n
+                c = lens[hi][o]  # (never below what is computed)
             else:
                 row = counts[k]
                 c = row[0] if (type(row) is list or type(row) is tuple) and len(row) == 1 else None
-            if type(c) is int and leaf[o] <= c <= n and leaf[o] // bs == c // bs:  # no block completes
+                if type(c) is not int or not before <= c <= lens[hi][o]:
+                    c = None  # (refused by the general rule, with the reason)
+            if c is not None:
                 leaf[o] = c
+                if before // bs == c // bs or not caching or req.cache_epoch != epoch:  # nothing to cache
+                    if effects is not None:
+                        effects.append(Committed(rid, None))
+                    continue
+                first = len(txn.events)  # blocks completed: the caching rule
+                cache_full_blocks(txn, req, 0, slot, c)
                 if effects is not None:
-                    effects.append(Committed(rid, None))
+                    effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
                 continue
         if counts is None:
             got = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots] if req is not None else ())

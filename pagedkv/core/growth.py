@@ -16,7 +16,7 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
-from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Step
+from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
 
@@ -97,11 +97,13 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
     token, ``toks[k]`` or a count (``toks`` None), in order on ``txn``. Returns (batch index, generation)
     for each request that took blocks.
 
-    A one-row request growing by one token inside its open block changes its length (and its tail, the
-    open block's ids), and only that is done for it here; everything else (a block to open, a count that
-    stops the row's ids, placeholders, several rows, a refusal) is ``_grow``'s."""
+    A one-row request growing by one token is judged here (its token is checked with the batch's, it fits
+    the length limit, the pool has its block): inside its open block it changes its length (and its
+    tail, the open block's ids), and only that; opening a block, it goes through the row rule
+    (``_grow_row``). Everything else (a count that stops the row's ids, placeholders, several rows, a
+    refusal) is ``_grow``'s."""
     cfg = txn.config
-    bs, limit, mask = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1
+    bs, limit, mask, paged = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.paged_groups
     get = txn.base.requests.get
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
@@ -112,23 +114,27 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
         except TypeError:
             req = None
         if rows is None:
-            one, token = True, None if toks is None else toks[k]
+            token = toks[k] if toks is not None else None
         else:
-            one, token = _one_token(rows[k])
-        if one and req is not None and (slot := req.decode_slot) >= 0:
+            token = _one_token(rows[k])  # type: ignore[assignment]
+        if token is not _MANY and req is not None and (slot := req.decode_slot) >= 0:
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
-            if n % bs and n < limit:  # the token goes into the open block
-                if tails is None:
-                    leaf[o] = n + 1
-                    continue
+            if tails is None:
+                tail = None
+            else:
                 tail_leaf = tails[hi]
                 tail = tail_leaf[o]
-                if tail is None or (token is not None and type(tail) is bytes):  # (a count stops a row's ids,
-                    leaf[o] = n + 1  # a row awaiting ids takes no more: _grow)
+            if n < limit and (tail is None or (token is not None and type(tail) is bytes)):  # (a count stops
+                if n % bs:  # the token goes into the open block          # a row's ids, a row awaiting ids
+                    leaf[o] = n + 1                                       # takes no more: _grow)
                     if tail is not None:
                         tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
+                    continue
+                if paged <= txn.free_blocks:  # it opens a block: the row rule, and the request's generation
+                    _grow_row(txn, slot, n + 1, 1, 1 if token is None else [token])
+                    generations.append((k, _new_layout(txn, slot)))
                     continue
         if rows is not None:
             got = _grow(txn, rid, rows[k])
@@ -141,15 +147,18 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
     return generations
 
 
-def _one_token(rows: Sequence[Growth]) -> tuple[bool, int | None]:
-    """Is this growth one token for a single row: (True, its id), (True, None) for a count of 1?"""
+_MANY = object()  # a growth other than one token for a single row
+
+
+def _one_token(rows: Sequence[Growth]) -> object:
+    """A growth of one token for a single row: its id, or None for a count of 1; else ``_MANY``."""
     if (type(rows) is list or type(rows) is tuple) and len(rows) == 1:
         g = rows[0]
         if type(g) is int:
-            return g == 1, None
+            return None if g == 1 else _MANY
         if (type(g) is list or type(g) is tuple) and len(g) == 1 and is_token_id(g[0]):
-            return True, g[0]
-    return False, None
+            return g[0]
+    return _MANY
 
 
 def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
@@ -192,10 +201,13 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
                        request=rid, requested=need, available=txn.free_blocks)  # fmt: skip
     for slot, new_len, extra, item in grown:
         _grow_row(txn, slot, new_len, extra, item)
-    if not need:
-        return 0
+    return _new_layout(txn, req.slots[0]) if need else 0
+
+
+def _new_layout(txn: Txn, first_slot: int) -> int:
+    """A request took blocks: it takes the next generation (kept at its first row's slot)."""
     gen = txn.next_generation()
-    txn.row_generation[req.slots[0]] = gen
+    txn.row_generation[first_slot] = gen
     return gen
 
 
@@ -245,23 +257,24 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
 def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
     """One row grows to ``new_len`` with ``extra`` new blocks a group; its ids stay known while it
     grows by ids (whole blocks join its record, the open block's stay in its tail)."""
-    records, tails, bs = txn.rows, txn.row_tail, txn.config.block_size
+    records, tails = txn.rows, txn.row_tail
     record = records[slot]
     tail = tails[slot]
+    ids = record.ids
     if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
+        assert ids is not None, "a row with a token tail has token ids"
         if type(item) is Placeholders:  # the known ids stay a prefix; the rest await theirs
             tails[slot] = as_tail(tail, True)
         elif isinstance(item, (list, tuple)):
-            record, tails[slot] = with_more_ids(record, tail, pack_ids(item), bs, awaiting=False)
+            ids, tails[slot] = with_more_ids(ids, tail, pack_ids(item), txn.config.block_size, awaiting=False)
         else:
             if tail:
-                record = record.with_ids(tail)
+                ids += tail
             tails[slot] = None
     txn.row_len[slot] = new_len
-    if extra:
-        record = record.with_blocks(_extended(txn, record.blocks, extra))
-    if record is not records[slot]:
-        records[slot] = record
+    blocks = _extended(txn, record.blocks, extra) if extra else record.blocks
+    if ids is not record.ids or extra:
+        records[slot] = Row(blocks, ids, record.hashes, record.pending, record.hw)
 
 
 def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
@@ -269,6 +282,8 @@ def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
     block moves to the new last position (the null block where it was), nothing allocated."""
     states = txn.config.state_group_set
     if not states:
+        if len(blocks) == 1:
+            return (blocks[0] + pool.pop_blocks(txn, extra),)
         return tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
     return tuple(g + pool.pop_blocks(txn, extra) if i not in states else g[:-1] + (0,) * extra + g[-1:]
                  for i, g in enumerate(blocks))  # fmt: skip

@@ -49,13 +49,14 @@ def unpack_ids(data: bytes) -> tuple[int, ...]:
     return tuple(a)
 
 
-def with_more_ids(record: Any, tail: bytes, packed: bytes, bs: int, *, awaiting: bool) -> tuple[Any, bytes]:
-    """A row's record and tail once ``packed`` ids follow its known ones: the blocks before the one holding the
-    last known id join the record, the rest stay in the tail (marked while positions still await ids)."""
+def with_more_ids(ids: bytes, tail: bytes, packed: bytes, bs: int, *, awaiting: bool) -> tuple[bytes, bytes]:
+    """A row's ids (its record's) and tail once ``packed`` ids follow its known ones: the blocks before the one
+    holding the last known id join the ids, the rest stay in the tail (marked while positions still await ids)."""
+    chunked = len(ids) >> 3
     tail += packed
-    last_block = (record.chunked + (len(tail) >> 3) - 1) // bs * bs
-    if last_block > record.chunked:  # ids reached a new block: the blocks before join the chunks
-        cut = (last_block - record.chunked) << 3
-        record = record.with_ids(tail[:cut])
+    last_block = (chunked + (len(tail) >> 3) - 1) // bs * bs
+    if last_block > chunked:  # ids reached a new block: the blocks before join the chunks
+        cut = (last_block - chunked) << 3
+        ids += tail[:cut]
         tail = tail[cut:]
-    return record, as_tail(tail, awaiting)
+    return ids, as_tail(tail, awaiting)

@@ -245,22 +245,14 @@ def _open_block_id_dropped(monkeypatch: pytest.MonkeyPatch) -> None:  # the id n
 
 
 def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a commit past a boundary, one write
-    _mutated(monkeypatch, sys.modules["pagedkv.core.commit"], "commit_each", "and leaf[o] // bs == c // bs:", ":")
+    _mutated(monkeypatch, sys.modules["pagedkv.core.commit"], "commit_each", "cache_full_blocks(txn, req, 0, slot, c)", "pass")
 
 
 def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = growth._grow
+    def same_generation(txn: Txn, first_slot: int) -> int:  # the new block is installed under the old generation
+        return txn.row_generation[first_slot]
 
-    def grow(txn: Txn, *args: Any) -> Any:
-        before = txn.generation
-        gen = original(txn, *args)
-        if isinstance(gen, int) and gen:
-            txn.generation = before  # the new block is installed under the old generation
-            txn.row_generation[txn.base.requests[args[0]].slots[0]] = before
-            return before
-        return gen
-
-    monkeypatch.setattr(growth, "_grow", grow)
+    monkeypatch.setattr(growth, "_new_layout", same_generation)
 
 
 @pytest.mark.parametrize("plant", [_open_block_id_dropped, _completed_block_not_hashed, _boundary_without_a_generation])

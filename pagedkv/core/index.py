@@ -13,7 +13,7 @@ collection. One integer ``Vec`` by block id says which bucket holds the block
 operations on one bucket.
 
 An edit copies each bucket it writes once (a few entries) and the leaves around
-it once, so an insert or an eviction costs O(1) amortised, never a scan.
+it once, as it writes, so an insert or an eviction costs O(1) amortised, never a scan.
 
 One block per content, unless the edit keeps duplicates (``CacheConfig.cache_duplicates``, vLLM's block
 pool: a block that fills with content another block already holds is cached too). A hash then maps to
@@ -133,51 +133,73 @@ class PrefixIndex:
 
 
 class PrefixIndexEdit:
-    """A transition's working copy of a ``PrefixIndex``: an overlay of what it changed, folded
-    into new buckets once, by ``persistent``.
-
-    ``keys`` has the last word on every key the transition touched (its block, or 0: dropped),
-    ``blocks`` on every block (its key, or None). A bucket is then copied once for all the
-    transition's changes in it, and every leaf of the locator vector once.
+    """A transition's working copy of a ``PrefixIndex``, written through: each bucket it changes is
+    copied once (a few entries) into a copy of its leaf, and the locator vector's leaves likewise;
+    ``persistent`` publishes them. Reads see the edit's own writes.
     """
 
-    __slots__ = ("base", "keys", "blocks", "size", "duplicates")
+    __slots__ = ("base", "buckets", "where", "owned", "size", "mask", "duplicates")
 
     def __init__(self, base: PrefixIndex, duplicates: bool = False) -> None:
         self.base = base
-        self.keys: dict[CacheKey, int | tuple[int, ...]] = {}  # a key's blocks: one, several, or 0 (none)
-        self.blocks: dict[int, CacheKey | None] = {}
+        self.buckets: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)  # per group, on first write
+        self.where: VecEdit[int] | None = None
+        self.owned: set[tuple[int, int]] = set()  # (group, bucket) copied by this edit: safe to write
         self.size = base.size
+        self.mask = base.mask
         self.duplicates = duplicates  # a content already cached caches another block too
 
+    def _bucket(self, g: int, h: BlockHash) -> dict[Any, Any]:
+        k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
+        e = self.buckets[g]
+        leaves = self.base.buckets[g].leaves if e is None else e.leaves
+        return leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]  # type: ignore[no-any-return]
+
+    def _own_bucket(self, g: int, k: int) -> dict[Any, Any]:
+        """Bucket ``k`` of group ``g``, writable (copied on its first write in this edit)."""
+        leaf = self.buckets[g]
+        if leaf is None:
+            leaf = self.buckets[g] = VecEdit(self.base.buckets[g])
+        entries = leaf.own(k >> _BUCKET_SHIFT)
+        if (g, k) in self.owned:
+            return entries[k & _BUCKET_MASK]  # type: ignore[no-any-return]
+        bucket = entries[k & _BUCKET_MASK] = dict(entries[k & _BUCKET_MASK])  # (untracked, as its source)
+        self.owned.add((g, k))
+        return bucket
+
+    def _located(self, block: int) -> int:
+        w = self.where
+        vec = self.base.where if w is None else w
+        return vec.leaves[block >> vec.shift][block & ((1 << vec.shift) - 1)]  # type: ignore[no-any-return]
+
+    def _locate(self, block: int, value: int) -> None:
+        if self.where is None:
+            self.where = VecEdit(self.base.where)
+        self.where[block] = value
+
     def get(self, key: CacheKey) -> int | None:
-        b = self.keys.get(key)
-        if b is not None:
-            return (b or None) if isinstance(b, int) else b[0]
-        return self.base.get(key)
+        block = self._bucket(*key).get(key[1])
+        return block if type(block) is not tuple else block[0]
 
     def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
-        b = self.keys.get(key)
-        if b is None:
-            return self.base.blocks_of(key)
-        if isinstance(b, tuple):
-            return b
-        return (b,) if b else ()
+        block = self._bucket(*key).get(key[1])
+        return () if block is None else (block,) if type(block) is int else block
 
     def __contains__(self, key: CacheKey) -> bool:
-        return self.get(key) is not None
+        return key[1] in self._bucket(*key)
 
     def is_cached(self, block: int) -> bool:
-        blocks = self.blocks
-        if block in blocks:
-            return blocks[block] is not None
-        return self.base.where[block] != 0
+        return self._located(block) != 0
 
     def key_of(self, block: int) -> CacheKey | None:
-        blocks = self.blocks
-        if block in blocks:
-            return blocks[block]
-        return self.base.key_of(block)
+        w = self._located(block) - 1
+        if w < 0:
+            return None
+        g = w & GROUP_MASK
+        e = self.buckets[g]
+        k = w >> GROUP_BITS
+        leaves = self.base.buckets[g].leaves if e is None else e.leaves
+        return g, leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK][block]
 
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""
@@ -186,101 +208,43 @@ class PrefixIndexEdit:
 
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
-        key = (g, h)
-        b = self.keys.get(key)
-        base = self.base
-        if b is None:  # untouched by this edit: the base decides (leaves read directly: a hot path)
-            vec = base.buckets[g]
-            k = (h[0] | h[1] << 8 | h[2] << 16) & base.mask
-            if h in vec.leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]:
-                if not self.duplicates:
-                    return False  # the same content sits in another block
-                return self._add_duplicate(key, block)
-        elif b:
-            if not self.duplicates:
-                return False
-            return self._add_duplicate(key, block)
-        blocks = self.blocks
-        if block in blocks:
-            if blocks[block] is not None:
-                return False  # this block holds another content
-        else:
-            where = base.where
-            if where.leaves[block >> where.shift][block & ((1 << where.shift) - 1)]:
-                return False
-        self.keys[key] = block
-        blocks[block] = key
-        self.size += 1
-        return True
-
-    def _add_duplicate(self, key: CacheKey, block: int) -> bool:
-        if self.key_of(block) is not None:
-            return False  # this block holds a content already
-        self.keys[key] = (*self.blocks_of(key), block)
-        self.blocks[block] = key
+        k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
+        e = self.buckets[g]
+        leaves = self.base.buckets[g].leaves if e is None else e.leaves
+        old = leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK].get(h)
+        if (old is not None and not self.duplicates) or self._located(block):
+            return False  # the same content sits in another block, or this block holds a content
+        bucket = self._own_bucket(g, k)
+        bucket[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
+        bucket[block] = h  # the reverse entry, for eviction
+        self._locate(block, (k << GROUP_BITS | g) + 1)
         self.size += 1
         return True
 
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
-        key = self.key_of(block)
-        if key is None:
+        w = self._located(block) - 1
+        if w < 0:
             return None
-        cur = self.keys.get(key)
-        if cur is None:
-            cur = self.base.blocks_of(key)
-        if isinstance(cur, tuple) and len(cur) > 1:  # a key with duplicates keeps the others, in order
+        g = w & GROUP_MASK
+        bucket = self._own_bucket(g, w >> GROUP_BITS)
+        h = bucket.pop(block)
+        cur = bucket[h]
+        if type(cur) is tuple:  # a key with duplicates keeps the others, in order
             rest = tuple(b for b in cur if b != block)
-            self.keys[key] = rest[0] if len(rest) == 1 else rest
+            bucket[h] = rest[0] if len(rest) == 1 else rest
         else:
-            self.keys[key] = 0
-        self.blocks[block] = None
+            del bucket[h]
+        self._locate(block, 0)
         self.size -= 1
-        return key
+        return g, h
 
     def persistent(self) -> PrefixIndex:
         base = self.base
-        if not self.keys:
+        if not self.owned and self.where is None:
             return base
-        mask = base.mask
-        # per bucket: the old pairs of every key touched go, then the new ones come
-        touched: dict[tuple[int, int], list[tuple[BlockHash, int | tuple[int, ...]]]] = {}
-        for (g, h), b in self.keys.items():
-            touched.setdefault((g, (h[0] | h[1] << 8 | h[2] << 16) & mask), []).append((h, b))
-        edits: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)
-        for (g, k), changes in touched.items():
-            edit = edits[g]
-            if edit is None:
-                edit = edits[g] = VecEdit(base.buckets[g])
-            leaf = edit.own(k >> _BUCKET_SHIFT)
-            bucket = dict(leaf[k & _BUCKET_MASK])  # (a copy of an untracked dict stays untracked)
-            for h, _ in changes:  # every old pair of a key touched goes first
-                old = bucket.pop(h, None)
-                if type(old) is int:
-                    del bucket[old]
-                elif old is not None:
-                    for d in old:
-                        del bucket[d]
-            for h, b in changes:
-                if isinstance(b, int):
-                    if b:
-                        bucket[h] = b
-                        bucket[b] = h  # the reverse entry, for eviction
-                elif b:
-                    bucket[h] = b
-                    for d in b:
-                        bucket[d] = h
-            leaf[k & _BUCKET_MASK] = bucket
-        where = VecEdit(base.where)
-        sh, m = where.shift, where.mask
-        leaves = where.own_many({b >> sh for b in self.blocks})
-        for b, key in self.blocks.items():
-            if key is None:
-                leaves[b >> sh][b & m] = 0
-            else:
-                g, h = key
-                leaves[b >> sh][b & m] = (((h[0] | h[1] << 8 | h[2] << 16) & mask) << GROUP_BITS | g) + 1
-        buckets = tuple(v if e is None else e.persistent() for v, e in zip(base.buckets, edits))
-        out = PrefixIndex(buckets, where.persistent(), self.size, base.root)
-        self.base, self.keys, self.blocks = out, {}, {}
+        buckets = tuple(v if e is None else e.persistent() for v, e in zip(base.buckets, self.buckets))
+        where = base.where if self.where is None else self.where.persistent()
+        out = PrefixIndex(buckets, where, self.size, base.root)
+        self.base, self.buckets, self.where, self.owned = out, [None] * len(buckets), None, set()
         return out

@@ -251,10 +251,12 @@ def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypa
         key = self.key_of(block)
         if key is None:
             return None
-        cur = self.keys.get(key)
-        cur = self.base.blocks_of(key) if cur is None else cur
-        self.keys[key] = cur if type(cur) is tuple else 0  # the bug: the block stays among the key's blocks
-        self.blocks[block] = None
+        g, h = key
+        bucket = self._own_bucket(g, (h[0] | h[1] << 8 | h[2] << 16) & self.mask)
+        del bucket[block]
+        if type(bucket[h]) is not tuple:  # the bug: a block with duplicates stays among its key's blocks
+            del bucket[h]
+        self._locate(block, 0)
         self.size -= 1
         return key
 

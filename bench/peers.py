@@ -14,6 +14,9 @@ first sampled token. The state is a value; a refused admission keeps the old one
         --n 64,256,1024 --repeats 3 --out peers.json
     python bench/peers.py peers.json          # the table of ratios (GC on, and GC off from a --gc-off run)
 
+``Adapter`` runs the core without KV events, as the harness runs vLLM's manager; add
+``bench/peers.py:AdapterWithEvents`` to ``--peers`` for the cost of reporting them.
+
 The harness calls ``decode(handle, token)`` once per request and wants to know
 at once whether a block was there. The adapter answers that the way the core
 would (a token opens a block when its row's length is a multiple of the block
@@ -43,11 +46,16 @@ class Handle:
 
 
 class Adapter:
+    """The core as an engine that publishes no KV events runs it (``kv_events=False``), like the harness's
+    vLLM manager (``KVCacheManager``'s ``enable_kv_cache_events`` is off by default);
+    ``AdapterWithEvents`` reports them."""
+
     name = "pagedkv"
+    kv_events = False
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks + 1, enable_prefix_caching=True,
-                          max_model_len=max_model_len)  # fmt: skip
+                          max_model_len=max_model_len, kv_events=self.kv_events)  # fmt: skip
         self.state = initial_state(cfg)  # +1: pagedkv's block 0 is the null block, as vLLM's is
         self.block_size = block_size
         self.ids: list[int] = []  # the step's queued decodes: request ids and their sampled tokens
@@ -115,6 +123,11 @@ class Adapter:
         if self.ids:
             self._flush()
         self.ending.append(h.rid)
+
+
+class AdapterWithEvents(Adapter):
+    name = "pagedkv+events"
+    kv_events = True
 
 
 def table(paths: list[str]) -> str:

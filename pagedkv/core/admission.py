@@ -232,7 +232,8 @@ def take_state(txn: Txn, saved: int) -> None:
     """The saved state at a hit's boundary becomes the row's: out of the cache (it will be rewritten, so no
     other request may hit it), out of the free queue."""
     g, h = txn.index.evict(saved)  # type: ignore[misc]
-    txn.events.append(BlockRemoved(h, g, saved))
+    if txn.config.kv_events:
+        txn.events.append(BlockRemoved(h, g, saved))
     pool.take_hit(txn, saved)
 
 

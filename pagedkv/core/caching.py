@@ -58,11 +58,11 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     parent = record.hashes[-hw:] if done else txn.base.cache.root
     hash_packed = cfg.hash_fn
     add = txn.index.add
-    events = txn.events
+    events = txn.events if cfg.kv_events else None
     keys = req.keys
     plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
     span = token_span(record, tail, done * bs, full * bs + ahead)  # the packed ids of every block to hash
-    unpacked = unpack_ids(span)  # (the events carry them as ints)
+    unpacked = unpack_ids(span) if events is not None or ahead else ()  # (the events carry them as ints)
     width = bs << 3
     following = None
     for j in range(done, full):
@@ -77,7 +77,7 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
-            if b and (not states or g not in states) and add(g, h, b):
+            if b and (not states or g not in states) and add(g, h, b) and events is not None:
                 events.append(BlockStored(h, parent if j else None, unpacked[i * bs : (i + 1) * bs], g, b,
                                           keys.every if plain is not None else keys.raw(j, bs, ahead), following))
         new.append(h)
@@ -104,5 +104,5 @@ def save_states(txn: Txn, req: Request) -> None:
         ids = unpack_ids(token_span(record, txn.row_tail[slot], j * bs, (j + 1) * bs))
         for g in sorted(states):
             b = record.blocks[g][-1]
-            if b and txn.index.add(g, h, b):
+            if b and txn.index.add(g, h, b) and cfg.kv_events:
                 txn.events.append(BlockStored(h, parent, ids, g, b, req.keys.raw(j, bs)))

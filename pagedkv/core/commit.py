@@ -94,7 +94,8 @@ def forget_ahead(txn: Txn, req: Request) -> None:
                 b = ids[j] if j < len(ids) else 0
                 if b and txn.index.key_of(b) == (g, h):
                     txn.index.evict(b)
-                    txn.events.append(BlockRemoved(h, g, b))
+                    if txn.config.kv_events:
+                        txn.events.append(BlockRemoved(h, g, b))
 
 
 def commit_many(

@@ -124,6 +124,7 @@ class CacheConfig:
     block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; vLLM's: "sha256", "sha256_cbor", "xxhash"...
     cache_duplicates: bool = False  # False: one block per content; True: every block that fills is cached (vLLM)
     hash_lookahead: int = 0  # ids after each block that its hash also covers (vLLM's EAGLE lookahead hashes)
+    kv_events: bool = True  # False: transitions report no KV cache events (vLLM's enable_kv_cache_events off)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
     has_windows: bool = field(init=False, repr=False, compare=False)  # a group lets blocks go as its window moves
@@ -170,7 +171,7 @@ class CacheConfig:
             object.__setattr__(self, "hash_fn", hasher(self.block_hash))
         except ValueError as e:  # a kind whose package is absent
             raise InvalidConfig(str(e)) from None
-        for key in ("enable_prefix_caching", "cache_duplicates"):
+        for key in ("enable_prefix_caching", "cache_duplicates", "kv_events"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
         if not is_int(self.hash_lookahead) or not 0 <= self.hash_lookahead <= self.block_size:

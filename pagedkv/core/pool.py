@@ -37,11 +37,13 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     txn.free_blocks -= k
     own = txn.refcount.own
     cached = txn.cache_view().is_cached
+    events = txn.config.kv_events
     for x in out:
         own(x >> sh)[x & m] = 1
         if cached(x):
             g, h = txn.index.evict(x)  # type: ignore[misc]
-            txn.events.append(BlockRemoved(h, g, x))
+            if events:
+                txn.events.append(BlockRemoved(h, g, x))
     return tuple(out)
 
 

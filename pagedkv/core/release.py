@@ -110,7 +110,7 @@ def reset(state: KVState) -> Result[Step[WasReset], KVError]:
     nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1,
                         cache_epoch=state.cache_epoch + 1)  # fmt: skip
     released = tuple(sorted(state.requests.keys(), key=_id_order))
-    events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) else ()
+    events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) and state.config.kv_events else ()
     return Success(Step(nxt, WasReset(nxt.epoch, released, events)))
 
 
@@ -136,7 +136,7 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
     nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)
     # every successful reset says so, an empty cache's too: vLLM's block pool does, and a router counts on it
-    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),))))
+    return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if state.config.kv_events else ())))
 
 
 def _id_order(rid: RequestId) -> tuple[str, str | int]:

@@ -29,7 +29,8 @@ def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:
     keys: dict[str, tuple[str | bool | int, str | bool | int]] = {
         "free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
         "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash),
-        "cache_duplicates": (False, cache.cache_duplicates), "hash_lookahead": (0, cache.hash_lookahead)}  # fmt: skip
+        "cache_duplicates": (False, cache.cache_duplicates), "hash_lookahead": (0, cache.hash_lookahead),
+        "kv_events": (True, cache.kv_events)}  # fmt: skip
     return {k: v for k, (default, v) in keys.items() if v != default}
 
 

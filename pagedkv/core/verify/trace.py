@@ -85,6 +85,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             block_hash=cfg.get("block_hash", "blake2b"),
             cache_duplicates=cfg.get("cache_duplicates", False),
             hash_lookahead=cfg.get("hash_lookahead", 0),
+            kv_events=cfg.get("kv_events", True),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None

@@ -8,8 +8,8 @@ holds every running request's whole sequence (no preemption). Timed: one step of
 (``schedule()`` plus ``update_from_output()``, and under speculation the drafter's proposals handed over;
 the scheduler's own work is the same code in both columns), and within it the manager's calls
 (``allocate_slots``, ``get_computed_blocks``, ``free``, ``get_blocks``, ``take_events``, ``cache_blocks``),
-all through the same timing wrapper. KV events on (as a router-fed deployment runs). Collections of
-CPython's GC per step, all generations, from ``gc.callbacks``.
+all through the same timing wrapper. KV events on (as a router-fed deployment runs), or off (``--events off``,
+vLLM's default). Collections of CPython's GC per step, all generations, from ``gc.callbacks``.
 
 Modes (``--modes``): ``sync`` (no async scheduling, no speculation); ``async`` (vLLM's AsyncScheduler, two
 batches in flight); ``ngram2``, ``ngram4``, ``eagle2``, ``eagle4`` (speculative decoding with k drafts a step,
@@ -75,7 +75,7 @@ def timed_manager(manager: Any, spent: list[int]) -> None:
         setattr(manager, name, wrapper)
 
 
-def run(ours: bool, mode: str, n: int, steps: int, seed: int) -> dict[str, float]:
+def run(ours: bool, mode: str, n: int, steps: int, seed: int, events: bool = True) -> dict[str, float]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -88,7 +88,7 @@ def run(ours: bool, mode: str, n: int, steps: int, seed: int) -> dict[str, float
     max_len = 1024
     blocks = n * (max_len // BLOCK_SIZE + 2) + 64
     sched = make_scheduler(scheduler_cls, blocks, Layout(), max_num_seqs=n, max_num_batched_tokens=n * 9 + 4096,
-                           max_model_len=max_len + 64, **options)  # fmt: skip
+                           max_model_len=max_len + 64, events=events, **options)  # fmt: skip
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256_cbor, sched.vllm_config.num_hash_lookahead_tokens)
     counter = [0]
 
@@ -148,6 +148,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per N (the median is shown)")
+    parser.add_argument("--events", choices=("on", "off"), default="on",
+                        help="KV cache events (vLLM's enable_kv_cache_events; off is vLLM's default)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -155,8 +157,8 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
     import vllm
 
-    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, GC on; median over {args.repeats} "
-          f"alternating runs of {args.steps} steps\n")  # fmt: skip
+    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, GC on, KV events {args.events}; median over "
+          f"{args.repeats} alternating runs of {args.steps} steps\n")  # fmt: skip
     print("| mode | running | tokens/step | vLLM step us | pagedkv step us | step ratio | vLLM manager us |"
           " pagedkv manager us | manager ratio | GC/step vLLM | GC/step pagedkv |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -165,7 +167,7 @@ def main() -> None:
             results: dict[str, list[dict[str, float]]] = {"vllm": [], "pagedkv": []}
             for r in range(args.repeats):
                 for name in ("vllm", "pagedkv"):
-                    results[name].append(run(name == "pagedkv", mode, n, args.steps, seed=r))
+                    results[name].append(run(name == "pagedkv", mode, n, args.steps, seed=r, events=args.events == "on"))
             med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in results.items()}
             a, b = med["vllm"], med["pagedkv"]
             print(f"| {mode} | {n} | {a['tokens_per_step']:.0f} | {a['step_us']:.0f} | {b['step_us']:.0f} | "

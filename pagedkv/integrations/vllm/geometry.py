@@ -59,9 +59,10 @@ class Geometry:
 
 
 def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_flight: int, caching: bool,
-              hash_algo: str, hash_lookahead: int = 0, refused: list[str]) -> Geometry:  # fmt: skip
+              hash_algo: str, hash_lookahead: int = 0, kv_events: bool = True, refused: list[str]) -> Geometry:  # fmt: skip
     """The core's geometry for vLLM's ``kv_cache_config``; ``refused`` (what the caller already refuses) and
-    what this finds unserved raise ``Unsupported`` together."""
+    what this finds unserved raise ``Unsupported`` together. ``kv_events``: vLLM's ``enable_kv_cache_events``
+    (off, the core builds no events)."""
     _, _, full_spec, window_spec = vllm_modules()
     groups: list[GroupSpec] = []
     caps: list[int | None] = []
@@ -84,7 +85,8 @@ def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_f
         config = CacheConfig(block_size=block_size, num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
                              enable_prefix_caching=caching, max_model_len=max_model_len, hash_namespace=hash_seed(),
                              free_queue="vllm", reset_prefix_cache="when_idle", caching_point="schedule",
-                             block_hash=hash_algo, cache_duplicates=True, hash_lookahead=hash_lookahead)  # fmt: skip
+                             block_hash=hash_algo, cache_duplicates=True, hash_lookahead=hash_lookahead,
+                             kv_events=kv_events)  # fmt: skip
     except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
         refused.append(f"this cache configuration ({e})")
     if refused or config is None:

@@ -51,7 +51,7 @@ class PagedKVCacheManager(RunningRows):
         geometry = translate(kv_cache_config, max_model_len=max_model_len, block_size=scheduler_block_size,
                              in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
                              caching=enable_caching, hash_algo=hash_algo, hash_lookahead=num_hash_lookahead_tokens,
-                             refused=refused)  # fmt: skip
+                             kv_events=enable_kv_cache_events, refused=refused)  # fmt: skip
         self.geometry = geometry
         self.config = geometry.config
         self.kv_cache_config = kv_cache_config

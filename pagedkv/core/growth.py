@@ -126,9 +126,10 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
             else:
                 tail_leaf = tails[hi]
                 tail = tail_leaf[o]
-            if n < limit and (tail is None or (token is not None and type(tail) is bytes)):  # (a count stops
-                if n % bs:  # the token goes into the open block          # a row's ids, a row awaiting ids
-                    leaf[o] = n + 1                                       # takes no more: _grow)
+            # (a count stops a row's ids, a row awaiting ids takes no more: both are _grow's)
+            if n < limit and (tail is None or (token is not None and type(tail) is bytes)):
+                if n % bs:  # the token goes into the open block
+                    leaf[o] = n + 1
                     if tail is not None:
                         tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
                     continue

@@ -63,7 +63,7 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
         txn.prefix_hits += cached * len(rows)
     gen = txn.next_generation()
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
-    # the decode fast path serves one-row requests that may grow
+    # the commit and growth loops do the common row of a one-row request that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
     txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
                                 BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys,

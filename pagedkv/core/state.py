@@ -68,7 +68,7 @@ class Request:
     slots: tuple[int, ...]
     layouts: tuple[RowLayout, ...]
     extra_keys: tuple[Key, ...]
-    decode_slot: int  # the slot of a one-row request that may grow, else -1 (decode fast path)
+    decode_slot: int  # the slot of a one-row request that may grow, else -1 (the loops' common row)
     cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
     keys: BlockKeys = NO_KEYS  # every block's extra keys, encoded for the pool's hash kind (hashing.BlockKeys)
 

@@ -23,8 +23,8 @@ def pack_ids(ids: Iterable[int]) -> bytes:
 
 class Awaiting(bytes):
     """A row's tail while positions past its known ids await theirs (it grew by placeholders): the known ids,
-    as any tail holds them. Its type is the mark the decode fast paths test (``type(tail) is Awaiting``): a
-    row awaiting ids takes the general path, which refuses ids appended past the gap."""
+    as any tail holds them. Its type is the mark the growth loop tests (``type(tail) is Awaiting``): a row
+    awaiting ids goes to the general rule, which refuses ids appended past the gap."""
 
     __slots__ = ()
 

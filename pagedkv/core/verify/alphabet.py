@@ -103,7 +103,7 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         for tok in (1, 2, None):  # None: a count, the token id unknown
             events.append(Event(f"append {rid} {tok}", _append(rid, tok), _append_json(rid, tok)))
         events.append(Event(f"commit {rid} all", _commit(rid, None), _commit_json(rid, None)))
-        for tok in (1, None):  # the same states as commit-all then append, reached by the decode fast paths
+        for tok in (1, None):  # the same states as commit-all then append, reached through decode_step
             events.append(Event(f"decode {rid} {tok}", _decode(rid, tok), _decode_json(rid, tok)))
         events.append(Event(f"commit {rid} +1", _commit(rid, 1), _commit_json(rid, 1)))
         if cfg.destinations:

@@ -15,7 +15,6 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import ErrorCode, KVError, fail, shown
-from pagedkv.core.events import BlockRemoved
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -231,9 +230,7 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
 def take_state(txn: Txn, saved: int) -> None:
     """The saved state at a hit's boundary becomes the row's: out of the cache (it will be rewritten, so no
     other request may hit it), out of the free queue."""
-    g, h = txn.index.evict(saved)  # type: ignore[misc]
-    if txn.config.kv_events:
-        txn.events.append(BlockRemoved(h, g, saved))
+    pool.evict(txn, saved)
     pool.take_hit(txn, saved)
 
 

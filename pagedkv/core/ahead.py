@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
-from pagedkv.core.caching import hash_full_blocks
+from pagedkv.core.caching import caches, hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, shown
 from pagedkv.core.state import KVState, Request, Row, Step
@@ -70,7 +70,7 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
         if more is not record.ids:
             record = Row(record.blocks, more, record.hashes, record.pending, record.hw)
         txn.row_tail[slot] = tail
-        if cfg.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch:
+        if caches(txn, req):
             record = hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)
         txn.rows[slot] = record
     return Filled(rid, tuple(txn.events[first:]))

@@ -25,8 +25,16 @@ def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
     return blob
 
 
+def caches(txn: Txn, req: Request) -> bool:
+    """Does ``req`` put blocks in the prefix cache? With prefix caching on, in the cache's epoch it was
+    admitted in (a reset of the prefix cache ends that for the requests running through it)."""
+    return txn.config.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch
+
+
 def cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
-    """Put row i's newly full computed blocks into the cache index (once per content)."""
+    """Put row i's newly full computed blocks into the cache index (once per content), where ``req`` caches."""
+    if not caches(txn, req):
+        return
     record = txn.rows[slot]
     new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
     if new is not record:
@@ -38,8 +46,7 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them."""
-    ids = record.ids
-    if ids is None:
+    if record.ids is None:
         return record
     cfg = txn.config
     bs = cfg.block_size
@@ -66,19 +73,19 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     width = bs << 3
     following = None
     for j in range(done, full):
-        i = j - done
+        k = j - done  # (block j's place in the span)
         if ahead:
-            following = unpacked[(i + 1) * bs : (i + 1) * bs + ahead]
+            following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
             extra = keys.ahead(j, bs, following)
         else:
             extra = keys.at(j, bs) if plain is None else plain
-        h = hash_packed(parent, span[i * width : (i + 1) * width], extra)
+        h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b) and events is not None:
-                events.append(BlockStored(h, parent if j else None, unpacked[i * bs : (i + 1) * bs], g, b,
+                events.append(BlockStored(h, parent if j else None, unpacked[k * bs : (k + 1) * bs], g, b,
                                           keys.every if plain is not None else keys.raw(j, bs, ahead), following))
         new.append(h)
         parent = h
@@ -91,7 +98,7 @@ def save_states(txn: Txn, req: Request) -> None:
     request with the same leading tokens to take over (``prefix.find_hit``). Call before its blocks go."""
     cfg = txn.config
     states = cfg.state_group_set
-    if not states or not cfg.enable_prefix_caching or req.cache_epoch != txn.base.cache_epoch:
+    if not states or not caches(txn, req):
         return
     bs = cfg.block_size
     for slot in req.slots:

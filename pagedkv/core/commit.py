@@ -16,7 +16,6 @@ import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
 from pagedkv.core.caching import cache_full_blocks
-from pagedkv.core.events import BlockRemoved
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Step
 from pagedkv.core.txn import Txn, each
 
@@ -63,8 +62,7 @@ def cache_ahead_many(
 
 
 def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | Committed:
-    base = txn.base
-    req = base.requests.get(request_id) if is_request_id(request_id) else None
+    req = txn.base.requests.get(request_id) if is_request_id(request_id) else None
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
     if not isinstance(through, (list, tuple)) or len(through) != len(req.slots):
@@ -76,9 +74,8 @@ def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVErr
                            f"[{txn.row_computed[slot]}, {txn.row_len[slot]}], got {shown(t)}",
                            request=request_id, field="through")  # fmt: skip
     first = len(txn.events)
-    if base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch:
-        for i, (slot, t) in enumerate(zip(req.slots, through)):
-            cache_full_blocks(txn, req, i, slot, t)
+    for i, (slot, t) in enumerate(zip(req.slots, through)):
+        cache_full_blocks(txn, req, i, slot, t)
     return Committed(request_id, None, 0, tuple(txn.events[first:]))
 
 
@@ -93,9 +90,7 @@ def forget_ahead(txn: Txn, req: Request) -> None:
             for g, ids in enumerate(record.blocks):
                 b = ids[j] if j < len(ids) else 0
                 if b and txn.index.key_of(b) == (g, h):
-                    txn.index.evict(b)
-                    if txn.config.kv_events:
-                        txn.events.append(BlockRemoved(h, g, b))
+                    pool.evict(txn, b)
 
 
 def commit_many(
@@ -128,7 +123,6 @@ def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[in
     cfg = txn.config
     bs, mask = cfg.block_size, (1 << SLOT_SHIFT) - 1
     quick = not cfg.has_windows and not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
-    caching, epoch = cfg.enable_prefix_caching, txn.base.cache_epoch
     get = txn.base.requests.get
     lens = txn.row_len.leaves  # (read only)
     done = txn.row_computed.own_for(len(ids))
@@ -152,12 +146,9 @@ def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[in
                     c = None  # (refused by the general rule, with the reason)
             if c is not None:
                 leaf[o] = c
-                if before // bs == c // bs or not caching or req.cache_epoch != epoch:  # nothing to cache
-                    if effects is not None:
-                        effects.append(Committed(rid, None))
-                    continue
-                first = len(txn.events)  # blocks completed: the caching rule
-                cache_full_blocks(txn, req, 0, slot, c)
+                first = len(txn.events)
+                if before // bs != c // bs:  # blocks completed: the caching rule
+                    cache_full_blocks(txn, req, 0, slot, c)
                 if effects is not None:
                     effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
                 continue
@@ -192,13 +183,11 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
                 f"request {shown(request_id)} row {i}: computed must be an integer in [{before}, {seq_len}], got {shown(c)}",
                 request=request_id, field="computed")  # fmt: skip
     first_event = len(txn.events)
-    caching = base.config.enable_prefix_caching and req.cache_epoch == base.cache_epoch
     windowed = base.config.has_windows
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         txn.row_computed[slot] = c
-        if caching:
-            cache_full_blocks(txn, req, i, slot, c)
+        cache_full_blocks(txn, req, i, slot, c)
         if windowed:
             _drop_invisible(txn, req, i, slot, c, dropped)
     gen = None

@@ -150,7 +150,10 @@ class PrefixIndexEdit:
         self.duplicates = duplicates  # a content already cached caches another block too
 
     def _bucket(self, g: int, h: BlockHash) -> dict[Any, Any]:
-        k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
+        return self._bucket_at(g, (h[0] | h[1] << 8 | h[2] << 16) & self.mask)
+
+    def _bucket_at(self, g: int, k: int) -> dict[Any, Any]:
+        """Bucket ``k`` of group ``g`` as this edit sees it (for reading)."""
         e = self.buckets[g]
         leaves = self.base.buckets[g].leaves if e is None else e.leaves
         return leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]  # type: ignore[no-any-return]
@@ -196,10 +199,7 @@ class PrefixIndexEdit:
         if w < 0:
             return None
         g = w & GROUP_MASK
-        e = self.buckets[g]
-        k = w >> GROUP_BITS
-        leaves = self.base.buckets[g].leaves if e is None else e.leaves
-        return g, leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK][block]
+        return g, self._bucket_at(g, w >> GROUP_BITS)[block]
 
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""
@@ -209,9 +209,7 @@ class PrefixIndexEdit:
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
         k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
-        e = self.buckets[g]
-        leaves = self.base.buckets[g].leaves if e is None else e.leaves
-        old = leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK].get(h)
+        old = self._bucket_at(g, k).get(h)
         if (old is not None and not self.duplicates) or self._located(block):
             return False  # the same content sits in another block, or this block holds a content
         bucket = self._own_bucket(g, k)

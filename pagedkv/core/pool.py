@@ -37,14 +37,19 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     txn.free_blocks -= k
     own = txn.refcount.own
     cached = txn.cache_view().is_cached
-    events = txn.config.kv_events
     for x in out:
         own(x >> sh)[x & m] = 1
         if cached(x):
-            g, h = txn.index.evict(x)  # type: ignore[misc]
-            if events:
-                txn.events.append(BlockRemoved(h, g, x))
+            evict(txn, x)
     return tuple(out)
+
+
+def evict(txn: Txn, b: int) -> None:
+    """``b``'s cache entry goes (its content is about to be overwritten, or may never have been written), with
+    a ``BlockRemoved`` where the pool reports events."""
+    g, h = txn.index.evict(b)  # type: ignore[misc]
+    if txn.config.kv_events:
+        txn.events.append(BlockRemoved(h, g, b))
 
 
 def unref_many(txn: Txn, blocks: Sequence[int]) -> None:

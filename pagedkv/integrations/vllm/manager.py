@@ -127,7 +127,7 @@ class PagedKVCacheManager(RunningRows):
                                  num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
                                  has_scheduled_reqs)  # fmt: skip
         except Refused as r:
-            raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+            raise r.manager_error() from None
         self._state = self._stream.keep(txn, request)
         if new is None:
             return None
@@ -181,7 +181,7 @@ class PagedKVCacheManager(RunningRows):
             if need > txn.state.free_blocks - reserved_blocks:  # (counting what the window let go)
                 return None
             length = txn.state.row_len[slot]
-            if need_slot > length and not self._grow(txn, request, length, need_slot):
+            if need_slot > length and not self._grow(txn, request, need_slot):
                 return None
         slot = txn.state.requests[rid].slots[0]
         through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
@@ -202,7 +202,7 @@ class PagedKVCacheManager(RunningRows):
         if self._lag:
             self._to_cache(request, min(num_computed_tokens, n))
             return
-        if min(num_computed_tokens, request.num_tokens - self.config.hash_lookahead, n) // self.block_size <= self._hashed[rid]:
+        if self._full_blocks(request, min(num_computed_tokens, n)) <= self._hashed[rid]:
             return  # (no block to cache: nothing to apply)
         slot = self._state.requests[rid].slots[0]
         txn = Transaction(self._state)
@@ -212,7 +212,7 @@ class PagedKVCacheManager(RunningRows):
             if through > txn.state.row_computed[slot]:
                 txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
         except Refused as r:
-            raise ManagerError(f"the core refused {r.what}: {r.error.message}") from None
+            raise r.manager_error() from None
         self._state = self._stream.keep(txn, request)
         self._mirror(request)
 
@@ -226,7 +226,7 @@ class PagedKVCacheManager(RunningRows):
             try:
                 txn.apply(release(self._state, rid, release_reason(request)), "release")
             except Refused as r:
-                raise ManagerError(f"the core refused release: {r.error.message}") from None
+                raise r.manager_error() from None
             self._state = self._stream.keep(txn, request)
         self._len.pop(rid, None)
         self._hashed.pop(rid, None)

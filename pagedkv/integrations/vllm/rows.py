@@ -21,7 +21,7 @@ from pagedkv.core import Placeholders, append, append_many, cache_ahead_many, fi
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.state import KVState, row_known
 from pagedkv.integrations.vllm.reads import ManagerReads
-from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
+from pagedkv.integrations.vllm.stream import EventStream, Refused, Transaction
 
 
 class RunningRows(ManagerReads):
@@ -46,7 +46,7 @@ class RunningRows(ManagerReads):
                 for rid in behind:
                     self._catch_up(txn, self._requests[rid], txn.state.requests[rid].slots[0])
             except Refused as r:  # (each growth was checked when vLLM asked for it: a bug)
-                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+                raise r.manager_error() from None
             self._state = self._stream.keep(txn, None)
         return self._state
 
@@ -68,7 +68,7 @@ class RunningRows(ManagerReads):
                 txn.apply(append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]),
                           "append")  # fmt: skip
             except Refused as r:
-                raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+                raise r.manager_error() from None
             opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
             txn.allocated = [b for ids in opened for b in ids]
             self._state = self._stream.keep(txn, request)
@@ -94,13 +94,17 @@ class RunningRows(ManagerReads):
         """The blocks before ``through`` whose ids (and the lookahead ids after them) are known, queued to be
         cached in this call's place in the event stream."""
         rid = request.request_id
-        known = request.num_tokens
-        full = min(through, known - self.config.hash_lookahead) // self.block_size
+        full = self._full_blocks(request, through)
         if full > self._hashed[rid]:
-            self._queue.append((request, through, known))
+            self._queue.append((request, through, request.num_tokens))
             self._queued.add(rid)
             self._stream.hold_place()
             self._hashed[rid] = full
+
+    def _full_blocks(self, request: Any, through: int) -> int:
+        """The request's blocks before ``through`` whose ids (and the lookahead ids after them) are known."""
+        full: int = min(through, request.num_tokens - self.config.hash_lookahead) // self.block_size
+        return full
 
     def _flush(self) -> None:
         """The queued blocks cached, as one batch: the rows brought to vLLM's lengths (placeholders), the ids
@@ -132,7 +136,7 @@ class RunningRows(ManagerReads):
         except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
             self._queue = items + self._queue
             self._queued.update(r.request_id for r, _, _ in items)
-            raise ManagerError(f"the core refused {r.what}: {r.error.code.value}: {r.error.message}") from None
+            raise r.manager_error() from None
         self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
         for rid in rids:
             self._hashed[rid] = self._state.rows[slots[rid]].num_hashed
@@ -145,8 +149,8 @@ class RunningRows(ManagerReads):
         self._hashed[rid] = state.rows[slot].num_hashed
         self._requests[rid] = request
 
-    def _grow(self, txn: Transaction, request: Any, length: int, need_slot: int) -> bool:
-        """The row grown from ``length`` to ``need_slot`` positions, by the request's tokens while they are known and
+    def _grow(self, txn: Transaction, request: Any, need_slot: int) -> bool:
+        """The row grown to ``need_slot`` positions, by the request's tokens while they are known and
         then by placeholders, in one growth (every group's new blocks in turn, as vLLM allocates them); False
         when the pool cannot hold them."""
         rid = request.request_id
@@ -175,4 +179,4 @@ class RunningRows(ManagerReads):
         length = txn.state.row_len[slot]
         target = self._len.get(request.request_id, length)
         if target > length:
-            self._grow(txn, request, length, target)
+            self._grow(txn, request, target)

@@ -34,6 +34,10 @@ class Refused(Exception):
         super().__init__(what)
         self.what, self.error = what, error
 
+    def manager_error(self) -> ManagerError:
+        """Where the core refused what vLLM's own manager would have done (a bug): what the caller raises."""
+        return ManagerError(f"the core refused {self.what}: {self.error.code.value}: {self.error.message}")
+
 
 class ManagerError(RuntimeError):
     """The core refused what vLLM's scheduler asked, where vLLM's own manager would have done it; the manager

@@ -110,10 +110,11 @@ class Llama:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                layout: Layout | GroupSpec) -> torch.Tensor:  # fmt: skip
-        """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab).
-        ``layout``: the rank's (``Rank.layout``: each layer's group and page tensor), or one ``GroupSpec``
-        for a model whose layers are all in one full-attention group."""
+                layout: Layout | GroupSpec, logits_at: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab),
+        or of the query tokens ``logits_at`` names (indices into ``tokens``: a row verifying drafts needs
+        every position's). ``layout``: the rank's (``Rank.layout``: each layer's group and page tensor), or
+        one ``GroupSpec`` for a model whose layers are all in one full-attention group."""
         c = self.config
         hd = c.head_dim
         pos = batch.positions.to(self.device)
@@ -138,7 +139,7 @@ class Llama:
             h = self._rms(x, L["ln2"])
             gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
             x = x + self.reduce((F.silu(gate) * up) @ L["down"].T)
-        last = (batch.query_start_loc[1:] - 1).long().to(self.device)
+        last = (batch.query_start_loc[1:] - 1).long().to(self.device) if logits_at is None else logits_at
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
 
 

@@ -33,15 +33,17 @@ class Leader:
     def __init__(self, model: Any, worker: Worker) -> None:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         self.worker = worker
+        worker.cuts = []  # (rows the core cut back: each follower's worker cuts them too)
         self.broadcast_seconds = 0.0  # time spent distributing metadata (bench/ranks.py)
 
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                layout: Any) -> torch.Tensor:  # fmt: skip
+                layout: Any, logits_at: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         held = sorted({key[0] for key in self.worker.rows}, key=str)
         t0 = time.perf_counter()
-        dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), held)], src=0)
+        cuts, self.worker.cuts = self.worker.cuts, []
+        dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), (held, cuts))], src=0)
         self.broadcast_seconds += time.perf_counter() - t0
-        out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, layout)
+        out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, layout, logits_at)
         return out
 
     @staticmethod
@@ -59,8 +61,11 @@ def follow(model: Any, rank: Rank, backend: AttentionBackend, fail_at: int | Non
         op, meta, tokens, held = box[0]
         if op == "stop":
             return steps
+        held, cuts = held
         gone = [rid for rid in {k[0] for k in worker.rows} if rid not in set(held)]
         worker.remove(gone)
+        for rid, blocks, generation in cuts:
+            worker.cut(rid, blocks, generation)
         batch = worker.install(meta)  # the same generation checks as rank 0's
         if fail_at is not None and steps == fail_at:
             raise RuntimeError(f"rank {dist.get_rank()} failed at step {steps} (injected)")

@@ -28,6 +28,7 @@ from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
+from pagedkv.shell.speculative import Speculation, SpeculativeConfig
 
 __all__ = ["Engine"]
 
@@ -64,6 +65,8 @@ class Engine:
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 chunked_prefill=args.chunked_prefill, grow_prefill=args.grow_prefill)  # fmt: skip
         self.state = new_scheduler(self.cache, sched)
+        spec = SpeculativeConfig.of(args.speculative_config)
+        self.speculation = None if spec is None else Speculation(spec)  # n-gram drafts, verified each step
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
@@ -135,7 +138,9 @@ class Engine:
         makes ``step`` raise, and those completions come with the next call; a failed trace write stops
         the recording (``trace_error``)."""
         t0 = time.perf_counter()
-        self.state, plan = schedule(self.state).unwrap()
+        st, spec = self.state, self.speculation
+        drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
+        self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
         self.stats.steps += 1
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
@@ -145,14 +150,16 @@ class Engine:
         try:
             ids = self._launch(plan)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
-            self.outcomes.record(lambda r: r.schedule(self.state, plan))
+            self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
             recorded = True
             self.outcomes.note_prefills(plan, self.requests)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-            sampled, stop = self.outcomes.take(plan.samples, tokens, on_token, self.requests)
-            self.stats.generated_tokens += len(tokens)
+            got = Speculation.tokens(plan.samples, tokens, dict(plan.verify)) if plan.verify else dict(zip(plan.samples, tokens))
+            self.stats.count_verified(plan.verify, got)
+            sampled, stop = self.outcomes.take(got, on_token, self.requests)
+            self.stats.generated_tokens += sum(1 if type(t) is int else len(t) for t in sampled.values())
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
-            events = self._fail(plan, e, recorded)
+            events = self._fail(plan, e, recorded, drafts)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
                 with contextlib.suppress(Exception):
                     self._kv_events(scheduled_events + events)
@@ -163,6 +170,8 @@ class Engine:
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
+        if plan.verify:
+            Speculation.cut(self.worker, self.state.kv, plan.verify)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
         for rid, _ in ended:  # kept before anything that may raise
@@ -184,13 +193,13 @@ class Engine:
         if events and self.on_kv_events is not None:
             self.on_kv_events(events)
 
-    def _fail(self, plan: StepPlan, error: BaseException, recorded: bool) -> tuple[Any, ...]:
+    def _fail(self, plan: StepPlan, error: BaseException, recorded: bool, drafts: Any = None) -> tuple[Any, ...]:
         """A step that did not complete: each of its requests still live is ended with reason ``error`` (their
         blocks and buffer rows back, blocks cached ahead of the forward taken back; the trace records an
         ``error`` event each), in one change of the state; the tokens they took this step are dropped, the
         fault is in their ``Completion.error``. Never raises on its own account (a request already ended, say
         by a callback's cancel, is left as it is). Returns the cancels' KV events."""
-        plan_rids = [*plan.decode, *(rid for rid, _ in plan.prefill)]
+        plan_rids = [*plan.decode, *(rid for rid, _ in plan.prefill), *(rid for rid, _ in plan.verify)]
         failed = [rid for rid in plan_rids if rid in self.state.seqs]
         state, after, events = self.state, [], []  # type: tuple[Any, list[Any], list[Any]]
         for rid in failed:
@@ -209,7 +218,7 @@ class Engine:
             comp.finish_reason, comp.error = "error", message
             self.outcomes.outbox.append(comp)
         if not recorded:
-            self.outcomes.record(lambda r: r.schedule(planned, plan))
+            self.outcomes.record(lambda r: r.schedule(planned, plan, drafts))
         def errors(r: Recorder) -> None:
             for rid, s in zip(failed, after):
                 r.error(rid, s)
@@ -220,40 +229,51 @@ class Engine:
     def _launch(self, plan: StepPlan) -> torch.Tensor | None:
         """Install each of the plan's snapshots, run its forward (a decode batch by graph replay where
         graphs are captured) and sample every row the plan samples: the ids, on the device, in
-        ``plan.samples``' order. Nothing here waits for the device."""
+        ``plan.samples``' order (a row verifying drafts: one a position). Nothing here waits for the device."""
         if not plan.metadata:
             return None
         outs: list[torch.Tensor] = []
-        where: dict[RequestId, int] = {}
+        where: dict[RequestId, list[int]] = {}
+        verify = dict(plan.verify)
         base = 0
         for meta in plan.metadata:
             batch = self.worker.install(meta)
             rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
-            tokens = self._tokens(meta, rows)
+            tokens = self._tokens(meta, rows, verify)
             if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
                 out = self.graphs.decode(tokens, batch)
+            elif verify and meta.phase is Phase.PREFILL:  # logits at every position of a row verifying drafts
+                at, places = Speculation.logits_rows(meta.rows, verify, base)
+                where.update(places)
+                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout,
+                                         torch.tensor(at, dtype=torch.long, device=self.model.device))  # fmt: skip
+                base += len(at)
+                outs.append(out)
+                continue
             else:
                 out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
-            where.update(zip(rows, range(base, base + len(rows))))
+            where.update((rid, [i]) for rid, i in zip(rows, range(base, base + len(rows))))
             base += len(rows)
             outs.append(out)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         samples = plan.samples
         if not samples:  # every row mid-way through its prompt: nothing to sample
             return None
-        pick = [where[rid] for rid in samples]
+        pick = [i for rid in samples for i in where[rid]]
         if pick != list(range(len(logits))):
             logits = logits[torch.tensor(pick, dtype=torch.long, device=logits.device)]
-        live = [self.requests[rid] for rid in samples]
-        ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live],
-                           [len(x.completion.token_ids) for x in live])  # fmt: skip
-        self._last = (samples, ids)
+        live = [self.requests[rid] for rid in samples for _ in range(1 + len(verify.get(rid, ())))]
+        counters = (Speculation.counters(samples, verify, self.requests) if verify
+                    else [len(x.completion.token_ids) for x in live])  # fmt: skip
+        ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live], counters)
+        self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids
 
-    def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId]) -> torch.Tensor:
+    def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
+                verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip
         """What the rows' query positions hold, on the model's device. A decode batch in the order of the
         last step's samples is those very ids (no copy from the host); any other batch is read from
-        the requests (their prompt, then what they generated) and copied once."""
+        the requests (their prompt, then what they generated, then the drafts they verify) and copied once."""
         dev = self.model.device
         if isinstance(meta.rows, DecodeRows):
             last = self._last
@@ -264,11 +284,14 @@ class Engine:
             ids = []
             seqs, log = self.state.seqs, self.state.log
             for row in meta.rows:
-                prompt = seqs[row.request_id].prompt
+                rid = row.request_id
+                prompt = seqs[rid].prompt
                 start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
                 ids.extend(prompt[start:end])
                 if end > p:
-                    ids.extend(log.ids(row.request_id, max(start - p, 0), end - p))
+                    known = p + log.count(rid)
+                    ids.extend(log.ids(rid, max(start - p, 0), min(end, known) - p))
+                    ids.extend(verify[rid][: end - known] if verify and end > known else ())
         host = torch.tensor(ids, dtype=torch.int64)
         if dev.type == "cuda":
             return host.pin_memory().to(dev, non_blocking=True)

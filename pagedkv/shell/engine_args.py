@@ -29,6 +29,10 @@ class EngineArgs:
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
     grow_prefill: bool = False  # SchedulerConfig.grow_prefill: a prompt's blocks chunk by chunk (window groups
     # then hold a window and a chunk, not the whole prompt)
+    # vLLM's speculative_config (a mapping, its JSON text or a SpeculativeConfig): n-gram prompt lookup drafts,
+    # verified in one forward ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 2}); None: one token a request a step
+    speculative_config: Any = None
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
@@ -58,6 +62,21 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0
+    verifies: int = 0  # speculative decoding: decodes that verified drafts,
+    draft_tokens: int = 0  # the drafts they verified,
+    accepted_tokens: int = 0  # and the drafts the target accepted
+
+    def count_verified(self, verify: Any, got: Any) -> None:
+        """A step's verifies (``StepPlan.verify``) and what each request took (its accepted drafts, then one)."""
+        for rid, draft in verify:
+            self.verifies += 1
+            self.draft_tokens += len(draft)
+            self.accepted_tokens += len(got[rid]) - 1
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted drafts over drafts verified (None without any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
 
 def backend_for(name: str, device: torch.device) -> str:

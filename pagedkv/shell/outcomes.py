@@ -60,22 +60,29 @@ class Outcomes:
                         self.prefilled.add(row.request_id)
                         requests[row.request_id].completion.cached_tokens = row.kv_start_pos
 
-    def take(self, samples: tuple[RequestId, ...], tokens: list[int], on_token: Callable[[RequestId, int], None] | None,
-             requests: Mapping[RequestId, Live]) -> tuple[dict[RequestId, int], list[RequestId]]:  # fmt: skip
-        """Each sampled token kept by its request, and the requests that stopped on it (a stop token, or a stop
-        string in the text so far)."""
-        sampled = dict(zip(samples, tokens))
-        self.before = {rid: len(requests[rid].completion.token_ids) for rid in samples}
+    def take(self, got: Mapping[RequestId, Any], on_token: Callable[[RequestId, int], None] | None,
+             requests: Mapping[RequestId, Live]) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
+        """Each request's sampled token kept (a request that verified drafts: its list of tokens, in order), and
+        the requests that stopped on one (a stop token, or a stop string in the text so far); a list is cut
+        after the token it stopped on."""
+        self.before = {rid: len(requests[rid].completion.token_ids) for rid in got}
+        sampled: dict[RequestId, Any] = {}
         stop: list[RequestId] = []
         stop_ids = self.tokenizer.stop_token_ids
-        for rid, tok in sampled.items():
+        for rid, toks in got.items():
             live = requests[rid]
-            live.completion.token_ids.append(tok)
-            if on_token is not None:
-                on_token(rid, tok)
-            if tok in stop_ids or (live.text is not None and live.text.holds(live.params.stop, live.text.push(tok))):
-                live.completion.finish_reason = "stop"
-                stop.append(rid)
+            one = type(toks) is int
+            kept = []
+            for tok in (toks,) if one else toks:
+                kept.append(tok)
+                live.completion.token_ids.append(tok)
+                if on_token is not None:
+                    on_token(rid, tok)
+                if tok in stop_ids or (live.text is not None and live.text.holds(live.params.stop, live.text.push(tok))):
+                    live.completion.finish_reason = "stop"
+                    stop.append(rid)
+                    break
+            sampled[rid] = toks if one else kept
         return sampled, stop
 
     def hand_out(self) -> list[Completion]:

@@ -6,7 +6,7 @@ checks the run digest for digest and reports where a replay departs from it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from pagedkv.core import CacheConfig
@@ -41,10 +41,15 @@ class Recorder:
         """A request the engine ended with reason ``error`` (a failed step): the scheduler's cancel with that reason."""
         self._line({"op": "error", "request": rid}, after)
 
-    def schedule(self, after: SchedState | None = None, plan: StepPlan | None = None) -> None:
-        self._line({"op": "schedule"}, after, **({"plan": plan_json(plan)} if plan is not None else {}))
+    def schedule(self, after: SchedState | None = None, plan: StepPlan | None = None,
+                 drafts: Mapping[RequestId, Sequence[int]] | None = None) -> None:  # fmt: skip
+        event: dict[str, Any] = {"op": "schedule"}
+        if drafts:  # (written only when there are any: a run without drafts records as before)
+            event["drafts"] = [[rid, list(ids)] for rid, ids in drafts.items()]
+        self._line(event, after, **({"plan": plan_json(plan)} if plan is not None else {}))
 
-    def output(self, sampled: Mapping[RequestId, int], finished: Iterable[RequestId], after: SchedState | None = None,
+    def output(self, sampled: Mapping[RequestId, int | Sequence[int]], finished: Iterable[RequestId],
+               after: SchedState | None = None,
                ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
         self._line(output_event(sampled, finished), after, **({} if after is None else
                                                                {"finished": [[r, str(h)] for r, h in ended]}))

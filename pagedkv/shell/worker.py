@@ -81,6 +81,8 @@ class Worker:
         self.request_generation: dict[RequestId, int] = {}
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.last: tuple[KVMetadata, ForwardBatch] | None = None
+        # the cuts since a leader rank last sent them to its followers (a leader sets it to a list), else None
+        self.cuts: list[tuple[RequestId, tuple[tuple[int, ...], ...], int]] | None = None
 
     # -- install ---------------------------------------------------------------
     def install(self, meta: KVMetadata) -> ForwardBatch:
@@ -229,6 +231,27 @@ class Worker:
         if keys:
             self.last = None
         return len(keys)
+
+    def cut(self, request_id: RequestId, blocks: tuple[tuple[int, ...], ...], generation: int) -> None:
+        """The core cut a request's row back (``truncate``: rejected drafts, speculative decoding) in
+        ``generation``: its installed block lists become ``blocks``, which must be a prefix of them
+        (``ShellError`` otherwise, nothing changed); its table past them is cleared. Followers of a leader
+        rank replay each cut (``cuts``)."""
+        key = (request_id, 0)
+        entry = self.rows.get(key)
+        if entry is None or entry[1] is blocks or entry[1] == blocks:
+            return
+        brow, old = entry
+        if len(old) != len(blocks) or any(len(b) > len(a) or a[: len(b)] != b for a, b in zip(old, blocks)):
+            raise refuse(ErrorCode.CONFLICTING_METADATA, f"request {shown(request_id)}: a cut to {shown(blocks):.80} is "
+                                                         f"not a prefix of the installed {shown(old):.80}")  # fmt: skip
+        for g, (a, b) in enumerate(zip(old, blocks)):
+            self.row_tables[g, brow, len(b) : len(a)] = 0
+        self.rows[key] = (brow, blocks)
+        self.request_generation[request_id] = max(self.request_generation.get(request_id, 0), generation)
+        if self.cuts is not None:
+            self.cuts.append((request_id, blocks, generation))
+        self.last = None
 
     def require(self, batch: ForwardBatch | None) -> ForwardBatch:
         """A paged forward without installed metadata is an error, never a dense run."""

@@ -84,8 +84,9 @@ def test_the_engine_step_equals_the_sequential_loop(model: Any, monkeypatch: pyt
     plans = []
     real = engine_module.schedule
 
-    def seen(state: Any) -> Any:
-        res = real(state)
+    def seen(state: Any, drafts: Any = None) -> Any:
+        assert drafts is None  # (no speculative decoding here)
+        res = real(state, drafts)
         plans.append(plan_json(res.unwrap()[1]))
         return res
 

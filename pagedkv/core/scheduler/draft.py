@@ -23,7 +23,7 @@ class Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit", "finished",
-                 "decode", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
+                 "decode", "verify", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
         self.state = state
@@ -37,6 +37,7 @@ class Draft:
         self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
         self.finished: Map[RequestId, FinishReason] = state.finished
         self.decode: list[RequestId] = []
+        self.verify: list[tuple[RequestId, tuple[int, ...]]] = []  # decodes with drafts (speculative decoding)
         self.prefill: list[tuple[RequestId, int]] = []
         self.diffusion: list[DiffusionRun] = []
         self.preempted: list[RequestId] = []
@@ -81,3 +82,4 @@ class Draft:
         self.preempted.append(victim)
         if victim in self.decode:
             self.decode.remove(victim)
+        self.verify = [v for v in self.verify if v[0] != victim]

@@ -70,6 +70,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         sched_decode=tuple(r for r in state.sched_decode if r != request_id),
         sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
         sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id), kv_events=events,
+        sched_verify=tuple(v for v in state.sched_verify if v[0] != request_id),
     ))  # fmt: skip
 
 

@@ -18,13 +18,14 @@ by the next ``on_output``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.admission import admit, growing_refusal
 from pagedkv.core.commit import cache_ahead
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
 from pagedkv.core.growth import append, append_decode
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RowSpec
@@ -36,38 +37,74 @@ from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, 
 from pagedkv.core.snapshot import publish
 
 
-def schedule(state: SchedState) -> Result[tuple[SchedState, StepPlan], KVError]:
-    """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output."""
+def schedule(state: SchedState, drafts: Mapping[RequestId, Sequence[int]] | None = None,
+             ) -> Result[tuple[SchedState, StepPlan], KVError]:  # fmt: skip
+    """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output.
+
+    ``drafts``: speculative decoding, draft token ids proposed for decoding requests (n-gram lookup, a draft
+    model). A decoding request with drafts grows by its last sampled token and them, as many as fit its
+    budget, ``max_tokens`` and the length limit (``StepPlan.verify``); the forward checks them and
+    ``on_output`` takes what it accepted. Drafts of a request that does not decode this step are dropped."""
     if state.pending_output:
         return Failure(invalid(f"step {state.step} has not had its on_output yet", field="op"))
+    if drafts:
+        bad = _drafts_problem(drafts)
+        if bad is not None:
+            return Failure(bad)
     d = Draft(state)
-    _decodes(d)
+    _decodes(d, drafts or None)
     _prefill_chunks(d)
     _admissions(d)
     return Success(_plan(d))
 
 
-def _decodes(d: Draft) -> None:
-    """Decodes, oldest first: one token each (its last sampled id). The whole batch as one transition
-    when it fits; request by request, preempting the newest as needed, when it does not."""
+def _drafts_problem(drafts: object) -> KVError | None:
+    if not isinstance(drafts, Mapping):
+        return invalid(f"drafts must map request ids to token-id lists, got {type(drafts).__name__}", field="drafts")
+    for rid, ids in drafts.items():
+        if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
+            return invalid(f"the drafts of request {shown(rid)} must be a list of token ids, got {shown(ids):.80}",
+                           request=rid if is_request_id(rid) else None, field="drafts")  # fmt: skip
+    return None
+
+
+def _decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
+    """Decodes, oldest first: one token each (its last sampled id), and its drafts where it has any. The
+    whole batch as one transition when it fits and nobody has drafts; request by request, preempting the
+    newest as needed, when not."""
     prefilling = d.prefilling
     candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
-    batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
-    if isinstance(batch, Success):
-        d.apply(batch.unwrap())
-        d.decode.extend(candidates)
-        d.budget -= len(candidates)
-        return
+    if drafts is None:
+        batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
+        if isinstance(batch, Success):
+            d.apply(batch.unwrap())
+            d.decode.extend(candidates)
+            d.budget -= len(candidates)
+            return
     for rid in candidates:
         if rid in d.running and d.budget >= 1:
-            _decode_one(d, rid, d.log.last(rid))
+            _decode_one(d, rid, d.log.last(rid), _fitting(d, rid, drafts.get(rid, ())) if drafts else ())
 
 
-def _decode_one(d: Draft, rid: RequestId, token: int) -> None:
-    grown = _grow(d, rid, [token])
+def _fitting(d: Draft, rid: RequestId, draft: Sequence[int]) -> tuple[int, ...]:
+    """As many of ``rid``'s drafts as its step can verify: the budget left after its own token, the tokens
+    ``max_tokens`` still allows after the one a verify always yields, and the row's length limit."""
+    if not draft:
+        return ()
+    slot = d.kv.requests[rid].slots[0]
+    room = min(d.budget - 1, d.seqs[rid].max_tokens - d.log.count(rid) - 1,
+               d.kv.config.length_limit - d.kv.row_len[slot] - 1)  # fmt: skip
+    return tuple(draft[: max(room, 0)])
+
+
+def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
+    grown = _grow(d, rid, [token, *draft])
     if grown is True:
-        d.decode.append(rid)
-        d.budget -= 1
+        if draft:
+            d.verify.append((rid, draft))
+        else:
+            d.decode.append(rid)
+        d.budget -= 1 + len(draft)
     elif grown is not False:  # max_model_len reached: it cannot go on
         d.apply(release(d.kv, rid, "error").unwrap())
         d.running.remove(rid)
@@ -215,9 +252,10 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     """The step's metadata (prefill rows' snapshot, then decode rows'), its plan, the next state."""
     state, kv = d.state, d.kv
     metadata: list[KVMetadata] = []
-    if d.prefill:
+    if d.prefill or d.verify:  # one varlen forward: prefill chunks, then rows verifying drafts
         limits = dict(d.prefill)
-        metadata.append(publish(kv, [r for r, _ in d.prefill], "prefill", query_limits=limits).unwrap().effect)
+        limits.update((rid, 1 + len(draft)) for rid, draft in d.verify)
+        metadata.append(publish(kv, list(limits), "prefill", query_limits=limits).unwrap().effect)
     if d.decode:
         metadata.append(publish(kv, d.decode, "decode").unwrap().effect)
     chunks: list[Prefilled] = []
@@ -226,11 +264,11 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
         target = kv.row_computed[slot] + q
         total = _sequence_len(d, rid) if state.config.grow_prefill else kv.row_len[slot]
         chunks.append(Prefilled(rid, q, target, target == total))
-    samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples)
+    samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples) + tuple(r for r, _ in d.verify)
     plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
-                    tuple(d.ended), tuple(metadata), samples, tuple(d.refusals))  # fmt: skip
+                    tuple(d.ended), tuple(metadata), samples, tuple(d.refusals), tuple(d.verify))  # fmt: skip
     log = d.log if d.log_edit is None else d.log_edit.persistent()
     new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, d.finished,
                      tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
-                     state.arrivals, tuple(d.events))  # fmt: skip
+                     state.arrivals, tuple(d.events), tuple(d.verify))  # fmt: skip
     return new, plan

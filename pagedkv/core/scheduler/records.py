@@ -95,15 +95,18 @@ class StepPlan:
     metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows'
     samples: tuple[RequestId, ...] = ()  # requests whose forward yields a token: on_output wants it
     refusals: tuple[KVError, ...] = ()  # why each of ``finished`` ended: the refusal that happened, its numbers
+    # decodes with draft tokens to verify (speculative decoding): each row computes its last sampled token and
+    # the drafts (the prefill snapshot holds their rows), and yields 1 to len(drafts) + 1 tokens
+    verify: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(q for _, q in self.prefill) + sum(
-            r.first.num_query_tokens for r in self.diffusion)  # fmt: skip
+            r.first.num_query_tokens for r in self.diffusion) + sum(1 + len(d) for _, d in self.verify)  # fmt: skip
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decode or self.prefill or self.diffusion)
+        return not (self.decode or self.prefill or self.diffusion or self.verify)
 
 
 class Prefilled(NamedTuple):
@@ -123,8 +126,8 @@ class SchedState:
     ``waiting`` and ``running`` give the orders (arrival; admission, the newest last). Shaped for
     the common step (every running request decodes one token): what a request is (prompt,
     limits) sits in ``seqs`` and never changes while it runs; what it generated sits in ``log``
-    (bytes by slot); the last plan is kept as its decode batch, its prefill chunks and its
-    diffusion runs.
+    (bytes by slot); the last plan is kept as its decode batch, its prefill chunks, its
+    diffusion runs and its decodes with drafts to verify.
     """
 
     config: SchedulerConfig
@@ -143,6 +146,7 @@ class SchedState:
     # the core's KV events of the transition that made this state (schedule, on_output, cancel), in order;
     # for an engine to publish (pagedkv.integrations.vllm); not part of the state's value or digest
     kv_events: tuple[KVEvent, ...] = field(default=(), compare=False)
+    sched_verify: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()  # the last plan's decodes with drafts
 
     @property
     def live(self) -> LiveRequests:
@@ -157,7 +161,7 @@ class SchedState:
     @property
     def pending_output(self) -> bool:
         """Has the last plan not had its on_output yet?"""
-        return bool(self.sched_decode or self.sched_prefill or self.sched_diffusion)
+        return bool(self.sched_decode or self.sched_prefill or self.sched_diffusion or self.sched_verify)
 
 
 class LiveRequests(Mapping[RequestId, SeqRequest]):

@@ -72,5 +72,8 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
     return ev
 
 
-def output_event(sampled: Mapping[Any, int], finished: Iterable[Any] = ()) -> dict[str, Any]:
-    return {"op": "output", "sampled": [[rid, tok] for rid, tok in sampled.items()], "finished": list(finished)}
+def output_event(sampled: Mapping[Any, Any], finished: Iterable[Any] = ()) -> dict[str, Any]:
+    """An output line: ``[request, token]`` a sampled request, ``[request, [token, ...]]`` a decode that verified
+    drafts (the accepted ones, then its sampled token)."""
+    return {"op": "output", "sampled": [[rid, tok if type(tok) is int else list(tok)] for rid, tok in sampled.items()],
+            "finished": list(finished)}  # fmt: skip

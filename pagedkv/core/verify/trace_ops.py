@@ -73,12 +73,20 @@ def apply_scheduler(
     state: SchedState, op: str, ev: Mapping[str, Any]
 ) -> Result[tuple[SchedState, dict[str, Any], object], KVError]:
     if op == "schedule":
-        return schedule(state).map(lambda sp: (sp[0], {"plan": plan_json(sp[1])}, None))
+        drafts = ev.get("drafts", [])
+        if not isinstance(drafts, list) or any(not isinstance(p, list) or len(p) != 2 for p in drafts):
+            return Failure(invalid('schedule "drafts" must be a list of [request, [token, ...]] pairs', field="drafts"))
+        try:
+            by_request = {rid: ids for rid, ids in drafts}
+        except TypeError:
+            return Failure(invalid("request ids must be strings or integers", field="drafts"))
+        return schedule(state, by_request).map(lambda sp: (sp[0], {"plan": plan_json(sp[1])}, None))
     if op == "output":
         sampled = ev.get("sampled", [])
         fin = ev.get("finished", [])
         if not isinstance(sampled, list) or any(not isinstance(p, list) or len(p) != 2 for p in sampled):
-            return Failure(invalid('output "sampled" must be a list of [request, token] pairs', field="sampled"))
+            return Failure(invalid('output "sampled" must be a list of [request, token] pairs (or [request, '
+                                   '[token, ...]] for a decode that verified drafts)', field="sampled"))  # fmt: skip
         if not isinstance(fin, list):
             return Failure(invalid('output "finished" must be a list of request ids', field="finished"))
         try:
@@ -145,6 +153,7 @@ def plan_json(plan: StepPlan) -> dict[str, Any]:
         "diffusion": [{"request": d.request_id, "steps": d.steps} for d in plan.diffusion],
         "preempted": list(plan.preempted), "finished": [[rid, str(how)] for rid, how in plan.finished],  # plain strings, as expect holds them
         "tokens": plan.num_tokens,
+        **({"verify": [[rid, list(draft)] for rid, draft in plan.verify]} if plan.verify else {}),
     }  # fmt: skip
 
 

@@ -28,24 +28,21 @@ from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
-from pagedkv.shell.speculative import Speculation, SpeculativeConfig
+from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
 
 __all__ = ["Engine"]
 
 
 class Engine:
-    """One rank's engine over a model with ``forward(tokens, batch, pool, backend, group)``.
+    """One rank's engine over a model with ``forward(tokens, batch, pool, backend, layout[, logits_at])``.
 
-    ``args`` (``EngineArgs``, any field also as a keyword) size it. Its KV side is ``rank``
-    (``shell.rank``; its buffers must hold the batches ``args`` allow), or the one ``args`` give the
-    model. ``trace``: record the run there (``shell.recorder``; ``trace_expect=False`` leaves out the
-    expect fields, whose digest costs O(pool blocks) an event: 0.6 ms at 4,096 blocks, 10 ms at 65,536).
-    ``on_kv_events``: called with each step's core KV events (``BlockStored``, ``BlockRemoved``,
-    ``AllBlocksCleared``), in order, when there are any (``integrations.vllm.publish.hook`` sends them to
-    a ZMQ publisher in vLLM's format). ``keep_history``: keep the core's snapshot after every step (``kv_history``);
-    ``time_steps``: (decode rows, prefill tokens, seconds) of every step in ``step_times``, the
-    device synchronised first.
-    """
+    ``args`` (``EngineArgs``, any field also as a keyword) size it. Its KV side is ``rank`` (``shell.rank``;
+    its buffers must hold the batches ``args`` allow), or the one ``args`` give the model. ``trace``: record
+    the run there (``shell.recorder``; ``trace_expect=False`` leaves out the expect fields, whose digest costs
+    O(pool blocks) an event: 0.6 ms at 4,096 blocks). ``on_kv_events``: called with each step's core KV
+    events, in order, when there are any (``integrations.vllm.publish.hook`` sends them to a ZMQ publisher in
+    vLLM's format). ``keep_history``: the core's snapshot after every step in ``kv_history``; ``time_steps``:
+    (decode rows, prefill tokens, seconds) of every step in ``step_times``, the device synchronised first."""
 
     def __init__(self, model: Any, tokenizer: Any, args: EngineArgs | None = None, *, trace: TextIO | None = None,
                  rank: Rank | None = None, keep_history: bool = False, time_steps: bool = False,
@@ -154,10 +151,7 @@ class Engine:
             recorded = True
             self.outcomes.note_prefills(plan, self.requests)
             tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-            got = Speculation.tokens(plan.samples, tokens, dict(plan.verify)) if plan.verify else dict(zip(plan.samples, tokens))
-            self.stats.count_verified(plan.verify, got)
-            sampled, stop = self.outcomes.take(got, on_token, self.requests)
-            self.stats.generated_tokens += sum(1 if type(t) is int else len(t) for t in sampled.values())
+            sampled, stop = self.outcomes.take(plan, tokens, on_token, self.requests, self.stats)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
             events = self._fail(plan, e, recorded, drafts)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
@@ -170,8 +164,7 @@ class Engine:
         kv = self.state.kv
         self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
-        if plan.verify:
-            Speculation.cut(self.worker, self.state.kv, plan.verify)
+        Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
         for rid, _ in ended:  # kept before anything that may raise
@@ -240,20 +233,15 @@ class Engine:
             batch = self.worker.install(meta)
             rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
             tokens = self._tokens(meta, rows, verify)
+            at, places = (Speculation.logits_rows(meta.rows, verify, base) if verify and meta.phase is Phase.PREFILL
+                          else (None, {rid: [base + i] for i, rid in enumerate(rows)}))  # (where its logits land)
             if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
                 out = self.graphs.decode(tokens, batch)
-            elif verify and meta.phase is Phase.PREFILL:  # logits at every position of a row verifying drafts
-                at, places = Speculation.logits_rows(meta.rows, verify, base)
-                where.update(places)
-                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout,
-                                         torch.tensor(at, dtype=torch.long, device=self.model.device))  # fmt: skip
-                base += len(at)
-                outs.append(out)
-                continue
-            else:
-                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout)
-            where.update((rid, [i]) for rid, i in zip(rows, range(base, base + len(rows))))
-            base += len(rows)
+            else:  # (a row verifying drafts: logits at each of its positions)
+                more = () if at is None else (torch.tensor(at, dtype=torch.long, device=self.model.device),)
+                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *more)
+            where.update(places)
+            base += len(rows) if at is None else len(at)
             outs.append(out)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         samples = plan.samples
@@ -271,9 +259,8 @@ class Engine:
 
     def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
                 verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip
-        """What the rows' query positions hold, on the model's device. A decode batch in the order of the
-        last step's samples is those very ids (no copy from the host); any other batch is read from
-        the requests (their prompt, then what they generated, then the drafts they verify) and copied once."""
+        """What the rows' query positions hold, on the model's device: a decode batch in the order of the last
+        step's samples is those very ids (no copy from the host); any other is ``query_ids``, copied once."""
         dev = self.model.device
         if isinstance(meta.rows, DecodeRows):
             last = self._last
@@ -281,17 +268,7 @@ class Engine:
                 return last[1]
             ids = [self.requests[rid].completion.token_ids[-1] for rid in rows]
         else:
-            ids = []
-            seqs, log = self.state.seqs, self.state.log
-            for row in meta.rows:
-                rid = row.request_id
-                prompt = seqs[rid].prompt
-                start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
-                ids.extend(prompt[start:end])
-                if end > p:
-                    known = p + log.count(rid)
-                    ids.extend(log.ids(rid, max(start - p, 0), min(end, known) - p))
-                    ids.extend(verify[rid][: end - known] if verify and end > known else ())
+            ids = query_ids(meta.rows, self.state, verify)
         host = torch.tensor(ids, dtype=torch.int64)
         if dev.type == "cuda":
             return host.pin_memory().to(dev, non_blocking=True)
@@ -319,3 +296,4 @@ class Engine:
                 if on_finish is not None:
                     on_finish(comp)
         return [self.requests[rid].completion for rid in order]
+

@@ -66,12 +66,14 @@ class EngineStats:
     draft_tokens: int = 0  # the drafts they verified,
     accepted_tokens: int = 0  # and the drafts the target accepted
 
-    def count_verified(self, verify: Any, got: Any) -> None:
-        """A step's verifies (``StepPlan.verify``) and what each request took (its accepted drafts, then one)."""
+    def verified(self, verify: Any, got: Any) -> Any:
+        """Counts a step's verifies (``StepPlan.verify``) from what each request took (its accepted drafts,
+        then one token); ``got`` back."""
         for rid, draft in verify:
             self.verifies += 1
             self.draft_tokens += len(draft)
             self.accepted_tokens += len(got[rid]) - 1
+        return got
 
     @property
     def acceptance(self) -> float | None:

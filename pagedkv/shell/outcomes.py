@@ -14,7 +14,9 @@ from pagedkv.core.metadata import Phase
 from pagedkv.core.scheduler import FinishReason, StepPlan
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.recorder import Recorder
+from pagedkv.shell.engine_args import EngineStats
 from pagedkv.shell.sampling import SamplingParams, cut_at_stop
+from pagedkv.shell.speculative import Speculation
 
 
 @dataclass(slots=True)
@@ -60,11 +62,13 @@ class Outcomes:
                         self.prefilled.add(row.request_id)
                         requests[row.request_id].completion.cached_tokens = row.kv_start_pos
 
-    def take(self, got: Mapping[RequestId, Any], on_token: Callable[[RequestId, int], None] | None,
-             requests: Mapping[RequestId, Live]) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
-        """Each request's sampled token kept (a request that verified drafts: its list of tokens, in order), and
-        the requests that stopped on one (a stop token, or a stop string in the text so far); a list is cut
-        after the token it stopped on."""
+    def take(self, plan: StepPlan, tokens: list[int], on_token: Callable[[RequestId, int], None] | None,
+             requests: Mapping[RequestId, Live], stats: EngineStats) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
+        """The step's sampled ``tokens`` (one a sampled request, one a position of a request that verified drafts,
+        in ``plan.samples``' order): each request's token kept (verifying: the drafts it accepted, then its
+        next token, as a list), and the requests that stopped on one (a stop token, or a stop string in the
+        text so far; a list is cut after it). ``stats`` counts them."""
+        got = stats.verified(plan.verify, Speculation.tokens(plan.samples, tokens, dict(plan.verify)))
         self.before = {rid: len(requests[rid].completion.token_ids) for rid in got}
         sampled: dict[RequestId, Any] = {}
         stop: list[RequestId] = []
@@ -83,6 +87,7 @@ class Outcomes:
                     stop.append(rid)
                     break
             sampled[rid] = toks if one else kept
+            stats.generated_tokens += len(kept)
         return sampled, stop
 
     def hand_out(self) -> list[Completion]:

@@ -96,6 +96,17 @@ def threads(text: str) -> int:
                                                 lambda v: 1 <= v <= MAX_THREADS)(text))  # fmt: skip
 
 
+def speculative_config(text: str) -> object:
+    """``--speculative-config``: vLLM's JSON object (``shell.speculative.SpeculativeConfig``), checked now."""
+    from pagedkv.core.config import InvalidConfig
+    from pagedkv.shell.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.of(text)
+    except InvalidConfig as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("speculative_config ")) from None
+
+
 def file_name(text: str) -> str:
     """An output file's name: not empty (an empty one was once ignored without a word)."""
     if not text:

@@ -22,6 +22,7 @@ from pagedkv.app.args import (
     non_negative_float,
     positive_float,
     seed,
+    speculative_config,
     threads,
     unit_interval,
 )  # fmt: skip
@@ -67,6 +68,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
                    help="requests running at once at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
+    g.add_argument("--speculative-config", metavar="JSON", type=speculative_config, help='vLLM\'s, n-gram drafts '
+                   'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2}')  # fmt: skip
     g.add_argument("--trace", metavar="FILE", type=file_name, help="record the scheduler's inputs and results as a trace (contract "
                    "v1), replayable with pagedkv replay FILE")  # fmt: skip
     g.add_argument("--ranks", metavar="N", type=bounded_int(1, 64), default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
@@ -225,7 +229,8 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
         engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
+                                 speculative_config=args.speculative_config)  # fmt: skip
         tok = Tokenizer(meta)
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:

@@ -90,6 +90,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """``--ranks`` against what it combines with, and the optional outputs before the run (not after it)."""
     if args.ranks > 1 and (args.trace or args.page_map):
         raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
+    if args.ranks > 1 and getattr(args, "speculative_config", None) is not None:
+        raise UsageError("--speculative-config is served by one engine: use it with --ranks 1")
     if args.page_map:
         from pagedkv.app.plot import check_target
 

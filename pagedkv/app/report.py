@@ -118,3 +118,7 @@ def summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s
           f"of the pool: {engine.sizing})")  # fmt: skip
     print(f"preemptions         {st.preemptions}")
     print(f"engine steps        {st.steps}")
+    if st.verifies:  # speculative decoding: how many drafts the model kept, and what a verify gave a request
+        print(f"speculation         {st.acceptance:.1%} of {st.draft_tokens} drafts accepted; "
+              f"{(st.accepted_tokens + st.verifies) / st.verifies:.2f} tokens a verify; "
+              f"{st.generated_tokens / st.steps:.2f} tokens a step")  # fmt: skip

@@ -27,7 +27,8 @@ def _pending_plan(state: SchedState) -> tuple[tuple[Any, ...], ...]:
     """The last plan's entries until its on_output (decodes, prefill chunks, diffusion runs, decodes verifying
     drafts: these only when there are any, so a run without drafts digests as before) as tuples."""
     kv = state.kv
-    out = [("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True) for rid in state.sched_decode]
+    out: list[tuple[Any, ...]] = [("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True)
+                                  for rid in state.sched_decode]  # fmt: skip
     out += [("prefill", *p) for p in state.sched_prefill]
     out += [("diffusion", rid, 0, 0, False) for rid in state.sched_diffusion]
     out += [("verify", rid, kv.row_len[kv.requests[rid].slots[0]], draft) for rid, draft in state.sched_verify]

@@ -252,11 +252,12 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     """The step's metadata (prefill rows' snapshot, then decode rows'), its plan, the next state."""
     state, kv = d.state, d.kv
     metadata: list[KVMetadata] = []
-    if d.prefill or d.verify:  # one varlen forward: prefill chunks, then rows verifying drafts
+    if d.prefill or d.verify:  # one varlen forward: prefill chunks, rows verifying drafts (and with them the decodes)
         limits = dict(d.prefill)
         limits.update((rid, 1 + len(draft)) for rid, draft in d.verify)
+        limits.update((rid, 1) for rid in (d.decode if d.verify else ()))
         metadata.append(publish(kv, list(limits), "prefill", query_limits=limits).unwrap().effect)
-    if d.decode:
+    if d.decode and not d.verify:
         metadata.append(publish(kv, d.decode, "decode").unwrap().effect)
     chunks: list[Prefilled] = []
     for rid, q in d.prefill:

@@ -92,7 +92,8 @@ class StepPlan:
     diffusion: tuple[DiffusionRun, ...]
     preempted: tuple[RequestId, ...]
     finished: tuple[tuple[RequestId, FinishReason], ...]  # ended by schedule itself (a permanent refusal)
-    metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows'
+    metadata: tuple[KVMetadata, ...]  # the LLM forward: prefill rows' snapshot, then decode rows' (all in the first
+    # when rows verify drafts: one forward)
     samples: tuple[RequestId, ...] = ()  # requests whose forward yields a token: on_output wants it
     refusals: tuple[KVError, ...] = ()  # why each of ``finished`` ended: the refusal that happened, its numbers
     # decodes with draft tokens to verify (speculative decoding): each row computes its last sampled token and

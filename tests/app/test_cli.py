@@ -95,6 +95,11 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--page-map", "{tmp}/map.txt"], "must end in .png"),
     (["generate", "hi", "--page-map", "{tmp}/no/such/dir/map.png"], "no such directory"),
     (["generate", "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["generate", "hi", "--speculative-config", '{{"method": "eagle"}}'], "method 'eagle' is not served"),  # ({{: format)
+    (["generate", "hi", "--speculative-config", "{{"], "--speculative-config: is not JSON"),
+    (["generate", "hi", "--speculative-config", '{{"num_speculative_tokens": 0}}'], "num_speculative_tokens must be"),
+    (["generate", "hi", "--speculative-config", '{{"prompt_lookup": 3}}'], "unknown keys ['prompt_lookup']"),
+    (["generate", "hi", "--ranks", "2", "--speculative-config", "{{}}"], "use it with --ranks 1"),
     (["denoise", "--steps", "0"], "--steps"),
     (["denoise", "--image-tokens", "-5"], "--image-tokens"),
     (["denoise", "--blocks", "0"], "--blocks"),
@@ -291,6 +296,19 @@ def loaded(smollm2: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedkv.models.llama import Llama
 
     monkeypatch.setattr(Llama, "smollm2", classmethod(lambda cls, **kw: smollm2))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("loaded")
+def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--chat", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "--max-tokens", "24",
+            "--threads", "1"]  # fmt: skip
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    spec = capsys.readouterr().out
+    assert plain.split("--- summary")[0] == spec.split("--- summary")[0]  # the same completions
+    assert "speculation " in spec and "drafts accepted" in spec and "speculation " not in plain
 
 
 @pytest.mark.slow

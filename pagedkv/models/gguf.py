@@ -58,6 +58,7 @@ class LlamaConfig:
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE (projection biases, as in
     # Qwen2, come with the state dict: a bias there is used)
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # ("rope_type", "linear" | "llama3"), its parameters
 
     def __post_init__(self) -> None:
         kinds = set(self.layer_types or ())
@@ -79,32 +80,47 @@ class LlamaConfig:
 
     @staticmethod
     def from_hf_config(c: dict[str, Any]) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` of a Llama, Qwen2 or Qwen3 checkpoint (with its state dict,
-        ``Llama(config, sd)``); ``layer_types`` with ``sliding_window`` make a hybrid of full and
-        sliding-window layers."""
+        """From a Hugging Face ``config.json`` of a Llama, Mistral, Qwen2 or Qwen3 checkpoint (with its state
+        dict, ``Llama(config, sd)``), as transformers 5.24 reads it: ``layer_types`` with ``sliding_window``
+        make a hybrid of full and sliding-window layers; Qwen's window counts only under
+        ``use_sliding_window``, and without ``layer_types`` its layers from ``max_window_layers`` on slide;
+        Mistral's window (when set) applies to every layer. ``rope_theta`` at the top level or in
+        ``rope_parameters``; RoPE scaling ``linear`` and ``llama3`` (others are refused)."""
         model_type = c.get("model_type", "llama")
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family decoder served here ({HF_MODEL_TYPES})")
+        n = c["num_hidden_layers"]
         types = c.get("layer_types")
         window = c.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
-            window = None  # transformers ignores the window unless use_sliding_window
+        if model_type in ("qwen2", "qwen3"):
+            if not c.get("use_sliding_window", False):
+                window = None  # transformers ignores the window unless use_sliding_window
+            if types is None and window is not None:  # (transformers' derivation, Qwen2Config.__post_init__)
+                types = ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+        elif model_type == "mistral":
+            types = ["sliding_attention"] * n if window is not None else None  # (Mistral reads no layer_types)
+        elif model_type == "llama":
+            types = window = None
         if types is not None and "sliding_attention" not in types:
             types = None  # all full: the plain model
         if window is None and types is not None:
             types = None
-        if window is not None and types is None and model_type == "mistral":
-            types = ["sliding_attention"] * c["num_hidden_layers"]
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"RoPE scaling {kind!r} is not served (default, linear and llama3 are)")
         return LlamaConfig(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
-            num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-            rope_theta=(c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 1e4)),  # transformers 5
+            num_layers=n, num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 1e4)),  # transformers 5: in rope_parameters
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
             tie_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
             eos_token_id=c.get("eos_token_id"), head_dim_=c.get("head_dim"),
             layer_types=tuple(types) if types is not None else None, sliding_window=window if types else None,
             qk_norm=model_type == "qwen3",
+            rope_scaling=None if kind == "default" else tuple(sorted((k, v) for k, v in rope.items()
+                                                                     if k not in ("rope_theta", "type"))),
         )  # fmt: skip
 
 

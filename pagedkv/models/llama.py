@@ -4,6 +4,7 @@ are written to the page pool once per layer."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -50,8 +51,7 @@ class Llama:
                 L["q_norm"], L["k_norm"] = w(p + "q_norm.weight"), w(p + "k_norm.weight")
         fuse_layers(self.layers)
         self.layer_names = tuple(f"layer{i}" for i in range(config.num_layers))  # kv_layers' names, for the layout
-        hd = config.head_dim
-        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd))
+        self.inv_freq = rope_inv_freq(config).to(self.device)
         # the head layout this instance computes, and how a row-parallel projection's partial sums
         # combine: a tensor-parallel shard narrows the first and all-reduces the second (models/parallel.py)
         self.n_heads, self.n_kv_heads = config.num_heads, config.num_kv_heads
@@ -141,6 +141,27 @@ class Llama:
             x = x + self.reduce((F.silu(gate) * up) @ L["down"].T)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device) if logits_at is None else logits_at
         return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+
+
+def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,), scaled as the config says (transformers' ``linear`` and
+    ``llama3`` rules)."""
+    hd = c.head_dim
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    scaling = dict(c.rope_scaling or ())
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
 
 
 def fuse_layers(layers: list[dict[str, torch.Tensor]]) -> None:

@@ -7,6 +7,7 @@ GGUF path takes ~20 s. Tests check its encodings against transformers' tokenizer
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jinja2
@@ -30,7 +31,8 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         types = list(meta.get("tokenizer.ggml.token_type") or [])
         tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == CONTROL])
-        self._tok = tok
+        self._tok, self._from_dir = tok, False
+        self.bos_token: str | None = None  # (the file's chat template renders without one)
         self.eos_token_id: int = int(meta["tokenizer.ggml.eos_token_id"])
         self.bos_token_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_token = tokens[self.eos_token_id]
@@ -41,8 +43,57 @@ class Tokenizer:
             stop.add(tokens.index("<|im_end|>"))
         self.stop_token_ids = frozenset(stop)
 
+    @classmethod
+    def from_dir(cls, path: str, stop_ids: frozenset[int] = frozenset()) -> Tokenizer:
+        """A Hugging Face checkpoint's tokenizer: ``tokenizer.json`` (the ``tokenizers`` library reads it),
+        ``tokenizer_config.json``'s ``chat_template`` (or ``chat_template.jinja``), its bos and eos tokens;
+        ``stop_ids`` (generation_config's) end a request besides the eos token. Raw text is encoded with
+        the tokenizer's special tokens (a bos, where it adds one); text a chat template rendered, which
+        holds them already, without."""
+        from pagedkv.models.hf import CheckpointError, read_json
+
+        file = os.path.join(path, "tokenizer.json")
+        try:
+            tok = _Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own errors: one line either way
+            raise CheckpointError(f"{file} cannot be read: {' '.join(str(e).split())[:200]}") from None
+        conf_file = os.path.join(path, "tokenizer_config.json")
+        conf = read_json(conf_file, "the tokenizer's config") if os.path.exists(conf_file) else {}
+        self = cls.__new__(cls)
+        self._tok, self._from_dir = tok, True
+
+        def token(key: str) -> str | None:
+            t = conf.get(key)
+            return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
+
+        self.eos_token, self.bos_token = token("eos_token"), token("bos_token")
+        eos = None if self.eos_token is None else tok.token_to_id(self.eos_token)
+        self.eos_token_id = eos if eos is not None else min(stop_ids, default=-1)
+        bos = None if self.bos_token is None else tok.token_to_id(self.bos_token)
+        self.bos_token_id = bos
+        template = conf.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # (named templates: the default one)
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self._template = _environment().from_string(template) if isinstance(template, str) else None
+        self.stop_token_ids = frozenset(stop_ids) | ({eos} if eos is not None else set())
+        return self
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` holds it (the ``tokenizers`` library's own format)."""
+        return str(self._tok.to_str())
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can give (its added tokens included)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        special = self._from_dir and not (self.bos_token and text.startswith(self.bos_token))
+        return list(self._tok.encode(text, add_special_tokens=special).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -51,4 +102,16 @@ class Tokenizer:
         if self._template is None:
             raise ValueError("this model file has no chat template")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     eos_token=self.eos_token)  # fmt: skip
+                                     eos_token=self.eos_token, bos_token=self.bos_token or "")  # fmt: skip
+
+
+def _environment() -> jinja2.Environment:
+    """How transformers renders a chat template: a sandbox, blocks trimmed, ``raise_exception`` at hand."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env

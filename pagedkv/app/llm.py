@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.app.generate import dtype_for
+from pagedkv.app.devices import dtype_for
+from pagedkv.models.hf import load_model
 from pagedkv.models.llama import Llama
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
@@ -24,11 +25,16 @@ from pagedkv.shell.sampling import SamplingParams
 class LLM:
     """SmolLM2-135M-Instruct (or any ``Llama`` with a ``Tokenizer``) served through pagedkv."""
 
-    def __init__(self, model: Llama | None = None, tokenizer: Tokenizer | None = None, *, device: str = "cpu",
+    def __init__(self, model: Llama | str | None = None, tokenizer: Tokenizer | None = None, *, device: str = "cpu",
                  dtype: str = "auto", **engine: Any) -> None:  # fmt: skip
-        """``dtype`` of the SmolLM2 it loads: auto is bfloat16 on cuda (with the triton backend and CUDA graphs,
-        the engine's defaults there), float32 on the CPU; ``engine``: ``EngineArgs`` fields."""
-        if model is None:
+        """``model``: a ``Llama``, a path (a Hugging Face checkpoint directory or a Llama-family ``.gguf`` file:
+        ``models.hf.load_model``, its tokenizer with it), or None for SmolLM2-135M-Instruct. ``dtype`` of what
+        it loads: auto is bfloat16 on cuda (with the triton backend and CUDA graphs, the engine's defaults
+        there), float32 on the CPU; ``engine``: ``EngineArgs`` fields."""
+        if isinstance(model, str):
+            model, loaded, _ = load_model(model, dtype=dtype_for(dtype, device), device=device)
+            tokenizer = tokenizer or loaded
+        elif model is None:
             model, meta = Llama.smollm2(device=device, dtype=dtype_for(dtype, device))
             tokenizer = tokenizer or Tokenizer(meta)
         if tokenizer is None:

@@ -4,6 +4,7 @@ Unicode text, its fields' types and bounds) before anything expensive, and the o
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from typing import Any
@@ -92,6 +93,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
     if args.ranks > 1 and getattr(args, "speculative_config", None) is not None:
         raise UsageError("--speculative-config is served by one engine: use it with --ranks 1")
+    if args.ranks > 1 and getattr(args, "model", None):
+        raise UsageError("--ranks splits SmolLM2 only: use --model with --ranks 1")
+    if getattr(args, "model", None) is not None and not os.path.exists(args.model):
+        raise UsageError(f"--model {args.model} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
     if args.page_map:
         from pagedkv.app.plot import check_target
 

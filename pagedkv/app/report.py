@@ -104,6 +104,7 @@ def summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s
     prompt_tokens = sum(len(c.prompt_token_ids) for c in served)  # the prompts that ran (a refused one never did)
     where = f"on {args.device}" + (f", {n_threads} threads" if args.device == "cpu" else "")
     print("--- summary")
+    print(f"model               {getattr(args, 'model_name', 'SmolLM2-135M-Instruct')}")
     print(f"requests            {len(completions)}" + (f" ({len(completions) - len(served)} refused)"
                                                         if len(served) < len(completions) else ""))  # fmt: skip
     print(f"prompt tokens       {prompt_tokens}")

@@ -150,3 +150,46 @@ def test_a_bad_directory_is_one_line_before_any_weight_is_read(checkpoint: tuple
     os.makedirs(tmp_path / "empty", exist_ok=True)
     with pytest.raises(CheckpointError, match="config.json is missing"):
         load_model(str(tmp_path / "empty"))
+
+
+def test_generate_serves_a_directory_and_names_it(checkpoint: tuple[Any, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.app.cli import main
+
+    hf, path = checkpoint
+    assert main(["generate", "--model", str(path), "--chat", "What is 2+2?", "--max-tokens", "5", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"model               {path.name} ({type(hf).__name__})" in out
+    bad = path.parent / f"{path.name}-arch"
+    shutil.copytree(path, bad, dirs_exist_ok=True)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["Gemma2ForCausalLM"]}))
+    assert main(["generate", "--model", str(bad), "hi"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "architecture 'Gemma2ForCausalLM' is not served" in line
+
+
+@pytest.mark.slow
+def test_smollm2_through_transformers_to_a_directory_gives_the_gguf_paths_tokens(tmp_path: Path, smollm2: Any) -> None:
+    """The round trip: SmolLM2's GGUF read by transformers, saved as a Hugging Face directory, served from it."""
+    import transformers
+
+    from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
+
+    gguf_dir = os.path.dirname(smollm2_path())
+    read = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    cfg = {k: v for k, v in read.config.to_dict().items() if k != "quantization_config"}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))  # (a GGUF-loaded model refuses to save)
+    hf.load_state_dict(read.state_dict())
+    hf.save_pretrained(tmp_path)
+    del hf, read
+    save_tokenizer(tmp_path)
+    model, tok, _ = load_model(str(tmp_path))
+    gguf_model, meta = smollm2
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=16)
+    runs = []
+    for m, t in ((model, tok), (gguf_model, Tokenizer(meta))):
+        texts = [t.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        done = Engine(m, t, kv_cache_memory_bytes=64 << 20).generate([(x, t.encode(x), params) for x in texts])
+        runs.append([c.token_ids for c in done])
+    assert runs[0] == runs[1] and all(runs[0])

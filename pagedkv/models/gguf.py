@@ -36,7 +36,7 @@ def smollm2_path() -> str:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,17 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE (projection biases, as in
     # Qwen2, come with the state dict: a bias there is used)
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # ("rope_type", "linear" | "llama3"), its parameters
+    # Gemma 3 (models/gemma3.py): norms scale by (1 + w) and wrap attention and the MLP (sandwich), the query
+    # is scaled by query_scale ** -0.5, sliding layers rotate with their own base, the embedding is scaled by
+    # sqrt(hidden), GELU (tanh) gates the MLP, logits are soft-capped
+    sandwich_norms: bool = False
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma: 1.0)
+    query_scale: float | None = None  # attention scale query_scale ** -0.5 (None: head_dim ** -0.5)
+    local_rope_theta: float | None = None  # sliding layers' RoPE base (None: rope_theta)
+    embed_scale: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    final_softcap: float | None = None
+    attn_softcap: float | None = None
 
     def __post_init__(self) -> None:
         kinds = set(self.layer_types or ())
@@ -89,6 +100,10 @@ class LlamaConfig:
         model_type = c.get("model_type", "llama")
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family decoder served here ({HF_MODEL_TYPES})")
+        if model_type == "gemma3_text":
+            from pagedkv.models.gemma3 import gemma3_config
+
+            return gemma3_config(c)
         n = c["num_hidden_layers"]
         types = c.get("layer_types")
         window = c.get("sliding_window")
@@ -119,7 +134,7 @@ class LlamaConfig:
             eos_token_id=c.get("eos_token_id"), head_dim_=c.get("head_dim"),
             layer_types=tuple(types) if types is not None else None, sliding_window=window if types else None,
             qk_norm=model_type == "qwen3",
-            rope_scaling=None if kind == "default" else tuple(sorted((k, v) for k, v in rope.items()
+            rope_scaling=None if kind == "default" else tuple(sorted((k, v) for k, v in {**rope, "rope_type": kind}.items()
                                                                      if k not in ("rope_theta", "type"))),
         )  # fmt: skip
 

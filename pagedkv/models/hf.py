@@ -23,7 +23,7 @@ from pagedkv.models.gguf import LlamaConfig
 
 # architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}  # fmt: skip
 
 
 class CheckpointError(ValueError):
@@ -119,6 +119,8 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
                     p + "mlp.down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if c.sandwich_norms:
+            out.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     return out
 
 

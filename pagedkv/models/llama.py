@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,27 +32,36 @@ class Llama:
         def w(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype)
 
+        def norm(name: str) -> torch.Tensor:  # (Gemma's norms scale by 1 + w: the offset is added once, here)
+            t = state_dict[name]
+            return (t.float() + config.norm_offset).to(device=self.device, dtype=dtype) if config.norm_offset else w(name)
+
         self.embed = w("model.embed_tokens.weight")  # (vocab, hidden)
         self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers = []
+        norms = (("ln1", "input_layernorm"), ("post_attn", "post_attention_layernorm"), ("ln2", "pre_feedforward_layernorm"),
+                 ("post_ffn", "post_feedforward_layernorm")) if config.sandwich_norms else (
+                 ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))  # fmt: skip
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append({k: w(p + n) for k, n in (
-                ("ln1", "input_layernorm.weight"), ("ln2", "post_attention_layernorm.weight"),
                 ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
                 ("o", "self_attn.o_proj.weight"), ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
-                ("down", "mlp.down_proj.weight"))})  # fmt: skip
+                ("down", "mlp.down_proj.weight"))} | {k: norm(p + n + ".weight") for k, n in norms})  # fmt: skip
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}.self_attn."
             for k in ("q", "k", "v", "o"):  # Qwen2's q/k/v biases (any of them, where the checkpoint has them)
                 if p + f"{k}_proj.bias" in state_dict:
                     L[f"{k}_bias"] = w(p + f"{k}_proj.bias")
             if config.qk_norm:
-                L["q_norm"], L["k_norm"] = w(p + "q_norm.weight"), w(p + "k_norm.weight")
+                L["q_norm"], L["k_norm"] = norm(p + "q_norm.weight"), norm(p + "k_norm.weight")
         fuse_layers(self.layers)
         self.layer_names = tuple(f"layer{i}" for i in range(config.num_layers))  # kv_layers' names, for the layout
         self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.local_inv_freq = (None if config.local_rope_theta is None else  # Gemma's sliding layers' own base
+                               rope_inv_freq(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)).to(self.device))
+        self.act = F.silu if config.activation == "silu" else partial(F.gelu, approximate="tanh")
         # the head layout this instance computes, and how a row-parallel projection's partial sums
         # combine: a tensor-parallel shard narrows the first and all-reduces the second (models/parallel.py)
         self.n_heads, self.n_kv_heads = config.num_heads, config.num_kv_heads
@@ -76,9 +86,9 @@ class Llama:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every query token's rotation, (tokens, 1, head_dim): once a forward, for every layer."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (tokens, head_dim / 2)
+        freqs = positions[:, None].float() * (self.inv_freq if inv_freq is None else inv_freq)[None, :]  # (tokens, hd / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos(), emb.sin()
 
@@ -102,9 +112,10 @@ class Llama:
             places = tuple(LayerPlace(0, layout, i) for i in range(self.config.num_layers))
         else:
             places = layout.of(self.layer_names)
-        scale = self.config.head_dim**-0.5
-        out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=scale, kv_index=self.kv_index))
-                    for p in places)  # fmt: skip
+        c = self.config
+        scale = (c.query_scale if c.query_scale is not None else c.head_dim) ** -0.5
+        out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=scale, softcap=c.attn_softcap,
+                                                     kv_index=self.kv_index)) for p in places)  # fmt: skip
         self._places = (key, layout, out)
         return out
 
@@ -119,10 +130,14 @@ class Llama:
         hd = c.head_dim
         pos = batch.positions.to(self.device)
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
+        if c.embed_scale:  # (Gemma: by sqrt(hidden), in the weights' dtype)
+            x = x * torch.tensor(c.hidden_size**0.5, dtype=x.dtype)
         places = self._attention(layout)
-        cos, sin = self._rope_tables(pos)
+        tables = self._rope_tables(pos)
+        local = tables if self.local_inv_freq is None else self._rope_tables(pos, self.local_inv_freq)
         split = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
-        for L, (slot, group, attn) in zip(self.layers, places):
+        for i, (L, (slot, group, attn)) in enumerate(zip(self.layers, places)):
+            cos, sin = local if c.window_of(i) else tables
             h = self._rms(x, L["ln1"])
             qkv = h @ L["qkv"].T if "qkv_bias" not in L else torch.addmm(L["qkv_bias"], h, L["qkv"].T)
             q, k, v = torch.split(qkv, split, dim=-1)  # one product for the three projections
@@ -133,14 +148,17 @@ class Llama:
             v = v.reshape(-1, self.n_kv_heads, hd)
             pool.write(slot, k, v, batch.slot_mappings[group])  # this step's K/V, once, before attention reads
             a = backend.forward(q, pool.k[slot], pool.v[slot], batch, attn)
-            x = x + self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
+            a = self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
             if "o_bias" in L:
-                x = x + L["o_bias"]  # once, after the partial sums
+                a = a + L["o_bias"]  # once, after the partial sums
+            x = x + (self._rms(a, L["post_attn"]) if "post_attn" in L else a)
             h = self._rms(x, L["ln2"])
             gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
-            x = x + self.reduce((F.silu(gate) * up) @ L["down"].T)
+            m = self.reduce((self.act(gate) * up) @ L["down"].T)
+            x = x + (self._rms(m, L["post_ffn"]) if "post_ffn" in L else m)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device) if logits_at is None else logits_at
-        return (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+        logits = (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+        return logits if c.final_softcap is None else torch.tanh(logits / c.final_softcap) * c.final_softcap
 
 
 def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:

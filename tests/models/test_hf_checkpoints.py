@@ -50,6 +50,17 @@ def hf_model(kind: str) -> Any:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.25)
         return model
+    if kind == "gemma3":  # 3 local layers to 1 global (sliding_window_pattern, no layer_types), soft-capped logits
+        cfg = transformers.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, sliding_window_pattern=4, query_pre_attn_scalar=24,
+                                            final_logit_softcapping=5.0, rope_theta=50_000.0, rope_local_base_freq=500.0,
+                                            **common)  # fmt: skip
+        assert cfg.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+        model = transformers.Gemma3ForCausalLM(cfg).eval()
+        with torch.no_grad():  # Gemma's norms start at zero (a scale of 1): give them values the test can see
+            for name, p in model.named_parameters():
+                if "norm" in name:  # (the sandwich norms' outputs large against the scaled embedding: varied tokens)
+                    p.normal_(3.0 if "post" in name else 0.0, 0.3)
+        return model
     types = ["sliding_attention", "full_attention"] * 2
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
                                                                   layer_types=types, tie_word_embeddings=True,
@@ -65,7 +76,7 @@ def save_tokenizer(path: Path) -> Tokenizer:
     return tok
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     hf = hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
@@ -92,6 +103,7 @@ def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[An
     got = eng.generate([("", p, params) for p in prompts])
     assert [c.token_ids[:12] for c in got if c.finish_reason != "stop"] == [w for w, c in zip(want, got)
                                                                             if c.finish_reason != "stop"]  # fmt: skip
+    assert sum(len(c.token_ids) for c in got) >= 24 and any(len(set(w)) > 3 for w in want)  # (not an empty check)
     for p, w in zip(prompts, want):  # alone
         (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", p, params)])
         assert c.token_ids == w[: len(c.token_ids)]

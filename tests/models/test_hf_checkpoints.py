@@ -205,3 +205,30 @@ def test_smollm2_through_transformers_to_a_directory_gives_the_gguf_paths_tokens
         done = Engine(m, t, kv_cache_memory_bytes=64 << 20).generate([(x, t.encode(x), params) for x in texts])
         runs.append([c.token_ids for c in done])
     assert runs[0] == runs[1] and all(runs[0])
+
+
+def test_prefix_hits_and_preemption_keep_transformers_tokens(checkpoint: tuple[Any, Path]) -> None:
+    """Prompts sharing a 40-token prefix (the later ones hit its blocks) in a pool too small for all at once."""
+    hf, path = checkpoint
+    model, tok, _ = load_model(str(path))
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 3, 8)]
+    want = [reference(hf, p, 10) for p in prompts]
+    per_block = model.kv_layers()[0].bytes_per_token * 4 * model.config.num_layers
+    eng = Engine(model, tok, block_size=4, kv_cache_memory_bytes=per_block * 16, max_num_seqs=4)
+    got = eng.generate([("", p, SamplingParams(max_tokens=10)) for p in prompts])
+    assert eng.stats.preemptions and any(c.cached_tokens for c in got)
+    for c, w in zip(got, want):
+        assert c.token_ids == w[: len(c.token_ids)] and (len(c.token_ids) == 10 or c.finish_reason == "stop")
+
+
+def test_a_bf16_checkpoint_loads_to_fp32_as_its_values(checkpoint: tuple[Any, Path], tmp_path: Path) -> None:
+    hf, path = checkpoint
+    hf16 = hf_model(path.name.rstrip("0123456789")).to(torch.bfloat16)
+    hf16.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()).get("dtype") == "bfloat16"
+    save_tokenizer(tmp_path)
+    model, _, _ = load_model(str(tmp_path), dtype=torch.float32)
+    assert model.embed.dtype == torch.float32
+    assert torch.equal(model.embed, hf16.model.embed_tokens.weight.float())

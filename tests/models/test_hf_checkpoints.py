@@ -232,3 +232,41 @@ def test_a_bf16_checkpoint_loads_to_fp32_as_its_values(checkpoint: tuple[Any, Pa
     model, _, _ = load_model(str(tmp_path), dtype=torch.float32)
     assert model.embed.dtype == torch.float32
     assert torch.equal(model.embed, hf16.model.embed_tokens.weight.float())
+
+
+def test_hub_configs_and_transformers_5_configs_read_alike() -> None:
+    """A config as published on a hub (rope_theta at the top level, torch_dtype, Gemma's sliding_window_pattern
+    and rope_local_base_freq) and as transformers 5 writes it (rope_parameters, dtype, layer_types) give the same
+    model config."""
+    from pagedkv.models.gguf import LlamaConfig
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    hub = {**sizes, "model_type": "gemma3_text", "torch_dtype": "bfloat16", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "sliding_window_pattern": 6, "sliding_window": 512, "head_dim": 16, "query_pre_attn_scalar": 16}  # fmt: skip
+    new = {**sizes, "model_type": "gemma3_text", "dtype": "bfloat16", "sliding_window": 512, "head_dim": 16,
+           "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    assert LlamaConfig.from_hf_config(hub) == LlamaConfig.from_hf_config(new)
+    qwen_hub = {**sizes, "model_type": "qwen2", "rope_theta": 5e5, "use_sliding_window": True, "sliding_window": 64,
+                "max_window_layers": 4}  # fmt: skip
+    qwen_new = {**sizes, "model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                "use_sliding_window": True, "sliding_window": 64,
+                "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 2}  # fmt: skip
+    a, b = LlamaConfig.from_hf_config(qwen_hub), LlamaConfig.from_hf_config(qwen_new)
+    assert a == b and a.window_of(3) is None and a.window_of(4) == 64 and a.rope_theta == 5e5
+
+
+def test_every_stop_id_in_generation_config_ends_a_request(checkpoint: tuple[Any, Path], tmp_path: Path) -> None:
+    hf, path = checkpoint
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+    want = reference(hf, prompt, 8)
+    stop_at = next(i for i in range(2, 8) if want[i] not in want[:i])  # a token the model first gives there
+    out = tmp_path / "stops"
+    shutil.copytree(path, out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB - 1, want[stop_at]]}))
+    model, tok, _ = load_model(str(out))
+    (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", prompt, SamplingParams(max_tokens=8))])
+    assert c.token_ids == want[: stop_at + 1] and c.finish_reason == "stop"

@@ -85,7 +85,7 @@ class Weights(Mapping[str, torch.Tensor]):
             except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors: one line either way
                 raise CheckpointError(f"{os.path.join(path, name)} cannot be read: {' '.join(str(e).split())[:200]}") from None
             self._files.append(f)
-            for key in f.keys():  # noqa: SIM118 - a safe_open handle has keys(), not iteration
+            for key in f.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 - a safe_open handle has keys()
                 self._where[key] = f
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -169,7 +169,7 @@ def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:
     scaling = dict(c.rope_scaling or ())
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
-        return inv / scaling["factor"]
+        return inv / float(scaling["factor"])
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old = scaling["original_max_position_embeddings"]

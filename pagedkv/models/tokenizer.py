@@ -35,7 +35,7 @@ class Tokenizer:
         self.bos_token: str | None = None  # (the file's chat template renders without one)
         self.eos_token_id: int = int(meta["tokenizer.ggml.eos_token_id"])
         self.bos_token_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
-        self.eos_token = tokens[self.eos_token_id]
+        self.eos_token: str | None = tokens[self.eos_token_id]
         template = meta.get("tokenizer.chat_template")
         self._template = jinja2.Environment().from_string(template) if template else None
         stop = {self.eos_token_id}

@@ -14,10 +14,10 @@ from pagedkv.core.scheduler.records import (
     DiffusionRun, LiveRequests, Prefilled, SchedState, SchedulerConfig, SeqRequest, StepPlan,
     new_scheduler,
 )  # fmt: skip
-from pagedkv.core.scheduler.results import on_output
+from pagedkv.core.scheduler.results import on_output, on_tokens
 
 __all__ = [
     "DiffusionRun", "Event", "FinishReason", "LiveRequests", "Prefilled", "SchedState", "SchedulerConfig",
-    "SeqRequest", "Stage", "StepPlan", "cancel", "new_scheduler", "on_output", "sched_canonical", "sched_digest",
+    "SeqRequest", "Stage", "StepPlan", "cancel", "new_scheduler", "on_output", "on_tokens", "sched_canonical", "sched_digest",
     "schedule", "submit",
 ]  # fmt: skip

@@ -18,9 +18,11 @@ def sched_canonical(state: SchedState) -> tuple[Any, ...]:
     fin = tuple(sorted(((type(r).__name__, r, str(how)) for r, how in state.finished.items())))
     plan = _pending_plan(state)
     cfg = state.config
+    awaiting = (tuple(sorted(state.awaiting, key=lambda r: (type(r).__name__, r))),) if state.awaiting else ()
     return ("pagedkv-scheduler/1", cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill,
             cfg.watermark_blocks, cfg.allow_overtaking, canonical(state.kv), tuple(state.waiting), state.running,
-            tuple(sorted(state.prefilling, key=str)), reqs, fin, plan, state.step, state.arrivals)  # fmt: skip
+            tuple(sorted(state.prefilling, key=str)), reqs, fin, plan, state.step, state.arrivals,
+            *awaiting)  # fmt: skip
 
 
 def _pending_plan(state: SchedState) -> tuple[tuple[Any, ...], ...]:

@@ -23,7 +23,7 @@ class Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit", "finished",
-                 "decode", "verify", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events")  # fmt: skip
+                 "decode", "verify", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events", "awaiting")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
         self.state = state
@@ -46,6 +46,7 @@ class Draft:
         stages = state.stages
         self.prefilling = {rid for rid in self.running if stages[rid] is Stage.PREFILLING}  # (one scan a step)
         self.events: list[KVEvent] = []  # the core's KV events of this step, in order
+        self.awaiting = state.awaiting  # requests whose last token's id is not known yet
 
     def apply(self, step: Step[Any]) -> None:
         """Take a core transition's new state, and keep its events."""

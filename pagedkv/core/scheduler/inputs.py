@@ -55,14 +55,20 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         return Failure(invalid(f"cancel reason must be cancelled or error, got {shown(reason)}", field="reason"))
     if not is_request_id(request_id) or request_id not in state.seqs:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not waiting or running", None)
-    advance(state.stages[request_id], Event.CANCEL)
+    return Success(ended(state, request_id, reason))
+
+
+def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:
+    """``state`` without the live request ``request_id`` (its blocks back, out of the queues, the log and a plan
+    in flight), which ended with ``reason``: cancelled, error, or finished (a stop token whose id came late)."""
+    advance(state.stages[request_id], Event.FINISH if reason == "finished" else Event.CANCEL)
     kv, events = state.kv, state.kv_events[:0]
     if request_id in kv.requests:
         released = release(kv, request_id, reason).unwrap()
         kv, events = released.state, released.effect.events
     log = state.log.edit()
     log.drop(request_id)
-    return Success(replace(
+    return replace(
         state, kv=kv, waiting=_without(state.waiting, request_id),
         running=tuple(r for r in state.running if r != request_id), stages=state.stages.delete(request_id),
         seqs=state.seqs.delete(request_id), log=log.persistent(),
@@ -71,7 +77,8 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
         sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
         sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id), kv_events=events,
         sched_verify=tuple(v for v in state.sched_verify if v[0] != request_id),
-    ))  # fmt: skip
+        awaiting=state.awaiting - {request_id},
+    )  # fmt: skip
 
 
 def _without(q: PDeque[RequestId], rid: RequestId) -> PDeque[RequestId]:

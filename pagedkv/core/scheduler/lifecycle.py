@@ -56,7 +56,7 @@ TABLE: tuple[tuple[Event, tuple[Stage | None, ...], Stage | None], ...] = (
     (Event.PREFILLED, (Stage.PREFILLING,), Stage.DECODING),
     (Event.PREEMPT, (Stage.PREFILLING, Stage.DECODING), Stage.WAITING),
     (Event.OVERRUN, (Stage.DECODING,), END),
-    (Event.FINISH, (Stage.DECODING, Stage.DENOISING), END),
+    (Event.FINISH, (Stage.WAITING, Stage.DECODING, Stage.DENOISING), END),  # (waiting: preempted, its stop token late)
     (Event.CANCEL, (Stage.WAITING, Stage.PREFILLING, Stage.DECODING, Stage.DENOISING), END),
 )
 _MOVES = {(src, event): dst for event, sources, dst in TABLE for src in sources}

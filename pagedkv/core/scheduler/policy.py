@@ -26,7 +26,7 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.admission import admit, growing_refusal
 from pagedkv.core.commit import cache_ahead
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
-from pagedkv.core.growth import append, append_decode
+from pagedkv.core.growth import Placeholders, append, append_decode, append_many
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
@@ -75,7 +75,11 @@ def _decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None
     prefilling = d.prefilling
     candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
     if drafts is None:
-        batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
+        if not d.awaiting:
+            batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
+        else:  # planned ahead of the last step's ids: a row whose id is not known grows by a placeholder
+            batch = append_many(d.kv, [(rid, [Placeholders(1)] if rid in d.awaiting else [[tok]])
+                                       for rid, tok in zip(candidates, d.log.last_many(candidates))])  # type: ignore[arg-type]
         if isinstance(batch, Success):
             d.apply(batch.unwrap())
             d.decode.extend(candidates)
@@ -98,7 +102,9 @@ def _fitting(d: Draft, rid: RequestId, draft: Sequence[int]) -> tuple[int, ...]:
 
 
 def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
-    grown = _grow(d, rid, [token, *draft])
+    ahead = rid in d.awaiting  # (its last id not known yet: a placeholder, and no drafts after it)
+    draft = () if ahead else draft
+    grown = _grow(d, rid, Placeholders(1) if ahead else [token, *draft])
     if grown is True:
         if draft:
             d.verify.append((rid, draft))
@@ -111,7 +117,7 @@ def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = (
         d.end(rid, Event.OVERRUN, grown)
 
 
-def _grow(d: Draft, rid: RequestId, tokens: list[int]) -> bool | KVError:
+def _grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
     """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
     True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
     refusal that is not about blocks."""
@@ -193,6 +199,8 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
     """Try the head of the waiting queue: "stop" (it waits, and so do those behind it), "skip" (it
     waits; later ones may overtake it), or "done" (admitted, or ended by a permanent refusal)."""
     cfg = d.state.config
+    if rid in d.awaiting:  # preempted before its last id came back: it waits for it
+        return "skip" if cfg.allow_overtaking else "stop"
     req = d.seqs[rid]
     output = _output(d, rid) if req.rows is None else ()
     spec = replace(req, output=output).spec() if output else req.spec()
@@ -271,5 +279,5 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     log = d.log if d.log_edit is None else d.log_edit.persistent()
     new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, d.finished,
                      tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
-                     state.arrivals, tuple(d.events), tuple(d.verify))  # fmt: skip
+                     state.arrivals, tuple(d.events), tuple(d.verify), d.awaiting)  # fmt: skip
     return new, plan

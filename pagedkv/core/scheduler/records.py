@@ -148,6 +148,8 @@ class SchedState:
     # for an engine to publish (pagedkv.integrations.vllm); not part of the state's value or digest
     kv_events: tuple[KVEvent, ...] = field(default=(), compare=False)
     sched_verify: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()  # the last plan's decodes with drafts
+    # requests whose last token's id is not known yet (an output given ahead of its ids: ``on_tokens`` fills it)
+    awaiting: frozenset[RequestId] = frozenset()
 
     @property
     def live(self) -> LiveRequests:

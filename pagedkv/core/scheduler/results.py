@@ -4,20 +4,22 @@ what ended is released."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.ahead import truncate_many
+from pagedkv.core.ahead import fill_many, truncate_many
 from pagedkv.core.commit import commit_many
 from pagedkv.core.decode import commit_decode
 from pagedkv.core.effects import events_of
-from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_token_id, shown
+from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.events import KVEvent
 from pagedkv.core.release import release_many
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
 from pagedkv.core.scheduler.records import SchedState
-from pagedkv.core.state import KVState
+from pagedkv.core.scheduler.inputs import ended
+from pagedkv.core.state import KVState, row_known
 
 
 def on_output(
@@ -34,11 +36,21 @@ def on_output(
     accepted, in order, then the token it sampled after them (1 to len(drafts) + 1 ids; an engine
     that ends the request on one of them may give fewer). Its row is cut back past the accepted
     ones (the rejected drafts' blocks go back) and computed through them.
+
+    Ahead of the ids (overlapped scheduling): a token given as ``None`` is one the forward sampled whose id
+    is not known yet. It counts toward ``max_tokens``, the request's next decode grows by a placeholder,
+    and ``on_tokens`` gives the id before anything reads it (a request whose last id is still awaited
+    cannot be given ``None`` again, nor verify drafts).
     """
     toks: list[Any] = [sampled.get(rid) for rid in state.sched_decode]  # checked at C speed; a bad one named below
-    err = _check_sampled(state, sampled, are_token_ids(toks))
+    fast = are_token_ids(toks)
+    ahead = frozenset() if fast and not any(v is None for v in sampled.values()) else frozenset(
+        rid for rid, v in sampled.items() if v is None)  # fmt: skip
+    err = _check_sampled(state, sampled, fast, ahead)
     if err is not None:
         return Failure(err)
+    if ahead:
+        toks = [0 if t is None else t for t in toks]  # (a placeholder in the log until on_tokens)
     verified = _verified(state, sampled)
     if isinstance(verified, KVError):
         return Failure(verified)
@@ -55,7 +67,7 @@ def on_output(
     for rid, _, _, samples in chunks:
         if samples:  # its prompt is computed: it decodes from now on
             stages[rid] = moved(stages[rid], Event.PREFILLED)
-            log.append(rid, sampled[rid])
+            log.append(rid, sampled[rid] or 0)
             if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
                 ending.append(rid)
     for rid, got in verified.items():
@@ -77,19 +89,24 @@ def on_output(
             done = done.set(rid, FinishReason.FINISHED)
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
+    awaiting = (state.awaiting | ahead) - gone if ahead or state.awaiting else state.awaiting
     new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), done, (), (),
-                     (), state.step, state.arrivals, tuple(events))  # fmt: skip
+                     (), state.step, state.arrivals, tuple(events), (), awaiting)  # fmt: skip
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
 
 
-def _check_sampled(state: SchedState, sampled: Mapping[RequestId, int], decodes_ok: bool) -> KVError | None:
-    """Every request whose forward yields a token has a token id."""
+def _check_sampled(state: SchedState, sampled: Mapping[RequestId, Any], decodes_ok: bool,
+                   ahead: frozenset[RequestId]) -> KVError | None:  # fmt: skip
+    """Every request whose forward yields a token has a token id, or ``None`` (its id comes with ``on_tokens``)."""
     chunk_ids = (c.request_id for c in state.sched_prefill if c.samples)
     for rid in (*(() if decodes_ok else state.sched_decode), *chunk_ids):
         tok = sampled.get(rid)
+        if tok is None and rid in ahead and rid not in state.awaiting:
+            continue
         if not is_token_id(tok):
+            again = " (its last id is still awaited: on_tokens first)" if rid in state.awaiting and tok is None else ""
             return invalid(f"request {shown(rid)} computed its last token this step; on_output needs its "
-                           f"sampled token id, got {shown(tok)}", request=rid, field="sampled")  # fmt: skip
+                           f"sampled token id{again}, got {shown(tok)}", request=rid, field="sampled")  # fmt: skip
     return None
 
 
@@ -132,3 +149,37 @@ def _commit(state: SchedState, events: list[KVEvent], verified: Mapping[RequestI
         kv = many.state
         events.extend(events_of(many.effect))
     return kv
+
+
+def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Iterable[RequestId] = (),
+              ) -> Result[tuple[SchedState, tuple[tuple[RequestId, FinishReason], ...]], KVError]:  # fmt: skip
+    """The ids an earlier ``on_output`` gave as ``None`` (overlapped scheduling: the next step was planned and
+    launched before they were read): each request still awaiting one takes it, in its log and in the row
+    position its next decode grew by (a placeholder, now filled: blocks it completes can be cached).
+    ``finished`` names requests the engine ends on them (a stop token or string): they end now, their blocks
+    back, dropped from the plan in flight (its forward ran for them; the engine drops what it gave). Ids and
+    endings of requests no longer live (one that reached ``max_tokens`` ended at its output) are ignored.
+    All is checked before anything is applied; the state is as it was on a refusal."""
+    live = sorted((rid for rid in state.awaiting if rid in state.seqs), key=lambda r: (type(r).__name__, r))
+    for rid in live:
+        if not is_token_id(sampled.get(rid)):
+            return Failure(invalid(f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
+                                   f"{shown(sampled.get(rid))}", request=rid, field="sampled"))  # fmt: skip
+    log, kv = state.log.edit(), state.kv
+    fills = []
+    for rid in live:
+        log.set_last(rid, sampled[rid])
+        req = kv.requests.get(rid)
+        if req is not None and 0 < row_known(kv, req.slots[0]) < kv.row_len[req.slots[0]]:  # (0: it keeps no ids)
+            fills.append((rid, [[sampled[rid]]]))
+    events: list[KVEvent] = []
+    if fills:
+        step = fill_many(kv, fills).unwrap()
+        kv = step.state
+        events.extend(events_of(step.effect))
+    new = replace(state, kv=kv, log=log.persistent(), awaiting=frozenset())
+    ending = [rid for rid in dict.fromkeys(finished) if is_request_id(rid) and rid in state.seqs]
+    for rid in ending:
+        new = ended(new, rid, "finished")
+        events.extend(new.kv_events)
+    return Success((replace(new, kv_events=tuple(events)), tuple((rid, FinishReason.FINISHED) for rid in ending)))

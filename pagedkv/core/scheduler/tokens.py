@@ -148,6 +148,12 @@ class TokenLogEdit:
             recent = b""
         self.recent[slot] = recent + token.to_bytes(8, "little")
 
+    def set_last(self, rid: RequestId, token: int) -> None:
+        """``rid``'s last id becomes ``token`` (it stood for an id not known yet)."""
+        slot = self.slots[rid]
+        recent = self.recent[slot]
+        self.recent[slot] = recent[:-8] + token.to_bytes(8, "little")
+
     def count(self, rid: RequestId) -> int:
         slot = self.slots[rid]
         return (len(self.done[slot]) + len(self.recent[slot])) >> 3

@@ -48,7 +48,13 @@ class Recorder:
             event["drafts"] = [[rid, list(ids)] for rid, ids in drafts.items()]
         self._line(event, after, **({"plan": plan_json(plan)} if plan is not None else {}))
 
-    def output(self, sampled: Mapping[RequestId, int | Sequence[int]], finished: Iterable[RequestId],
+    def tokens(self, sampled: Mapping[RequestId, int], finished: Iterable[RequestId], after: SchedState | None = None,
+               ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
+        """The ids of an earlier output's ``None`` tokens (overlapped scheduling: ``on_tokens``)."""
+        event = {**output_event(sampled, finished), "op": "tokens"}
+        self._line(event, after, **({} if after is None else {"finished": [[r, str(h)] for r, h in ended]}))
+
+    def output(self, sampled: Mapping[RequestId, int | Sequence[int] | None], finished: Iterable[RequestId],
                after: SchedState | None = None,
                ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
         self._line(output_event(sampled, finished), after, **({} if after is None else

@@ -84,3 +84,40 @@ def test_ahead_refusals_leave_the_state_as_it_was() -> None:
     assert ended == (("a", "finished"),) and s3.sched_decode == ("b",) and "a" not in s3.live and not s3.awaiting
     s4, _ = on_output(s3, {"b": 5}).unwrap()
     assert s4.live["b"].output == (3, 5) and not check_invariants(s4.kv)
+
+
+def test_a_run_ahead_is_a_trace_that_replays() -> None:
+    """The recorder's lines for a run ahead (outputs with null tokens, tokens events) replay digest for digest."""
+    import io
+
+    from pagedkv.core.verify.trace import replay
+    from pagedkv.shell.recorder import Recorder
+
+    cfg, sched = CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True), SchedulerConfig(max_num_seqs=3)
+    out = io.StringIO()
+    rec = Recorder(out, cfg, sched)
+    s = new_scheduler(cfg, sched)
+    for q in [llm(f"r{i}", 5 + i, max_tokens=9, base=3 * i) for i in range(4)]:
+        s = submit(s, q).unwrap()
+        rec.submit(q, s)
+    pending = None
+    while s.live or pending:
+        plan = None
+        if s.live:
+            s, plan = schedule(s).unwrap()
+            rec.schedule(s, plan)
+        if pending is not None:
+            stops = [r for r, t in pending.items() if t == STOP]
+            s, ended = on_tokens(s, pending, stops).unwrap()
+            rec.tokens(pending, stops, s, ended)
+            pending = None
+        if plan is None:
+            break
+        toks = {rid: _truth(s, rid) for rid in plan.samples if rid in s.live}
+        s, ended = on_output(s, {rid: None for rid in toks}).unwrap()
+        rec.output({rid: None for rid in toks}, (), s, ended)
+        pending = toks
+    lines = out.getvalue().splitlines()
+    assert any('"op": "tokens"' in x for x in lines) and any("null" in x for x in lines)
+    results = list(replay(lines, check=True))
+    assert len(results) == len(lines) - 1 and all(r.divergence is None and not r.violations for r in results)

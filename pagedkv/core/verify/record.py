@@ -74,6 +74,7 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
 
 def output_event(sampled: Mapping[Any, Any], finished: Iterable[Any] = ()) -> dict[str, Any]:
     """An output line: ``[request, token]`` a sampled request, ``[request, [token, ...]]`` a decode that verified
-    drafts (the accepted ones, then its sampled token)."""
-    return {"op": "output", "sampled": [[rid, tok if type(tok) is int else list(tok)] for rid, tok in sampled.items()],
+    drafts (the accepted ones, then its sampled token), ``[request, null]`` a token whose id comes later."""
+    return {"op": "output", "sampled": [[rid, tok if tok is None or type(tok) is int else list(tok)]
+                                        for rid, tok in sampled.items()],
             "finished": list(finished)}  # fmt: skip

@@ -17,19 +17,19 @@ from pagedkv.core.ahead import fill, truncate
 from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.release import release, reset, reset_prefix_cache
-from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, schedule, submit
+from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, on_tokens, schedule, submit
 from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 
 OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead",
        "fill", "truncate")
-SCHEDULER_OPS = ("submit", "schedule", "output", "cancel", "error")
+SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error")
 STEP_OPS = ("submit", "tick", "done", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",), "truncate": ("blocks",),
                 "cache_ahead": ("blocks",),
-                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tick": ("forwards", "admitted"),
+                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tokens": ("finished",), "tick": ("forwards", "admitted"),
                 "done": ("finished",)}  # fmt: skip
 
 
@@ -81,7 +81,7 @@ def apply_scheduler(
         except TypeError:
             return Failure(invalid("request ids must be strings or integers", field="drafts"))
         return schedule(state, by_request).map(lambda sp: (sp[0], {"plan": plan_json(sp[1])}, None))
-    if op == "output":
+    if op in ("output", "tokens"):
         sampled = ev.get("sampled", [])
         fin = ev.get("finished", [])
         if not isinstance(sampled, list) or any(not isinstance(p, list) or len(p) != 2 for p in sampled):
@@ -94,7 +94,8 @@ def apply_scheduler(
             stop = set(fin)
         except TypeError:
             return Failure(invalid("request ids must be strings or integers", field="sampled"))
-        return on_output(state, pairs, stop).map(lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None))
+        step = on_output if op == "output" else on_tokens
+        return step(state, pairs, stop).map(lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None))
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     rid = ev["request"]

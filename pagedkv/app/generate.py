@@ -173,7 +173,8 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     """The model loaded and its engine built, with its tokenizer; or the exit status, said in one line."""
     from pagedkv.core.config import InvalidConfig
     from pagedkv.models.gguf import ModelFileMissing
-    from pagedkv.models.hf import CheckpointError, load_model
+    from pagedkv.models.files import CheckpointError
+    from pagedkv.models.hf import load_model
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.shell.engine import Engine

@@ -36,7 +36,7 @@ def smollm2_path() -> str:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # (Gemma 3: models/gemma3.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +100,6 @@ class LlamaConfig:
         model_type = c.get("model_type", "llama")
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family decoder served here ({HF_MODEL_TYPES})")
-        if model_type == "gemma3_text":
-            from pagedkv.models.gemma3 import gemma3_config
-
-            return gemma3_config(c)
         n = c["num_hidden_layers"]
         types = c.get("layer_types")
         window = c.get("sliding_window")

@@ -5,20 +5,21 @@
 ``load_checkpoint(path)`` checks everything it can before it allocates a weight: the architecture is one this
 package serves (``ARCHITECTURES``), the files are there and readable, every tensor the config implies is in
 the checkpoint with the shape it implies, and the tokenizer's vocabulary fits the model. Any of these is a
-``CheckpointError`` that names the problem in one line. Weights are read tensor by tensor from the memory-mapped
+``files.CheckpointError`` that names the problem in one line. Weights are read tensor by tensor from the memory-mapped
 files and converted to the requested dtype and device as they are read, so two copies of the weights are
 never held at once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from pagedkv.models.files import CheckpointError, read_json
+from pagedkv.models.gemma3 import gemma3_config
 from pagedkv.models.gguf import LlamaConfig
 
 # architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py)
@@ -26,23 +27,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}  # fmt: skip
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be served as it is: the reason, in one line."""
-
-
-def read_json(path: str, what: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing ({what})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+def model_config(raw: dict[str, Any]) -> LlamaConfig:
+    """The decoder's config of a ``config.json`` (its ``model_type``): Gemma 3's own reading, or the Llama family's."""
+    return gemma3_config(raw) if raw.get("model_type") == "gemma3_text" else LlamaConfig.from_hf_config(raw)
 
 
 def hf_config(path: str) -> tuple[str, LlamaConfig, dict[str, Any]]:
@@ -54,7 +41,7 @@ def hf_config(path: str) -> tuple[str, LlamaConfig, dict[str, Any]]:
         raise CheckpointError(f"{path}: architecture {arch!r} is not served (supported: {', '.join(ARCHITECTURES)})")
     raw = {**raw, "model_type": ARCHITECTURES[arch]}
     try:
-        return arch, LlamaConfig.from_hf_config(raw), raw
+        return arch, model_config(raw), raw
     except (KeyError, ValueError, TypeError) as e:
         what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{path}/config.json: {what}") from None

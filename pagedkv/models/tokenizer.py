@@ -14,6 +14,8 @@ import jinja2
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Tokenizer
 
+from pagedkv.models.files import CheckpointError, read_json
+
 CONTROL = 3  # llama.cpp's token type of special (control) tokens
 
 
@@ -50,8 +52,6 @@ class Tokenizer:
         ``stop_ids`` (generation_config's) end a request besides the eos token. Raw text is encoded with
         the tokenizer's special tokens (a bos, where it adds one); text a chat template rendered, which
         holds them already, without."""
-        from pagedkv.models.hf import CheckpointError, read_json
-
         file = os.path.join(path, "tokenizer.json")
         try:
             tok = _Tokenizer.from_file(file)

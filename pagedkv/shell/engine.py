@@ -26,6 +26,7 @@ from pagedkv.shell.graphs import GraphDecoder, buckets_for
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
+from pagedkv.shell.overlap import Overlap
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
@@ -64,6 +65,7 @@ class Engine:
         self.state = new_scheduler(self.cache, sched)
         spec = SpeculativeConfig.of(args.speculative_config)
         self.speculation = None if spec is None else Speculation(spec)  # n-gram drafts, verified each step
+        self.overlap = Overlap() if args.async_scheduling else None  # the next step planned before ids are read
         self.requests: dict[RequestId, Live] = {}
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
@@ -115,12 +117,11 @@ class Engine:
         self._kv_events(self.state.kv_events)  # (a listener's fault raises here, the engine consistent)
 
     @property
-    def trace_error(self) -> Exception | None:
-        """Why the trace stopped being written, if it did (the run went on)."""
+    def trace_error(self) -> Exception | None:  # why the trace stopped being written, if it did (the run went on)
         return self.outcomes.trace_error
 
     def has_unfinished(self) -> bool:
-        return bool(self.state.live)
+        return bool(self.state.live) or (self.overlap is not None and self.overlap.pending is not None)
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
         """One engine step; the completions that finished in it (and any a hook's fault kept back before).
@@ -139,7 +140,7 @@ class Engine:
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
         self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
-        self.stats.steps += 1
+        self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
         self.outcomes.refused(plan, self.requests)
@@ -150,8 +151,11 @@ class Engine:
             self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
             recorded = True
             self.outcomes.note_prefills(plan, self.requests)
-            tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-            sampled, stop = self.outcomes.take(plan, tokens, on_token, self.requests, self.stats)
+            if self.overlap is not None:  # the last step's ids read while this one runs; this one's come next
+                sampled, stop = self.overlap.resolve(self, plan, ids, on_token)
+            else:
+                tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
+                sampled, stop = self.outcomes.take(plan, tokens, on_token, self.requests, self.stats)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
             events = self._fail(plan, e, recorded, drafts)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
@@ -167,11 +171,10 @@ class Engine:
         Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
-        for rid, _ in ended:  # kept before anything that may raise
-            live = self.requests[rid]
-            live.completion.finish_reason = live.completion.finish_reason or "length"
-            self.outcomes.outbox.append(live.completion)
-            self.outcomes.write_text(live)
+        if self.overlap is None:  # kept before anything that may raise
+            self.outcomes.finished(self.requests, [rid for rid, _ in ended])
+        else:  # (their last id is read with the next step)
+            self.overlap.closing.extend(rid for rid, _ in ended)
         if self.kv_history is not None:
             self.kv_history.append(self.state.kv)
         if self.step_times is not None:
@@ -193,23 +196,17 @@ class Engine:
         fault is in their ``Completion.error``. Never raises on its own account (a request already ended, say
         by a callback's cancel, is left as it is). Returns the cancels' KV events."""
         plan_rids = [*plan.decode, *(rid for rid, _ in plan.prefill), *(rid for rid, _ in plan.verify)]
-        failed = [rid for rid in plan_rids if rid in self.state.seqs]
+        lost = [] if self.overlap is None else self.overlap.abandon(self, one_line(error))  # (ids unread)
+        failed = list(dict.fromkeys(rid for rid in [*plan_rids, *lost] if rid in self.state.seqs))
         state, after, events = self.state, [], []  # type: tuple[Any, list[Any], list[Any]]
         for rid in failed:
             state = cancel(state, rid, "error").unwrap()  # a live request of the pending step: always known
             after.append(state)
             events.extend(state.kv_events)
         planned, self.state = self.state, state
-        self.worker.remove(plan_rids)
+        self.worker.remove([*plan_rids, *failed])
         self._last = None
-        message = one_line(error)
-        for rid in failed:
-            live = self.requests[rid]
-            comp = live.completion
-            del comp.token_ids[self.outcomes.before.get(rid, len(comp.token_ids)) :]
-            self.outcomes.write_text(live)
-            comp.finish_reason, comp.error = "error", message
-            self.outcomes.outbox.append(comp)
+        self.outcomes.failed(self.requests, failed, one_line(error))
         if not recorded:
             self.outcomes.record(lambda r: r.schedule(planned, plan, drafts))
         def errors(r: Recorder) -> None:
@@ -251,8 +248,9 @@ class Engine:
         if pick != list(range(len(logits))):
             logits = logits[torch.tensor(pick, dtype=torch.long, device=logits.device)]
         live = [self.requests[rid] for rid in samples for _ in range(1 + len(verify.get(rid, ())))]
+        ahead = self.state.awaiting  # (a token still on the device counts as drawn)
         counters = (Speculation.counters(samples, verify, self.requests) if verify
-                    else [len(x.completion.token_ids) for x in live])  # fmt: skip
+                    else [len(self.requests[rid].completion.token_ids) + (rid in ahead) for rid in samples])  # fmt: skip
         ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live], counters)
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids
@@ -266,6 +264,8 @@ class Engine:
             last = self._last
             if last is not None and last[0] == rows:
                 return last[1]
+            if last is not None and self.overlap is not None:  # (ids of the step still in flight: on the device)
+                return Overlap.gather(rows, last, self.requests, dev)
             ids = [self.requests[rid].completion.token_ids[-1] for rid in rows]
         else:
             ids = query_ids(meta.rows, self.state, verify)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.config import InvalidConfig
+
 from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.rank import Rank, rank_for
 
@@ -33,6 +35,13 @@ class EngineArgs:
     # verified in one forward ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}); None: one token a request a step
     speculative_config: Any = None
+    # overlapped scheduling (vLLM's async_scheduling): step N+1 planned, installed and launched before step N's
+    # ids are read (shell.overlap); a stop token then ends its request a step later
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.async_scheduling:
+            raise InvalidConfig("speculative decoding with async_scheduling is not served yet: use one of them")
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole

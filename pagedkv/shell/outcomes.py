@@ -105,6 +105,24 @@ class Outcomes:
         except Exception as e:  # noqa: BLE001 - a full disk, a closed stream: the run goes on without its trace
             self.recorder, self.trace_error = None, e
 
+    def finished(self, requests: Mapping[RequestId, Live], rids: list[RequestId]) -> None:
+        """Requests that ended (a stop token, else ``max_tokens``): their completions out, with their text."""
+        for rid in rids:
+            live = requests[rid]
+            live.completion.finish_reason = live.completion.finish_reason or "length"
+            self.outbox.append(live.completion)
+            self.write_text(live)
+
+    def failed(self, requests: Mapping[RequestId, Live], rids: list[RequestId], message: str) -> None:
+        """Requests a failed step ended: the tokens they took in it dropped, ``error`` with the fault's line."""
+        for rid in rids:
+            live = requests[rid]
+            comp = live.completion
+            del comp.token_ids[self.before.get(rid, len(comp.token_ids)) :]
+            self.write_text(live)
+            comp.finish_reason, comp.error = "error", message
+            self.outbox.append(comp)
+
     def write_text(self, live: Live) -> None:
         """A completion's text, cut at its stop string; a detokenizer that fails leaves it empty and says so in
         ``error`` (its tokens stand)."""

@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
 
 from pagedkv.models.gguf import load_tokenizer_meta  # noqa: E402
-from pagedkv.models.hf import CheckpointError, load_model  # noqa: E402
+from pagedkv.models.files import CheckpointError  # noqa: E402
+from pagedkv.models.hf import load_model  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams  # noqa: E402
@@ -238,7 +239,7 @@ def test_hub_configs_and_transformers_5_configs_read_alike() -> None:
     """A config as published on a hub (rope_theta at the top level, torch_dtype, Gemma's sliding_window_pattern
     and rope_local_base_freq) and as transformers 5 writes it (rope_parameters, dtype, layer_types) give the same
     model config."""
-    from pagedkv.models.gguf import LlamaConfig
+    from pagedkv.models.hf import model_config
 
     sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
@@ -248,13 +249,13 @@ def test_hub_configs_and_transformers_5_configs_read_alike() -> None:
            "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
-    assert LlamaConfig.from_hf_config(hub) == LlamaConfig.from_hf_config(new)
+    assert model_config(hub) == model_config(new)
     qwen_hub = {**sizes, "model_type": "qwen2", "rope_theta": 5e5, "use_sliding_window": True, "sliding_window": 64,
                 "max_window_layers": 4}  # fmt: skip
     qwen_new = {**sizes, "model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
                 "use_sliding_window": True, "sliding_window": 64,
                 "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 2}  # fmt: skip
-    a, b = LlamaConfig.from_hf_config(qwen_hub), LlamaConfig.from_hf_config(qwen_new)
+    a, b = model_config(qwen_hub), model_config(qwen_new)
     assert a == b and a.window_of(3) is None and a.window_of(4) == 64 and a.rope_theta == 5e5
 
 

@@ -79,7 +79,7 @@ def _decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None
             batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
         else:  # planned ahead of the last step's ids: a row whose id is not known grows by a placeholder
             batch = append_many(d.kv, [(rid, [Placeholders(1)] if rid in d.awaiting else [[tok]])
-                                       for rid, tok in zip(candidates, d.log.last_many(candidates))])  # type: ignore[arg-type]
+                                       for rid, tok in zip(candidates, d.log.last_many(candidates))])
         if isinstance(batch, Success):
             d.apply(batch.unwrap())
             d.decode.extend(candidates)

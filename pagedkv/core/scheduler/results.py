@@ -23,7 +23,7 @@ from pagedkv.core.state import KVState, row_known
 
 
 def on_output(
-    state: SchedState, sampled: Mapping[RequestId, int], finished: Iterable[RequestId] = ()
+    state: SchedState, sampled: Mapping[RequestId, Any], finished: Iterable[RequestId] = ()
 ) -> Result[tuple[SchedState, tuple[tuple[RequestId, FinishReason], ...]], KVError]:
     """The step's results: commit what was computed, append sampled tokens, release what ended.
 
@@ -160,7 +160,7 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
     back, dropped from the plan in flight (its forward ran for them; the engine drops what it gave). Ids and
     endings of requests no longer live (one that reached ``max_tokens`` ended at its output) are ignored.
     All is checked before anything is applied; the state is as it was on a refusal."""
-    live = sorted((rid for rid in state.awaiting if rid in state.seqs), key=lambda r: (type(r).__name__, r))
+    live = sorted((rid for rid in state.awaiting if rid in state.seqs), key=_order)
     for rid in live:
         if not is_token_id(sampled.get(rid)):
             return Failure(invalid(f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
@@ -178,8 +178,12 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
         kv = step.state
         events.extend(events_of(step.effect))
     new = replace(state, kv=kv, log=log.persistent(), awaiting=frozenset())
-    ending = [rid for rid in dict.fromkeys(finished) if is_request_id(rid) and rid in state.seqs]
+    ending = sorted({rid for rid in finished if is_request_id(rid) and rid in state.seqs}, key=_order)  # (one order)
     for rid in ending:
         new = ended(new, rid, "finished")
         events.extend(new.kv_events)
     return Success((replace(new, kv_events=tuple(events)), tuple((rid, FinishReason.FINISHED) for rid in ending)))
+
+
+def _order(rid: RequestId) -> tuple[str, RequestId]:
+    return type(rid).__name__, rid

@@ -166,6 +166,39 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
     return rows
 
 
+def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
+    """A decode step with overlapped scheduling (``async_scheduling``) beside the engine that waits, and the graph
+    floor: each step's time from whole runs, not synchronised step by step (that would undo the overlap): (a run
+    of ``new`` tokens - a run of 1) / (new - 1), medians of 3."""
+    model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(1)
+    rows = [f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
+            f"{'same tokens':>12}"]  # fmt: skip
+    for b in sizes:
+        ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
+        ms, outs = {}, {}
+        for ahead in (False, True):
+            eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b, async_scheduling=ahead,
+                         max_num_batched_tokens=max(2048, 128 * min(b, 64)))  # fmt: skip
+            eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])  # warm the eager prefill path
+
+            def run(n: int) -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                done = eng.generate([("", i, SamplingParams(max_tokens=n)) for i in ids])
+                torch.cuda.synchronize()
+                outs[ahead] = [c.token_ids for c in done]
+                return time.perf_counter() - t0
+
+            ms[ahead] = statistics.median((run(new) - run(1)) / (new - 1) * 1e3 for _ in range(3))
+            run(new)
+            flo = floor_ms(eng, b)
+            del eng
+        rows.append(f"{b:>6} {ms[False]:>8.2f} {ms[True]:>11.2f} {flo:>9.2f} {ms[False] / flo:>11.2f} "
+                    f"{ms[True] / flo:>14.2f} {str(outs[False] == outs[True]):>12}")  # fmt: skip
+    return rows
+
+
 def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
     """The ShareGPT-like workload, arriving over time (Poisson, ``rate`` requests a second)."""
     rng = random.Random(1)
@@ -240,9 +273,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=40.0)
     ap.add_argument("--skip-equality", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="host ms a step by part, under each batch's row")
+    ap.add_argument("--overlap", action="store_true", help="decode step with async_scheduling beside waiting (only that)")
     args = ap.parse_args()
     _, meta = Llama.smollm2(device="cpu")
     tok = Tokenizer(meta)  # type: ignore[arg-type]
+    if args.overlap:
+        print("\n".join(["bf16, triton, CUDA graphs; 128-token prompts; decode ms a step"] + overlap(tok, args.batches, args.new)))
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights)")
     out = [] if args.skip_equality else equality(tok)
     hf = hf_model(torch.bfloat16)

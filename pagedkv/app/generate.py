@@ -72,6 +72,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
                    help="requests running at once at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
+    g.add_argument("--async-scheduling", action="store_true", help="plan and launch each step before the last one's "
+                   "tokens are read (overlapped scheduling; the same completions)")
     g.add_argument("--speculative-config", metavar="JSON", type=speculative_config, help='vLLM\'s, n-gram drafts '
                    'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                    '"prompt_lookup_min": 2}')  # fmt: skip
@@ -191,7 +193,8 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                                  backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
-                                 speculative_config=args.speculative_config)  # fmt: skip
+                                 speculative_config=args.speculative_config,
+                                 async_scheduling=args.async_scheduling)  # fmt: skip
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)

@@ -93,6 +93,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise UsageError("--trace and --page-map record one engine: use them with --ranks 1")
     if args.ranks > 1 and getattr(args, "speculative_config", None) is not None:
         raise UsageError("--speculative-config is served by one engine: use it with --ranks 1")
+    if getattr(args, "async_scheduling", False) and getattr(args, "speculative_config", None) is not None:
+        raise UsageError("--async-scheduling with --speculative-config is not served yet: use one of them")
+    if args.ranks > 1 and getattr(args, "async_scheduling", False):
+        raise UsageError("--async-scheduling is served by one engine: use it with --ranks 1")
     if args.ranks > 1 and getattr(args, "model", None):
         raise UsageError("--ranks splits SmolLM2 only: use --model with --ranks 1")
     if getattr(args, "model", None) is not None and not os.path.exists(args.model):

@@ -100,6 +100,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--speculative-config", '{{"num_speculative_tokens": 0}}'], "num_speculative_tokens must be"),
     (["generate", "hi", "--speculative-config", '{{"prompt_lookup": 3}}'], "unknown keys ['prompt_lookup']"),
     (["generate", "hi", "--ranks", "2", "--speculative-config", "{{}}"], "use it with --ranks 1"),
+    (["generate", "hi", "--async-scheduling", "--speculative-config", "{{}}"], "not served yet: use one of them"),
+    (["generate", "hi", "--ranks", "2", "--async-scheduling"], "--async-scheduling is served by one engine"),
     (["denoise", "--steps", "0"], "--steps"),
     (["denoise", "--image-tokens", "-5"], "--image-tokens"),
     (["denoise", "--blocks", "0"], "--blocks"),
@@ -309,6 +311,8 @@ def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: p
     spec = capsys.readouterr().out
     assert plain.split("--- summary")[0] == spec.split("--- summary")[0]  # the same completions
     assert "speculation " in spec and "drafts accepted" in spec and "speculation " not in plain
+    assert main([*argv, "--async-scheduling"]) == 0
+    assert capsys.readouterr().out.split("--- summary")[0] == plain.split("--- summary")[0]  # overlapped: the same
 
 
 @pytest.mark.slow

@@ -165,8 +165,7 @@ class Engine:
             self._kv_events(scheduled_events + events)  # what the plan did to the cache happened; the cancels follow
             return self.outcomes.hand_out()
         self.stats.preemptions += len(plan.preempted)
-        kv = self.state.kv
-        self.stats.peak_blocks = max(self.stats.peak_blocks, kv.config.usable_blocks - kv.free_blocks)
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.cache.usable_blocks - self.state.kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
         if ended:
@@ -175,7 +174,7 @@ class Engine:
             self.outcomes.finished(self.requests, [rid for rid, _ in ended])
         else:  # (their last id is read with the next step)
             self.overlap.closing.extend(rid for rid, _ in ended)
-        if self.kv_history is not None:
+        if self.kv_history is not None:  # (the core's snapshot after every step)
             self.kv_history.append(self.state.kv)
         if self.step_times is not None:
             if self.model.device.type == "cuda":

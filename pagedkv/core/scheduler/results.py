@@ -56,26 +56,8 @@ def on_output(
         return Failure(verified)
     events: list[KVEvent] = []
     kv = _commit(state, events, verified)
-    stop = set(finished)
-    decode, chunks, runs = state.sched_decode, state.sched_prefill, state.sched_diffusion
     log, seqs, stages = state.log.edit(), state.seqs, state.stages.mutate()
-    ending: list[RequestId] = []
-    limit = seqs.__getitem__
-    for rid, n in zip(decode, log.append_many(decode, toks)):
-        if n >= limit(rid).max_tokens or rid in stop:
-            ending.append(rid)
-    for rid, _, _, samples in chunks:
-        if samples:  # its prompt is computed: it decodes from now on
-            stages[rid] = moved(stages[rid], Event.PREFILLED)
-            log.append(rid, sampled[rid] or 0)
-            if rid in stop or log.count(rid) >= seqs[rid].max_tokens:
-                ending.append(rid)
-    for rid, got in verified.items():
-        for tok in got:
-            log.append(rid, tok)
-        if log.count(rid) >= limit(rid).max_tokens or rid in stop:
-            ending.append(rid)
-    ending.extend(runs)
+    ending = _logged(state, sampled, toks, verified, set(finished), log, stages)
     done = state.finished
     if ending:
         released = release_many(kv, ending, "finished").unwrap()
@@ -93,6 +75,29 @@ def on_output(
     new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), done, (), (),
                      (), state.step, state.arrivals, tuple(events), (), awaiting)  # fmt: skip
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
+
+
+def _logged(state: SchedState, sampled: Mapping[RequestId, Any], toks: list[Any], verified: Mapping[RequestId, tuple[int, ...]],
+            stop: set[RequestId], log: Any, stages: Any) -> list[RequestId]:  # fmt: skip
+    """The step's tokens into the log (decodes, last prefill chunks, verifying decodes; a prefilled request
+    moves to decoding); the requests that end: a stop the engine named, ``max_tokens``, a diffusion run."""
+    decode, limit = state.sched_decode, state.seqs.__getitem__
+    ending: list[RequestId] = []
+    for rid, n in zip(decode, log.append_many(decode, toks)):
+        if n >= limit(rid).max_tokens or rid in stop:
+            ending.append(rid)
+    for rid, _, _, samples in state.sched_prefill:
+        if samples:  # its prompt is computed: it decodes from now on
+            stages[rid] = moved(stages[rid], Event.PREFILLED)
+            log.append(rid, sampled[rid] or 0)
+            if rid in stop or log.count(rid) >= limit(rid).max_tokens:
+                ending.append(rid)
+    for rid, got in verified.items():
+        for tok in got:
+            log.append(rid, tok)
+        if log.count(rid) >= limit(rid).max_tokens or rid in stop:
+            ending.append(rid)
+    return ending + list(state.sched_diffusion)
 
 
 def _check_sampled(state: SchedState, sampled: Mapping[RequestId, Any], decodes_ok: bool,

@@ -136,16 +136,22 @@ class Breakdown:
         return "  ".join(f"{p} {self.acc[p] / steps * 1e3:.2f}" for p in self.PARTS)
 
 
+def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) -> tuple[list[list[int]], Engine]:
+    """``b`` 128-token prompts, and an engine for them whose eager prefill path is warm."""
+    ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
+    eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b,
+                 max_num_batched_tokens=max(2048, 128 * min(b, 64)), **kw)  # fmt: skip
+    eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])
+    return ids, eng
+
+
 def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool = False) -> list[str]:
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     rng = random.Random(0)
     rows = [f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
             f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"]  # fmt: skip
     for b in sizes:
-        ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
-        eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b,
-                     max_num_batched_tokens=max(2048, 128 * min(b, 64)), time_steps=True)  # fmt: skip
-        eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])  # warm the eager prefill path
+        ids, eng = served(model, tok, rng, b, time_steps=True)
         eng.step_times = []
         parts = Breakdown(eng) if breakdown else None
         torch.cuda.synchronize()
@@ -171,16 +177,12 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
     floor: each step's time from whole runs, not synchronised step by step (that would undo the overlap): (a run
     of ``new`` tokens - a run of 1) / (new - 1), medians of 3."""
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
-    rng = random.Random(1)
     rows = [f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
             f"{'same tokens':>12}"]  # fmt: skip
     for b in sizes:
-        ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
         ms, outs = {}, {}
         for ahead in (False, True):
-            eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b, async_scheduling=ahead,
-                         max_num_batched_tokens=max(2048, 128 * min(b, 64)))  # fmt: skip
-            eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])  # warm the eager prefill path
+            ids, eng = served(model, tok, random.Random(b), b, async_scheduling=ahead)  # (the same prompts in both)
 
             def run(n: int) -> float:
                 torch.cuda.synchronize()

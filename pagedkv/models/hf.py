@@ -64,14 +64,12 @@ class Weights(Mapping[str, torch.Tensor]):
             files = ["model.safetensors"]
         else:
             raise CheckpointError(f"{path} holds no model.safetensors (nor model.safetensors.index.json)")
-        self._where: dict[str, Any] = {}
-        self._files = []
+        self._where: dict[str, Any] = {}  # tensor name -> its file's open handle
         for name in files:
             try:
                 f = safe_open(os.path.join(path, name), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors: one line either way
                 raise CheckpointError(f"{os.path.join(path, name)} cannot be read: {' '.join(str(e).split())[:200]}") from None
-            self._files.append(f)
             for key in f.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 - a safe_open handle has keys()
                 self._where[key] = f
 

@@ -222,7 +222,7 @@ class Engine:
         if not plan.metadata:
             return None
         outs: list[torch.Tensor] = []
-        where: dict[RequestId, list[int]] = {}
+        where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify = dict(plan.verify)
         base = 0
         for meta in plan.metadata:
@@ -230,7 +230,7 @@ class Engine:
             rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
             tokens = self._tokens(meta, rows, verify)
             at, places = (Speculation.logits_rows(meta.rows, verify, base) if verify and meta.phase is Phase.PREFILL
-                          else (None, {rid: [base + i] for i, rid in enumerate(rows)}))  # (where its logits land)
+                          else (None, zip(rows, range(base, base + len(rows)))))  # (where its logits land)
             if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
                 out = self.graphs.decode(tokens, batch)
             else:  # (a row verifying drafts: logits at each of its positions)
@@ -243,21 +243,22 @@ class Engine:
         samples = plan.samples
         if not samples:  # every row mid-way through its prompt: nothing to sample
             return None
-        pick = [i for rid in samples for i in where[rid]]
+        pick = [where[rid] + j for rid in samples for j in range(1 + len(verify.get(rid, ())))] if verify else [
+            where[rid] for rid in samples]  # fmt: skip
         if pick != list(range(len(logits))):
             logits = logits[torch.tensor(pick, dtype=torch.long, device=logits.device)]
-        live = [self.requests[rid] for rid in samples for _ in range(1 + len(verify.get(rid, ())))]
+        live = [self.requests[rid] for rid in samples for _ in range(1 + len(verify.get(rid, ())))] if verify else [
+            self.requests[rid] for rid in samples]  # fmt: skip
         ahead = self.state.awaiting  # (a token still on the device counts as drawn)
         counters = (Speculation.counters(samples, verify, self.requests) if verify
-                    else [len(self.requests[rid].completion.token_ids) + (rid in ahead) for rid in samples])  # fmt: skip
+                    else [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)])  # fmt: skip
         ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live], counters)
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids
 
     def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
                 verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip
-        """What the rows' query positions hold, on the model's device: a decode batch in the order of the last
-        step's samples is those very ids (no copy from the host); any other is ``query_ids``, copied once."""
+        """The rows' query ids on the model's device: the last step's very ids, else ``query_ids`` copied once."""
         dev = self.model.device
         if isinstance(meta.rows, DecodeRows):
             last = self._last

@@ -75,10 +75,9 @@ class Outcomes:
         stop_ids = self.tokenizer.stop_token_ids
         for rid, toks in got.items():
             live = requests[rid]
-            one = type(toks) is int
-            kept = []
-            for tok in (toks,) if one else toks:
-                kept.append(tok)
+            n = 0
+            for tok in (toks,) if type(toks) is int else toks:
+                n += 1
                 live.completion.token_ids.append(tok)
                 if on_token is not None:
                     on_token(rid, tok)
@@ -86,8 +85,8 @@ class Outcomes:
                     live.completion.finish_reason = "stop"
                     stop.append(rid)
                     break
-            sampled[rid] = toks if one else kept
-            stats.generated_tokens += len(kept)
+            sampled[rid] = toks if type(toks) is int else list(toks[:n])  # (a list cut after its stop)
+            stats.generated_tokens += n
         return sampled, stop
 
     def hand_out(self) -> list[Completion]:

@@ -180,18 +180,17 @@ class Speculation:
         return out
 
     @staticmethod
-    def logits_rows(rows: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], base: int) -> tuple[list[int], dict[Any, list[int]]]:
+    def logits_rows(rows: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], base: int) -> tuple[list[int], dict[Any, int]]:
         """A varlen forward's rows (``RowMetadata``): the query tokens whose logits it returns (each row's
-        last; every position of a row verifying drafts) and, per request, where its logits land (after
-        ``base`` rows of earlier forwards)."""
+        last; every position of a row verifying drafts) and, per request, the first logits row it lands on
+        (after ``base`` rows of earlier forwards; a verifying request's follow it)."""
         at: list[int] = []
-        where: dict[Any, list[int]] = {}
+        where: dict[Any, int] = {}
         offset = 0
         for row in rows:
             q = row.seq_len - row.kv_start_pos
-            first = offset if row.request_id in verify else offset + q - 1
-            where[row.request_id] = list(range(base + len(at), base + len(at) + offset + q - first))
-            at.extend(range(first, offset + q))
+            where[row.request_id] = base + len(at)
+            at.extend(range(offset if row.request_id in verify else offset + q - 1, offset + q))
             offset += q
         return at, where
 

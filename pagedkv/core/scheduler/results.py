@@ -43,9 +43,9 @@ def on_output(
     cannot be given ``None`` again, nor verify drafts).
     """
     toks: list[Any] = [sampled.get(rid) for rid in state.sched_decode]  # checked at C speed; a bad one named below
-    fast = are_token_ids(toks)
-    ahead = frozenset() if fast and not any(v is None for v in sampled.values()) else frozenset(
-        rid for rid, v in sampled.items() if v is None)  # fmt: skip
+    fast = are_token_ids(toks)  # (a None among the decodes fails it; the last prefill chunks are few)
+    ahead = frozenset() if fast and all(sampled.get(c.request_id) is not None for c in state.sched_prefill
+                                        if c.samples) else frozenset(rid for rid, v in sampled.items() if v is None)  # fmt: skip
     err = _check_sampled(state, sampled, fast, ahead)
     if err is not None:
         return Failure(err)

@@ -44,7 +44,8 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
         dist.broadcast_object_list([None], src=0)
         result["usage_error"] = str(e)
         raise
-    dist.broadcast_object_list([(rank.cache, rank.worker.max_rows, rank.worker.max_tokens)], src=0)  # every rank's geometry
+    w = rank.worker
+    dist.broadcast_object_list([(rank.cache, w.max_rows, w.max_tokens, w.token_rows)], src=0)  # every rank's geometry
     t0 = time.perf_counter()
     try:
         done = eng.generate(requests)
@@ -71,9 +72,9 @@ def _follower(model: Llama, fail_at: int | None, result: dict[str, Any]) -> None
     if box[0] is None:  # rank 0 could not start (its sizes are wrong): nothing to follow
         result["steps"] = 0
         return
-    cache, rows, tokens = box[0]
+    cache, rows, tokens, token_rows = box[0]
     plan = plan_rank(model.kv_layers(), block_size=cache.block_size, dtype=model.dtype)
-    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, device=model.device)
+    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, token_rows=token_rows, device=model.device)
     result["steps"] = follow(model, rank, get_backend("torch"), fail_at)
 
 

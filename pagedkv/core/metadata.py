@@ -153,3 +153,17 @@ def slots_of(blocks: Sequence[int], block_size: int, start: int, count: int) -> 
     (17, 18)
     """
     return tuple(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
+
+
+def token_rows_of(meta: KVMetadata) -> KVMetadata:
+    """A causal snapshot's query tokens as decode rows: each position p of a row a row of length p + 1 over
+    the same block lists, its own slot (what the decode kernel computes for that position)."""
+    rids, blocks, lens, slots = [], [], array("q"), array("q")
+    for r in meta.rows:
+        q = r.query_len
+        rids.extend([r.request_id] * q)
+        blocks.extend([r.block_ids] * q)
+        lens.extend(range(r.kv_start_pos + 1, r.seq_len + 1))
+        slots.extend(r.slots)
+    return KVMetadata(meta.generation, meta.epoch, meta.block_size, Phase.DECODE,
+                      DecodeRows(tuple(rids), tuple(blocks), lens, slots))  # fmt: skip

@@ -41,7 +41,9 @@ class Leader:
         held = sorted({key[0] for key in self.worker.rows}, key=str)
         t0 = time.perf_counter()
         cuts, self.worker.cuts = self.worker.cuts, []
-        dist.broadcast_object_list([("step", batch.metadata, tokens.tolist(), (held, cuts))], src=0)
+        flat = batch.source is not None  # (laid out one query token a row: each follower lays it out so too)
+        meta = batch.metadata if batch.source is None else batch.source
+        dist.broadcast_object_list([("step", meta, tokens.tolist(), (held, cuts, flat))], src=0)
         self.broadcast_seconds += time.perf_counter() - t0
         out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, layout, logits_at)
         return out
@@ -61,12 +63,12 @@ def follow(model: Any, rank: Rank, backend: AttentionBackend, fail_at: int | Non
         op, meta, tokens, held = box[0]
         if op == "stop":
             return steps
-        held, cuts = held
+        held, cuts, flat = held
         gone = [rid for rid in {k[0] for k in worker.rows} if rid not in set(held)]
         worker.remove(gone)
         for rid, blocks, generation in cuts:
             worker.cut(rid, blocks, generation)
-        batch = worker.install(meta)  # the same generation checks as rank 0's
+        batch = worker.install(meta, token_rows=flat)  # the same generation checks as rank 0's
         if fail_at is not None and steps == fail_at:
             raise RuntimeError(f"rank {dist.get_rank()} failed at step {steps} (injected)")
         model.forward(torch.tensor(tokens), batch, pool, backend, layout)

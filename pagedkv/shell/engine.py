@@ -22,7 +22,7 @@ from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError, refuse
-from pagedkv.shell.graphs import GraphDecoder, buckets_for
+from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
@@ -30,6 +30,7 @@ from pagedkv.shell.overlap import Overlap
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
+from pagedkv.shell.transfer import to_device
 
 __all__ = ["Engine"]
 
@@ -72,7 +73,8 @@ class Engine:
         self.graphs: GraphDecoder | None = None
         if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
                 and getattr(model, "capturable", True)):  # fmt: skip
-            self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(args.max_num_seqs))
+            rows = max(args.max_num_seqs, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
+            self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
         self.outcomes = Outcomes(tokenizer, None if trace is None else Recorder(trace, self.cache, sched,
@@ -216,45 +218,47 @@ class Engine:
         return tuple(events)
 
     def _launch(self, plan: StepPlan) -> torch.Tensor | None:
-        """Install each of the plan's snapshots, run its forward (a decode batch by graph replay where
-        graphs are captured) and sample every row the plan samples: the ids, on the device, in
-        ``plan.samples``' order (a row verifying drafts: one a position). Nothing here waits for the device."""
-        if not plan.metadata:
-            return None
+        """Each of the plan's forwards (``_forward``) and a sample of every row the plan samples: the ids, on the
+        device, in ``plan.samples``' order (a row verifying drafts: one a position). Nothing waits for the device."""
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
-        verify = dict(plan.verify)
-        base = 0
+        verify, samples = dict(plan.verify), plan.samples
         for meta in plan.metadata:
-            batch = self.worker.install(meta)
-            rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
-            tokens = self._tokens(meta, rows, verify)
-            at, places = (Speculation.logits_rows(meta.rows, verify, base) if verify and meta.phase is Phase.PREFILL
-                          else (None, zip(rows, range(base, base + len(rows)))))  # (where its logits land)
-            if self.graphs is not None and meta.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
-                out = self.graphs.decode(tokens, batch)
-            else:  # (a row verifying drafts: logits at each of its positions)
-                more = () if at is None else (torch.tensor(at, dtype=torch.long, device=self.model.device),)
-                out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *more)
-            where.update(places)
-            base += len(rows) if at is None else len(at)
-            outs.append(out)
-        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
-        samples = plan.samples
-        if not samples:  # every row mid-way through its prompt: nothing to sample
+            outs.append(self._forward(meta, verify, where, sum(len(o) for o in outs)))
+        if not samples:  # no forward, or every row mid-way through its prompt: nothing to sample
             return None
-        pick = [where[rid] + j for rid in samples for j in range(1 + len(verify.get(rid, ())))] if verify else [
-            where[rid] for rid in samples]  # fmt: skip
+        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if verify:  # (a row verifying drafts: each position's logits row, request and counter)
+            pick, live, counters = Speculation.positions(samples, verify, where, self.requests)
+        else:
+            pick, live, ahead = [where[rid] for rid in samples], [self.requests[rid] for rid in samples], self.state.awaiting
+            counters = [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)]  # (in flight: drawn)
         if pick != list(range(len(logits))):
-            logits = logits[torch.tensor(pick, dtype=torch.long, device=logits.device)]
-        live = [self.requests[rid] for rid in samples for _ in range(1 + len(verify.get(rid, ())))] if verify else [
-            self.requests[rid] for rid in samples]  # fmt: skip
-        ahead = self.state.awaiting  # (a token still on the device counts as drawn)
-        counters = (Speculation.counters(samples, verify, self.requests) if verify
-                    else [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)])  # fmt: skip
+            logits = logits[to_device(pick, torch.int64, logits.device)]
         ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live], counters)
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids
+
+    def _forward(self, meta: KVMetadata, verify: dict[RequestId, tuple[int, ...]], where: dict[RequestId, int],
+                 base: int) -> torch.Tensor:  # fmt: skip
+        """One snapshot's forward queued: its logits, each request's first logits row in ``where`` (after ``base``).
+        Decodes replay a graph where captured; a verify step goes one query token a row where it fits (the decode
+        kernel and its graphs compute each position as a decode of it would: ``Worker.install``)."""
+        flat = bool(verify) and meta.phase is Phase.PREFILL and Speculation.flat(meta.rows, self.worker.token_rows)
+        batch = self.worker.install(meta, token_rows=flat)
+        rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
+        tokens = self._tokens(meta, rows, verify)
+        at, places = (Speculation.logits_rows(meta.rows, verify, base) if verify and meta.phase is Phase.PREFILL
+                      else (None, zip(rows, range(base, base + len(rows)))))  # (where its logits land)
+        where.update(places)
+        if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
+            out = self.graphs.decode(tokens, batch)
+        else:  # (a row verifying drafts: logits at each of its positions)
+            more = () if at is None or flat else (to_device(at, torch.int64, self.model.device),)
+            out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *more)
+        if flat and len(at) != batch.num_rows:  # type: ignore[arg-type]  # (a prompt's last chunk: its last position)
+            out = out[to_device(at, torch.int64, out.device)]  # type: ignore[arg-type]
+        return out
 
     def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
                 verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip
@@ -269,10 +273,7 @@ class Engine:
             ids = [self.requests[rid].completion.token_ids[-1] for rid in rows]
         else:
             ids = query_ids(meta.rows, self.state, verify)
-        host = torch.tensor(ids, dtype=torch.int64)
-        if dev.type == "cuda":
-            return host.pin_memory().to(dev, non_blocking=True)
-        return host
+        return to_device(ids, torch.int64, dev)
 
     def _fresh_id(self) -> RequestId:
         """``req-N`` for the next N that no request of this engine holds (ids given to ``add_request`` included)."""

@@ -13,6 +13,7 @@ from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.rank import Rank, rank_for
+from pagedkv.shell.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,12 @@ class EngineArgs:
         return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
                                                                             model.config.max_position)
 
+    def token_rows(self) -> int:
+        """Query tokens a step may lay out one a forward row (``Worker``): with speculation, every request and all
+        its drafts (a verify step through the decode kernel and its graphs); 0 without."""
+        spec = SpeculativeConfig.of(self.speculative_config)
+        return 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
+
     def attention(self, model: Any) -> AttentionBackend:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
         return get_backend(backend_for(self.backend, model.device))
@@ -60,7 +67,8 @@ class EngineArgs:
         return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
-                        max_tokens=self.step_tokens(model), backend=backend, caching_point=self.caching_point,
+                        max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
+                        caching_point=self.caching_point,
                         free_queue=self.free_queue)  # fmt: skip
 
 

@@ -21,6 +21,9 @@ from pagedkv.shell.rank import Rank
 from pagedkv.shell.worker import ForwardBatch
 
 
+GRAPH_ROWS = 512  # the most rows captured for token rows past max_num_seqs (vLLM's largest capture size)
+
+
 def buckets_for(max_rows: int) -> tuple[int, ...]:
     """Graph batch sizes for up to ``max_rows`` rows: powers of two, then steps of 32 past 64 (vLLM's
     shape), and ``max_rows`` itself, so every batch size maps to the smallest bucket that holds it.
@@ -49,7 +52,7 @@ class GraphDecoder:
                  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:  # fmt: skip
         self.model, self.pool, self.worker, self.backend, self.layout = model, rank.pool, rank.worker, backend, rank.layout
         self.config = rank.cache
-        self.buckets = tuple(b for b in buckets if b <= self.worker.max_rows)
+        self.buckets = tuple(b for b in buckets if b <= self.worker.forward_rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
         self.epoch: int | None = None  # the epoch the graphs were captured in (None: before any install)
         self.captures = 0  # how many times every bucket was captured (start-up, then each new epoch)
@@ -99,7 +102,8 @@ class GraphDecoder:
         elif self.worker.epoch != self.epoch:
             rows = batch.num_rows
             self.capture(batch.metadata)
-            batch = self.worker.install(batch.metadata)  # the capture padded the rows: write them again
+            source = batch.metadata if batch.source is None else batch.source  # the capture padded the rows:
+            batch = self.worker.install(source, token_rows=batch.source is not None)  # write them again
             assert batch.num_rows == rows
         n = batch.num_rows
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]

@@ -23,6 +23,7 @@ class Buffers(Protocol):
     config: CacheConfig
     max_rows: int
     max_tokens: int
+    token_rows: int
     max_blocks: int
     num_groups: int
     windowed: tuple[bool, ...]  # per group: do its positions go null?
@@ -86,6 +87,22 @@ class InstallRules:
             self._check_slots(r, where)
         if new_rows > (len(self.w.free_rows) if installed is self.w.rows else self.w.max_rows):
             raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.w.free_rows)} buffer rows free")
+
+    def check_token_rows(self, meta: KVMetadata) -> None:
+        """A snapshot laid out one query token a row (``Worker.install(token_rows=True)``): causal rows only, as
+        many tokens as the buffers' token rows."""
+        if isinstance(meta.rows, DecodeRows):
+            return
+        tokens = 0
+        for r in meta.rows:
+            segs = getattr(r, "segments", None)
+            if not isinstance(segs, tuple) or len(segs) != 1 or not getattr(segs[0], "causal", False):
+                raise refuse(ErrorCode.INVALID, f"request {shown(r.request_id)}: only causal rows are laid out one "
+                                                "token a row (its segments are not one causal segment)")  # fmt: skip
+            tokens += r.query_len if type(r.query_len) is int else 0
+        if tokens > self.w.token_rows:
+            raise refuse(ErrorCode.INVALID, f"{tokens} query tokens laid out one a row; the buffers hold "
+                                            f"{self.w.token_rows} such rows")  # fmt: skip
 
     def _check_decode(self, meta: KVMetadata, rows: DecodeRows,
                       installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],

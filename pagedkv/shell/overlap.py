@@ -17,13 +17,14 @@ import torch
 
 from pagedkv.core.errors import RequestId
 from pagedkv.core.scheduler import StepPlan, on_tokens
+from pagedkv.shell.transfer import Readback, to_device
 
 
 class Overlap:
     """An engine's step in flight: its plan (samples still live) and its ids on the device, read one step later."""
 
     def __init__(self) -> None:
-        self.pending: tuple[StepPlan, tuple[RequestId, ...], torch.Tensor | None] | None = None
+        self.pending: tuple[StepPlan, tuple[RequestId, ...], Readback | None] | None = None
         self.closing: list[RequestId] = []  # ended at their output (max_tokens), their last id not read yet
 
     def resolve(self, engine: Any, plan: StepPlan, ids: torch.Tensor | None, on_token: Any) -> tuple[dict[RequestId, None], list[RequestId]]:
@@ -33,11 +34,11 @@ class Overlap:
         if prev is not None:
             self._take(engine, *prev, on_token)
         live = tuple(rid for rid in plan.samples if rid in engine.state.seqs)  # (one that stopped since: dropped)
-        self.pending = (plan, live, ids) if live else None
+        self.pending = (plan, live, None if ids is None else Readback(ids)) if live else None  # (copied behind it)
         return {rid: None for rid in live}, []
 
-    def _take(self, engine: Any, plan: StepPlan, live: tuple[RequestId, ...], ids: torch.Tensor | None, on_token: Any) -> None:
-        tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
+    def _take(self, engine: Any, plan: StepPlan, live: tuple[RequestId, ...], ids: Readback | None, on_token: Any) -> None:
+        tokens: list[int] = [] if ids is None else ids.tolist()  # (waits for that step's copy, not this step)
         keep = set(live)
         kept = [t for rid, t in zip(plan.samples, tokens) if rid in keep]
         sampled, stop = engine.outcomes.take(replace(plan, samples=live), kept, on_token, engine.requests, engine.stats)
@@ -66,9 +67,9 @@ class Overlap:
         """A decode batch's input ids: the last step's, taken on the device, for the rows it sampled; the others'
         last ids (known) from the host."""
         where = {rid: i for i, rid in enumerate(last[0])}
-        host = torch.tensor([0 if rid in where else requests[rid].completion.token_ids[-1] for rid in rows], dtype=torch.int64)
+        out = to_device([0 if rid in where else requests[rid].completion.token_ids[-1] for rid in rows], torch.int64,
+                        device)  # fmt: skip
         dst = [k for k, rid in enumerate(rows) if rid in where]
-        src = torch.tensor([where[rows[k]] for k in dst], dtype=torch.long)
-        out = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-        out[torch.tensor(dst, dtype=torch.long).to(device)] = last[1][src.to(device)]
+        src = to_device([where[rows[k]] for k in dst], torch.int64, device)
+        out[to_device(dst, torch.int64, device)] = last[1][src]
         return out

@@ -175,11 +175,12 @@ class Rank:
         return self.cache.groups[0]
 
 
-def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens: int,
+def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens: int, token_rows: int = 0,
                device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> Rank:  # fmt: skip
     """Pages and worker buffers for ``cache`` (rank 0's geometry, or the one it broadcast), which must be
     ``plan``'s: the same block size and groups. Rows hold ``max_model_len`` (every block a row can need);
-    ``backend`` lends the pool its fused K/V write, when it has one."""
+    ``token_rows``: query tokens a forward may lay out one a row (``Worker``); ``backend`` lends the pool its
+    fused K/V write, when it has one."""
     want = plan.cache_config(cache.num_blocks)
     if (cache.block_size, cache.groups) != (want.block_size, want.groups):
         raise InvalidConfig(f"geometry of block size {cache.block_size} and groups {[g.name for g in cache.groups]} "
@@ -189,12 +190,12 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
     pool = PagePool(cache, num_layers=plan.groups.layers_per_group, kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write)  # fmt: skip
     worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
-                    max_tokens=max_tokens, device=device)  # fmt: skip
+                    max_tokens=max_tokens, token_rows=token_rows, device=device)  # fmt: skip
     return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups))
 
 
 def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
-             enable_prefix_caching: bool, max_rows: int, max_tokens: int,
+             enable_prefix_caching: bool, max_rows: int, max_tokens: int, token_rows: int = 0,
              backend: AttentionBackend | None = None, **policies: str) -> Rank:  # fmt: skip
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
@@ -202,4 +203,5 @@ def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
     cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
                               max_model_len=max_model_len, **policies)  # fmt: skip
-    return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, device=model.device, backend=backend)
+    return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, token_rows=token_rows,
+                      device=model.device, backend=backend)  # fmt: skip

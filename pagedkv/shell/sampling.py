@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.core.errors import shown
+from pagedkv.shell.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -120,18 +121,18 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: 
         return out
     dev = logits.device
     ps = [params[i] for i in drawn]
-    rows = torch.tensor(drawn, device=dev)
-    temps = torch.tensor([p.temperature for p in ps], device=dev)
+    rows = to_device(drawn, torch.int64, dev)
+    temps = to_device([p.temperature for p in ps], torch.float32, dev)
     probs = torch.softmax(logits[rows].float() / temps[:, None], dim=-1)
-    noise = race_noise(torch.tensor([seeds[i] for i in drawn], device=dev),
-                       torch.tensor([counters[i] for i in drawn], device=dev), probs.shape[1])  # fmt: skip
+    noise = race_noise(to_device([seeds[i] for i in drawn], torch.int64, dev),
+                       to_device([counters[i] for i in drawn], torch.int64, dev), probs.shape[1])  # fmt: skip
     if any(p.top_k > 0 or p.top_p < 1.0 for p in ps):
         vocab = probs.shape[1]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], device=dev)
+        k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], torch.int64, dev)
         kth = sorted_p.gather(1, (k - 1)[:, None])
         sorted_p = torch.where(sorted_p >= kth, sorted_p, torch.zeros_like(sorted_p))  # ties with the k-th stay
-        top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+        top_p = to_device([p.top_p for p in ps], torch.float32, dev)[:, None]
         keep = (torch.cumsum(sorted_p, 1) - sorted_p < top_p * sorted_p.sum(1, keepdim=True)) | (top_p >= 1.0)
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         best = torch.argmax(sorted_p / noise.gather(1, order), dim=1)

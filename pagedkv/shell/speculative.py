@@ -195,14 +195,35 @@ class Speculation:
         return at, where
 
     @staticmethod
-    def counters(samples: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], requests: Mapping[Any, Any]) -> list[int]:
-        """Each sampled position's counter (the tokens its request had drawn before it): a verify row's
-        positions draw as the decodes without drafts would have, one after another."""
-        out: list[int] = []
+    def flat(rows: Sequence[Any], capacity: int) -> bool:
+        """Whether a varlen forward's rows (``RowMetadata``) go one query token a row: every row causal (one
+        causal segment), ``capacity`` query tokens at most in all (a worker's ``token_rows``)."""
+        tokens = 0
+        for row in rows:
+            segs = row.segments
+            if len(segs) != 1 or not segs[0].causal:
+                return False
+            tokens += row.query_len
+            if tokens > capacity:
+                return False
+        return tokens > 0
+
+    @staticmethod
+    def positions(samples: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], where: Mapping[Any, int],
+                  requests: Mapping[Any, Any]) -> tuple[list[int], list[Any], list[int]]:  # fmt: skip
+        """Each sampled position's logits row (from each request's first, ``where``), request (its ``Live``) and
+        counter (the tokens its request had drawn before it): a verify row's positions draw as the decodes
+        without drafts would have, one after another."""
+        pick: list[int] = []
+        live: list[Any] = []
+        counters: list[int] = []
         for rid in samples:
+            q = 1 + len(verify.get(rid, ()))
             n = len(requests[rid].completion.token_ids)
-            out.extend(range(n, n + 1 + len(verify[rid]))) if rid in verify else out.append(n)
-        return out
+            pick.extend(range(where[rid], where[rid] + q))
+            live.extend([requests[rid]] * q)
+            counters.extend(range(n, n + q))
+        return pick, live, counters
 
     @staticmethod
     def tokens(samples: Sequence[Any], ids: Sequence[int], verify: Mapping[Any, tuple[int, ...]]) -> dict[Any, Any]:

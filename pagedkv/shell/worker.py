@@ -9,7 +9,8 @@ a newer extending snapshot writes only the new block ids. A newer epoch (a core
 ``reset``) drops everything installed.
 
 Buffers are sized once (``max_rows`` x ``max_blocks_per_row``; ``max_tokens``
-query tokens), so their addresses never change and a captured CUDA graph can
+query tokens; ``token_rows`` forward rows where a snapshot is laid out one query
+token a row), so their addresses never change and a captured CUDA graph can
 replay over new values.
 """
 
@@ -22,9 +23,10 @@ import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, RequestId, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata
+from pagedkv.core.metadata import DecodeRows, KVMetadata, token_rows_of
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.install_rules import InstallRules, RowKey
+from pagedkv.shell.transfer import to_device
 
 
 
@@ -43,38 +45,38 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: group-0 slot of each query token
     positions: torch.Tensor  # (num_tokens,) int64: absolute position of each query token
     slot_mappings: torch.Tensor  # (groups, num_tokens) int64: each group's slot (row 0 is slot_mapping)
-
-
-def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device)
+    source: KVMetadata | None = None  # the core's snapshot, where ``metadata`` lays it out one token a row
 
 
 class Worker:
     """One rank's view of the block tables. ``install`` before each forward; ``remove`` on release."""
 
     def __init__(self, config: CacheConfig, *, max_rows: int, max_blocks_per_row: int, max_tokens: int,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 token_rows: int = 0, device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.config = config
         self.num_groups = len(config.groups)
         self.windowed = tuple(g.is_windowed or g.is_state for g in config.groups)  # groups whose positions go null
         self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
+        self.token_rows = min(token_rows, max_tokens)  # query tokens a forward may lay out one a row (install)
+        fwd = max(max_rows, self.token_rows)  # forward rows the kernels' buffers hold
+        self.forward_rows = fwd
         dev = torch.device(device)
         def i32(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int32, device=dev)
 
         # persistent buffers: by buffer row (what is installed), and in forward order (what kernels read)
         self.row_tables = i32(self.num_groups, max_rows, max_blocks_per_row)
-        self.block_tables = i32(self.num_groups, max_rows, max_blocks_per_row)
-        self.seq_lens = i32(max_rows)
-        self.kv_start = i32(max_rows)
-        self.query_start_loc = i32(max_rows + 1)
+        self.block_tables = i32(self.num_groups, fwd, max_blocks_per_row)
+        self.seq_lens = i32(fwd)
+        self.kv_start = i32(fwd)
+        self.query_start_loc = i32(fwd + 1)
         # each group's slot of each query token (padding: the null block's slot 0); group 0's is the snapshot's,
         # the others' are read from their block tables (a layer writes its own group's pages)
         self.slot_mappings = torch.zeros(self.num_groups, max_tokens, dtype=torch.int64, device=dev)
         self.slot_mapping = self.slot_mappings[0]
         self._token_rows = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self._arange = torch.arange(max_rows + 1, dtype=torch.int32, device=dev)  # a decode batch's query starts
+        self._arange = torch.arange(fwd + 1, dtype=torch.int32, device=dev)  # a decode batch's query starts
         self.generation = 0
         self.epoch: int | None = None
         self.rows: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]] = {}  # -> (buffer row, installed blocks)
@@ -85,18 +87,26 @@ class Worker:
         self.cuts: list[tuple[RequestId, tuple[tuple[int, ...], ...], int]] | None = None
 
     # -- install ---------------------------------------------------------------
-    def install(self, meta: KVMetadata) -> ForwardBatch:
-        """Validate ``meta`` completely, then write it; raises ``ShellError`` and writes nothing if refused."""
-        if self.last is not None and self.last[0] is meta:
-            return self.last[1]
+    def install(self, meta: KVMetadata, *, token_rows: bool = False) -> ForwardBatch:
+        """Validate ``meta`` completely, then write it; raises ``ShellError`` and writes nothing if refused.
+
+        ``token_rows``: lay the snapshot's query tokens out one a forward row (a decode row over its request's
+        block table, its length its position + 1; the batch's ``metadata`` says so, ``source`` is ``meta``), so
+        the decode kernel and its captured graphs compute it, every position exactly as a decode of that
+        position would. Only causal rows (one causal segment each), up to ``token_rows`` tokens."""
+        last = self.last
+        if last is not None and last[0] is meta and (last[1].source is not None) == token_rows:
+            return last[1]
         if not isinstance(meta, KVMetadata):
             raise refuse(ErrorCode.INVALID, f"install needs KVMetadata, got {type(meta).__name__}")
         for name in ("generation", "epoch", "block_size"):
             value = getattr(meta, name)
             if type(value) is not int or not 0 <= value < INT_ID_LIMIT:
                 raise refuse(ErrorCode.INVALID, f"snapshot {name} must be a non-negative integer, got {shown(value)}")
-        if self.last is not None and self.last[0] == meta:
-            return self.last[1]  # the same generation and snapshot: a no-op
+        if last is not None and last[0] == meta and (last[1].source is not None) == token_rows:
+            return last[1]  # the same generation and snapshot: a no-op
+        if token_rows:
+            InstallRules(self).check_token_rows(meta)
         new_epoch = self.epoch is None or meta.epoch > self.epoch
         if not new_epoch and meta.epoch < self.epoch:  # type: ignore[operator]
             raise refuse(ErrorCode.STALE_METADATA, f"snapshot of epoch {meta.epoch}; epoch {self.epoch} is installed")
@@ -106,9 +116,9 @@ class Worker:
         installed = {} if new_epoch else self.rows
         req_gen = {} if new_epoch else self.request_generation
         InstallRules(self).check(meta, installed, req_gen)
-        return self._write(meta, new_epoch)
+        return self._write(meta, new_epoch, token_rows)
 
-    def _write(self, meta: KVMetadata, new_epoch: bool) -> ForwardBatch:
+    def _write(self, meta: KVMetadata, new_epoch: bool, token_rows: bool = False) -> ForwardBatch:
         if new_epoch:
             self.rows.clear()
             self.request_generation.clear()
@@ -125,9 +135,14 @@ class Worker:
             self.request_generation[key[0]] = gen
         n = len(order)
         dev = self.row_tables.device
+        view = meta
+        if token_rows and not decode:  # each query token its own row: the decode layout below
+            view = token_rows_of(meta)
+            order = [o for o, r in zip(order, rows) for _ in range(r.query_len)]
+            rows, decode, n = view.rows, True, len(view.rows)
         if decode:  # one query token a row: its slot, at position seq_len - 1
             assert isinstance(rows, DecodeRows)
-            packed = torch.tensor(order + rows.seq_lens.tolist() + rows.slots.tolist(), dtype=torch.int64).to(dev)
+            packed = to_device(order + rows.seq_lens.tolist() + rows.slots.tolist(), torch.int64, dev)
             rows_idx, lens = packed[:n], packed[n : 2 * n]
             tokens = n
             self.seq_lens[:n].copy_(lens)
@@ -136,24 +151,23 @@ class Worker:
             self.query_start_loc[: n + 1].copy_(self._arange[: n + 1])
             self.slot_mapping[:n].copy_(packed[2 * n :])
         else:
-            rows_idx = torch.tensor(order, device=dev)
-            lens = torch.tensor([[r.seq_len, r.kv_start_pos, r.query_len] for r in rows], dtype=torch.int32,
-                                device=dev)  # fmt: skip
+            rows_idx = to_device(order, torch.int64, dev)
+            lens = to_device([[r.seq_len, r.kv_start_pos, r.query_len] for r in rows], torch.int32, dev)
             self.seq_lens[:n].copy_(lens[:, 0])
             self.kv_start[:n].copy_(lens[:, 1])
             torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
             tokens = sum(r.query_len for r in rows)
-            self.positions[:tokens].copy_(torch.tensor(
-                [p for r in rows for p in range(r.kv_start_pos, r.seq_len)], dtype=torch.int64))  # fmt: skip
-            self.slot_mapping[:tokens].copy_(torch.tensor([s for r in rows for s in r.slots], dtype=torch.int64))
+            self.positions[:tokens].copy_(to_device([p for r in rows for p in range(r.kv_start_pos, r.seq_len)],
+                                                    torch.int64, dev))  # fmt: skip
+            self.slot_mapping[:tokens].copy_(to_device([s for r in rows for s in r.slots], torch.int64, dev))
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
         self.slot_mappings[:, tokens:].zero_()  # padding tokens write to the null block's slot 0
         if self.num_groups > 1:
             self._group_slots(n, tokens, None if decode else [r.query_len for r in rows])
         self.generation = max(self.generation, meta.generation)
-        batch = ForwardBatch(meta, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
+        batch = ForwardBatch(view, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
                              self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens],
-                             self.slot_mappings[:, :tokens])  # fmt: skip
+                             self.slot_mappings[:, :tokens], None if view is meta else meta)  # fmt: skip
         self.last = (meta, batch)
         return batch
 
@@ -182,7 +196,7 @@ class Worker:
             order.append(brow)
         if flat:
             dev = self.row_tables.device
-            self.row_tables.view(-1).index_copy_(0, _to(flat, dev), _to(vals, dev, torch.int32))
+            self.row_tables.view(-1).index_copy_(0, to_device(flat, torch.int64, dev), to_device(vals, torch.int32, dev))
         return order
 
     def _group_slots(self, n: int, tokens: int, query_lens: list[int] | None) -> None:
@@ -193,7 +207,7 @@ class Worker:
         if query_lens is None:  # one token a row
             torch.arange(n, out=rows)
         else:
-            counts = torch.tensor(query_lens, dtype=torch.int64, device=rows.device)
+            counts = to_device(query_lens, torch.int64, rows.device)
             rows.copy_(torch.repeat_interleave(torch.arange(n, device=rows.device), counts))
         pos = self.positions[:tokens]
         blocks = self.block_tables[1:, rows, pos // bs].long()  # (groups - 1, tokens)

@@ -81,6 +81,29 @@ def test_speculation_through_preemption_and_a_small_budget(model: object) -> Non
 CFG_POOL = 2 * 4 * 2 * 32 * 4 * 2 * 40  # K and V, 2 layers, 2 heads of 32 (fp32), blocks of 4: 40 blocks
 
 
+def test_verify_steps_go_one_query_token_a_row_where_the_buffers_hold_them(model: object) -> None:
+    """A step of decodes and verifies runs the decode path (one query token a forward row: the decode kernel
+    and its graphs); a rank without token rows runs them as varlen rows; both give decoding's tokens."""
+    prompts = _prompts(4, seed=7)
+    params = SamplingParams(max_tokens=24)
+    want, _, _ = _run(model, prompts, params, None, max_num_seqs=4)
+    ref = Engine(model, IdTokenizer(), block_size=4, max_num_seqs=4)  # (a rank sized without speculation)
+    for rank, flat in ((None, True), (ref.rank, False)):
+        eng = Engine(model, IdTokenizer(), speculative_config=NGRAM, block_size=4, max_num_seqs=4, rank=rank)
+        assert eng.worker.token_rows == (4 * 5 if flat else 0)
+        laid: list[bool] = []
+        install = eng.worker.install
+
+        def spy(meta: object, token_rows: bool = False) -> object:
+            laid.append(token_rows)
+            return install(meta, token_rows=token_rows)  # type: ignore[arg-type]
+
+        eng.worker.install = spy  # type: ignore[method-assign]
+        done = eng.generate([(f"p{i}", p, params) for i, p in enumerate(prompts)])
+        assert [c.token_ids for c in done] == want and eng.stats.verifies
+        assert any(laid) is flat and len(laid) >= eng.stats.steps
+
+
 def test_stop_tokens_and_max_tokens_cut_a_verify(model: object) -> None:
     prompts = _prompts(6, seed=4)
     for mt in (1, 2, 3, 7):

@@ -157,3 +157,31 @@ def test_pool_sizing_and_write() -> None:
     k = torch.randn(3, 2, 8)
     pool.write(0, k, -k, torch.tensor([5, 6, 40]))
     assert torch.equal(pool.k[0][1, 1], k[0]) and torch.equal(pool.v[0][10, 0], -k[2])
+
+
+def test_token_rows_lay_a_causal_snapshot_out_one_query_token_a_row() -> None:
+    """``install(meta, token_rows=True)``: each query token a decode row over its request's table (length its
+    position + 1, its own slot), the core's snapshot kept as ``source``; over the buffers' token rows, or a row
+    that is not one causal segment, is refused with nothing written."""
+    from pagedkv.core.metadata import Phase, Segment
+
+    s = admit(state_with_a(), RequestSpec("b", (RowSpec(3),))).unwrap().state
+    meta = publish(s, ["a", "b"], "prefill").unwrap().effect
+    w = Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=64, token_rows=9)
+    assert w.forward_rows == 9 and w.block_tables.shape[1] == 9
+    b = w.install(meta, token_rows=True)
+    assert b.source is meta and b.metadata.phase is Phase.DECODE and b.num_rows == b.num_tokens == 9
+    assert b.seq_lens.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3] and b.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert b.query_start_loc.tolist() == list(range(10))
+    assert b.slot_mapping.tolist() == [s for r in meta.rows for s in r.slots]
+    assert all(b.block_tables[0, i, :2].tolist() == [1, 2] for i in range(6))  # a's table, six times
+    assert [r.request_id for r in b.metadata.rows] == ["a"] * 6 + ["b"] * 3
+    assert w.install(meta, token_rows=True) is b  # the same snapshot, the same layout: a no-op
+    flat = w.install(meta)  # the same snapshot laid out by rows again
+    assert flat.source is None and flat.num_rows == 2 and flat.seq_lens.tolist() == [6, 3]
+    for small, bad in ((Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=64, token_rows=8), meta),
+                       (w, replace(meta, rows=(replace(meta.rows[0], segments=(Segment(False, 0, 6, 6),)),)))):
+        before, rows = buffers(small), dict(small.rows)
+        with pytest.raises(ShellError, match="8 such rows|one causal segment"):
+            small.install(bad, token_rows=True)
+        assert all(torch.equal(x, y) for x, y in zip(before, buffers(small))) and small.rows == rows

@@ -19,7 +19,7 @@ import pagedkv.core.pool as pool
 from pagedkv.core.caching import caches, hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id, shown
-from pagedkv.core.state import KVState, Request, Row, Step
+from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn, each
 
@@ -44,40 +44,39 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
     """Several ``fill`` as one transition (a step's sampled tokens, a step late): all, in order, or none.
 
     The fill loop judges the common row itself (one id for a one-row request's first awaited position, which is
-    not computed: no block can be hashed by it) and hands every other case to the general rule (``_fill_one``)."""
+    not computed: no block can be hashed by it; no lookahead hashes, whose ids a computed block may await),
+    reading and writing the rows' leaves directly, and hands every other case to the general rule
+    (``_fill_one``)."""
     txn = Txn(state)
+    items = items if type(items) is list or type(items) is tuple else list(items)
     out: list[Filled] = []
+    cfg = txn.config
+    bs, mask, common = cfg.block_size, (1 << SLOT_SHIFT) - 1, not cfg.hash_lookahead
+    get = txn.base.requests.get
+    if common:
+        records, tails = txn.rows.own_for(len(items)), txn.row_tail.own_for(len(items))
+        lens, computed = txn.row_len.leaves, txn.row_computed.leaves
     for rid, rows in items:
-        got = _fill_common(txn, rid, rows) or _fill_one(txn, rid, rows)
+        if common and (type(rows) is list or type(rows) is tuple) and len(rows) == 1 and (
+                type(ids := rows[0]) is list or type(ids) is tuple) and len(ids) == 1 and is_token_id(ids[0]):  # fmt: skip
+            req = get(rid) if type(rid) is str or type(rid) is int else None
+            if req is not None and (slot := req.decode_slot) >= 0:
+                hi, o = slot >> SLOT_SHIFT, slot & mask
+                tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
+                if type(tail) is Awaiting and record.ids is not None:
+                    known = record.chunked + (len(tail) >> 3)
+                    if known < length and computed[hi][o] <= known:
+                        more, tails[hi][o] = with_more_ids(record.ids, tail, ids[0].to_bytes(8, "little"), bs,
+                                                           awaiting=known + 1 < length)  # fmt: skip
+                        if more is not record.ids:
+                            records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
+                        out.append(Filled(rid, ()))
+                        continue
+        got = _fill_one(txn, rid, rows)
         if isinstance(got, KVError):
             return Failure(got)
         out.append(got)
     return Success(Step(txn.done(), tuple(out)))
-
-
-def _fill_common(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> Filled | None:
-    """The common row of a fill, or None: one id, a one-row request awaiting ids, the position not computed (so
-    no block completes that is computed) and no lookahead hashes (whose ids a computed block may be awaiting)."""
-    if not ((type(rows) is list or type(rows) is tuple) and len(rows) == 1):
-        return None
-    ids = rows[0]
-    if not ((type(ids) is list or type(ids) is tuple) and len(ids) == 1 and is_token_id(ids[0])) or txn.config.hash_lookahead:
-        return None
-    req = txn.base.requests.get(rid) if type(rid) is str or type(rid) is int else None
-    if req is None or (slot := req.decode_slot) < 0:
-        return None
-    tail, record, length = txn.row_tail[slot], txn.rows[slot], txn.row_len[slot]
-    if type(tail) is not Awaiting or record.ids is None:
-        return None
-    known = known_ids(record, tail)
-    if known >= length or txn.row_computed[slot] > known:
-        return None
-    more, tail = with_more_ids(record.ids, tail, ids[0].to_bytes(8, "little"), txn.config.block_size,
-                               awaiting=known + 1 < length)  # fmt: skip
-    if more is not record.ids:
-        txn.rows[slot] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
-    txn.row_tail[slot] = tail
-    return Filled(rid, ())
 
 
 def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVError | Filled:

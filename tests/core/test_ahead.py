@@ -45,6 +45,21 @@ def test_placeholders_are_computed_but_never_hashed_until_their_ids_come() -> No
     assert row_token_ids(s, 0) == (1, 2, 3, 4, 5, 6, 7, 8, 9) and check_invariants(s) == []
 
 
+def test_one_id_at_a_time_into_positions_not_computed_keeps_the_row_awaiting_the_rest() -> None:
+    """The fill loop's common row (one id, the position not computed): a row two placeholders ahead still awaits
+    one after the first id, and takes no appended id past the gap until it comes."""
+    s = admitted(caching(), [1, 2, 3])
+    s = append(s, "a", [Placeholders(2)]).unwrap().state  # planned two steps ahead, nothing computed yet
+    s = fill_many(s, [("a", [[4]])]).unwrap().state
+    assert row_token_ids(s, 0) == (1, 2, 3, 4) and check_invariants(s) == []
+    with pytest.raises(Exception):
+        append(s, "a", [[9]]).unwrap()  # position 5 still awaits its id
+    s = fill_many(s, [("a", [[5]])]).unwrap().state
+    assert row_token_ids(s, 0) == (1, 2, 3, 4, 5) and check_invariants(s) == []
+    s = decode_step(commit(s, "a", [5]).unwrap().state, ["a"], [6]).unwrap().state
+    assert row_token_ids(s, 0) == (1, 2, 3, 4, 5, 6) and check_invariants(s) == []
+
+
 def test_fill_under_the_schedule_caching_point_hashes_only_known_blocks() -> None:
     s = admitted(caching(caching_point="schedule"), [1, 2, 3])
     s = append(s, "a", [Placeholders(5)]).unwrap().state

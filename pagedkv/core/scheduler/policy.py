@@ -25,13 +25,12 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.admission import admit, growing_refusal
 from pagedkv.core.commit import cache_ahead
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
-from pagedkv.core.growth import Placeholders, append, append_decode, append_many
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Event
+from pagedkv.core.scheduler.decodes import decodes, drafts_problem, grow
 from pagedkv.core.scheduler.draft import Draft
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
 from pagedkv.core.snapshot import publish
@@ -48,91 +47,14 @@ def schedule(state: SchedState, drafts: Mapping[RequestId, Sequence[int]] | None
     if state.pending_output:
         return Failure(invalid(f"step {state.step} has not had its on_output yet", field="op"))
     if drafts:
-        bad = _drafts_problem(drafts)
+        bad = drafts_problem(drafts)
         if bad is not None:
             return Failure(bad)
     d = Draft(state)
-    _decodes(d, drafts or None)
+    decodes(d, drafts or None)
     _prefill_chunks(d)
     _admissions(d)
     return Success(_plan(d))
-
-
-def _drafts_problem(drafts: object) -> KVError | None:
-    if not isinstance(drafts, Mapping):
-        return invalid(f"drafts must map request ids to token-id lists, got {type(drafts).__name__}", field="drafts")
-    for rid, ids in drafts.items():
-        if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
-            return invalid(f"the drafts of request {shown(rid)} must be a list of token ids, got {shown(ids):.80}",
-                           request=rid if is_request_id(rid) else None, field="drafts")  # fmt: skip
-    return None
-
-
-def _decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
-    """Decodes, oldest first: one token each (its last sampled id), and its drafts where it has any. The
-    whole batch as one transition when it fits and nobody has drafts; request by request, preempting the
-    newest as needed, when not."""
-    prefilling = d.prefilling
-    candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
-    if drafts is None:
-        if not d.awaiting:
-            batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
-        else:  # planned ahead of the last step's ids: a row whose id is not known grows by a placeholder
-            batch = append_many(d.kv, [(rid, [Placeholders(1)] if rid in d.awaiting else [[tok]])
-                                       for rid, tok in zip(candidates, d.log.last_many(candidates))])
-        if isinstance(batch, Success):
-            d.apply(batch.unwrap())
-            d.decode.extend(candidates)
-            d.budget -= len(candidates)
-            return
-    for rid in candidates:
-        if rid in d.running and d.budget >= 1:
-            _decode_one(d, rid, d.log.last(rid), _fitting(d, rid, drafts.get(rid, ())) if drafts else ())
-
-
-def _fitting(d: Draft, rid: RequestId, draft: Sequence[int]) -> tuple[int, ...]:
-    """As many of ``rid``'s drafts as its step can verify: the budget left after its own token, the tokens
-    ``max_tokens`` still allows after the one a verify always yields, and the row's length limit."""
-    if not draft:
-        return ()
-    slot = d.kv.requests[rid].slots[0]
-    room = min(d.budget - 1, d.seqs[rid].max_tokens - d.log.count(rid) - 1,
-               d.kv.config.length_limit - d.kv.row_len[slot] - 1)  # fmt: skip
-    return tuple(draft[: max(room, 0)])
-
-
-def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
-    ahead = rid in d.awaiting  # (its last id not known yet: a placeholder, and no drafts after it)
-    draft = () if ahead else draft
-    grown = _grow(d, rid, Placeholders(1) if ahead else [token, *draft])
-    if grown is True:
-        if draft:
-            d.verify.append((rid, draft))
-        else:
-            d.decode.append(rid)
-        d.budget -= 1 + len(draft)
-    elif grown is not False:  # max_model_len reached: it cannot go on
-        d.apply(release(d.kv, rid, "error").unwrap())
-        d.running.remove(rid)
-        d.end(rid, Event.OVERRUN, grown)
-
-
-def _grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
-    """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
-    True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
-    refusal that is not about blocks."""
-    while True:
-        grown = append(d.kv, rid, [tokens])
-        if isinstance(grown, Success):
-            d.apply(grown.unwrap())
-            return True
-        err = grown.failure()
-        if err.code is not ErrorCode.NO_CAPACITY:
-            return err
-        victim = d.running[-1]
-        d.preempt(victim)
-        if victim == rid:
-            return False
 
 
 def _prefill_chunks(d: Draft) -> None:
@@ -173,7 +95,7 @@ def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
     if end <= length:
         return True
     req = d.seqs[rid]
-    grown = _grow(d, rid, list((req.prompt + _output(d, rid))[length:end]))
+    grown = grow(d, rid, list((req.prompt + _output(d, rid))[length:end]))
     if isinstance(grown, KVError):  # (admission checked the whole sequence)
         raise AssertionError(f"a prefill chunk's growth was refused: {grown.message}")
     return grown

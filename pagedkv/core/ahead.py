@@ -64,7 +64,7 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
                 hi, o = slot >> SLOT_SHIFT, slot & mask
                 tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
                 if type(tail) is Awaiting and record.ids is not None:
-                    known = record.chunked + (len(tail) >> 3)
+                    known = known_ids(record, tail)
                     if known < length and computed[hi][o] <= known:
                         more, tails[hi][o] = with_more_ids(record.ids, tail, ids[0].to_bytes(8, "little"), bs,
                                                            awaiting=known + 1 < length)  # fmt: skip

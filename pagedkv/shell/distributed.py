@@ -42,8 +42,7 @@ class Leader:
         t0 = time.perf_counter()
         cuts, self.worker.cuts = self.worker.cuts, []
         flat = batch.source is not None  # (laid out one query token a row: each follower lays it out so too)
-        meta = batch.metadata if batch.source is None else batch.source
-        dist.broadcast_object_list([("step", meta, tokens.tolist(), (held, cuts, flat))], src=0)
+        dist.broadcast_object_list([("step", batch.snapshot, tokens.tolist(), (held, cuts, flat))], src=0)
         self.broadcast_seconds += time.perf_counter() - t0
         out: torch.Tensor = self.model.forward(tokens, batch, pool, backend, layout, logits_at)
         return out

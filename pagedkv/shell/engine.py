@@ -244,21 +244,19 @@ class Engine:
         """One snapshot's forward queued: its logits, each request's first logits row in ``where`` (after ``base``).
         Decodes replay a graph where captured; a verify step goes one query token a row where it fits (the decode
         kernel and its graphs compute each position as a decode of it would: ``Worker.install``)."""
-        flat = bool(verify) and meta.phase is Phase.PREFILL and Speculation.flat(meta.rows, self.worker.token_rows)
-        batch = self.worker.install(meta, token_rows=flat)
+        verifying = bool(verify) and meta.phase is Phase.PREFILL  # (the engine's rows are causal: the worker checks)
+        batch = self.worker.install(meta, token_rows=verifying and meta.num_query_tokens <= self.worker.token_rows)
         rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
         tokens = self._tokens(meta, rows, verify)
-        at, places = (Speculation.logits_rows(meta.rows, verify, base) if verify and meta.phase is Phase.PREFILL
+        at, places = (Speculation.logits_rows(meta.rows, verify, base) if verifying
                       else (None, zip(rows, range(base, base + len(rows)))))  # (where its logits land)
         where.update(places)
+        at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
-            out = self.graphs.decode(tokens, batch)
-        else:  # (a row verifying drafts: logits at each of its positions)
-            more = () if at is None or flat else (to_device(at, torch.int64, self.model.device),)
-            out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *more)
-        if flat and len(at) != batch.num_rows:  # type: ignore[arg-type]  # (a prompt's last chunk: its last position)
-            out = out[to_device(at, torch.int64, out.device)]  # type: ignore[arg-type]
-        return out
+            out = self.graphs.decode(tokens, batch)  # (every row's logits: a verify step's positions picked here)
+            return out if at_dev is None or len(at_dev) == len(out) else out[at_dev]
+        out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,)))
+        return out  # type: ignore[no-any-return]
 
     def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
                 verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip

@@ -102,8 +102,8 @@ class GraphDecoder:
         elif self.worker.epoch != self.epoch:
             rows = batch.num_rows
             self.capture(batch.metadata)
-            source = batch.metadata if batch.source is None else batch.source  # the capture padded the rows:
-            batch = self.worker.install(source, token_rows=batch.source is not None)  # write them again
+            batch = self.worker.install(batch.snapshot, token_rows=batch.source is not None)  # (the capture padded
+            # the rows: written again)
             assert batch.num_rows == rows
         n = batch.num_rows
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]

@@ -195,20 +195,6 @@ class Speculation:
         return at, where
 
     @staticmethod
-    def flat(rows: Sequence[Any], capacity: int) -> bool:
-        """Whether a varlen forward's rows (``RowMetadata``) go one query token a row: every row causal (one
-        causal segment), ``capacity`` query tokens at most in all (a worker's ``token_rows``)."""
-        tokens = 0
-        for row in rows:
-            segs = row.segments
-            if len(segs) != 1 or not segs[0].causal:
-                return False
-            tokens += row.query_len
-            if tokens > capacity:
-                return False
-        return tokens > 0
-
-    @staticmethod
     def positions(samples: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], where: Mapping[Any, int],
                   requests: Mapping[Any, Any]) -> tuple[list[int], list[Any], list[int]]:  # fmt: skip
         """Each sampled position's logits row (from each request's first, ``where``), request (its ``Live``) and

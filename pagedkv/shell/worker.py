@@ -47,6 +47,11 @@ class ForwardBatch:
     slot_mappings: torch.Tensor  # (groups, num_tokens) int64: each group's slot (row 0 is slot_mapping)
     source: KVMetadata | None = None  # the core's snapshot, where ``metadata`` lays it out one token a row
 
+    @property
+    def snapshot(self) -> KVMetadata:
+        """The core's snapshot this batch installs (``source``, or ``metadata`` itself)."""
+        return self.metadata if self.source is None else self.source
+
 
 class Worker:
     """One rank's view of the block tables. ``install`` before each forward; ``remove`` on release."""

@@ -65,11 +65,7 @@ def _verify_batch(d: Draft, candidates: list[RequestId], drafts: Mapping[Request
         return False
     d.apply(batch.unwrap())
     for rid, draft in fitted:
-        if draft:
-            d.verify.append((rid, draft))
-        else:
-            d.decode.append(rid)
-    d.budget = budget
+        _planned(d, rid, draft)
     return True
 
 
@@ -85,16 +81,21 @@ def _fitting(d: Draft, rid: RequestId, draft: Sequence[int], budget: int | None 
     return tuple(draft[: max(room, 0)])
 
 
+def _planned(d: Draft, rid: RequestId, draft: tuple[int, ...]) -> None:
+    """``rid`` grew by its token and ``draft``: a decode, or a verify of its drafts, out of the budget."""
+    if draft:
+        d.verify.append((rid, draft))
+    else:
+        d.decode.append(rid)
+    d.budget -= 1 + len(draft)
+
+
 def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
     ahead = rid in d.awaiting  # (its last id not known yet: a placeholder, and no drafts after it)
     draft = () if ahead else draft
     grown = grow(d, rid, Placeholders(1) if ahead else [token, *draft])
     if grown is True:
-        if draft:
-            d.verify.append((rid, draft))
-        else:
-            d.decode.append(rid)
-        d.budget -= 1 + len(draft)
+        _planned(d, rid, draft)
     elif grown is not False:  # max_model_len reached: it cannot go on
         d.apply(release(d.kv, rid, "error").unwrap())
         d.running.remove(rid)

@@ -19,8 +19,7 @@ from pagedkv.core.release import release_many
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
 from pagedkv.core.scheduler.records import SchedState
 from pagedkv.core.scheduler.inputs import ended
-from pagedkv.core.state import SLOT_SHIFT, KVState
-from pagedkv.core.tails import known_ids
+from pagedkv.core.state import KVState, row_known
 
 
 def on_output(
@@ -173,15 +172,12 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
                                    f"{shown(sampled.get(rid))}", request=rid, field="sampled"))  # fmt: skip
     log, kv = state.log.edit(), state.kv
     fills = []
-    get, rows, tails, lens = kv.requests.get, kv.rows.leaves, kv.row_tail.leaves, kv.row_len.leaves
     for rid in live:
         tok = sampled[rid]
         log.set_last(rid, tok)
-        req = get(rid)
-        if req is not None:
-            hi, o = (slot := req.slots[0]) >> SLOT_SHIFT, slot & ((1 << SLOT_SHIFT) - 1)
-            if 0 < known_ids(rows[hi][o], tails[hi][o]) < lens[hi][o]:  # (0: it keeps no ids)
-                fills.append((rid, [[tok]]))
+        req = kv.requests.get(rid)
+        if req is not None and 0 < row_known(kv, slot := req.slots[0]) < kv.row_len[slot]:  # (0: it keeps no ids)
+            fills.append((rid, [[tok]]))
     events: list[KVEvent] = []
     if fills:
         step = fill_many(kv, fills).unwrap()

@@ -21,18 +21,25 @@ import torch
 from pagedkv.models.files import CheckpointError, read_json
 from pagedkv.models.gemma3 import gemma3_config
 from pagedkv.models.gguf import LlamaConfig
+from pagedkv.models.hybrid_config import HybridConfig, hybrid_shapes
 
-# architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py)
+# architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py) and the Mamba2 +
+# attention hybrids (models/hybrid.py)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}  # fmt: skip
+                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "BambaForCausalLM": "bamba",
+                 "GraniteMoeHybridForCausalLM": "granitemoehybrid"}  # fmt: skip
+HYBRIDS = ("bamba", "granitemoehybrid")
 
 
-def model_config(raw: dict[str, Any]) -> LlamaConfig:
-    """The decoder's config of a ``config.json`` (its ``model_type``): Gemma 3's own reading, or the Llama family's."""
+def model_config(raw: dict[str, Any]) -> LlamaConfig | HybridConfig:
+    """The model's config of a ``config.json`` (its ``model_type``): a hybrid's, Gemma 3's own reading, or the
+    Llama family's."""
+    if raw.get("model_type") in HYBRIDS:
+        return HybridConfig.from_hf_config(raw)
     return gemma3_config(raw) if raw.get("model_type") == "gemma3_text" else LlamaConfig.from_hf_config(raw)
 
 
-def hf_config(path: str) -> tuple[str, LlamaConfig, dict[str, Any]]:
+def hf_config(path: str) -> tuple[str, LlamaConfig | HybridConfig, dict[str, Any]]:
     """(architecture, the model's config, config.json as read) of a checkpoint directory."""
     raw = read_json(os.path.join(path, "config.json"), "the model's config")
     archs = raw.get("architectures") or []
@@ -109,14 +116,16 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_weights(path: str, c: LlamaConfig, weights: Weights) -> None:
+def check_weights(path: str, c: LlamaConfig | HybridConfig, weights: Weights) -> None:
     """Every tensor ``c`` implies is in the checkpoint with its shape (a bias, where present, too)."""
-    for name, shape in expected_shapes(c).items():
+    for name, shape in (hybrid_shapes(c) if isinstance(c, HybridConfig) else expected_shapes(c)).items():
         if name not in weights:
             raise CheckpointError(f"{path}: tensor {name} is missing (the config has {c.num_layers} layers)")
         got = weights.shape(name)
         if got != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}; the config implies {list(shape)}")
+    if isinstance(c, HybridConfig):
+        return
     hd = c.head_dim
     for i in range(c.num_layers):
         for proj, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
@@ -161,5 +170,10 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
         raise CheckpointError(f"{path}: the tokenizer gives {tok.vocab_size} ids; the model has {config.vocab_size}")
     weights = Weights(path)
     check_weights(path, config, weights)
-    model = Llama(config, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
+    if isinstance(config, HybridConfig):
+        from pagedkv.models.hybrid import HybridModel
+
+        model: Any = HybridModel(config, weights, dtype=dtype, device=device)
+    else:
+        model = Llama(config, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
     return model, tok, f"{os.path.basename(os.path.normpath(path))} ({arch})"

@@ -1,37 +1,81 @@
-"""Device page pools: per layer K and V pages, allocated once from the core's geometry."""
+"""Device page pools: per layer slot K and V pages (and, for a hybrid model, its Mamba layers' states in the same
+pages), allocated once from the core's geometry."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from pagedkv.core.config import CacheConfig
+from pagedkv.core.config import CacheConfig, InvalidConfig
 
 KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``(k, v, k_pages, v_pages, slot_mapping) -> None``: one kernel writing a layer's new K and V."""
 
 
+@dataclass(frozen=True, slots=True)
+class StateShape:
+    """One Mamba2 layer's state, as a page holds it: the conv state ``(conv_dim, kernel - 1)`` (the last inputs
+    of the causal convolution, causal-conv1d's layout) then the SSM state ``(heads, head_dim, d_state)``, both in
+    the pool's dtype.
+
+    >>> StateShape((80, 3), (4, 16, 8)).elements
+    752
+    """
+
+    conv: tuple[int, int]
+    ssm: tuple[int, int, int]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.conv) + math.prod(self.ssm)
+
+
 class PagePool:
-    """Per layer K and V pages, ``(num_blocks, block_size, kv_heads_on_this_rank, head_dim)``:
+    """Per layer slot K and V pages, ``(num_blocks, block_size, kv_heads_on_this_rank, head_dim)``:
     the layout flash-attn's paged path reads. ``write``: a backend's fused K/V write kernel
-    (``AttentionBackend.kv_write``), or None for two ``index_copy_``."""
+    (``AttentionBackend.kv_write``), or None for two ``index_copy_``.
+
+    With ``state`` (a hybrid model: state groups beside attention groups), a block of a slot is one page
+    that holds either an attention block's K and V or a Mamba layer's state (vLLM's hybrid layout): each
+    slot is one buffer ``(num_blocks, page)``, K and V are its halves (``(num_blocks, 2, block_size, ...)``:
+    a block's K and V side by side, so K's and V's block stride is the whole page), and ``conv[slot]``,
+    ``ssm[slot]`` view the same pages as states (the rest of a page is padding)."""
 
     def __init__(self, config: CacheConfig, *, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 write: KVWrite | None = None) -> None:  # fmt: skip
+                 write: KVWrite | None = None, state: StateShape | None = None) -> None:  # fmt: skip
         self.config = config
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (config.num_blocks, config.block_size, kv_heads, head_dim)
-        # zeros: block 0 (the null block) and padding slots hold finite values, never garbage
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.state = state
+        nb, bs = config.num_blocks, config.block_size
+        shape = (nb, bs, kv_heads, head_dim)
+        self.conv: list[torch.Tensor] = []
+        self.ssm: list[torch.Tensor] = []
+        if state is None:
+            # zeros: block 0 (the null block) and padding slots hold finite values, never garbage
+            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        else:
+            page = 2 * bs * kv_heads * head_dim
+            if state.elements > page:
+                raise InvalidConfig(f"a state of {state.elements} elements does not fit a page of {page} "
+                                    f"(block size {bs}): plan the pool with plan_rank")  # fmt: skip
+            raw = [torch.zeros((nb, page), dtype=dtype, device=self.device) for _ in range(num_layers)]
+            kv = [r.view(nb, 2, bs, kv_heads, head_dim) for r in raw]
+            self.k, self.v = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
+            c = math.prod(state.conv)
+            self.conv = [r[:, :c].view(nb, *state.conv) for r in raw]
+            self.ssm = [r[:, c : state.elements].view(nb, *state.ssm) for r in raw]
         self._fused = write
+        self._bytes = sum(t.numel() * t.element_size() for t in (self.k + self.v if state is None else raw))
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self._bytes
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this forward's K/V, ``(tokens, kv_heads, head_dim)``, once, through the slot mapping.
@@ -40,6 +84,12 @@ class PagePool:
         """
         if self._fused is not None:  # one kernel for K and V
             self._fused(k, v, self.k[layer], self.v[layer], slot_mapping)
+            return
+        if self.state is not None:  # K's blocks a page apart: index (block, offset)
+            bs = self.config.block_size
+            at = (slot_mapping // bs, slot_mapping % bs)
+            self.k[layer].index_put_(at, k.to(self.dtype))
+            self.v[layer].index_put_(at, v.to(self.dtype))
             return
         flat = (-1, self.kv_heads, self.head_dim)
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))

@@ -19,7 +19,7 @@ import torch
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.grouping import GroupPlan, LayerKind, LayerSpec, num_blocks_for_budget, plan_groups
 from pagedkv.shell.attention.base import AttentionBackend
-from pagedkv.shell.pool import PagePool
+from pagedkv.shell.pool import PagePool, StateShape
 from pagedkv.shell.worker import Worker
 
 PAGED_KINDS = (LayerKind.FULL, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL)  # what PagePool's K/V pages hold
@@ -34,12 +34,14 @@ def attention_layers(num_layers: int, *, kv_heads: int, head_dim: int, dtype: to
 
 @dataclass(frozen=True, slots=True)
 class RankPlan:
-    """The grouping plan of this rank's layers, and the one K/V page shape they share."""
+    """The grouping plan of this rank's layers, the one K/V page shape they share, and what a Mamba layer keeps
+    in a state page (None: no state layers)."""
 
     groups: GroupPlan
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    state: StateShape | None = None
 
     @property
     def block_size(self) -> int:
@@ -50,14 +52,23 @@ class RankPlan:
         return self.groups.cache_config(num_blocks, **limits)
 
 
-def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtype) -> RankPlan:
-    """Plan ``layers`` (``plan_groups``) for K/V pages of one shape; raises ``InvalidConfig`` for
-    layers these pages cannot hold (MLA's latent pages and Mamba's states have pools of their own)."""
+def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtype,
+              state: StateShape | None = None) -> RankPlan:  # fmt: skip
+    """Plan ``layers`` (``plan_groups``) for K/V pages of one shape, and Mamba layers' states of shape ``state`` in
+    the same pages; raises ``InvalidConfig`` for layers these pages cannot hold (MLA's latent pages have a pool of
+    their own) and for state layers without ``state`` or of another size."""
     owners = [layer for layer in layers if layer.kv_sharing_target is None]
-    odd = sorted({layer.kind.value for layer in owners if layer.kind not in PAGED_KINDS})
+    odd = sorted({layer.kind.value for layer in owners if layer.kind not in PAGED_KINDS and layer.kind is not LayerKind.MAMBA})
     if odd:
         raise InvalidConfig(f"K/V page pools hold attention layers with heads; {odd} layers need their own pools")
-    shapes = {(layer.kv_heads, layer.head_dim, layer.dtype_bytes) for layer in owners}
+    states = {layer.state_bytes for layer in owners if layer.kind is LayerKind.MAMBA}
+    if states and (state is None or states != {state.elements * dtype.itemsize}):
+        raise InvalidConfig(f"state layers of {sorted(states, key=str)} bytes need one state shape of that size "
+                            f"(plan_rank's state: {state})")  # fmt: skip
+    attention = [layer for layer in owners if layer.kind is not LayerKind.MAMBA]
+    if not attention:
+        raise InvalidConfig("a pool of state layers alone is not planned: the pages take their size from attention")
+    shapes = {(layer.kv_heads, layer.head_dim, layer.dtype_bytes) for layer in attention}
     if len(shapes) > 1:
         raise InvalidConfig(f"one page pool holds one K/V shape (kv_heads, head_dim, dtype bytes); "
                             f"these layers have {sorted(shapes)}")  # fmt: skip
@@ -65,7 +76,7 @@ def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtyp
     (kv_heads, head_dim, dtype_bytes), = shapes
     if dtype_bytes != dtype.itemsize:
         raise InvalidConfig(f"layers of {dtype_bytes}-byte elements planned for {dtype} pages")
-    return RankPlan(plan, kv_heads, head_dim, dtype)
+    return RankPlan(plan, kv_heads, head_dim, dtype, state if states else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +199,8 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
     if cache.max_model_len is None:
         raise InvalidConfig("a rank's geometry needs max_model_len: it sizes the block-table rows")
     pool = PagePool(cache, num_layers=plan.groups.layers_per_group, kv_heads=plan.kv_heads, head_dim=plan.head_dim,
-                    dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write)  # fmt: skip
+                    dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write,
+                    state=plan.state)  # fmt: skip
     worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
                     max_tokens=max_tokens, token_rows=token_rows, device=device)  # fmt: skip
     return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups))
@@ -199,7 +211,7 @@ def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache
              backend: AttentionBackend | None = None, **policies: str) -> Rank:  # fmt: skip
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
-    plan = plan_rank(model.kv_layers(), block_size=block_size, dtype=model.dtype)
+    plan = plan_rank(model.kv_layers(), block_size=block_size, dtype=model.dtype, state=getattr(model, "state_shape", None))
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
     cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
                               max_model_len=max_model_len, **policies)  # fmt: skip

@@ -24,7 +24,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb,
+        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb,
         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -52,9 +52,9 @@ if triton is not None:
             pos = off + t
             valid = pos < end
             blk = tl.load(TABLE + b * stride_tb + pos // BS, mask=valid, other=0)
-            row = (blk.to(tl.int64) * BS + pos % BS) * KVH + kvh  # token slot, this KV head
-            k = tl.load(K + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(V + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            at = blk.to(tl.int64) * stride_kb + ((pos % BS) * KVH + kvh) * D  # token slot, this KV head
+            k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -95,6 +95,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(B, kvh, splits)](
         q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale, block_table.stride(0),
+        k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
         num_warps=4, num_stages=3,
@@ -108,7 +109,7 @@ if triton is not None:
 
     @triton.jit
     def _varlen_kernel(
-        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb,
+        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         BM: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -142,9 +143,9 @@ if triton is not None:
                 key = off + t
                 valid = key < hi
                 blk = tl.load(TABLE + r * stride_tb + key // BS, mask=valid, other=0)
-                row = (blk.to(tl.int64) * BS + key % BS) * KVH + kvh
-                k = tl.load(K + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(V + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+                at = blk.to(tl.int64) * stride_kb + ((key % BS) * KVH + kvh) * D
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 ok = valid[None, :]
                 if CAUSAL:
@@ -179,7 +180,8 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     rows = cu_seqlens_q.numel() - 1
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
-        scale, block_table.stride(0), H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32, CAUSAL=causal,
+        scale, block_table.stride(0), k_pages.stride(0), H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
+        CAUSAL=causal,
         WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.to(q.dtype)
@@ -188,13 +190,14 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _kv_write_kernel(K, V, KC, VC, SLOTS, W: tl.constexpr, BW: tl.constexpr):
+    def _kv_write_kernel(K, V, KC, VC, SLOTS, stride_kb, W: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t).to(tl.int64)
         i = tl.arange(0, BW)
         m = i < W
-        tl.store(KC + slot * W + i, tl.load(K + t * W + i, mask=m), mask=m)
-        tl.store(VC + slot * W + i, tl.load(V + t * W + i, mask=m), mask=m)
+        at = (slot // BS) * stride_kb + (slot % BS) * W  # (a hybrid pool's blocks are a whole page apart)
+        tl.store(KC + at + i, tl.load(K + t * W + i, mask=m), mask=m)
+        tl.store(VC + at + i, tl.load(V + t * W + i, mask=m), mask=m)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor) -> None:
@@ -205,4 +208,4 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: t
     W = k[0].numel()
     if T:
         _kv_write_kernel[(T,)](k.contiguous().to(k_pages.dtype), v.contiguous().to(v_pages.dtype), k_pages, v_pages,
-                               slots, W=W, BW=triton.next_power_of_2(W))  # fmt: skip
+                               slots, k_pages.stride(0), W=W, BW=triton.next_power_of_2(W), BS=k_pages.shape[1])  # fmt: skip

@@ -1,6 +1,7 @@
 """KV memory of hybrid models: pagedkv's grouped layout (vLLM's: one block id per group, page tensors shared
-by one layer of every group, windows letting blocks go, one state a row for Mamba) against every layer
-holding every token, measured by running the core, not by formula.
+by one layer of every group, windows letting blocks go, one state a row for Mamba) against a manager without
+groups (every attention layer holding every token; one dense state a request per Mamba layer, as a non-paged
+engine holds it), measured by running the core, not by formula.
 
 Part 1, the group layouts of real models (shapes from their config.json files; bf16): one 32k-token request
 admitted, its prompt computed (commit), one token decoded; the blocks it holds at each point, times the
@@ -49,19 +50,28 @@ def layouts() -> list[Layout]:
     # SSM (8192 x d_state 16), both bf16: 311,296 bytes
     jamba = [attn(i, kv=8, hd=128) if i % 8 == 4 else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=311_296)
              for i in range(32)]  # fmt: skip
+    # Bamba-9B: 32 layers, attention at 9, 18 and 27 (32 heads, 8 KV heads of 128); a Mamba2 layer's state: conv
+    # ((8192 + 2 x 128) x 3) and SSM (128 heads x 64 x d_state 128), bf16: 2,147,840 bytes
+    bamba_state = 2 * ((8192 + 2 * 128) * 3 + 128 * 64 * 128)
+    bamba = [attn(i, kv=8, hd=128) if i in (9, 18, 27) else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=bamba_state)
+             for i in range(32)]  # fmt: skip
     return [
         Layout("Gemma-3-27B", tuple(gemma), f"{sum(x.kind is LayerKind.SLIDING_WINDOW for x in gemma)} sw (1024) + "
                f"{sum(x.kind is LayerKind.FULL for x in gemma)} full, 16 KV heads x 128"),
         Layout("gpt-oss-20b", tuple(gpt_oss), "12 sw (128) + 12 full, 8 KV heads x 64"),
         Layout("Llama-4-style", tuple(llama4), "36 chunked local (8192) + 12 full, 8 KV heads x 128"),
         Layout("Jamba-1:7", tuple(jamba), "4 full + 28 Mamba (311,296-byte states), 8 KV heads x 128"),
+        Layout("Bamba-9B", tuple(bamba), "3 full + 29 Mamba2 (2,147,840-byte states), 8 KV heads x 128"),
     ]
 
 
 def naive_bytes(layout: Layout, tokens: int) -> int:
-    """Every layer holding every token (a manager without groups), at the model's attention shape."""
-    per_token = max(x.bytes_per_token for x in layout.layers if x.kind is not LayerKind.MAMBA)
-    return len(layout.layers) * tokens * per_token
+    """A manager without groups: every attention layer holding every token's K/V at the model's attention shape,
+    and each Mamba layer one dense state for the request (what a non-paged engine holds: no padding)."""
+    attention = [x for x in layout.layers if x.kind is not LayerKind.MAMBA]
+    per_token = max(x.bytes_per_token for x in attention)
+    states = sum(x.state_bytes or 0 for x in layout.layers if x.kind is LayerKind.MAMBA)
+    return len(attention) * tokens * per_token + states
 
 
 def measure(layout: Layout, tokens: int) -> dict[str, float]:
@@ -110,8 +120,8 @@ def _grown_peak(cfg: object, tokens: int, chunk: int) -> int:
 def part1(tokens: int, budget: int) -> None:
     print(f"## Part 1: one {tokens:,}-token request, bytes the core holds for it (16 GiB = {budget / GIB:.0f} GiB "
           f"budget)\n")  # fmt: skip
-    print("| model | layout | groups x block | at admission | prompt computed | decoding | every layer, every "
-          "token | decoding / naive | decoding requests in budget: pagedkv | naive | admissible in budget | "
+    print("| model | layout | groups x block | at admission | prompt computed | decoding | attention layers every "
+          "token, one dense state a Mamba layer | decoding / naive | decoding requests in budget: pagedkv | naive | admissible in budget | "
           f"padding waste | grow_prefill peak (chunks of {CHUNK}) | admissible with it |")  # fmt: skip
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for lay in layouts():

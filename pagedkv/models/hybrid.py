@@ -23,10 +23,10 @@ class HybridModel:
     """Weights as plain tensors; ``forward`` runs one installed batch (the same call as ``Llama.forward``)."""
 
     def __init__(self, config: HybridConfig, weights: Any, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", mixer: str = "torch") -> None:  # fmt: skip
+                 device: torch.device | str = "cpu", mixer: str = "auto") -> None:  # fmt: skip
         self.config = c = config
         self.dtype, self.device = dtype, torch.device(device)
-        self.mixer: MixerBackend = get_mixer(mixer)
+        self.mixer: MixerBackend = get_mixer(mixer, self.device)  # auto: mamba_ssm's kernels on CUDA where they import
 
         def w(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dt or dtype)

@@ -64,6 +64,9 @@ class EngineArgs:
         """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
         ``attention(model)``) lends the pool its fused K/V write, where it has one."""
         backend = backend if backend is not None else self.attention(model)
+        if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
+            raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
+                                "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip
         return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,

@@ -18,10 +18,10 @@ class ShellError(Exception):
 
 
 class BackendUnavailable(ShellError):
-    """An attention backend whose package is missing: the message names what to install."""
+    """A backend (attention, a Mamba mixer) whose package is missing: the message names what to install."""
 
     def __init__(self, name: str, install: str, reason: str) -> None:
-        super().__init__(KVError(ErrorCode.INVALID, f"attention backend {name!r} is unavailable ({reason}); "
+        super().__init__(KVError(ErrorCode.INVALID, f"backend {name!r} is unavailable ({reason}); "
                                                     f"install it with: {install}"))  # fmt: skip
         self.backend = name
 

@@ -1,0 +1,78 @@
+"""Mamba2 hybrids on a CUDA device through the engine's defaults there (the triton attention backend over pages
+whose K and V blocks lie a page apart, CUDA-graph decode capturing the mixer's step): transformers' own Bamba and
+GraniteMoeHybrid (random init, fp32, TF32 off) on the same device give the same greedy tokens, batched with
+chunked prefill and preemption; ``mamba_ssm``'s kernels, where they import, give the torch mixer's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+pytest.importorskip("transformers", reason="the reference needs transformers")
+
+from pagedkv.models.hf import Weights, hf_config  # noqa: E402
+from pagedkv.models.hybrid import HybridModel  # noqa: E402
+from pagedkv.models.llama import IdTokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams  # noqa: E402
+from tests.models.test_mamba_hybrid import BLOCK, hf_model, prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["bamba", "granite"])
+def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf.to("cuda"), path
+
+
+def ours(path: Path, mixer: str = "torch") -> HybridModel:
+    _, config, _ = hf_config(str(path))
+    return HybridModel(config, Weights(str(path)), device="cuda", mixer=mixer)  # type: ignore[arg-type]
+
+
+def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
+def serve(model: HybridModel, batch: list[list[int]], new: int, **kw: Any) -> tuple[Engine, list[list[int]]]:
+    eng = Engine(model, IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **kw)
+    done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=new)) for i, p in enumerate(batch)])
+    return eng, [c.token_ids for c in done]
+
+
+def test_triton_and_graphs_give_transformers_tokens(models: tuple[Any, Path]) -> None:
+    hf, path = models
+    batch = prompts((70, 45, 9), 1)
+    eng, got = serve(ours(path), batch, 16, kv_cache_memory_bytes=8 << 20)
+    assert eng.backend.name == "triton" and eng.graphs is not None
+    assert got == [reference(hf, p, 16) for p in batch]
+
+
+def test_chunked_prefill_and_preemption_on_the_device(models: tuple[Any, Path]) -> None:
+    hf, path = models
+    batch = prompts((50, 44, 38, 60), 5)
+    eng, got = serve(ours(path), batch, 24, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=24)
+    assert eng.stats.preemptions > 0
+    assert got == [reference(hf, p, 24) for p in batch]
+
+
+def test_mamba_ssm_kernels_give_the_reference_tokens(models: tuple[Any, Path]) -> None:
+    pytest.importorskip("mamba_ssm", reason="mamba-ssm is not installed here (pip install mamba-ssm causal-conv1d)")
+    pytest.importorskip("causal_conv1d", reason="causal-conv1d is not installed here")
+    _, path = models
+    batch = prompts((70, 45, 9), 2)
+    _, want = serve(ours(path, "torch"), batch, 16, max_num_batched_tokens=32)
+    _, got = serve(ours(path, "mamba_ssm"), batch, 16, max_num_batched_tokens=32)
+    assert got == want

@@ -164,16 +164,16 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
         except (ValueError, KeyError, OSError) as e:
             raise CheckpointError(f"{path}: {' '.join(str(e).split())[:200]}") from None
         return Llama(config, sd, dtype=dtype, device=device), tok, f"{os.path.basename(path)} (GGUF, llama)"
-    arch, config, raw = hf_config(path)
+    arch, cfg, raw = hf_config(path)
     tok = Tokenizer.from_dir(path, stop_ids(path, raw))
-    if tok.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{path}: the tokenizer gives {tok.vocab_size} ids; the model has {config.vocab_size}")
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer gives {tok.vocab_size} ids; the model has {cfg.vocab_size}")
     weights = Weights(path)
-    check_weights(path, config, weights)
-    if isinstance(config, HybridConfig):
+    check_weights(path, cfg, weights)
+    if isinstance(cfg, HybridConfig):
         from pagedkv.models.hybrid import HybridModel
 
-        model: Any = HybridModel(config, weights, dtype=dtype, device=device)
+        model: Any = HybridModel(cfg, weights, dtype=dtype, device=device)
     else:
-        model = Llama(config, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
+        model = Llama(cfg, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
     return model, tok, f"{os.path.basename(os.path.normpath(path))} ({arch})"

@@ -13,7 +13,8 @@ from pagedkv.core.config import GroupSpec, InvalidConfig
 from pagedkv.core.grouping import LayerKind, LayerSpec
 from pagedkv.models.hybrid_config import HybridConfig
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
-from pagedkv.shell.mamba import Mamba2Weights, MixerBackend, get_mixer, state_blocks
+from pagedkv.shell.mamba import Mamba2Weights, MixerBackend, state_blocks
+from pagedkv.shell.mixers import get_mixer
 from pagedkv.shell.pool import PagePool, StateShape
 from pagedkv.shell.rank import Layout
 from pagedkv.shell.worker import ForwardBatch
@@ -29,16 +30,18 @@ class HybridModel:
         self.mixer: MixerBackend = get_mixer(mixer, self.device)  # auto: mamba_ssm's kernels on CUDA where they import
 
         def w(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dt or dtype)
+            t: torch.Tensor = weights[name].to(device=self.device, dtype=dt or dtype)
+            return t
 
         granite = c.arch == "granitemoehybrid"
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight" if granite else "model.final_layernorm.weight")
-        self.layers: list[dict[str, Any]] = []
+        self.layers: list[dict[str, torch.Tensor]] = []
+        self.scans: list[Mamba2Weights | None] = []  # each Mamba2 layer's scan parameters (None: attention)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            L: dict[str, Any] = {"ln1": w(p + "input_layernorm.weight"),
+            L: dict[str, torch.Tensor] = {"ln1": w(p + "input_layernorm.weight"),
                                  "ln2": w(p + ("post_attention_layernorm" if granite else "pre_ff_layernorm") + ".weight")}
             if granite:
                 L["gate_up"], L["down"] = w(p + "shared_mlp.input_linear.weight"), w(p + "shared_mlp.output_linear.weight")
@@ -52,13 +55,14 @@ class HybridModel:
             if c.is_attention(i):
                 L["qkv"] = torch.cat([w(p + f"self_attn.{k}_proj.weight") for k in "qkv"])
                 L["o"] = w(p + "self_attn.o_proj.weight")
+                self.scans.append(None)
             else:
                 m = p + "mamba."
                 L["in_proj"], L["out_proj"], L["gated_norm"] = w(m + "in_proj.weight"), w(m + "out_proj.weight"), w(m + "norm.weight")
-                L["scan"] = Mamba2Weights(conv_w=w(m + "conv1d.weight")[:, 0], conv_b=w(m + "conv1d.bias") if c.conv_bias else None,
+                self.scans.append(Mamba2Weights(conv_w=w(m + "conv1d.weight")[:, 0], conv_b=w(m + "conv1d.bias") if c.conv_bias else None,
                                           dt_bias=w(m + "dt_bias", torch.float32), A=-torch.exp(w(m + "A_log", torch.float32)),
                                           D=w(m + "D", torch.float32), heads=c.mamba_heads, head_dim=c.mamba_head_dim,
-                                          groups=c.mamba_groups, d_state=c.d_state, chunk=c.chunk_size, dt_limit=c.dt_limit)  # fmt: skip
+                                          groups=c.mamba_groups, d_state=c.d_state, chunk=c.chunk_size, dt_limit=c.dt_limit))  # fmt: skip
             self.layers.append(L)
         self.layer_names = tuple(f"layer{i}" for i in range(c.num_layers))
         self.inv_freq = None if c.rope_theta is None else (
@@ -106,14 +110,14 @@ class HybridModel:
         places = self._place(layout)
         rope = None if self.inv_freq is None else self._rope_tables(batch.positions.to(self.device))
         blocks: dict[int, torch.Tensor] = {}  # state group -> each row's state block, once a forward
-        for L, (slot, group, attn) in zip(self.layers, places):
+        for L, scan, (slot, group, attn) in zip(self.layers, self.scans, places):
             h = self._rms(x, L["ln1"])
-            if attn is not None:
+            if scan is None:
                 a = self._attention(h, L, slot, group, attn, rope, batch, pool, backend)
             else:
                 if group not in blocks:
                     blocks[group] = state_blocks(batch, group)
-                a = self._mamba(h, L, pool.conv[slot], pool.ssm[slot], blocks[group], batch)
+                a = self._mamba(h, L, scan, pool.conv[slot], pool.ssm[slot], blocks[group], batch)
             x = x + a * c.residual_multiplier if c.residual_multiplier != 1.0 else x + a
             h = self._rms(x, L["ln2"])
             m = self._mlp(h, L)
@@ -136,7 +140,7 @@ class HybridModel:
         turned = torch.cat((-part[..., rd // 2 :], part[..., : rd // 2]), dim=-1)
         return torch.cat(((part * cos + turned * sin).to(x.dtype), rest), dim=-1)
 
-    def _attention(self, h: torch.Tensor, L: dict[str, Any], slot: int, group: int, attn: LayerAttention,
+    def _attention(self, h: torch.Tensor, L: dict[str, torch.Tensor], slot: int, group: int, attn: LayerAttention,
                    rope: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch, pool: PagePool,
                    backend: AttentionBackend) -> torch.Tensor:  # fmt: skip
         c = self.config
@@ -148,27 +152,26 @@ class HybridModel:
         pool.write(slot, k, v, batch.slot_mappings[group])
         return backend.forward(q, pool.k[slot], pool.v[slot], batch, attn).reshape(h.shape[0], -1) @ L["o"].T
 
-    def _mamba(self, h: torch.Tensor, L: dict[str, Any], conv: torch.Tensor, ssm: torch.Tensor, blocks: torch.Tensor,
-               batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+    def _mamba(self, h: torch.Tensor, L: dict[str, torch.Tensor], scan: Mamba2Weights, conv: torch.Tensor,
+               ssm: torch.Tensor, blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
         c = self.config
         gate, xbc, dt = torch.split(h @ L["in_proj"].T, [c.inner, c.conv_dim, c.mamba_heads], dim=-1)
-        y = self.mixer.forward(xbc, dt, L["scan"], conv, ssm, blocks, batch).float()
+        y = self.mixer.forward(xbc, dt, scan, conv, ssm, blocks, batch).float()
         y = y * F.silu(gate.float())  # the gated norm: gate, then RMS over each group's part
         g = y.view(y.shape[0], c.mamba_groups, -1)
         y = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).view_as(y)
         return (L["gated_norm"] * y.to(h.dtype)) @ L["out_proj"].T
 
-    def _mlp(self, h: torch.Tensor, L: dict[str, Any]) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, L: dict[str, torch.Tensor]) -> torch.Tensor:
         gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
         out = (F.silu(gate) * up) @ L["down"].T
         if "router" not in L:
             return out
-        # granite's experts: each token's top k by the router, weighted by the softmax over those k
+        # granite's experts: each token's top k by the router, weighted by the softmax over those k. Every expert
+        # runs over every token, weighted by a routing matrix that is zero where it was not chosen: no host sync,
+        # so a CUDA graph captures it (E / k times the chosen experts' work: a reference, not a grouped kernel)
         top, chosen = (h @ L["router"].T).float().topk(self.config.experts_per_token, dim=-1)
-        weight = torch.softmax(top, dim=-1).to(h.dtype)
-        moe = torch.zeros_like(h)
-        for e in chosen.unique().tolist():
-            token, k = torch.where(chosen == e)
-            g, u = (h[token] @ L["experts_gate_up"][e].T).chunk(2, dim=-1)
-            moe.index_add_(0, token, ((F.silu(g) * u) @ L["experts_down"][e].T) * weight[token, k, None])
+        route = torch.zeros(h.shape[0], L["router"].shape[0], device=h.device).scatter_(1, chosen, torch.softmax(top, -1))
+        g, u = torch.einsum("th,eih->tei", h, L["experts_gate_up"]).chunk(2, dim=-1)  # (tokens, E, size) each
+        moe = torch.einsum("tei,ehi,te->th", F.silu(g) * u, L["experts_down"], route.to(h.dtype))
         return moe + out

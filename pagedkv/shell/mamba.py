@@ -2,7 +2,7 @@
 block of the row, ``state_blocks``), read where the row's computed tokens end and written back where this forward
 ends them. A row whose forward starts at position 0 starts from zero states (its block may hold an old state).
 
-Backends, chosen by name (``get_mixer``; ``HybridModel(mixer=...)``): ``torch`` (the reference, runs anywhere: the SSD chunked scan for prompts
+Backends, chosen by name (``shell.mixers.get_mixer``; ``HybridModel(mixer=...)``): ``torch`` (the reference, runs anywhere: the SSD chunked scan for prompts
 and chunks of them, carrying the state from chunk to chunk; the recurrent step when every row has one query token,
 all rows at once and without a host sync, so a CUDA graph captures it) and ``mamba_ssm`` (CUDA: the kernels of
 ``mamba-ssm`` and ``causal-conv1d``).
@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from pagedkv.shell.errors import BackendUnavailable
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -154,22 +153,3 @@ def _delta(dt: torch.Tensor, w: Mamba2Weights) -> torch.Tensor:
     d = F.softplus(dt.float() + w.dt_bias.float())
     lo, hi = w.dt_limit
     return d if (lo, hi) == (0.0, float("inf")) else d.clamp(lo, hi)
-
-
-def get_mixer(name: str, device: torch.device | None = None) -> MixerBackend:
-    """The mixer backend called ``name``: ``torch`` or ``mamba_ssm`` (``BackendUnavailable`` where it cannot run);
-    ``auto``: ``mamba_ssm`` on a CUDA ``device`` where its packages import, else ``torch``."""
-    if name == "auto":
-        if device is not None and device.type == "cuda":
-            try:
-                return get_mixer("mamba_ssm")
-            except BackendUnavailable:
-                pass
-        return TorchMixer()
-    if name == "torch":
-        return TorchMixer()
-    if name == "mamba_ssm":
-        from pagedkv.shell.mamba_ssm import MambaSsmMixer
-
-        return MambaSsmMixer()
-    raise BackendUnavailable(name, "one of: torch, mamba_ssm", "no Mamba mixer by that name")

@@ -77,4 +77,5 @@ class MambaSsmMixer:
                        w.A[:, None, None].expand(-1, p, w.d_state), B.reshape(n, w.groups, w.d_state),
                        C.reshape(n, w.groups, w.d_state), D=w.D[:, None].expand(-1, p),
                        dt_bias=w.dt_bias[:, None].expand(-1, p), dt_softplus=True, state_batch_indices=idx)  # fmt: skip
-        return y.reshape(n, -1).to(xbc.dtype)
+        out: torch.Tensor = y.reshape(n, -1).to(xbc.dtype)
+        return out

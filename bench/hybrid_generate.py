@@ -6,7 +6,7 @@ fp32, prompts of 200 tokens, ``--new`` new tokens each. Batch 1: one prompt each
 the 8 prompts, transformers runs them one after another (its hybrid cache pads a batch). Alternating the two
 sides ``--repeats`` times; GC on, collections per engine step counted. The tokens are checked equal.
 
-    python bench/hybrid_generate.py [--new 32] [--repeats 2]
+    python bench/hybrid_generate.py [--new 32] [--repeats 2] [--device cuda --mixers torch mamba_ssm]
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mixers", nargs="+", default=["torch"], help="Mamba mixer backends to time (shell.mixers)")
     args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
     from pagedkv.models.hf import Weights, hf_config
     from pagedkv.models.hybrid import HybridModel
     from pagedkv.models.llama import IdTokenizer
@@ -51,16 +56,18 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (200,), generator=g).tolist() for _ in range(8)]
-    print(f"greedy, 200-token prompts, {args.new} new tokens each, fp32, CPU ({torch.get_num_threads()} threads)\n")
-    print("| model | batch | pagedkv tok/s | transformers tok/s | ratio | GC collections / engine step | tokens equal |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"greedy, 200-token prompts, {args.new} new tokens each, fp32, {where}\n")
+    print("| model | mixer | batch | pagedkv tok/s | transformers tok/s | ratio | GC collections / engine step | tokens equal |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for kind in ("bamba", "granite"):
         hf = hf_model(kind)
         path = tempfile.mkdtemp(prefix=f"pagedkv-{kind}-")
         hf.save_pretrained(path)
+        hf = hf.to(dev)
         _, config, _ = hf_config(path)
-        model = HybridModel(config, Weights(path))  # type: ignore[arg-type]
-        for b in (1, 8):
+        for mixer, b in ((m, b) for m in args.mixers for b in (1, 8)):
+            model = HybridModel(config, Weights(path), device=dev, mixer=mixer)  # type: ignore[arg-type]
             ours, theirs, collections, equal = [], [], 0.0, True
             for _ in range(args.repeats):
                 eng = Engine(model, IdTokenizer(), block_size=16, kv_cache_memory_bytes=256 << 20, max_num_seqs=8)
@@ -74,7 +81,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 want = []
                 for p in prompts[:b]:
-                    ids = torch.tensor([p])
+                    ids = torch.tensor([p], device=dev)
                     with torch.no_grad():
                         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                           min_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
@@ -82,7 +89,7 @@ def main() -> None:
                 theirs.append(b * args.new / (time.perf_counter() - t0))
                 equal &= [c.token_ids for c in done] == want
             o, t = max(ours), max(theirs)
-            print(f"| {type(hf).__name__} | {b} | {o:.0f} | {t:.0f} | {o / t:.2f} | {collections:.2f} | "
+            print(f"| {type(hf).__name__} | {mixer} | {b} | {o:.0f} | {t:.0f} | {o / t:.2f} | {collections:.2f} | "
                   f"{'yes' if equal else 'NO'} |")  # fmt: skip
 
 

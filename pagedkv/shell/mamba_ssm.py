@@ -44,8 +44,9 @@ class MambaSsmMixer:
             a, b = qsl[r], qsl[r + 1]
             block = blocks[r : r + 1]
             fresh = row.kv_start_pos == 0
-            x = xbc[a:b][None].transpose(1, 2)  # (1, conv_dim, L), channels last (initial states need it)
-            cs = None if fresh else conv.index_select(0, block).to(x.dtype)
+            # (1, conv_dim, L) and (1, conv_dim, k - 1) channels last: the layout causal-conv1d takes initial states in
+            x = xbc[a:b].contiguous()[None].transpose(1, 2)
+            cs = None if fresh else conv.index_select(0, block).to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
             h, new_cs = self._conv_fn(x, w.conv_w.to(x.dtype), None if w.conv_b is None else w.conv_b.to(x.dtype),
                                       initial_states=cs, return_final_states=True, activation="silu")  # fmt: skip
             h = h.transpose(1, 2)[0]  # (L, conv_dim)

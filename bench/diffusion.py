@@ -119,7 +119,7 @@ def step_batching(n: int = 24, steps: int = 8, gap: float = 0.01, blocks: int = 
         now = time.perf_counter() - t0
         for item in [p for p in pending if p[3] <= now]:
             rid, rows, imgs, at = item
-            step_runner.work[rid] = (rows, [i.clone() for i in imgs], steps)
+            step_runner.add(rid, rows, [i.clone() for i in imgs], steps)
             state = submit_job(state, DiTJob(rid, spec(rid, rows), steps)).unwrap()
             arrived[rid] = at
             pending.remove(item)

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 
 from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, bounded_int, file_name, writable_target
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.scheduler import SchedState
 from pagedkv.core.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import CheckResult, check
-from pagedkv.core.verify.trace import TraceHeaderError, replay
+from pagedkv.core.verify.trace import TraceHeaderError, kv_of, replay
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,7 +187,7 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
         for ev in replay(lines, check=check_invariants):
             events += 1
             if page_map_path:
-                states.append(ev.state.kv if isinstance(ev.state, SchedState) else ev.state)
+                states.append(kv_of(ev.state))
             r = ev.result
             failures += not r["ok"]
             problem = ev.divergence

@@ -42,33 +42,52 @@ class DiTRunner:
         return history
 
 
-
-
 class DiTStepRunner:
     """Step-level execution (``core.scheduler.steps``): each tick's forwards, rows of requests at different
-    denoising steps together. ``work[rid] = (rows, images, steps)``; ``history[rid]`` gets each request's
-    image after each of its steps (CFG-combined when it has 2 rows)."""
+    denoising steps together. ``add`` a request's rows, images and steps when it is submitted; ``history[rid]``
+    gets its image after each of its steps (CFG-combined when it has 2 rows); ``take`` it when the request ends
+    (finished, failed, cancelled), which forgets it. A forward that raises leaves its requests' images as they
+    were (the planner's ``fail`` ends them or runs their step again)."""
 
     def __init__(self, model: DiT, rank: Rank, backend: AttentionBackend, cfg_scale: float = 4.0) -> None:
         self.model, self.rank, self.backend, self.cfg_scale = model, rank, backend, cfg_scale
         self.work: dict[object, tuple[list[DiTRow], list[torch.Tensor], int]] = {}
         self.history: dict[object, list[torch.Tensor]] = {}
         self.forwards = 0  # forwards run (each holds every request that could batch in its tick)
+        self.failed_forward: Any = None  # the forward ``run`` raised at
+
+    def add(self, rid: object, rows: list[DiTRow], images: list[torch.Tensor], steps: int) -> None:
+        """A submitted request's work; a reused id starts a new history."""
+        self.work[rid] = (rows, images, steps)
+        self.history[rid] = []
+
+    def take(self, rid: object) -> list[torch.Tensor]:
+        """An ended request's images, one a step it completed; the runner forgets it."""
+        self.work.pop(rid, None)
+        return self.history.pop(rid, [])
 
     def run(self, plan: Any) -> None:
+        """Every forward of ``plan``; raises at the first that fails (``failed_forward`` says which), after the
+        forwards before it updated their requests."""
+        self.failed_forward = None
         for fwd in plan.forwards:
-            batch = self.rank.worker.install(fwd.metadata)
-            entries, owners = [], []
-            for rid, s in zip(fwd.request_ids, fwd.step_index):
-                rows, images, steps = self.work[rid]
-                entries += [(row, img, 1.0 - s / steps) for row, img in zip(rows, images)]
-                owners.append((rid, len(rows), steps))
-            preds = self.model.paged_rows(entries, batch, self.rank.pool, self.backend, self.rank.group)
-            self.forwards += 1
-            k = 0
-            for rid, n, steps in owners:
-                rows, images, _ = self.work[rid]
-                images = euler(images, preds[k : k + n], steps, self.cfg_scale)
-                k += n
-                self.work[rid] = (rows, images, steps)
-                self.history.setdefault(rid, []).append(images[0])
+            self.failed_forward = fwd
+            self.run_forward(fwd)
+        self.failed_forward = None
+
+    def run_forward(self, fwd: Any) -> None:
+        batch = self.rank.worker.install(fwd.metadata)
+        entries, owners = [], []
+        for rid, s in zip(fwd.request_ids, fwd.step_index):
+            rows, images, steps = self.work[rid]
+            entries += [(row, img, 1.0 - s / steps) for row, img in zip(rows, images)]
+            owners.append((rid, len(rows), steps))
+        preds = self.model.paged_rows(entries, batch, self.rank.pool, self.backend, self.rank.group)
+        self.forwards += 1
+        k = 0
+        for rid, n, steps in owners:
+            rows, images, _ = self.work[rid]
+            images = euler(images, preds[k : k + n], steps, self.cfg_scale)
+            k += n
+            self.work[rid] = (rows, images, steps)
+            self.history.setdefault(rid, []).append(images[0])

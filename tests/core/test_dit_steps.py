@@ -62,7 +62,7 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
     while pending or state.active or state.waiting:
         for item in [p for p in pending if p[4] <= state.tick]:
             rid, rows, imgs, steps, _ = item
-            runner.work[rid] = (rows, [i.clone() for i in imgs], steps)
+            runner.add(rid, rows, [i.clone() for i in imgs], steps)
             state = submit_job(state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows),
                                                          rows[0].content_key()), steps)).unwrap()  # fmt: skip
             pending.remove(item)

@@ -117,13 +117,17 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         if line.strip():
             cache, sched = parse_trace_header(line)
             state: Any = initial_state(cache) if sched is None else new_scheduler(cache, sched)
-            if json.loads(line)["config"].get("dit_steps") is True:  # DiT step batching (core.scheduler.steps)
-                state = dit_steps.StepState.empty(state if isinstance(state, KVState) else state.kv)
+            config = json.loads(line)["config"]
+            if config.get("dit_steps") is True:  # DiT step batching (core.scheduler.steps), its forward budget
+                budget = dit_steps.Budget(config.get("max_forward_rows"), config.get("max_forward_tokens"))
+                if (bad := budget.check()) is not None:
+                    raise TraceHeaderError(f"line {lineno}: {bad.message}")
+                state = dit_steps.StepState.empty(state if isinstance(state, KVState) else state.kv, budget)
             break
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
     last_digest = _digest(state)
-    previous_generation = _kv(state).generation
+    previous_generation = kv_of(state).generation
     i = 0
     for lineno, line in it:
         if not line.strip():
@@ -144,7 +148,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             divergence = first_mismatch(expect, ordered, "")
         violations: tuple[str, ...] = ()
         if check and changed:
-            violations = tuple(check_invariants(_kv(state)))
+            violations = tuple(check_invariants(kv_of(state)))
             rule = None if effect is None else takes_generation(effect)  # the checker's rule, the same predicate
             if rule is True and ordered["generation"] <= previous_generation:
                 violations += (f"a successful {ordered['op']} must take a new generation",)
@@ -152,7 +156,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
                 violations += (f"a successful {ordered['op']} took a generation without changing a block layout",)
         if check and ordered["op"] == "admit" and isinstance(before, KVState):
             violations += tuple(_judge_admission(before, line, state if ordered["ok"] else None, ordered["error"]))
-        previous_generation = _kv(state).generation
+        previous_generation = kv_of(state).generation
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
 
@@ -165,7 +169,8 @@ def _judge_admission(before: KVState, line: str, after: KVState | None, error: d
     return admission_violations(before, spec, after, None if error is None else error["code"])
 
 
-def _kv(state: Any) -> KVState:
+def kv_of(state: Any) -> KVState:
+    """The core's state inside a replayed state (a scheduler's, a DiT step planner's, or the core's own)."""
     return state.kv if isinstance(state, (SchedState, dit_steps.StepState)) else state
 
 
@@ -208,8 +213,8 @@ def run_line(
         return state, _failed(state, op, err), expect
     new_state, extra, effect = outcome.unwrap()
     result: dict[str, Any] = {
-        "op": op, "ok": True, "error": None, "generation": _kv(new_state).generation,
-        "free_blocks": _kv(new_state).free_blocks, "_changed": new_state is not state, "_effect": effect, **extra,
+        "op": op, "ok": True, "error": None, "generation": kv_of(new_state).generation,
+        "free_blocks": kv_of(new_state).free_blocks, "_changed": new_state is not state, "_effect": effect, **extra,
     }  # fmt: skip
     return new_state, result, expect
 
@@ -218,7 +223,7 @@ def _failed(state: KVState | SchedState, op: str | None, err: KVError) -> dict[s
     result: dict[str, Any] = {
         "op": op, "ok": False,
         "error": {"code": err.code.value, "permanent": err.permanent, "message": err.message},
-        "generation": _kv(state).generation, "free_blocks": _kv(state).free_blocks, "_changed": False,
+        "generation": kv_of(state).generation, "free_blocks": kv_of(state).free_blocks, "_changed": False,
     }  # fmt: skip
     for key in EXTRA_FIELDS.get(op or "", ()):
         result[key] = None

@@ -12,7 +12,7 @@ from pagedkv.core.admission import admit
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
-from pagedkv.core.errors import KVError, invalid, is_int
+from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.ahead import fill, truncate
 from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
@@ -25,12 +25,12 @@ from pagedkv.core.state import KVState, request_blocks
 OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead",
        "fill", "truncate")
 SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error")
-STEP_OPS = ("submit", "tick", "done", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
+STEP_OPS = ("submit", "tick", "done", "fail", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",), "truncate": ("blocks",),
                 "cache_ahead": ("blocks",),
-                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tokens": ("finished",), "tick": ("forwards", "admitted"),
-                "done": ("finished",)}  # fmt: skip
+                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tokens": ("finished",),
+                "tick": ("forwards", "admitted", "refused"), "fail": ("finished", "failed"), "done": ("finished",)}  # fmt: skip
 
 
 def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
@@ -227,16 +227,24 @@ def apply_steps(
     state: Any, op: str, ev: Mapping[str, Any]
 ) -> Result[tuple[Any, dict[str, Any], object], KVError]:
     """One event of a DiT step-batching trace (``core.scheduler.steps``): submit (a diffusion request's
-    rows, as in admit, and its ``steps``), tick (its forwards: phase, requests, each one's step), done (the
-    finished), cancel."""
+    rows, as in admit, and its ``steps``), tick (its forwards: phase, requests, each one's step; the admitted;
+    the refused for good, with their codes), done (the finished), fail (``requests``: the failed forward's,
+    ``retry``: kept at their last good step; the finished and the failed), cancel."""
     from pagedkv.core.scheduler import steps
 
     if op == "tick":
         return steps.tick(state).map(lambda sp: (sp[0], {
             "forwards": [[f.phase, list(f.request_ids), list(f.step_index)] for f in sp[1].forwards],
-            "admitted": list(sp[1].admitted)}, None))  # fmt: skip
+            "admitted": list(sp[1].admitted),
+            "refused": [{"request": rid, "code": e.code.value} for rid, e in sp[1].refused]}, None))  # fmt: skip
     if op == "done":
         return steps.done(state).map(lambda sd: (sd[0], {"finished": list(sd[1])}, None))
+    if op == "fail":
+        retry = ev.get("retry", False)
+        if type(retry) is not bool:
+            return Failure(invalid(f'fail\'s "retry" must be true or false, got {shown(retry)}', field="retry"))
+        return steps.fail(state, ev.get("requests"), retry).map(  # type: ignore[arg-type]
+            lambda sf: (sf[0], {"finished": list(sf[1]), "failed": list(sf[2])}, None))
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "cancel":

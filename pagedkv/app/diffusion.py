@@ -11,6 +11,7 @@ import torch
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.models.dit import DiT, DiTRow, euler
+from pagedkv.models.ulysses import UlyssesDiT
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.rank import Rank
@@ -44,12 +45,12 @@ class DiTRunner:
 
 class DiTStepRunner:
     """Step-level execution (``core.scheduler.steps``): each tick's forwards, rows of requests at different
-    denoising steps together. ``add`` a request's rows, images and steps when it is submitted; ``history[rid]``
+    denoising steps together (``model``: the DiT, or its Ulysses shard on one rank of several). ``add`` a request's rows, images and steps when it is submitted; ``history[rid]``
     gets its image after each of its steps (CFG-combined when it has 2 rows); ``take`` it when the request ends
     (finished, failed, cancelled), which forgets it. A forward that raises leaves its requests' images as they
     were (the planner's ``fail`` ends them or runs their step again)."""
 
-    def __init__(self, model: DiT, rank: Rank, backend: AttentionBackend, cfg_scale: float = 4.0) -> None:
+    def __init__(self, model: DiT | UlyssesDiT, rank: Rank, backend: AttentionBackend, cfg_scale: float = 4.0) -> None:
         self.model, self.rank, self.backend, self.cfg_scale = model, rank, backend, cfg_scale
         self.work: dict[object, tuple[list[DiTRow], list[torch.Tensor], int]] = {}
         self.history: dict[object, list[torch.Tensor]] = {}

@@ -1,4 +1,5 @@
-"""Strict Ulysses sequence parallelism for the reference DiT over torch.distributed.
+"""Strict Ulysses sequence parallelism for the reference DiT over torch.distributed, for request mode
+(``paged_step``: one timestep) and step batching (``paged_rows``: a timestep a row, ``DiTStepRunner`` takes it).
 
 Each of ``world`` ranks holds ``1/world`` of a forward's query tokens for everything but attention
 (projections, MLP, residuals); around attention an all-to-all turns "my tokens, every head" into "every
@@ -80,8 +81,13 @@ class UlyssesDiT:
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
                    pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
         """``DiT.paged_step``, its tokens sharded over the ranks (every rank returns the same predictions)."""
+        return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
+
+    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
+                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+        """``DiT.paged_rows`` (a timestep a row: rows of requests at different denoising steps in one forward, as
+        step batching plans them), its tokens sharded over the ranks."""
         m, c = self.model, self.model.config
-        entries = [(row, image, t) for row, image in zip(rows, images)]
         x = m.query_inputs(entries, batch)
         total = x.shape[0]
         n = -(-total // self.world)

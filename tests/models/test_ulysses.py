@@ -98,3 +98,87 @@ def test_a_head_split_that_cuts_kv_groups_is_refused() -> None:
         UlyssesDiT(DiT(CONFIG), 0, 3)
     with pytest.raises(ShellError, match="cut across"):
         UlyssesDiT(DiT(DiTConfig(heads=6, hidden=48, kv_heads=3)), 0, 2)  # shares of 3 heads, groups of 2
+
+
+def _steps_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Step batching with Ulysses: rank 0 plans each tick (the core runs once) and broadcasts it; every rank runs
+    its forwards through ``DiTStepRunner`` over its Ulysses shard, rows of requests at different steps together."""
+    import torch.distributed as dist
+
+    from pagedkv.app.diffusion import DiTStepRunner
+    from pagedkv.core.scheduler.steps import Budget, StepState, done, submit_job, tick
+    from pagedkv.models.ulysses import UlyssesDiT, broadcast
+    from pagedkv.shell.distributed import init
+    from tests.core.test_dit_failures import job
+    from tests.core.test_dit_steps import requests
+
+    torch.set_num_threads(1)
+    init(rank, world, init_file, timeout_s=60)
+    try:
+        sp = UlyssesDiT(DiT(), rank, world)
+        cfg = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
+        r = build_rank(plan_rank(sp.kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=6, max_tokens=64)
+        runner = DiTStepRunner(sp, r, get_backend("torch"))
+        state = StepState.empty(initial_state(cfg), Budget(rows=6, tokens=64)) if rank == 0 else None
+        pending = requests()[:4]
+        for rid, rows, imgs, steps, _ in pending:
+            runner.add(rid, rows, [i.clone() for i in imgs], steps)
+        tick_no = 0
+        while True:
+            plan = None
+            if rank == 0:
+                for item in [p for p in pending if p[4] <= tick_no]:
+                    state = submit_job(state, job(item[0], item[1], item[3])).unwrap()
+                    pending.remove(item)
+                busy = bool(pending or state.active or state.waiting)
+                if busy:
+                    state, plan = tick(state).unwrap()
+            else:
+                busy = True
+            busy, plan = broadcast([busy if rank == 0 else None, plan])
+            if not busy:
+                break
+            runner.run(plan)
+            finished = done(state).unwrap() if rank == 0 else None
+            if rank == 0:
+                state, finished = finished
+            (finished,) = broadcast([finished])
+            r.worker.remove(list(finished))
+            tick_no += 1
+        torch.save({rid: runner.take(rid) for rid, *_ in requests()[:4]}, os.path.join(out_dir, f"steps{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ulysses_with_step_batching_equals_one_rank_at_every_step() -> None:
+    from pagedkv.app.diffusion import DiTStepRunner
+    from pagedkv.core.scheduler.steps import Budget, StepState, done, submit_job, tick
+    from tests.core.test_dit_failures import job
+    from tests.core.test_dit_steps import requests
+
+    cfg = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
+    runner = DiTStepRunner(DiT(), build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg,
+                                             max_rows=6, max_tokens=64), get_backend("torch"))  # fmt: skip
+    state, pending, mixed = StepState.empty(initial_state(cfg), Budget(rows=6, tokens=64)), requests()[:4], False
+    for rid, rows, imgs, steps, _ in pending:
+        runner.add(rid, rows, [i.clone() for i in imgs], steps)
+    while pending or state.active or state.waiting:
+        for item in [p for p in pending if p[4] <= state.tick]:
+            state = submit_job(state, job(item[0], item[1], item[3])).unwrap()
+            pending.remove(item)
+        state, plan = tick(state).unwrap()
+        mixed |= any(len(set(f.step_index)) > 1 for f in plan.forwards)
+        runner.run(plan)
+        state, finished = done(state).unwrap()
+        runner.rank.worker.remove(list(finished))
+    want = {rid: runner.take(rid) for rid, *_ in requests()[:4]}
+    assert mixed
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_steps_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)
+        results = [torch.load(os.path.join(d, f"steps{r}.pt")) for r in range(2)]
+    for res in results:
+        for rid, images in want.items():
+            assert len(res[rid]) == len(images) > 0
+            for got, ref in zip(res[rid], images):
+                assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, rid

@@ -31,52 +31,66 @@ from pagedkv.shell.rank import attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
+class HeadExchange:
+    """Ulysses' all-to-all over ``size`` ranks (``group``: a process subgroup, or None for the whole world), this
+    rank the ``index``-th of them: "my tokens, every head" <-> "every token of the group, my heads"; and K/V heads,
+    exchanged when each rank holds a whole share of them, gathered and sliced when fewer K/V heads than ranks."""
+
+    def __init__(self, model: DiT, index: int, size: int, group: Any = None) -> None:
+        c = model.config
+        if c.heads % size:
+            raise refuse(ErrorCode.INVALID, f"Ulysses needs the query heads ({c.heads}) split evenly over {size} ranks")
+        per_kv = c.heads // c.kv_heads  # query heads a K/V head serves
+        self.heads = c.heads // size
+        if self.heads % per_kv and per_kv % self.heads:
+            raise refuse(ErrorCode.INVALID, f"{size} ranks split {c.heads} query heads into shares of {self.heads}, "
+                                            f"which cut across K/V groups of {per_kv}")  # fmt: skip
+        self.size, self.group = size, group
+        self.kv_heads = max(1, self.heads // per_kv)
+        self.kv_first = index * self.heads // per_kv  # this rank's first K/V head
+        self.kv_split = c.kv_heads % size == 0  # a whole share of K/V heads each: all-to-all them too
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, H, D) of my tokens -> (size * n, H / size, D): every token, my heads."""
+        if self.size == 1:
+            return x
+        n, h, d = x.shape
+        send = x.reshape(n, self.size, h // self.size, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.reshape(self.size * n, h // self.size, d)
+
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(size * n, h, D) of my heads -> (n, size * h, D): my tokens, every head."""
+        if self.size == 1:
+            return x
+        total, h, d = x.shape
+        n = total // self.size
+        send = x.reshape(self.size, n, h, d).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.transpose(0, 1).reshape(n, self.size * h, d)
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, KVH, D) of my tokens -> (size * n, my K/V heads, D)."""
+        if self.size == 1 or self.kv_split:
+            return self.to_heads(x)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)[:, self.kv_first : self.kv_first + self.kv_heads]
+
+
 class UlyssesDiT:
     """``model``'s paged step on rank ``rank`` of ``world`` (an initialised process group)."""
 
     def __init__(self, model: DiT, rank: int, world: int) -> None:
-        c = model.config
-        if c.heads % world:
-            raise refuse(ErrorCode.INVALID, f"Ulysses needs the query heads ({c.heads}) split evenly over {world} ranks")
-        group = c.heads // c.kv_heads  # query heads a K/V head serves
-        self.heads = c.heads // world
-        if self.heads % group and group % self.heads:
-            raise refuse(ErrorCode.INVALID, f"{world} ranks split {c.heads} query heads into shares of {self.heads}, "
-                                            f"which cut across K/V groups of {group}")  # fmt: skip
         self.model, self.rank, self.world = model, rank, world
-        self.kv_heads = max(1, self.heads // group)
-        self.kv_first = rank * self.heads // group  # this rank's first K/V head
-        self.kv_split = c.kv_heads % world == 0  # a whole share of K/V heads each: all-to-all them too
+        self.exchange = HeadExchange(model, rank, world)
 
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """This rank's pages: its K/V heads of every layer, fp32."""
         c = self.model.config
-        return attention_layers(c.layers, kv_heads=self.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
-
-    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, H, D) of my tokens -> (world * n, H / world, D): every token, my heads."""
-        n, h, d = x.shape
-        send = x.reshape(n, self.world, h // self.world, d).transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
-        return recv.reshape(self.world * n, h // self.world, d)
-
-    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(world * n, h, D) of my heads -> (n, world * h, D): my tokens, every head."""
-        total, h, d = x.shape
-        n = total // self.world
-        send = x.reshape(self.world, n, h, d).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
-        return recv.transpose(0, 1).reshape(n, self.world * h, d)
-
-    def _kv(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, KVH, D) of my tokens -> (world * n, my K/V heads, D)."""
-        if self.kv_split:
-            return self._to_heads(x)
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)[:, self.kv_first : self.kv_first + self.kv_heads]
+        return attention_layers(c.layers, kv_heads=self.exchange.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
 
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
                    pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
@@ -95,11 +109,12 @@ class UlyssesDiT:
         attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
         for i, L in enumerate(m.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
-                q_all, k_all, v_all = self._to_heads(q)[:total], self._kv(k)[:total], self._kv(v)[:total]
+                ex = self.exchange
+                q_all, k_all, v_all = ex.to_heads(q)[:total], ex.kv(k)[:total], ex.kv(v)[:total]
                 pool.write(i, k_all, v_all, batch.slot_mapping)  # my heads' K/V of every token
                 out = backend.forward(q_all, pool.k[i], pool.v[i], batch, attn)
                 out = torch.cat([out, out.new_zeros(n * self.world - total, *out.shape[1:])])
-                return self._to_tokens(out)
+                return self.exchange.to_tokens(out)
 
             x = m._block(x, L, attend)
         parts = [torch.empty_like(x) for _ in range(self.world)]

@@ -80,12 +80,12 @@ class HeadExchange:
         return torch.cat(parts)[:, self.kv_first : self.kv_first + self.kv_heads]
 
 
-class UlyssesDiT:
-    """``model``'s paged step on rank ``rank`` of ``world`` (an initialised process group)."""
+class ShardedDiT:
+    """What a sequence-parallel shard of the DiT shares: its pages (its K/V heads, ``exchange``) and ``paged_step``
+    as ``paged_rows`` with one timestep (every rank returns the same predictions)."""
 
-    def __init__(self, model: DiT, rank: int, world: int) -> None:
-        self.model, self.rank, self.world = model, rank, world
-        self.exchange = HeadExchange(model, rank, world)
+    model: DiT
+    exchange: HeadExchange
 
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """This rank's pages: its K/V heads of every layer, fp32."""
@@ -94,8 +94,19 @@ class UlyssesDiT:
 
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
                    pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
-        """``DiT.paged_step``, its tokens sharded over the ranks (every rank returns the same predictions)."""
         return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
+
+    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
+                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+        raise NotImplementedError
+
+
+class UlyssesDiT(ShardedDiT):
+    """``model``'s paged step on rank ``rank`` of ``world`` (an initialised process group)."""
+
+    def __init__(self, model: DiT, rank: int, world: int) -> None:
+        self.model, self.rank, self.world = model, rank, world
+        self.exchange = HeadExchange(model, rank, world)
 
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
                    backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip

@@ -21,17 +21,15 @@ import torch.distributed as dist
 
 from pagedkv.core.config import GroupSpec
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.grouping import LayerSpec
 from pagedkv.models.dit import DiT, DiTRow
-from pagedkv.models.ulysses import HeadExchange
+from pagedkv.models.ulysses import HeadExchange, ShardedDiT
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
-from pagedkv.shell.rank import attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
-class UspDiT:
+class UspDiT(ShardedDiT):
     """``model``'s paged rows on rank ``rank`` of a ``ulysses`` x ``ring`` grid (an initialised process group of
     ``ulysses * ring`` ranks; every rank constructs it, in the same order, since it makes the subgroups)."""
 
@@ -50,16 +48,7 @@ class UspDiT:
         self.ring_group = ring_group
         self.exchange = HeadExchange(model, self.ui, ulysses, ulysses_group)
 
-    def kv_layers(self) -> tuple[LayerSpec, ...]:
-        """This rank's pages: its K/V heads of every layer (of the positions its ring group owns), fp32."""
-        c = self.model.config
-        return attention_layers(c.layers, kv_heads=self.exchange.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
-
     # -- the forward -----------------------------------------------------------------------------
-    def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
-        return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
-
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
                    backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
         """``DiT.paged_rows`` (a timestep a row) over the grid; every rank returns the same predictions.

@@ -28,6 +28,24 @@ def job(rid: object, rows: list[DiTRow], steps: int = 3) -> DiTJob:
     return DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows), rows[0].content_key()), steps)  # type: ignore[arg-type]
 
 
+def step_mode(runner: DiTStepRunner, budget: Budget, count: int = 4) -> tuple[dict[object, list[torch.Tensor]], bool]:
+    """The first ``count`` of ``requests()`` through step batching on ``runner`` (its rank's geometry), arriving at
+    their ticks: each one's images, and whether a forward held rows at different steps."""
+    state, pending, mixed = StepState.empty(initial_state(runner.rank.cache), budget), requests()[:count], False
+    for rid, rows, imgs, steps, _ in pending:
+        runner.add(rid, rows, [i.clone() for i in imgs], steps)
+    while pending or state.active or state.waiting:
+        for item in [p for p in pending if p[4] <= state.tick]:
+            state = submit_job(state, job(item[0], item[1], item[3])).unwrap()
+            pending.remove(item)
+        state, plan = tick(state).unwrap()
+        mixed |= any(len(set(f.step_index)) > 1 for f in plan.forwards)
+        runner.run(plan)
+        state, finished = done(state).unwrap()
+        runner.rank.worker.remove(list(finished))
+    return {rid: runner.take(rid) for rid, *_ in requests()[:count]}, mixed
+
+
 def rank(cfg, rows: int = 16, tokens: int = 512):  # type: ignore[no-untyped-def]
     return build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=rows,
                       max_tokens=tokens)  # fmt: skip

@@ -153,26 +153,13 @@ def _steps_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow
 def test_ulysses_with_step_batching_equals_one_rank_at_every_step() -> None:
     from pagedkv.app.diffusion import DiTStepRunner
-    from pagedkv.core.scheduler.steps import Budget, StepState, done, submit_job, tick
-    from tests.core.test_dit_failures import job
-    from tests.core.test_dit_steps import requests
+    from pagedkv.core.scheduler.steps import Budget
+    from tests.core.test_dit_failures import step_mode
 
     cfg = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
     runner = DiTStepRunner(DiT(), build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg,
                                              max_rows=6, max_tokens=64), get_backend("torch"))  # fmt: skip
-    state, pending, mixed = StepState.empty(initial_state(cfg), Budget(rows=6, tokens=64)), requests()[:4], False
-    for rid, rows, imgs, steps, _ in pending:
-        runner.add(rid, rows, [i.clone() for i in imgs], steps)
-    while pending or state.active or state.waiting:
-        for item in [p for p in pending if p[4] <= state.tick]:
-            state = submit_job(state, job(item[0], item[1], item[3])).unwrap()
-            pending.remove(item)
-        state, plan = tick(state).unwrap()
-        mixed |= any(len(set(f.step_index)) > 1 for f in plan.forwards)
-        runner.run(plan)
-        state, finished = done(state).unwrap()
-        runner.rank.worker.remove(list(finished))
-    want = {rid: runner.take(rid) for rid, *_ in requests()[:4]}
+    want, mixed = step_mode(runner, Budget(rows=6, tokens=64))
     assert mixed
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_steps_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)

@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pagedkv.app.diffusion import DiTRunner, DiTStepRunner
+from pagedkv.app.diffusion import DiTStepRunner
 from pagedkv.core import CacheConfig, RequestSpec, admit, commit, initial_state, publish, release
-from pagedkv.core.scheduler.steps import Budget, StepState, done, submit_job, tick
-from pagedkv.models.dit import DiT, DiTConfig, euler
+from pagedkv.core.scheduler.steps import Budget
+from pagedkv.models.dit import DiT, euler
 from pagedkv.shell.attention import get_backend
 from pagedkv.shell.rank import build_rank, plan_rank
-from tests.core.test_dit_failures import job
-from tests.core.test_dit_steps import requests
+from tests.core.test_dit_failures import step_mode as steps_of
 from tests.models.test_ulysses import CONFIG, IMAGE, STEPS, _rows
 
 CFG = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
@@ -52,20 +51,8 @@ def request_mode(model: object, rank_of: object, plant: str = "") -> list[list[t
     return out
 
 
-def step_mode(model: object, rank_of: object) -> dict[str, list[torch.Tensor]]:
-    runner = DiTStepRunner(model, rank_of(), get_backend("torch"))  # type: ignore[arg-type, operator]
-    state, pending = StepState.empty(initial_state(CFG), Budget(rows=6, tokens=64)), requests()[:4]
-    for rid, rows, imgs, steps, _ in pending:
-        runner.add(rid, rows, [i.clone() for i in imgs], steps)
-    while pending or state.active or state.waiting:
-        for item in [p for p in pending if p[4] <= state.tick]:
-            state = submit_job(state, job(item[0], item[1], item[3])).unwrap()
-            pending.remove(item)
-        state, plan = tick(state).unwrap()
-        runner.run(plan)
-        state, finished = done(state).unwrap()
-        runner.rank.worker.remove(list(finished))
-    return {rid: runner.take(rid) for rid, *_ in requests()[:4]}
+def step_mode(model: object, rank_of: object) -> dict[object, list[torch.Tensor]]:
+    return steps_of(DiTStepRunner(model, rank_of(), get_backend("torch")), Budget(rows=6, tokens=64))[0]  # type: ignore[arg-type, operator]
 
 
 def _worker(rank: int, ulysses: int, ring: int, init_file: str, out_dir: str, plant: str) -> None:

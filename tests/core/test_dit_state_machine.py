@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from returns.result import Failure
@@ -104,10 +105,12 @@ class StepMachine(RuleBasedStateMachine):
 test_dit_step_state_machine = StepMachine.TestCase  # examples and steps: the Hypothesis profile (conftest)
 
 
-def test_the_old_way_round_a_failed_first_step_poisoned_the_cache() -> None:
+@pytest.mark.parametrize("caching_point", ["commit", "schedule"])
+def test_the_old_way_round_a_failed_first_step_poisoned_the_cache(caching_point: str) -> None:
     """What ``fail`` replaces: done (which commits and caches the prefix) then cancel with ``error``. A later
     request of the prompt then hits blocks the failed step never wrote; after ``fail`` it hits nothing."""
-    cfg = CacheConfig(block_size=4, num_blocks=21, enable_prefix_caching=True, max_model_len=48)
+    cfg = CacheConfig(block_size=4, num_blocks=21, enable_prefix_caching=True, max_model_len=48,
+                      caching_point=caching_point)  # fmt: skip
     rows = [DiTRow(PROMPTS[0] * 2)]
 
     def spec(rid: str) -> RequestSpec:

@@ -72,6 +72,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
                    help="requests running at once at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="the pages' dtype (vLLM's names): auto, the model's; fp8 (e4m3) or fp8_e5m2, each layer's K and V "
+                   "over a scale (the checkpoint's or calibrated at start-up): twice the tokens of bf16 pages")
     g.add_argument("--async-scheduling", action="store_true", help="plan and launch each step before the last one's "
                    "tokens are read (overlapped scheduling; the same completions)")
     g.add_argument("--speculative-config", metavar="JSON", type=speculative_config, help='vLLM\'s, n-gram drafts '
@@ -193,7 +196,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                                  backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
-                                 speculative_config=args.speculative_config,
+                                 speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
                                  async_scheduling=args.async_scheduling)  # fmt: skip
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:

@@ -117,6 +117,10 @@ def summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s
     print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
     print(f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
           f"of the pool: {engine.sizing})")  # fmt: skip
+    if engine.pool.fp8:  # fp8 pages: their dtype and the range of the layers' scales
+        scales = [p.kv_scales for p in engine.layout.by_name.values()]
+        print(f"kv cache dtype      {engine.pool.dtype} pages; K scales {min(k for k, _ in scales):.3g}-"
+              f"{max(k for k, _ in scales):.3g}, V scales {min(v for _, v in scales):.3g}-{max(v for _, v in scales):.3g}")
     print(f"preemptions         {st.preemptions}")
     print(f"engine steps        {st.steps}")
     if st.verifies:  # speculative decoding: how many drafts the model kept, and what a verify gave a request

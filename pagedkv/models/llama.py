@@ -115,7 +115,8 @@ class Llama:
         c = self.config
         scale = (c.query_scale if c.query_scale is not None else c.head_dim) ** -0.5
         out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=scale, softcap=c.attn_softcap,
-                                                     kv_index=self.kv_index)) for p in places)  # fmt: skip
+                                                     kv_index=self.kv_index, kv_scales=p.kv_scales))
+                    for p in places)  # fmt: skip
         self._places = (key, layout, out)
         return out
 
@@ -146,7 +147,7 @@ class Llama:
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = v.reshape(-1, self.n_kv_heads, hd)
-            pool.write(slot, k, v, batch.slot_mappings[group])  # this step's K/V, once, before attention reads
+            pool.write(slot, k, v, batch.slot_mappings[group], attn.kv_scales)  # this step's K/V, once, before reads
             a = backend.forward(q, pool.k[slot], pool.v[slot], batch, attn)
             a = self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
             if "o_bias" in L:

@@ -24,6 +24,7 @@ from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError, refuse
 from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
+from pagedkv.shell.kv_scales import calibration_ids
 from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.overlap import Overlap
@@ -54,7 +55,7 @@ class Engine:
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.backend = args.attention(model)
         if rank is None:
-            rank = args.rank_for(model, self.backend)
+            rank = args.rank_for(model, self.backend, calibration_ids(tokenizer))
         elif rank.worker.max_rows < args.max_num_seqs or rank.worker.max_tokens < args.step_tokens(model):
             raise InvalidConfig(f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
                                 f"tokens; the scheduler may batch {args.max_num_seqs} and "

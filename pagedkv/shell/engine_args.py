@@ -12,6 +12,7 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
 from pagedkv.shell.rank import Rank, rank_for
 from pagedkv.shell.speculative import SpeculativeConfig
 
@@ -39,10 +40,15 @@ class EngineArgs:
     # overlapped scheduling (vLLM's async_scheduling): step N+1 planned, installed and launched before step N's
     # ids are read (shell.overlap); a stop token then ends its request a step later
     async_scheduling: bool = False
+    # the pages' dtype (vLLM's kv_cache_dtype): "auto" (the model's), "fp8" / "fp8_e4m3" (e4m3), "fp8_e5m2"; fp8 pages
+    # hold each layer's K and V over its scales (the checkpoint's, or calibrated at start-up: shell.kv_scales)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
             raise InvalidConfig("speculative decoding with async_scheduling is not served yet: use one of them")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidConfig(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
@@ -60,10 +66,15 @@ class EngineArgs:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
         return get_backend(backend_for(self.backend, model.device))
 
-    def rank_for(self, model: Any, backend: AttentionBackend | None = None) -> Rank:
+    def rank_for(self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None) -> Rank:
         """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
-        ``attention(model)``) lends the pool its fused K/V write, where it has one."""
+        ``attention(model)``) lends the pool its fused K/V write, where it has one; ``calibration``: token ids of
+        the forward that computes fp8 pages' scales where the checkpoint has none."""
         backend = backend if backend is not None else self.attention(model)
+        kv_dtype = kv_dtype_of(self.kv_cache_dtype)
+        if kv_dtype is not None and not getattr(backend, "fp8_pages", False):
+            raise InvalidConfig(f"the {backend.name} backend has no fp8 path: kv_cache_dtype {self.kv_cache_dtype} "
+                                "runs on the torch and triton backends (the pool is never upcast in silence)")  # fmt: skip
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
             raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
                                 "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip
@@ -71,8 +82,8 @@ class EngineArgs:
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
                         max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
-                        caching_point=self.caching_point,
-                        free_queue=self.free_queue)  # fmt: skip
+                        caching_point=self.caching_point, free_queue=self.free_queue, kv_dtype=kv_dtype,
+                        kv_scales=scales_for(model, kv_dtype, calibration or CALIBRATION_IDS, backend))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -99,6 +110,9 @@ class EngineStats:
     def acceptance(self) -> float | None:
         """Accepted drafts over drafts verified (None without any)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+CALIBRATION_IDS = tuple(range(1, 257))  # a calibration forward's ids where the engine has no tokenizer to encode text
 
 
 def backend_for(name: str, device: torch.device) -> str:

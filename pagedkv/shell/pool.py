@@ -14,6 +14,14 @@ from pagedkv.core.config import CacheConfig, InvalidConfig
 KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``(k, v, k_pages, v_pages, slot_mapping) -> None``: one kernel writing a layer's new K and V."""
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # page dtypes stored quantized: a scale per layer for K and for V
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in an fp8 ``dtype``, saturated at its largest finite value (vLLM's fp8 KV write)."""
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-top, top).to(dtype)
+
 
 @dataclass(frozen=True, slots=True)
 class StateShape:
@@ -36,7 +44,8 @@ class StateShape:
 class PagePool:
     """Per layer slot K and V pages, ``(num_blocks, block_size, kv_heads_on_this_rank, head_dim)``:
     the layout flash-attn's paged path reads. ``write``: a backend's fused K/V write kernel
-    (``AttentionBackend.kv_write``), or None for two ``index_copy_``.
+    (``AttentionBackend.kv_write``), or None for two ``index_copy_``. An fp8 ``dtype`` (``FP8``) stores K and V
+    quantized, each layer with its own K and V scale (``write``'s ``scales``; readers multiply them back).
 
     With ``state`` (a hybrid model: state groups beside attention groups), a block of a slot is one page
     that holds either an attention block's K and V or a Mamba layer's state (vLLM's hybrid layout): each
@@ -51,6 +60,9 @@ class PagePool:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.state = state
+        self.fp8 = dtype in FP8
+        if self.fp8 and state is not None:
+            raise InvalidConfig("fp8 pages beside Mamba states are not served: a state kept in fp8 drifts step by step")
         nb, bs = config.num_blocks, config.block_size
         shape = (nb, bs, kv_heads, head_dim)
         self.conv: list[torch.Tensor] = []
@@ -77,11 +89,15 @@ class PagePool:
     def bytes(self) -> int:
         return self._bytes
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write this forward's K/V, ``(tokens, kv_heads, head_dim)``, once, through the slot mapping.
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              scales: tuple[float, float] = (1.0, 1.0)) -> None:  # fmt: skip
+        """Write this forward's K/V, ``(tokens, kv_heads, head_dim)``, once, through the slot mapping (fp8 pages:
+        quantized by the layer's ``scales``, K's and V's).
 
         Padding tokens map to slots of the null block, never to -1, so no index is negative.
         """
+        if self.fp8:
+            k, v = quantize(k, scales[0], self.dtype), quantize(v, scales[1], self.dtype)
         if self._fused is not None:  # one kernel for K and V
             self._fused(k, v, self.k[layer], self.v[layer], slot_mapping)
             return
@@ -92,5 +108,9 @@ class PagePool:
             self.v[layer].index_put_(at, v.to(self.dtype))
             return
         flat = (-1, self.kv_heads, self.head_dim)
+        if self.fp8:  # (index_copy_ has no fp8 kernel on every device: the same bytes, as uint8)
+            self.k[layer].view(torch.uint8).view(flat).index_copy_(0, slot_mapping, k.view(torch.uint8))
+            self.v[layer].view(torch.uint8).view(flat).index_copy_(0, slot_mapping, v.view(torch.uint8))
+            return
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))

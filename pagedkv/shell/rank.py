@@ -10,7 +10,8 @@ graphs and the benches: the model's layers -> the grouping plan (``core.grouping
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -135,6 +136,7 @@ class LayerPlace:
     group: int
     spec: GroupSpec
     slot: int
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # fp8 pages: the layer's K and V scales
 
 
 class Layout:
@@ -142,9 +144,11 @@ class Layout:
     by layer slot i of every group; block ids are unique across groups, so they never collide). A layer
     that reads another's KV takes its target's place."""
 
-    def __init__(self, plan: GroupPlan, groups: tuple[GroupSpec, ...]) -> None:
-        self.by_name = {name: LayerPlace(g, groups[g], i) for g, pg in enumerate(plan.groups)
-                        for i, name in enumerate(pg.layers)}  # fmt: skip
+    def __init__(self, plan: GroupPlan, groups: tuple[GroupSpec, ...],
+                 kv_scales: Mapping[str, tuple[float, float]] | None = None) -> None:  # fmt: skip
+        scales = kv_scales or {}
+        self.by_name = {name: LayerPlace(g, groups[g], i, scales.get(name, (1.0, 1.0)))
+                        for g, pg in enumerate(plan.groups) for i, name in enumerate(pg.layers)}  # fmt: skip
         for layer, target in plan.shared:
             self.by_name[layer] = self.by_name[target]
         self._of: dict[tuple[str, ...], tuple[LayerPlace, ...]] = {}
@@ -187,11 +191,12 @@ class Rank:
 
 
 def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens: int, token_rows: int = 0,
-               device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> Rank:  # fmt: skip
+               device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
+               kv_scales: Mapping[str, tuple[float, float]] | None = None) -> Rank:  # fmt: skip
     """Pages and worker buffers for ``cache`` (rank 0's geometry, or the one it broadcast), which must be
     ``plan``'s: the same block size and groups. Rows hold ``max_model_len`` (every block a row can need);
     ``token_rows``: query tokens a forward may lay out one a row (``Worker``); ``backend`` lends the pool its
-    fused K/V write, when it has one."""
+    fused K/V write, when it has one; ``kv_scales``: each layer's K and V scale, for fp8 pages (``shell.kv_scales``)."""
     want = plan.cache_config(cache.num_blocks)
     if (cache.block_size, cache.groups) != (want.block_size, want.groups):
         raise InvalidConfig(f"geometry of block size {cache.block_size} and groups {[g.name for g in cache.groups]} "
@@ -203,17 +208,23 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
                     state=plan.state)  # fmt: skip
     worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
                     max_tokens=max_tokens, token_rows=token_rows, device=device)  # fmt: skip
-    return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups))
+    return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups, kv_scales))
 
 
 def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
              enable_prefix_caching: bool, max_rows: int, max_tokens: int, token_rows: int = 0,
-             backend: AttentionBackend | None = None, **policies: str) -> Rank:  # fmt: skip
+             backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None,
+             kv_scales: Mapping[str, tuple[float, float]] | None = None, **policies: str) -> Rank:  # fmt: skip
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
-    the geometry, the pages and the worker. ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
-    plan = plan_rank(model.kv_layers(), block_size=block_size, dtype=model.dtype, state=getattr(model, "state_shape", None))
+    the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
+    ``kv_scales``). ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
+    layers = tuple(model.kv_layers())
+    if kv_dtype is not None:  # every attention layer's page element is kv_dtype's: the pool sized by its bytes
+        layers = tuple(replace(x, dtype_bytes=kv_dtype.itemsize) if x.kind in PAGED_KINDS else x for x in layers)
+    plan = plan_rank(layers, block_size=block_size, dtype=kv_dtype or model.dtype,
+                     state=getattr(model, "state_shape", None))  # fmt: skip
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
     cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
                               max_model_len=max_model_len, **policies)  # fmt: skip
     return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, token_rows=token_rows,
-                      device=model.device, backend=backend)  # fmt: skip
+                      device=model.device, backend=backend, kv_scales=kv_scales)  # fmt: skip

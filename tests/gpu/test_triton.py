@@ -70,3 +70,44 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
     assert runs[True] == runs[False]
     alone = Engine(model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
     assert [c.token_ids for c in alone.generate(prompts[1:2])] == runs[True][1:2]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dtype) -> None:
+    """The decode and varlen kernels over fp8 pages equal fp32 math over the pages' values times their scales."""
+    from pagedkv.shell.attention.triton_decode import paged_decode, paged_varlen
+    from pagedkv.shell.pool import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, L, H, KVH, D, bs = 3, 100, 8, 2, 64, 16
+    nb = -(-L // bs)
+    k = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
+    v = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
+    ks, vs = float(k.abs().max()) / 200, float(v.abs().max()) / 100
+    k8, v8 = quantize(k, ks, fp8), quantize(v, vs, fp8)
+    table = (torch.arange(B * nb, device="cuda") + 1).view(B, nb).to(torch.int32)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, device="cuda", generator=g)
+    kc = (k8.float() * ks)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
+    vc = (v8.float() * vs)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=D**-0.5, enable_gqa=True)[:, :, 0]
+    got = paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs))
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+    got = paged_varlen(q, k8, v8, table, cu, lens, 1, causal=True, scale=D**-0.5, kv_scales=(ks, vs))
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    plain = paged_decode(q, k8, v8, table, lens, D**-0.5)  # the scales ignored: a test that can fail
+    assert ((plain - want).norm() / want.norm()).item() > 0.1
+
+
+def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() -> None:
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    prompts = [(f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(max_tokens=12))
+               for i in range(4)]  # fmt: skip
+    runs = {}
+    for backend in ("torch", "triton"):
+        eng = Engine(model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20,
+                     kv_cache_dtype="fp8")  # fmt: skip
+        assert eng.pool.fp8 and (eng.graphs is not None) == (backend == "triton")
+        runs[backend] = [c.token_ids for c in eng.generate(prompts)]
+    assert runs["triton"] == runs["torch"]

@@ -30,6 +30,7 @@ class LayerAttention:
     scale: float
     softcap: float | None = None
     kv_index: tuple[int, ...] | None = None  # query head -> local KV head, when not contiguous groups (TP shards)
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # fp8 pages: K's and V's scale (a page holds value / scale)
 
 
 class AttentionBackend(Protocol):

@@ -31,6 +31,7 @@ INSTALL = ("pip install flash-attn-4 (FA4), or 'pagedkv[flash]' (flash-attn 2; F
 class FlashAttnBackend:
     name = "flash_attn"
     kv_write = None  # two index_copy_ (the page pool's own write)
+    fp8_pages = False  # no fp8 path here: kv_cache_dtype fp8 is refused with this backend
 
     def __init__(self) -> None:
         self.fa4: Any = None

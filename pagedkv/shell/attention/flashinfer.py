@@ -63,6 +63,7 @@ def page_lists(rows: Any, group: int, kv_lens: list[int], block_size: int,
 class FlashInferBackend:
     name = "flashinfer"
     kv_write = None  # the page pool's own write (two index_copy_)
+    fp8_pages = False  # no fp8 path here: kv_cache_dtype fp8 is refused with this backend
     capturable = True  # decode through a CUDA-graph wrapper a bucket (begin_graph before each replay)
 
     def __init__(self) -> None:

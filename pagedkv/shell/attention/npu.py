@@ -27,6 +27,7 @@ INSTALL = "pip install 'pagedkv[npu]'  (torch-npu, matching your CANN and torch 
 class NpuBackend:
     name = "npu"
     kv_write = None  # two index_copy_ (the page pool's own write)
+    fp8_pages = False  # no fp8 path here: kv_cache_dtype fp8 is refused with this backend
 
     def __init__(self) -> None:
         try:

@@ -15,6 +15,7 @@ class TorchBackend:
 
     name = "torch"
     kv_write = None  # two index_copy_ (the page pool's own write)
+    fp8_pages = True  # reads fp8 pages (their scales applied)
 
     def __init__(self) -> None:
         self._made: tuple[ForwardBatch, tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
@@ -37,7 +38,7 @@ class TorchBackend:
             # (n_blocks * bs, kv_heads, head_dim) -> the row's keys [first_block * bs, seq_len)
             k = k_pages.index_select(0, ids).reshape(-1, kv_heads, k_pages.shape[3])[: seq_len - first_block * bs]
             v = v_pages.index_select(0, ids).reshape(-1, kv_heads, v_pages.shape[3])[: seq_len - first_block * bs]
-            k, v = k.float(), v.float()
+            k, v = _dequantized(k, v, layer)
             if layer.kv_index is not None:  # an explicit head map (a tensor-parallel shard)
                 idx = torch.tensor(layer.kv_index, device=k.device)
                 k, v = k.index_select(1, idx), v.index_select(1, idx)
@@ -90,8 +91,8 @@ class TorchBackend:
         n, heads = q.shape[0], q.shape[1]
         tables, visible = self._decode_plan(batch, layer, bs, n)
         nb = tables.shape[1]
-        k = k_pages[tables].reshape(n, nb * bs, kv_heads, d).float()  # (rows, keys, kv_heads, d)
-        v = v_pages[tables].reshape(n, nb * bs, kv_heads, d).float()
+        k, v = _dequantized(k_pages[tables].reshape(n, nb * bs, kv_heads, d),
+                            v_pages[tables].reshape(n, nb * bs, kv_heads, d), layer)  # (rows, keys, kv_heads, d)
         v = v.masked_fill(~visible[:, :, None, None], 0.0)  # never let unread slots into the sums (K's are masked
         # in the scores below)
         if layer.kv_index is not None:  # a shard's explicit head map: one KV head per query head
@@ -104,3 +105,10 @@ class TorchBackend:
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # also what an unread K made
         out = torch.einsum("nvgk,nkvd->nvgd", torch.softmax(scores, dim=-1), v)
         return out.reshape(n, heads, d).to(q.dtype)
+
+
+def _dequantized(k: torch.Tensor, v: torch.Tensor, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered K and V in fp32, times the layer's scales (fp8 pages hold value / scale)."""
+    ks, vs = layer.kv_scales
+    k, v = k.float(), v.float()
+    return (k, v) if (ks, vs) == (1.0, 1.0) else (k * ks, v * vs)

@@ -22,6 +22,7 @@ from pagedkv.shell.worker import ForwardBatch
 class TritonBackend:
     name = "triton"
     capturable = True  # its decode path has no host sync: a CUDA graph captures it (shell.graphs)
+    fp8_pages = True  # its kernels read fp8 pages and apply the layer's scales in registers
 
     def __init__(self, splits: int = 8) -> None:
         try:
@@ -47,10 +48,10 @@ class TritonBackend:
         window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
         if batch.metadata.phase is Phase.DECODE:  # one query token a row, one causal segment
             return self._decode(q, k_pages, v_pages, table, batch.seq_lens, layer.scale, splits=self.splits,
-                                window=window)  # fmt: skip
+                                window=window, kv_scales=layer.kv_scales)  # fmt: skip
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             return self._varlen(qp, k_pages, v_pages, table, call.cu_seqlens_q, call.kv_lens, call.max_seqlen_q,
-                                causal=call.causal, scale=layer.scale, window=window)  # fmt: skip
+                                causal=call.causal, scale=layer.scale, window=window, kv_scales=layer.kv_scales)  # fmt: skip
 
         return run_segments(q, batch, kernel)  # several query tokens: one native call per segment

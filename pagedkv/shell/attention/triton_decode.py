@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from pagedkv.shell.pool import FP8
+
 try:
     import triton
     import triton.language as tl
@@ -24,9 +26,9 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb,
+        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb, k_scale, v_scale,
         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, FP8_PAGES: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -55,6 +57,9 @@ if triton is not None:
             at = blk.to(tl.int64) * stride_kb + ((pos % BS) * KVH + kvh) * D  # token slot, this KV head
             k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if FP8_PAGES:  # fp8 pages: dequantized in registers, to the query's dtype
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -83,7 +88,7 @@ if triton is not None:
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float | None = None, *, splits: int = 8, tile: int = 64,
-                 window: int = 0) -> torch.Tensor:  # fmt: skip
+                 window: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
     """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence."""
     if triton is None:
         raise RuntimeError("the Triton decode kernel needs triton and a CUDA device")
@@ -96,8 +101,10 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     _split_kernel[(B, kvh, splits)](
         q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale, block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
+        kv_scales[0], kv_scales[1],
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
+        FP8_PAGES=k_pages.dtype in FP8,
         num_warps=4, num_stages=3,
     )  # fmt: skip
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
@@ -109,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _varlen_kernel(
-        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb,
+        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb, k_scale, v_scale, FP8_PAGES: tl.constexpr,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         BM: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -146,6 +153,9 @@ if triton is not None:
                 at = blk.to(tl.int64) * stride_kb + ((key % BS) * KVH + kvh) * D
                 k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                if FP8_PAGES:  # fp8 pages: dequantized in registers, to the query's dtype
+                    k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                    v = (v.to(tl.float32) * v_scale).to(q.dtype)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 ok = valid[None, :]
                 if CAUSAL:
@@ -166,7 +176,7 @@ if triton is not None:
 
 def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int, *, causal: bool,
-                 scale: float, window: int = 0) -> torch.Tensor:  # fmt: skip
+                 scale: float, window: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
     """flash-attn varlen semantics over pages: q (tokens, heads, d); row r's queries are the last
     ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all."""
     if triton is None:
@@ -180,7 +190,8 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     rows = cu_seqlens_q.numel() - 1
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
-        scale, block_table.stride(0), k_pages.stride(0), H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
+        scale, block_table.stride(0), k_pages.stride(0), kv_scales[0], kv_scales[1], FP8_PAGES=k_pages.dtype in FP8,
+        H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
         CAUSAL=causal,
         WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -1,0 +1,138 @@
+"""fp8 KV pages: accuracy against pages of the model's dtype (CPU, SmolLM2-135M's real weights) and, on a GPU,
+the Triton decode kernel over fp8 pages against bf16 pages and against the fp8 HBM floor.
+
+Accuracy (``--device cpu``, the default): the engine's greedy tokens with ``kv_cache_dtype`` fp8_e4m3 and fp8_e5m2
+against fp32 pages for the eight chat questions (up to 32 tokens each): where each prompt's tokens first differ, and the
+prefill logits' error (max and mean absolute, over the logits' range); the tokens a 64 MiB pool holds.
+
+Speed (``--device cuda``): one decode step of attention, ``seqs`` x ``ctx`` tokens of 8 KV heads x 128 (32 query
+heads), shuffled 16-token pages, replayed from a CUDA graph of 20 calls: bf16 pages, fp8 (e4m3) pages, and the fp8
+floor (the pages' bytes at the measured copy bandwidth); each checked against fp32 math over the pages' values.
+
+    python bench/kv_fp8.py [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+             "Write a haiku about the sea.", "How many legs does a spider have?", "What is 12 times 12?",
+             "Translate 'good morning' into French.", "What is a paged KV cache?"]  # fmt: skip
+
+
+def accuracy(new: int) -> None:
+    from pagedkv.core import RequestSpec, RowSpec, admit, publish
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
+
+    model, meta = Llama.smollm2()
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    runs, logits, pools = {}, {}, {}
+    for dt in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        eng = Engine(model, tok, kv_cache_memory_bytes=64 << 20, max_num_seqs=8, kv_cache_dtype=dt)
+        pools[dt] = eng.sizing.tokens
+        outs = []
+        for i, p in enumerate(prompts):  # the prefill's logits of each prompt, alone
+            kv = admit(eng.state.kv, RequestSpec(f"x{i}", (RowSpec.of_tokens(p),))).unwrap().state
+            batch = eng.worker.install(publish(kv, [f"x{i}"], "prefill").unwrap().effect)
+            outs.append(model.forward(torch.tensor(p), batch, eng.pool, eng.backend, eng.layout)[0])
+            eng.worker.remove([f"x{i}"])
+        logits[dt] = outs
+        runs[dt] = [c.token_ids for c in eng.generate([("", p, SamplingParams(max_tokens=new)) for p in prompts])]
+    print(f"SmolLM2-135M-Instruct, CPU, greedy, {new} tokens for each of {len(prompts)} chat questions; fp32 pages "
+          "as the reference\n")
+    print("| pages | tokens in 64 MiB | first differing token, per prompt (of the reference's tokens) | prompts equal "
+          "to the end | prefill logits: max abs err / range | mean abs err |")
+    print("|---|---:|---|---:|---:|---:|")
+    for dt in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x) if len(x) == len(y) else min(len(x), len(y)))
+                 for x, y in zip(runs["auto"], runs[dt])]  # fmt: skip
+        ends = sum(x == y for x, y in zip(runs["auto"], runs[dt]))
+        err = max(((a - b).abs().max() / (a.max() - a.min())).item() for a, b in zip(logits["auto"], logits[dt]))
+        mean = sum((a - b).abs().mean().item() for a, b in zip(logits["auto"], logits[dt])) / len(prompts)
+        shown = ", ".join(f"{f}/{len(x)}" for f, x in zip(first, runs["auto"]))
+        print(f"| {dt} | {pools[dt]} | {shown} | {ends} / {len(prompts)} | {err:.4f} | {mean:.4f} |")
+
+
+def speed() -> None:
+    import triton
+
+    from pagedkv.shell.attention.triton_decode import paged_decode
+    from pagedkv.shell.pool import quantize
+
+    def bench(fn: object) -> float:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))  # type: ignore[arg-type]
+
+    def in_graph(fn: object, reps: int = 20) -> float:
+        s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()  # type: ignore[operator]
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()  # type: ignore[operator]
+        return bench(g.replay) / reps
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / (bench(lambda: dst.copy_(src)) / 1e3)  # bytes read and written a second
+    src = dst = torch.empty(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s\n")  # fmt: skip
+    print("| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | rel err bf16 | rel err fp8 |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    H, KVH, D, bs = 32, 8, 128, 16
+    for B, L in ((8, 32768), (64, 4096), (1, 32768), (256, 1024)):
+        nb = L // bs
+        n = B * nb + 1
+        k = torch.randn(n, bs, KVH, D, device="cuda")
+        v = torch.randn(n, bs, KVH, D, device="cuda")
+        ks, vs = float(k.abs().max()) / 200, float(v.abs().max()) / 100
+        k8, v8 = quantize(k, ks, torch.float8_e4m3fn), quantize(v, vs, torch.float8_e4m3fn)
+        kb, vb = k.bfloat16(), v.bfloat16()
+        table = (torch.randperm(n - 1, device="cuda")[: B * nb] + 1).view(B, nb).to(torch.int32)
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        splits = max(1, min(32, (132 * 8) // (B * KVH)))
+
+        def ref(kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+            kc = kp[table.long()].reshape(B, L, KVH, D).float().transpose(1, 2)
+            vc = vp[table.long()].reshape(B, L, KVH, D).float().transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kc, vc, scale=D**-0.5,
+                                                                    enable_gqa=True)[:, :, 0]  # fmt: skip
+
+        def err(out: torch.Tensor, want: torch.Tensor) -> float:
+            return ((out.float() - want).norm() / want.norm()).item()
+
+        e_b = err(paged_decode(q, kb, vb, table, lens, D**-0.5, splits=splits), ref(kb, vb))
+        e_8 = err(paged_decode(q, k8, v8, table, lens, D**-0.5, splits=splits, kv_scales=(ks, vs)),
+                  ref(k8.float() * ks, v8.float() * vs))  # fmt: skip
+        t_b = in_graph(lambda: paged_decode(q, kb, vb, table, lens, D**-0.5, splits=splits))
+        t_8 = in_graph(lambda: paged_decode(q, k8, v8, table, lens, D**-0.5, splits=splits, kv_scales=(ks, vs)))
+        floor = 2 * B * L * KVH * D / bw * 1e3
+        print(f"| {B} | {L} | {t_b:.3f} | {t_8:.3f} | {t_8 / t_b:.2f} | {floor:.3f} | {floor / t_8:.2f} | {e_b:.1e} | "
+              f"{e_8:.1e} |", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--new", type=int, default=32)
+    a = ap.parse_args()
+    if a.device == "cpu":
+        accuracy(a.new)
+    else:
+        speed()
+
+
+if __name__ == "__main__":
+    main()

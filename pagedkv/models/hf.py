@@ -135,6 +135,16 @@ def check_weights(path: str, c: LlamaConfig | HybridConfig, weights: Weights) ->
                                       f"implies {[n * hd]}")  # fmt: skip
 
 
+def checkpoint_kv_scales(weights: Mapping[str, torch.Tensor], layers: int) -> dict[str, tuple[float, float]] | None:
+    """The K and V scales an fp8-KV checkpoint carries (vLLM's ``self_attn.k_scale`` / ``v_scale``, one a layer), by
+    layer name; None where any is missing (fp8 pages then calibrate their own)."""
+    names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(layers)]
+    if not all(k in weights and v in weights for k, v in names):
+        return None
+    return {f"layer{i}": (float(weights[k].float().reshape(-1)[0]), float(weights[v].float().reshape(-1)[0]))
+            for i, (k, v) in enumerate(names)}  # fmt: skip
+
+
 def stop_ids(path: str, raw: Mapping[str, Any]) -> frozenset[int]:
     """Every id that ends a request: generation_config.json's eos ids (an id or a list), else config.json's."""
     gen_file = os.path.join(path, "generation_config.json")
@@ -176,4 +186,5 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
         model: Any = HybridModel(cfg, weights, dtype=dtype, device=device)
     else:
         model = Llama(cfg, weights, dtype=dtype, device=device)  # type: ignore[arg-type]
+        model.kv_scales = checkpoint_kv_scales(weights, cfg.num_layers)
     return model, tok, f"{os.path.basename(os.path.normpath(path))} ({arch})"

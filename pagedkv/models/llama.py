@@ -68,6 +68,7 @@ class Llama:
         self.kv_index: tuple[int, ...] | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole
         self._places: tuple[object, object, tuple[tuple[int, int, LayerAttention], ...]] | None = None
+        self.kv_scales: dict[str, tuple[float, float]] | None = None  # fp8 pages' scales a checkpoint carried
 
     @classmethod
     def smollm2(cls, **kw: object) -> tuple[Llama, dict[str, object]]:

@@ -83,7 +83,7 @@ class EngineArgs:
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
                         max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
                         caching_point=self.caching_point, free_queue=self.free_queue, kv_dtype=kv_dtype,
-                        kv_scales=scales_for(model, kv_dtype, calibration or CALIBRATION_IDS, backend))  # fmt: skip
+                        kv_scales=scales_for(model, kv_dtype, calibration, backend))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -110,9 +110,6 @@ class EngineStats:
     def acceptance(self) -> float | None:
         """Accepted drafts over drafts verified (None without any)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-
-CALIBRATION_IDS = tuple(range(1, 257))  # a calibration forward's ids where the engine has no tokenizer to encode text
 
 
 def backend_for(name: str, device: torch.device) -> str:

@@ -47,11 +47,15 @@ def calibrate(model: Any, tokens: Sequence[int], backend: AttentionBackend) -> d
     return {name: (max(k / K_SCALE_CONSTANT, TINY), max(v / V_SCALE_CONSTANT, TINY)) for name, (k, v) in zip(names, seen)}
 
 
-def scales_for(model: Any, kv_dtype: torch.dtype | None, tokens: Sequence[int],
+def scales_for(model: Any, kv_dtype: torch.dtype | None, tokens: Sequence[int] | None,
                backend: AttentionBackend) -> Mapping[str, tuple[float, float]] | None:  # fmt: skip
-    """The scales fp8 pages use: the checkpoint's, else calibrated; None for pages of the model's dtype."""
+    """The scales fp8 pages use: the checkpoint's, else calibrated over ``tokens`` (None: 256 ids spread over the
+    model's vocabulary, for an engine without a tokenizer); None for pages of the model's dtype."""
     if kv_dtype is None:
         return None
+    if tokens is None:
+        vocab = model.config.vocab_size
+        tokens = [(7 * i + 3) % vocab for i in range(256)]
     return getattr(model, "kv_scales", None) or calibrate(model, tokens, backend)
 
 

@@ -89,3 +89,13 @@ def test_fp8_pages_keep_the_logits_close_on_a_random_model() -> None:
         out[dt] = model.forward(torch.tensor(prompt), batch, eng.pool, eng.backend, eng.layout)[0]
     a, b = out["auto"], out["fp8_e4m3"]
     assert 0 < ((a - b).abs().max() / (a.max() - a.min())).item() < 0.05
+
+
+def test_the_command_line_serves_fp8_pages_and_refuses_what_it_cannot(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.app.cli import main
+
+    assert main(["generate", "--kv-cache-dtype", "fp4", "hi"]) == 2
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
+    assert main(["generate", "--kv-cache-dtype", "fp8", "--ranks", "2", "hi"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "use it with --ranks 1" in line

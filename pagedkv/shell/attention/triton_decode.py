@@ -57,9 +57,9 @@ if triton is not None:
             at = blk.to(tl.int64) * stride_kb + ((pos % BS) * KVH + kvh) * D  # token slot, this KV head
             k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if FP8_PAGES:  # fp8 pages: dequantized in registers, to the query's dtype
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            if FP8_PAGES:  # fp8 pages: widened in registers; K's scale is in ``scale``, V's applied at the store
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -69,7 +69,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         heads = b * KVH * G + kvh * G + g
-        tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
+        tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
                  mask=hmask[:, None])  # fmt: skip
         tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf")),
                  mask=hmask)  # fmt: skip
@@ -99,7 +99,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(B, kvh, splits)](
-        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale, block_table.stride(0),
+        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0], block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
         kv_scales[0], kv_scales[1],
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
@@ -153,9 +153,9 @@ if triton is not None:
                 at = blk.to(tl.int64) * stride_kb + ((key % BS) * KVH + kvh) * D
                 k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                if FP8_PAGES:  # fp8 pages: dequantized in registers, to the query's dtype
-                    k = (k.to(tl.float32) * k_scale).to(q.dtype)
-                    v = (v.to(tl.float32) * v_scale).to(q.dtype)
+                if FP8_PAGES:  # fp8 pages: widened in registers; K's scale is in ``scale``, V's applied at the store
+                    k = k.to(q.dtype)
+                    v = v.to(q.dtype)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 ok = valid[None, :]
                 if CAUSAL:
@@ -170,7 +170,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 m_i = m_new
-            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            out = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
             tl.store(OUT + ((q0 + tok) * H + kvh * G + g)[:, None] * D + d[None, :], out, mask=rowmask[:, None])
 
 
@@ -190,7 +190,8 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     rows = cu_seqlens_q.numel() - 1
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
-        scale, block_table.stride(0), k_pages.stride(0), kv_scales[0], kv_scales[1], FP8_PAGES=k_pages.dtype in FP8,
+        scale * kv_scales[0], block_table.stride(0), k_pages.stride(0), kv_scales[0], kv_scales[1],
+        FP8_PAGES=k_pages.dtype in FP8,
         H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
         CAUSAL=causal,
         WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,

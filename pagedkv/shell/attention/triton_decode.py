@@ -46,6 +46,8 @@ if triton is not None:
         hmask = g < G
         # q: (GP, D), the G query heads of this KV head
         q = tl.load(Q + (b * KVH * G + kvh * G + g)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        if FP8_PAGES and Q.dtype.element_ty == tl.bfloat16:  # fp8 widens to fp16 in one instruction (to bf16: via fp32)
+            q = q.to(tl.float16)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)

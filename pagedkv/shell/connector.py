@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedkv.core.errors import RequestId
+from pagedkv.core.errors import ErrorCode, RequestId
 from pagedkv.core.state import Blocks, KVState
 from pagedkv.core.destination import mark_ready
+from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
 
 
@@ -39,6 +40,13 @@ def missing_blocks(state: KVState, request_id: RequestId, source: tuple[Blocks, 
     return out
 
 
+def _whole_pages(*pools: PagePool) -> None:
+    """Pages that move as they are: fp8 pages would need their layers' scales to travel with them (refused, before
+    anything is asked for or written)."""
+    if any(p.fp8 for p in pools):
+        raise refuse(ErrorCode.INVALID, "fp8 KV pages are not transferred yet: their scales do not travel with them")
+
+
 def _ready(state: KVState, request_id: RequestId) -> KVState:
     req = state.requests[request_id]
     for i, slot in enumerate(req.slots):
@@ -51,6 +59,7 @@ def _ready(state: KVState, request_id: RequestId) -> KVState:
 def copy_missing(src: PagePool, dst: PagePool, state: KVState, request_id: RequestId,
                  source: tuple[Blocks, ...]) -> tuple[KVState, int]:  # fmt: skip
     """Copy the missing blocks, every layer, K and V; returns the state with them ready and the count."""
+    _whole_pages(src, dst)
     moves = missing_blocks(state, request_id, source)
     if moves:
         s_ids = torch.tensor([m.src for m in moves], device=src.device)
@@ -64,6 +73,7 @@ def copy_missing(src: PagePool, dst: PagePool, state: KVState, request_id: Reque
 def recv_missing(dst: PagePool, state: KVState, request_id: RequestId, source: tuple[Blocks, ...],
                  src_rank: int) -> tuple[KVState, int]:  # fmt: skip
     """Receiver side: ask ``src_rank`` for the missing source blocks, write them, mark them ready."""
+    _whole_pages(dst)
     moves = missing_blocks(state, request_id, source)
     dist.send(torch.tensor([len(moves)], dtype=torch.int64), src_rank)
     if moves:

@@ -99,3 +99,16 @@ def test_the_command_line_serves_fp8_pages_and_refuses_what_it_cannot(capsys: py
     assert main(["generate", "--kv-cache-dtype", "fp8", "--ranks", "2", "hi"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "use it with --ranks 1" in line
+
+
+def test_the_connector_refuses_fp8_pages_before_anything_moves() -> None:
+    from pagedkv.shell.connector import copy_missing
+    from pagedkv.shell.errors import ShellError
+
+    cfg = CacheConfig(block_size=4, num_blocks=9, max_model_len=32)
+    src = PagePool(cfg, num_layers=1, kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn)
+    dst = PagePool(cfg, num_layers=1, kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn)
+    before = dst.k[0].view(torch.uint8).clone()
+    with pytest.raises(ShellError, match="scales do not travel"):
+        copy_missing(src, dst, initial_state(cfg), "a", ())
+    assert torch.equal(dst.k[0].view(torch.uint8), before)

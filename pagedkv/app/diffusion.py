@@ -14,7 +14,17 @@ from pagedkv.models.dit import DiT, DiTRow, euler
 from pagedkv.models.ulysses import UlyssesDiT
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.errors import refuse
+from pagedkv.shell.kv_scales import record_scales
 from pagedkv.shell.rank import Rank
+
+
+def dit_kv_scales(model: DiT, rank: Rank, backend: AttentionBackend, rows: list[DiTRow], images: list[torch.Tensor],
+                  first: KVMetadata) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """fp8 pages' scales for ``model`` from one first step of ``rows`` (``first``: its prefill snapshot) on ``rank``, a
+    rank of pages in the model's own dtype (``shell.kv_scales.record_scales``)."""
+    batch = rank.worker.install(first)
+    return record_scales(model.layer_names, lambda wrap: model.paged_step(rows, images, 1.0, batch, wrap(rank.pool),
+                                                                          backend, rank.layout))  # fmt: skip
 
 
 class DiTRunner:
@@ -36,7 +46,7 @@ class DiTRunner:
         for s in range(steps):
             t0 = time.perf_counter()
             batch = rank.worker.install(first if s == 0 or later is None else later)
-            preds = self.model.paged_step(rows, images, 1.0 - s / steps, batch, rank.pool, self.backend, rank.group)
+            preds = self.model.paged_step(rows, images, 1.0 - s / steps, batch, rank.pool, self.backend, rank.layout)
             images = euler(images, preds, steps, cfg_scale)
             history.append(images[0])
             self.step_seconds.append(time.perf_counter() - t0)
@@ -83,7 +93,7 @@ class DiTStepRunner:
             rows, images, steps = self.work[rid]
             entries += [(row, img, 1.0 - s / steps) for row, img in zip(rows, images)]
             owners.append((rid, len(rows), steps))
-        preds = self.model.paged_rows(entries, batch, self.rank.pool, self.backend, self.rank.group)
+        preds = self.model.paged_rows(entries, batch, self.rank.pool, self.backend, self.rank.layout)
         self.forwards += 1
         k = 0
         for rid, n, steps in owners:

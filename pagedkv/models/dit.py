@@ -25,7 +25,7 @@ from pagedkv.core.grouping import LayerSpec
 from pagedkv.core.spec import RowSpec
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
 from pagedkv.shell.pool import PagePool
-from pagedkv.shell.rank import attention_layers
+from pagedkv.shell.rank import Layout, attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -91,6 +91,18 @@ class DiT:
         c = self.config
         return attention_layers(c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
 
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(f"layer{i}" for i in range(self.config.layers))
+
+    def attentions(self, where: GroupSpec | Layout) -> list[LayerAttention]:
+        """Each layer's attention: in one group (``GroupSpec``), or as the rank's layout places it (``Layout``: its
+        group, and its K and V scales where the pages are fp8)."""
+        scale = 1 / math.sqrt(self.config.head_dim)
+        if isinstance(where, GroupSpec):
+            return [LayerAttention(0, where, scale=scale)] * self.config.layers
+        return [LayerAttention(p.group, p.spec, scale=scale, kv_scales=p.kv_scales) for p in where.of(self.layer_names)]
+
     # -- embeddings --------------------------------------------------------------
     def _prefix(self, row: DiTRow) -> torch.Tensor:
         x = self.embed[torch.tensor(row.text)]
@@ -138,20 +150,20 @@ class DiT:
 
     # -- paged: K/V through the pool; the first step writes everything, later ones the target ---
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   pool: PagePool, backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
 
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         """``paged_step`` over the forward's rows in order, each with its own image and timestep (rows of
-        several requests at different denoising steps in one forward: step batching)."""
-        c = self.config
+        several requests at different denoising steps in one forward: step batching). ``group``: the one group,
+        or the rank's layout (fp8 pages: each layer's scales)."""
         x = self.query_inputs(entries, batch)
-        attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
+        attns = self.attentions(group)
         for i, L in enumerate(self.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
-                pool.write(i, k, v, batch.slot_mapping)  # this forward's K/V, once, then attention
-                return backend.forward(q, pool.k[i], pool.v[i], batch, attn)
+                pool.write(i, k, v, batch.slot_mapping, attns[i].kv_scales)  # this forward's K/V, once, then attention
+                return backend.forward(q, pool.k[i], pool.v[i], batch, attns[i])
 
             x = self._block(x, L, attend)
         return self.predictions(x, entries, batch)

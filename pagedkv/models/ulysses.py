@@ -14,7 +14,6 @@ read one K/V head).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -24,10 +23,10 @@ from pagedkv.core.config import GroupSpec
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.grouping import LayerSpec
 from pagedkv.models.dit import DiT, DiTRow
-from pagedkv.shell.attention import AttentionBackend, LayerAttention
+from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
-from pagedkv.shell.rank import attention_layers
+from pagedkv.shell.rank import Layout, attention_layers
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -93,11 +92,11 @@ class ShardedDiT:
         return attention_layers(c.layers, kv_heads=self.exchange.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
 
     def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   pool: PagePool, backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
 
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         raise NotImplementedError
 
 
@@ -109,7 +108,7 @@ class UlyssesDiT(ShardedDiT):
         self.exchange = HeadExchange(model, rank, world)
 
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         """``DiT.paged_rows`` (a timestep a row: rows of requests at different denoising steps in one forward, as
         step batching plans them), its tokens sharded over the ranks."""
         m, c = self.model, self.model.config
@@ -117,13 +116,13 @@ class UlyssesDiT(ShardedDiT):
         total = x.shape[0]
         n = -(-total // self.world)
         x = torch.cat([x, x.new_zeros(n * self.world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
-        attn = LayerAttention(0, group, scale=1 / math.sqrt(c.head_dim))
+        attns = m.attentions(group)
         for i, L in enumerate(m.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 ex = self.exchange
                 q_all, k_all, v_all = ex.to_heads(q)[:total], ex.kv(k)[:total], ex.kv(v)[:total]
-                pool.write(i, k_all, v_all, batch.slot_mapping)  # my heads' K/V of every token
-                out = backend.forward(q_all, pool.k[i], pool.v[i], batch, attn)
+                pool.write(i, k_all, v_all, batch.slot_mapping, attns[i].kv_scales)  # my heads' K/V of every token
+                out = backend.forward(q_all, pool.k[i], pool.v[i], batch, attns[i])
                 out = torch.cat([out, out.new_zeros(n * self.world - total, *out.shape[1:])])
                 return self.exchange.to_tokens(out)
 

@@ -26,6 +26,7 @@ from pagedkv.models.ulysses import HeadExchange, ShardedDiT
 from pagedkv.shell.attention import AttentionBackend
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
+from pagedkv.shell.rank import Layout
 from pagedkv.shell.worker import ForwardBatch
 
 
@@ -50,14 +51,16 @@ class UspDiT(ShardedDiT):
 
     # -- the forward -----------------------------------------------------------------------------
     def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec) -> list[torch.Tensor]:  # fmt: skip
+                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
         """``DiT.paged_rows`` (a timestep a row) over the grid; every rank returns the same predictions.
-        (``backend``: the pages are read here, by position, not through an attention backend.)"""
+        (``backend``: the pages are read here, by position, not through an attention backend; ``group``: the
+        group, or the rank's layout, whose fp8 scales the writes and reads apply.)"""
         m, c = self.model, self.model.config
         x = m.query_inputs(entries, batch)
         total, world = x.shape[0], self.u * self.r
         n = -(-total // world)
         plan = _Plan(batch, total, n, self.u, self.r, self.ri)
+        plan.kv_scales = [a.kv_scales for a in m.attentions(group)]  # (fp8 pages: each layer's scales)
         x = torch.cat([x, x.new_zeros(n * world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
         for i, L in enumerate(m.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
@@ -80,10 +83,11 @@ class UspDiT(ShardedDiT):
         if self.r > 1:
             got = torch.empty(sum(plan.recv_counts), *kv.shape[1:], dtype=kv.dtype)
             dist.all_to_all_single(got, kv, plan.recv_counts, plan.send_counts, group=self.ring_group)
-        pool.write(layer, got[:, 0], got[:, 1], plan.recv_slots)  # the positions I own, this forward's K/V
+        pool.write(layer, got[:, 0], got[:, 1], plan.recv_slots, plan.kv_scales[layer])  # the positions I own
         flat = (-1, *pool.k[layer].shape[2:])
-        chunk = torch.stack((pool.k[layer].reshape(flat)[plan.key_slots[self.ri]],
-                             pool.v[layer].reshape(flat)[plan.key_slots[self.ri]]))  # (2, my keys, kvh, D)  # fmt: skip
+        ks, vs = plan.kv_scales[layer]
+        chunk = torch.stack((pool.k[layer].reshape(flat)[plan.key_slots[self.ri]].float() * ks,
+                             pool.v[layer].reshape(flat)[plan.key_slots[self.ri]].float() * vs))  # (2, my keys, kvh, D)
         qr = q[:real].float()
         g = qr.shape[1] // chunk.shape[2]
         peak = torch.full((qr.shape[1], real), float("-inf"))
@@ -134,6 +138,7 @@ class _Plan:
                     row_of.append(k)
                     limit.append(p + 1 if seg.causal else seg.kv_end)  # keys it sees: [0, limit)
         self.r = r
+        self.kv_scales: list[tuple[float, float]] = []
 
         def owner(p: int) -> int:
             return (p // bs) % r

@@ -6,7 +6,7 @@ each layer writes, over a constant that leaves headroom for later tokens (vLLM's
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,12 +36,17 @@ def calibrate(model: Any, tokens: Sequence[int], backend: AttentionBackend) -> d
     n = len(tokens)
     rank = rank_for(model, max_model_len=n, block_size=16, kv_cache_memory_bytes=_budget(model, n),
                     enable_prefix_caching=False, max_rows=1, max_tokens=n, backend=backend)  # fmt: skip
-    seen: list[tuple[float, float]] = []
-    pool = _Recording(rank.pool, seen)
     kv = admit(initial_state(rank.cache), RequestSpec("calibration", (RowSpec.of_tokens(list(tokens)),))).unwrap().state
     batch = rank.worker.install(publish(kv, ["calibration"], "prefill").unwrap().effect)
-    model.forward(torch.tensor(list(tokens)), batch, pool, backend, rank.layout)
-    names = model.layer_names
+    return record_scales(model.layer_names, lambda wrap: model.forward(torch.tensor(list(tokens)), batch,
+                                                                       wrap(rank.pool), backend, rank.layout))  # fmt: skip
+
+
+def record_scales(names: Sequence[str], run: Callable[[Callable[[Any], Any]], object]) -> dict[str, tuple[float, float]]:
+    """Each layer's (K scale, V scale) from one forward: ``run(wrap)`` runs it with its pool wrapped by ``wrap`` (which
+    records the largest |K| and |V| of each write: one a layer, in ``names``' order)."""
+    seen: list[tuple[float, float]] = []
+    run(lambda pool: _Recording(pool, seen))
     if len(seen) != len(names):
         raise RuntimeError(f"calibration saw {len(seen)} K/V writes for {len(names)} layers")
     return {name: (max(k / K_SCALE_CONSTANT, TINY), max(v / V_SCALE_CONSTANT, TINY)) for name, (k, v) in zip(names, seen)}

@@ -95,6 +95,6 @@ class MLAModel:
         for i, L in enumerate(self.layers):
             q_nope, q_pe, lat = self._project(x, L, pos)
             pool.write(i, lat, batch.slot_mapping)  # one latent per token, once per layer
-            o = mla_attention(q_nope, q_pe, pool.pages[i], batch, L["uk"], L["uv"], self.scale, absorbed=absorbed)
+            o = mla_attention(q_nope, q_pe, pool, i, batch, L["uk"], L["uv"], self.scale, absorbed=absorbed)
             x = self._mlp(x + o.reshape(x.shape[0], -1) @ L["o"].T, L)
         return x @ self.embed.T

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from dataclasses import replace
 from typing import Any
+
+from returns.result import Failure
 
 from pagedkv.app.args import USAGE_EXIT, bounded_int, seed
 
@@ -23,6 +26,9 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--blocks", type=bounded_int(1, 1 << 20), default=48, help="usable blocks in the pool")
     d.add_argument("--block-size", type=bounded_int(1, 4096), default=8, help="tokens per block")
     d.add_argument("--seed", type=seed, default=0, help="prompts, references and latents (below 2**63)")
+    d.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="the pages' dtype: auto (fp32), or fp8 with each layer's K and V scales calibrated on the first "
+                   "request's first step")
 
 
 def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
@@ -48,6 +54,26 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
     return s, work
 
 
+def _calibrated(model: Any, cfg: Any, s: Any, work: dict[Any, Any], need: int) -> dict[str, tuple[float, float]]:
+    """fp8 pages' scales: one first step of the first request that fits, on fp32 pages of the same geometry."""
+    import torch
+
+    from pagedkv.app.diffusion import dit_kv_scales
+    from pagedkv.core import RequestSpec, admit, initial_state, publish
+    from pagedkv.shell.attention import get_backend
+    from pagedkv.shell.rank import build_rank, plan_rank
+
+    fp32 = build_rank(plan_rank(model.kv_layers(), block_size=cfg.block_size, dtype=torch.float32), cfg, max_rows=4,
+                      max_tokens=need)  # fmt: skip
+    for rid, req in s.seqs.items():
+        got = admit(initial_state(cfg), RequestSpec("calibration", req.rows, req.extra_keys))
+        if not isinstance(got, Failure):
+            rows, images = work[rid]
+            first = publish(got.unwrap().state, ["calibration"], "prefill").unwrap().effect
+            return dit_kv_scales(model, fp32, get_backend("torch"), rows, [i.clone() for i in images], first)
+    return {}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -56,11 +82,14 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.core.scheduler import new_scheduler, on_output, schedule
     from pagedkv.models.dit import DiT
     from pagedkv.shell.attention import get_backend
+    from pagedkv.shell.kv_scales import kv_dtype_of
     from pagedkv.shell.rank import build_rank, plan_rank
 
     model = DiT()
+    kv_dtype = kv_dtype_of(args.kv_cache_dtype) or torch.float32
     try:
-        plan = plan_rank(model.kv_layers(), block_size=args.block_size, dtype=torch.float32)
+        layers = tuple(replace(x, dtype_bytes=kv_dtype.itemsize) for x in model.kv_layers())
+        plan = plan_rank(layers, block_size=args.block_size, dtype=kv_dtype)
         cfg = plan.cache_config(args.blocks + 1, enable_prefix_caching=True, max_model_len=64 * args.block_size)
     except InvalidConfig as e:
         print(f"pagedkv denoise: {e}", file=sys.stderr)
@@ -70,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     firsts = [sum(r.num_tokens for r in req.rows or ()) for req in s.seqs.values()]
     need = max([512] + [n for n in firsts if n <= 4 * 64 * args.block_size])  # (rows of at most max_model_len)
     try:
-        rank = build_rank(plan, cfg, max_rows=4, max_tokens=need)
+        scales = _calibrated(model, cfg, s, work, need) if kv_dtype != torch.float32 else None
+        rank = build_rank(plan, cfg, max_rows=4, max_tokens=need, kv_scales=scales)
     except (MemoryError, RuntimeError) as e:  # a pool this machine cannot allocate
         print(f"pagedkv denoise: cannot allocate a pool of {args.blocks} blocks of {args.block_size} tokens: "
               f"{' '.join(str(e).split())[:160]}", file=sys.stderr)  # fmt: skip

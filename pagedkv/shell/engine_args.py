@@ -75,6 +75,8 @@ class EngineArgs:
         if kv_dtype is not None and not getattr(backend, "fp8_pages", False):
             raise InvalidConfig(f"the {backend.name} backend has no fp8 path: kv_cache_dtype {self.kv_cache_dtype} "
                                 "runs on the torch and triton backends (the pool is never upcast in silence)")  # fmt: skip
+        if kv_dtype is not None and getattr(model, "state_shape", None) is not None:
+            raise InvalidConfig("fp8 pages beside Mamba states are not served: a state kept in fp8 drifts step by step")
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
             raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
                                 "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip

@@ -75,7 +75,9 @@ class _Recording:
 
     def __init__(self, pool: Any, seen: list[tuple[float, float]]) -> None:
         self.pool, self.seen = pool, seen
-        self.k, self.v = pool.k, pool.v
+
+    def __getattr__(self, name: str) -> Any:  # the pages and everything else: the pool's own
+        return getattr(self.pool, name)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               scales: tuple[float, float] = (1.0, 1.0)) -> None:  # fmt: skip

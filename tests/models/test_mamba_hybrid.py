@@ -150,7 +150,15 @@ def test_generate_serves_the_directory(checkpoint: tuple[Any, ...], capsys: pyte
     assert f"{path.name} ({type(hf).__name__})" in capsys.readouterr().out
 
 
-def test_speculation_is_refused_with_the_reason(checkpoint: tuple[Any, ...]) -> None:
-    _, model, tok, _ = checkpoint
+def test_speculation_and_fp8_pages_are_refused_with_the_reason(checkpoint: tuple[Any, ...],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from pagedkv.app.cli import main
+
+    _, model, tok, path = checkpoint
     with pytest.raises(InvalidConfig, match="Mamba states"):
         engine(model, tok, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(InvalidConfig, match="fp8 pages beside Mamba states"):
+        engine(model, tok, kv_cache_dtype="fp8")
+    assert main(["generate", "--model", str(path), "--kv-cache-dtype", "fp8", "hi"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "fp8 pages beside Mamba states are not served" in line

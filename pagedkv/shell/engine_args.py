@@ -74,7 +74,7 @@ class EngineArgs:
         kv_dtype = kv_dtype_of(self.kv_cache_dtype)
         if kv_dtype is not None and not getattr(backend, "fp8_pages", False):
             raise InvalidConfig(f"the {backend.name} backend has no fp8 path: kv_cache_dtype {self.kv_cache_dtype} "
-                                "runs on the torch and triton backends (the pool is never upcast in silence)")  # fmt: skip
+                                "runs on the torch, triton and flashinfer backends (the pool is never upcast in silence)")  # fmt: skip
         if kv_dtype is not None and getattr(model, "state_shape", None) is not None:
             raise InvalidConfig("fp8 pages beside Mamba states are not served: a state kept in fp8 drifts step by step")
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:

@@ -96,3 +96,20 @@ def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:
     for name in ("flashinfer", "triton+flashinfer"):
         for ours, theirs in zip(runs[(name, True)], runs[("triton", True)]):
             assert ours[:16] == theirs[:16], (name, ours, theirs)
+
+
+def test_fp8_pages_through_flashinfer_give_triton_s_first_tokens() -> None:
+    """An engine on fp8 pages with flashinfer (its fp8 kernels, the layer's scales passed to run) beside one with
+    triton (the same pages and scales, read in registers): each prompt's first tokens agree (bf16)."""
+    from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
+
+    model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device="cuda")
+    prompts = [(f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(max_tokens=4))
+               for i in range(4)]  # fmt: skip
+    runs = {}
+    for backend in ("triton", "flashinfer"):
+        eng = Engine(model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20,
+                     kv_cache_dtype="fp8")  # fmt: skip
+        assert eng.pool.fp8
+        runs[backend] = [c.token_ids[0] for c in eng.generate(prompts)]
+    assert runs["flashinfer"] == runs["triton"]

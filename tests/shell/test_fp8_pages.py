@@ -71,9 +71,9 @@ def test_scales_are_calibrated_or_taken_from_the_checkpoint_and_a_backend_withou
     assert [p.kv_scales for p in eng.layout.of(model.layer_names)] == [(0.5, 0.25)] * 3
 
     class NoFp8:  # what rank_for reads of a backend: its name and whether it reads fp8 pages
-        name, fp8_pages, kv_write = "flashinfer", False, None
+        name, fp8_pages, kv_write = "flash_attn", False, None
 
-    with pytest.raises(InvalidConfig, match="flashinfer backend has no fp8 path"):
+    with pytest.raises(InvalidConfig, match="flash_attn backend has no fp8 path"):
         EngineArgs(kv_cache_dtype="fp8").rank_for(model, NoFp8())  # type: ignore[arg-type]
 
 

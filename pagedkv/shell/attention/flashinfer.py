@@ -63,7 +63,7 @@ def page_lists(rows: Any, group: int, kv_lens: list[int], block_size: int,
 class FlashInferBackend:
     name = "flashinfer"
     kv_write = None  # the page pool's own write (two index_copy_)
-    fp8_pages = False  # no fp8 path here: kv_cache_dtype fp8 is refused with this backend
+    fp8_pages = True  # FlashInfer's fp8 kernels (kv_data_type fp8, the layer's scales passed to run)
     capturable = True  # decode through a CUDA-graph wrapper a bucket (begin_graph before each replay)
 
     def __init__(self) -> None:
@@ -104,7 +104,9 @@ class FlashInferBackend:
         kv_heads, head_dim, block_size = k_pages.shape[2], k_pages.shape[3], k_pages.shape[1]
         self._block_size = block_size
         heads = q.shape[1]
-        key = (layer.group, window, layer.scale, float(layer.softcap or 0.0), q.dtype, heads, kv_heads, head_dim)
+        key = (layer.group, window, layer.scale, float(layer.softcap or 0.0), q.dtype, heads, kv_heads, head_dim,
+               k_pages.dtype)  # fmt: skip
+        ks, vs = layer.kv_scales  # (fp8 pages: FlashInfer folds K's into the softmax scale, applies V's to the output)
         if meta.phase is Phase.DECODE:
             if self._graph_batch is not None:  # inside a CUDA graph: the bucket's wrapper, planned before replay
                 wrapper = self._graph_wrapper(self._graph_batch, key, q.device)
@@ -116,7 +118,7 @@ class FlashInferBackend:
                 if self._planned.get(key) is not meta:  # once a forward: every layer of the group runs the plan
                     self._plan_decode(wrapper, meta, key, block_size)
                     self._planned[key] = meta
-            return wrapper.run(q, (k_pages, v_pages))  # type: ignore[no-any-return]
+            return wrapper.run(q, (k_pages, v_pages), k_scale=ks, v_scale=vs)  # type: ignore[no-any-return]
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             wkey = (call.segment, *key)
@@ -126,17 +128,17 @@ class FlashInferBackend:
             if self._planned.get(wkey) is not meta:
                 self._plan_prefill(wrapper, meta, call, key, block_size)
                 self._planned[wkey] = meta
-            return wrapper.run(qp, (k_pages, v_pages))  # type: ignore[no-any-return]
+            return wrapper.run(qp, (k_pages, v_pages), k_scale=ks, v_scale=vs)  # type: ignore[no-any-return]
 
         return run_segments(q, batch, kernel)
 
     def _common(self, key: tuple[Any, ...]) -> dict[str, Any]:
-        _, window, scale, softcap, dtype, *_ = key
+        _, window, scale, softcap, dtype, *_, kv_dtype = key
         return {"window_left": window - 1 if window else -1, "sm_scale": scale,
-                "logits_soft_cap": softcap or None, "q_data_type": dtype, "kv_data_type": dtype}  # fmt: skip
+                "logits_soft_cap": softcap or None, "q_data_type": dtype, "kv_data_type": kv_dtype}  # fmt: skip
 
     def _plan_decode(self, wrapper: Any, meta: KVMetadata, key: tuple[Any, ...], block_size: int) -> None:
-        group, window, *_, heads, kv_heads, head_dim = key
+        group, window, *_, heads, kv_heads, head_dim, _ = key
         lens = [row.seq_len for row in meta.rows]
         indptr, indices, last = page_lists(meta.rows, group, lens, block_size, window)
         i32 = torch.int32
@@ -145,7 +147,7 @@ class FlashInferBackend:
 
     def _plan_prefill(self, wrapper: Any, meta: KVMetadata, call: SegmentCall, key: tuple[Any, ...],
                       block_size: int) -> None:  # fmt: skip
-        group, window, *_, heads, kv_heads, head_dim = key
+        group, window, *_, heads, kv_heads, head_dim, _ = key
         segs = [row.segments[call.segment] for row in meta.rows]
         qo = [0]
         for s in segs:

@@ -136,12 +136,15 @@ def flex_paged(q, k_pages, v_pages, table, B, L, KVH, D, scale) -> float:  # typ
         return float("nan")
 
 
-def main() -> None:
+def copy_bandwidth() -> float:
+    """Bytes a second a 2 GiB device copy reads and writes: the HBM floor's rate."""
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    bw = 2 * x.numel() / (t / 1e3)  # bytes read + written per second
-    del x, y
+    return 2 * x.numel() / (bench(lambda: y.copy_(x)) / 1e3)
+
+
+def main() -> None:
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (the floor's rate)")  # fmt: skip
     print("| seqs | ctx | page | dtype | rel err ours / FI | ours ms | FlashInfer ms (no TC / TC) | ours graph ms "

@@ -61,31 +61,17 @@ def accuracy(new: int) -> None:
 
 
 def speed() -> None:
+    import os
+    import sys
+
     import triton
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+    from bench.gpu_attention import copy_bandwidth, in_graph  # the same timing and floor as the bf16 table there
     from pagedkv.shell.attention.triton_decode import paged_decode
     from pagedkv.shell.pool import quantize
 
-    def bench(fn: object) -> float:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))  # type: ignore[arg-type]
-
-    def in_graph(fn: object, reps: int = 20) -> float:
-        s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()  # type: ignore[operator]
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()  # type: ignore[operator]
-        return bench(g.replay) / reps
-
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / (bench(lambda: dst.copy_(src)) / 1e3)  # bytes read and written a second
-    src = dst = torch.empty(0)
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s\n")  # fmt: skip
     print("| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | rel err bf16 | rel err fp8 | "

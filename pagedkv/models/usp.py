@@ -59,8 +59,7 @@ class UspDiT(ShardedDiT):
         x = m.query_inputs(entries, batch)
         total, world = x.shape[0], self.u * self.r
         n = -(-total // world)
-        plan = _Plan(batch, total, n, self.u, self.r, self.ri)
-        plan.kv_scales = [a.kv_scales for a in m.attentions(group)]  # (fp8 pages: each layer's scales)
+        plan = _Plan(batch, total, n, self.u, self.r, self.ri, [a.kv_scales for a in m.attentions(group)])
         x = torch.cat([x, x.new_zeros(n * world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
         for i, L in enumerate(m.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
@@ -127,7 +126,8 @@ class _Plan:
     """A forward's layout over the grid, from the snapshot alone (so every rank computes the same, with no
     exchange): who holds which query tokens, which ring group owns each position, which keys each group reads."""
 
-    def __init__(self, batch: ForwardBatch, total: int, n: int, u: int, r: int, ri: int) -> None:
+    def __init__(self, batch: ForwardBatch, total: int, n: int, u: int, r: int, ri: int,
+                 kv_scales: list[tuple[float, float]]) -> None:  # fmt: skip
         rows = batch.metadata.rows
         bs = batch.metadata.block_size
         pos, row_of, limit = [], [], []
@@ -137,8 +137,7 @@ class _Plan:
                     pos.append(p)
                     row_of.append(k)
                     limit.append(p + 1 if seg.causal else seg.kv_end)  # keys it sees: [0, limit)
-        self.r = r
-        self.kv_scales: list[tuple[float, float]] = []
+        self.r, self.kv_scales = r, kv_scales  # (fp8 pages: each layer's K and V scales)
 
         def owner(p: int) -> int:
             return (p // bs) % r

@@ -10,6 +10,7 @@ all rows at once and without a host sync, so a CUDA graph captures it) and ``mam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,20 +64,14 @@ class TorchMixer:
                 blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
         if batch.num_tokens == batch.num_rows:
             return self._step(xbc, dt, w, conv, ssm, blocks, batch)
-        out = torch.empty(xbc.shape[0], w.heads * w.head_dim, dtype=xbc.dtype, device=xbc.device)
-        qsl = batch.query_start_loc.tolist()
-        for r, row in enumerate(batch.metadata.rows):
-            a, b = qsl[r], qsl[r + 1]
-            block = blocks[r : r + 1]
-            fresh = row.kv_start_pos == 0  # (a block just taken may hold someone's old state)
-            cs = torch.zeros_like(conv[0]) if fresh else conv.index_select(0, block)[0]
-            s0 = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm.index_select(0, block)[0].float()
-            x, new_cs = conv_prefill(xbc[a:b], cs, w)
-            y, s1 = ssd_scan(x, dt[a:b], w, s0)
-            out[a:b] = y.to(out.dtype)
-            conv.index_copy_(0, block, new_cs[None].to(conv.dtype))
-            ssm.index_copy_(0, block, s1[None].to(ssm.dtype))
-        return out
+
+        def row(x: torch.Tensor, d: torch.Tensor, cs: torch.Tensor | None,
+                s0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+            h, new_cs = conv_prefill(x, torch.zeros_like(conv[0]) if cs is None else cs, w)
+            y, s1 = ssd_scan(h, d, w, torch.zeros_like(ssm[0], dtype=torch.float32) if s0 is None else s0.float())
+            return y, new_cs, s1
+
+        return by_row(xbc, dt, w, conv, ssm, blocks, batch, row)
 
     @staticmethod
     def _step(xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
@@ -98,6 +93,32 @@ class TorchMixer:
         ssm.index_copy_(0, blocks, s.to(ssm.dtype))
         y = torch.einsum("rhpn,rhn->rhp", s, C) + w.D.float()[:, None] * xs
         return y.reshape(n, -1).to(xbc.dtype)
+
+
+RowScan = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"],
+                   tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``(xbc, dt, conv state | None, ssm state | None) -> (y, conv state, ssm state)``: one row's query tokens from where
+its states leave it (None: the row starts at position 0)."""
+
+
+def by_row(xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
+           blocks: torch.Tensor, batch: ForwardBatch, scan: RowScan) -> torch.Tensor:  # fmt: skip
+    """A forward of several query tokens a row, row by row (both backends' prefill): each row's states read from its
+    state block (None where the row starts at 0: a block just taken may hold someone's old state), ``scan`` over its
+    tokens, the new states written back. -> y (tokens, heads * head_dim)."""
+    out = torch.empty(xbc.shape[0], w.heads * w.head_dim, dtype=xbc.dtype, device=xbc.device)
+    qsl = batch.query_start_loc.tolist()
+    for r, row in enumerate(batch.metadata.rows):
+        a, b = qsl[r], qsl[r + 1]
+        block = blocks[r : r + 1]
+        fresh = row.kv_start_pos == 0
+        cs = None if fresh else conv.index_select(0, block)[0]
+        s0 = None if fresh else ssm.index_select(0, block)[0]
+        y, new_cs, s1 = scan(xbc[a:b], dt[a:b], cs, s0)
+        out[a:b] = y.reshape(b - a, -1).to(out.dtype)
+        conv.index_copy_(0, block, new_cs.reshape(1, *conv.shape[1:]).to(conv.dtype))
+        ssm.index_copy_(0, block, s1.reshape(1, *ssm.shape[1:]).to(ssm.dtype))
+    return out
 
 
 def conv_prefill(xbc: torch.Tensor, cs: torch.Tensor, w: Mamba2Weights) -> tuple[torch.Tensor, torch.Tensor]:

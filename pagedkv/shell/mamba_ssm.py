@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pagedkv.shell.errors import BackendUnavailable
-from pagedkv.shell.mamba import Mamba2Weights
+from pagedkv.shell.mamba import Mamba2Weights, by_row
 from pagedkv.shell.worker import ForwardBatch
 
 INSTALL = "pip install mamba-ssm causal-conv1d (CUDA; they build with nvcc)"
@@ -38,28 +38,24 @@ class MambaSsmMixer:
                 blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
         if batch.num_tokens == batch.num_rows:
             return self._decode(xbc, dt, w, conv, ssm, blocks, batch)
-        out = torch.empty(xbc.shape[0], w.heads * w.head_dim, dtype=xbc.dtype, device=xbc.device)
-        qsl = batch.query_start_loc.tolist()
-        for r, row in enumerate(batch.metadata.rows):
-            a, b = qsl[r], qsl[r + 1]
-            block = blocks[r : r + 1]
-            fresh = row.kv_start_pos == 0
+
+        def row(xr: torch.Tensor, d: torch.Tensor, cs: torch.Tensor | None,
+                s0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+            n = xr.shape[0]
             # (1, conv_dim, L) and (1, conv_dim, k - 1) channels last: the layout causal-conv1d takes initial states in
-            x = xbc[a:b].contiguous()[None].transpose(1, 2)
-            cs = None if fresh else conv.index_select(0, block).to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+            x = xr.contiguous()[None].transpose(1, 2)
+            init = None if cs is None else cs[None].to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
             h, new_cs = self._conv_fn(x, w.conv_w.to(x.dtype), None if w.conv_b is None else w.conv_b.to(x.dtype),
-                                      initial_states=cs, return_final_states=True, activation="silu")  # fmt: skip
-            h = h.transpose(1, 2)[0]  # (L, conv_dim)
+                                      initial_states=init, return_final_states=True, activation="silu")  # fmt: skip
             inner, gn = w.heads * w.head_dim, w.groups * w.d_state
-            xs, B, C = torch.split(h, [inner, gn, gn], dim=-1)
-            s0 = None if fresh else ssm.index_select(0, block).float()
-            y, s1 = self._scan(xs.reshape(1, b - a, w.heads, w.head_dim), dt[a:b][None], w.A, B.reshape(1, b - a, w.groups, w.d_state),
-                               C.reshape(1, b - a, w.groups, w.d_state), w.chunk, D=w.D, dt_bias=w.dt_bias, initial_states=s0,
-                               dt_softplus=True, dt_limit=w.dt_limit, return_final_states=True)  # fmt: skip
-            out[a:b] = y.reshape(b - a, -1).to(out.dtype)
-            conv.index_copy_(0, block, new_cs.to(conv.dtype))
-            ssm.index_copy_(0, block, s1.to(ssm.dtype))
-        return out
+            xs, B, C = torch.split(h.transpose(1, 2)[0], [inner, gn, gn], dim=-1)  # (L, ...)
+            y, s1 = self._scan(xs.reshape(1, n, w.heads, w.head_dim), d[None], w.A, B.reshape(1, n, w.groups, w.d_state),
+                               C.reshape(1, n, w.groups, w.d_state), w.chunk, D=w.D, dt_bias=w.dt_bias,
+                               initial_states=None if s0 is None else s0[None].float(), dt_softplus=True,
+                               dt_limit=w.dt_limit, return_final_states=True)  # fmt: skip
+            return y, new_cs, s1
+
+        return by_row(xbc, dt, w, conv, ssm, blocks, batch, row)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
                 blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip

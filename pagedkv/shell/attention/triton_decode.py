@@ -26,7 +26,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb, k_scale, v_scale,
+        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb, v_scale,
         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, FP8_PAGES: tl.constexpr,
     ):  # fmt: skip
@@ -103,7 +103,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     _split_kernel[(B, kvh, splits)](
         q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0], block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
-        kv_scales[0], kv_scales[1],
+        kv_scales[1],
         KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
         FP8_PAGES=k_pages.dtype in FP8,
@@ -118,7 +118,7 @@ if triton is not None:
 
     @triton.jit
     def _varlen_kernel(
-        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb, k_scale, v_scale, FP8_PAGES: tl.constexpr,
+        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb, v_scale, FP8_PAGES: tl.constexpr,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         BM: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -192,8 +192,7 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     rows = cu_seqlens_q.numel() - 1
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
-        scale * kv_scales[0], block_table.stride(0), k_pages.stride(0), kv_scales[0], kv_scales[1],
-        FP8_PAGES=k_pages.dtype in FP8,
+        scale * kv_scales[0], block_table.stride(0), k_pages.stride(0), kv_scales[1], FP8_PAGES=k_pages.dtype in FP8,
         H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
         CAUSAL=causal,
         WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,

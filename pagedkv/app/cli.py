@@ -81,6 +81,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--destinations", action="store_true",
                    help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
+    c.add_argument("--mamba-align", action="store_true",
+                   help="add an align-mode state group (vLLM's mamba_cache_mode='align') after the attention groups")
     c.add_argument("--ahead", action="store_true",
                    help="also grow rows by placeholders, fill their ids and cut rows back (async scheduling, drafts)")
     c.add_argument("--hash-lookahead", type=bounded_int(0, 16), default=d.hash_lookahead,
@@ -126,6 +128,7 @@ def _check(args: argparse.Namespace) -> int:
             block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
             window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
             max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
+            mamba_align=args.mamba_align,
             free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
             cache_at_schedule=args.caching_point == "schedule", duplicates=args.cache_duplicates,
             long_prompts=args.long_prompts, ahead=args.ahead, hash_lookahead=args.hash_lookahead,

@@ -100,7 +100,7 @@ def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
 def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     """State groups hold a row's state as it runs from position 0: a diffusion row (a target rewritten each
     step) or KV that arrives from elsewhere has no state here."""
-    if state.config.state_group_set:
+    if state.config.state_group_set or state.config.aligned_groups:
         for i, row in enumerate(spec.rows):
             if row.prefix_len is not None or row.spans or row.pending_tokens:
                 what = "pending_tokens" if row.pending_tokens else "a diffusion layout (prefix_len, spans)"
@@ -168,13 +168,14 @@ def _cost(state: KVState, spec: RequestSpec, hit: Hit, firsts: list[list[int]]) 
     one holds). One count for the permanent refusal, the capacity check and ``_reserve``'s pops."""
     cfg, refcount = state.config, state.refcount
     states = cfg.state_group_set
+    aligned = [g.is_aligned_state for g in cfg.groups]
     fresh = len(states) * len(spec.rows)  # a state group's block: fresh, or a saved one taken over
     hits: set[int] = set()
     for row, row_ids, row_firsts in zip(spec.rows, hit.ids, firsts):
         nb = cfg.blocks_for(row.num_tokens)
         for g, (ids, first) in enumerate(zip(row_ids, row_firsts)):
             if g not in states:
-                fresh += nb - max(len(ids), min(first, nb))
+                fresh += nb - max(len(ids), min(first, nb)) if not aligned[g] else int(nb > len(ids))
                 hits.update(b for b in ids[first:] if b)
     return fresh + len(hits), fresh + sum(1 for b in hits if refcount[b] == 0)
 
@@ -185,6 +186,8 @@ def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
     for g in cfg.groups:
         if g.is_state:
             total += 1
+        elif g.is_aligned_state:
+            total += min(nb, 2)
         elif g.is_windowed:
             span = (g.window - 1) if g.window else g.chunk
             total += min(nb, -(-(span + chunk) // bs) + 1)
@@ -201,6 +204,7 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
     cached = hit.num_blocks * cfg.block_size
     computed = [max(cached, row.pending_tokens) for row in spec.rows]
     states = cfg.state_group_set
+    aligned = [g.is_aligned_state for g in cfg.groups]
     for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
         for g, (group_ids, first) in enumerate(zip(row_ids, row_firsts)):
             if g in states:
@@ -212,8 +216,8 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
                     pool.take_hit(txn, b)
     slots, blocks = [], []
     for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
-        rb = tuple(_fresh(txn, ids, nb, first) if g not in states else _state(txn, ids, nb)
-                   for g, (ids, first) in enumerate(zip(row_ids, row_firsts)))  # fmt: skip
+        rb = tuple(_state(txn, ids, nb) if g in states else _aligned(txn, ids, nb, first) if aligned[g] else
+                   _fresh(txn, ids, nb, first) for g, (ids, first) in enumerate(zip(row_ids, row_firsts)))  # fmt: skip
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
@@ -225,6 +229,13 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks
+
+
+def _aligned(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:
+    """An align-mode state group's list of ``nb`` positions: the hit's state block (the null block before
+    it), then one fresh block at the last position for the state the forward writes, the null block between."""
+    kept = tuple(0 if j < first else b for j, b in enumerate(ids))
+    return kept + ((0,) * (nb - len(ids) - 1) + pool.pop_blocks(txn, 1) if nb > len(ids) else ())
 
 
 def take_state(txn: Txn, saved: int) -> None:

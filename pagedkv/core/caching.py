@@ -72,6 +72,9 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     unpacked = unpack_ids(span) if events is not None or ahead else ()  # (the events carry them as ints)
     width = bs << 3
     following = None
+    # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
+    # call's range, its null positions' ids too)
+    runs = {g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
     for j in range(done, full):
         k = j - done  # (block j's place in the span)
         if ahead:
@@ -85,8 +88,11 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
             # not let go already, not cached already, and no other block holds the same content; a state
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b) and events is not None:
-                events.append(BlockStored(h, parent if j else None, unpacked[k * bs : (k + 1) * bs], g, b,
+                start, up = runs.get(g, (k, parent if j else None))
+                events.append(BlockStored(h, up, unpacked[start * bs : (k + 1) * bs], g, b,
                                           keys.every if plain is not None else keys.raw(j, bs, ahead), following))
+                if g in runs:
+                    runs[g] = (k + 1, h)
         new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))

@@ -223,6 +223,10 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
         first = gs.first_visible_block(future, cfg.block_size)
         ids = groups[g]
         j = first - 1
+        if gs.is_aligned_state:  # (its null positions are not a prefix: those between its state blocks)
+            held = [k for k in range(min(first, len(ids))) if ids[k]]
+            dropped.extend((k, i, g, ids[k]) for k in held)
+            j = -1 if held else j
         while j >= 0 and ids[j]:
             dropped.append((j, i, g, ids[j]))
             j -= 1

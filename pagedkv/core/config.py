@@ -22,6 +22,8 @@ class GroupKind(StrEnum):
     CHUNKED_LOCAL = "chunked_local"
     MLA = "mla"  # multi-head latent attention: one latent vector per token; allocates like full attention
     MAMBA = "mamba"  # a state per row (a Mamba layer's conv and SSM state): one block, whatever the length
+    # vLLM's mamba_cache_mode="align": the state at each block boundary in that position's own block
+    MAMBA_ALIGN = "mamba_align"
 
 
 class InvalidConfig(ValueError):
@@ -65,7 +67,17 @@ class GroupSpec:
     @property
     def is_windowed(self) -> bool:
         """Does this group let blocks go once no future query can see them?"""
-        return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
+        return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL, GroupKind.MAMBA_ALIGN)
+
+    @property
+    def is_aligned_state(self) -> bool:
+        """A state group in vLLM's ``mamba_cache_mode="align"``: the state after the row's last token lives at
+        its last block position, and each allocation (admission, growth) takes one block there, the positions
+        it skips null; a forward reads the state from the previous state block and writes the new one, so the
+        state at every block boundary stays in that position's block, is cached under its hash, and a hit
+        shares it (the block the hit ends on). As a window of 2 tokens, the blocks before the one holding the
+        computed tokens' state go at commit."""
+        return self.kind is GroupKind.MAMBA_ALIGN
 
     @property
     def is_state(self) -> bool:
@@ -86,6 +98,8 @@ class GroupSpec:
         if self.kind is GroupKind.CHUNKED_LOCAL:
             assert self.chunk is not None
             return position // self.chunk * self.chunk
+        if self.kind is GroupKind.MAMBA_ALIGN:  # the state after the token before (vLLM's skipped tokens: n - 1)
+            return max(0, position - 1)
         return 0
 
     def first_visible_block(self, position: int, block_size: int) -> int:
@@ -127,6 +141,7 @@ class CacheConfig:
     kv_events: bool = True  # False: transitions report no KV cache events (vLLM's enable_kv_cache_events off)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
     paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
+    aligned_groups: int = field(init=False, repr=False, compare=False)  # align-mode state groups: a block a growth
     has_windows: bool = field(init=False, repr=False, compare=False)  # a group lets blocks go as its window moves
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
     hash_fn: Callable[[bytes, bytes, Any], bytes] = field(init=False, repr=False, compare=False)
@@ -157,9 +172,11 @@ class CacheConfig:
             raise InvalidConfig(f"group names must be unique, got {names}")
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "state_group_set", frozenset(i for i, g in enumerate(groups) if g.is_state))
-        object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set))
+        aligned = sum(1 for g in groups if g.is_aligned_state)
+        object.__setattr__(self, "aligned_groups", aligned)
+        object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set) - aligned)
         object.__setattr__(self, "has_windows", any(g.is_windowed for g in groups))
-        if groups[0].is_state:
+        if groups[0].is_state or groups[0].is_aligned_state:
             raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                                 "attention group (its blocks give the rows' slots)")  # fmt: skip
         for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES),
@@ -176,7 +193,7 @@ class CacheConfig:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
         if not is_int(self.hash_lookahead) or not 0 <= self.hash_lookahead <= self.block_size:
             raise InvalidConfig(f"hash_lookahead must be an integer in [0, block_size], got {shown(self.hash_lookahead)}")
-        if self.hash_lookahead and self.state_group_set:
+        if self.hash_lookahead and (self.state_group_set or aligned):
             raise InvalidConfig("hash_lookahead with state (Mamba) groups: a saved state is keyed by the hash of the "
                                 "block it ends, which would wait for ids past the state")  # fmt: skip
         for key in ("max_rows_per_request", "max_model_len"):
@@ -195,8 +212,10 @@ class CacheConfig:
 
     def row_blocks(self, num_tokens: int) -> int:
         """Blocks one row of ``num_tokens`` holds over all groups at most: a block per token block in each
-        paged group, one state block in each state group."""
-        return self.paged_groups * self.blocks_for(num_tokens) + len(self.groups) - self.paged_groups
+        paged group, one state block in each state group, two in an align-mode one (the state it reads, the
+        one it writes)."""
+        nb = self.blocks_for(num_tokens)
+        return self.paged_groups * nb + len(self.state_group_set) + self.aligned_groups * min(nb, 2)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks one group needs for ``num_tokens`` positions: ceil(n / block_size)."""

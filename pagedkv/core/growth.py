@@ -103,7 +103,7 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
     (``_grow_row``). Everything else (a count that stops the row's ids, placeholders, several rows, a
     refusal) is ``_grow``'s."""
     cfg = txn.config
-    bs, limit, mask, paged = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.paged_groups
+    bs, limit, mask, paged = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.paged_groups + cfg.aligned_groups
     get = txn.base.requests.get
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
@@ -225,7 +225,7 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
     need; or why the growth is refused. Nothing is written."""
     rid, cfg = req.request_id, txn.config
     row_len, records = txn.row_len, txn.rows
-    need = 0
+    need = opened = 0
     grown: list[tuple[int, int, int, Growth]] = []
     for i, item in enumerate(rows):
         if type(item) is int or type(item) is Placeholders:
@@ -259,8 +259,9 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
                            request=rid, field="tokens")  # fmt: skip
         extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
         need += extra
+        opened += extra > 0
         grown.append((slot, new_len, extra, item))
-    return grown, need * cfg.paged_groups
+    return grown, need * cfg.paged_groups + opened * cfg.aligned_groups
 
 
 def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
@@ -288,11 +289,12 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
 
 def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
     """A row's lists grown by ``extra`` positions: fresh blocks in each paged group; a state group's one
-    block moves to the new last position (the null block where it was), nothing allocated."""
-    states = txn.config.state_group_set
-    if not states:
-        if len(blocks) == 1:
-            return (blocks[0] + pool.pop_blocks(txn, extra),)
-        return tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
-    return tuple(g + pool.pop_blocks(txn, extra) if i not in states else g[:-1] + (0,) * extra + g[-1:]
-                 for i, g in enumerate(blocks))  # fmt: skip
+    block moves to the new last position, nothing allocated; an align-mode state group takes one block at
+    the new last position (its last state block stays: the next forward reads it)."""
+    cfg = txn.config
+    if len(blocks) == 1:
+        return (blocks[0] + pool.pop_blocks(txn, extra),)
+    states, groups = cfg.state_group_set, cfg.groups
+    return tuple(g[:-1] + (0,) * extra + g[-1:] if i in states else
+                 g + (0,) * (extra - 1) + pool.pop_blocks(txn, 1) if groups[i].is_aligned_state else
+                 g + pool.pop_blocks(txn, extra) for i, g in enumerate(blocks))  # fmt: skip

@@ -29,6 +29,7 @@ class Hit:
     num_blocks: int  # common hit length in blocks
     hashes: tuple[tuple[BlockHash, ...], ...]  # per row: chain hashes of the hit blocks
     ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
+    full_blocks: int = 0  # the full-attention groups' hit alone, before window and state groups cut it back
 
 
 def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False) -> Hit:
@@ -53,6 +54,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
         hit -= 1
     if not hit:  # the common case: the first block already misses
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
+    full_blocks = hit
     hit = _reconcile(state, chains, hit, spec, drop_last_block)
     bs, cache = cfg.block_size, state.cache
     # A hit never splits a request's rows into different segment structures: rows
@@ -74,7 +76,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
             first = gs.first_visible_block(hit * bs, bs)
             per_group.append(tuple(cache[(g, chain[j])] if j >= first else 0 for j in range(hit)))
         ids.append(tuple(per_group))
-    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids))
+    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks)
 
 
 def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: RequestSpec, drop: bool) -> int:

@@ -37,6 +37,7 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
         "num_requests": 80, "seed": 4, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440},
         {**ASYNC, "max_num_batched_tokens": 64}),
     "async, caching off": (60, Layout(windows=(32,)), {"num_requests": 80, "seed": 5}, {**ASYNC, "caching": False}),
+    "async, Mamba (align), repeats": (60, Layout(mamba=1), {"num_requests": 120, "seed": 22, "repeats": 0.4}, ASYNC),
     "ngram k=1": (60, Layout(), {"num_requests": 100, "seed": 6, "repeats": 0.4}, {"speculation": Speculation("ngram", 1)}),
     "ngram k=2, padding after full hits": (60, Layout(), {"num_requests": 100, "seed": 7, "repeats": 0.5},
                                            {"speculation": Speculation("ngram", 2)}),

@@ -13,6 +13,7 @@ them, identical usage and prefix-cache stats. Skipped where vLLM is not installe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -47,6 +48,16 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "KV cache residency metrics": (50, Layout(windows=(32,)), {"seed": 12, "repeats": 0.3}, {"metrics": True}),
     "xxhash, LoRA and salts": (90, Layout(), {"seed": 13, "lora_every": 3, "salt_every": 4}, {"hash_algo": "xxhash"}),
     "xxhash_cbor, window 64": (90, Layout(windows=(64,)), {"seed": 14}, {"hash_algo": "xxhash_cbor"}),
+    # issue 34: a Mamba group in mamba_cache_mode="align" (a state block at each boundary, aligned prefill splits)
+    "full + Mamba (align), 60 blocks": (60, Layout(mamba=1), {}, {}),
+    "full + window 32 + Mamba, long prompts and repeats": (90, Layout(windows=(32,), mamba=1), {
+        "seed": 16, "long_prompts": 0.3, "repeats": 0.4, "max_prompt": 600}, {}),
+    "Mamba, 40 blocks, 64-token chunks, repeats, metrics": (40, Layout(mamba=1), {
+        "seed": 17, "repeats": 0.5, "max_prompt": 300}, {"max_num_batched_tokens": 64, "metrics": True}),
+    "Mamba, resets while busy and idle": (120, Layout(mamba=1), {"seed": 21, "reset_every": 5, "idle_after": 150}, {}),
+    "Mamba, prefix caching off": (60, Layout(mamba=1), {"seed": 19}, {"caching": False}),
+    "Mamba, LoRA, salts, report mode full": (90, Layout(mamba=1), {"seed": 20, "lora_every": 3, "salt_every": 4,
+                                                                   "report_every": 3, "repeats": 0.3}, {}),
 }  # fmt: skip
 
 
@@ -92,12 +103,35 @@ def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str, monkeypatc
         assert len(hashes) > len(set(hashes))
     if options.get("metrics"):
         assert sum(len(rec.stats[8]) for rec in theirs if rec.stats) > 20  # eviction events, vLLM's count
+    if layout.mamba:  # running requests' new state blocks with the null block between, state blocks cached
+        assert any(0 in ids[-1] for rec in theirs for rid, ids in rec.new_blocks.items() if ids and rid not in rec.hits)
+        assert not options.get("caching", True) or any(ev.kv_cache_spec_kind == "mamba" for ev in stored)
     # the manager's state is a value the core's invariants hold on; nothing is left held
     from pagedkv.core.verify.invariants import check_invariants
 
     state = ours_sched.kv_cache_manager.state
     assert check_invariants(state) == [] and not state.requests
     assert state.free_blocks == blocks - 1
+
+
+@pytest.mark.parametrize("plant", ["no deferral", "no junction", "every position allocated"])
+def test_each_align_mode_rule_is_needed(plant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of vLLM's align-mode rules that the manager follows, taken away, makes the run depart from vLLM's:
+    a hit on a state cached this step waits a step; the lookup reports where the full groups' hit ends (the
+    scheduler ends a prefill chunk there, so the state at the shared prefix is cached); the group allocates
+    its last position only."""
+    from pagedkv.core import admission
+    from pagedkv.integrations.vllm import manager
+
+    if plant == "no deferral":
+        monkeypatch.setattr(manager.PagedKVCacheManager, "_state_cached_now", lambda self, state, spec: False)
+    elif plant == "no junction":
+        real = manager.find_hit
+        monkeypatch.setattr(manager, "find_hit", lambda *a, **k: dataclasses.replace(real(*a, **k), full_blocks=0))
+    else:
+        monkeypatch.setattr(admission, "_aligned", admission._fresh)
+    diff, steps, _ = differential(60, Layout(mamba=1), {"num_requests": 120}, {})
+    assert diff is not None, f"{plant}: no difference in {steps} steps"
 
 
 def test_event_hashes_as_bytes_when_vllm_sends_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,14 +41,16 @@ def vllm_available() -> str | None:
 
 @dataclass
 class Layout:
-    """The KV cache groups: full attention, and optionally sliding-window groups."""
+    """The KV cache groups: full attention, and optionally sliding-window groups and Mamba groups (a hybrid
+    model's, in ``mamba_cache_mode="align"``, its state's page padded to the attention page as vLLM pads it)."""
 
     windows: tuple[int, ...] = ()  # one sliding-window group per entry, its window in tokens
+    mamba: int = 0  # Mamba groups after them
 
     def kv_cache_config(self, num_blocks: int) -> Any:
         import torch
         from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
         )  # fmt: skip
 
         groups = [KVCacheGroupSpec(["full.0"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2,
@@ -56,6 +58,10 @@ class Layout:
         for i, w in enumerate(self.windows):
             groups.append(KVCacheGroupSpec([f"swa.{i}"], SlidingWindowSpec(
                 block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=w)))
+        for i in range(self.mamba):  # (conv state 3 x 32, SSM state 2 x 16 x 8, in the attention page's 4 KiB)
+            groups.append(KVCacheGroupSpec([f"mamba.{i}"], MambaSpec(
+                block_size=BLOCK_SIZE, shapes=((3, 32), (2, 16, 8)), dtypes=(torch.float32, torch.float32),
+                page_size_padded=groups[0].kv_cache_spec.page_size_bytes, mamba_cache_mode="align")))
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)  # no worker here
 
 
@@ -109,7 +115,8 @@ def _make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, max_nu
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     model = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, prefix_caching_hash_algo=hash_algo)
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, prefix_caching_hash_algo=hash_algo,
+                        mamba_cache_mode="align" if layout.mamba else "none")  # fmt: skip
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, is_encoder_decoder=False, watermark=watermark)  # fmt: skip
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
@@ -404,7 +411,10 @@ def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
     if method is not None:
         options["speculation"] = Speculation(method, rng.choice((1, 2, 3, 4, 8)), lookahead_hashes=rng.random() < 0.6)
     options["v2_runner"] = options["async_scheduling"] and (method == "ngram" or rng.random() < 0.5)
-    return blocks, Layout(windows=windows), work, options
+    # issue 34 (drawn last again): a Mamba group in align mode, without speculation (its blocks for drafts are
+    # refused)
+    mamba = int(method is None and rng.random() < 0.4)
+    return blocks, Layout(windows=windows, mamba=mamba), work, options
 
 
 def scheduler_classes(async_scheduling: bool) -> tuple[type, type]:

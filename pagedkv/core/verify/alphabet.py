@@ -43,6 +43,7 @@ class CheckConfig:
     max_depth: int | None = None
     destinations: bool = False  # also admit rows whose KV arrives from elsewhere (pending_tokens), and mark it ready
     mamba: bool = False  # a state (Mamba) group after the attention groups
+    mamba_align: bool = False  # an align-mode state group (vLLM's mamba_cache_mode="align") after them
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" puts freed blocks without a hash at the head
     reset_when_idle: bool = False  # CacheConfig.reset_prefix_cache "when_idle": refused while blocks are held
     cache_at_schedule: bool = False  # CacheConfig.caching_point "schedule", and a cache_ahead event per id
@@ -57,6 +58,8 @@ class CheckConfig:
             groups += (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=self.window),)
         if self.mamba:
             groups += (GroupSpec("mamba", GroupKind.MAMBA),)
+        if self.mamba_align:
+            groups += (GroupSpec("mamba_align", GroupKind.MAMBA_ALIGN),)
         return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
                            enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
                            max_model_len=self.max_model_len, free_queue=self.free_queue,

@@ -22,6 +22,8 @@ def _lowest_visible(group: GroupSpec, future: int) -> int:
         return future - group.window + 1
     if group.kind is GroupKind.CHUNKED_LOCAL and group.chunk is not None:
         return future // group.chunk * group.chunk
+    if group.kind is GroupKind.MAMBA_ALIGN:  # the state the next token's forward reads
+        return future - 1
     return 0
 
 
@@ -98,11 +100,15 @@ def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int],
             _state_blocks(s, ids, g, where, held, bad)
             continue
         lowest = _lowest_visible(cfg.groups[g], future)
+        aligned = cfg.groups[g].kind is GroupKind.MAMBA_ALIGN  # (null between its state blocks; one at the last)
         for j, b in enumerate(ids):
             if not 0 <= b < cfg.num_blocks:
                 bad.append(f"{where} group {g}: block id {b} out of range")
                 continue
-            if (b != 0) != ((j + 1) * cfg.block_size - 1 >= lowest):
+            if aligned and (b or j == len(ids) - 1) and (b != 0) != ((j + 1) * cfg.block_size - 1 >= lowest):
+                what = "no state block at its last position" if b == 0 else "a state no forward reads again"
+                bad.append(f"{where} group {g} position {j}: {what}")
+            elif not aligned and (b != 0) != ((j + 1) * cfg.block_size - 1 >= lowest):
                 what = "the null block in its live range" if b == 0 else "a block no query can see"
                 bad.append(f"{where} group {g} position {j}: {what}")
             if b:
@@ -200,7 +206,10 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
                 own += 1  # its state: fresh, or a saved one taken over
                 continue
             lowest = _lowest_visible(group, start)
-            for j in range(-(-row.num_tokens // bs)):
+            nb = -(-row.num_tokens // bs)
+            for j in range(nb):
+                if group.kind is GroupKind.MAMBA_ALIGN and hit.num_blocks <= j < nb - 1:
+                    continue  # (an align-mode state group takes a block at the last position only)
                 if (j + 1) * bs - 1 >= lowest:  # a query from ``start`` on sees a position of block j
                     if j < hit.num_blocks:
                         shared.add(ids[g][j])

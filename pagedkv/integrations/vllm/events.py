@@ -26,7 +26,7 @@ from pagedkv.core.events import KVEvent
 MEDIUM_GPU = "GPU"
 SPEC_KIND = {GroupKind.FULL: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
              GroupKind.CHUNKED_LOCAL: "chunked_local_attention", GroupKind.MLA: "mla_attention",
-             GroupKind.MAMBA: "mamba"}  # fmt: skip  (vLLM's KVCacheSpecKind values)
+             GroupKind.MAMBA: "mamba", GroupKind.MAMBA_ALIGN: "mamba"}  # fmt: skip  (vLLM's KVCacheSpecKind values)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,5 +1,5 @@
-"""vLLM's KV cache configuration as the core's: each group (full attention or a sliding window, one block
-size), the pool, the policies of vLLM's block pool, and the hash kind and seed vLLM hashes with. What the
+"""vLLM's KV cache configuration as the core's: each group (full attention, a sliding window or a Mamba group
+in ``mamba_cache_mode="align"``, one block size), the pool, the policies of vLLM's block pool, and the hash kind and seed vLLM hashes with. What the
 manager does not serve is refused here, at construction, with the reason (``Unsupported``)."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ def vllm_modules() -> Any:
     """vLLM's modules the manager uses, or ``Unsupported`` where vLLM is not installed."""
     try:
         from vllm.v1.core import kv_cache_manager, kv_cache_utils
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     except ImportError as exc:  # the extra is vLLM itself
         raise Unsupported(f"pagedkv's vLLM manager needs vLLM 0.33 installed: {exc}") from None
-    return kv_cache_manager, kv_cache_utils, FullAttentionSpec, SlidingWindowSpec
+    return kv_cache_manager, kv_cache_utils, FullAttentionSpec, SlidingWindowSpec, MambaSpec
 
 
 def hash_seed() -> str:
@@ -43,6 +43,7 @@ class Geometry:
     config: CacheConfig  # the core's, with vLLM's block-pool policies
     caps: tuple[int | None, ...]  # per group: a window group's admission cap (full_sequence_must_fit), vLLM's
     windows: tuple[int | None, ...]  # per group: its sliding window, or None
+    aligned: tuple[bool, ...]  # per group: a Mamba group in mamba_cache_mode="align"
 
     def capped_need(self, state: KVState, num_tokens: int, computed: int, hit_ids: Any) -> int:
         """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
@@ -50,7 +51,11 @@ class Geometry:
         holds counted."""
         bs, refcount = self.config.block_size, state.refcount
         total = 0
-        for ids, window, cap in zip(hit_ids or ((),) * len(self.caps), self.windows, self.caps):
+        for ids, window, cap, aligned in zip(hit_ids or ((),) * len(self.caps), self.windows, self.caps, self.aligned):
+            if aligned:  # (a block at the last position, and the hit's state block where no one holds it)
+                total += min(max(-(-num_tokens // bs) - len(ids), 0), 1)
+                total += sum(1 for b in ids if b and refcount[b] == 0)
+                continue
             required = -(-num_tokens // bs) if cap is None else min(-(-num_tokens // bs), cap)
             skipped = max(0, computed - window + 1) // bs if window else 0
             total += max(required - max(skipped, len(ids)), 0)
@@ -63,7 +68,7 @@ def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_f
     """The core's geometry for vLLM's ``kv_cache_config``; ``refused`` (what the caller already refuses) and
     what this finds unserved raise ``Unsupported`` together. ``kv_events``: vLLM's ``enable_kv_cache_events``
     (off, the core builds no events)."""
-    _, _, full_spec, window_spec = vllm_modules()
+    _, _, full_spec, window_spec, mamba_spec = vllm_modules()
     groups: list[GroupSpec] = []
     caps: list[int | None] = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -78,8 +83,17 @@ def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_f
             groups.append(GroupSpec(f"g{i}", GroupKind.SLIDING_WINDOW, window=spec.sliding_window))
             caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
                                                               max_model_len=max_model_len))  # fmt: skip
+        elif type(spec) is mamba_spec and spec.mamba_cache_mode == "align" and not (
+                spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks):  # fmt: skip
+            groups.append(GroupSpec(f"g{i}", GroupKind.MAMBA_ALIGN))
+            caps.append(None)
+        elif type(spec) is mamba_spec:
+            refused.append(f"group {i}'s MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r}, "
+                           f"{spec.num_speculative_blocks} speculative and {spec.num_prefill_checkpoint_blocks} "
+                           "prefill checkpoint blocks (Mamba groups in mode 'align' without either only)")  # fmt: skip
         else:
-            refused.append(f"group {i}'s {type(spec).__name__} (full attention and sliding windows only)")
+            refused.append(f"group {i}'s {type(spec).__name__} (full attention, sliding windows and Mamba in "
+                           "mamba_cache_mode='align' only)")  # fmt: skip
     config = None
     try:
         config = CacheConfig(block_size=block_size, num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
@@ -91,4 +105,4 @@ def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_f
         refused.append(f"this cache configuration ({e})")
     if refused or config is None:
         raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
-    return Geometry(config, tuple(caps), tuple(g.window for g in groups))
+    return Geometry(config, tuple(caps), tuple(g.window for g in groups), tuple(g.is_aligned_state for g in groups))

@@ -72,7 +72,10 @@ class PagedKVCacheManager(RunningRows):
         self._len: dict[str, int] = {}
         self._hashed: dict[str, int] = {}
         self._requests: dict[str, Any] = {}
-        self._lag = not any(geometry.windows)  # (a window lets blocks go at each commit: every call is applied)
+        # (a window, or an align-mode Mamba group, lets blocks go at each commit: every call is applied)
+        self._lag = not any(geometry.windows) and not any(geometry.aligned)
+        self._aligned = [g for g, a in enumerate(geometry.aligned) if a]
+        self._cached_now: set[tuple[int, bytes]] = set()  # Mamba states cached this step: (group, hash)
         self._queue: list[tuple[Any, int, int]] = []  # blocks to cache: (request, through, its known tokens then)
         self._queued: set[str] = set()  # the requests in it
         self._blocks_cls = kvm.KVCacheBlocks
@@ -97,12 +100,15 @@ class PagedKVCacheManager(RunningRows):
         self._flush()
         spec = self._spec(request, request.all_token_ids, cap)
         hit = find_hit(self._state, spec, drop_last_block=self.use_eagle)
+        # (vLLM's shared-prefix boundary: where the full groups' hit ends, when a window or state group cut it)
+        junction = hit.full_blocks * self.block_size if hit.full_blocks > hit.num_blocks else 0
         if not hit.num_blocks:
-            return self.empty_kv_cache_blocks, 0, 0
+            return self.empty_kv_cache_blocks, 0, junction
         if self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._stream.announce(hit, spec, event_fields(request))
         block = self._block
-        return self._blocks_cls(tuple([block[b] for b in ids] for ids in hit.ids[0])), hit.num_blocks * self.block_size, 0
+        return (self._blocks_cls(tuple([block[b] for b in ids] for ids in hit.ids[0])), hit.num_blocks * self.block_size,
+                junction)  # fmt: skip
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
@@ -153,6 +159,8 @@ class PagedKVCacheManager(RunningRows):
             known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
             spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0,
                               need_slot - known)  # fmt: skip
+            if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
+                return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
@@ -177,7 +185,10 @@ class PagedKVCacheManager(RunningRows):
             if done > txn.state.row_computed[slot]:
                 txn.apply(commit(txn.state, rid, [done]), "commit")
             before = request_blocks(txn.state, rid)[0]
-            need = sum(max(-(-need_slot // self.block_size) - len(ids), 0) for ids in before)
+            need = 0
+            for ids, aligned in zip(before, self.geometry.aligned):
+                more = max(-(-need_slot // self.block_size) - len(ids), 0)
+                need += min(more, 1) if aligned else more  # (an align-mode Mamba group: one block, the last)
             if need > txn.state.free_blocks - reserved_blocks:  # (counting what the window let go)
                 return None
             length = txn.state.row_len[slot]
@@ -186,10 +197,12 @@ class PagedKVCacheManager(RunningRows):
         slot = txn.state.requests[rid].slots[0]
         through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
         if self.enable_caching and through > txn.state.row_computed[slot]:
-            txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
+            self._cache_ahead(txn, rid, slot, through)
         block = self._block
-        new = [[b for b in ids[len(old):] if b] for ids, old in zip(request_blocks(txn.state, rid)[0], before)]
-        txn.allocated = [b for ids in new for b in ids]  # popped from the free queue, group by group
+        # (an align-mode Mamba group's new positions go out with the null block between its states, as vLLM's)
+        new = [list(ids[len(old):]) if aligned else [b for b in ids[len(old):] if b]
+               for ids, old, aligned in zip(request_blocks(txn.state, rid)[0], before, self.geometry.aligned)]
+        txn.allocated = [b for ids in new for b in ids if b]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -210,7 +223,7 @@ class PagedKVCacheManager(RunningRows):
             self._catch_up(txn, request, slot)  # (the tokens a step late, the accepted drafts)
             through = min(num_computed_tokens, txn.state.row_len[slot])
             if through > txn.state.row_computed[slot]:
-                txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
+                self._cache_ahead(txn, rid, slot, through)
         except Refused as r:
             raise r.manager_error() from None
         self._state = self._stream.keep(txn, request)
@@ -254,7 +267,24 @@ class PagedKVCacheManager(RunningRows):
         self._flush()
         return self._stream.take()
 
+    def new_step_starts(self) -> None:
+        self._cached_now.clear()
+
     # -- the core's steps ------------------------------------------------------------------------------------
+
+    def _cache_ahead(self, txn: Transaction, rid: str, slot: int, through: int) -> None:
+        """``cache_ahead`` through ``through`` tokens; the Mamba states it caches noted as cached this step."""
+        hashed = txn.state.rows[slot].num_hashed
+        txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
+        if self._aligned:
+            record = txn.state.rows[slot]
+            self._cached_now.update((g, record.hash_at(j)) for j in range(hashed, record.num_hashed)
+                                    for g in self._aligned if record.blocks[g][j])  # fmt: skip
+
+    def _state_cached_now(self, state: KVState, spec: RequestSpec) -> bool:
+        """Does the hit of ``spec`` end on a Mamba state cached this step (its forward has not run yet)?"""
+        hit = find_hit(state, spec, drop_last_block=self.use_eagle)
+        return bool(hit.num_blocks) and any((g, hit.hashes[0][-1]) in self._cached_now for g in self._aligned)
 
     def _spec(self, request: Any, tokens: Any, max_hit: int | None, placeholders: int = 0) -> RequestSpec:
         """The core's spec of a vLLM request's row: its tokens (then the slots whose ids are not known yet) and

@@ -82,9 +82,6 @@ class ManagerReads:
         return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     # -- hooks of features refused at construction: nothing to do, or never reached --------------------------
-    def new_step_starts(self) -> None:
-        return None
-
     def take_new_block_ids(self) -> list[int]:
         return []
 
@@ -99,5 +96,5 @@ class ManagerReads:
                     "truncate_computed_blocks", "record_blocks_for_zeroing", "finalize_partial_tail_offloads",
                     "get_computed_blocks_for_connector"):  # fmt: skip
             raise Unsupported(f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
-                              "connectors or Mamba groups (refused at construction)")  # fmt: skip
+                              "connectors (refused at construction)")  # fmt: skip
         raise AttributeError(name)

@@ -69,9 +69,10 @@ def in_graph(fn: object, reps: int = 20) -> float:
     return bench(g.replay) / reps
 
 
-def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale, kv_scales=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on the same pages and tables: eager, in a CUDA graph
-    (its use_cuda_graph wrapper), with and without tensor cores; nan where it cannot run."""
+    (its use_cuda_graph wrapper), with and without tensor cores; nan where it cannot run. fp8 pages: their
+    ``kv_scales`` (k_scale, v_scale) passed to ``run``."""
     nan = float("nan")
     out = {"fi": nan, "fi_tc": nan, "g_fi": nan, "fi_err": nan}
     try:
@@ -86,13 +87,14 @@ def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale
     indices = table.reshape(-1).to(torch.int32).cpu()
     last = torch.full((B,), bs, dtype=torch.int32)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    kw = {"q_data_type": q.dtype, "kv_data_type": q.dtype, "sm_scale": scale}
+    kw = {"q_data_type": q.dtype, "kv_data_type": k_pages.dtype, "sm_scale": scale}
+    sc = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
     best = None
     for tc, name in ((False, "fi"), (True, "fi_tc")):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
         w.plan(indptr, indices, last, H, KVH, D, bs, **kw)
-        res = w.run(q, (k_pages, v_pages))
-        out[name] = bench(lambda: w.run(q, (k_pages, v_pages)))
+        res = w.run(q, (k_pages, v_pages), **sc)
+        out[name] = bench(lambda: w.run(q, (k_pages, v_pages), **sc))
         err = ((res.float() - ref).norm() / ref.norm()).item()
         if best is None or out[name] < out[best[0]]:
             best = (name, tc, err)
@@ -105,7 +107,7 @@ def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale
         paged_kv_indices_buffer=torch.empty(B * nb, dtype=i32, device="cuda"),
         paged_kv_last_page_len_buffer=torch.empty(B, dtype=i32, device="cuda"))  # fmt: skip
     gw.plan(indptr, indices, last, H, KVH, D, bs, **kw)
-    out["g_fi"] = in_graph(lambda: gw.run(q, (k_pages, v_pages)))
+    out["g_fi"] = in_graph(lambda: gw.run(q, (k_pages, v_pages), **sc))
     return out
 
 

@@ -44,8 +44,9 @@ def _serve(model: object, prompts: list[list[int]], params: SamplingParams, over
                                     SamplingParams(max_tokens=2)])  # fmt: skip
 def test_overlap_gives_the_completions_of_waiting(model: object, params: SamplingParams) -> None:
     prompts = _prompts(6, seed=4)
-    want, _, _ = _serve(model, prompts, params, False, max_num_seqs=5)
-    got, eng, lines = _serve(model, prompts, params, True, max_num_seqs=5)
+    kw = dict(kv_cache_memory_bytes=4 * CFG_POOL, max_num_seqs=5)  # (a small pool: its digests and checks are quick)
+    want, _, _ = _serve(model, prompts, params, False, **kw)
+    got, eng, lines = _serve(model, prompts, params, True, **kw)
     assert got == want and eng.stats.generated_tokens == sum(len(t) for t, _ in want)
     assert any('"op": "tokens"' in x for x in lines)
     if params.max_tokens > 2:

@@ -49,16 +49,10 @@ def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Res
     return append_many(state, ((request_id, rows),))
 
 
-def append_many(
-    state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]
-) -> Result[Step[Appended], KVError]:
+def append_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]) -> Result[Step[Appended], KVError]:
     """Several appends as one transition: all of them, in order, or none."""
-    ids: list[RequestId] = []
-    rows: list[Sequence[Growth]] = []
-    for rid, growth in items:
-        ids.append(rid)
-        rows.append(growth)
-    return _appended(state, ids, None, rows)
+    pairs = list(items)
+    return _appended(state, [rid for rid, _ in pairs], None, [growth for _, growth in pairs])
 
 
 def append_decode(
@@ -257,7 +251,11 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
             return invalid(f"request {shown(rid)} row {i} would reach {shown(new_len)} tokens, over max_model_len {cfg.max_model_len}",
                            request=rid, field="tokens")  # fmt: skip
-        extra = -(-new_len // cfg.block_size) - len(records[slot].blocks[0])
+        old, bs = row_len[slot], cfg.block_size
+        if cfg.aligned_groups and old % bs and new_len > old - old % bs + bs:  # (vLLM's aligned split)
+            return invalid(f"request {shown(rid)} row {i}: an align-mode state group caches each block's state at the "
+                           f"block's end: a forward from {old} tokens stops at {old - old % bs + bs}", request=rid, field="tokens")  # fmt: skip
+        extra = -(-new_len // bs) - len(records[slot].blocks[0])
         need += extra
         opened += extra > 0
         grown.append((slot, new_len, extra, item))

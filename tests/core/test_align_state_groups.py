@@ -33,7 +33,9 @@ def test_the_documented_example() -> None:
                lambda s: commit(s, "a", [8]),
                lambda s: append(s, "a", [TOKENS[8:10]]),  # the rest of a 10-token prompt
                lambda s: commit(s, "a", [10]),
-               lambda s: append(s, "a", [TOKENS[10:13]]),
+               lambda s: append(s, "a", [TOKENS[10:12]]),  # decode in place up to the block's end
+               lambda s: commit(s, "a", [12]),
+               lambda s: append(s, "a", [TOKENS[12:13]]),
                lambda s: commit(s, "a", [13])):  # fmt: skip
         s = op(s).unwrap().state
         assert check_invariants(s) == []
@@ -43,6 +45,8 @@ def test_the_documented_example() -> None:
         (((1, 2), (0, 3)), 26),
         (((1, 2, 4), (0, 3, 5)), 24),  # one block at the new last position; the forward reads block 3
         (((1, 2, 4), (0, 0, 5)), 25),  # block 3 (the state at 8) let go: cached, free
+        (((1, 2, 4), (0, 0, 5)), 25),
+        (((1, 2, 4), (0, 0, 5)), 25),  # block 5 now holds the state at 12: cached
         (((1, 2, 4, 6), (0, 0, 5, 7)), 23),
         (((1, 2, 4, 6), (0, 0, 0, 7)), 24),
     ]
@@ -108,3 +112,15 @@ def test_the_checker_explores_align_groups_and_catches_a_planted_bug(monkeypatch
     monkeypatch.setattr(commit_module, "_drop_invisible", windows_scan)
     planted = check(cfg)
     assert planted.violation and "a state no forward reads again" in "\n".join(planted.violation)
+
+
+def test_a_forward_from_inside_a_block_stops_at_its_end() -> None:
+    """The state a block caches is the one at its end, so a growth from inside a block may reach that end but not
+    pass it (vLLM's scheduler splits prefill there); refused with the reason, the state unchanged."""
+    s = initial_state(CacheConfig(block_size=4, num_blocks=30, groups=ALIGN, enable_prefix_caching=True))
+    s = admit(s, RequestSpec("a", (RowSpec.of_tokens(TOKENS[:6]),))).unwrap().state
+    refused = append(s, "a", [TOKENS[6:9]])
+    assert refused.failure().code is ErrorCode.INVALID and "stops at 8" in refused.failure().message
+    s = append(s, "a", [TOKENS[6:8]]).unwrap().state  # to the block's end
+    s = append(s, "a", [TOKENS[8:17]]).unwrap().state  # from a boundary: any length
+    assert s.row_len[s.requests["a"].slots[0]] == 17

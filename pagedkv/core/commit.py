@@ -186,10 +186,11 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     windowed = base.config.has_windows
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
+        previous = txn.row_computed[slot]
         txn.row_computed[slot] = c
         cache_full_blocks(txn, req, i, slot, c)
         if windowed:
-            _drop_invisible(txn, req, i, slot, c, dropped)
+            _drop_invisible(txn, req, i, slot, c, dropped, previous)
     gen = None
     before_free = txn.free_blocks
     if dropped:
@@ -205,13 +206,15 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
 
 
 def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
-                    dropped: list[tuple[int, int, int, int]]) -> None:  # fmt: skip
+                    dropped: list[tuple[int, int, int, int]], previous: int = 0) -> None:  # fmt: skip
     """Null the blocks of row i that no future query of a windowed group can see.
 
     Future queries start at ``computed`` (a diffusion row: at ``prefix_len``
     too, since every denoising step recomputes its target). The null positions
-    of a group are always a prefix of its list, so the scan walks back from the
-    new boundary only over blocks still held.
+    of a window group are always a prefix of its list, so the scan walks back
+    from the new boundary only over blocks still held; an align-mode state group
+    has null positions between its state blocks, and everything before the
+    first visible block at ``previous`` (the last commit's count) already null.
     """
     cfg = txn.config
     layout = req.layouts[i]
@@ -223,8 +226,8 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
         first = gs.first_visible_block(future, cfg.block_size)
         ids = groups[g]
         j = first - 1
-        if gs.is_aligned_state:  # (its null positions are not a prefix: those between its state blocks)
-            held = [k for k in range(min(first, len(ids))) if ids[k]]
+        if gs.is_aligned_state:  # (null between its state blocks: scanned from the last commit's first visible)
+            held = [k for k in range(gs.first_visible_block(previous, cfg.block_size), min(first, len(ids))) if ids[k]]
             dropped.extend((k, i, g, ids[k]) for k in held)
             j = -1 if held else j
         while j >= 0 and ids[j]:

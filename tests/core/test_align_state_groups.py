@@ -96,7 +96,7 @@ def test_the_checker_explores_align_groups_and_catches_a_planted_bug(monkeypatch
     assert fixed.violation == [] and fixed.states >= 6000
     commit_module = importlib.import_module("pagedkv.core.commit")  # (the package exports the function by that name)
 
-    def windows_scan(txn, req, i, slot, computed, dropped):  # type: ignore[no-untyped-def]
+    def windows_scan(txn, req, i, slot, computed, dropped, previous=0):  # type: ignore[no-untyped-def]
         cfg, record = txn.config, txn.rows[slot]
         groups = list(record.blocks)
         for g, gs in enumerate(cfg.groups):

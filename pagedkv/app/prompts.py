@@ -97,8 +97,6 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise UsageError("--async-scheduling with --speculative-config is not served yet: use one of them")
     if args.ranks > 1 and getattr(args, "async_scheduling", False):
         raise UsageError("--async-scheduling is served by one engine: use it with --ranks 1")
-    if args.ranks > 1 and getattr(args, "kv_cache_dtype", "auto") != "auto":
-        raise UsageError("--kv-cache-dtype fp8 is served by one engine: use it with --ranks 1")
     if args.ranks > 1 and getattr(args, "model", None):
         raise UsageError("--ranks splits SmolLM2 only: use --model with --ranks 1")
     if getattr(args, "model", None) is not None and not os.path.exists(args.model):

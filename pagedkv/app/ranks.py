@@ -21,8 +21,9 @@ from pagedkv.shell.attention import get_backend
 from pagedkv.shell.distributed import Leader, describe, follow, init
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import EngineArgs
+from pagedkv.shell.kv_scales import calibration_ids, kv_dtype_of, scales_for
 from pagedkv.shell.sampling import SamplingParams
-from pagedkv.shell.rank import build_rank, plan_rank
+from pagedkv.shell.rank import build_rank, plan_for
 
 Request = tuple[str, list[int], SamplingParams]
 
@@ -34,10 +35,26 @@ def _load(weights: str, device: str) -> tuple[Llama, Any]:
     return full, Tokenizer(meta)
 
 
+def _scales(model: Llama, tok: Any, args: EngineArgs) -> dict[str, tuple[float, float]] | None:
+    """fp8 pages' scales, on every rank at once: each calibrates its shard (one forward, its all-reduces in step
+    with the others'), then every layer takes the largest of the ranks' scales, the one a single rank would find
+    over all the KV heads; None for pages of the model's dtype."""
+    kv_dtype = kv_dtype_of(args.kv_cache_dtype)
+    if kv_dtype is None:
+        return None
+    local = scales_for(model, kv_dtype, calibration_ids(tok), get_backend("torch"))
+    assert local is not None
+    names = list(model.layer_names)
+    both = torch.tensor([local[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return {n: (k, v) for n, (k, v) in zip(names, both.tolist())}
+
+
 def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, result: dict[str, Any]) -> None:
     """Rank 0: the engine over a broadcasting model; tells the followers its geometry and buffer sizes."""
     try:
-        rank = args.rank_for(model)
+        result["kv_scales"] = scales = _scales(model, tok, args)
+        rank = args.rank_for(model, kv_scales=scales)
         leader = Leader(model, rank.worker)
         eng = Engine(leader, tok, args, rank=rank, time_steps=True)
     except InvalidConfig as e:  # the user's sizes: the followers stop at once (no wait for a timeout)
@@ -65,16 +82,19 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
                   finished={rid: str(how) for rid, how in eng.state.finished.items()})  # plain strings pickle anywhere
 
 
-def _follower(model: Llama, fail_at: int | None, result: dict[str, Any]) -> None:
-    """Another rank: its own plan for its shard, rank 0's geometry and buffer sizes, then follow."""
+def _follower(model: Llama, tok: Any, args: EngineArgs, fail_at: int | None, result: dict[str, Any]) -> None:
+    """Another rank: its own plan for its shard (fp8 pages: with the scales every rank agreed), rank 0's geometry and
+    buffer sizes, then follow."""
+    result["kv_scales"] = scales = _scales(model, tok, args)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:  # rank 0 could not start (its sizes are wrong): nothing to follow
         result["steps"] = 0
         return
     cache, rows, tokens, token_rows = box[0]
-    plan = plan_rank(model.kv_layers(), block_size=cache.block_size, dtype=model.dtype)
-    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, token_rows=token_rows, device=model.device)
+    plan = plan_for(model, block_size=cache.block_size, kv_dtype=kv_dtype_of(args.kv_cache_dtype))
+    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, token_rows=token_rows, device=model.device,
+                      kv_scales=scales)  # fmt: skip
     result["steps"] = follow(model, rank, get_backend("torch"), fail_at)
 
 
@@ -90,7 +110,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: li
         if rank == 0:
             _leader(model, tok, requests, EngineArgs(**engine_kw), result)
         else:
-            _follower(model, fail_at if rank == fail_rank else None, result)
+            _follower(model, tok, EngineArgs(**engine_kw), fail_at if rank == fail_rank else None, result)
     except Exception as e:  # noqa: BLE001
         result["error"] = describe(e)
     finally:

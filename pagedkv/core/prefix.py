@@ -100,7 +100,8 @@ def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: R
     while True:
         curr = min(length, full * bs)
         for k, groups in enumerate(searches):
-            peek = drop and k not in verified and not cfg.groups[groups[0]].is_state
+            first_spec = cfg.groups[groups[0]]  # (no EAGLE margin for a state group, as vLLM's for Mamba)
+            peek = drop and k not in verified and not (first_spec.is_state or first_spec.is_aligned_state)
             n = min(curr // bs, len(chains[-1]) - 1) if peek else curr // bs
             while n and not _holds(state, chains, groups, n, peek):
                 n -= 1

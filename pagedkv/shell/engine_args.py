@@ -66,10 +66,12 @@ class EngineArgs:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
         return get_backend(backend_for(self.backend, model.device))
 
-    def rank_for(self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None) -> Rank:
+    def rank_for(self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None,
+                 kv_scales: Any = None) -> Rank:  # fmt: skip
         """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
         ``attention(model)``) lends the pool its fused K/V write, where it has one; ``calibration``: token ids of
-        the forward that computes fp8 pages' scales where the checkpoint has none."""
+        the forward that computes fp8 pages' scales where the checkpoint has none; ``kv_scales``: fp8 pages' scales
+        found already (several ranks calibrate together: ``app.ranks``)."""
         backend = backend if backend is not None else self.attention(model)
         kv_dtype = kv_dtype_of(self.kv_cache_dtype)
         if kv_dtype is not None and not getattr(backend, "fp8_pages", False):
@@ -85,7 +87,8 @@ class EngineArgs:
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
                         max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
                         caching_point=self.caching_point, free_queue=self.free_queue, kv_dtype=kv_dtype,
-                        kv_scales=scales_for(model, kv_dtype, calibration, backend))  # fmt: skip
+                        kv_scales=kv_scales if kv_scales is not None else scales_for(model, kv_dtype, calibration,
+                                                                                     backend))  # fmt: skip
 
 
 @dataclass(slots=True)

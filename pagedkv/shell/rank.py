@@ -211,6 +211,15 @@ def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens:
     return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups, kv_scales))
 
 
+def plan_for(model: PagedModel, *, block_size: int, kv_dtype: torch.dtype | None = None) -> RankPlan:
+    """``plan_rank`` over ``model``'s layers, its Mamba states beside them; every attention layer's page element
+    ``kv_dtype``'s where given (fp8: the pool sized by its bytes)."""
+    layers = tuple(model.kv_layers())
+    if kv_dtype is not None:
+        layers = tuple(replace(x, dtype_bytes=kv_dtype.itemsize) if x.kind in PAGED_KINDS else x for x in layers)
+    return plan_rank(layers, block_size=block_size, dtype=kv_dtype or model.dtype, state=getattr(model, "state_shape", None))
+
+
 def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
              enable_prefix_caching: bool, max_rows: int, max_tokens: int, token_rows: int = 0,
              backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None,
@@ -218,11 +227,7 @@ def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
     ``kv_scales``). ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
-    layers = tuple(model.kv_layers())
-    if kv_dtype is not None:  # every attention layer's page element is kv_dtype's: the pool sized by its bytes
-        layers = tuple(replace(x, dtype_bytes=kv_dtype.itemsize) if x.kind in PAGED_KINDS else x for x in layers)
-    plan = plan_rank(layers, block_size=block_size, dtype=kv_dtype or model.dtype,
-                     state=getattr(model, "state_shape", None))  # fmt: skip
+    plan = plan_for(model, block_size=block_size, kv_dtype=kv_dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
     cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
                               max_model_len=max_model_len, **policies)  # fmt: skip

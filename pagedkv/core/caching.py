@@ -74,7 +74,8 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     following = None
     # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
     # call's range, its null positions' ids too)
-    runs = {g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
+    runs = ({g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
+            if cfg.aligned_groups and events is not None else {})  # (nothing built on the step loop otherwise)
     for j in range(done, full):
         k = j - done  # (block j's place in the span)
         if ahead:

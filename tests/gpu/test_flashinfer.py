@@ -105,21 +105,11 @@ def test_flashinfer_reads_fp8_pages_with_the_layers_scales(tensor_cores: bool) -
     times their scales; without the scales they do not (a test that can fail)."""
     import flashinfer
 
-    from pagedkv.shell.pool import quantize
+    from tests.gpu.fp8_case import fp8_case
 
-    g = torch.Generator(device="cuda").manual_seed(5)
     B, L, H, KVH, D, bs = 3, 100, 32, 8, 128, 16
     nb = -(-L // bs)
-    k = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
-    v = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
-    ks, vs = float(k.abs().max()) / 200, float(v.abs().max()) / 100
-    k8, v8 = quantize(k, ks, torch.float8_e4m3fn), quantize(v, vs, torch.float8_e4m3fn)
-    table = torch.arange(B * nb, device="cuda").view(B, nb) + 1
-    q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
-    kc = (k8.float() * ks)[table].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
-    vc = (v8.float() * vs)[table].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
-    want = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kc, vc, scale=D**-0.5,
-                                                            enable_gqa=True)[:, :, 0]  # fmt: skip
+    q, k8, v8, ks, vs, table, _, want = fp8_case(5, B, L, H, KVH, D, bs, torch.float8_e4m3fn, torch.bfloat16)
     i32 = torch.int32
     indptr = torch.arange(B + 1, dtype=i32) * nb
     last = torch.full((B,), L - (nb - 1) * bs, dtype=i32)

@@ -76,21 +76,10 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
 def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dtype) -> None:
     """The decode and varlen kernels over fp8 pages equal fp32 math over the pages' values times their scales."""
     from pagedkv.shell.attention.triton_decode import paged_decode, paged_varlen
-    from pagedkv.shell.pool import quantize
+    from tests.gpu.fp8_case import fp8_case
 
-    g = torch.Generator(device="cuda").manual_seed(3)
-    B, L, H, KVH, D, bs = 3, 100, 8, 2, 64, 16
-    nb = -(-L // bs)
-    k = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
-    v = torch.randn(B * nb + 1, bs, KVH, D, device="cuda", generator=g)
-    ks, vs = float(k.abs().max()) / 200, float(v.abs().max()) / 100
-    k8, v8 = quantize(k, ks, fp8), quantize(v, vs, fp8)
-    table = (torch.arange(B * nb, device="cuda") + 1).view(B, nb).to(torch.int32)
-    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, H, D, device="cuda", generator=g)
-    kc = (k8.float() * ks)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
-    vc = (v8.float() * vs)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
-    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=D**-0.5, enable_gqa=True)[:, :, 0]
+    B, D = 3, 64
+    q, k8, v8, ks, vs, table, lens, want = fp8_case(3, B, 100, 8, 2, D, 16, fp8, torch.float32)
     got = paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs))
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)

@@ -45,6 +45,13 @@ class Geometry:
     windows: tuple[int | None, ...]  # per group: its sliding window, or None
     aligned: tuple[bool, ...]  # per group: a Mamba group in mamba_cache_mode="align"
 
+    def growth_need(self, blocks: Any, num_tokens: int) -> int:
+        """The blocks a running row of ``blocks`` (per group) takes growing to ``num_tokens``: each group's missing
+        positions, an align-mode Mamba group's last one only."""
+        want = -(-num_tokens // self.config.block_size)
+        return sum(min(max(want - len(ids), 0), 1) if aligned else max(want - len(ids), 0)
+                   for ids, aligned in zip(blocks, self.aligned))  # fmt: skip
+
     def capped_need(self, state: KVState, num_tokens: int, computed: int, hit_ids: Any) -> int:
         """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
         group's capped at its admission cap (its ``max_admission_blocks_per_request``), each hit block no one

@@ -18,7 +18,7 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core import RequestSpec, RowSpec, admit, cache_ahead, commit, initial_state, release, request_blocks
+from pagedkv.core import RequestSpec, RowSpec, admit, commit, initial_state, release, request_blocks
 from pagedkv.core import reset_prefix_cache
 from pagedkv.core.errors import ErrorCode, KVError
 from pagedkv.core.prefix import find_hit
@@ -26,9 +26,10 @@ from pagedkv.core.state import KVState
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
 from pagedkv.integrations.vllm.rows import RunningRows
+from pagedkv.integrations.vllm.states import StepStates
 from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
-class PagedKVCacheManager(RunningRows):
+class PagedKVCacheManager(StepStates, RunningRows):
     """vLLM's ``KVCacheManager`` surface over pagedkv's core (module docstring)."""
 
     def __init__(self, kv_cache_config: Any, max_model_len: int, scheduler_block_size: int, hash_block_size: int,
@@ -154,46 +155,12 @@ class PagedKVCacheManager(RunningRows):
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         need_slot = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if req is None:  # a new (or resumed) request: admitted with its hit
-            watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
-            lookup = self.prefix_cache_lookup_enabled(request)
-            known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
-            spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0,
-                              need_slot - known)  # fmt: skip
-            if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
-                return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
-            if full_sequence_must_fit:
-                full = min(request.num_tokens, self.max_model_len)
-                hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
-                if self.geometry.capped_need(txn.state, full, computed, hit_ids) + watermark > txn.state.free_blocks:
-                    return None
-            admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
-            if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
-                return None
-            step = txn.apply(admitted, "admit")
-            if step.effect.cached_tokens[0] != num_new_computed_tokens:
-                raise Refused("admit", KVError(ErrorCode.INVALID, f"request {rid!r}: the core's hit is "
-                              f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}"))
-            before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
-                                                        for ids in step.effect.blocks[0])  # fmt: skip
-            txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
+            before = self._admit(txn, request, computed, need_slot, num_new_computed_tokens, new_computed_blocks,
+                                 full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)  # fmt: skip
         else:
-            slot = req.slots[0]
-            self._catch_up(txn, request, slot)
-            # what the scheduler's processed steps computed (steps in flight, rejected drafts not counted): a
-            # window lets its blocks go on that basis, as vLLM's does
-            done = max(computed - request.num_in_flight_tokens, 0)
-            if done > txn.state.row_computed[slot]:
-                txn.apply(commit(txn.state, rid, [done]), "commit")
-            before = request_blocks(txn.state, rid)[0]
-            need = 0
-            for ids, aligned in zip(before, self.geometry.aligned):
-                more = max(-(-need_slot // self.block_size) - len(ids), 0)
-                need += min(more, 1) if aligned else more  # (an align-mode Mamba group: one block, the last)
-            if need > txn.state.free_blocks - reserved_blocks:  # (counting what the window let go)
-                return None
-            length = txn.state.row_len[slot]
-            if need_slot > length and not self._grow(txn, request, need_slot):
-                return None
+            before = self._extend(txn, request, req.slots[0], computed, need_slot, reserved_blocks)
+        if before is None:
+            return None
         slot = txn.state.requests[rid].slots[0]
         through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
         if self.enable_caching and through > txn.state.row_computed[slot]:
@@ -204,6 +171,54 @@ class PagedKVCacheManager(RunningRows):
                for ids, old, aligned in zip(request_blocks(txn.state, rid)[0], before, self.geometry.aligned)]
         txn.allocated = [b for ids in new for b in ids if b]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
+
+    def _admit(self, txn: Transaction, request: Any, computed: int, need_slot: int, num_new_computed_tokens: int,
+               new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
+               has_scheduled_reqs: bool) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
+        """A new (or resumed) request admitted with its hit: the hit's blocks per group, or None when it waits."""
+        rid = request.request_id
+        watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
+        lookup = self.prefix_cache_lookup_enabled(request)
+        known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
+        spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0,
+                          need_slot - known)  # fmt: skip
+        if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
+            return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
+            if self.geometry.capped_need(txn.state, full, computed, hit_ids) + watermark > txn.state.free_blocks:
+                return None
+        admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
+        if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
+            return None
+        step = txn.apply(admitted, "admit")
+        if step.effect.cached_tokens[0] != num_new_computed_tokens:
+            raise Refused("admit", KVError(ErrorCode.INVALID, f"request {rid!r}: the core's hit is "
+                          f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}"))
+        before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
+                                                    for ids in step.effect.blocks[0])  # fmt: skip
+        txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
+        return before
+
+    def _extend(self, txn: Transaction, request: Any, slot: int, computed: int, need_slot: int,
+                reserved_blocks: int) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
+        """A running request: what its processed steps computed committed, its row grown to ``need_slot``; its
+        blocks before the growth, or None when the pool cannot hold it."""
+        rid = request.request_id
+        self._catch_up(txn, request, slot)
+        # what the scheduler's processed steps computed (steps in flight, rejected drafts not counted): a
+        # window lets its blocks go on that basis, as vLLM's does
+        done = max(computed - request.num_in_flight_tokens, 0)
+        if done > txn.state.row_computed[slot]:
+            txn.apply(commit(txn.state, rid, [done]), "commit")
+        before = request_blocks(txn.state, rid)[0]
+        if self.geometry.growth_need(before, need_slot) > txn.state.free_blocks - reserved_blocks:
+            return None  # (counting what the window let go)
+        length = txn.state.row_len[slot]
+        if need_slot > length and not self._grow(txn, request, need_slot):
+            return None
+        return before
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
@@ -267,24 +282,7 @@ class PagedKVCacheManager(RunningRows):
         self._flush()
         return self._stream.take()
 
-    def new_step_starts(self) -> None:
-        self._cached_now.clear()
-
     # -- the core's steps ------------------------------------------------------------------------------------
-
-    def _cache_ahead(self, txn: Transaction, rid: str, slot: int, through: int) -> None:
-        """``cache_ahead`` through ``through`` tokens; the Mamba states it caches noted as cached this step."""
-        hashed = txn.state.rows[slot].num_hashed
-        txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
-        if self._aligned:
-            record = txn.state.rows[slot]
-            self._cached_now.update((g, record.hash_at(j)) for j in range(hashed, record.num_hashed)
-                                    for g in self._aligned if record.blocks[g][j])  # fmt: skip
-
-    def _state_cached_now(self, state: KVState, spec: RequestSpec) -> bool:
-        """Does the hit of ``spec`` end on a Mamba state cached this step (its forward has not run yet)?"""
-        hit = find_hit(state, spec, drop_last_block=self.use_eagle)
-        return bool(hit.num_blocks) and any((g, hit.hashes[0][-1]) in self._cached_now for g in self._aligned)
 
     def _spec(self, request: Any, tokens: Any, max_hit: int | None, placeholders: int = 0) -> RequestSpec:
         """The core's spec of a vLLM request's row: its tokens (then the slots whose ids are not known yet) and

@@ -68,14 +68,14 @@ def speed() -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
     from bench.gpu_attention import copy_bandwidth, flashinfer_times, in_graph  # the bf16 table's timing and floor
-    from pagedkv.shell.attention.triton_decode import paged_decode
+    from pagedkv.shell.attention.triton_decode import auto_splits, paged_decode
     from pagedkv.shell.pool import quantize
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s\n")  # fmt: skip
     print("| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | FlashInfer bf16 ms | "
-          "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | fp8 tile, splits |")
+          "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | splits |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     H, KVH, D, bs = 32, 8, 128, 16
     for B, L in ((8, 32768), (64, 4096), (1, 32768), (256, 1024)):
@@ -89,7 +89,6 @@ def speed() -> None:
         table = (torch.randperm(n - 1, device="cuda")[: B * nb] + 1).view(B, nb).to(torch.int32)
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        splits = max(1, min(32, (132 * 8) // (B * KVH)))
 
         def ref(kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
             kc = kp[table.long()].reshape(B, L, KVH, D).float().transpose(1, 2)
@@ -100,21 +99,19 @@ def speed() -> None:
         def err(out: torch.Tensor, want: torch.Tensor) -> float:
             return ((out.float() - want).norm() / want.norm()).item()
 
-        e_b = err(paged_decode(q, kb, vb, table, lens, D**-0.5, splits=splits), ref(kb, vb))
-        e_8 = err(paged_decode(q, k8, v8, table, lens, D**-0.5, splits=splits, kv_scales=(ks, vs)),
+        e_b = err(paged_decode(q, kb, vb, table, lens, D**-0.5), ref(kb, vb))
+        e_8 = err(paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)),
                   ref(k8.float() * ks, v8.float() * vs))  # fmt: skip
-        t_b = in_graph(lambda: paged_decode(q, kb, vb, table, lens, D**-0.5, splits=splits))
-        # fp8: the same kernel moves half the bytes a tile, so more keys a tile or more splits may pay: the best of them
-        t_8, best = min((in_graph(lambda t=t, m=m: paged_decode(q, k8, v8, table, lens, D**-0.5, splits=splits * m,
-                                                               kv_scales=(ks, vs), tile=t)), (t, splits * m))
-                        for t in (64, 128) for m in (1, 2, 4))  # fmt: skip
-        floor = 2 * B * L * KVH * D / bw * 1e3
+        # the kernel as the engine runs it: its own tile and split count (auto_splits)
+        t_b = in_graph(lambda: paged_decode(q, kb, vb, table, lens, D**-0.5))
+        t_8 = in_graph(lambda: paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)))
+        floor, splits = 2 * B * L * KVH * D / bw * 1e3, auto_splits(B, KVH, q.device)
         # FlashInfer's decode on the same pages and tables (its graph path, the better of its two kernels)
         fi_b = flashinfer_times(q, kb, vb, table, ref(kb, vb), B, L, bs, H, KVH, D, D**-0.5)["g_fi"]
         fi_8 = flashinfer_times(q, k8, v8, table, ref(k8.float() * ks, v8.float() * vs), B, L, bs, H, KVH, D, D**-0.5,
                                 kv_scales=(ks, vs))["g_fi"]  # fmt: skip
         print(f"| {B} | {L} | {t_b:.3f} | {t_8:.3f} | {t_8 / t_b:.2f} | {floor:.3f} | {floor / t_8:.2f} | {fi_b:.3f} | "
-              f"{fi_8:.3f} | {floor / fi_8:.2f} | {e_b:.1e} | {e_8:.1e} | {best[0]}, {best[1]} |", flush=True)  # fmt: skip
+              f"{fi_8:.3f} | {floor / fi_8:.2f} | {e_b:.1e} | {e_8:.1e} | {splits} |", flush=True)  # fmt: skip
 
 
 def engine_speed(batch: int = 256, new: int = 48) -> None:

@@ -100,3 +100,43 @@ def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() ->
         assert eng.pool.fp8 and (eng.graphs is not None) == (backend == "triton")
         runs[backend] = [c.token_ids for c in eng.generate(prompts)]
     assert runs["triton"] == runs["torch"]
+
+
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("pages", ["bf16", "fp8", "fp32"])
+def test_the_decode_kernel_over_group_sizes_tails_and_windows(G: int, pages: str) -> None:
+    """paged_decode against fp32 math for every query-row padding (1, 3 -> 4, 4, 8 query heads a KV head), rows
+    whose keys end inside a tile, splits left empty (1 key over 8 splits, or the automatic count) and a sliding
+    window."""
+    from pagedkv.shell.attention.triton_decode import paged_decode
+    from pagedkv.shell.pool import quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(G)
+    KVH, D, bs, lens = 2, 64, 16, [1, 17, 64, 65, 300]
+    nb = -(-max(lens) // bs)
+    k = torch.randn(len(lens) * nb + 1, bs, KVH, D, device="cuda", generator=gen)
+    v = torch.randn(len(lens) * nb + 1, bs, KVH, D, device="cuda", generator=gen)
+    q = torch.randn(len(lens), G * KVH, D, device="cuda", generator=gen)
+    scales = (1.0, 1.0)
+    if pages == "fp8":
+        scales = (float(k.abs().max()) / 200, float(v.abs().max()) / 100)
+        kp, vp = quantize(k, scales[0], torch.float8_e4m3fn), quantize(v, scales[1], torch.float8_e4m3fn)
+        k, v, q = kp.float() * scales[0], vp.float() * scales[1], q.bfloat16()
+    elif pages == "bf16":
+        kp, vp, q = k.bfloat16(), v.bfloat16(), q.bfloat16()
+        k, v = kp.float(), vp.float()
+    else:
+        kp, vp = k, v
+    table = (torch.randperm(len(lens) * nb, device="cuda", generator=gen) + 1).view(len(lens), nb).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for window, splits in ((0, 8), (40, 8), (0, None)):  # None: auto_splits (here 1 key over many splits)
+        got = paged_decode(q, kp, vp, table, seq, D**-0.5, splits=splits, window=window, kv_scales=scales).float()
+        for r, L in enumerate(lens):
+            lo = max(0, L - window) if window else 0
+            idx = torch.arange(lo, L, device="cuda")
+            kc = k[table[r, idx // bs].long(), idx % bs].transpose(0, 1)  # (KVH, L, D)
+            vc = v[table[r, idx // bs].long(), idx % bs].transpose(0, 1)
+            want = torch.nn.functional.scaled_dot_product_attention(q[r].float()[:, None], kc, vc, scale=D**-0.5,
+                                                                    enable_gqa=True)[:, 0]  # fmt: skip
+            err = ((got[r] - want).norm() / want.norm()).item()
+            assert err < (1e-4 if pages == "fp32" else 1e-2), (G, pages, window, L, err)

@@ -24,7 +24,7 @@ class TritonBackend:
     capturable = True  # its decode path has no host sync: a CUDA graph captures it (shell.graphs)
     fp8_pages = True  # its kernels read fp8 pages and apply the layer's scales in registers
 
-    def __init__(self, splits: int = 8) -> None:
+    def __init__(self, splits: int | None = None) -> None:  # None: triton_decode.auto_splits
         try:
             import triton  # noqa: F401
         except ImportError as e:

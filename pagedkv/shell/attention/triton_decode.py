@@ -4,16 +4,20 @@ Grid (sequence, KV head, split): each program streams its split's keys tile by t
 block table, for all the query heads of its KV head at once (so each K/V byte is read once), with
 an online softmax; a second kernel merges the splits by their log-sum-exp. Pages are
 ``(num_blocks, block_size, kv_heads, head_dim)``; a tile gathers its keys through the block table
-token by token, so any block size from 16 works (tested: 16 and 128).
+token by token, so any block size from 16 works (tested: 16 and 128). With 16-bit math a program is one
+warp (``paged_decode``'s comment says why); a split's last tile alone is masked.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from pagedkv.shell.pool import FP8
+
+LOG2E = 1.4426950408889634  # the decode kernel's softmax runs in base 2
 
 try:
     import triton
@@ -23,6 +27,41 @@ except ImportError:  # pragma: no cover - CPU machines
 
 
 if triton is not None:
+
+    @triton.jit
+    def _decode_tile(
+        q, m_i, l_i, acc, K, V, TABLE, b, kvh, off, end, scale, stride_tb, stride_kb,
+        KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
+        FP8_PAGES: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of keys folded into the online softmax (base 2: ``scale`` carries log2 e). Only a split's
+        last tile is ``MASKED``: the others load, compare and select nothing for keys past the end."""
+        pos = off + tl.arange(0, TILE)
+        d = tl.arange(0, D)
+        valid = pos < end
+        if MASKED:
+            blk = tl.load(TABLE + b * stride_tb + pos // BS, mask=valid, other=0)
+        else:
+            blk = tl.load(TABLE + b * stride_tb + pos // BS)
+        at = blk.to(tl.int64) * stride_kb + ((pos % BS) * KVH + kvh) * D  # token slot, this KV head
+        if MASKED:
+            k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(K + at[:, None] + d[None, :])
+            v = tl.load(V + at[:, None] + d[None, :])
+        if FP8_PAGES:  # fp8 pages: widened in registers; K's scale is in ``scale``, V's applied at the store
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
+        if MASKED:
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        return m_new, l_i, acc
 
     @triton.jit
     def _split_kernel(
@@ -51,30 +90,18 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        t = tl.arange(0, TILE)
-        for off in range(start, end, TILE):
-            pos = off + t
-            valid = pos < end
-            blk = tl.load(TABLE + b * stride_tb + pos // BS, mask=valid, other=0)
-            at = blk.to(tl.int64) * stride_kb + ((pos % BS) * KVH + kvh) * D  # token slot, this KV head
-            k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if FP8_PAGES:  # fp8 pages: widened in registers; K's scale is in ``scale``, V's applied at the store
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # (GP, TILE)
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+        full = start + tl.maximum(end - start, 0) // TILE * TILE
+        for off in range(start, full, TILE):
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, TABLE, b, kvh, off, end, scale, stride_tb, stride_kb,
+                                         KVH, D, BS, TILE, False, FP8_PAGES, PRECISION)  # fmt: skip
+        if full < end:
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, TABLE, b, kvh, full, end, scale, stride_tb, stride_kb,
+                                         KVH, D, BS, TILE, True, FP8_PAGES, PRECISION)  # fmt: skip
         heads = b * KVH * G + kvh * G + g
         tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
                  mask=hmask[:, None])  # fmt: skip
-        tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf")),
-                 mask=hmask)  # fmt: skip
+        lse = m_i * 0.6931471805599453 + tl.log(tl.maximum(l_i, 1e-30))  # back from base 2
+        tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, lse, float("-inf")), mask=hmask)
 
     @triton.jit
     def _merge_kernel(OUT, LSE, RES, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
@@ -89,29 +116,55 @@ if triton is not None:
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float | None = None, *, splits: int = 8, tile: int = 64,
-                 window: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
-    """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence."""
+                 seq_lens: torch.Tensor, scale: float | None = None, *, splits: int | None = None,
+                 tile: int | None = None, window: int = 0,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
+    """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence.
+
+    ``splits`` (key ranges a sequence's keys are cut into, merged by their log-sum-exp): by default enough for
+    about eight programs a multiprocessor (``auto_splits``: a function of the shapes alone, so a CUDA graph
+    captures it). ``tile`` (keys a loop step): by default 8 KB of K a step, 64 keys of fp8 pages, 32 of 16-bit."""
     if triton is None:
         raise RuntimeError("the Triton decode kernel needs triton and a CUDA device")
     B, H, D = q.shape
     _, bs, kvh, _ = k_pages.shape
     G = H // kvh
+    splits = splits or auto_splits(B, kvh, q.device)
+    tile = tile or max(16, min(64, 8192 // (D * k_pages.element_size())))
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    # 16-bit math (bf16/fp16 queries, fp8 pages widened to fp16): one warp a program, the query rows padded only to
+    # a power of two (tl.dot pads them for the tensor cores), so a tile's softmax needs no cross-warp reduction: on
+    # the H200 fp8 pages at 0.9 of their floor against 0.5 with four warps and 16 rows (bench/RESULTS.md). fp32
+    # queries: four warps over 16 rows (a warp's registers do not hold an fp32 tile of keys).
+    narrow = q.dtype != torch.float32
     _split_kernel[(B, kvh, splits)](
-        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0], block_table.stride(0),
+        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0] * LOG2E,
+        block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
         kv_scales[1],
-        KVH=kvh, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, TILE=tile, SPLITS=splits, WINDOW=window,
+        KVH=kvh, G=G, GP=triton.next_power_of_2(G) if narrow else max(16, triton.next_power_of_2(G)), D=D, BS=bs,
+        TILE=tile, SPLITS=splits, WINDOW=window,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
         FP8_PAGES=k_pages.dtype in FP8,
-        num_warps=4, num_stages=3,
+        num_warps=1 if narrow else 4, num_stages=2 if narrow else 3,
     )  # fmt: skip
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
     return res.to(q.dtype)
+
+
+def auto_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits for about eight one-warp programs a multiprocessor (the measured sweet spot on the H200 at 8 x 32k
+    and 64 x 4096: bench/RESULTS.md), from 1 to 128."""
+    return max(1, min(128, 8 * _multiprocessors(device.index) // (batch * kv_heads)))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+               .multi_processor_count)  # fmt: skip
 
 
 if triton is not None:

@@ -234,8 +234,7 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
 def _aligned(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:
     """An align-mode state group's list of ``nb`` positions: the hit's state block (the null block before
     it), then one fresh block at the last position for the state the forward writes, the null block between."""
-    kept = tuple(0 if j < first else b for j, b in enumerate(ids))
-    return kept + ((0,) * (nb - len(ids) - 1) + pool.pop_blocks(txn, 1) if nb > len(ids) else ())
+    return tuple(0 if j < first else b for j, b in enumerate(ids)) + pool.pop_aligned(txn, nb - len(ids))
 
 
 def take_state(txn: Txn, saved: int) -> None:

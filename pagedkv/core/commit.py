@@ -225,15 +225,16 @@ def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
     for g, gs in enumerate(cfg.groups):
         first = gs.first_visible_block(future, cfg.block_size)
         ids = groups[g]
-        j = first - 1
-        if gs.is_aligned_state:  # (null between its state blocks: scanned from the last commit's first visible)
-            held = [k for k in range(gs.first_visible_block(previous, cfg.block_size), min(first, len(ids))) if ids[k]]
+        if gs.is_aligned_state:  # null between its state blocks: scanned from the last commit's first visible
+            since = gs.first_visible_block(previous, cfg.block_size)
+            held: Sequence[int] = [k for k in range(since, min(first, len(ids))) if ids[k]]
+        else:  # a window's null positions are a prefix: back from the boundary over the blocks still held
+            j = first - 1
+            while j >= 0 and ids[j]:
+                j -= 1
+            held = range(first - 1, j, -1)
+        if held:
             dropped.extend((k, i, g, ids[k]) for k in held)
-            j = -1 if held else j
-        while j >= 0 and ids[j]:
-            dropped.append((j, i, g, ids[j]))
-            j -= 1
-        if j < first - 1:
             groups[g] = (0,) * first + ids[first:]
             changed = True
     if changed:

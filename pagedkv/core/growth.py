@@ -294,5 +294,5 @@ def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
         return (blocks[0] + pool.pop_blocks(txn, extra),)
     states, groups = cfg.state_group_set, cfg.groups
     return tuple(g[:-1] + (0,) * extra + g[-1:] if i in states else
-                 g + (0,) * (extra - 1) + pool.pop_blocks(txn, 1) if groups[i].is_aligned_state else
+                 g + pool.pop_aligned(txn, extra) if groups[i].is_aligned_state else
                  g + pool.pop_blocks(txn, extra) for i, g in enumerate(blocks))  # fmt: skip

@@ -123,36 +123,41 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 
     ``splits`` (key ranges a sequence's keys are cut into, merged by their log-sum-exp): by default enough for
     about eight programs a multiprocessor (``auto_splits``: a function of the shapes alone, so a CUDA graph
-    captures it). ``tile`` (keys a loop step): by default 8 KB of K a step, 64 keys of fp8 pages, 32 of 16-bit."""
+    captures it). ``tile`` (keys a loop step): by default ``_program``'s."""
     if triton is None:
         raise RuntimeError("the Triton decode kernel needs triton and a CUDA device")
     B, H, D = q.shape
     _, bs, kvh, _ = k_pages.shape
     G = H // kvh
     splits = splits or auto_splits(B, kvh, q.device)
-    tile = tile or max(16, min(64, 8192 // (D * k_pages.element_size())))
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-    # 16-bit math (bf16/fp16 queries, fp8 pages widened to fp16): one warp a program, the query rows padded only to
-    # a power of two (tl.dot pads them for the tensor cores), so a tile's softmax needs no cross-warp reduction: on
-    # the H200 fp8 pages at 0.9 of their floor against 0.5 with four warps and 16 rows (bench/RESULTS.md). fp32
-    # queries: four warps over 16 rows (a warp's registers do not hold an fp32 tile of keys).
-    narrow = q.dtype != torch.float32
     _split_kernel[(B, kvh, splits)](
         q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0] * LOG2E,
         block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
         kv_scales[1],
-        KVH=kvh, G=G, GP=triton.next_power_of_2(G) if narrow else max(16, triton.next_power_of_2(G)), D=D, BS=bs,
-        TILE=tile, SPLITS=splits, WINDOW=window,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
-        FP8_PAGES=k_pages.dtype in FP8,
-        num_warps=1 if narrow else 4, num_stages=2 if narrow else 3,
+        KVH=kvh, G=G, D=D, BS=bs, SPLITS=splits, WINDOW=window, FP8_PAGES=k_pages.dtype in FP8,
+        **_program(q.dtype, k_pages.element_size(), G, D, tile),
     )  # fmt: skip
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
     return res.to(q.dtype)
+
+
+@functools.cache
+def _program(q_dtype: torch.dtype, page_bytes: int, G: int, D: int, tile: int | None) -> dict[str, object]:
+    """The split kernel's program. 16-bit math (bf16/fp16 queries, fp8 pages widened to fp16): one warp, the
+    query rows padded only to a power of two (tl.dot pads them for the tensor cores), so a tile's softmax needs no
+    cross-warp reduction (on the H200 fp8 pages at 0.9 of their floor against 0.5 with four warps and 16 rows:
+    bench/RESULTS.md), 8 KB of K a tile. fp32 queries (IEEE dots): four warps over 16 rows and 64 keys (one warp's
+    registers do not hold an fp32 tile)."""
+    if q_dtype != torch.float32:
+        return {"GP": triton.next_power_of_2(G), "TILE": tile or max(16, min(64, 8192 // (D * page_bytes))),
+                "PRECISION": "tf32", "num_warps": 1, "num_stages": 2}  # fmt: skip
+    return {"GP": max(16, triton.next_power_of_2(G)), "TILE": tile or 64, "PRECISION": "ieee", "num_warps": 4,
+            "num_stages": 3}  # fmt: skip
 
 
 def auto_splits(batch: int, kv_heads: int, device: torch.device) -> int:

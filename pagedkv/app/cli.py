@@ -159,7 +159,7 @@ def _check(args: argparse.Namespace) -> int:
     if result.violation:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write("\n".join(result.trace) + "\n")
-        print(f"VIOLATION after {len(result.trace) - 1} events:", file=sys.stderr)
+        print(f"VIOLATION after {len(result.trace) - 2} events:", file=sys.stderr)  # (the header, the end record)
         for v in result.violation:
             print(f"  {v}", file=sys.stderr)
         print(f"counterexample written to {args.out} (pagedkv replay --check {args.out})", file=sys.stderr)

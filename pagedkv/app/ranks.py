@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.scheduler import cancel
 from pagedkv.core.verify.invariants import check_invariants
@@ -43,7 +44,8 @@ def _scales(model: Llama, tok: Any, args: EngineArgs) -> dict[str, tuple[float, 
     if kv_dtype is None:
         return None
     local = scales_for(model, kv_dtype, calibration_ids(tok), get_backend("torch"))
-    assert local is not None
+    if local is None:
+        raise InvariantError("fp8 pages calibrate a scale on every rank")
     names = list(model.layer_names)
     both = torch.tensor([local[n] for n in names], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)

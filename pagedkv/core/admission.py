@@ -14,7 +14,7 @@ from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted
-from pagedkv.core.errors import ErrorCode, KVError, fail, shown
+from pagedkv.core.errors import ErrorCode, KVError, fail, invalid, shown
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -38,6 +38,9 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     err = _shape(state, spec)
     if err is not None:
         return Failure(err)
+    if type(reserve) is not int or reserve < 0:
+        return Failure(invalid(f"reserve must be a non-negative integer (blocks to leave free), got {shown(reserve):.80}",
+                               request=spec.request_id, field="reserve"))  # fmt: skip
     cfg = state.config
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]

@@ -18,7 +18,7 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.caching import caches, hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id, shown
+from pagedkv.core.errors import ErrorCode, InvariantError, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_seq, is_token_id, pairs_of, shown
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn, each
@@ -47,16 +47,18 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
     not computed: no block can be hashed by it; no lookahead hashes, whose ids a computed block may await),
     reading and writing the rows' leaves directly, and hands every other case to the general rule
     (``_fill_one``)."""
+    pairs = pairs_of(items, "fill_many")
+    if isinstance(pairs, KVError):
+        return Failure(pairs)
     txn = Txn(state)
-    items = items if type(items) is list or type(items) is tuple else list(items)
     out: list[Filled] = []
     cfg = txn.config
     bs, mask, common = cfg.block_size, (1 << SLOT_SHIFT) - 1, not cfg.hash_lookahead
     get = txn.base.requests.get
     if common:
-        records, tails = txn.rows.own_for(len(items)), txn.row_tail.own_for(len(items))
+        records, tails = txn.rows.own_for(len(pairs[0])), txn.row_tail.own_for(len(pairs[0]))
         lens, computed = txn.row_len.leaves, txn.row_computed.leaves
-    for rid, rows in items:
+    for rid, rows in zip(*pairs):
         if common and (type(rows) is list or type(rows) is tuple) and len(rows) == 1 and (
                 type(ids := rows[0]) is list or type(ids) is tuple) and len(ids) == 1 and is_token_id(ids[0]):  # fmt: skip
             req = get(rid) if type(rid) is str or type(rid) is int else None
@@ -99,7 +101,8 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
         if known + len(ids) > length:
             return invalid(f"request {shown(rid)} row {i}: {len(ids)} ids for the {length - known} positions that "
                            f"await theirs", request=rid, field="tokens")  # fmt: skip
-        assert record.ids is not None, "a row with a token tail has token ids"
+        if record.ids is None:
+            raise InvariantError("a row with a token tail has token ids")
         more, tail = with_more_ids(record.ids, tail, pack_ids(ids), cfg.block_size, awaiting=known + len(ids) < length)
         if more is not record.ids:
             record = Row(record.blocks, more, record.hashes, record.pending, record.hw)
@@ -133,7 +136,7 @@ def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> R
 
 def truncate_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]) -> Result[Step[tuple[Truncated, ...]], KVError]:
     """Several ``truncate`` as one transition (a step's verified drafts): all, in order, or none."""
-    return each(state, items, _truncate_one)
+    return each(state, items, _truncate_one, "truncate_many")
 
 
 def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated | KVError:
@@ -192,7 +195,8 @@ def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None
         if n >= record.chunked:
             tail = tail[: (n - record.chunked) << 3]
         else:
-            assert record.ids is not None
+            if record.ids is None:
+                raise InvariantError("a row with a token tail has token ids")
             record, tail = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw), b""
         known = n
     return record, as_tail(tail, known < n)
@@ -202,7 +206,7 @@ def _request(txn: Txn, rid: RequestId, rows: object, op: str) -> Request | KVErr
     req = txn.base.requests.get(rid) if is_request_id(rid) else None
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
-    if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
+    if not is_seq(rows) or len(rows) != len(req.slots):
         return invalid(f"{op} of request {shown(rid)} must give one entry per row ({len(req.slots)})", request=rid,
                        field="tokens" if op == "fill" else "lengths")  # fmt: skip
     return req

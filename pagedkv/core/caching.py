@@ -6,6 +6,7 @@ and a state (Mamba) group's block saved where a row ends on a boundary. ``commit
 
 from __future__ import annotations
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.events import BlockStored
 from pagedkv.core.state import Request, Row
 from pagedkv.core.tails import known_ids, unpack_ids
@@ -14,7 +15,8 @@ from pagedkv.core.txn import Txn
 
 def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
     """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
-    assert record.ids is not None
+    if record.ids is None:
+        raise InvariantError("a row that is hashed holds its ids")
     c = record.chunked
     if end <= c:
         blob = record.ids[start << 3 : end << 3]

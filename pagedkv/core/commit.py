@@ -14,7 +14,7 @@ from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_seq, pairs_of, shown
 from pagedkv.core.caching import cache_full_blocks
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Step
 from pagedkv.core.txn import Txn, each
@@ -58,14 +58,14 @@ def cache_ahead_many(
     """Several ``cache_ahead`` as one transition (the blocks a step's decode tokens fill): all, in order, or none."""
     if state.config.caching_point != "schedule":
         return Failure(invalid('cache_ahead needs CacheConfig(caching_point="schedule")', field="op"))
-    return each(state, items, _ahead_one)
+    return each(state, items, _ahead_one, "cache_ahead_many")
 
 
 def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | Committed:
     req = txn.base.requests.get(request_id) if is_request_id(request_id) else None
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
-    if not isinstance(through, (list, tuple)) or len(through) != len(req.slots):
+    if not is_seq(through) or len(through) != len(req.slots):
         return invalid(f"cache_ahead of request {shown(request_id)} must give one count per row "
                        f"({len(req.slots)})", request=request_id, field="through")  # fmt: skip
     for i, (slot, t) in enumerate(zip(req.slots, through)):
@@ -97,14 +97,13 @@ def commit_many(
     state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
 ) -> Result[Step[tuple[Committed, ...]], KVError]:
     """Several commits as one transition (a step's outputs): all of them, in order, or none."""
-    ids: list[RequestId] = []
-    counts: list[Sequence[int]] = []
-    for rid, computed in items:
-        ids.append(rid)
-        counts.append(computed)
+    pairs = pairs_of(items, "commit_many")
+    if isinstance(pairs, KVError):
+        return Failure(pairs)
+    ids, counts = pairs
     txn = Txn(state)
     effects: list[Committed] = []
-    done = commit_each(txn, ids, counts, effects)
+    done = commit_each(txn, ids, counts, effects)  # type: ignore[arg-type]
     if isinstance(done, KVError):
         return Failure(done)
     return Success(Step(txn.done(), tuple(effects)))
@@ -173,7 +172,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     req = base.requests.get(request_id)
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
-    if not isinstance(computed, (list, tuple)) or len(computed) != len(req.slots):
+    if not is_seq(computed) or len(computed) != len(req.slots):
         return invalid(f"commit of request {shown(request_id)} must give one count per row ({len(req.slots)})",
                        request=request_id, field="computed")  # fmt: skip
     for i, (slot, c) in enumerate(zip(req.slots, computed)):

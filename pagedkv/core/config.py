@@ -12,8 +12,9 @@ from typing import Any
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pagedkv.core.errors import is_int, shown
+from pagedkv.core.errors import InvariantError, is_int, shown
 from pagedkv.core.hashing import BLOCK_HASHES, HASH_WIDTH, hasher
+from pagedkv.core.index import GROUP_BITS
 
 
 class GroupKind(StrEnum):
@@ -93,10 +94,12 @@ class GroupSpec:
         81
         """
         if self.kind is GroupKind.SLIDING_WINDOW:
-            assert self.window is not None
+            if self.window is None:
+                raise InvariantError("a sliding-window group has its window")
             return max(0, position - self.window + 1)
         if self.kind is GroupKind.CHUNKED_LOCAL:
-            assert self.chunk is not None
+            if self.chunk is None:
+                raise InvariantError("a chunked-local group has its chunk")
             return position // self.chunk * self.chunk
         if self.kind is GroupKind.MAMBA_ALIGN:  # the state after the token before (vLLM's skipped tokens: n - 1)
             return max(0, position - 1)
@@ -164,6 +167,8 @@ class CacheConfig:
         groups = tuple(self.groups)
         if not groups:
             raise InvalidConfig("groups must name at least one KV cache group")
+        if len(groups) > 1 << GROUP_BITS:  # (the prefix index keeps a cached block's group in GROUP_BITS bits)
+            raise InvalidConfig(f"at most {1 << GROUP_BITS} KV cache groups, got {len(groups)}")
         for g in groups:
             if not isinstance(g, GroupSpec):
                 raise InvalidConfig(f"groups must hold GroupSpec values, got {shown(g)}")

@@ -2,7 +2,8 @@
 
 A refused input is a value, not an exception: every transition returns
 ``Failure(KVError)`` and leaves the caller holding the old state. A broken
-invariant is a bug and raises ``AssertionError`` instead.
+invariant is a bug and raises ``InvariantError`` instead: raised, never asserted, so
+that ``python -O`` (which strips ``assert``) keeps every check.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from enum import StrEnum
 from returns.result import Failure
 
 RequestId = str | int
+
+
+class InvariantError(AssertionError):
+    """A broken invariant of pagedkv's own state: a bug in pagedkv, never the caller's input (that is a
+    ``KVError``). An ``AssertionError`` that ``python -O`` cannot strip."""
 
 
 class ErrorCode(StrEnum):
@@ -113,6 +119,45 @@ def are_token_ids(ids: Sequence[object]) -> bool:
     except OverflowError:
         return False
     return True
+
+
+def is_seq(value: object) -> bool:
+    """A list or a tuple: what the core's batch arguments and per-row lists are. A str, bytes, a mapping, a set
+    or a named tuple (``Placeholders(2)`` is one growth, not a list of rows) is not one.
+
+    >>> is_seq([1]), is_seq((1,)), is_seq("ab"), is_seq({"a": 1})
+    (True, True, False, False)
+    """
+    return type(value) is list or type(value) is tuple
+
+
+def pairs_of(items: object, what: str) -> tuple[list[RequestId], list[object]] | KVError:
+    """A batch transition's ``[(request id, per-row list), ...]`` split in two, or ``INVALID`` naming the first
+    item that is not such a pair (the request ids and the lists are judged by the transition).
+
+    >>> pairs_of([("a", [3])], "commit_many"), pairs_of(["a"], "commit_many").message
+    ((['a'], [[3]]), "commit_many takes a list of (request id, per-row list) pairs, got 'a'")
+    """
+    if not is_seq(items):
+        return invalid(f"{what} takes a list of (request id, per-row list) pairs, got {shown(items):.80}",
+                       field="requests")  # fmt: skip
+    ids: list[RequestId] = []
+    rows: list[object] = []
+    for item in items:  # type: ignore[attr-defined]
+        if not is_seq(item) or len(item) != 2:  # type: ignore[arg-type]
+            return invalid(f"{what} takes a list of (request id, per-row list) pairs, got {shown(item):.80}",
+                           field="requests")  # fmt: skip
+        ids.append(item[0])  # type: ignore[index]
+        rows.append(item[1])  # type: ignore[index]
+    return ids, rows
+
+
+def ids_problem(request_ids: object, what: str) -> KVError | None:
+    """``INVALID`` unless ``request_ids`` is a list or a tuple (its ids are judged one by one where they are read):
+    a str would be read as its characters' ids, a set in no stable order."""
+    if is_seq(request_ids):
+        return None
+    return invalid(f"{what} takes a list of request ids, got {shown(request_ids):.80}", field="requests")
 
 
 INT_ID_LIMIT = 1 << 63  # an integer request id is a signed 64-bit integer (traces carry it as a JSON number)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
-from pagedkv.core.errors import is_int, shown
+from pagedkv.core.errors import InvariantError, is_int, shown
 
 BLOCK_ALIGN = 16  # attention kernels want block sizes in multiples of 16 when the size is raised
 
@@ -56,7 +56,8 @@ class LayerSpec:
     def bytes_per_token(self) -> int:
         """What one token costs in this layer's pages: K and V, or one latent vector for MLA."""
         if self.kind is LayerKind.MLA:
-            assert self.latent_dim is not None
+            if self.latent_dim is None:
+                raise InvariantError("an MLA layer has its latent size")
             return self.latent_dim * self.dtype_bytes
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 

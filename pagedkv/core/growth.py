@@ -15,7 +15,7 @@ from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
-from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
+from pagedkv.core.errors import ErrorCode, INT_ID_LIMIT, InvariantError, KVError, RequestId, are_token_ids, ids_problem, invalid, is_request_id, is_seq, is_token_id, pairs_of, shown
 from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
@@ -51,8 +51,10 @@ def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Res
 
 def append_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Growth]]]) -> Result[Step[Appended], KVError]:
     """Several appends as one transition: all of them, in order, or none."""
-    pairs = list(items)
-    return _appended(state, [rid for rid, _ in pairs], None, [growth for _, growth in pairs])
+    pairs = pairs_of(items, "append_many")
+    if isinstance(pairs, KVError):
+        return Failure(pairs)
+    return _appended(state, pairs[0], None, pairs[1])  # type: ignore[arg-type]
 
 
 def append_decode(
@@ -167,10 +169,15 @@ def _one_token(rows: Sequence[Growth]) -> object:
 def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
                  ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
     """A decode batch's ids and token ids, the token ids checked once for the whole call."""
-    ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+    bad = ids_problem(request_ids, "a decode step")
+    if bad is not None:
+        return bad
+    ids: Sequence[RequestId] = request_ids  # type: ignore[assignment]
     if tokens is None:
         return ids, None
-    toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    if not is_seq(tokens):
+        return invalid(f"a decode step's token ids must be a list (or None), got {shown(tokens):.80}", field="tokens")
+    toks = tokens
     if len(toks) != len(ids):
         return invalid(f"a decode step needs one token id per request: {len(ids)} requests, {len(toks)} ids",
                        field="tokens")  # fmt: skip
@@ -192,7 +199,7 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
     if rows is None:  # append_decode: one token per row
         rows = _ONES[len(req.slots)] if len(req.slots) < len(_ONES) else (1,) * len(req.slots)
-    if not isinstance(rows, (list, tuple)) or len(rows) != len(req.slots):
+    if not is_seq(rows) or len(rows) != len(req.slots):
         return invalid(f"append to request {shown(rid)} must give one entry per row ({len(req.slots)})",
                        request=rid, field="tokens")  # fmt: skip
     planned = _plan_growth(txn, req, rows)
@@ -270,7 +277,8 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
     tail = tails[slot]
     ids = record.ids
     if tail is not None:  # the row's ids are known so far: keep them known, or stop at a count
-        assert ids is not None, "a row with a token tail has token ids"
+        if ids is None:
+            raise InvariantError("a row with a token tail has token ids")
         if type(item) is Placeholders:  # the known ids stay a prefix; the rest await theirs
             tails[slot] = as_tail(tail, True)
         elif isinstance(item, (list, tuple)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.hashing import BlockHash, CacheKey
 from pagedkv.core.vec import Vec, VecEdit
 
@@ -70,7 +71,8 @@ class PrefixIndex:
 
     @staticmethod
     def empty(num_blocks: int, num_groups: int, root: BlockHash = b"") -> PrefixIndex:
-        assert num_groups <= 1 << GROUP_BITS, f"at most {1 << GROUP_BITS} KV cache groups"
+        if num_groups > 1 << GROUP_BITS:  # (CacheConfig refuses more: a bug to reach here)
+            raise InvariantError(f"at most {1 << GROUP_BITS} KV cache groups")
         bucket_vec = Vec.filled(_EMPTY, bucket_count(num_blocks), ints=False, shift=_BUCKET_SHIFT)
         return PrefixIndex((bucket_vec,) * num_groups, Vec.filled(0, num_blocks, ints=True), 0, root)
 
@@ -204,7 +206,8 @@ class PrefixIndexEdit:
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""
         added = self.add(key[0], key[1], block)
-        assert added, "a key or a block entered the index twice"
+        if not added:
+            raise InvariantError("a key or a block entered the index twice")
 
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""

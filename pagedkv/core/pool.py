@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.events import BlockRemoved
 from pagedkv.core.state import Request
 from pagedkv.core.txn import Txn
@@ -29,7 +30,8 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     out = []
     b = leaves[0][0]
     for _ in range(k):
-        assert b != 0, "a pop on an empty free queue: capacity was not checked"
+        if b == 0:
+            raise InvariantError("a pop on an empty free queue: capacity was not checked")
         out.append(b)
         b = leaves[b >> sh][b & m]
     nxt[0] = b
@@ -76,7 +78,8 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
             continue
         leaf = counts[b >> sh]
         rc = leaf[b & m] - 1
-        assert rc >= 0, f"block {b} released more often than it was referenced"
+        if rc < 0:
+            raise InvariantError(f"block {b} released more often than it was referenced")
         leaf[b & m] = rc
         if not rc:
             (head if vllm and (cached is None or not cached(b)) else tail).append(b)

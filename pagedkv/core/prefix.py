@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.hashing import BlockHash, BlockKeys
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
@@ -155,7 +156,8 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
     width = bs << 3  # bytes of one block's packed ids
     ahead = cfg.hash_lookahead  # a block's hash covers the ids after it: a block before them only
     for row in spec.rows:
-        assert row.tokens is not None
+        if row.tokens is None:
+            raise InvariantError("a row hashed for a hit has token ids")
         known = row.known  # (placeholders have no ids to hash)
         cap = min((row.prefix_len if row.prefix_len is not None else row.num_tokens - 1), known) // bs
         if drop:  # the block the hit gives back, where the row's ids fill it

@@ -17,7 +17,7 @@ import pagedkv.core.pool as pool
 from pagedkv.core.caching import save_states
 from pagedkv.core.commit import forget_ahead
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_request_id, shown
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_request_id, shown
 from pagedkv.core.events import AllBlocksCleared, KVEvent
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.state import KVState, Request, Step, initial_state
@@ -67,6 +67,9 @@ def release_many(
     """
     if not isinstance(reason, str) or reason not in _REASONS:
         return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason"))
+    bad = ids_problem(request_ids, "release_many")
+    if bad is not None:
+        return Failure(bad)
     why = ReleaseReason(reason)
     txn = Txn(state)
     out = []

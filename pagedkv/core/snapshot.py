@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, shown
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, segments_of, slots_of
 from pagedkv.core.state import NO_PENDING, SLOT_SHIFT, KVState, Request, Step
 
@@ -29,7 +29,7 @@ def publish(
     ``query_limits`` caps a prefill's query per request (chunked prefill): the
     keys of that forward end where its chunk ends.
     """
-    err = _check_call(request_ids, phase)
+    err = _check_call(request_ids, phase, query_limits)
     if err is not None:
         return Failure(err)
     phase = Phase(phase)
@@ -68,11 +68,15 @@ def publish(
     return Success(Step(state, KVMetadata(state.generation, state.epoch, bs, phase, tuple(rows))))
 
 
-def _check_call(request_ids: Sequence[RequestId], phase: Phase | str) -> KVError | None:
-    """The phase is one of the three, and the ids a non-empty list of distinct request ids."""
+def _check_call(request_ids: Sequence[RequestId], phase: Phase | str,
+                query_limits: Mapping[RequestId, int] | None) -> KVError | None:  # fmt: skip
+    """The phase is one of the three, the ids a non-empty list of distinct request ids, the query limits a mapping."""
+    if query_limits is not None and not isinstance(query_limits, Mapping):
+        return invalid(f"query_limits must map request ids to token counts, got {shown(query_limits):.80}",
+                       field="query_limits")  # fmt: skip
     if not isinstance(phase, str) or phase not in _PHASES:
         return invalid(f"phase must be one of {sorted(_PHASES)}, got {shown(phase)}", field="phase")
-    if not isinstance(request_ids, (list, tuple)) or not request_ids:
+    if not is_seq(request_ids) or not request_ids:
         return invalid("publish needs a non-empty list of request ids", field="requests")
     seen: set[RequestId] = set()
     for rid in request_ids:

@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 from immutables import Map
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.errors import RequestId
+from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.spec import Span
@@ -111,7 +111,8 @@ class Row:
 
     def with_ids(self, more: bytes) -> Row:
         """Ids the row moved past (a tail's) join ``ids``."""
-        assert self.ids is not None
+        if self.ids is None:
+            raise InvariantError("a row that grows by ids holds its ids")
         return Row(self.blocks, self.ids + more, self.hashes, self.pending, self.hw)
 
     def with_pending(self, pending: Pending) -> Row:
@@ -257,7 +258,8 @@ def free_queue(state: KVState) -> list[int]:
     while b:
         out.append(b)
         b = leaves[b >> sh][b & m]
-        assert len(out) < limit, "the free queue has a cycle (a block was freed twice)"
+        if len(out) >= limit:
+            raise InvariantError("the free queue has a cycle (a block was freed twice)")
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from immutables import MapMutation
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import KVError, RequestId
+from pagedkv.core.errors import KVError, RequestId, pairs_of
 from pagedkv.core.events import KVEvent
 from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
 from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row, Step
@@ -196,13 +196,16 @@ class Txn:
         self.slot_top += 1
 
 
-def each(state: KVState, items: Iterable[tuple[RequestId, Any]],
-         one: Callable[[Txn, RequestId, Any], E | KVError]) -> Result[Step[tuple[E, ...]], KVError]:  # fmt: skip
+def each(state: KVState, items: Iterable[tuple[RequestId, Any]], one: Callable[[Txn, RequestId, Any], E | KVError],
+         what: str) -> Result[Step[tuple[E, ...]], KVError]:  # fmt: skip
     """Several one-request changes as one transition (``commit_many``, ``fill_many``, ...): ``one`` applied to
     each item in order on a single working copy; all of them, or none (the first refusal)."""
+    pairs = pairs_of(items, what)
+    if isinstance(pairs, KVError):
+        return Failure(pairs)
     txn = Txn(state)
     out: list[E] = []
-    for rid, arg in items:
+    for rid, arg in zip(*pairs):
         got = one(txn, rid, arg)
         if isinstance(got, KVError):
             return Failure(got)

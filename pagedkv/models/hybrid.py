@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.config import GroupSpec, InvalidConfig
 from pagedkv.core.grouping import LayerKind, LayerSpec
 from pagedkv.models.hybrid_config import HybridConfig
@@ -127,7 +128,8 @@ class HybridModel:
         return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.inv_freq is not None
+        if self.inv_freq is None:
+            raise InvariantError("a model with attention layers has its rotary table")
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (tokens, 1, rotary_dim)
         return emb.cos(), emb.sin()

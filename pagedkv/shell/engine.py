@@ -8,7 +8,9 @@ prefill, prefix caching and preemption by recompute come from the scheduler.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
@@ -19,9 +21,11 @@ from returns.result import Failure
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
-from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.core.scheduler import (
+    SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit,
+)  # fmt: skip
 from pagedkv.shell.detok import TextSoFar
-from pagedkv.shell.errors import ShellError, refuse
+from pagedkv.shell.errors import EngineBusy, ShellError, refuse
 from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.kv_scales import calibration_ids
@@ -45,7 +49,13 @@ class Engine:
     O(pool blocks) an event: 0.6 ms at 4,096 blocks). ``on_kv_events``: called with each step's core KV
     events, in order, when there are any (``integrations.vllm.publish.hook`` sends them to a ZMQ publisher in
     vLLM's format). ``keep_history``: the core's snapshot after every step in ``kv_history``; ``time_steps``:
-    (decode rows, prefill tokens, seconds) of every step in ``step_times``, the device synchronised first."""
+    (decode rows, prefill tokens, seconds) of every step in ``step_times``, the device synchronised first.
+
+    Single-threaded by contract: ``step``, ``generate``, ``add_request``, ``cancel`` and ``finish_trace`` refuse a
+    second thread while one is inside (``EngineBusy``, nothing done); callbacks run on the engine's thread and may
+    call them. ``requests`` holds the live requests only: a request leaves it when it ends, and its completion
+    is the caller's once handed out (an engine that served a million requests holds what one that served ten
+    does); a request id may be taken again as soon as its request ended."""
 
     def __init__(self, model: Any, tokenizer: Any, args: EngineArgs | None = None, *, trace: TextIO | None = None,
                  rank: Rank | None = None, keep_history: bool = False, time_steps: bool = False,
@@ -68,7 +78,7 @@ class Engine:
         spec = SpeculativeConfig.of(args.speculative_config)
         self.speculation = None if spec is None else Speculation(spec)  # n-gram drafts, verified each step
         self.overlap = Overlap() if args.async_scheduling else None  # the next step planned before ids are read
-        self.requests: dict[RequestId, Live] = {}
+        self.requests: dict[RequestId, Live] = {}  # live requests (waiting or running in the scheduler)
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self.graphs: GraphDecoder | None = None
@@ -83,15 +93,35 @@ class Engine:
         self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
         self.kv_history: list[Any] | None = [] if keep_history else None
         self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
+        self._lock = threading.RLock()  # the one thread inside (its callbacks may enter again)
+
+    @contextlib.contextmanager
+    def _entered(self, what: str) -> Iterator[None]:
+        """The calling thread inside the engine, or ``EngineBusy`` at once when another thread is."""
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy(f"Engine.{what} from a second thread while another is inside the engine: an engine is "
+                             "single-threaded (serve it from one thread, or hand it requests through a queue)")  # fmt: skip
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- step-level API ----------------------------------------------------------
     def add_request(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; refused (``ShellError``: ``DUPLICATE_REQUEST`` while a live request holds ``rid``,
+        ``INVALID`` for what the core or the sampler cannot take) with nothing changed."""
+        with self._entered("add_request"):
+            self._add(rid, prompt, prompt_ids, params)
+
+    def _add(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Live:
         req = SeqRequest(rid, tuple(prompt_ids), max_tokens=getattr(params, "max_tokens", 0))
         self.state = self._submitted(self.state, req, params)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
-        self.requests[rid] = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
+        live = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
+        self.requests[rid] = live
         self.stats.prompt_tokens += len(prompt_ids)
         self.outcomes.record(lambda r: r.submit(req, self.state))
+        return live
 
     def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
@@ -109,15 +139,27 @@ class Engine:
             raise ShellError(submitted.failure())
         return submitted.unwrap()
 
-    def cancel(self, rid: RequestId) -> None:
-        cancelled = cancel(self.state, rid)
-        if isinstance(cancelled, Failure):  # an unknown or ended request
-            raise ShellError(cancelled.failure())
-        self.state = cancelled.unwrap()
-        self.worker.remove([rid])
-        self.requests[rid].completion.finish_reason = "cancelled"
-        self.outcomes.record(lambda r: r.cancel(rid, self.state))
-        self._kv_events(self.state.kv_events)  # (a listener's fault raises here, the engine consistent)
+    def cancel(self, rid: RequestId) -> Completion:
+        """End a live request: its blocks and buffer rows back, its completion (reason ``cancelled``, what it
+        generated so far) given back here, and never by ``step`` (a token of it still on the device is dropped).
+        ``ShellError`` (``UNKNOWN_REQUEST``) for an id no live request holds."""
+        with self._entered("cancel"):
+            cancelled = cancel(self.state, rid)
+            if isinstance(cancelled, Failure):  # an unknown or ended request
+                raise ShellError(cancelled.failure())
+            self.state = cancelled.unwrap()
+            self.worker.remove([rid])
+            done = self.outcomes.cancelled(self.requests.pop(rid))
+            self.outcomes.record(lambda r: r.cancel(rid, self.state))
+            self._kv_events(self.state.kv_events)  # (a listener's fault raises here, the engine consistent)
+            return done
+
+    def finish_trace(self) -> None:
+        """End the trace being recorded (its end record: replay then knows it whole) and stop recording; the
+        engine serves on. A trace without its end record replays as cut short."""
+        with self._entered("finish_trace"):
+            self.outcomes.record(lambda r: r.end())
+            self.outcomes.recorder = None
 
     @property
     def trace_error(self) -> Exception | None:  # why the trace stopped being written, if it did (the run went on)
@@ -137,7 +179,13 @@ class Engine:
         requests' ``Completion.error`` and the engine serves on. Hooks run once the engine is consistent
         and the step's completions are kept (the trace writer, then ``on_kv_events``): a hook that raises
         makes ``step`` raise, and those completions come with the next call; a failed trace write stops
-        the recording (``trace_error``)."""
+        the recording (``trace_error``).
+
+        Every completion is handed out once: here (finished, refused, failed), or by ``cancel``."""
+        with self._entered("step"):
+            return self._step(on_token)
+
+    def _step(self, on_token: Callable[[RequestId, int], None] | None) -> list[Completion]:
         t0 = time.perf_counter()
         st, spec = self.state, self.speculation
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
@@ -146,19 +194,22 @@ class Engine:
         self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
-        self.outcomes.refused(plan, self.requests)
+        if plan.finished:
+            self._ended_by_plan(plan)
+        bound = [self.requests[rid] for rid in plan.samples]  # (the requests this step samples for, not their ids)
         self.outcomes.before, recorded = {}, False
         try:
-            ids = self._launch(plan)  # the forwards and the sampling, queued on the device
+            ids = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
             self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
             recorded = True
             self.outcomes.note_prefills(plan, self.requests)
+            stop: list[RequestId]
             if self.overlap is not None:  # the last step's ids read while this one runs; this one's come next
-                sampled, stop = self.overlap.resolve(self, plan, ids, on_token)
+                sampled, stop = self.overlap.resolve(self, plan, bound, ids, on_token), []
             else:
                 tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-                sampled, stop = self.outcomes.take(plan, tokens, on_token, self.requests, self.stats)
+                sampled, stop = self.outcomes.take(plan, bound, tokens, on_token, self.stats)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
             events = self._fail(plan, e, recorded, drafts)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
@@ -173,10 +224,9 @@ class Engine:
         Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
-        if self.overlap is None:  # kept before anything that may raise
-            self.outcomes.finished(self.requests, [rid for rid, _ in ended])
-        else:  # (their last id is read with the next step)
-            self.overlap.closing.extend(rid for rid, _ in ended)
+            gone = [self.requests.pop(rid) for rid, _ in ended]
+            if self.overlap is None:  # kept before anything that may raise (overlapped: their last id is read with
+                self.outcomes.finished(gone)  # the next step, which hands them out)
         if self.kv_history is not None:  # (the core's snapshot after every step)
             self.kv_history.append(self.state.kv)
         if self.step_times is not None:
@@ -186,6 +236,19 @@ class Engine:
         self.outcomes.record(lambda r: r.output(sampled, stop, self.state, ended))
         self._kv_events(scheduled_events + self.state.kv_events)
         return self.outcomes.hand_out()
+
+    def _ended_by_plan(self, plan: StepPlan) -> None:
+        """The requests ``schedule`` ended: refused before they ran (the refusal's code and numbers), or, having
+        run, unable to grow (past ``max_model_len``, or more than the whole pool holds): ``length``, with their
+        text, handed out once their last id is read (overlapped: with the step in flight)."""
+        why = {err.request: err.message for err in plan.refusals}
+        for rid, how in plan.finished:
+            live = self.requests.pop(rid)
+            if not live.started:
+                self.outcomes.refused(live, how, why.get(rid))
+            elif self.overlap is None or not self.overlap.holds(live):
+                self.outcomes.finished([live])
+            # (else the step in flight holds its last id: handed out when that id is read)
 
     def _kv_events(self, events: tuple[Any, ...]) -> None:
         if events and self.on_kv_events is not None:
@@ -198,8 +261,11 @@ class Engine:
         fault is in their ``Completion.error``. Never raises on its own account (a request already ended, say
         by a callback's cancel, is left as it is). Returns the cancels' KV events."""
         plan_rids = [*plan.decode, *(rid for rid, _ in plan.prefill), *(rid for rid, _ in plan.verify)]
-        lost = [] if self.overlap is None else self.overlap.abandon(self, one_line(error))  # (ids unread)
-        failed = list(dict.fromkeys(rid for rid in [*plan_rids, *lost] if rid in self.state.seqs))
+        lost = [] if self.overlap is None else self.overlap.abandon()  # (sampled for, ids unread)
+        ended_unread = [x for x in lost if self.requests.get(x.completion.request_id) is not x]  # (ended meanwhile)
+        lost_rids = [x.completion.request_id for x in lost if self.requests.get(x.completion.request_id) is x]
+        running = set(self.state.running)  # (a plan's request cancelled, its id taken again by a callback: waiting)
+        failed = list(dict.fromkeys([*(rid for rid in plan_rids if rid in running), *lost_rids]))
         state, after, events = self.state, [], []  # type: tuple[Any, list[Any], list[Any]]
         for rid in failed:
             state = cancel(state, rid, "error").unwrap()  # a live request of the pending step: always known
@@ -208,7 +274,7 @@ class Engine:
         planned, self.state = self.state, state
         self.worker.remove([*plan_rids, *failed])
         self._last = None
-        self.outcomes.failed(self.requests, failed, one_line(error))
+        self.outcomes.failed([*(self.requests.pop(rid) for rid in failed), *ended_unread], one_line(error))
         if not recorded:
             self.outcomes.record(lambda r: r.schedule(planned, plan, drafts))
         def errors(r: Recorder) -> None:
@@ -218,9 +284,10 @@ class Engine:
         self.outcomes.record(errors)
         return tuple(events)
 
-    def _launch(self, plan: StepPlan) -> torch.Tensor | None:
-        """Each of the plan's forwards (``_forward``) and a sample of every row the plan samples: the ids, on the
-        device, in ``plan.samples``' order (a row verifying drafts: one a position). Nothing waits for the device."""
+    def _launch(self, plan: StepPlan, bound: list[Live]) -> torch.Tensor | None:
+        """Each of the plan's forwards (``_forward``) and a sample of every row the plan samples (``bound``: their
+        requests): the ids, on the device, in ``plan.samples``' order (a row verifying drafts: one a position).
+        Nothing waits for the device."""
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
@@ -230,9 +297,9 @@ class Engine:
             return None
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         if verify:  # (a row verifying drafts: each position's logits row, request and counter)
-            pick, live, counters = Speculation.positions(samples, verify, where, self.requests)
+            pick, live, counters = Speculation.positions(samples, verify, where, dict(zip(samples, bound)))
         else:
-            pick, live, ahead = [where[rid] for rid in samples], [self.requests[rid] for rid in samples], self.state.awaiting
+            pick, live, ahead = [where[rid] for rid in samples], bound, self.state.awaiting
             counters = [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)]  # (in flight: drawn)
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
@@ -284,16 +351,20 @@ class Engine:
     # -- the whole-request API -------------------------------------------------------
     def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:  # fmt: skip
-        items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
-        state = self.state
-        for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-            state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)), params)
-        for rid, text, ids, params in items:
-            self.add_request(rid, text, ids, params)
-        order = [rid for rid, *_ in items]
-        while self.has_unfinished():
-            for comp in self.step():
-                if on_finish is not None:
-                    on_finish(comp)
-        return [self.requests[rid].completion for rid in order]
+        """Serve ``prompts`` (text, ids, params) to the end: their completions, in order (``on_finish`` is called
+        with each as it ends, and with any other request's the steps hand out). The requests are named
+        ``req-N``, N counting up from the engine's last (a fresh engine: req-0, req-1, ... in order), skipping
+        ids live requests hold; all of them are taken, or none (``ShellError``, the engine as it was)."""
+        with self._entered("generate"):
+            items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
+            state = self.state
+            for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
+                state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)),
+                                        params)  # fmt: skip
+            lives = [self._add(rid, text, ids, params) for rid, text, ids, params in items]
+            while self.has_unfinished():
+                for comp in self._step(None):
+                    if on_finish is not None:
+                        on_finish(comp)
+            return [x.completion for x in lives]
 

@@ -28,3 +28,9 @@ class BackendUnavailable(ShellError):
 
 def refuse(code: ErrorCode, message: str, **kw: object) -> ShellError:
     return ShellError(KVError(code, message, **kw))  # type: ignore[arg-type]
+
+
+class EngineBusy(RuntimeError):
+    """A second thread entered an engine that one thread is inside: the engine is single-threaded by contract
+    (its state is the scheduler's value, read and replaced by each call), so the second call is refused at once,
+    nothing of it done. Serve an engine from one thread, or hand requests to that thread through a queue."""

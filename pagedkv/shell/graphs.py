@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core import RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.metadata import KVMetadata
@@ -104,7 +105,8 @@ class GraphDecoder:
             self.capture(batch.metadata)
             batch = self.worker.install(batch.snapshot, token_rows=batch.source is not None)  # (the capture padded
             # the rows: written again)
-            assert batch.num_rows == rows
+            if batch.num_rows != rows:
+                raise InvariantError(f"a captured bucket of {rows} rows installed {batch.num_rows}")
         n = batch.num_rows
         g, static_tokens, out, _ = self.graphs[self.bucket(n)]
         b = static_tokens.numel()

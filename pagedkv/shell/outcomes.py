@@ -5,7 +5,7 @@ recording, ``trace_error``, never the run)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +34,16 @@ class Completion:
 
 @dataclass(slots=True)
 class Live:
-    """A request the engine serves: what it gives back, how it samples, its seed, its text so far."""
+    """A request the engine serves: what it gives back, how it samples, its seed, its text so far. Tokens in
+    flight (overlapped scheduling) and completions on their way out hold this record, never its id: an id
+    is taken again as soon as its request has ended."""
 
     completion: Completion
     params: SamplingParams
     seed: int
     text: TextSoFar | None  # kept only for a request with stop strings
+    started: bool = False  # its first prefill ran: its cached tokens are known, and an end by the plan is "length"
+    handed_out: bool = False  # its completion left the engine (step's return, or cancel's): nothing more joins it
 
 
 class Outcomes:
@@ -51,30 +55,38 @@ class Outcomes:
         self.outbox: list[Completion] = []  # ended, not yet handed out by step()
         self.before: dict[RequestId, int] = {}  # tokens each sampled request had before this step's (a failed
         # step drops what it took)
-        self.prefilled: set[RequestId] = set()  # requests whose first prefill ran (cached_tokens is known)
+        self.cancels = 0  # completions the caller's cancels gave back (a callback's, inside ``take``, included)
 
-    def note_prefills(self, plan: StepPlan, requests: Mapping[RequestId, Live]) -> None:
+    @staticmethod
+    def note_prefills(plan: StepPlan, requests: Mapping[RequestId, Live]) -> None:
         """A request's first prefill starts where its prefix-cache hit ended: its cached tokens."""
         for meta in plan.metadata:
             if meta.phase is Phase.PREFILL:
                 for row in meta.rows:
-                    if row.request_id not in self.prefilled:
-                        self.prefilled.add(row.request_id)
-                        requests[row.request_id].completion.cached_tokens = row.kv_start_pos
+                    live = requests[row.request_id]
+                    if not live.started:
+                        live.started = True
+                        live.completion.cached_tokens = row.kv_start_pos
 
-    def take(self, plan: StepPlan, tokens: list[int], on_token: Callable[[RequestId, int], None] | None,
-             requests: Mapping[RequestId, Live], stats: EngineStats) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
+    def take(self, plan: StepPlan, bound: Sequence[Live], tokens: list[int],
+             on_token: Callable[[RequestId, int], None] | None,
+             stats: EngineStats) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
         """The step's sampled ``tokens`` (one a sampled request, one a position of a request that verified drafts,
-        in ``plan.samples``' order): each request's token kept (verifying: the drafts it accepted, then its
-        next token, as a list), and the requests that stopped on one (a stop token, or a stop string in the
-        text so far; a list is cut after it). ``stats`` counts them."""
+        in ``plan.samples``' order; ``bound``: the requests they were sampled for, in that order): each request's
+        token kept (verifying: the drafts it accepted, then its next token, as a list), and the requests that
+        stopped on one (a stop token, or a stop string in the text so far; a list is cut after it). A request
+        whose completion was handed out (cancelled, even by ``on_token`` in this loop) takes nothing and is
+        left out of both. ``stats`` counts them."""
         got = stats.verified(plan.verify, Speculation.tokens(plan.samples, tokens, dict(plan.verify)))
-        self.before = {rid: len(requests[rid].completion.token_ids) for rid in got}
+        self.before = {rid: len(live.completion.token_ids) for rid, live in zip(plan.samples, bound)}
         sampled: dict[RequestId, Any] = {}
         stop: list[RequestId] = []
         stop_ids = self.tokenizer.stop_token_ids
-        for rid, toks in got.items():
-            live = requests[rid]
+        cancels = self.cancels
+        for rid, live in zip(plan.samples, bound):
+            if live.handed_out:
+                continue
+            toks = got[rid]
             n = 0
             for tok in (toks,) if type(toks) is int else toks:
                 n += 1
@@ -87,6 +99,10 @@ class Outcomes:
                     break
             sampled[rid] = toks if type(toks) is int else list(toks[:n])  # (a list cut after its stop)
             stats.generated_tokens += n
+        if self.cancels != cancels:  # a callback cancelled a request it had already taken: it takes nothing
+            kept = {rid for rid, live in zip(plan.samples, bound) if not live.handed_out}
+            sampled = {rid: t for rid, t in sampled.items() if rid in kept}
+            stop = [rid for rid in stop if rid in kept]
         return sampled, stop
 
     def hand_out(self) -> list[Completion]:
@@ -104,23 +120,34 @@ class Outcomes:
         except Exception as e:  # noqa: BLE001 - a full disk, a closed stream: the run goes on without its trace
             self.recorder, self.trace_error = None, e
 
-    def finished(self, requests: Mapping[RequestId, Live], rids: list[RequestId]) -> None:
-        """Requests that ended (a stop token, else ``max_tokens``): their completions out, with their text."""
-        for rid in rids:
-            live = requests[rid]
-            live.completion.finish_reason = live.completion.finish_reason or "length"
-            self.outbox.append(live.completion)
-            self.write_text(live)
+    def out(self, live: Live) -> Completion:
+        """``live``'s completion leaves the engine: into the outbox, or (``cancelled``) to the caller. Once."""
+        live.handed_out = True
+        return live.completion
 
-    def failed(self, requests: Mapping[RequestId, Live], rids: list[RequestId], message: str) -> None:
+    def finished(self, lives: Iterable[Live]) -> None:
+        """Requests that ended (a stop token, else ``max_tokens`` or the length the pool or model allows): their
+        completions out, with their text."""
+        for live in lives:
+            live.completion.finish_reason = live.completion.finish_reason or "length"
+            self.write_text(live)
+            self.outbox.append(self.out(live))
+
+    def failed(self, lives: Iterable[Live], message: str) -> None:
         """Requests a failed step ended: the tokens they took in it dropped, ``error`` with the fault's line."""
-        for rid in rids:
-            live = requests[rid]
+        for live in lives:
             comp = live.completion
-            del comp.token_ids[self.before.get(rid, len(comp.token_ids)) :]
+            del comp.token_ids[self.before.get(comp.request_id, len(comp.token_ids)) :]
             self.write_text(live)
             comp.finish_reason, comp.error = "error", message
-            self.outbox.append(comp)
+            self.outbox.append(self.out(live))
+
+    def cancelled(self, live: Live) -> Completion:
+        """A request the caller cancelled: its completion as it stands, reason ``cancelled``, given back now."""
+        live.completion.finish_reason = "cancelled"
+        self.write_text(live)
+        self.cancels += 1
+        return self.out(live)
 
     def write_text(self, live: Live) -> None:
         """A completion's text, cut at its stop string; a detokenizer that fails leaves it empty and says so in
@@ -131,19 +158,13 @@ class Outcomes:
         except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
             comp.text, comp.error = "", f"the detokenizer failed: {one_line(e)}"
 
-    def refused(self, plan: StepPlan, requests: Mapping[RequestId, Live]) -> None:
-        """The requests ``schedule`` itself ended: refused for good by admission, or run into max_model_len."""
-        why = {err.request: err.message for err in plan.refusals}
-        for rid, how in plan.finished:
-            live = requests[rid]
-            comp = live.completion
-            ran = how == FinishReason.INVALID and comp.token_ids  # an overrun ends a decoding request
-            comp.finish_reason = "length" if ran else how  # (the trace keeps the core's reason; vLLM says length)
-            if ran:
-                self.write_text(live)
-            else:  # the refusal that ended it, with its numbers
-                comp.text, comp.error = "", why.get(rid)
-            self.outbox.append(comp)
+    def refused(self, live: Live, how: FinishReason, why: str | None) -> None:
+        """A request ``schedule`` ended before it ran: refused for good by admission (``how``: the code, ``why``:
+        the refusal with its numbers). One that ran and then could not grow is ``finished`` (``length``)."""
+        comp = live.completion
+        comp.finish_reason, comp.text, comp.error = str(how), "", why
+        self.outbox.append(self.out(live))
+
 
 def one_line(error: BaseException) -> str:
     """An exception as one line: its type and message (a message that cannot be shown is said so)."""

@@ -3,64 +3,72 @@ before it reads step N's sampled ids, so the host's work for a step runs while t
 
 Step N+1's decode rows take step N's ids on the device (``gather``), and the scheduler is told of step N's tokens
 as ``None`` (``on_output``: they count, the rows grow by placeholders) until the ids are read, one step later,
-while step N+1 runs (``resolve``: ``on_tokens``, which also ends the requests that stopped on them). A request
-that reaches ``max_tokens`` ends at its output with its last id still on the device: its completion is handed
-out when that id is read (``closing``).
+while step N+1 runs (``resolve``: ``on_tokens``, which also ends the requests that stopped on them).
+
+The step in flight holds the ``Live`` records it sampled for, never their ids: a request that ends while its last
+id is on the device (``max_tokens`` at its output, the length the pool or the model allows) has left the engine's
+live requests, and its completion is handed out when that id is read; a request cancelled meanwhile takes nothing
+more. Its id may be taken by a new request at once: nothing of the old one reaches the new one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pagedkv.core.errors import RequestId
 from pagedkv.core.scheduler import StepPlan, on_tokens
+from pagedkv.shell.outcomes import Live
 from pagedkv.shell.transfer import Readback, to_device
 
 
 class Overlap:
-    """An engine's step in flight: its plan (samples still live) and its ids on the device, read one step later."""
+    """An engine's step in flight: its plan, the requests it sampled for (``Live``, in ``plan.samples``' order) and
+    its ids on the device, read one step later."""
 
     def __init__(self) -> None:
-        self.pending: tuple[StepPlan, tuple[RequestId, ...], Readback | None] | None = None
-        self.closing: list[RequestId] = []  # ended at their output (max_tokens), their last id not read yet
+        self.pending: tuple[StepPlan, tuple[Live, ...], Readback] | None = None
 
-    def resolve(self, engine: Any, plan: StepPlan, ids: torch.Tensor | None, on_token: Any) -> tuple[dict[RequestId, None], list[RequestId]]:
+    def resolve(self, engine: Any, plan: StepPlan, bound: Sequence[Live], ids: torch.Tensor | None,
+                on_token: Any) -> dict[RequestId, None]:  # fmt: skip
         """The last step's ids read (this step is queued behind it), taken by their requests and told to the
-        scheduler; this step's samples, as ``on_output`` takes them ahead of their ids."""
+        scheduler; this step's samples, as ``on_output`` takes them ahead of their ids (those still live)."""
         prev, self.pending = self.pending, None
         if prev is not None:
             self._take(engine, *prev, on_token)
-        live = tuple(rid for rid in plan.samples if rid in engine.state.seqs)  # (one that stopped since: dropped)
-        self.pending = (plan, live, None if ids is None else Readback(ids)) if live else None  # (copied behind it)
-        return {rid: None for rid in live}, []
+        live = {rid: None for rid, x in zip(plan.samples, bound) if not x.handed_out and engine.requests.get(rid) is x}
+        if live and ids is not None:
+            self.pending = (plan, tuple(bound), Readback(ids))  # (copied behind it)
+        return live
 
-    def _take(self, engine: Any, plan: StepPlan, live: tuple[RequestId, ...], ids: Readback | None, on_token: Any) -> None:
-        tokens: list[int] = [] if ids is None else ids.tolist()  # (waits for that step's copy, not this step)
-        keep = set(live)
-        kept = [t for rid, t in zip(plan.samples, tokens) if rid in keep]
-        sampled, stop = engine.outcomes.take(replace(plan, samples=live), kept, on_token, engine.requests, engine.stats)
-        running = {rid: tok for rid, tok in sampled.items() if rid in engine.state.seqs}
-        stops = [rid for rid in stop if rid in engine.state.seqs]
+    def holds(self, live: Live) -> bool:
+        """Is a token of ``live`` on the device, in the step in flight?"""
+        return self.pending is not None and any(x is live for x in self.pending[1])
+
+    @staticmethod
+    def _take(engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, on_token: Any) -> None:
+        tokens: list[int] = ids.tolist()  # (waits for that step's copy, not this step)
+        sampled, stop = engine.outcomes.take(plan, bound, tokens, on_token, engine.stats)
+        requests = engine.requests
+        live = {rid: x for rid, x in zip(plan.samples, bound) if requests.get(rid) is x}  # (not ended since)
+        running = {rid: tok for rid, tok in sampled.items() if rid in live}
+        stops = [rid for rid in stop if rid in live]
         engine.state, ended = on_tokens(engine.state, running, stops).unwrap()
         after = engine.state  # (the recorder may write later: the state this event led to, bound now)
         engine.outcomes.record(lambda r: r.tokens(running, stops, after, ended))
         engine.worker.remove([rid for rid, _ in ended])
-        closing, self.closing = [*self.closing, *(rid for rid, _ in ended)], []
-        engine.outcomes.finished(engine.requests, closing)
+        for rid, _ in ended:
+            del requests[rid]
+        # those that stopped on these ids, and those that ended while these ids were on the device
+        engine.outcomes.finished(x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x)
 
-    def abandon(self, engine: Any, message: str) -> list[RequestId]:
-        """A step failed with the last one's ids unread: they are lost. The requests still awaiting one (to be
-        ended with ``error`` by the caller) and those that ended awaiting it (ended here, as ``error``)."""
-        self.pending = None
-        for rid in self.closing:
-            comp = engine.requests[rid].completion
-            comp.finish_reason, comp.error = "error", message
-            engine.outcomes.outbox.append(comp)
-        self.closing = []
-        return [rid for rid in engine.state.awaiting if rid in engine.state.seqs]
+    def abandon(self) -> list[Live]:
+        """A step failed with the last one's ids unread: they are lost. The requests they were sampled for and
+        that are not handed out yet (the caller ends them with ``error``)."""
+        pending, self.pending = self.pending, None
+        return [] if pending is None else [x for x in pending[1] if not x.handed_out]
 
     @staticmethod
     def gather(rows: Any, last: tuple[tuple[RequestId, ...], torch.Tensor], requests: Any, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Recording an engine's run as a scheduler trace (contract v1, DESIGN.md): one JSON line per input,
 each with an ``expect`` of what the core gave the engine (the digest of the scheduler's state after it,
 the generation, the free blocks, a schedule's plan, an output's endings), so that ``pagedkv replay``
-checks the run digest for digest and reports where a replay departs from it."""
+checks the run digest for digest and reports where a replay departs from it. ``end`` writes the last line, the
+number of events before it: a trace without it (or with lines lost or added) replays as cut short."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, TextIO
 from pagedkv.core import CacheConfig
 from pagedkv.core.errors import RequestId
 from pagedkv.core.scheduler import SchedState, SchedulerConfig, SeqRequest, StepPlan, sched_digest
-from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
+from pagedkv.core.verify.record import end_event, output_event, scheduler_header, submit_event
 from pagedkv.core.verify.trace_ops import plan_json
 
 
@@ -22,7 +23,8 @@ class Recorder:
 
     def __init__(self, out: TextIO, cache: CacheConfig, sched: SchedulerConfig, *, expect: bool = True) -> None:
         self.out, self.expect = out, expect
-        self._line(scheduler_header(cache, sched))
+        self.out.write(json.dumps(scheduler_header(cache, sched)) + "\n")
+        self.events = 0  # event lines written
 
     def _line(self, event: dict[str, Any], after: SchedState | None = None, **fields: Any) -> None:
         if after is not None and self.expect:
@@ -30,6 +32,11 @@ class Recorder:
             event["expect"] = {"ok": True, "generation": kv.generation, "free_blocks": kv.free_blocks,
                                "digest": sched_digest(after), **fields}  # fmt: skip
         self.out.write(json.dumps(event) + "\n")
+        self.events += 1
+
+    def end(self) -> None:
+        """The trace's end record; nothing may be written after it."""
+        self.out.write(json.dumps(end_event(self.events)) + "\n")
 
     def submit(self, req: SeqRequest, after: SchedState | None = None) -> None:
         self._line(submit_event(req), after)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, RequestId, shown
+from pagedkv.core.errors import ErrorCode, INT_ID_LIMIT, InvariantError, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, token_rows_of
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.install_rules import InstallRules, RowKey
@@ -146,7 +146,8 @@ class Worker:
             order = [o for o, r in zip(order, rows) for _ in range(r.query_len)]
             rows, decode, n = view.rows, True, len(view.rows)
         if decode:  # one query token a row: its slot, at position seq_len - 1
-            assert isinstance(rows, DecodeRows)
+            if not isinstance(rows, DecodeRows):
+                raise InvariantError("a decode install holds DecodeRows")
             packed = to_device(order + rows.seq_lens.tolist() + rows.slots.tolist(), torch.int64, dev)
             rows_idx, lens = packed[:n], packed[n : 2 * n]
             tokens = n

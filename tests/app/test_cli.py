@@ -434,9 +434,10 @@ def test_a_trace_without_expect_fields_on_request(smollm2: tuple[Any, Any]) -> N
     tok = Tokenizer(meta)
     for expect in (True, False):
         out = io.StringIO()
-        Engine(model, tok, trace=out, trace_expect=expect, kv_cache_memory_bytes=16 << 20).generate(
-            [("hi", tok.encode("hi"), SamplingParams(max_tokens=3))])
-        rows = [json.loads(x) for x in out.getvalue().splitlines()[1:]]
+        eng = Engine(model, tok, trace=out, trace_expect=expect, kv_cache_memory_bytes=16 << 20)
+        eng.generate([("hi", tok.encode("hi"), SamplingParams(max_tokens=3))])
+        eng.finish_trace()
+        rows = [json.loads(x) for x in out.getvalue().splitlines()[1:-1]]  # (the events: not the end record)
         assert all(("expect" in r) is expect for r in rows)
         assert all(ev.divergence is None and ev.result["ok"] for ev in replay(out.getvalue().splitlines()))
 

@@ -155,12 +155,12 @@ def test_the_checker_catches_the_planted_bug_with_a_short_replayable_trace(
 ) -> None:
     result = check(SMALL)
     assert result.violation, f"the checker missed: {planted}"
-    assert len(result.trace) - 1 <= 8, result.trace  # breadth first: the shortest sequence
+    assert len(result.trace) - 2 <= 8, result.trace  # breadth first: the shortest sequence (header, end record)
     path = tmp_path / "counterexample.jsonl"
     path.write_text("\n".join(result.trace) + "\n")
     assert main(["replay", "--check", str(path)]) == 1
     err = capsys.readouterr().err
-    assert f"line {len(result.trace)} " in err, err  # reproduced at the trace's last event
+    assert f"line {len(result.trace) - 1} " in err, err  # reproduced at the trace's last event (before its end)
 
 
 @pytest.mark.slow
@@ -314,7 +314,7 @@ def test_the_checker_catches_a_planted_window_over_count(monkeypatch: pytest.Mon
     path = tmp_path / "counterexample.jsonl"
     path.write_text("\n".join(result.trace) + "\n")
     assert main(["replay", "--check", str(path)]) == 1
-    assert f"line {len(result.trace)} " in capsys.readouterr().err
+    assert f"line {len(result.trace) - 1} " in capsys.readouterr().err
 
 
 

@@ -117,6 +117,7 @@ def test_a_run_ahead_is_a_trace_that_replays() -> None:
         s, ended = on_output(s, {rid: None for rid in toks}).unwrap()
         rec.output({rid: None for rid in toks}, (), s, ended)
         pending = toks
+    rec.end()
     lines = out.getvalue().splitlines()
     assert any('"op": "tokens"' in x for x in lines) and any("null" in x for x in lines)
     results = list(replay(lines, check=True))

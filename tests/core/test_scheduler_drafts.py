@@ -55,9 +55,11 @@ def _final(cfg: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], r: 
     for q in reqs:
         s = submit(s, q).unwrap()
     last: dict[object, tuple[int, ...]] = {}
+    ends: dict[object, str] = {}
     steps = 0
     while s.live:
         s, plan = schedule(s, _drafts(s, r) if r is not None else None).unwrap()
+        ends.update(plan.finished)
         verify = dict(plan.verify)
         sampled: dict[object, object] = {}
         for rid in plan.samples:
@@ -77,12 +79,13 @@ def _final(cfg: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], r: 
         for rid, tok in sampled.items():
             if rid not in verify:
                 last[rid] = s.live[rid].output + (tok,)  # type: ignore[operator]
-        s, _ = on_output(s, sampled).unwrap()
+        s, ended = on_output(s, sampled).unwrap()
+        ends.update(ended)
         assert check_invariants(s.kv) == []
         steps += 1
         assert steps < 1000
     assert s.kv.free_blocks == s.kv.config.usable_blocks  # every block back
-    return {rid: (last.get(rid, ()), str(how)) for rid, how in s.finished.items()}
+    return {rid: (last.get(rid, ()), str(how)) for rid, how in ends.items()}
 
 
 def test_drafts_are_trimmed_to_the_budget_max_tokens_and_the_length_limit() -> None:

@@ -13,7 +13,7 @@ from pagedkv.app.cli import main
 from pagedkv.core import CacheConfig
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, on_output, schedule, sched_digest, submit
 from pagedkv.core.spec import RowSpec
-from pagedkv.core.verify.record import output_event, scheduler_header, submit_event
+from pagedkv.core.verify.record import end_event, output_event, scheduler_header, submit_event
 from pagedkv.core.verify.trace_ops import plan_json
 from tests.core.test_scheduler import model
 
@@ -46,6 +46,7 @@ def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:
         lines.append({**output_event(sampled, stop), "expect": {"digest": sched_digest(s)}})
         if not s.live and not arrivals:
             break
+    lines.append(end_event(len(lines) - 1))
     path = tmp_path / "serving.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return path, expected
@@ -76,8 +77,11 @@ def test_scheduler_ops_are_refused_in_a_core_trace_and_back(tmp_path: Path, caps
     assert out["error"]["code"] == "INVALID" and "without a scheduler" in out["error"]["message"]
     p.write_text(json.dumps(scheduler_header(CacheConfig(block_size=2, num_blocks=5), SchedulerConfig())) + "\n"
                  + json.dumps({"op": "admit", "request": "a", "rows": [{"num_tokens": 1}]}) + "\n"
-                 + json.dumps({"op": "output", "sampled": [["x", 1]]}) + "\n")  # fmt: skip
+                 + json.dumps({"op": "output", "sampled": [["x", 1]]}) + "\n"
+                 + json.dumps({"op": "output", "sampled": []}) + "\n" + json.dumps(end_event(3)) + "\n")  # fmt: skip
     assert main(["replay", "--json", str(p)]) == 0
-    a, b = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    a, b, c, end = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert a["error"]["code"] == "INVALID" and "with a scheduler" in a["error"]["message"]
-    assert b["ok"] is True and b["finished"] == []  # nothing was scheduled: an empty output is fine
+    assert b["error"]["code"] == "INVALID" and "computed no token" in b["error"]["message"]  # not in a plan
+    assert c["ok"] is True and c["finished"] == []  # nothing was scheduled: an empty output is fine
+    assert end["op"] == "end" and end["ok"] is True

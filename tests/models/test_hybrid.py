@@ -159,6 +159,7 @@ def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(models
         eng = engine(ours, kv_cache_memory_bytes=33 * block_bytes, max_num_batched_tokens=32, grow_prefill=grow,
                      trace=trace)  # fmt: skip
         done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(batch)])
+        eng.finish_trace()
         outcome[grow] = [str(c.finish_reason) for c in done]
         if grow:
             for p, c in zip(batch, done):

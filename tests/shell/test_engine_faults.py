@@ -17,6 +17,7 @@ from pagedkv.core.verify.trace import replay
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
+from tests.shell.handed import keep_handed
 
 CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
               num_kv_heads=2, max_position=32)  # fmt: skip
@@ -50,12 +51,12 @@ def test_generated_ids_never_collide_with_given_ones() -> None:
     """Issue 17, defect 8 (ids): ``generate`` named its requests ``req-{len(requests)}``, so a waiting
     ``req-1`` given to ``add_request`` made it raise DUPLICATE_REQUEST, and a finished one had its
     completion replaced."""
-    eng = Engine(random_llama(CFG), IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)
+    eng = keep_handed(Engine(random_llama(CFG), IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4))
     eng.add_request("req-1", "", [1, 2, 3], SamplingParams(max_tokens=3))
     first = eng.generate([("a", [4, 5], SamplingParams(max_tokens=2)), ("b", [6], SamplingParams(max_tokens=2))])
-    assert [c.request_id for c in first] == ["req-0", "req-2"] and len(eng.requests["req-1"].completion.token_ids) == 3
+    assert [c.request_id for c in first] == ["req-0", "req-2"] and len(eng.handed["req-1"].token_ids) == 3
     (more,) = eng.generate([("c", [7], SamplingParams(max_tokens=2))])
-    assert more.request_id == "req-3" and eng.requests["req-0"].completion is first[0]
+    assert more.request_id == "req-3" and eng.handed["req-0"] is first[0]
 
 
 class Faulty:
@@ -87,7 +88,7 @@ SAMPLED = [(f"s{i}", [(5 * i + j) % 300 for j in range(2 + 5 * i)],
 
 def serve(model: object, faulty: Faulty | None = None, where: str = "forward", trace: object = None,
           prompts: list = PROMPTS) -> Engine:  # fmt: skip
-    eng = Engine(faulty if where == "forward" and faulty else model, IdTokenizer(), trace=trace, **SMALL)  # type: ignore[arg-type]
+    eng = keep_handed(Engine(faulty if where == "forward" and faulty else model, IdTokenizer(), trace=trace, **SMALL))  # type: ignore[arg-type]
     if faulty is not None and where != "forward":
         target = {"install": (eng.worker, "install"), "sample": (engine_module, "sample_batch")}.get(where)
         if target is not None:
@@ -118,12 +119,13 @@ def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_serves_on(tiny:
     clean = serve(tiny)
     trace = io.StringIO()
     eng = serve(tiny, Faulty(tiny, at=3), trace=trace)
-    failed = [c for c in (eng.requests[rid].completion for rid, _, _ in PROMPTS) if c.finish_reason == "error"]
+    eng.finish_trace()
+    failed = [c for c in (eng.handed[rid] for rid, _, _ in PROMPTS) if c.finish_reason == "error"]
     assert failed and all("injected fault at call 3" in (c.error or "") for c in failed)
     for rid, _, _ in PROMPTS:
-        c = eng.requests[rid].completion
+        c = eng.handed[rid]
         if c.finish_reason != "error":
-            assert c.token_ids == clean.requests[rid].completion.token_ids
+            assert c.token_ids == clean.handed[rid].token_ids
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows
     assert all(r.result.get("error") is None and r.divergence is None and not r.violations
                for r in replay(trace.getvalue().splitlines(), check=True))  # fmt: skip
@@ -142,7 +144,7 @@ def test_two_hundred_injected_faults(tiny: object) -> None:
     for prompts in (PROMPTS, SAMPLED):
         clean = serve(tiny, prompts=prompts)
         assert clean.stats.preemptions > 0
-        want = {rid: clean.requests[rid].completion.token_ids for rid, _, _ in prompts}
+        want = {rid: clean.handed[rid].token_ids for rid, _, _ in prompts}
         for where in ("forward", "install", "sample", "callback"):
             count = Faulty(tiny, 0)
             serve(tiny, count, where, prompts=prompts)  # how many such calls a fault-free run makes
@@ -152,10 +154,10 @@ def test_two_hundred_injected_faults(tiny: object) -> None:
                 faults += 1
                 assert check_invariants(eng.state.kv) == []
                 assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows, (where, at)
-                ended = [rid for rid, _, _ in prompts if eng.requests[rid].completion.finish_reason == "error"]
+                ended = [rid for rid, _, _ in prompts if eng.handed[rid].finish_reason == "error"]
                 assert ended, (where, at)
                 for rid, _, _ in prompts:
-                    got = eng.requests[rid].completion.token_ids
+                    got = eng.handed[rid].token_ids
                     assert got == (want[rid][: len(got)] if rid in ended else want[rid]), (where, at, rid)
                 faulty.at = 0  # no more faults
                 (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=3))])
@@ -190,7 +192,7 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
     for call, says in cases:
         with pytest.raises(ShellError, match=says):
             call()
-        assert sched_digest(eng.state) == before and set(eng.requests) == {"done", "live", "gone"}
+        assert sched_digest(eng.state) == before and set(eng.requests) == {"live"}  # (ended requests are not kept)
 
 
 def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:

@@ -94,11 +94,12 @@ def test_the_engine_step_equals_the_sequential_loop(model: Any, monkeypatch: pyt
     trace = io.StringIO()
     eng = Engine(model, IdTokenizer(), ARGS, trace=trace)
     done = eng.generate(requests())
+    eng.finish_trace()
     assert plans == want_plans
     assert [c.token_ids for c in done] == want_tokens
     results = list(replay(trace.getvalue().splitlines(), check=True))
     assert all(r.divergence is None and not r.violations and r.result.get("error") is None for r in results)
-    ops = [json.loads(line)["op"] for line in trace.getvalue().splitlines()[1:]]
+    ops = [json.loads(line)["op"] for line in trace.getvalue().splitlines()[1:-1]]  # (the end record is the last)
     steps = [r for r, op in zip(results, ops) if op in ("schedule", "output")]
     assert [sched_digest(r.state) for r in steps] == want_digests  # type: ignore[arg-type]
 

@@ -17,6 +17,7 @@ from pagedkv.core.verify.trace import replay
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
+from tests.shell.handed import keep_handed
 
 CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
               num_kv_heads=2, max_position=48)  # fmt: skip
@@ -49,7 +50,7 @@ class Tokenizer(IdTokenizer):
 
 
 def engine(model: Any, tokenizer: Any = None, **kw: Any) -> Engine:
-    return Engine(model, tokenizer or IdTokenizer(), caching_point="schedule", **ARGS, **kw)
+    return keep_handed(Engine(model, tokenizer or IdTokenizer(), caching_point="schedule", **ARGS, **kw))
 
 
 def run(eng: Engine, on_token: Callable[[Any, int], None] | None = None, prompts: list[Any] = PROMPTS) -> list[Any]:
@@ -73,7 +74,7 @@ def check(eng: Engine, clean: Engine, model: Any) -> None:
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows
     assert len(eng.worker.free_rows) == eng.worker.max_rows
     for rid, _, _ in PROMPTS:
-        got, want = eng.requests[rid].completion, clean.requests[rid].completion
+        got, want = eng.handed[rid], clean.handed[rid]
         if got.finish_reason in ("error", "cancelled"):
             assert got.token_ids == want.token_ids[: len(got.token_ids)], rid
         else:
@@ -117,8 +118,9 @@ def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_s
         with pytest.raises(KeyboardInterrupt):
             while eng.has_unfinished():
                 eng.step()
-        failed = [rid for rid, _, _ in PROMPTS if eng.requests[rid].completion.finish_reason == "error"]
-        assert failed and all(eng.requests[r].completion.error == "KeyboardInterrupt" for r in failed)
+        eng.step()  # (the interrupted step's completions come out with the next)
+        failed = [rid for rid, _, _ in PROMPTS if rid in eng.handed and eng.handed[rid].finish_reason == "error"]
+        assert failed and all(eng.handed[r].error == "KeyboardInterrupt" for r in failed)
         prompt = dict((rid, ids) for rid, ids, _ in PROMPTS)[failed[-1]]
         # at once, the interrupted request's prompt again: what the clean engine gives it
         (mine,) = eng.generate([("same", prompt, SamplingParams(max_tokens=6))])
@@ -144,7 +146,7 @@ def test_a_callback_that_cancels_a_request_of_its_step_and_raises(tiny: Any, cle
                 raise Boom("client went away")
 
         assert run(eng, on_token) == []
-        ends = {eng.requests[rid].completion.finish_reason for rid, _, _ in PROMPTS}
+        ends = {eng.handed[rid].finish_reason for rid, _, _ in PROMPTS}
         assert "cancelled" in ends and "error" in ends or at == 1
         check(eng, clean, tiny)
 
@@ -159,7 +161,7 @@ def test_a_detokenizer_fault_anywhere(tiny: Any, clean: Engine, at: int) -> None
     tok.at = at
     raised = run(eng, prompts=prompts)
     assert raised == []
-    assert any("Boom" in (eng.requests[rid].completion.error or "") for rid, _, _ in PROMPTS)
+    assert any("Boom" in (eng.handed[rid].error or "") for rid, _, _ in PROMPTS)
     tok.at = 0
     check(eng, clean, tiny)
 
@@ -188,8 +190,9 @@ def test_a_kv_event_listener_that_raises_loses_no_request(tiny: Any, clean: Engi
             except Boom:
                 raised += 1
         assert raised == 1
+        eng.finish_trace()
         assert sorted(c.request_id for c in handed) == sorted(rid for rid, _, _ in PROMPTS)
-        assert all(c.finish_reason == clean.requests[c.request_id].completion.finish_reason for c in handed)
+        assert all(c.finish_reason == clean.handed[c.request_id].finish_reason for c in handed)
         assert all(r.divergence is None and not r.violations for r in replay(trace.getvalue().splitlines(), check=True))
         check(eng, clean, tiny)
 
@@ -228,7 +231,7 @@ def test_a_listener_fault_inside_the_fault_handler(tiny: Any, clean: Engine) -> 
     eng._fail = fail  # type: ignore[method-assign]
     raised = run(eng)
     assert [str(e) for e in raised] == ["listener"]
-    assert any((eng.requests[rid].completion.error or "").startswith("Boom: forward") for rid, _, _ in PROMPTS)
+    assert any((eng.handed[rid].error or "").startswith("Boom: forward") for rid, _, _ in PROMPTS)
     check(eng, clean, tiny)
 
 

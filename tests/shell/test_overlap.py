@@ -34,6 +34,7 @@ def _serve(model: object, prompts: list[list[int]], params: SamplingParams, over
     eng = Engine(model, tok or StopAt(), block_size=4, async_scheduling=overlap, trace=trace, **kw)
     done = eng.generate([(f"p{i}", p, params) for i, p in enumerate(prompts)])
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows  # everything back
+    eng.finish_trace()
     lines = trace.getvalue().splitlines()
     results = list(replay(lines, check=True))
     assert len(results) == len(lines) - 1 and all(r.divergence is None and not r.violations for r in results)

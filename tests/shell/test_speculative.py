@@ -177,6 +177,7 @@ def test_a_speculative_run_is_recorded_and_replays_digest_for_digest(model: obje
     eng = Engine(model, IdTokenizer(), speculative_config=NGRAM, block_size=4, trace=trace, max_num_seqs=4,
                  kv_cache_memory_bytes=4 * CFG_POOL)  # (a small pool: its digests and checks are quick)
     eng.generate([(f"p{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(_prompts(4, seed=6))])
+    eng.finish_trace()
     lines = trace.getvalue().splitlines()
     assert any('"drafts"' in line for line in lines) and any('"verify"' in line for line in lines)
     results = list(replay(lines, check=True))

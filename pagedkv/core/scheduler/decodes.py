@@ -5,14 +5,18 @@ are short (preemption by recompute: ``policy``'s module note)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from returns.result import Success
 
+from pagedkv.core.admission import growing_refusal, refusal
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
 from pagedkv.core.growth import Placeholders, append, append_decode, append_many
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.draft import Draft
 from pagedkv.core.scheduler.lifecycle import Event
+from pagedkv.core.spec import RequestSpec
+from pagedkv.core.state import KVState
 
 
 def drafts_problem(drafts: object) -> KVError | None:
@@ -96,7 +100,7 @@ def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = (
     grown = grow(d, rid, Placeholders(1) if ahead else [token, *draft])
     if grown is True:
         _planned(d, rid, draft)
-    elif grown is not False:  # max_model_len reached: it cannot go on
+    elif grown is not False:  # max_model_len reached, or more than the whole pool holds: it cannot go on
         d.apply(release(d.kv, rid, "error").unwrap())
         d.running.remove(rid)
         d.end(rid, Event.OVERRUN, grown)
@@ -105,7 +109,9 @@ def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = (
 def grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
     """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
     True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
-    refusal that is not about blocks."""
+    refusal that is not about blocks: its length past ``max_model_len``, or (``UNSCHEDULABLE``) more than the
+    empty pool holds, when even a recompute could never admit it again (no one is preempted for it)."""
+    never: KVError | None | bool = False  # (judged at the first shortage: only a request that runs short pays)
     while True:
         grown = append(d.kv, rid, [tokens])
         if isinstance(grown, Success):
@@ -114,7 +120,28 @@ def grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | K
         err = grown.failure()
         if err.code is not ErrorCode.NO_CAPACITY:
             return err
+        if never is False:
+            never = readmission_refusal(d, rid)
+            if never is not None:
+                return never
         victim = d.running[-1]
         d.preempt(victim)
         if victim == rid:
             return False
+
+
+def readmission_refusal(d: Draft, rid: RequestId) -> KVError | None:
+    """Why running ``rid``, preempted now, could never be admitted again (its prompt and what it generated, as the
+    waiting queue's head would be judged with its blocks back): then it is not preempted, it ends."""
+    req = d.seqs[rid]
+    kv = release(d.kv, rid, "preempted").unwrap().state
+    return admission_refusal(d, kv, replace(req, output=d.output(rid)).spec())
+
+
+def admission_refusal(d: Draft, kv: KVState, spec: RequestSpec) -> KVError | None:
+    """Why the scheduler can never admit ``spec`` into ``kv``'s pool, whatever the pool holds then: ``refusal``
+    (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
+    cfg = d.state.config
+    if cfg.grow_prefill and spec.rows[0].prefix_len is None:
+        return growing_refusal(kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)
+    return refusal(kv, spec)

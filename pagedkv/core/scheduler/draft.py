@@ -22,7 +22,7 @@ from pagedkv.core.state import KVState, Step
 class Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
-    __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit", "finished",
+    __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit",
                  "decode", "verify", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events", "awaiting")  # fmt: skip
 
     def __init__(self, state: SchedState) -> None:
@@ -35,7 +35,6 @@ class Draft:
         self.seqs: Map[RequestId, SeqRequest] = state.seqs
         self.log: TokenLog = state.log
         self.log_edit: TokenLogEdit | None = None  # opened only when a request ends here
-        self.finished: Map[RequestId, FinishReason] = state.finished
         self.decode: list[RequestId] = []
         self.verify: list[tuple[RequestId, tuple[int, ...]]] = []  # decodes with drafts (speculative decoding)
         self.prefill: list[tuple[RequestId, int]] = []
@@ -47,6 +46,10 @@ class Draft:
         self.prefilling = {rid for rid in self.running if stages[rid] is Stage.PREFILLING}  # (one scan a step)
         self.events: list[KVEvent] = []  # the core's KV events of this step, in order
         self.awaiting = state.awaiting  # requests whose last token's id is not known yet
+
+    def output(self, rid: RequestId) -> tuple[int, ...]:
+        """What ``rid`` generated so far (before a preemption), as this draft sees it."""
+        return (self.log if self.log_edit is None else self.log_edit).tokens(rid)
 
     def apply(self, step: Step[Any]) -> None:
         """Take a core transition's new state, and keep its events."""
@@ -65,14 +68,14 @@ class Draft:
 
     def end(self, rid: RequestId, event: Event, why: KVError) -> None:
         """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,
-        into ``finished`` with the refusal's code."""
+        into the plan's ``finished`` with the refusal's code."""
         how = FinishReason(why.code.value)
         self.refusals.append(why)
         self.move(rid, event)
         self.seqs = self.seqs.delete(rid)
         self.log_edit = self.log_edit or self.log.edit()
         self.log_edit.drop(rid)
-        self.finished = self.finished.set(rid, how)
+        self.awaiting = self.awaiting - {rid} if rid in self.awaiting else self.awaiting
         self.ended.append((rid, how))
 
     def preempt(self, victim: RequestId) -> None:

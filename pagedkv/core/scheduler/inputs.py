@@ -7,9 +7,9 @@ from dataclasses import replace
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, shown
+from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, is_seq, shown
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
+from pagedkv.core.scheduler.lifecycle import Event, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
 from pagedkv.core.spec import check_request_spec
 
@@ -20,12 +20,11 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
     if err is not None:
         return Failure(err)
     rid = request.request_id
-    req = replace(request, output=(), arrival=state.arrivals)
+    req = replace(_as_tuples(request), arrival=state.arrivals)
     log = state.log.edit()
     log.add(rid)
-    finished = state.finished.delete(rid) if rid in state.finished else state.finished  # (an id may come again)
     return Success(replace(state, waiting=state.waiting.append(rid), stages=state.stages.set(rid, moved(None, Event.SUBMIT)),
-                           seqs=state.seqs.set(rid, req), log=log.persistent(), finished=finished,
+                           seqs=state.seqs.set(rid, req), log=log.persistent(),
                            arrivals=state.arrivals + 1, kv_events=()))  # fmt: skip
 
 
@@ -34,19 +33,29 @@ def _check(state: SchedState, request: object) -> KVError | None:
         return invalid("submit needs a SeqRequest with a string or integer id", field="request")
     rid = request.request_id
     if request.rows is None:
-        if not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
+        if not is_seq(request.prompt) or not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
             return invalid(f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid,
                            field="prompt")  # fmt: skip
         if not is_int(request.max_tokens) or not 1 <= request.max_tokens < INT_ID_LIMIT:
             return invalid(f"request {shown(rid)}: max_tokens must be a positive integer", request=rid, field="max_tokens")
     elif not is_int(request.steps) or request.steps < 1:
         return invalid(f"request {shown(rid)}: steps must be a positive integer", request=rid, field="steps")
-    err = check_request_spec(replace(request, output=()).spec())
+    if request.rows is not None and not is_seq(request.rows):
+        return invalid(f"request {shown(rid)}: rows must be a tuple of RowSpec", request=rid, field="rows")
+    if not is_seq(request.extra_keys):
+        return invalid(f"request {shown(rid)}: extra_keys must be a tuple of keys", request=rid, field="extra_keys")
+    err = check_request_spec(_as_tuples(request).spec())
     if err is not None:
         return err
     if rid in state.seqs:
         return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already waiting or running", request=rid)
     return None
+
+
+def _as_tuples(request: SeqRequest) -> SeqRequest:
+    """A checked request as the state keeps it: its lists as tuples, no output yet."""
+    rows = None if request.rows is None else tuple(request.rows)
+    return replace(request, prompt=tuple(request.prompt), rows=rows, extra_keys=tuple(request.extra_keys), output=())
 
 
 def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") -> Result[SchedState, KVError]:
@@ -72,7 +81,6 @@ def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:
         state, kv=kv, waiting=_without(state.waiting, request_id),
         running=tuple(r for r in state.running if r != request_id), stages=state.stages.delete(request_id),
         seqs=state.seqs.delete(request_id), log=log.persistent(),
-        finished=state.finished.set(request_id, FinishReason(reason)),
         sched_decode=tuple(r for r in state.sched_decode if r != request_id),
         sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
         sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id), kv_events=events,

@@ -10,7 +10,7 @@ fails when the two differ).
 from __future__ import annotations
 
 from enum import StrEnum
-from pagedkv.core.errors import shown
+from pagedkv.core.errors import InvariantError, shown
 
 
 class Stage(StrEnum):
@@ -71,13 +71,14 @@ def advance(phase: Stage | None, event: Event) -> Stage | None:
     try:
         return _MOVES[(phase, event)]
     except KeyError:
-        raise AssertionError(f"the lifecycle has no {shown(event.value)} from {phase}: a scheduler bug") from None
+        raise InvariantError(f"the lifecycle has no {shown(event.value)} from {phase}: a scheduler bug") from None
 
 
 def moved(phase: Stage | None, event: Event) -> Stage:
     """``advance`` for an event that keeps the request alive."""
     to = advance(phase, event)
-    assert to is not None, f"{shown(event.value)} ends a request"
+    if to is None:
+        raise InvariantError(f"{shown(event.value)} ends a request")
     return to
 
 

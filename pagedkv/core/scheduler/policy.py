@@ -23,14 +23,14 @@ from dataclasses import replace
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.admission import admit, growing_refusal
+from pagedkv.core.admission import admit
 from pagedkv.core.commit import cache_ahead
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid
+from pagedkv.core.errors import ErrorCode, InvariantError, KVError, RequestId, invalid
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.scheduler.lifecycle import Event
-from pagedkv.core.scheduler.decodes import decodes, drafts_problem, grow
+from pagedkv.core.scheduler.decodes import admission_refusal, decodes, drafts_problem, grow
 from pagedkv.core.scheduler.draft import Draft
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
 from pagedkv.core.snapshot import publish
@@ -77,14 +77,9 @@ def _prefill_chunks(d: Draft) -> None:
                 _cache_ahead(d, rid, computed + q)
 
 
-def _output(d: Draft, rid: RequestId) -> tuple[int, ...]:
-    """What ``rid`` generated so far (before a preemption), as this draft sees it."""
-    return (d.log if d.log_edit is None else d.log_edit).tokens(rid)
-
-
 def _sequence_len(d: Draft, rid: RequestId) -> int:
     """What an LLM request computes before it decodes: its prompt and what it generated before a preemption."""
-    return len(d.seqs[rid].prompt) + len(_output(d, rid))
+    return len(d.seqs[rid].prompt) + len(d.output(rid))
 
 
 def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
@@ -95,9 +90,9 @@ def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
     if end <= length:
         return True
     req = d.seqs[rid]
-    grown = grow(d, rid, list((req.prompt + _output(d, rid))[length:end]))
+    grown = grow(d, rid, list((req.prompt + d.output(rid))[length:end]))
     if isinstance(grown, KVError):  # (admission checked the whole sequence)
-        raise AssertionError(f"a prefill chunk's growth was refused: {grown.message}")
+        raise InvariantError(f"a prefill chunk's growth was refused: {grown.message}")
     return grown
 
 
@@ -124,10 +119,10 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
     if rid in d.awaiting:  # preempted before its last id came back: it waits for it
         return "skip" if cfg.allow_overtaking else "stop"
     req = d.seqs[rid]
-    output = _output(d, rid) if req.rows is None else ()
+    output = d.output(rid) if req.rows is None else ()
     spec = replace(req, output=output).spec() if output else req.spec()
     if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
-        never = growing_refusal(d.kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)
+        never = admission_refusal(d, d.kv, spec)
         if never is not None:
             d.end(rid, Event.REFUSE, never)
             return "done"
@@ -199,7 +194,6 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
     plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
                     tuple(d.ended), tuple(metadata), samples, tuple(d.refusals), tuple(d.verify))  # fmt: skip
     log = d.log if d.log_edit is None else d.log_edit.persistent()
-    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, d.finished,
-                     tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
+    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
                      state.arrivals, tuple(d.events), tuple(d.verify), d.awaiting)  # fmt: skip
     return new, plan

@@ -137,8 +137,8 @@ class SchedState:
     running: tuple[RequestId, ...]  # in admission order: the newest is last
     stages: Map[RequestId, Stage]  # every live request's phase
     seqs: Map[RequestId, SeqRequest]  # live requests, as submitted (output empty)
-    log: TokenLog  # live requests: the ids each generated so far
-    finished: Map[RequestId, FinishReason]  # how each ended
+    log: TokenLog  # live requests: the ids each generated so far (an ended request leaves every record: the
+    # plan or output that ended it said how, and the state holds live requests only, never the run's history)
     sched_decode: tuple[RequestId, ...]  # the last plan, until its on_output: its decodes,
     sched_prefill: tuple[Prefilled, ...]  # its prefill chunks,
     sched_diffusion: tuple[RequestId, ...]  # and its diffusion runs
@@ -195,5 +195,4 @@ class LiveRequests(Mapping[RequestId, SeqRequest]):
 
 
 def new_scheduler(cache: CacheConfig, config: SchedulerConfig = SchedulerConfig()) -> SchedState:
-    return SchedState(config, initial_state(cache), pdeque(), (), Map(), Map(), TokenLog.empty(), Map(), (), (), (),
-                      0, 0)  # fmt: skip
+    return SchedState(config, initial_state(cache), pdeque(), (), Map(), Map(), TokenLog.empty(), (), (), (), 0, 0)

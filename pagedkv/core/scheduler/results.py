@@ -42,11 +42,13 @@ def on_output(
     and ``on_tokens`` gives the id before anything reads it (a request whose last id is still awaited
     cannot be given ``None`` again, nor verify drafts).
     """
+    if not isinstance(sampled, Mapping) or not _is_collection(finished):
+        return Failure(_bad_arguments("on_output", sampled, finished))
     toks: list[Any] = [sampled.get(rid) for rid in state.sched_decode]  # checked at C speed; a bad one named below
     fast = are_token_ids(toks)  # (a None among the decodes fails it; the last prefill chunks are few)
     ahead = frozenset() if fast and all(sampled.get(c.request_id) is not None for c in state.sched_prefill
                                         if c.samples) else frozenset(rid for rid, v in sampled.items() if v is None)  # fmt: skip
-    err = _check_sampled(state, sampled, fast, ahead)
+    err = _check_sampled(state, sampled, fast, ahead) or _outside_plan(state, sampled, finished)
     if err is not None:
         return Failure(err)
     if ahead:
@@ -58,7 +60,6 @@ def on_output(
     kv = _commit(state, events, verified)
     log, seqs, stages = state.log.edit(), state.seqs, state.stages.mutate()
     ending = _logged(state, sampled, toks, verified, set(finished), log, stages)
-    done = state.finished
     if ending:
         released = release_many(kv, ending, "finished").unwrap()
         kv = released.state
@@ -68,12 +69,11 @@ def on_output(
             del stages[rid]
             seqs = seqs.delete(rid)
             log.drop(rid)
-            done = done.set(rid, FinishReason.FINISHED)
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
     awaiting = (state.awaiting | ahead) - gone if ahead or state.awaiting else state.awaiting
-    new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), done, (), (),
-                     (), state.step, state.arrivals, tuple(events), (), awaiting)  # fmt: skip
+    new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), (), (), (),
+                     state.step, state.arrivals, tuple(events), (), awaiting)  # fmt: skip
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
 
 
@@ -113,6 +113,35 @@ def _check_sampled(state: SchedState, sampled: Mapping[RequestId, Any], decodes_
             return invalid(f"request {shown(rid)} computed its last token this step; on_output needs its "
                            f"sampled token id{again}, got {shown(tok)}", request=rid, field="sampled")  # fmt: skip
     return None
+
+
+def _outside_plan(state: SchedState, sampled: Mapping[RequestId, Any], finished: Iterable[RequestId]) -> KVError | None:
+    """A token, or an ending, for a request the last plan did not sample: refused (an engine that hands the
+    scheduler tokens of the wrong requests has lost track of its batch). Every sampled request has a token once
+    ``_check_sampled`` passed, so ``sampled`` holds no other when its size is theirs."""
+    n = len(state.sched_decode) + len(state.sched_verify) + sum(1 for c in state.sched_prefill if c.samples)
+    if len(sampled) == n and not finished:
+        return None
+    samples = {*state.sched_decode, *(rid for rid, _ in state.sched_verify),
+               *(c.request_id for c in state.sched_prefill if c.samples)}  # fmt: skip
+    for field, rids in (("sampled", sampled), ("finished", finished)):
+        for rid in rids:
+            if not is_request_id(rid) or rid not in samples:
+                return invalid(f"request {shown(rid)} computed no token in step {state.step - 1}; on_output takes "
+                               f"{field} only for the requests the plan sampled", field=field)  # fmt: skip
+    return None
+
+
+def _is_collection(value: object) -> bool:
+    """Request ids to end: a list, tuple or set (a str would be read as its characters)."""
+    return type(value) in (list, tuple, set, frozenset)
+
+
+def _bad_arguments(op: str, sampled: object, finished: object) -> KVError:
+    if not isinstance(sampled, Mapping):
+        return invalid(f"{op} needs sampled: a mapping of request id to token id, got {shown(sampled):.80}",
+                       field="sampled")  # fmt: skip
+    return invalid(f"{op} needs finished: a list of request ids, got {shown(finished):.80}", field="finished")
 
 
 def _verified(state: SchedState, sampled: Mapping[RequestId, Any]) -> dict[RequestId, tuple[int, ...]] | KVError:
@@ -165,7 +194,14 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
     back, dropped from the plan in flight (its forward ran for them; the engine drops what it gave). Ids and
     endings of requests no longer live (one that reached ``max_tokens`` ended at its output) are ignored.
     All is checked before anything is applied; the state is as it was on a refusal."""
+    if not isinstance(sampled, Mapping) or not _is_collection(finished):
+        return Failure(_bad_arguments("on_tokens", sampled, finished))
     live = sorted((rid for rid in state.awaiting if rid in state.seqs), key=_order)
+    for field, rids in (("sampled", sampled), ("finished", finished)):
+        for rid in rids:  # a live request that awaits no id: not this output's (an ended one's are ignored)
+            if not is_request_id(rid) or (rid in state.seqs and rid not in state.awaiting):
+                return Failure(invalid(f"request {shown(rid)} awaits no token id; on_tokens takes {field} only for "
+                                       "the requests an earlier output gave as None", field=field))  # fmt: skip
     for rid in live:
         if not is_token_id(sampled.get(rid)):
             return Failure(invalid(f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
@@ -184,7 +220,7 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
         kv = step.state
         events.extend(events_of(step.effect))
     new = replace(state, kv=kv, log=log.persistent(), awaiting=frozenset())
-    ending = sorted({rid for rid in finished if is_request_id(rid) and rid in state.seqs}, key=_order)  # (one order)
+    ending = sorted({rid for rid in finished if rid in state.seqs}, key=_order)  # (one order)
     for rid in ending:
         new = ended(new, rid, "finished")
         events.extend(new.kv_events)

@@ -25,7 +25,7 @@ from pagedkv.core.verify.invariants import admission_violations, check_invariant
 from pagedkv.core.state import KVState, free_queue, initial_state
 from pagedkv.core.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
-from pagedkv.core.verify.record import policy_keys
+from pagedkv.core.verify.record import end_event, policy_keys
 
 
 def canonical_key(s: KVState) -> tuple[Any, ...]:
@@ -136,7 +136,7 @@ def _expand(cfg: CheckConfig, state: KVState, key: tuple[Any, ...], events: list
             if wrong:
                 result.depth += 1
                 result.violation = wrong
-                result.trace = _trace(cfg, parents, key) + [json.dumps(ev.to_json(state))]
+                result.trace = _trace(cfg, parents, key, ev.to_json(state))
                 return True
             continue
         step = outcome.unwrap()
@@ -179,8 +179,10 @@ def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:
     return admission_violations(state, ev.spec, outcome.unwrap().state, None)
 
 
-def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> list[str]:
-    events: list[dict[str, Any]] = []
+def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...],
+           last: dict[str, Any] | None = None) -> list[str]:  # fmt: skip
+    """The trace that reaches ``key`` (then ``last``, a refused event), its header and its end record."""
+    events: list[dict[str, Any]] = [] if last is None else [last]
     link = parents[key]
     while link is not None:
         key, ev = link
@@ -191,5 +193,5 @@ def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...]) -> l
     header = {"pagedkv_trace": 1, "config": {
         "block_size": c.block_size, "num_blocks": c.num_blocks, "groups": groups,
         "enable_prefix_caching": c.enable_prefix_caching, "max_rows_per_request": c.max_rows_per_request,
-        "max_model_len": c.max_model_len, **policy_keys(c)}}  # fmt: skip
-    return [json.dumps(header)] + [json.dumps(e) for e in reversed(events)]
+        "max_model_len": c.max_model_len, **policy_keys(c), "end_record": True}}  # fmt: skip
+    return [json.dumps(header)] + [json.dumps(e) for e in reversed(events)] + [json.dumps(end_event(len(events)))]

@@ -9,19 +9,27 @@ from typing import Any
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
-from pagedkv.core.verify.trace import SCHEDULER_KEYS, TRACE_VERSION
+from pagedkv.core.verify.trace import LIVE_DIGEST, SCHEDULER_KEYS, TRACE_VERSION
 
 
 def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, Any]:
-    """The first line of a scheduler trace (contract v1 with a "scheduler" config)."""
+    """The first line of a scheduler trace (contract v1 with a "scheduler" config): its digest covers live state
+    only, and it ends with an end record (``end_event``)."""
     groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {}),
                **({"chunk": g.chunk} if g.chunk else {})} for g in cache.groups]  # fmt: skip
     return {"pagedkv_trace": TRACE_VERSION, "config": {
         "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
         "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
         "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
-        **policy_keys(cache), "scheduler": {**{k: getattr(sched, k) for k in SCHEDULER_KEYS},
-                                            **({"grow_prefill": True} if sched.grow_prefill else {})}}}  # fmt: skip
+        **policy_keys(cache), "end_record": True,
+        "scheduler": {**{k: getattr(sched, k) for k in SCHEDULER_KEYS},
+                      **({"grow_prefill": True} if sched.grow_prefill else {}), "digest": LIVE_DIGEST}}}  # fmt: skip
+
+
+def end_event(events: int) -> dict[str, Any]:
+    """A trace's last line: the number of event lines before it, so that replay tells a whole trace from one cut
+    short, or with lines lost or added (the header says ``"end_record": true``)."""
+    return {"op": "end", "events": events}
 
 
 def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:

@@ -35,6 +35,9 @@ class TraceHeaderError(ValueError):
 
 
 REPLAY_MAX_BLOCKS = 1 << 20  # the largest pool a trace header may name (docs/trace.md)
+# a scheduler trace whose digest covers live state only (its header's "scheduler" says "digest": "live"); one
+# recorded before it also covered every request that had ended (replay keeps that record itself)
+LIVE_DIGEST = "live"
 
 
 def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
@@ -60,11 +63,16 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))
             for g in groups_raw
         )
+        if type(cfg.get("end_record", False)) is not bool:
+            raise InvalidConfig(f'"end_record" must be true or false, got {shown(cfg["end_record"])}')
         sched_raw = cfg.get("scheduler")
         sched = None
         if sched_raw is not None:
             if not isinstance(sched_raw, dict):
                 raise InvalidConfig('"scheduler" must be an object')
+            if sched_raw.get("digest", LIVE_DIGEST) != LIVE_DIGEST:
+                raise InvalidConfig(f'the scheduler\'s "digest" must be "{LIVE_DIGEST}" (or absent), got '
+                                    f'{shown(sched_raw["digest"])}')  # fmt: skip
             known = {k: sched_raw[k] for k in (*SCHEDULER_KEYS, "grow_prefill") if k in sched_raw}
             sched = SchedulerConfig(**known)
         blocks = cfg.get("num_blocks")
@@ -110,7 +118,10 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
     """Run a whole trace. Raises ``TraceHeaderError`` before the first event if the header is bad.
 
     Blank lines are skipped and not counted; every other line is an event. With
-    ``check``, every invariant is checked after every event (O(pool) each).
+    ``check``, every invariant is checked after every event (O(pool) each). A trace whose header
+    promises an end record (``"end_record": true``) and stops without one, whose end record counts
+    other events than came before it, or that goes on after it, diverges there: it was cut short, or
+    lines were lost, inserted or appended (a trace without the promise cannot tell).
     """
     it = iter(enumerate(lines, start=1))
     for lineno, line in it:
@@ -118,6 +129,9 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             cache, sched = parse_trace_header(line)
             state: Any = initial_state(cache) if sched is None else new_scheduler(cache, sched)
             config = json.loads(line)["config"]
+            promised = config.get("end_record", False)
+            # a scheduler trace recorded before its digest covered live state only: how each request ended
+            ended: dict[Any, str] | None = {} if sched is not None and "digest" not in config["scheduler"] else None
             if config.get("dit_steps") is True:  # DiT step batching (core.scheduler.steps), its forward budget
                 budget = dit_steps.Budget(config.get("max_forward_rows"), config.get("max_forward_tokens"))
                 if (bad := budget.check()) is not None:
@@ -126,18 +140,25 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             break
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
-    last_digest = _digest(state)
+    last_digest = _digest(state, ended)
     previous_generation = kv_of(state).generation
     i = 0
+    end_at: int | None = None  # the line of the end record, once read
     for lineno, line in it:
         if not line.strip():
             continue
         before = state
-        state, result, expect = run_line(state, line, lineno)
+        if end_at is not None:  # nothing comes after the end record
+            state, result, expect = state, _failed(state, None, invalid(f"line {lineno}: after the end record "
+                                                                        f"(line {end_at})")), None  # fmt: skip
+        else:
+            state, result, expect = run_line(state, line, lineno, i)
         changed = result.pop("_changed")
         effect = result.pop("_effect", None)
-        if changed:
-            last_digest = _digest(state)
+        if ended is not None and result["ok"]:
+            _note_endings(ended, result, line)
+        if changed or (ended is not None and result["ok"]):
+            last_digest = _digest(state, ended)
         ordered: dict[str, Any] = {"i": i}
         for key in ("op", "ok", "error", "generation", "free_blocks"):
             ordered[key] = result.pop(key)
@@ -146,6 +167,9 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         divergence = None
         if expect is not None:
             divergence = first_mismatch(expect, ordered, "")
+        if ordered["op"] == "end" or end_at is not None:  # the trace's own end: a mismatch is a cut or added line
+            divergence = divergence or (None if ordered["ok"] else ordered["error"]["message"])
+            end_at = end_at or lineno
         violations: tuple[str, ...] = ()
         if check and changed:
             violations = tuple(check_invariants(kv_of(state)))
@@ -159,7 +183,30 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         previous_generation = kv_of(state).generation
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
+    if promised and end_at is None:  # the end record never came: reported in its place
+        why = (f"line {lineno + 1}: the trace stops after {i} events without the end record its header promises: "
+               "it was cut short (or is still being written)")  # fmt: skip
+        result = _failed(state, "end", invalid(why))
+        result.pop("_changed")
+        ordered = {"i": i, **{k: result.pop(k) for k in ("op", "ok", "error", "generation", "free_blocks")},
+                   "digest": last_digest, **result}  # fmt: skip
+        yield EventResult(lineno + 1, ordered, why, state)
 
+
+def _note_endings(ended: dict[Any, str], result: dict[str, Any], line: str) -> None:
+    """A scheduler trace of the old digest: how each request ended so far, as its state once kept it (a submit
+    takes its id out again)."""
+    op = result["op"]
+    if op == "schedule":
+        ended.update((rid, how) for rid, how in result["plan"]["finished"])
+    elif op in ("output", "tokens"):
+        ended.update((rid, how) for rid, how in result["finished"])
+    elif op in ("cancel", "error", "submit"):
+        rid = json.loads(line)["request"]
+        if op == "submit":
+            ended.pop(rid, None)
+        else:
+            ended[rid] = "cancelled" if op == "cancel" else "error"
 
 def _judge_admission(before: KVState, line: str, after: KVState | None, error: dict[str, Any] | None) -> list[str]:
     """``admission_violations`` of an admit line (the model checker's judgement of an admission)."""
@@ -174,16 +221,17 @@ def kv_of(state: Any) -> KVState:
     return state.kv if isinstance(state, (SchedState, dit_steps.StepState)) else state
 
 
-def _digest(state: Any) -> str:
+def _digest(state: Any, ended: dict[Any, str] | None = None) -> str:
     if isinstance(state, dit_steps.StepState):
         return dit_steps.steps_digest(state)
-    return sched_digest(state) if isinstance(state, SchedState) else digest(state)
+    return sched_digest(state, ended) if isinstance(state, SchedState) else digest(state)
 
 
 def run_line(
-    state: KVState | SchedState, line: str, lineno: int
+    state: KVState | SchedState, line: str, lineno: int, index: int = 0
 ) -> tuple[KVState | SchedState, dict[str, Any], dict[str, Any] | None]:
-    """Apply one event line; returns the next state, the partial result and the expect object."""
+    """Apply one event line (``index``: the event lines before it); returns the next state, the partial result
+    and the expect object."""
     op: Any = None
     expect: dict[str, Any] | None = None
     try:
@@ -198,6 +246,14 @@ def run_line(
         if not isinstance(event["expect"], dict):
             return state, _failed(state, op_out, invalid(f"line {lineno}: \"expect\" must be an object")), None
         expect = event["expect"]
+    if op == "end":  # any trace's last line: how many event lines came before it
+        events = event.get("events")
+        if not is_int(events) or events != index:
+            why = (f"line {lineno}: the end record counts {shown(events)} events; {index} came before it: lines were "
+                   "lost or inserted")  # fmt: skip
+            return state, _failed(state, "end", invalid(why)), expect
+        return state, {"op": "end", "ok": True, "error": None, "generation": kv_of(state).generation,
+                       "free_blocks": kv_of(state).free_blocks, "_changed": False}, expect  # fmt: skip
     steps = isinstance(state, dit_steps.StepState)
     ops = STEP_OPS if steps else SCHEDULER_OPS if isinstance(state, SchedState) else OPS
     if op not in ops:

@@ -20,7 +20,7 @@ from returns.result import Failure
 
 from pagedkv.core import RequestSpec, RowSpec, admit, commit, initial_state, release, request_blocks
 from pagedkv.core import reset_prefix_cache
-from pagedkv.core.errors import ErrorCode, KVError
+from pagedkv.core.errors import ErrorCode, InvariantError, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
@@ -273,7 +273,8 @@ class PagedKVCacheManager(StepStates, RunningRows):
         self._state = self._stream.keep(txn, None)
         self._stream.reset_metrics()
         if self.log_stats:
-            assert self.prefix_cache_stats is not None
+            if self.prefix_cache_stats is None:
+                raise InvariantError("log_stats keeps prefix_cache_stats")
             self.prefix_cache_stats.reset = True
         return True
 

@@ -26,6 +26,7 @@ from itertools import count
 
 import zmq
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.events import KVEvent
 from pagedkv.integrations.vllm.events import KVEventBatch, encode, to_vllm_batch
@@ -91,7 +92,8 @@ class ZmqEventPublisher:
             self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
-        assert self._replay is not None
+        if self._replay is None:
+            raise InvariantError("a replay socket serves replays")
         frames = self._replay.recv_multipart()
         if len(frames) != 3:  # (client id, empty delimiter, start seq)
             return

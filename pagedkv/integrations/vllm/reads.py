@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.core.errors import InvariantError
 from pagedkv.core import CacheConfig, request_blocks
 from pagedkv.core.state import KVState
 from pagedkv.integrations.vllm.geometry import Unsupported
@@ -47,7 +48,8 @@ class ManagerReads:
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
-        assert self.prefix_cache_stats is not None
+        if self.prefix_cache_stats is None:
+            raise InvariantError("log_stats keeps prefix_cache_stats")
         self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
                                        preempted=request.num_preemptions > 0)  # fmt: skip
 

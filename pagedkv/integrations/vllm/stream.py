@@ -17,7 +17,7 @@ from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.effects import events_of
-from pagedkv.core.errors import KVError
+from pagedkv.core.errors import InvariantError, KVError
 from pagedkv.core.events import BlockStored
 from pagedkv.core.prefix import Hit
 from pagedkv.core.spec import RequestSpec
@@ -128,7 +128,8 @@ class EventStream:
         sends none."""
         if self.enabled:
             per_call = [effect for effect in txn.effects if isinstance(effect, tuple)]
-            assert not any(events_of(e) for e in txn.effects if not isinstance(e, tuple)), "the growth sends no events"
+            if any(events_of(e) for e in txn.effects if not isinstance(e, tuple)):
+                raise InvariantError("the growth sends no events")
             for k, (place, request) in enumerate(zip(self._places, requests, strict=True)):
                 events = [e for effects in per_call for e in events_of(effects[k])]
                 if events:

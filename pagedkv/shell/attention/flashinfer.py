@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.config import GroupKind
-from pagedkv.core.errors import ErrorCode
+from pagedkv.core.errors import ErrorCode, InvariantError
 from pagedkv.core.metadata import KVMetadata, Phase
 from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
@@ -177,7 +177,8 @@ class FlashInferBackend:
     def _graph_wrapper(self, bucket: int, key: tuple[Any, ...], device: torch.device) -> Any:
         wrapper = self._graph.get((bucket, *key))
         if wrapper is None:  # first seen in a capture's warm-up (eager): made and planned here
-            assert self._graph_input is not None, "begin_graph runs before a graph's forwards"
+            if self._graph_input is None:
+                raise InvariantError("begin_graph runs before a graph's forwards")
             batch, max_blocks = self._graph_input
             i32 = torch.int32
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(

@@ -9,14 +9,51 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import BinaryIO, NoReturn
 
 USAGE_EXIT = 2  # a usage or input error; 1 is a divergence or a failed run
 
 
 class UsageError(Exception):
     """A mistake in what the user gave (a flag, a prompts file): one line on stderr, exit 2."""
+
+
+MAX_LINE_BYTES = 64 << 20  # a line of a prompts file or a trace at most: a whole long-context prompt is a few
+# MiB, while a file that never ends a line (/dev/zero, a binary) would otherwise be read until memory runs out
+
+
+def read_lines(path: str, name: str, *, strict: bool) -> Iterator[str]:
+    """The lines of ``path`` (``-``: standard input), read one at a time, each at most ``MAX_LINE_BYTES``:
+    ``UsageError`` naming ``name`` when it cannot be opened (now), and, as the lines are read, for a line past
+    the bound or (``strict``) one that is not UTF-8 (else such bytes read as U+FFFD)."""
+    try:
+        stream = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115 - closed by _lines
+    except OSError as e:
+        raise UsageError(f"cannot read {name}: {e.strerror}") from None
+    return _lines(stream, name, strict, close=path != "-")
+
+
+def _lines(stream: BinaryIO, name: str, strict: bool, close: bool) -> Iterator[str]:
+    try:
+        n = 0
+        while True:
+            try:
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+            except OSError as e:
+                raise UsageError(f"cannot read {name}: {e.strerror or e}") from None
+            if not raw:
+                return
+            n += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise UsageError(f"{name} line {n} is longer than {MAX_LINE_BYTES >> 20} MiB (is it a text file?)")
+            try:
+                yield raw.decode("utf-8", errors="strict" if strict else "replace").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{name} line {n} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    finally:
+        if close:
+            stream.close()
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):

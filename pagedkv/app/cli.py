@@ -8,9 +8,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, bounded_int, file_name, writable_target
+from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, bounded_int, file_name, read_lines, writable_target
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
@@ -183,11 +183,12 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
     for stream in (out, sys.stderr):  # an id holding a lone surrogate prints escaped, never raises
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    table = f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n"
     try:
-        if not as_json:
-            out.write(f"{'i':>4} {'line':>5}  {'op':<18} {'result':<20} {'gen':>5} {'free':>6}  {'digest':<12}  detail\n")
         states: list[KVState] = []
         for ev in replay(lines, check=check_invariants):
+            if not as_json and not events:  # (the table's head once the trace is known readable)
+                out.write(table)
             events += 1
             if page_map_path:
                 states.append(kv_of(ev.state))
@@ -204,11 +205,12 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
                 out.write(json.dumps(r) + "\n")
             else:
                 out.write(_row(ev.line, r) + "\n")
-    except TraceHeaderError as e:
+    except (TraceHeaderError, UsageError) as e:  # (a line past the bound, read as the replay goes)
+        out.flush()
         print(f"pagedkv replay: {e}", file=sys.stderr)
         return USAGE_EXIT
     if not as_json:
-        out.write(f"{events} events, {failures} refused, {divergences} diverged from expect\n")
+        out.write(("" if events else table) + f"{events} events, {failures} refused, {divergences} diverged from expect\n")
     if page_map_path and states:
         from pagedkv.app.plot import page_map
 
@@ -225,19 +227,14 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
     return 0
 
 
-def _trace_lines(path: str, page_map_path: str | None) -> list[str]:
-    """The trace's lines (``-``: standard input), once the page map's target is checked; ``UsageError`` else."""
+def _trace_lines(path: str, page_map_path: str | None) -> Iterator[str]:
+    """The trace's lines (``-``: standard input) as they are read, once the page map's target is checked;
+    ``UsageError`` for what cannot be read (a line past the bound: as it is read)."""
     if page_map_path:
         from pagedkv.app.plot import check_target
 
         check_target(page_map_path)
-    try:
-        if path == "-":
-            return sys.stdin.read().splitlines()
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().splitlines()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    return read_lines(path, path, strict=False)
 
 
 def _row(line: int, r: dict[str, object]) -> str:

@@ -152,8 +152,9 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
         return USAGE_EXIT
     except KeyboardInterrupt:  # what had finished is printed, the trace so far replays
         bar.close()
-        order = {rid: i for i, rid in enumerate(engine.requests)}  # a fresh engine: ids in prompt order
-        for c in sorted(done, key=lambda c: order[c.request_id]):
+        engine.finish_trace()
+        order = {f"req-{i}": i for i in range(len(requests))}  # (a fresh engine's generate names them so)
+        for c in sorted((c for c in done if c.request_id in order), key=lambda c: order[c.request_id]):
             print_completion(args, order[c.request_id], items[order[c.request_id]], c)
         sys.stdout.flush()
         print(f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
@@ -161,6 +162,7 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
         return INTERRUPTED_EXIT
     finally:
         bar.close()
+    engine.finish_trace()  # (the trace's end record: it replays as whole)
     gen_s = time.perf_counter() - t1
     for i, (it, c) in enumerate(zip(items, completions)):
         print_completion(args, i, it, c)

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from pagedkv.app.args import SEED_LIMIT, UsageError
+from pagedkv.app.args import SEED_LIMIT, UsageError, read_lines
 from pagedkv.core.errors import shown as shown_value
 
 ITEM_KEYS = ("prompt", "max_tokens", "system")
@@ -27,17 +27,7 @@ def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
         items.append({"prompt": p, "max_tokens": args.max_tokens})
     if args.prompts:
         name = "standard input" if args.prompts == "-" else args.prompts
-        try:
-            if args.prompts == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.prompts, encoding="utf-8") as f:
-                    text = f.read()
-        except OSError as e:
-            raise UsageError(f"cannot read {name}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(read_lines(args.prompts, name, strict=True), 1):
             if line.strip():
                 items.append(_item(line, f"{name} line {n}", args.max_tokens))
     if not items:

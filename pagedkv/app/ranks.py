@@ -66,6 +66,7 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
     w = rank.worker
     dist.broadcast_object_list([(rank.cache, w.max_rows, w.max_tokens, w.token_rows)], src=0)  # every rank's geometry
     t0 = time.perf_counter()
+    ended: dict[str, str] = {}  # the requests a failure ended, and how (plain strings pickle anywhere)
     try:
         done = eng.generate(requests)
         result["completions"] = [(c.token_ids, c.finish_reason, c.error) for c in done]
@@ -75,13 +76,14 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
         st = eng.state
         step_ids = {*st.sched_decode, *(p.request_id for p in st.sched_prefill), *st.sched_diffusion}
         for rid in sorted(eng.state.live.keys(), key=str):
-            eng.state = cancel(eng.state, rid, "error" if rid in step_ids else "cancelled").unwrap()
+            ended[rid] = "error" if rid in step_ids else "cancelled"
+            eng.state = cancel(eng.state, rid, ended[rid]).unwrap()
             eng.worker.remove([rid])
     kv = eng.state.kv
     result.update(seconds=time.perf_counter() - t0, broadcast_seconds=leader.broadcast_seconds, steps=eng.stats.steps,
                   step_seconds=eng.step_times,
                   pool_whole=kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == [],
-                  finished={rid: str(how) for rid, how in eng.state.finished.items()})  # plain strings pickle anywhere
+                  finished=ended)
 
 
 def _follower(model: Llama, tok: Any, args: EngineArgs, fail_at: int | None, result: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import jinja2
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Tokenizer
 
-from pagedkv.models.files import CheckpointError, read_json
+from pagedkv.models.files import CheckpointError, read_json, read_text
 
 CONTROL = 3  # llama.cpp's token type of special (control) tokens
 
@@ -53,8 +53,9 @@ class Tokenizer:
         the tokenizer's special tokens (a bos, where it adds one); text a chat template rendered, which
         holds them already, without."""
         file = os.path.join(path, "tokenizer.json")
+        text = read_text(file, "the tokenizer")  # (bounded: the tokenizers library would read any file whole)
         try:
-            tok = _Tokenizer.from_file(file)
+            tok = _Tokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own errors: one line either way
             raise CheckpointError(f"{file} cannot be read: {' '.join(str(e).split())[:200]}") from None
         conf_file = os.path.join(path, "tokenizer_config.json")
@@ -74,8 +75,7 @@ class Tokenizer:
         template = conf.get("chat_template")
         jinja_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.exists(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+            template = read_text(jinja_file, "the chat template")
         if isinstance(template, list):  # (named templates: the default one)
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self._template = _environment().from_string(template) if isinstance(template, str) else None

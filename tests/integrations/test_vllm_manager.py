@@ -263,18 +263,25 @@ def _ids(blocks: Any) -> Any:
     return None if blocks is None else blocks.get_block_ids()
 
 
-def test_an_allocation_past_max_model_len_is_vllms_not_a_half_applied_admission() -> None:
-    """Issue 28, defect 6: a request holding more tokens than max_model_len. vLLM allocates slots up to
-    max_model_len and caches what it holds; the core once refused the caching after admitting (ManagerError,
-    the request left admitted with its blocks taken, and ``free`` then raised KeyError)."""
-    theirs, ours, request = _managers()
-    tokens = list(range(1, 41))
-    for m in (theirs, ours):
-        assert _ids(m.allocate_slots(request("long", tokens), 40)) == ([1, 2], [3, 4])
-    assert [ev.block_hashes for ev in ours.take_events()] == [ev.block_hashes for ev in theirs.take_events()]
-    for m in (theirs, ours):
-        m.free(request("long", tokens))
-    assert ours.usage == theirs.usage == 0.0 and not ours.state.requests
+@pytest.mark.parametrize("n, max_model_len", [(40, 32), (33, 32)])
+def test_an_allocation_past_max_model_len_is_refused_with_nothing_allocated(n: int, max_model_len: int) -> None:
+    """Issue 45: a request holding more tokens than max_model_len. vLLM's own manager allocates a row cut at
+    max_model_len (a 100-token prompt past 64: 16 blocks, usage 0.0 -> 0.5) that its scheduler then computes
+    past; pagedkv's refuses it (ManagerError) and changes nothing, and the next calls go on as if it never
+    came. (Before issue 28 the core refused the caching after admitting: the request was left admitted.)"""
+    from pagedkv.core import digest
+    from pagedkv.integrations.vllm.stream import ManagerError
+
+    theirs, ours, request = _managers(max_model_len)
+    tokens = list(range(1, n + 1))
+    assert theirs.allocate_slots(request("long", tokens), n) is not None and theirs.usage > 0  # (vLLM's: held)
+    before, events = digest(ours.state), ours.take_events()
+    with pytest.raises(ManagerError, match=f"has {n} tokens, over max_model_len {max_model_len}"):
+        ours.allocate_slots(request("long", tokens), n)
+    assert digest(ours.state) == before and ours.usage == 0.0 and ours.take_events() == [] and not events
+    assert "long" not in ours._len and not ours.state.requests
+    ours.free(request("long", tokens))  # (unknown to the core: nothing to do)
+    assert _ids(ours.allocate_slots(request("ok", tokens[:max_model_len]), max_model_len)) is not None
 
 
 def test_a_refused_call_leaves_the_manager_as_it_was() -> None:

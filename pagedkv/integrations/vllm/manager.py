@@ -175,8 +175,14 @@ class PagedKVCacheManager(StepStates, RunningRows):
     def _admit(self, txn: Transaction, request: Any, computed: int, need_slot: int, num_new_computed_tokens: int,
                new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
-        """A new (or resumed) request admitted with its hit: the hit's blocks per group, or None when it waits."""
+        """A new (or resumed) request admitted with its hit: the hit's blocks per group, or None when it waits.
+        One longer than ``max_model_len`` is refused, nothing allocated: vLLM's own manager would hold it a row
+        cut at ``max_model_len`` that its scheduler then computes past (vLLM's input processing refuses such a
+        prompt before it is scheduled, so no vLLM run sends one)."""
         rid = request.request_id
+        if request.num_tokens > self.max_model_len:
+            raise Refused("admit", KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} has {request.num_tokens} tokens, "
+                                           f"over max_model_len {self.max_model_len}; nothing was allocated"))  # fmt: skip
         watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
         lookup = self.prefix_cache_lookup_enabled(request)
         known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)

@@ -137,6 +137,8 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
                     generations.append((k, _new_layout(txn, slot)))
                     continue
         if rows is not None:
+            if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
+                return invalid(f"append to request {shown(rid)} must give one entry per row, got None", field="tokens")
             got = _grow(txn, rid, rows[k])
         else:
             got = _grow(txn, rid, None if toks is None else [[toks[k]]] * (len(req.slots) if req is not None else 1))

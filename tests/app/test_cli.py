@@ -24,6 +24,11 @@ def lines_of(path: Path, *objs: object) -> str:
     return str(path)
 
 
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
 def prompt_files(tmp: Path) -> dict[str, str]:
     return {
         "neg": lines_of(tmp / "neg.jsonl", {"prompt": "a", "max_tokens": -5}),
@@ -32,6 +37,7 @@ def prompt_files(tmp: Path) -> dict[str, str]:
         "bool": lines_of(tmp / "bool.jsonl", {"prompt": "a", "max_tokens": True}),
         "sys": lines_of(tmp / "sys.jsonl", {"prompt": "a", "system": 5}),
         "empty": lines_of(tmp / "empty.jsonl", {"prompt": ""}),
+        "binary": str(_write_bytes(tmp / "bin.jsonl", bytes(range(128, 256)) * 4)),
         "noprompt": lines_of(tmp / "noprompt.jsonl", {"text": "a"}),
         "list": lines_of(tmp / "list.jsonl", ["a"]),
         "line3": lines_of(tmp / "line3.jsonl", {"prompt": "a"}, "", {"prompt": "b"}, '{"prompt": "c", oops}'),
@@ -72,6 +78,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "--prompts", "{list}"], "expected an object"),
     (["generate", "--prompts", "{line3}"], "line3.jsonl line 4 column 17"),  # the file's line, blank ones counted
     (["generate", "--prompts", "{tmp}/missing.jsonl"], "cannot read"),
+    (["generate", "--prompts", "/dev/zero"], "/dev/zero line 1 is longer than 64 MiB"),  # (issue 45: read unbounded)
+    (["generate", "--prompts", "{binary}"], "line 1 is not UTF-8 text"),
     (["generate", ""], "prompt 1 of the command line is empty"),
     (["generate"], "no prompts"),
     (["generate", "hi", "--kv-cache-memory", "0"], "--kv-cache-memory: must be a positive number"),
@@ -107,6 +115,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["denoise", "--blocks", "0"], "--blocks"),
     (["denoise", "--requests", "-1"], "--requests"),
     (["replay", "{tmp}/missing.jsonl"], "cannot read"),
+    (["replay", "/dev/zero"], "/dev/zero line 1 is longer than 64 MiB"),
     (["replay", str(SHARED_TRACE), "--page-map", "{tmp}/x.txt"], "must end in .png"),
     (["check", "--max-states", "0"], "--max-states"),
     (["check", "--window", "-1"], "--window"),

@@ -66,7 +66,7 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
     w = rank.worker
     dist.broadcast_object_list([(rank.cache, w.max_rows, w.max_tokens, w.token_rows)], src=0)  # every rank's geometry
     t0 = time.perf_counter()
-    ended: dict[str, str] = {}  # the requests a failure ended, and how (plain strings pickle anywhere)
+    ended: dict[Any, str] = {}  # the requests a failure ended, and how (plain strings pickle anywhere)
     try:
         done = eng.generate(requests)
         result["completions"] = [(c.token_ids, c.finish_reason, c.error) for c in done]

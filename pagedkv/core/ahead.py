@@ -74,7 +74,7 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
                             records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
                         out.append(Filled(rid, ()))
                         continue
-        got = _fill_one(txn, rid, rows)
+        got = _fill_one(txn, rid, rows)  # type: ignore[arg-type]
         if isinstance(got, KVError):
             return Failure(got)
         out.append(got)

@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, TypeGuard
 
 from returns.result import Failure
 
@@ -121,7 +122,7 @@ def are_token_ids(ids: Sequence[object]) -> bool:
     return True
 
 
-def is_seq(value: object) -> bool:
+def is_seq(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     """A list or a tuple: what the core's batch arguments and per-row lists are. A str, bytes, a mapping, a set
     or a named tuple (``Placeholders(2)`` is one growth, not a list of rows) is not one.
 
@@ -143,12 +144,12 @@ def pairs_of(items: object, what: str) -> tuple[list[RequestId], list[object]] |
                        field="requests")  # fmt: skip
     ids: list[RequestId] = []
     rows: list[object] = []
-    for item in items:  # type: ignore[attr-defined]
-        if not is_seq(item) or len(item) != 2:  # type: ignore[arg-type]
+    for item in items:
+        if not is_seq(item) or len(item) != 2:
             return invalid(f"{what} takes a list of (request id, per-row list) pairs, got {shown(item):.80}",
                            field="requests")  # fmt: skip
-        ids.append(item[0])  # type: ignore[index]
-        rows.append(item[1])  # type: ignore[index]
+        ids.append(item[0])
+        rows.append(item[1])
     return ids, rows
 
 

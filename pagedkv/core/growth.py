@@ -171,9 +171,9 @@ def _one_token(rows: Sequence[Growth]) -> object:
 def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
                  ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
     """A decode batch's ids and token ids, the token ids checked once for the whole call."""
-    bad = ids_problem(request_ids, "a decode step")
-    if bad is not None:
-        return bad
+    refused = ids_problem(request_ids, "a decode step")
+    if refused is not None:
+        return refused
     ids: Sequence[RequestId] = request_ids  # type: ignore[assignment]
     if tokens is None:
         return ids, None

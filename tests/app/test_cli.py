@@ -198,7 +198,8 @@ def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.Monke
     args = generate.parse_intermixed_args(["first", "--max-tokens", "3", "second", "--chat", "third"])
     assert args.prompt == ["first", "second", "third"] and args.max_tokens == 3 and args.chat
     args.prompts = "-"
-    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "fourth", "max_tokens": 5, "max_token": 9}\n\n'))
+    stdin = io.TextIOWrapper(io.BytesIO(b'{"prompt": "fourth", "max_tokens": 5, "max_token": 9}\n\n'))  # (bytes below)
+    monkeypatch.setattr(sys, "stdin", stdin)
     items = read_items(args)
     assert [(i["prompt"], i["max_tokens"]) for i in items] == [("first", 3), ("second", 3), ("third", 3),
                                                               ("fourth", 5)]  # fmt: skip

@@ -180,9 +180,9 @@ def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:
 
 
 def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...],
-           last: dict[str, Any] | None = None) -> list[str]:  # fmt: skip
+           last: Any = None) -> list[str]:  # fmt: skip
     """The trace that reaches ``key`` (then ``last``, a refused event), its header and its end record."""
-    events: list[dict[str, Any]] = [] if last is None else [last]
+    events: list[Any] = [] if last is None else [last]
     link = parents[key]
     while link is not None:
         key, ev = link

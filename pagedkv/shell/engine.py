@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -79,7 +78,7 @@ class Engine:
         self.speculation = None if spec is None else Speculation(spec)  # n-gram drafts, verified each step
         self.overlap = Overlap() if args.async_scheduling else None  # the next step planned before ids are read
         self.requests: dict[RequestId, Live] = {}  # live requests (waiting or running in the scheduler)
-        self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any already taken
+        self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any a live request holds
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self.graphs: GraphDecoder | None = None
         if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
@@ -342,7 +341,7 @@ class Engine:
         return to_device(ids, torch.int64, dev)
 
     def _fresh_id(self) -> RequestId:
-        """``req-N`` for the next N that no request of this engine holds (ids given to ``add_request`` included)."""
+        """``req-N`` for the next N that no live request holds (ids given to ``add_request`` included)."""
         while f"req-{self._next_id}" in self.requests:
             self._next_id += 1
         self._next_id += 1

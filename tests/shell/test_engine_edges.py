@@ -186,3 +186,50 @@ def test_a_callback_may_cancel_and_take_the_id_again_on_the_engine_thread(model:
         assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == alone(model, old, 4)[:1]
         assert [c.token_ids for c in out] == [alone(model, new, 4)], mode
         whole(eng)
+
+
+class FailingAt:
+    """A model whose ``at``-th forward raises (0: never); ``calls`` counts them."""
+
+    def __init__(self, model: Any, at: int) -> None:
+        self.model, self.at, self.calls = model, at, 0
+        for name in ("config", "device", "dtype", "kv_layers"):
+            setattr(self, name, getattr(model, name))
+
+    def forward(self, *a: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"injected at forward {self.at}")
+        return self.model.forward(*a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_fault_at_every_forward_hands_out_every_completion_once(model: Any, mode: dict[str, Any]) -> None:
+    """A fault at each forward of a run that preempts and stops (overlap: with ids in flight; speculation: in
+    verify steps): every request is handed out exactly once, one the fault did not end with exactly its
+    fault-free tokens, one it ended with a prefix of them; nothing is left held."""
+    prompts = [(f"p{i}", p, SamplingParams(max_tokens=6 + i % 5)) for i, p in enumerate(_prompts(7, seed=12))]
+    kw = dict(kv_cache_memory_bytes=28 << 10, max_num_seqs=4, max_num_batched_tokens=32, **mode)  # (14 blocks: it preempts)
+
+    def serve(at: int) -> tuple[Engine, FailingAt, list[Any]]:
+        faulty = FailingAt(model, at)
+        eng, out = engine(faulty, **kw), []
+        for rid, ids, p in prompts:
+            eng.add_request(rid, "", ids, p)
+        drain(eng, out)
+        return eng, faulty, out
+
+    clean, counted, want = serve(0)
+    want_tokens = {c.request_id: c.token_ids for c in want}
+    assert clean.stats.preemptions > 0 and sorted(want_tokens) == sorted(r for r, _, _ in prompts)
+    for at in range(1, counted.calls + 1):
+        eng, _, out = serve(at)
+        ids = [c.request_id for c in out]
+        assert sorted(ids) == sorted(want_tokens) and len(set(map(id, out))) == len(out), (at, ids)
+        failed = [c for c in out if c.finish_reason == "error"]
+        assert failed and all(f"injected at forward {at}" in (c.error or "") for c in failed), at
+        for c in out:
+            want_c = want_tokens[c.request_id]
+            assert c.token_ids == (want_c[: len(c.token_ids)] if c.finish_reason == "error" else want_c), (at, c)
+        whole(eng)

@@ -80,7 +80,9 @@ def main() -> None:
     model = random_llama(CFG, seed=1)
     for mode in args.modes:
         with tempfile.TemporaryDirectory() as d:
-            rows = soak(model, args.requests, args.batch, args.window, os.path.join(d, "t.jsonl") if mode == "trace" else None)
+            rows = soak(
+                model, args.requests, args.batch, args.window, os.path.join(d, "t.jsonl") if mode == "trace" else None
+            )
         print(f"\n{mode}: {args.requests} requests, {args.batch} at a time, GC on (CPython {gc.get_threshold()})")
         print(f"{'served':>8} {'RSS MiB':>9} {'live recs':>9} {'step ms':>8} {'GC/step':>8}")
         for served, rss, live, ms, g in rows:

@@ -121,7 +121,9 @@ def device(text: str) -> str:
     kind, sep, index = text.partition(":")
     if text == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
         return text
-    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)")
+    raise argparse.ArgumentTypeError(
+        f"must be cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)"
+    )
 
 
 MAX_THREADS = 1024

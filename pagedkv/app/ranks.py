@@ -66,9 +66,9 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
     w = rank.worker
     dist.broadcast_object_list([(rank.cache, w.max_rows, w.max_tokens, w.token_rows)], src=0)  # every rank's geometry
     t0 = time.perf_counter()
-    ended: dict[Any, str] = {}  # the requests a failure ended, and how (plain strings pickle anywhere)
+    ended: dict[Any, str] = {}  # how each request ended (plain strings pickle anywhere)
     try:
-        done = eng.generate(requests)
+        done = eng.generate(requests, on_finish=lambda c: ended.__setitem__(c.request_id, str(c.finish_reason)))
         result["completions"] = [(c.token_ids, c.finish_reason, c.error) for c in done]
         Leader.stop()
     except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere

@@ -332,7 +332,8 @@ def test_generate_trace_replays_and_a_changed_digest_is_caught(tmp_path: Path, c
     assert main(["generate", "--chat", "What is 2+2?", "--max-tokens", "6", "Name a colour.", "--trace", str(trace)]) == 0
     capsys.readouterr()
     rows = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert all("expect" in r for r in rows[1:]) and any("plan" in r["expect"] for r in rows[1:])
+    assert all("expect" in r for r in rows[1:-1]) and any("plan" in r["expect"] for r in rows[1:-1])
+    assert rows[-1] == {"op": "end", "events": len(rows) - 2}  # (its end record)
     assert main(["replay", str(trace)]) == 0
     assert "0 diverged from expect" in capsys.readouterr().out
     i = next(i for i, r in enumerate(rows) if r.get("op") == "output" and i > 3)
@@ -392,7 +393,7 @@ def test_nothing_is_lost_when_the_page_map_or_the_user_stops_it(tmp_path: Path, 
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
 
-    real_step = Engine.step
+    real_step = Engine._step
     calls = {"n": 0}
 
     def interrupted(self: Engine, *a: Any, **k: Any) -> Any:  # Ctrl-C in the middle of the run
@@ -401,7 +402,7 @@ def test_nothing_is_lost_when_the_page_map_or_the_user_stops_it(tmp_path: Path, 
             raise KeyboardInterrupt
         return real_step(self, *a, **k)
 
-    monkeypatch.setattr(Engine, "step", interrupted)
+    monkeypatch.setattr(Engine, "_step", interrupted)
     trace = tmp_path / "t.jsonl"
     first = lines_of(tmp_path / "p.jsonl", {"prompt": "Hi", "max_tokens": 1})
     argv = ["generate", "--prompts", first, "The history of", "--max-tokens", "30", "--trace", str(trace)]

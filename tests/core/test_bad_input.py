@@ -184,8 +184,15 @@ def test_the_scheduler_refuses_wrong_types_and_outputs_for_requests_outside_the_
     before = sched_digest(st)
     cases = [(on_output, v, ()) for v in WRONG if not isinstance(v, dict)]
     cases += [(on_output, {"a": 5}, v) for v in ("a", "ab", 1, None, [["a"]], b"a")]
-    cases += [(on_output, {"a": 5, "w": 6}, ()), (on_output, {"a": 5, "nobody": 6}, ()), (on_output, {"a": 5}, ["w"]),
-              (on_tokens, {"a": 5}, ()), (on_tokens, {}, ["a"]), (on_tokens, [], ()), (on_tokens, {}, "a")]
+    cases += [
+        (on_output, {"a": 5, "w": 6}, ()),
+        (on_output, {"a": 5, "nobody": 6}, ()),
+        (on_output, {"a": 5}, ["w"]),
+        (on_tokens, {"a": 5}, ()),
+        (on_tokens, {}, ["a"]),
+        (on_tokens, [], ()),
+        (on_tokens, {}, "a"),
+    ]
     for fn, sampled, finished in cases:
         try:
             result = fn(st, sampled, finished)
@@ -219,8 +226,14 @@ def test_the_refusals_hold_under_python_O() -> None:
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    files = ["tests/core/test_bad_input.py", "tests/shell/test_engine_faults.py", "tests/shell/test_engine_edges.py",
-             "tests/shell/test_engine_step_faults.py", "tests/core/test_scheduler.py", "tests/core/test_trace_end.py"]
+    files = [
+        "tests/core/test_bad_input.py",
+        "tests/shell/test_engine_faults.py",
+        "tests/shell/test_engine_edges.py",
+        "tests/shell/test_engine_step_faults.py",
+        "tests/core/test_scheduler.py",
+        "tests/core/test_trace_end.py",
+    ]
     run = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
                           "-o", "addopts=", *files], cwd=root, capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

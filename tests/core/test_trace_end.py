@@ -39,7 +39,9 @@ def recorded() -> list[str]:
     return out.getvalue().splitlines()
 
 
-def replayed(tmp_path: Path, capsys: pytest.CaptureFixture[str], lines: list[str], text: str | None = None) -> tuple[int, str]:
+def replayed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lines: list[str], text: str | None = None
+) -> tuple[int, str]:
     path = tmp_path / "t.jsonl"
     path.write_text(text if text is not None else "\n".join(lines) + "\n")
     code = main(["replay", str(path)])
@@ -66,8 +68,10 @@ def test_a_trace_cut_short_diverges(cut: str, tmp_path: Path, capsys: pytest.Cap
     assert code == 1 and "without the end record its header promises: it was cut short" in err, err
 
 
-@pytest.mark.parametrize("change", ["junk inserted", "an event inserted", "an event lost", "junk appended",
-                                    "an event appended", "the count changed"])
+@pytest.mark.parametrize(
+    "change",
+    ["junk inserted", "an event inserted", "an event lost", "junk appended", "an event appended", "the count changed"],
+)
 def test_lines_lost_or_added_diverge(change: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = recorded()
     k = len(lines) // 2

@@ -63,7 +63,10 @@ def test_an_id_cancelled_and_taken_again_at_once_starts_clean(model: Any, mode: 
     cancelled = eng.cancel("x")
     eng.add_request("x", "", new, SamplingParams(max_tokens=5))
     drain(eng, out)
-    assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == alone(model, old, 5)[: len(cancelled.token_ids)]
+    assert (
+        cancelled.finish_reason == "cancelled"
+        and cancelled.token_ids == alone(model, old, 5)[: len(cancelled.token_ids)]
+    )
     (got,) = out
     assert got is not cancelled and got.token_ids == alone(model, new, 5) and got.finish_reason == "length"
     whole(eng)
@@ -82,13 +85,18 @@ def test_an_id_taken_again_before_its_last_id_is_read_hands_out_both_once(model:
             break
     eng.add_request("y", "", new, SamplingParams(max_tokens=3))
     drain(eng, out)
-    assert [(c.token_ids, c.finish_reason) for c in out] == [(alone(model, old, 2), "length"), (alone(model, new, 3), "length")]
+    assert [(c.token_ids, c.finish_reason) for c in out] == [
+        (alone(model, old, 2), "length"),
+        (alone(model, new, 3), "length"),
+    ]
     assert len({id(c) for c in out}) == 2
     whole(eng)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
-def test_a_prompt_that_fills_the_pool_exactly_gives_its_token_and_ends_as_length(model: Any, mode: dict[str, Any]) -> None:
+def test_a_prompt_that_fills_the_pool_exactly_gives_its_token_and_ends_as_length(
+    model: Any, mode: dict[str, Any]
+) -> None:
     """It was prefilled, sampled a token, was preempted, then refused UNSCHEDULABLE ("not served") with its
     token counted; now its one token is a length end, as at max_model_len, and nobody is preempted for it."""
     eng = engine(replace_model(model, 4096), kv_cache_memory_bytes=1 << 16, **mode)
@@ -210,7 +218,9 @@ def test_a_fault_at_every_forward_hands_out_every_completion_once(model: Any, mo
     verify steps): every request is handed out exactly once, one the fault did not end with exactly its
     fault-free tokens, one it ended with a prefix of them; nothing is left held."""
     prompts = [(f"p{i}", p, SamplingParams(max_tokens=6 + i % 5)) for i, p in enumerate(_prompts(7, seed=12))]
-    kw = dict(kv_cache_memory_bytes=28 << 10, max_num_seqs=4, max_num_batched_tokens=32, **mode)  # (14 blocks: it preempts)
+    kw = dict(
+        kv_cache_memory_bytes=28 << 10, max_num_seqs=4, max_num_batched_tokens=32, **mode
+    )  # (14 blocks: it preempts)
 
     def serve(at: int) -> tuple[Engine, FailingAt, list[Any]]:
         faulty = FailingAt(model, at)

@@ -7,7 +7,18 @@ from dataclasses import replace
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, is_seq, shown
+from pagedkv.core.errors import (
+    INT_ID_LIMIT,
+    ErrorCode,
+    KVError,
+    RequestId,
+    fail,
+    invalid,
+    is_int,
+    is_request_id,
+    is_seq,
+    shown,
+)
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Event, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
@@ -37,7 +48,9 @@ def _check(state: SchedState, request: object) -> KVError | None:
             return invalid(f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid,
                            field="prompt")  # fmt: skip
         if not is_int(request.max_tokens) or not 1 <= request.max_tokens < INT_ID_LIMIT:
-            return invalid(f"request {shown(rid)}: max_tokens must be a positive integer", request=rid, field="max_tokens")
+            return invalid(
+                f"request {shown(rid)}: max_tokens must be a positive integer", request=rid, field="max_tokens"
+            )
     elif not is_int(request.steps) or request.steps < 1:
         return invalid(f"request {shown(rid)}: steps must be a positive integer", request=rid, field="steps")
     if request.rows is not None and not is_seq(request.rows):
@@ -91,5 +104,3 @@ def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:
 
 def _without(q: PDeque[RequestId], rid: RequestId) -> PDeque[RequestId]:
     return q.remove(rid) if rid in q else q
-
-

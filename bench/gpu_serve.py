@@ -232,7 +232,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         last[rid] = now
 
     t0 = time.perf_counter()
-    k = 0
+    k, done = 0, []
     while k < len(reqs) or eng.has_unfinished():
         now = time.perf_counter() - t0
         while k < len(reqs) and reqs[k][0] <= now:
@@ -241,7 +241,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
             eng.add_request(rid, "", reqs[k][1], SamplingParams(max_tokens=reqs[k][2]))
             k += 1
         if eng.has_unfinished():
-            eng.step(on_token)
+            done += eng.step(on_token)
         elif k < len(reqs):
             time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
     torch.cuda.synchronize()
@@ -260,7 +260,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         hf_secs += secs
     return [f"{n} requests at {rate:g}/s over {reqs[-1][0]:.1f} s; prompts median {statistics.median(len(r[1]) for r in reqs):.0f} "
             f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
-            f"prefix cache hits {sum(c.completion.cached_tokens for c in eng.requests.values())} tokens",
+            f"prefix cache hits {sum(c.cached_tokens for c in done)} tokens",
             f"pagedkv: {made / wall:.0f} tok/s over the run (wall {wall:.1f} s, arrivals included); "
             f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens",
             f"TTFT ms p50 {pct(ttft, .5):.1f}  p90 {pct(ttft, .9):.1f}  p99 {pct(ttft, .99):.1f};  "

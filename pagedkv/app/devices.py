@@ -1,24 +1,10 @@
 """What ``pagedkv generate`` checks of the machine before a model loads (the device is there, the backend runs
-on it, the ranks split the model's heads) and the weights' dtype it picks."""
+on it, the ranks split the model's heads)."""
 
 from __future__ import annotations
 
-from typing import Any
 
 from pagedkv.app.args import UsageError
-
-
-def dtype_for(name: str, device: str) -> Any:
-    """``--dtype``: ``auto`` is bfloat16 on cuda (the serving path) and float32 elsewhere.
-
-    >>> dtype_for("auto", "cuda"), dtype_for("auto", "cpu"), dtype_for("float16", "cpu")
-    (torch.bfloat16, torch.float32, torch.float16)
-    """
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
 
 
 def check_backend(name: str, device_name: str) -> None:

@@ -26,7 +26,7 @@ from pagedkv.app.args import (
     threads,
     unit_interval,
 )  # fmt: skip
-from pagedkv.app.devices import check_backend, check_device, dtype_for
+from pagedkv.app.devices import check_backend, check_device
 from pagedkv.app.prompts import MAX_TOKENS, check_outputs, read_items
 from pagedkv.app.report import (
     REFUSED, progress_bar, draw_page_map, print_completion, print_one, summary, trace_written, unserved,
@@ -189,7 +189,9 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        dtype = dtype_for(args.dtype, args.device)
+        from pagedkv.models.hf import weights_dtype
+
+        dtype = weights_dtype(args.dtype, args.device)
         if args.model:
             model, tok, args.model_name = load_model(args.model, dtype=dtype, device=args.device)
         else:

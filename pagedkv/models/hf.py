@@ -30,6 +30,25 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "GraniteMoeHybridForCausalLM": "granitemoehybrid"}  # fmt: skip
 HYBRIDS = ("bamba", "granitemoehybrid")
 
+# the weights' dtype by vLLM's ``--dtype`` names; "auto" is bfloat16 on CUDA (the serving path), float32 elsewhere
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
+          "float32": torch.float32}  # fmt: skip
+
+
+def weights_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """A torch dtype as given, or one of vLLM's names (``DTYPES``, ``auto``); ``ValueError`` naming them else.
+
+    >>> weights_dtype("auto", "cuda"), weights_dtype("auto", "cpu"), weights_dtype("half"), weights_dtype("float")
+    (torch.bfloat16, torch.float32, torch.float16, torch.float32)
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be a torch dtype or one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
 
 def model_config(raw: dict[str, Any]) -> LlamaConfig | HybridConfig:
     """The model's config of a ``config.json`` (its ``model_type``): a hybrid's, Gemma 3's own reading, or the
@@ -156,9 +175,26 @@ def stop_ids(path: str, raw: Mapping[str, Any]) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Any, Any, str]:
+# generation_config.json's keys that are sampling defaults, and their SamplingParams names (vLLM's reading of it)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def generation_defaults(path: str) -> dict[str, Any]:
+    """The sampling defaults of ``path``'s generation_config.json (a checkpoint directory; none without the file),
+    as ``SamplingParams`` fields: what vLLM's ``--generation-config auto`` takes from it."""
+    gen_file = os.path.join(path, "generation_config.json") if os.path.isdir(path) else ""
+    if not gen_file or not os.path.exists(gen_file):
+        return {}
+    gen = read_json(gen_file, "generation defaults")
+    return {ours: gen[key] for key, ours in GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+
+
+def load_model(path: str, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> tuple[Any, Any, str]:
     """(model, tokenizer, what it is) of a Hugging Face checkpoint directory or a Llama-family ``.gguf`` file,
-    every check made before a weight is allocated (``CheckpointError``)."""
+    every check made before a weight is allocated (``CheckpointError``). ``dtype``: a torch dtype or a vLLM name
+    (``weights_dtype``: auto, half, float16, bfloat16, float, float32)."""
+    dtype = weights_dtype(dtype, device)
     from pagedkv.models.gguf import load_gguf
     from pagedkv.models.llama import Llama
     from pagedkv.models.tokenizer import Tokenizer

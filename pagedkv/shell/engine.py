@@ -32,7 +32,9 @@ from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.overlap import Overlap
 from pagedkv.shell.recorder import Recorder
-from pagedkv.shell.sampling import SamplingParams, params_problem, request_seed, sample_batch
+from pagedkv.shell.sampling import (
+    NO_HISTORY, History, SamplingParams, params_problem, request_seed, sample_batch, token_logprobs,
+)  # fmt: skip
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
 from pagedkv.shell.transfer import to_device
 
@@ -126,6 +128,8 @@ class Engine:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
         sample with, or a token id the model's vocabulary does not have) and nothing changed."""
         problem = params_problem(params)
+        if problem is None and params.n != 1:  # (LLM.generate fans n out into requests of one sequence each)
+            problem = f"n={params.n}: a request here is one sequence (LLM.generate serves n of them a prompt)"
         if problem is not None:  # refused here, not by the step that would sample with it
             raise refuse(ErrorCode.INVALID, f"request {shown(req.request_id)}: {problem}", request=req.request_id)
         vocab = self.model.config.vocab_size
@@ -198,17 +202,18 @@ class Engine:
         bound = [self.requests[rid] for rid in plan.samples]  # (the requests this step samples for, not their ids)
         self.outcomes.before, recorded = {}, False
         try:
-            ids = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
+            ids, lps = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
             self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
             recorded = True
             self.outcomes.note_prefills(plan, self.requests)
             stop: list[RequestId]
             if self.overlap is not None:  # the last step's ids read while this one runs; this one's come next
-                sampled, stop = self.overlap.resolve(self, plan, bound, ids, on_token), []
+                sampled, stop = self.overlap.resolve(self, plan, bound, ids, lps, on_token), []
             else:
                 tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
-                sampled, stop = self.outcomes.take(plan, bound, tokens, on_token, self.stats)
+                rows = None if lps is None else lps.tolist()  # (asked by a request: read behind the ids)
+                sampled, stop = self.outcomes.take(plan, bound, tokens, on_token, self.stats, rows)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
             events = self._fail(plan, e, recorded, drafts)
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
@@ -283,17 +288,18 @@ class Engine:
         self.outcomes.record(errors)
         return tuple(events)
 
-    def _launch(self, plan: StepPlan, bound: list[Live]) -> torch.Tensor | None:
+    def _launch(self, plan: StepPlan, bound: list[Live]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each of the plan's forwards (``_forward``) and a sample of every row the plan samples (``bound``: their
-        requests): the ids, on the device, in ``plan.samples``' order (a row verifying drafts: one a position).
-        Nothing waits for the device."""
+        requests): the ids, on the device, in ``plan.samples``' order (a row verifying drafts: one a position),
+        and their logprob rows where a request asks them (``sampling.token_logprobs``). Nothing waits for the
+        device."""
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
         for meta in plan.metadata:
             outs.append(self._forward(meta, verify, where, sum(len(o) for o in outs)))
         if not samples:  # no forward, or every row mid-way through its prompt: nothing to sample
-            return None
+            return None, None
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         if verify:  # (a row verifying drafts: each position's logits row, request and counter)
             pick, live, counters = Speculation.positions(samples, verify, where, dict(zip(samples, bound)))
@@ -302,9 +308,32 @@ class Engine:
             counters = [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)]  # (in flight: drawn)
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
-        ids = sample_batch(logits, [x.params for x in live], [x.seed for x in live], counters)
+        params = [x.params for x in live]
+        history = self._history(samples, verify, live) if any(p.penalized or p.min_tokens for p in params) else NO_HISTORY
+        ids = sample_batch(logits, params, [x.seed for x in live], counters, history)
+        ks = [p.logprobs for p in params]
+        lps = None if all(k is None for k in ks) else token_logprobs(logits, ids, [k or 0 for k in ks])
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
-        return ids
+        return ids, lps
+
+    def _history(self, samples: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]],
+                 live: list[Live]) -> History:  # fmt: skip
+        """What penalties and ``min_tokens`` read of each sampled row (``live``: one a logits row): its prompt and
+        output ids (a verify row's position j: its output and the first j drafts), the model's stop ids, and the
+        rows whose last output id is still on the device (overlapped scheduling: the last step's, ``_last``)."""
+        ids: list[tuple[Sequence[int], Sequence[int]] | None] = []
+        for rid in samples:
+            comp = self.requests[rid].completion
+            draft = verify.get(rid, ())
+            for j in range(1 + len(draft)):
+                p = live[len(ids)].params
+                ids.append((comp.prompt_token_ids, [*comp.token_ids, *draft[:j]]) if p.penalized else None)
+        last = self._last
+        if self.overlap is None or last is None or not self.state.awaiting:
+            return History(ids, self.tokenizer.stop_token_ids)
+        where = {rid: i for i, rid in enumerate(last[0])}
+        pending = [(k, where[rid]) for k, rid in enumerate(samples) if rid in self.state.awaiting and rid in where]
+        return History(ids, self.tokenizer.stop_token_ids, pending, last[1])
 
     def _forward(self, meta: KVMetadata, verify: dict[RequestId, tuple[int, ...]], where: dict[RequestId, int],
                  base: int) -> torch.Tensor:  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.core.errors import RequestId
 from pagedkv.core.metadata import Phase
@@ -15,7 +15,7 @@ from pagedkv.core.scheduler import FinishReason, StepPlan
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.engine_args import EngineStats
-from pagedkv.shell.sampling import SamplingParams, cut_at_stop
+from pagedkv.shell.sampling import Logprob, SamplingParams, cut_at_stop
 from pagedkv.shell.speculative import Speculation
 
 
@@ -30,6 +30,10 @@ class Completion:
     cached_tokens: int = 0
     error: str | None = None  # why it ended unserved: a failed step's exception (finish_reason "error"), or the
     # core's refusal (UNSCHEDULABLE, INVALID: "request 'req-0' needs 600 blocks; the pool has 363 ..."), one line
+    # SamplingParams(logprobs=k): each token's own and the k most likely ids' logprobs (vLLM's shape), and their sum
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # the stop string or stop id that ended it (None: the model's eos token)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class Live:
     text: TextSoFar | None  # kept only for a request with stop strings
     started: bool = False  # its first prefill ran: its cached tokens are known, and an end by the plan is "length"
     handed_out: bool = False  # its completion left the engine (step's return, or cancel's): nothing more joins it
+    stop_from: int = 0  # the text before it is exempt from stop strings (what came before min_tokens)
 
 
 class Outcomes:
@@ -69,21 +74,24 @@ class Outcomes:
                         live.completion.cached_tokens = row.kv_start_pos
 
     def take(self, plan: StepPlan, bound: Sequence[Live], tokens: list[int],
-             on_token: Callable[[RequestId, int], None] | None,
-             stats: EngineStats) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
+             on_token: Callable[[RequestId, int], None] | None, stats: EngineStats,
+             logprobs: list[list[float]] | None = None) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
         """The step's sampled ``tokens`` (one a sampled request, one a position of a request that verified drafts,
-        in ``plan.samples``' order; ``bound``: the requests they were sampled for, in that order): each request's
-        token kept (verifying: the drafts it accepted, then its next token, as a list), and the requests that
-        stopped on one (a stop token, or a stop string in the text so far; a list is cut after it). A request
-        whose completion was handed out (cancelled, even by ``on_token`` in this loop) takes nothing and is
-        left out of both. ``stats`` counts them."""
-        got = stats.verified(plan.verify, Speculation.tokens(plan.samples, tokens, dict(plan.verify)))
+        in ``plan.samples``' order; ``bound``: the requests they were sampled for, in that order) and, where any
+        request asked them, their ``logprobs`` rows (``sampling.token_logprobs``): each request's token kept
+        (verifying: the drafts it accepted, then its next token, as a list), and the requests that stopped on
+        one (a stop token, or a stop string in the text so far, once it has ``min_tokens``; a list is cut after
+        it). A request whose completion was handed out (cancelled, even by ``on_token`` in this loop) takes
+        nothing and is left out of both. ``stats`` counts them."""
+        verify = dict(plan.verify)
+        got = stats.verified(plan.verify, Speculation.tokens(plan.samples, tokens, verify))
         self.before = {rid: len(live.completion.token_ids) for rid, live in zip(plan.samples, bound)}
         sampled: dict[RequestId, Any] = {}
         stop: list[RequestId] = []
-        stop_ids = self.tokenizer.stop_token_ids
-        cancels = self.cancels
+        stop_ids, eos = self.tokenizer.stop_token_ids, getattr(self.tokenizer, "eos_token_id", None)
+        cancels, row = self.cancels, 0
         for rid, live in zip(plan.samples, bound):
+            first, row = row, row + 1 + len(verify.get(rid, ()))  # (its logprob rows: one a position)
             if live.handed_out:
                 continue
             toks = got[rid]
@@ -91,9 +99,11 @@ class Outcomes:
             for tok in (toks,) if type(toks) is int else toks:
                 n += 1
                 live.completion.token_ids.append(tok)
+                if logprobs is not None and live.params.logprobs is not None:
+                    self._logprob(live, tok, logprobs[first + n - 1])
                 if on_token is not None:
                     on_token(rid, tok)
-                if tok in stop_ids or (live.text is not None and live.text.holds(live.params.stop, live.text.push(tok))):
+                if (tok in stop_ids or live.text is not None) and self._stopped(live, tok, tok in stop_ids, eos):
                     live.completion.finish_reason = "stop"
                     stop.append(rid)
                     break
@@ -104,6 +114,31 @@ class Outcomes:
             sampled = {rid: t for rid, t in sampled.items() if rid in kept}
             stop = [rid for rid in stop if rid in kept]
         return sampled, stop
+
+    @staticmethod
+    def _stopped(live: Live, tok: int, stop_id: bool, eos: int | None) -> bool:
+        """Does ``tok`` end ``live``: a stop id (unless ``ignore_eos``) or a stop string in the text it added,
+        once the completion holds ``min_tokens`` (the text before is exempt); ``stop_reason`` says which."""
+        p, text, comp = live.params, live.text, live.completion
+        stops = cast("tuple[str, ...]", p.stop)  # (a tuple once made)
+        hit = text is not None and text.holds(stops, text.push(tok))
+        if len(comp.token_ids) < p.min_tokens:
+            live.stop_from = len(text.text) if text is not None else 0
+            return False
+        if stop_id and not p.ignore_eos:
+            comp.stop_reason = None if tok == eos else tok
+            return True
+        if hit and text is not None:
+            comp.stop_reason = next((s for s in stops if s in text.text[live.stop_from :]), None)
+        return hit
+
+    def _logprob(self, live: Live, tok: int, values: list[float]) -> None:
+        comp, k = live.completion, live.params.logprobs or 0
+        entry = Logprob.rows(values, tok, k, self.tokenizer.decode)
+        if comp.logprobs is None:
+            comp.logprobs = []
+        comp.logprobs.append(entry)
+        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + entry[tok].logprob
 
     def hand_out(self) -> list[Completion]:
         """The completions kept since the last step that returned, in the order they ended."""
@@ -137,7 +172,11 @@ class Outcomes:
         """Requests a failed step ended: the tokens they took in it dropped, ``error`` with the fault's line."""
         for live in lives:
             comp = live.completion
-            del comp.token_ids[self.before.get(comp.request_id, len(comp.token_ids)) :]
+            keep = self.before.get(comp.request_id, len(comp.token_ids))
+            del comp.token_ids[keep:]
+            if comp.logprobs is not None:
+                del comp.logprobs[keep:]
+                comp.cumulative_logprob = sum(d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids))
             self.write_text(live)
             comp.finish_reason, comp.error = "error", message
             self.outbox.append(self.out(live))
@@ -154,7 +193,8 @@ class Outcomes:
         ``error`` (its tokens stand)."""
         comp = live.completion
         try:
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), live.params.stop)
+            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), cast("tuple[str, ...]", live.params.stop),
+                                    live.stop_from)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
             comp.text, comp.error = "", f"the detokenizer failed: {one_line(e)}"
 

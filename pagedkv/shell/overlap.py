@@ -29,18 +29,19 @@ class Overlap:
     its ids on the device, read one step later."""
 
     def __init__(self) -> None:
-        self.pending: tuple[StepPlan, tuple[Live, ...], Readback] | None = None
+        self.pending: tuple[StepPlan, tuple[Live, ...], Readback, Readback | None] | None = None
 
     def resolve(self, engine: Any, plan: StepPlan, bound: Sequence[Live], ids: torch.Tensor | None,
-                on_token: Any) -> dict[RequestId, None]:  # fmt: skip
-        """The last step's ids read (this step is queued behind it), taken by their requests and told to the
-        scheduler; this step's samples, as ``on_output`` takes them ahead of their ids (those still live)."""
+                logprobs: torch.Tensor | None, on_token: Any) -> dict[RequestId, None]:  # fmt: skip
+        """The last step's ids (and logprob rows, where asked) read (this step is queued behind it), taken by their
+        requests and told to the scheduler; this step's samples, as ``on_output`` takes them ahead of their ids
+        (those still live)."""
         prev, self.pending = self.pending, None
         if prev is not None:
             self._take(engine, *prev, on_token)
         live = {rid: None for rid, x in zip(plan.samples, bound) if not x.handed_out and engine.requests.get(rid) is x}
-        if live and ids is not None:
-            self.pending = (plan, tuple(bound), Readback(ids))  # (copied behind it)
+        if live and ids is not None:  # (copied behind it)
+            self.pending = (plan, tuple(bound), Readback(ids), None if logprobs is None else Readback(logprobs))
         return live
 
     def holds(self, live: Live) -> bool:
@@ -48,9 +49,11 @@ class Overlap:
         return self.pending is not None and any(x is live for x in self.pending[1])
 
     @staticmethod
-    def _take(engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, on_token: Any) -> None:
+    def _take(engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, logprobs: Readback | None,
+              on_token: Any) -> None:  # fmt: skip
         tokens: list[int] = ids.tolist()  # (waits for that step's copy, not this step)
-        sampled, stop = engine.outcomes.take(plan, bound, tokens, on_token, engine.stats)
+        rows = None if logprobs is None else logprobs.tolist()
+        sampled, stop = engine.outcomes.take(plan, bound, tokens, on_token, engine.stats, rows)
         requests = engine.requests
         live = {rid: x for rid, x in zip(plan.samples, bound) if requests.get(rid) is x}  # (not ended since)
         running = {rid: tok for rid, tok in sampled.items() if rid in live}

@@ -1,12 +1,14 @@
 """Sampling: a token for every sampled row of a step, on the logits' device, in one pass.
 
-Greedy rows take the argmax. A sampled row scales by its temperature, keeps its top-k and its
+Penalties first (vLLM's, on the model's logits: ``repetition_penalty`` over the prompt's and the output's ids,
+``presence_penalty`` and ``frequency_penalty`` over the output's; stop tokens held back before ``min_tokens``),
+then greedy rows take the argmax. A sampled row scales by its temperature, keeps its top-k and its
 top-p nucleus, and draws by the exponential race: the token with the largest ``p / E``, where
 ``E`` is an exponential variate that a counter-based hash gives for (the request's seed, how many
 tokens it has drawn, the token id). The noise depends on nothing else, so a seeded request draws
 the same tokens batched or alone, on any batch order, and no generator object is kept: the whole
-batch is sampled with a few tensor operations and one device-to-host copy (``sample_batch``).
-``sample`` is the same rule for one row, written plainly; tests hold the two equal.
+batch is sampled with a few tensor operations and one device-to-host copy (``sample_batch``). Logprobs, where a
+request asks them, come from the same logits in one more pass (``token_logprobs``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,14 +27,49 @@ from pagedkv.shell.transfer import to_device
 _M32 = 0xFFFFFFFF
 
 
+MAX_LOGPROBS = 20  # the most top logprobs a token may ask (vLLM's max_logprobs default)
+MAX_N = 256  # the most sequences a prompt may ask
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How a request samples, under vLLM's names and with vLLM's meaning (the defaults are pagedkv's: greedy, 64
+    tokens). ``stop`` takes a string or any sequence of strings (kept as a tuple); ``n`` sequences a prompt
+    (``LLM`` fans them out, the i-th seeded ``seed + i``; ``Engine.add_request`` takes one);
+    ``repetition_penalty`` (1: off) divides a positive logit and multiplies a negative one of every id in the
+    prompt or the output, ``presence_penalty`` and ``frequency_penalty`` (0: off, in [-2, 2]) subtract once a
+    present id and once an occurrence of the output's ids; ``min_tokens``: no stop (token or string) before that
+    many tokens; ``ignore_eos``: the end-of-sequence tokens do not end it (stop strings still do); ``logprobs``:
+    each generated token's logprob and those of the ``logprobs`` most likely ids, from the model's logits
+    (before penalties and temperature, vLLM's raw logprobs), on the completion."""
+
     max_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None  # per request: the same seed, the same tokens
-    stop: tuple[str, ...] = ()
+    stop: str | Sequence[str] | None = ()
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(stop, str):
+            object.__setattr__(self, "stop", (stop,))
+        elif isinstance(stop, Sequence) and not isinstance(stop, tuple):
+            object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def penalized(self) -> bool:
+        """Does sampling need this request's ids (a penalty on)?"""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def params_problem(params: object) -> str | None:
@@ -51,12 +89,26 @@ def params_problem(params: object) -> str | None:
         ("top_p", isinstance(p.top_p, (int, float)) and not isinstance(p.top_p, bool) and 0 < p.top_p <= 1,
          "a number in (0, 1]"),
         ("seed", p.seed is None or (type(p.seed) is int and 0 <= p.seed < 1 << 63), "an integer in [0, 2**63) or None"),
-        ("stop", isinstance(p.stop, tuple) and all(type(x) is str and x for x in p.stop), "a tuple of non-empty strings"),
+        ("stop", isinstance(p.stop, tuple) and all(type(x) is str and x for x in p.stop),
+         "a string or a sequence of non-empty strings"),
+        ("n", type(p.n) is int and 1 <= p.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
+        ("repetition_penalty", _number(p.repetition_penalty) and p.repetition_penalty > 0, "a finite number > 0"),
+        ("presence_penalty", _number(p.presence_penalty) and -2 <= p.presence_penalty <= 2, "a number in [-2, 2]"),
+        ("frequency_penalty", _number(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2, "a number in [-2, 2]"),
+        ("min_tokens", type(p.min_tokens) is int and 0 <= p.min_tokens <= p.max_tokens if type(p.max_tokens) is int
+         else False, "an integer in [0, max_tokens]"),
+        ("ignore_eos", type(p.ignore_eos) is bool, "true or false"),
+        ("logprobs", p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS),
+         f"an integer in [0, {MAX_LOGPROBS}] or None"),
     )  # fmt: skip
     for name, ok, what in checks:
         if not ok:
             return f"{name} must be {what}, got {shown(getattr(p, name)):.60}"
     return None
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def request_seed(request_id: object, params: SamplingParams) -> int:
@@ -91,30 +143,27 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch
     return -torch.log((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int) -> int:
-    """One row's token: greedy at temperature 0; else temperature, top-k, top-p, and the race drawn
-    with the noise of (seed, counter)."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_k > 0:
-        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p * sorted_p.sum()
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[idx[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-    dev = logits.device
-    noise = race_noise(torch.tensor([seed], device=dev), torch.tensor([counter], device=dev), probs.numel())[0]
-    return int(torch.argmax(probs / noise))
+@dataclass(frozen=True, slots=True)
+class History:
+    """What sampling needs of the rows beyond their logits, where a request asks it: each row's prompt and output
+    ids (``ids``; None for a row without penalties), the model's stop ids (``min_tokens`` holds them back), and
+    ids still on the device (overlapped scheduling: ``pending`` rows' last output id is ``pending_ids[at]``)."""
+
+    ids: Sequence[tuple[Sequence[int], Sequence[int]] | None] = ()
+    stop_ids: frozenset[int] = frozenset()
+    pending: Sequence[tuple[int, int]] = ()  # (row, index into pending_ids)
+    pending_ids: torch.Tensor | None = None
+
+
+NO_HISTORY = History()
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                 counters: Sequence[int]) -> torch.Tensor:  # fmt: skip
-    """Every row's token at once, on ``logits``' device: (rows,) int64, row ``i`` as
-    ``sample(logits[i], params[i], seeds[i], counters[i])`` gives it. No host sync."""
+                 counters: Sequence[int], history: History = NO_HISTORY) -> torch.Tensor:  # fmt: skip
+    """Every row's token at once, on ``logits``' device: (rows,) int64. Row ``i`` samples with ``params[i]``,
+    drawing the race noise of (``seeds[i]``, ``counters[i]``: the tokens its request drew before), after its
+    penalties and ``min_tokens`` (``history``). No host sync."""
+    logits = _held_back(_penalized(logits, params, history), params, counters, history.stop_ids)
     out = torch.argmax(logits, dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if not drawn:
@@ -142,9 +191,98 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: 
     return out.index_copy(0, rows, chosen)
 
 
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """``text`` up to the first of the request's stop strings that it holds (each checked in order)."""
+def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], history: History) -> torch.Tensor:
+    """``logits`` with vLLM's penalties applied to the rows that ask them (float32 then; the others as they are)."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    ps = [params[i] for i in rows]
+    ids = [history.ids[i] or ((), ()) for i in rows]
+    counts = _counts([out for _, out in ids], vocab, dev)  # (rows, vocab): each id's occurrences in the output
+    pending = [(rows.index(r), at) for r, at in history.pending if r in rows]
+    if pending and history.pending_ids is not None:  # (a last id still on the device counts too)
+        where = to_device([k for k, _ in pending], torch.int64, dev)
+        counts.index_put_((where, history.pending_ids[to_device([at for _, at in pending], torch.int64, dev)]),
+                          torch.ones(len(pending), device=dev), accumulate=True)  # fmt: skip
+    sub = logits[to_device(rows, torch.int64, dev)].float()
+    seen = counts > 0
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        anywhere = seen | (_counts([prompt for prompt, _ in ids], vocab, dev) > 0)
+        rp = to_device([p.repetition_penalty for p in ps], torch.float32, dev)[:, None]
+        sub = torch.where(anywhere, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    freq = to_device([p.frequency_penalty for p in ps], torch.float32, dev)[:, None]
+    pres = to_device([p.presence_penalty for p in ps], torch.float32, dev)[:, None]
+    sub = sub - freq * counts - pres * seen.float()
+    out = logits.float().clone()
+    out[to_device(rows, torch.int64, dev)] = sub
+    return out
+
+
+def _counts(id_lists: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """(len(id_lists), vocab) float32: how often each id occurs in each list (one padded copy, one scatter)."""
+    width = max((len(x) for x in id_lists), default=0)
+    counts = torch.zeros(len(id_lists), vocab + 1, device=dev)  # (a last column takes the padding)
+    if width:
+        padded = to_device([[*x, *[vocab] * (width - len(x))] for x in id_lists], torch.int64, dev)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=dev))
+    return counts[:, :vocab]
+
+
+def _held_back(logits: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int],
+               stop_ids: frozenset[int]) -> torch.Tensor:  # fmt: skip
+    """The stop ids out of reach of every row still short of its ``min_tokens``."""
+    rows = [i for i, (p, c) in enumerate(zip(params, counters)) if c < p.min_tokens]
+    if not rows or not stop_ids:
+        return logits
+    dev = logits.device
+    ban = [s for s in sorted(stop_ids) if s < logits.shape[1]]
+    out = logits.clone()
+    out[to_device(rows, torch.int64, dev)[:, None], to_device(ban, torch.int64, dev)[None, :]] = float("-inf")
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """(rows, 2 + 2 * max(ks)) float64 on ``logits``' device, for each row: the logprob of its token ``ids[i]``
+    (log-softmax of the model's logits, vLLM's raw logprobs), its rank (1 + the ids more likely), then the ``k``
+    most likely ids and their logprobs (a row asking fewer: padded). One copy reads it (``Logprob.rows``)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, ids[:, None])
+    rank = (lp > chosen).sum(1, keepdim=True) + 1
+    k = max(ks, default=0)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
+    return torch.cat([chosen.double(), rank.double(), top_ids.double(), top_lp.double()], dim=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A token's logprob, as vLLM gives it: ``logprob``, its ``rank`` among the ids (1: the most likely), and the
+    ``decoded_token`` (its text)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+    @staticmethod
+    def rows(values: Sequence[float], token: int, k: int, decode: Any) -> dict[int, Logprob]:
+        """One ``token_logprobs`` row as vLLM's per-token dict: the token's own entry and the ``k`` most likely."""
+        width = (len(values) - 2) // 2
+        out = {token: Logprob(values[0], int(values[1]), decode([token]))}
+        for j in range(k):
+            tid = int(values[2 + j])
+            out.setdefault(tid, Logprob(values[2 + width + j], j + 1, decode([tid])))
+        return out
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...], start: int = 0) -> str:
+    """``text`` up to the first of the request's stop strings that it holds from ``start`` on (each checked in
+    order; before ``start``: what came before ``min_tokens``, exempt).
+
+    >>> cut_at_stop("a. b. c.", (".",)), cut_at_stop("a. b. c.", (".",), 2)
+    ('a', 'a. b')
+    """
     for s in stop:
-        if s in text:
-            text = text[: text.index(s)]
+        at = text.find(s, start)
+        if at >= 0:
+            text = text[:at]
     return text

@@ -37,8 +37,8 @@ class Readback:
         else:
             self.host = t
 
-    def tolist(self) -> list[int]:
+    def tolist(self) -> list[Any]:
         if self.event is not None:
             self.event.synchronize()
-        out: list[int] = self.host.tolist()
+        out: list[Any] = self.host.tolist()
         return out

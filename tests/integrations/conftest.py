@@ -1,1 +1,37 @@
+"""The vLLM tests. Where vLLM is not installed they skip with the reason; CI runs them in an environment of their
+own (.ci/vllm_env.sh) with ``PAGEDKV_REQUIRE_VLLM=1``, where a skip (a module or a test) is a failure: a change
+that breaks vLLM parity cannot land unseen."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
 collect_ignore = ["data/make_vllm_events_golden.py"]  # a script that writes the golden file where vLLM is
+
+REQUIRED = os.environ.get("PAGEDKV_REQUIRE_VLLM") == "1"
+
+
+def _failed(report: Any) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped where the vLLM tests must run (PAGEDKV_REQUIRE_VLLM=1): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped and "xfail" not in report.keywords:
+        _failed(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped:
+        _failed(report)

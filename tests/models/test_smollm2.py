@@ -140,13 +140,15 @@ def test_llm_api_and_a_hugging_face_state_dict(hf: tuple[object, object], ours: 
     from pagedkv.models.gguf import LlamaConfig
 
     model, tok = ours
-    (c,) = LLM(model, tok).generate(["What is the capital of France?"], SamplingParams(max_tokens=12), chat=True)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    (r,) = LLM(model, tok, threads=1).chat(question, SamplingParams(max_tokens=12))
+    (c,) = r.outputs
     assert c.text.strip() == "The capital of France is Paris."
     ref_model, _ = hf
     cfg = LlamaConfig.from_hf_config(ref_model.config.to_dict())  # type: ignore[attr-defined]
     from_hf = Llama(cfg, {k: v.detach() for k, v in ref_model.state_dict().items()})  # type: ignore[attr-defined]
-    (c2,) = LLM(from_hf, tok).generate(["What is the capital of France?"], SamplingParams(max_tokens=12), chat=True)
-    assert c2.token_ids == c.token_ids
+    (r2,) = LLM(from_hf, tok, threads=1).chat(question, SamplingParams(max_tokens=12))
+    assert r2.outputs[0].token_ids == c.token_ids
 
 
 @pytest.mark.slow
@@ -182,3 +184,76 @@ def test_the_incremental_text_is_the_whole_decode(ours: tuple[Llama, Tokenizer],
     text = prompt_text(tok, *PROMPTS[0])
     (c,) = eng.generate([(text, tok.encode(text), SamplingParams(max_tokens=NEW, stop=("Paris",)))])
     assert c.finish_reason == "stop" and "Paris" not in c.text and "Paris" in tok.decode(c.token_ids)
+
+
+@pytest.mark.slow
+def test_llm_takes_a_vllm_scripts_arguments(ours: tuple[Llama, Tokenizer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46: a single string is one prompt; a params list of another length is a clear error; ``n`` gives n
+    sequences seeded ``seed + i``; ``stop`` takes a string; vLLM's prompt dicts; the CLI's thread policy."""
+    import pagedkv.app.llm as llm_module
+    from pagedkv.app.llm import LLM, RequestOutput
+
+    model, tok = ours
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(llm_module, "auto_threads", lambda: 1)
+    llm = LLM(model, tok)
+    assert torch.get_num_threads() == 1  # (threads="auto": the idle CPUs, as `pagedkv generate --threads auto`)
+    torch.set_num_threads(threads)
+    (one,) = llm.generate("Hello", SamplingParams(max_tokens=3))
+    assert isinstance(one, RequestOutput) and one.prompt == "Hello" and len(one.outputs) == 1
+    assert len(one.outputs[0].token_ids) == 3 and one.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="1 sampling params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=2)])
+    assert len(llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=2)] * 3)) == 3
+    (ids,) = llm.generate({"prompt_token_ids": tok.encode("Hello")}, SamplingParams(max_tokens=3))
+    assert ids.outputs[0].token_ids == one.outputs[0].token_ids
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
+    (r,) = llm.generate("Once upon a time", params)
+    assert [o.index for o in r.outputs] == [0, 1, 2] and len({tuple(o.token_ids) for o in r.outputs}) > 1
+    for i, o in enumerate(r.outputs):  # vLLM's rule: the i-th of n draws with seed + i
+        (alone,) = llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8))
+        assert alone.outputs[0].token_ids == o.token_ids
+    (s,) = llm.generate("Count from one to ten: one, two, three,", SamplingParams(max_tokens=24, stop="six"))
+    assert s.outputs[0].finish_reason == "stop" and s.outputs[0].stop_reason == "six" and "six" not in s.outputs[0].text
+    assert llm.get_default_sampling_params() == SamplingParams()  # (the GGUF file has no generation_config.json)
+
+
+@pytest.mark.slow
+def test_llm_chat_takes_a_system_prompt_and_earlier_turns(ours: tuple[Llama, Tokenizer]) -> None:
+    from pagedkv.app.llm import LLM
+
+    model, tok = ours
+    llm = LLM(model, tok, threads=1)
+    conv = [{"role": "system", "content": "You answer with the name of a city."},
+            {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And the capital of Italy?"}]  # fmt: skip
+    (c,) = llm.chat(conv, SamplingParams(max_tokens=12))
+    rendered = tok.apply_chat_template(conv)
+    assert all(m["content"] in rendered for m in conv) and c.prompt == rendered
+    assert c.prompt_token_ids == tok.encode(rendered) and "Rome" in c.outputs[0].text
+    both = llm.chat([conv, conv[:2]], SamplingParams(max_tokens=12))  # a batch of conversations
+    assert both[0].outputs[0].token_ids == c.outputs[0].token_ids and "Paris" in both[1].outputs[0].text
+
+
+@pytest.mark.slow
+def test_repetition_penalty_and_logprobs_equal_transformers(hf: tuple[object, object],
+                                                             ours: tuple[Llama, Tokenizer]) -> None:  # fmt: skip
+    """vLLM's repetition penalty is transformers' (over the prompt's and the output's ids): greedy tokens equal
+    token for token; and the logprobs of each token are transformers' raw scores' log-softmax."""
+    ref_model, _ = hf
+    _, tok = ours
+    text = prompt_text(tok, "List the days of the week, then list them again.", None)
+    ids = tok.encode(text)
+    with torch.no_grad():
+        gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, repetition_penalty=1.3,  # type: ignore[attr-defined]
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    want = gen.sequences[0, len(ids) :].tolist()
+    raw = [torch.log_softmax(x[0].float(), -1) for x in gen.logits]
+    (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate(
+        [(text, ids, SamplingParams(max_tokens=NEW, repetition_penalty=1.3, logprobs=2))])
+    assert c.token_ids == want
+    plain = engine(ours, kv_cache_memory_bytes=16 << 20).generate([(text, ids, SamplingParams(max_tokens=NEW))])[0]
+    assert plain.token_ids != want  # (the penalty changed them)
+    got = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs or [])]
+    assert got == pytest.approx([float(r[t]) for r, t in zip(raw, want)], abs=2e-3)

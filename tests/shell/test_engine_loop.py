@@ -23,7 +23,8 @@ from pagedkv.shell.attention import get_backend
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import EngineArgs
 from pagedkv.shell.sampling import SamplingParams
-from pagedkv.shell.sampling import request_seed, sample
+from pagedkv.shell.sampling import request_seed
+from tests.shell.test_sampling import sample  # (the one-row rule, written plainly)
 
 CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
               num_kv_heads=2)  # fmt: skip

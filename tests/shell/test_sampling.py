@@ -9,7 +9,39 @@ from hypothesis import strategies as st
 
 from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
-from pagedkv.shell.sampling import SamplingParams, race_noise, sample, sample_batch
+from pagedkv.shell.sampling import History, SamplingParams, race_noise, sample_batch, token_logprobs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int,
+           ids: tuple[list[int], list[int]] = ([], []), stop_ids: frozenset[int] = frozenset()) -> int:  # fmt: skip
+    """The reference: one row's token, written plainly. Penalties (vLLM's: repetition over the prompt's and the
+    output's ids, presence and frequency over the output's), stop ids held back before min_tokens, then greedy at
+    temperature 0; else temperature, top-k, top-p, and the race drawn with the noise of (seed, counter)."""
+    logits = logits.float().clone()
+    prompt, output = ids
+    for t in set(prompt) | set(output):
+        if params.repetition_penalty != 1.0:
+            v = logits[t]
+            logits[t] = v / params.repetition_penalty if v > 0 else v * params.repetition_penalty
+    for t in set(output):
+        logits[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    if counter < params.min_tokens:
+        for t in stop_ids:
+            logits[t] = float("-inf")
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k > 0:
+        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p * sorted_p.sum()
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[idx[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+    noise = race_noise(torch.tensor([seed]), torch.tensor([counter]), probs.numel())[0]
+    return int(torch.argmax(probs / noise))
 
 PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
                    top_k=st.sampled_from([0, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]))  # fmt: skip
@@ -67,3 +99,37 @@ def test_a_seeded_request_draws_the_same_tokens_batched_or_alone() -> None:
     assert batched[3].token_ids == alone and len(alone) == 12
     again = Engine(model, IdTokenizer(), kv_cache_memory_bytes=4 << 20, max_num_seqs=2).generate([mine, *others])
     assert again[0].token_ids == alone  # and through other batches and steps
+
+
+PENALIZED = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([0, 5]),
+                      repetition_penalty=st.sampled_from([1.0, 0.8, 1.3, 2.0]),
+                      presence_penalty=st.sampled_from([0.0, -0.5, 1.5]),
+                      frequency_penalty=st.sampled_from([0.0, 0.4, -1.0]), min_tokens=st.sampled_from([0, 3]),
+                      max_tokens=st.just(8))  # fmt: skip
+
+
+@given(st.lists(st.tuples(PENALIZED, st.integers(0, 2**40), st.integers(0, 6),
+                          st.lists(st.integers(0, 30), max_size=6), st.lists(st.integers(0, 30), max_size=8)),
+                min_size=1, max_size=6),
+       st.integers(0, 2**31))  # fmt: skip
+def test_penalties_and_min_tokens_equal_the_reference(rows: list, data_seed: int) -> None:
+    """The batch sampler with vLLM's penalties and min_tokens equals the plain one-row rule, row for row, in any
+    mix of rows with and without them (and a row's ids count where its params turn a penalty on only)."""
+    g = torch.Generator().manual_seed(data_seed)
+    logits = torch.randn(len(rows), 31, generator=g) * 3
+    params, seeds, counters, prompts, outputs = zip(*rows)
+    stop_ids = frozenset({0, 7})
+    history = History([(p, o) if q.penalized else None for q, p, o in zip(params, prompts, outputs)], stop_ids)
+    batch = sample_batch(logits, params, seeds, counters, history)
+    want = [sample(logits[i], params[i], seeds[i], counters[i], (prompts[i], outputs[i]) if params[i].penalized
+                   else ([], []), stop_ids) for i in range(len(rows))]  # fmt: skip
+    assert batch.tolist() == want
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_token_and_its_rank() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0]])
+    ids = torch.tensor([1, 2])
+    rows = token_logprobs(logits, ids, [2, 0]).tolist()
+    lp = torch.log_softmax(logits, -1)
+    assert rows[0][:2] == [float(lp[0, 1]), 2.0] and rows[0][2:4] == [0.0, 1.0]  # rank 2; the top ids 0 and 1
+    assert rows[0][4:6] == [float(lp[0, 0]), float(lp[0, 1])] and rows[1][:2] == [float(lp[1, 2]), 1.0]

@@ -110,20 +110,52 @@ non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 positive_float = _number(float, "a positive number", lambda v: v > 0)
 non_negative_float = _number(float, "a non-negative number", lambda v: v >= 0)
 unit_interval = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+penalty = _number(float, "a number in [-2, 2]", lambda v: -2 <= v <= 2)
 
 
 def device(text: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N``: what the shell runs on (whether it is there is checked once torch is up).
+    """``auto`` (CUDA where there is one: ``resolve_device``), ``cpu``, ``cuda`` or ``cuda:N``: what the shell runs
+    on (whether it is there is checked once torch is up).
 
-    >>> device("cuda:1"), device("cpu")
-    ('cuda:1', 'cpu')
+    >>> device("cuda:1"), device("cpu"), device("auto")
+    ('cuda:1', 'cpu', 'auto')
     """
     kind, sep, index = text.partition(":")
-    if text == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
+    if text in ("cpu", "auto") or (kind == "cuda" and (not sep or index.isdigit())):
         return text
     raise argparse.ArgumentTypeError(
-        f"must be cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)"
+        f"must be auto, cpu, cuda or cuda:N, got {text!r} (pagedkv runs on CPUs and NVIDIA GPUs)"
     )
+
+
+def resolve_device(name: str) -> str:
+    """``auto``: ``cuda`` where torch sees a CUDA device, else ``cpu`` (vLLM's choice); any other name as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count as vLLM writes one (``--kv-cache-memory-bytes``): an integer, or one with a suffix, k/m/g/t
+    powers of 1000 and K/M/G/T of 1024 (vLLM's ``human_readable_int``); positive, below 2**50.
+
+    >>> byte_size("4096"), byte_size("2G"), byte_size("1.5k")
+    (4096, 2147483648, 1500)
+    """
+    scale = _SUFFIXES.get(text[-1:], 1) if text else 1
+    body = text[:-1] if scale != 1 else text
+    try:
+        value = float(body) * scale if "." in body else int(body) * scale
+    except ValueError:
+        value = -1
+    if not (0 < value < 1 << 50) or int(value) != value:
+        raise argparse.ArgumentTypeError(f"must be a positive byte count (an integer, or with k, m, g, K, M, G), got {text!r}")
+    return int(value)
 
 
 MAX_THREADS = 1024

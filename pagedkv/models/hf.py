@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.models.files import CheckpointError, read_json
+from pagedkv.models.files import DTYPE_NAMES, CheckpointError, read_json
 from pagedkv.models.gemma3 import gemma3_config
 from pagedkv.models.gguf import LlamaConfig
 from pagedkv.models.hybrid_config import HybridConfig, hybrid_shapes
@@ -30,13 +30,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "GraniteMoeHybridForCausalLM": "granitemoehybrid"}  # fmt: skip
 HYBRIDS = ("bamba", "granitemoehybrid")
 
-# the weights' dtype by vLLM's ``--dtype`` names; "auto" is bfloat16 on CUDA (the serving path), float32 elsewhere
-DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
-          "float32": torch.float32}  # fmt: skip
-
-
 def weights_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
-    """A torch dtype as given, or one of vLLM's names (``DTYPES``, ``auto``); ``ValueError`` naming them else.
+    """A torch dtype as given, or one of vLLM's names (``files.DTYPE_NAMES``, or ``auto``: bfloat16 on CUDA, the
+    serving path, float32 elsewhere); ``ValueError`` naming them else.
 
     >>> weights_dtype("auto", "cuda"), weights_dtype("auto", "cpu"), weights_dtype("half"), weights_dtype("float")
     (torch.bfloat16, torch.float32, torch.float16, torch.float32)
@@ -45,9 +41,10 @@ def weights_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") 
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be a torch dtype or one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be a torch dtype or one of auto, {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+    out: torch.dtype = getattr(torch, DTYPE_NAMES[dtype])
+    return out
 
 
 def model_config(raw: dict[str, Any]) -> LlamaConfig | HybridConfig:
@@ -188,6 +185,23 @@ def generation_defaults(path: str) -> dict[str, Any]:
         return {}
     gen = read_json(gen_file, "generation defaults")
     return {ours: gen[key] for key, ours in GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a checkpoint directory (its tokenizer files, and the stop ids its generation_config.json or
+    config.json name) or of a ``.gguf`` file (its tokenizer metadata, no tensor read); ``CheckpointError`` else."""
+    from pagedkv.models.gguf import load_tokenizer_meta
+    from pagedkv.models.tokenizer import Tokenizer
+
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise CheckpointError(f"{path} is a file but not a .gguf one (give a checkpoint's directory)")
+        try:
+            return Tokenizer(load_tokenizer_meta(path))
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{path}: {' '.join(str(e).split())[:200]}") from None
+    conf = os.path.join(path, "config.json")
+    return Tokenizer.from_dir(path, stop_ids(path, read_json(conf, "the model's config") if os.path.exists(conf) else {}))
 
 
 def load_model(path: str, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> tuple[Any, Any, str]:

@@ -43,18 +43,31 @@ class EngineArgs:
     # the pages' dtype (vLLM's kv_cache_dtype): "auto" (the model's), "fp8" / "fp8_e4m3" (e4m3), "fp8_e5m2"; fp8 pages
     # hold each layer's K and V over its scales (the checkpoint's, or calibrated at start-up: shell.kv_scales)
     kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None  # a request's tokens at most (vLLM's); None: the model's positions
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
             raise InvalidConfig("speculative decoding with async_scheduling is not served yet: use one of them")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidConfig(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 1):
+            raise InvalidConfig(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+
+    def model_len(self, model: Any) -> int:
+        """A request's tokens at most: ``max_model_len`` where given (not past the model's positions), else the
+        model's positions."""
+        if self.max_model_len is None:
+            return int(model.config.max_position)
+        if self.max_model_len > model.config.max_position:
+            raise InvalidConfig(f"max_model_len {self.max_model_len} is past the model's {model.config.max_position} "
+                                "positions")  # fmt: skip
+        return self.max_model_len
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
         prompt (up to the model's length), which the scheduler runs alone when it is over the budget."""
         return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
-                                                                            model.config.max_position)
+                                                                            self.model_len(model))
 
     def token_rows(self) -> int:
         """Query tokens a step may lay out one a forward row (``Worker``): with speculation, every request and all
@@ -82,7 +95,7 @@ class EngineArgs:
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
             raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
                                 "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip
-        return rank_for(model, max_model_len=model.config.max_position, block_size=self.block_size,
+        return rank_for(model, max_model_len=self.model_len(model), block_size=self.block_size,
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
                         max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,

@@ -92,7 +92,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--top-k", "-1"], "--top-k"),
     (["generate", "hi", "--threads", "0"], "--threads"),
-    (["generate", "hi", "--device", "tpu"], "--device: must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["generate", "hi", "--device", "tpu"], "--device: must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["generate", "hi", "--device", "mps"], "--device"),
     (["generate", "hi", "--dtype", "int8"], "--dtype"),
     (["generate", "hi", "--ranks", "0"], "--ranks"),
@@ -184,7 +184,7 @@ def test_help_shows_defaults_and_every_option_has_help(capsys: pytest.CaptureFix
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, f"pagedkv {name} {action.option_strings or action.dest} has no help"
-    assert "--max-tokens N" in generate.format_help() and "(default: 64)" in generate.format_help()
+    assert "--max-tokens N" in generate.format_help() and "generation config's, else 64)" in generate.format_help()
 
 
 def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.MonkeyPatch,

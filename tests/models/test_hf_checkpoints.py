@@ -271,3 +271,77 @@ def test_every_stop_id_in_generation_config_ends_a_request(checkpoint: tuple[Any
     model, tok, _ = load_model(str(out))
     (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", prompt, SamplingParams(max_tokens=8))])
     assert c.token_ids == want[: stop_at + 1] and c.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama-vllm-flags")
+    hf_model("llama").save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def test_vllms_flag_names_serve_as_pagedkvs(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 46: vLLM's names for the same settings, beside pagedkv's own (kept: other programs use them)."""
+    from pagedkv.app.cli import main
+
+    ours = ["generate", "--model", str(llama_dir), "--json", "hi", "there", "--max-tokens", "6", "--threads", "1"]
+    assert main([*ours, "--ranks", "1", "--no-cuda-graphs", "--no-prefix-caching", "--kv-cache-memory", "16",
+                 "--dtype", "float32"]) == 0  # fmt: skip
+    want = capsys.readouterr().out
+    vllms = ["--tensor-parallel-size", "1", "--enforce-eager", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
+             "16M", "--dtype", "float", "--device", "auto", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+             "--tokenizer", str(llama_dir)]  # fmt: skip
+    assert main([*ours, *vllms]) == 0 and capsys.readouterr().out == want
+    assert main([*ours, "-tp", "1", "--enable-prefix-caching", "--dtype", "half"]) == 0
+    capsys.readouterr()
+    for argv, says in ((["--max-model-len", "4096"], "max_model_len 4096 is past the model's 512 positions"),
+                       (["--kv-cache-memory", "8", "--kv-cache-memory-bytes", "8M"], "not allowed with argument"),
+                       (["--kv-cache-memory-bytes", "12Q"], "--kv-cache-memory-bytes: must be a positive byte count"),
+                       (["--dtype", "fp16"], "invalid choice: 'fp16'"), (["-tp", "2"], "--ranks splits SmolLM2 only"),
+                       (["--generation-config", str(llama_dir / "nope")], "no generation_config.json there")):  # fmt: skip
+        assert main([*ours, *argv]) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert err and says in err[0], (argv, err)
+    assert main([*ours[:-4], "--max-model-len", "4", "--max-tokens", "10", "--threads", "1"]) == 0
+    for line in capsys.readouterr().out.splitlines():  # (a prompt of 1 to 3 ids: the rest of 4 positions, then 1)
+        c = json.loads(line)
+        assert c["finish_reason"] == "length" and 1 <= len(c["token_ids"]) <= 4
+
+
+def test_sampling_defaults_come_from_generation_config_and_flags_override_them(llama_dir: Path, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from pagedkv.app.cli import main
+    from pagedkv.app.llm import LLM
+    from pagedkv.shell.sampling import SamplingParams
+
+    path = tmp_path / "gen"
+    shutil.copytree(llama_dir, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 3,
+                                                              "temperature": 0.7, "top_k": 5, "top_p": 0.9}))  # fmt: skip
+    base = ["generate", "--model", str(path), "--json", "hi", "--threads", "1", "--seed", "4"]
+
+    def tokens(*flags: str) -> list[int]:
+        assert main([*base, *flags]) == 0
+        return json.loads(capsys.readouterr().out)["token_ids"]
+
+    auto, vllm, given = tokens(), tokens("--generation-config", "vllm"), tokens("--max-tokens", "5")
+    assert len(auto) == 3 and len(given) == 5 and given[:3] == auto  # max_new_tokens, then the flag over it
+    assert len(vllm) == 64 or vllm[:3] != auto  # (vLLM's defaults: none of the file's; greedy)
+    assert tokens("--generation-config", str(path), "--temperature", "0", "--max-tokens", "3") == vllm[:3]
+    llm = LLM(str(path), threads=1)
+    assert llm.get_default_sampling_params() == SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9)
+    assert LLM(str(path), threads=1, generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]})
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_load_model_takes_vllms_dtype_names(llama_dir: Path) -> None:
+    from pagedkv.models.hf import load_model
+
+    for name, want in (("float32", torch.float32), ("float", torch.float32), ("half", torch.float16),
+                       ("bfloat16", torch.bfloat16), (torch.float16, torch.float16), ("auto", torch.float32)):  # fmt: skip
+        model, _, _ = load_model(str(llama_dir), dtype=name)
+        assert model.dtype == want, name
+    with pytest.raises(ValueError, match="one of auto, half, float16, bfloat16, float, float32; got 'fp16'"):
+        load_model(str(llama_dir), dtype="fp16")

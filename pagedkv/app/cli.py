@@ -66,7 +66,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                    "or .pdf; needs matplotlib)")  # fmt: skip
     c = sub.add_parser("check", help="model-check every reachable state of a small configuration",
                        description="Explore every state a small configuration reaches, breadth first, checking "
-                                   "the invariants in each; a violation's shortest trace is written to --out.")  # fmt: skip
+                                   "the invariants in each; a violation's shortest trace is written to --out. The "
+                                   "default explores 15,353 states in about 20 s on one core (each state more costs "
+                                   "about 1 ms: --blocks 6 --requests 3 explores 109,476 in about 2 minutes); a "
+                                   "progress bar shows on a terminal's stderr, and the summary at the end.")  # fmt: skip
     d = CheckConfig()
     # bounds a search can finish in: the state space grows exponentially in each
     c.add_argument("--block-size", type=bounded_int(1, 16), default=d.block_size, help="tokens per block")

@@ -94,6 +94,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="KV cache budget per rank in MiB (default 256)")
     budget.add_argument("--kv-cache-memory-bytes", type=byte_size, metavar="BYTES",
                         help="the same in bytes, vLLM's name (an integer, or with k, m, g, K, M, G: 512M, 2G)")
+    budget.add_argument("--gpu-memory-utilization", type=unit_interval, metavar="F",
+                        help="on CUDA (vLLM's): the fraction of the device the weights, the largest step's forward "
+                        "and the KV pages may take; the pages get what is left, measured at start-up")  # fmt: skip
     g.add_argument("--block-size", metavar="TOKENS", type=bounded_int(1, 8192), default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
                    help="requests running at once at most")
@@ -128,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         check_outputs(args)
         args.device = resolve_device(args.device)
         check_device(args.device, args.ranks)
+        if args.gpu_memory_utilization is not None and (not args.device.startswith("cuda") or args.ranks > 1):
+            raise UsageError(f"--gpu-memory-utilization is measured on one CUDA device; on {args.device}"
+                             f"{' with --ranks' if args.ranks > 1 else ''} give --kv-cache-memory")  # fmt: skip
         check_backend(args.backend, args.device)
         trace = _open_trace(args.trace)
     except UsageError as e:
@@ -239,6 +245,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=kv_budget(args),
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                  backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
                                  speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
                                  async_scheduling=args.async_scheduling)  # fmt: skip

@@ -13,7 +13,7 @@ from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
-from pagedkv.shell.rank import Rank, rank_for
+from pagedkv.shell.rank import Rank, measured_budget, plan_for, rank_for
 from pagedkv.shell.speculative import SpeculativeConfig
 
 
@@ -44,6 +44,9 @@ class EngineArgs:
     # hold each layer's K and V over its scales (the checkpoint's, or calibrated at start-up: shell.kv_scales)
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # a request's tokens at most (vLLM's); None: the model's positions
+    # vLLM's: on CUDA, the fraction of the device the weights, a forward of the largest step and the KV pages may
+    # take; the pages get what is left (measured at start-up: shell.rank.measured_budget). None: the byte budget
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
@@ -52,6 +55,9 @@ class EngineArgs:
             raise InvalidConfig(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 1):
             raise InvalidConfig(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        fraction = self.gpu_memory_utilization
+        if fraction is not None and (type(fraction) not in (int, float) or not 0 < fraction <= 1):
+            raise InvalidConfig(f"gpu_memory_utilization must be a number in (0, 1] or None, got {fraction!r}")
 
     def model_len(self, model: Any) -> int:
         """A request's tokens at most: ``max_model_len`` where given (not past the model's positions), else the
@@ -95,8 +101,13 @@ class EngineArgs:
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
             raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
                                 "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip
+        budget = self.kv_cache_memory_bytes
+        if self.gpu_memory_utilization is not None:  # (the pages of the model's dtype or fp8: the plan they need)
+            plan = plan_for(model, block_size=self.block_size, kv_dtype=kv_dtype)
+            budget = measured_budget(model, plan, fraction=self.gpu_memory_utilization, tokens=self.step_tokens(model),
+                                     backend=backend)  # fmt: skip
         return rank_for(model, max_model_len=self.model_len(model), block_size=self.block_size,
-                        kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                        kv_cache_memory_bytes=budget,
                         enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
                         max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
                         caching_point=self.caching_point, free_queue=self.free_queue, kv_dtype=kv_dtype,

@@ -185,6 +185,8 @@ def test_help_shows_defaults_and_every_option_has_help(capsys: pytest.CaptureFix
         for action in p._actions:
             assert action.help, f"pagedkv {name} {action.option_strings or action.dest} has no help"
     assert "--max-tokens N" in generate.format_help() and "generation config's, else 64)" in generate.format_help()
+    families = " ".join(generate.format_help().split())  # (every family served: models.hf.ARCHITECTURES)
+    assert all(f in families for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma 3", "Bamba", "granite-4.0-h"))
 
 
 def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.MonkeyPatch,

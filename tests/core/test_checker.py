@@ -51,6 +51,13 @@ def test_exhaustive_state_counts_are_pinned(cfg: CheckConfig, states: int) -> No
     assert result.states == states
 
 
+@pytest.mark.slow
+def test_the_default_search_is_exhaustive_at_the_size_its_help_gives() -> None:
+    """``pagedkv check`` with no flags: 15,353 states (its help and docs/checking.md say so), about 20 s."""
+    result = check(CheckConfig())
+    assert result.violation == [] and result.exhaustive and result.states == 15_353
+
+
 def test_bounds_stop_the_search() -> None:
     r = check(replace(SMALL, max_states=100))
     assert r.states == 100 and not r.exhaustive

@@ -345,3 +345,8 @@ def test_load_model_takes_vllms_dtype_names(llama_dir: Path) -> None:
         assert model.dtype == want, name
     with pytest.raises(ValueError, match="one of auto, half, float16, bfloat16, float, float32; got 'fp16'"):
         load_model(str(llama_dir), dtype="fp16")
+    from pagedkv.app.llm import LLM
+
+    assert LLM(str(llama_dir), dtype="half", threads=1).engine.model.dtype == torch.float16  # (LLM's too)
+    with pytest.raises(ValueError, match="got 'fp16'"):  # (was an AttributeError)
+        LLM(str(llama_dir), dtype="fp16", threads=1)

@@ -154,7 +154,9 @@ def byte_size(text: str) -> int:
     except ValueError:
         value = -1
     if not (0 < value < 1 << 50) or int(value) != value:
-        raise argparse.ArgumentTypeError(f"must be a positive byte count (an integer, or with k, m, g, K, M, G), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a positive byte count (an integer, or with k, m, g, K, M, G), got {text!r}"
+        )
     return int(value)
 
 

@@ -8,7 +8,13 @@ from typing import Any
 
 # the weights' dtype by vLLM's ``--dtype`` names, as torch's attribute names (no torch here: the command line reads
 # them before torch is imported); ``models.hf.weights_dtype`` resolves them, "auto" included
-DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+DTYPE_NAMES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
 class CheckpointError(ValueError):

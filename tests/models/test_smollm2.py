@@ -64,7 +64,7 @@ def reference(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> list[
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
                                  pad_token_id=tok.eos_token_id)  # fmt: skip
-        out.append(gen[0, ids.shape[1]:].tolist())
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -87,7 +87,9 @@ def test_greedy_tokens_equal_transformers_one_at_a_time_and_batched_with_preempt
     ours: tuple[Llama, Tokenizer], reference: list[list[int]]
 ) -> None:
     _, tok = ours
-    requests = [(t, tok.encode(t), SamplingParams(max_tokens=NEW)) for t in (prompt_text(tok, p, s) for p, s in PROMPTS)]
+    requests = [
+        (t, tok.encode(t), SamplingParams(max_tokens=NEW)) for t in (prompt_text(tok, p, s) for p, s in PROMPTS)
+    ]
     for req, ref in zip(requests, reference):
         (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate([req])
         assert c.token_ids == ref, (req[0], tok.decode(c.token_ids), tok.decode(ref))
@@ -251,7 +253,8 @@ def test_repetition_penalty_and_logprobs_equal_transformers(hf: tuple[object, ob
     want = gen.sequences[0, len(ids) :].tolist()
     raw = [torch.log_softmax(x[0].float(), -1) for x in gen.logits]
     (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate(
-        [(text, ids, SamplingParams(max_tokens=NEW, repetition_penalty=1.3, logprobs=2))])
+        [(text, ids, SamplingParams(max_tokens=NEW, repetition_penalty=1.3, logprobs=2))]
+    )
     assert c.token_ids == want
     plain = engine(ours, kv_cache_memory_bytes=16 << 20).generate([(text, ids, SamplingParams(max_tokens=NEW))])[0]
     assert plain.token_ids != want  # (the penalty changed them)

@@ -43,6 +43,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int
     noise = race_noise(torch.tensor([seed]), torch.tensor([counter]), probs.numel())[0]
     return int(torch.argmax(probs / noise))
 
+
 PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
                    top_k=st.sampled_from([0, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]))  # fmt: skip
 

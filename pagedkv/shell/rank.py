@@ -217,23 +217,21 @@ def measured_budget(model: PagedModel, plan: RankPlan, *, fraction: float, token
     the weights and a forward of the largest step (one row of ``tokens`` query tokens, over a pool of the model's
     dtype just big enough for it) are counted (``size_pool``'s measure), in ``plan``'s blocks (fp8 ones too);
     ``InvalidConfig`` off CUDA, or when nothing is left."""
-    from pagedkv.core import RequestSpec, RowSpec, admit, initial_state, publish
-
     if torch.device(model.device).type != "cuda":
         raise InvalidConfig(f"a memory fraction is measured on CUDA; on {model.device} give kv_cache_memory_bytes")
-    own = plan_for(model, block_size=plan.block_size)
-    cache = own.cache_config(-(-tokens // plan.block_size) + 2, max_model_len=tokens)  # (room for the row)
-    probe = build_rank(own, cache, max_rows=1, max_tokens=tokens, device=model.device, backend=backend)
-    state = admit(initial_state(cache), RequestSpec("profile", (RowSpec(tokens),))).unwrap().state
-    meta = publish(state, ["profile"], "prefill").unwrap().effect
 
-    def profile() -> None:
-        batch = probe.worker.install(meta)
+    def profile() -> None:  # (its pages and buffers are freed when it returns)
+        from pagedkv.core import RequestSpec, RowSpec, admit, initial_state, publish
+
+        own = plan_for(model, block_size=plan.block_size)
+        cache = own.cache_config(-(-tokens // plan.block_size) + 2, max_model_len=tokens)  # (room for the row)
+        probe = build_rank(own, cache, max_rows=1, max_tokens=tokens, device=model.device, backend=backend)
+        state = admit(initial_state(cache), RequestSpec("profile", (RowSpec(tokens),))).unwrap().state
+        batch = probe.worker.install(publish(state, ["profile"], "prefill").unwrap().effect)
         ids = torch.zeros(tokens, dtype=torch.int64, device=model.device)
         model.forward(ids, batch, probe.pool, backend, probe.layout)  # type: ignore[attr-defined]
 
     sizing = size_pool(plan, device=model.device, memory_fraction=fraction, profile=profile)
-    del probe
     torch.cuda.empty_cache()
     return sizing.total_bytes
 

@@ -70,6 +70,8 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
     try:
         done = eng.generate(requests, on_finish=lambda c: ended.__setitem__(c.request_id, str(c.finish_reason)))
         result["completions"] = [(c.token_ids, c.finish_reason, c.error) for c in done]
+        # each token's logprobs, where the requests asked them (plain floats: the result is read weights_only)
+        result["logprobs"] = [[{t: x.logprob for t, x in d.items()} for d in c.logprobs or ()] for c in done]
         Leader.stop()
     except Exception as e:  # noqa: BLE001 - any failure on any rank ends the step everywhere
         result["error"] = describe(e)

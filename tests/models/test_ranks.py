@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pagedkv.models.gguf import smollm2_path
@@ -52,14 +54,24 @@ def test_a_rank_that_raises_stops_every_rank_and_the_pool_stays_whole(requests: 
 def test_two_ranks_on_fp8_pages_agree_on_one_ranks_scales(requests: list) -> None:
     """Each rank calibrates its shard in step with the others and every layer takes the largest scale of any
     rank: the one a single rank finds over all the KV heads, on every rank. With those pages the tokens are one
-    rank's, but for the first question, whose first token is a near tie under fp8 pages (bench/RESULTS.md: a
-    top-2 gap of 0.08 logits), which the shards' other summation order may turn either way."""
+    rank's up to a near tie under fp8 pages (bench/RESULTS.md: the first question's first token, a top-2 gap of
+    0.08 logits; on some CPUs the third question's too), which the shards' other summation order may turn either
+    way: where they part, one rank's two likeliest tokens are the two, within 0.25 nats."""
     kw = dict(kv_cache_memory_bytes=16 << 20, max_num_seqs=4, kv_cache_dtype="fp8")
-    one = run_ranks(1, requests, **kw)[0]
-    two = run_ranks(2, requests, **kw)
+    asked = [(t, ids, replace(p, logprobs=2)) for t, ids, p in requests]
+    one = run_ranks(1, asked, **kw)[0]
+    two = run_ranks(2, asked, **kw)
     assert all("error" not in r for r in two), two
     want = one["kv_scales"]
     assert len(want) == 30 and two[0]["kv_scales"].keys() == want.keys()
     for r in two:
         assert all(abs(a - b) <= 1e-4 * b for n in want for a, b in zip(r["kv_scales"][n], want[n])), r["kv_scales"]
-    assert two[0]["completions"][1:] == one["completions"][1:] and two[0]["pool_whole"]
+    assert two[0]["pool_whole"]
+    for (mine, *_), (theirs, *_), lps in zip(two[0]["completions"], one["completions"], one["logprobs"]):
+        i = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if i is None:
+            assert mine == theirs
+            continue
+        # where the tokens part, one rank's two likeliest are those two, within a near tie (fp8 sums in another
+        # order over the shards; a wrong scale would move the logits by far more)
+        assert {mine[i], theirs[i]} <= set(lps[i]) and lps[i][theirs[i]] - lps[i][mine[i]] < 0.25, (i, lps[i])

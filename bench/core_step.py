@@ -116,18 +116,25 @@ def main() -> None:
     rows = [measure(n, args.trials) for n in args.sizes]
     if args.json:
         for r in rows:
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                              if not k.startswith("base_")}))  # fmt: skip
+            print(
+                json.dumps(
+                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if not k.startswith("base_")}
+                )
+            )
         return
     print(f"decode-step bookkeeping, block size {BLOCK}; baseline: a mutable nano-vllm-style manager, same run")
-    print(f"{'running':>8} {'us/step':>10} {'base':>10} {'ratio':>6} {'us/admit':>9} {'base':>7} {'ratio':>6} "
-          f"{'us/release':>10} {'base':>7} {'ratio':>6}")  # fmt: skip
+    print(
+        f"{'running':>8} {'us/step':>10} {'base':>10} {'ratio':>6} {'us/admit':>9} {'base':>7} {'ratio':>6} "
+        f"{'us/release':>10} {'base':>7} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['running']:>8} {r['us_per_step']:>10.1f} {r['base_us_per_step']:>10.1f} "
-              f"{r['us_per_step'] / r['base_us_per_step']:>6.2f} {r['us_per_admit']:>9.2f} "
-              f"{r['base_us_per_admit']:>7.2f} {r['us_per_admit'] / r['base_us_per_admit']:>6.2f} "
-              f"{r['us_per_release']:>10.2f} {r['base_us_per_release']:>7.2f} "
-              f"{r['us_per_release'] / r['base_us_per_release']:>6.2f}")  # fmt: skip
+        print(
+            f"{r['running']:>8} {r['us_per_step']:>10.1f} {r['base_us_per_step']:>10.1f} "
+            f"{r['us_per_step'] / r['base_us_per_step']:>6.2f} {r['us_per_admit']:>9.2f} "
+            f"{r['base_us_per_admit']:>7.2f} {r['us_per_admit'] / r['base_us_per_admit']:>6.2f} "
+            f"{r['us_per_release']:>10.2f} {r['base_us_per_release']:>7.2f} "
+            f"{r['us_per_release'] / r['base_us_per_release']:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,17 +37,25 @@ def stream(n: int, seed: int = 0) -> list[tuple[RowSpec, RowSpec]]:
     for _ in range(n):
         ref = rng.choice([0, 64])
         cond, uncond = rng.randrange(8, 201) + ref, rng.randrange(2, 17) + ref
-        out.append((RowSpec(cond + 257, prefix_len=cond, target_len=257),
-                    RowSpec(uncond + 257, prefix_len=uncond, target_len=257)))  # fmt: skip
+        out.append(
+            (
+                RowSpec(cond + 257, prefix_len=cond, target_len=257),
+                RowSpec(uncond + 257, prefix_len=uncond, target_len=257),
+            )
+        )
     return out
 
 
 def main() -> None:
     reqs = stream(10_000)
-    print(f"two CFG rows per request; {TOKEN_BYTES} bytes of KV per token; block size {BLOCK}; "
-          "baseline: dense full-length reservation, same budget, same stream")  # fmt: skip
-    print(f"{'budget GiB':>10} {'paged reqs':>11} {'paged KV GiB':>13} {'dense reqs':>11} {'dense KV GiB':>13} "
-          f"{'ratio':>6}")  # fmt: skip
+    print(
+        f"two CFG rows per request; {TOKEN_BYTES} bytes of KV per token; block size {BLOCK}; "
+        "baseline: dense full-length reservation, same budget, same stream"
+    )
+    print(
+        f"{'budget GiB':>10} {'paged reqs':>11} {'paged KV GiB':>13} {'dense reqs':>11} {'dense KV GiB':>13} "
+        f"{'ratio':>6}"
+    )
     for gib in (1, 4, 16):
         budget = gib << 30
         blocks = budget // (TOKEN_BYTES * BLOCK)
@@ -61,8 +69,10 @@ def main() -> None:
             paged += 1
         peak = (blocks - s.free_blocks) * BLOCK * TOKEN_BYTES
         dense = budget // (2 * MAX_ROW * TOKEN_BYTES)
-        print(f"{gib:>10} {paged:>11} {peak / 2**30:>13.2f} {dense:>11} {dense * 2 * MAX_ROW * TOKEN_BYTES / 2**30:>13.2f} "
-              f"{paged / max(dense, 1):>6.2f}")  # fmt: skip
+        print(
+            f"{gib:>10} {paged:>11} {peak / 2**30:>13.2f} {dense:>11} {dense * 2 * MAX_ROW * TOKEN_BYTES / 2**30:>13.2f} "
+            f"{paged / max(dense, 1):>6.2f}"
+        )
 
 
 def _work(n: int, gap: float, image: int) -> list[tuple[str, list, list, float]]:
@@ -220,9 +230,11 @@ def step_batching(n: int, steps: int, rate: float, repeats: int, sp: list[int]) 
     for _ in range(repeats):  # alternating modes, so the machine's drift spreads over all of them
         for mode, run in modes.items():
             runs[mode].append(run())
-    print(f"\nstep batching: {n} requests (CFG and single-row mixed), {steps} steps each, {rate:.0f} arrivals/s; "
-          f"reference DiT (hidden 128, 8 heads, 4 layers, {IMAGE} image tokens), CPU fp32 "
-          f"({os_cpus()} cores), pool of {BLOCKS} blocks; best of {repeats} alternating runs by req/s")  # fmt: skip
+    print(
+        f"\nstep batching: {n} requests (CFG and single-row mixed), {steps} steps each, {rate:.0f} arrivals/s; "
+        f"reference DiT (hidden 128, 8 heads, 4 layers, {IMAGE} image tokens), CPU fp32 "
+        f"({os_cpus()} cores), pool of {BLOCKS} blocks; best of {repeats} alternating runs by req/s"
+    )
     print("| mode | req/s | p50 s | p95 s | forwards |\n|---|---:|---:|---:|---:|")
     for mode, results in runs.items():
         wall, lats, forwards = min(results, key=lambda x: x[0])

@@ -33,24 +33,44 @@ def case(B: int, L: int, H: int, KVH: int, D: int, bs: int, dtype: torch.dtype, 
     # reference: gather pages to contiguous, float32 math
     kc = k_pages[table.long()].reshape(B, L, KVH, D)
     vc = v_pages[table.long()].reshape(B, L, KVH, D)
-    ref = F.scaled_dot_product_attention(q.float()[:, :, None], kc.float().transpose(1, 2), vc.float().transpose(1, 2),
-                                         scale=scale, enable_gqa=True)[:, :, 0]  # fmt: skip
+    ref = F.scaled_dot_product_attention(
+        q.float()[:, :, None], kc.float().transpose(1, 2), vc.float().transpose(1, 2), scale=scale, enable_gqa=True
+    )[:, :, 0]
     out = paged_decode(q, k_pages, v_pages, table, lens, scale)  # its own tile and split count (auto_splits)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     t_ours = bench(lambda: paged_decode(q, k_pages, v_pages, table, lens, scale))
     kd, vd = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()  # dense caches (B, KVH, L, D)
     t_dense = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale, enable_gqa=True))
-    t_gather = bench(lambda: F.scaled_dot_product_attention(
-        q[:, :, None], k_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2),
-        v_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2), scale=scale, enable_gqa=True))  # fmt: skip
+    t_gather = bench(
+        lambda: F.scaled_dot_product_attention(
+            q[:, :, None],
+            k_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2),
+            v_pages[table.long()].reshape(B, L, KVH, D).transpose(1, 2),
+            scale=scale,
+            enable_gqa=True,
+        )
+    )
     t_flex = flex_paged(q, k_pages, v_pages, table, B, L, KVH, D, scale)
     ours = lambda: paged_decode(q, k_pages, v_pages, table, lens, scale)  # noqa: E731
     g_ours = in_graph(ours)
     fi = flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale)
     kv_bytes = 2 * B * L * KVH * D * k_pages.element_size()
     floor = kv_bytes / floor_bw * 1e3
-    return {"B": B, "L": L, "bs": bs, "dtype": str(dtype)[6:], "err": err, "ours": t_ours, "dense": t_dense,
-            "gather": t_gather, "flex": t_flex, "floor": floor, "share": floor / t_ours, "g_ours": g_ours, **fi}  # fmt: skip
+    return {
+        "B": B,
+        "L": L,
+        "bs": bs,
+        "dtype": str(dtype)[6:],
+        "err": err,
+        "ours": t_ours,
+        "dense": t_dense,
+        "gather": t_gather,
+        "flex": t_flex,
+        "floor": floor,
+        "share": floor / t_ours,
+        "g_ours": g_ours,
+        **fi,
+    }
 
 
 def in_graph(fn: object, reps: int = 20) -> float:
@@ -101,10 +121,14 @@ def flashinfer_times(q, k_pages, v_pages, table, ref, B, L, bs, H, KVH, D, scale
     out["fi_err"] = best[2]
     i32 = torch.int32
     gw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, use_tensor_cores=best[1],
+        ws,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=best[1],
         paged_kv_indptr_buffer=torch.empty(B + 1, dtype=i32, device="cuda"),
         paged_kv_indices_buffer=torch.empty(B * nb, dtype=i32, device="cuda"),
-        paged_kv_last_page_len_buffer=torch.empty(B, dtype=i32, device="cuda"))  # fmt: skip
+        paged_kv_last_page_len_buffer=torch.empty(B, dtype=i32, device="cuda"),
+    )
     gw.plan(indptr, indices, last, H, KVH, D, bs, **kw)
     out["g_fi"] = in_graph(lambda: gw.run(q, (k_pages, v_pages), **sc))
     return out
@@ -146,11 +170,15 @@ def copy_bandwidth() -> float:
 
 def main() -> None:
     bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s (the floor's rate)")  # fmt: skip
-    print("| seqs | ctx | page | dtype | rel err ours / FI | ours ms | FlashInfer ms (no TC / TC) | ours graph ms "
-          "| FI graph ms | dense SDPA ms | gather+SDPA | flex | HBM floor ms | ours of floor | FI of floor "
-          "| ours / FI eager | ours / FI graph |")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s (the floor's rate)"
+    )
+    print(
+        "| seqs | ctx | page | dtype | rel err ours / FI | ours ms | FlashInfer ms (no TC / TC) | ours graph ms "
+        "| FI graph ms | dense SDPA ms | gather+SDPA | flex | HBM floor ms | ours of floor | FI of floor "
+        "| ours / FI eager | ours / FI graph |"
+    )
     print("|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = [case(64, 4096, 32, 8, 128, 16, torch.bfloat16, bw), case(64, 4096, 32, 8, 128, 128, torch.bfloat16, bw)]
     for B, L in ((1, 512), (8, 4096), (256, 2048), (8, 32768)):
@@ -158,10 +186,13 @@ def main() -> None:
     rows.append(case(8, 4096, 32, 8, 128, 16, torch.float32, bw))
     for r in rows:
         fi = min(r["fi"], r["fi_tc"]) if r["fi"] == r["fi"] else float("nan")  # type: ignore[operator]
-        print(f"| {r['B']} | {r['L']} | {r['bs']} | {r['dtype']} | {r['err']:.1e} / {r['fi_err']:.1e} | "
-              f"{r['ours']:.3f} | {r['fi']:.3f} / {r['fi_tc']:.3f} | {r['g_ours']:.3f} | {r['g_fi']:.3f} | "
-              f"{r['dense']:.3f} | {r['gather']:.3f} | {r['flex']:.3f} | {r['floor']:.3f} | {r['share']:.2f} | "
-              f"{r['floor'] / fi:.2f} | {r['ours'] / fi:.2f} | {r['g_ours'] / r['g_fi']:.2f} |", flush=True)  # type: ignore[operator]  # fmt: skip
+        print(
+            f"| {r['B']} | {r['L']} | {r['bs']} | {r['dtype']} | {r['err']:.1e} / {r['fi_err']:.1e} | "
+            f"{r['ours']:.3f} | {r['fi']:.3f} / {r['fi_tc']:.3f} | {r['g_ours']:.3f} | {r['g_fi']:.3f} | "
+            f"{r['dense']:.3f} | {r['gather']:.3f} | {r['flex']:.3f} | {r['floor']:.3f} | {r['share']:.2f} | "
+            f"{r['floor'] / fi:.2f} | {r['ours'] / fi:.2f} | {r['g_ours'] / r['g_fi']:.2f} |",
+            flush=True,
+        )  # type: ignore[operator]
 
 
 if __name__ == "__main__":

@@ -34,30 +34,43 @@ def main() -> None:
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     texts = [prompt_text(tok, p, s) for p, s in PROMPTS]
     ids = [tok.encode(t) for t in texts]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights), "
-          f"bf16, {len(ids)} prompts x {NEW} greedy tokens")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights), "
+        f"bf16, {len(ids)} prompts x {NEW} greedy tokens"
+    )
     runs: dict[str, list[list[int]]] = {}
     for backend in ("triton", "flashinfer"):
         for graphs in (False, True):
             name = f"{backend} {'graphs' if graphs else 'eager'}"
             try:
-                eng = Engine(model, tok, backend=backend, kv_cache_memory_bytes=256 << 20, max_num_seqs=4,
-                             cuda_graphs=graphs, block_size=16)  # fmt: skip
+                eng = Engine(
+                    model,
+                    tok,
+                    backend=backend,
+                    kv_cache_memory_bytes=256 << 20,
+                    max_num_seqs=4,
+                    cuda_graphs=graphs,
+                    block_size=16,
+                )
             except BackendUnavailable as e:
                 print(f"{name}: not run ({e})")
                 break
             t0 = time.perf_counter()
             done = eng.generate([(t, i, SamplingParams(max_tokens=NEW)) for t, i in zip(texts, ids)])
             runs[name] = [c.token_ids for c in done]
-            print(f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.graphs.replays) if eng.graphs else 'off'}")
+            print(
+                f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.graphs.replays) if eng.graphs else 'off'}"
+            )
     base = runs["triton eager"]
     print("\n| run | tokens equal to triton eager | first divergence (prompt, token) |")
     print("|---|---:|---|")
     for name, rows in runs.items():
         same = sum(a == b for ra, rb in zip(base, rows) for a, b in zip(ra, rb))
         total = sum(len(r) for r in base)
-        first = next(((k, n) for k, (ra, rb) in enumerate(zip(base, rows))
-                      for n, (a, b) in enumerate(zip(ra, rb)) if a != b), None)  # fmt: skip
+        first = next(
+            ((k, n) for k, (ra, rb) in enumerate(zip(base, rows)) for n, (a, b) in enumerate(zip(ra, rb)) if a != b),
+            None,
+        )
         where = "-" if first is None else f"prompt {first[0]}, token {first[1]}"
         print(f"| {name} | {same} / {total} | {where} |")
     print("\n| backend | batch | decode step ms (median, graphs on) | prefill step ms (median, 512-token chunks) |")
@@ -74,8 +87,17 @@ def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> tuple
     the median step that prefills (prompts of 480 tokens, chunks of at most 512 tokens a step)."""
     from bench.generate import NoStop
 
-    eng = Engine(model, NoStop(tok), backend=backend, kv_cache_memory_bytes=1 << 30, max_num_seqs=rows,
-                 block_size=16, time_steps=True, max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
+    eng = Engine(
+        model,
+        NoStop(tok),
+        backend=backend,
+        kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=rows,
+        block_size=16,
+        time_steps=True,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+    )
     ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(500)))[:480]
     eng.generate([("", ids[:8], SamplingParams(max_tokens=4)) for _ in range(2)])  # warm the eager prefill path
     eng.step_times = []

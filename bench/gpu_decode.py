@@ -25,7 +25,9 @@ def main() -> None:
     print(f"fused KV write == index_copy_: {fused_write_matches()}")
     bench = DecodeRig()
     print(f"{torch.cuda.get_device_name()}; SmolLM2 shapes, random weights, bf16, triton backend, 512-token contexts")
-    print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}")
+    print(
+        f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>12} {'logits rel diff':>16} {'transformers ms':>16}"
+    )
     for batch_size in (1, 8, 64):
         tokens, batch, diff = bench.compare(batch_size)
         t_eager = triton.testing.do_bench(lambda: bench.eager(tokens, batch), return_mode="median")
@@ -42,9 +44,16 @@ def hf_step(batch_size: int) -> float:
     except ImportError:
         return float("nan")
     c = SMOLLM2_SHAPES
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                      rope_theta=c.rope_theta, tie_word_embeddings=True)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, c.vocab_size, (batch_size, 511), device="cuda")
     with torch.no_grad():

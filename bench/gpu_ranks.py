@@ -30,22 +30,44 @@ def main() -> int:
     rows = []
     same = True
     for batch in (1, 8, 64):
-        reqs = [(f"p{i}", [rng.randrange(49152) for _ in range(64)], SamplingParams(max_tokens=32)) for i in range(batch)]
+        reqs = [
+            (f"p{i}", [rng.randrange(49152) for _ in range(64)], SamplingParams(max_tokens=32)) for i in range(batch)
+        ]
         res = {}
         for world in (1, 2):
-            r = run_ranks(world, reqs, backend="nccl", weights="random", timeout_s=300, kv_cache_memory_bytes=4 << 30,
-                          max_num_seqs=max(batch, 4), max_num_batched_tokens=8192)[0]  # fmt: skip
+            r = run_ranks(
+                world,
+                reqs,
+                backend="nccl",
+                weights="random",
+                timeout_s=300,
+                kv_cache_memory_bytes=4 << 30,
+                max_num_seqs=max(batch, 4),
+                max_num_batched_tokens=8192,
+            )[0]
             assert "error" not in r, r.get("error")
             decode = [sec for d, p, sec in r["step_seconds"] if d and not p]
             res[world] = (r["completions"], statistics.median(decode) * 1e3)
         equal = res[1][0] == res[2][0]
         same &= equal
-        rows.append({"batch": batch, "ms_1gpu": round(res[1][1], 2), "ms_2gpu": round(res[2][1], 2),
-                     "ratio": round(res[2][1] / res[1][1], 2), "tokens_equal": equal})  # fmt: skip
-    lines = [f"device: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}, NCCL "
-             f"{'.'.join(map(str, torch.cuda.nccl.version()))}; SmolLM2 shapes, random weights, fp32, torch backend",
-             f"{'batch':>6} {'1 GPU ms/step':>14} {'2 GPUs ms/step':>15} {'2/1':>6}  tokens equal"]  # fmt: skip
-    lines += [f"{r['batch']:>6} {r['ms_1gpu']:>14.2f} {r['ms_2gpu']:>15.2f} {r['ratio']:>6.2f}  {r['tokens_equal']}" for r in rows]
+        rows.append(
+            {
+                "batch": batch,
+                "ms_1gpu": round(res[1][1], 2),
+                "ms_2gpu": round(res[2][1], 2),
+                "ratio": round(res[2][1] / res[1][1], 2),
+                "tokens_equal": equal,
+            }
+        )
+    lines = [
+        f"device: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}, NCCL "
+        f"{'.'.join(map(str, torch.cuda.nccl.version()))}; SmolLM2 shapes, random weights, fp32, torch backend",
+        f"{'batch':>6} {'1 GPU ms/step':>14} {'2 GPUs ms/step':>15} {'2/1':>6}  tokens equal",
+    ]
+    lines += [
+        f"{r['batch']:>6} {r['ms_1gpu']:>14.2f} {r['ms_2gpu']:>15.2f} {r['ratio']:>6.2f}  {r['tokens_equal']}"
+        for r in rows
+    ]
     print("\n".join(lines))
     with open(os.path.join(args.out, "gpu_ranks.txt"), "w") as f:
         f.write("\n".join(lines) + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n")

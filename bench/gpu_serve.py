@@ -36,9 +36,10 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.sampling import SamplingParams
 
-WORDS = ("the cache keeps pages of keys and values for every request while the scheduler admits grows and "
-         "releases them as tokens arrive in batches on the device").split()  # fmt: skip
-
+WORDS = (
+    "the cache keeps pages of keys and values for every request while the scheduler admits grows and "
+    "releases them as tokens arrive in batches on the device"
+).split()
 
 
 def hf_model(dtype: torch.dtype) -> Any:
@@ -74,8 +75,11 @@ def equality(tok: Tokenizer) -> list[str]:
         theirs.append(row[: next((k + 1 for k, t in enumerate(row) if t in tok.stop_token_ids), len(row))])
     del ref32
     runs = {}
-    for name, dtype, graphs in (("fp32 graphs", torch.float32, True), ("fp32 eager", torch.float32, False),
-                                ("bf16 graphs", torch.bfloat16, True)):  # fmt: skip
+    for name, dtype, graphs in (
+        ("fp32 graphs", torch.float32, True),
+        ("fp32 eager", torch.float32, False),
+        ("bf16 graphs", torch.bfloat16, True),
+    ):
         model, _ = Llama.smollm2(device="cuda", dtype=dtype)
         eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=4, cuda_graphs=graphs)
         done = eng.generate([(t, i, SamplingParams(max_tokens=32)) for t, i in zip(texts, ids)])
@@ -85,8 +89,10 @@ def equality(tok: Tokenizer) -> list[str]:
     lines.append(f"fp32 graph path == fp32 eager path: {runs['fp32 graphs'] == runs['fp32 eager']}")
     for k, (a, b) in enumerate(zip(runs["bf16 graphs"], runs["fp32 graphs"])):
         same = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        lines.append(f"  prompt {k}: bf16 equals fp32 for its first {same} tokens (of {min(len(a), len(b))}); "
-                     f"first 16 equal: {a[:16] == b[:16]}")  # fmt: skip
+        lines.append(
+            f"  prompt {k}: bf16 equals fp32 for its first {same} tokens (of {min(len(a), len(b))}); "
+            f"first 16 equal: {a[:16] == b[:16]}"
+        )
     return lines
 
 
@@ -139,8 +145,14 @@ class Breakdown:
 def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) -> tuple[list[list[int]], Engine]:
     """``b`` 128-token prompts, and an engine for them whose eager prefill path is warm."""
     ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
-    eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=4 << 30, max_num_seqs=b,
-                 max_num_batched_tokens=max(2048, 128 * min(b, 64)), **kw)  # fmt: skip
+    eng = Engine(
+        model,
+        NoStop(tok),
+        kv_cache_memory_bytes=4 << 30,
+        max_num_seqs=b,
+        max_num_batched_tokens=max(2048, 128 * min(b, 64)),
+        **kw,
+    )
     eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])
     return ids, eng
 
@@ -148,8 +160,10 @@ def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) ->
 def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool = False) -> list[str]:
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     rng = random.Random(0)
-    rows = [f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
-            f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"]  # fmt: skip
+    rows = [
+        f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
+        f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"
+    ]
     for b in sizes:
         ids, eng = served(model, tok, rng, b, time_steps=True)
         eng.step_times = []
@@ -164,8 +178,9 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
         flo = floor_ms(eng, b)
         out, secs = hf_generate(hf, ids, new, tok.eos_token_id)
         theirs = sum(len(r) for r in out) / secs
-        rows.append(f"{b:>6} {ours:>14.0f} {step:>10.2f} {flo:>9.2f} {step / flo:>11.2f} {theirs:>19.0f} "
-                    f"{ours / theirs:>11.2f}")  # fmt: skip
+        rows.append(
+            f"{b:>6} {ours:>14.0f} {step:>10.2f} {flo:>9.2f} {step / flo:>11.2f} {theirs:>19.0f} {ours / theirs:>11.2f}"
+        )
         if parts is not None:
             rows.append(f"       host ms a step ({len(eng.step_times)} steps): {parts.line(len(eng.step_times))}")
         del eng
@@ -177,8 +192,10 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
     floor: each step's time from whole runs, not synchronised step by step (that would undo the overlap): (a run
     of ``new`` tokens - a run of 1) / (new - 1), medians of 3."""
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
-    rows = [f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
-            f"{'same tokens':>12}"]  # fmt: skip
+    rows = [
+        f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
+        f"{'same tokens':>12}"
+    ]
     for b in sizes:
         ms, outs = {}, {}
         for ahead in (False, True):
@@ -196,8 +213,10 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
             run(new)
             flo = floor_ms(eng, b)
             del eng
-        rows.append(f"{b:>6} {ms[False]:>8.2f} {ms[True]:>11.2f} {flo:>9.2f} {ms[False] / flo:>11.2f} "
-                    f"{ms[True] / flo:>14.2f} {str(outs[False] == outs[True]):>12}")  # fmt: skip
+        rows.append(
+            f"{b:>6} {ms[False]:>8.2f} {ms[True]:>11.2f} {flo:>9.2f} {ms[False] / flo:>11.2f} "
+            f"{ms[True] / flo:>14.2f} {str(outs[False] == outs[True]):>12}"
+        )
     return rows
 
 
@@ -214,8 +233,14 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         shared = tok.encode(rng.choice(systems)) if rng.random() < 0.3 else []
         reqs.append((t, shared + body, olen))
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
-    eng = Engine(model, NoStop(tok), kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=4096,
-                 time_steps=True)  # fmt: skip
+    eng = Engine(
+        model,
+        NoStop(tok),
+        kv_cache_memory_bytes=8 << 30,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        time_steps=True,
+    )
     eng.generate([("", reqs[0][1][:16], SamplingParams(max_tokens=4))])  # warm
     eng.step_times = []
     first: dict[str, float] = {}
@@ -258,13 +283,15 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         part = reqs[s : s + 64]
         _, secs = hf_generate(hf, [r[1] for r in part], [r[2] for r in part], tok.eos_token_id)
         hf_secs += secs
-    return [f"{n} requests at {rate:g}/s over {reqs[-1][0]:.1f} s; prompts median {statistics.median(len(r[1]) for r in reqs):.0f} "
-            f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
-            f"prefix cache hits {sum(c.cached_tokens for c in done)} tokens",
-            f"pagedkv: {made / wall:.0f} tok/s over the run (wall {wall:.1f} s, arrivals included); "
-            f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens",
-            f"TTFT ms p50 {pct(ttft, .5):.1f}  p90 {pct(ttft, .9):.1f}  p99 {pct(ttft, .99):.1f};  "
-            f"ITL ms p50 {pct(gaps, .5):.2f}  p90 {pct(gaps, .9):.2f}  p99 {pct(gaps, .99):.2f}"]  # fmt: skip
+    return [
+        f"{n} requests at {rate:g}/s over {reqs[-1][0]:.1f} s; prompts median {statistics.median(len(r[1]) for r in reqs):.0f} "
+        f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
+        f"prefix cache hits {sum(c.cached_tokens for c in done)} tokens",
+        f"pagedkv: {made / wall:.0f} tok/s over the run (wall {wall:.1f} s, arrivals included); "
+        f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens",
+        f"TTFT ms p50 {pct(ttft, 0.5):.1f}  p90 {pct(ttft, 0.9):.1f}  p99 {pct(ttft, 0.99):.1f};  "
+        f"ITL ms p50 {pct(gaps, 0.5):.2f}  p90 {pct(gaps, 0.9):.2f}  p99 {pct(gaps, 0.99):.2f}",
+    ]
 
 
 def main() -> None:
@@ -275,12 +302,19 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=40.0)
     ap.add_argument("--skip-equality", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="host ms a step by part, under each batch's row")
-    ap.add_argument("--overlap", action="store_true", help="decode step with async_scheduling beside waiting (only that)")
+    ap.add_argument(
+        "--overlap", action="store_true", help="decode step with async_scheduling beside waiting (only that)"
+    )
     args = ap.parse_args()
     _, meta = Llama.smollm2(device="cpu")
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     if args.overlap:
-        print("\n".join(["bf16, triton, CUDA graphs; 128-token prompts; decode ms a step"] + overlap(tok, args.batches, args.new)))
+        print(
+            "\n".join(
+                ["bf16, triton, CUDA graphs; 128-token prompts; decode ms a step"]
+                + overlap(tok, args.batches, args.new)
+            )
+        )
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct (the real weights)")
     out = [] if args.skip_equality else equality(tok)

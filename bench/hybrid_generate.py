@@ -25,17 +25,39 @@ VOCAB = 4096
 def hf_model(kind: str) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                  mamba_n_heads=8, mamba_d_head=64, mamba_d_state=32, mamba_n_groups=1, mamba_chunk_size=64,
-                  mamba_expand=2, max_position_embeddings=1024, initializer_range=0.1, eos_token_id=2)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_d_state=32,
+        mamba_n_groups=1,
+        mamba_chunk_size=64,
+        mamba_expand=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     if kind == "bamba":
-        return transformers.BambaForCausalLM(transformers.BambaConfig(intermediate_size=512, attn_layer_indices=[2, 6],
-                                                                      **common)).eval()  # fmt: skip
+        return transformers.BambaForCausalLM(
+            transformers.BambaConfig(intermediate_size=512, attn_layer_indices=[2, 6], **common)
+        ).eval()
     types = ["attention" if i in (2, 6) else "mamba" for i in range(8)]
-    return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
-        intermediate_size=128, shared_intermediate_size=512, num_local_experts=8, num_experts_per_tok=2,
-        layer_types=types, position_embedding_type="rope", **common)).eval()  # fmt: skip
+    return transformers.GraniteMoeHybridForCausalLM(
+        transformers.GraniteMoeHybridConfig(
+            intermediate_size=128,
+            shared_intermediate_size=512,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            layer_types=types,
+            position_embedding_type="rope",
+            **common,
+        )
+    ).eval()
 
 
 def main() -> None:
@@ -58,7 +80,9 @@ def main() -> None:
     prompts = [torch.randint(3, VOCAB, (200,), generator=g).tolist() for _ in range(8)]
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"greedy, 200-token prompts, {args.new} new tokens each, fp32, {where}\n")
-    print("| model | mixer | batch | pagedkv tok/s | transformers tok/s | ratio | GC collections / engine step | tokens equal |")
+    print(
+        "| model | mixer | batch | pagedkv tok/s | transformers tok/s | ratio | GC collections / engine step | tokens equal |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for kind in ("bamba", "granite"):
         hf = hf_model(kind)
@@ -74,7 +98,9 @@ def main() -> None:
                 counts = [0]
                 gc.callbacks.append(cb := lambda phase, info: counts.__setitem__(0, counts[0] + (phase == "start")))
                 t0 = time.perf_counter()
-                done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=args.new)) for i, p in enumerate(prompts[:b])])
+                done = eng.generate(
+                    [(f"p{i}", p, SamplingParams(max_tokens=args.new)) for i, p in enumerate(prompts[:b])]
+                )
                 ours.append(b * args.new / (time.perf_counter() - t0))
                 gc.callbacks.remove(cb)
                 collections = counts[0] / eng.stats.steps
@@ -83,14 +109,23 @@ def main() -> None:
                 for p in prompts[:b]:
                     ids = torch.tensor([p], device=dev)
                     with torch.no_grad():
-                        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                                          min_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+                        out = hf.generate(
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            max_new_tokens=args.new,
+                            min_new_tokens=args.new,
+                            do_sample=False,
+                            pad_token_id=0,
+                            eos_token_id=None,
+                        )
                     want.append(out[0, len(p) :].tolist())
                 theirs.append(b * args.new / (time.perf_counter() - t0))
                 equal &= [c.token_ids for c in done] == want
             o, t = max(ours), max(theirs)
-            print(f"| {type(hf).__name__} | {mixer} | {b} | {o:.0f} | {t:.0f} | {o / t:.2f} | {collections:.2f} | "
-                  f"{'yes' if equal else 'NO'} |")  # fmt: skip
+            print(
+                f"| {type(hf).__name__} | {mixer} | {b} | {o:.0f} | {t:.0f} | {o / t:.2f} | {collections:.2f} | "
+                f"{'yes' if equal else 'NO'} |"
+            )
 
 
 if __name__ == "__main__":

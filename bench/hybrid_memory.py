@@ -33,31 +33,52 @@ class Layout:
     note: str
 
 
-def attn(i: int, kind: LayerKind = LayerKind.FULL, *, kv: int, hd: int, window: int | None = None,
-         chunk: int | None = None) -> LayerSpec:  # fmt: skip
+def attn(
+    i: int, kind: LayerKind = LayerKind.FULL, *, kv: int, hd: int, window: int | None = None, chunk: int | None = None
+) -> LayerSpec:
     return LayerSpec(f"l{i}", kind, kv_heads=kv, head_dim=hd, dtype_bytes=2, window=window, chunk=chunk)
 
 
 def layouts() -> list[Layout]:
-    gemma = [attn(i, kv=16, hd=128) if i % 6 == 5 else attn(i, LayerKind.SLIDING_WINDOW, kv=16, hd=128, window=1024)
-             for i in range(62)]  # fmt: skip
-    gemma = gemma[:52 + 10]
-    gpt_oss = [attn(i, LayerKind.SLIDING_WINDOW if i % 2 == 0 else LayerKind.FULL, kv=8, hd=64,
-                    window=128 if i % 2 == 0 else None) for i in range(24)]  # fmt: skip
-    llama4 = [attn(i, kv=8, hd=128) if i % 4 == 3 else attn(i, LayerKind.CHUNKED_LOCAL, kv=8, hd=128, chunk=8192)
-              for i in range(48)]  # fmt: skip
+    gemma = [
+        attn(i, kv=16, hd=128) if i % 6 == 5 else attn(i, LayerKind.SLIDING_WINDOW, kv=16, hd=128, window=1024)
+        for i in range(62)
+    ]
+    gemma = gemma[: 52 + 10]
+    gpt_oss = [
+        attn(
+            i,
+            LayerKind.SLIDING_WINDOW if i % 2 == 0 else LayerKind.FULL,
+            kv=8,
+            hd=64,
+            window=128 if i % 2 == 0 else None,
+        )
+        for i in range(24)
+    ]
+    llama4 = [
+        attn(i, kv=8, hd=128) if i % 4 == 3 else attn(i, LayerKind.CHUNKED_LOCAL, kv=8, hd=128, chunk=8192)
+        for i in range(48)
+    ]
     # Jamba v0.1: 32 layers, attention every 8th; a Mamba layer's state: conv (d_inner 8192 x (d_conv 4 - 1)) and
     # SSM (8192 x d_state 16), both bf16: 311,296 bytes
-    jamba = [attn(i, kv=8, hd=128) if i % 8 == 4 else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=311_296)
-             for i in range(32)]  # fmt: skip
+    jamba = [
+        attn(i, kv=8, hd=128) if i % 8 == 4 else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=311_296)
+        for i in range(32)
+    ]
     # Bamba-9B: 32 layers, attention at 9, 18 and 27 (32 heads, 8 KV heads of 128); a Mamba2 layer's state: conv
     # ((8192 + 2 x 128) x 3) and SSM (128 heads x 64 x d_state 128), bf16: 2,147,840 bytes
     bamba_state = 2 * ((8192 + 2 * 128) * 3 + 128 * 64 * 128)
-    bamba = [attn(i, kv=8, hd=128) if i in (9, 18, 27) else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=bamba_state)
-             for i in range(32)]  # fmt: skip
+    bamba = [
+        attn(i, kv=8, hd=128) if i in (9, 18, 27) else LayerSpec(f"l{i}", LayerKind.MAMBA, state_bytes=bamba_state)
+        for i in range(32)
+    ]
     return [
-        Layout("Gemma-3-27B", tuple(gemma), f"{sum(x.kind is LayerKind.SLIDING_WINDOW for x in gemma)} sw (1024) + "
-               f"{sum(x.kind is LayerKind.FULL for x in gemma)} full, 16 KV heads x 128"),
+        Layout(
+            "Gemma-3-27B",
+            tuple(gemma),
+            f"{sum(x.kind is LayerKind.SLIDING_WINDOW for x in gemma)} sw (1024) + "
+            f"{sum(x.kind is LayerKind.FULL for x in gemma)} full, 16 KV heads x 128",
+        ),
         Layout("gpt-oss-20b", tuple(gpt_oss), "12 sw (128) + 12 full, 8 KV heads x 64"),
         Layout("Llama-4-style", tuple(llama4), "36 chunked local (8192) + 12 full, 8 KV heads x 128"),
         Layout("Jamba-1:7", tuple(jamba), "4 full + 28 Mamba (311,296-byte states), 8 KV heads x 128"),
@@ -91,9 +112,16 @@ def measure(layout: Layout, tokens: int) -> dict[str, float]:
     decoding = held(s)
     grown = _grown_peak(cfg, tokens, CHUNK)
     per_block = plan.bytes_per_block
-    return {"block_size": plan.block_size, "groups": len(plan.groups), "per_block": per_block,
-            "admission": at_admission * per_block, "prefill": after_prefill * per_block,
-            "decode": decoding * per_block, "waste": plan.waste_fraction, "grown": grown * per_block}  # fmt: skip
+    return {
+        "block_size": plan.block_size,
+        "groups": len(plan.groups),
+        "per_block": per_block,
+        "admission": at_admission * per_block,
+        "prefill": after_prefill * per_block,
+        "decode": decoding * per_block,
+        "waste": plan.waste_fraction,
+        "grown": grown * per_block,
+    }
 
 
 CHUNK = 2048  # the step budget: a prompt's chunk
@@ -118,27 +146,35 @@ def _grown_peak(cfg: object, tokens: int, chunk: int) -> int:
 
 
 def part1(tokens: int, budget: int) -> None:
-    print(f"## Part 1: one {tokens:,}-token request, bytes the core holds for it (16 GiB = {budget / GIB:.0f} GiB "
-          f"budget)\n")  # fmt: skip
-    print("| model | layout | groups x block | at admission | prompt computed | decoding | attention layers every "
-          "token, one dense state a Mamba layer | decoding / naive | decoding requests in budget: pagedkv | naive | admissible in budget | "
-          f"padding waste | grow_prefill peak (chunks of {CHUNK}) | admissible with it |")  # fmt: skip
+    print(
+        f"## Part 1: one {tokens:,}-token request, bytes the core holds for it (16 GiB = {budget / GIB:.0f} GiB "
+        f"budget)\n"
+    )
+    print(
+        "| model | layout | groups x block | at admission | prompt computed | decoding | attention layers every "
+        "token, one dense state a Mamba layer | decoding / naive | decoding requests in budget: pagedkv | naive | admissible in budget | "
+        f"padding waste | grow_prefill peak (chunks of {CHUNK}) | admissible with it |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for lay in layouts():
         m = measure(lay, tokens)
         naive = naive_bytes(lay, tokens)
         # n decoding requests fit when n - 1 of them decode and one more is being admitted (its peak)
         fits = 0 if m["admission"] > budget else 1 + int((budget - m["admission"]) // m["decode"])
-        print(f"| {lay.name} | {lay.note} | {m['groups']} x {m['block_size']} | {m['admission'] / GIB:.2f} GiB | "
-              f"{m['prefill'] / GIB:.2f} GiB | {m['decode'] / GIB:.3f} GiB | {naive / GIB:.2f} GiB | "
-              f"{m['decode'] / naive:.3f} | {fits} (steady {int(budget // m['decode'])}) | {int(budget // naive)} | "
-              f"{'yes' if m['admission'] <= budget else 'NO: the prompt is reserved whole'} | {m['waste']:.1%} | "
-              f"{m['grown'] / GIB:.2f} GiB | {'yes' if m['grown'] <= budget else 'NO'} |")  # fmt: skip
-    print("\n'at admission': by default the scheduler admits a prompt whole, so every group holds every prompt "
-          "block until the commit lets the windows go; 'decoding requests in budget' admits them one at a time "
-          "(one admission peak, the rest decoding), 'steady' if each came in below the peak. 'grow_prefill peak': "
-          "with SchedulerConfig(grow_prefill=True) a prompt's blocks come chunk by chunk, as vLLM allocates them, "
-          "so a window group holds its window and a chunk.\n")  # fmt: skip
+        print(
+            f"| {lay.name} | {lay.note} | {m['groups']} x {m['block_size']} | {m['admission'] / GIB:.2f} GiB | "
+            f"{m['prefill'] / GIB:.2f} GiB | {m['decode'] / GIB:.3f} GiB | {naive / GIB:.2f} GiB | "
+            f"{m['decode'] / naive:.3f} | {fits} (steady {int(budget // m['decode'])}) | {int(budget // naive)} | "
+            f"{'yes' if m['admission'] <= budget else 'NO: the prompt is reserved whole'} | {m['waste']:.1%} | "
+            f"{m['grown'] / GIB:.2f} GiB | {'yes' if m['grown'] <= budget else 'NO'} |"
+        )
+    print(
+        "\n'at admission': by default the scheduler admits a prompt whole, so every group holds every prompt "
+        "block until the commit lets the windows go; 'decoding requests in budget' admits them one at a time "
+        "(one admission peak, the rest decoding), 'steady' if each came in below the peak. 'grow_prefill peak': "
+        "with SchedulerConfig(grow_prefill=True) a prompt's blocks come chunk by chunk, as vLLM allocates them, "
+        "so a window group holds its window and a chunk.\n"
+    )
 
 
 def part2(new: int, prompt_len: int) -> None:
@@ -155,37 +191,56 @@ def part2(new: int, prompt_len: int) -> None:
     hf = hf_model("qwen3")
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     hybrid_cfg = LlamaConfig.from_hf_config(hf.config.to_dict())
-    full_cfg = LlamaConfig(**{**{f: getattr(hybrid_cfg, f) for f in hybrid_cfg.__dataclass_fields__},
-                              "layer_types": None, "sliding_window": None})  # fmt: skip
+    full_cfg = LlamaConfig(
+        **{
+            **{f: getattr(hybrid_cfg, f) for f in hybrid_cfg.__dataclass_fields__},
+            "layer_types": None,
+            "sliding_window": None,
+        }
+    )
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(7)).tolist()
     rows = []
     for name, cfg in (("hybrid (2 sw + 2 full)", hybrid_cfg), ("every layer full", full_cfg)):
-        eng = Engine(Llama(cfg, sd), IdTokenizer(), block_size=8, kv_cache_memory_bytes=8 << 20, max_num_seqs=4,
-                     keep_history=True, max_num_batched_tokens=64)  # fmt: skip
+        eng = Engine(
+            Llama(cfg, sd),
+            IdTokenizer(),
+            block_size=8,
+            kv_cache_memory_bytes=8 << 20,
+            max_num_seqs=4,
+            keep_history=True,
+            max_num_batched_tokens=64,
+        )
         t0 = time.perf_counter()
         (c,) = eng.generate([("p", prompt, SamplingParams(max_tokens=new))])
         seconds = time.perf_counter() - t0
         usable = eng.cache.usable_blocks
         used = [usable - kv.free_blocks for kv in eng.kv_history or []]
         rows.append((name, eng, used, seconds, c.token_ids))
-    print(f"## Part 2: the hybrid test model (window {WINDOW}, block 8), a {prompt_len}-token prompt and {new} "
-          "tokens generated, prefill chunks of 64\n")  # fmt: skip
+    print(
+        f"## Part 2: the hybrid test model (window {WINDOW}, block 8), a {prompt_len}-token prompt and {new} "
+        "tokens generated, prefill chunks of 64\n"
+    )
     steps = len(rows[0][2]) - 1  # the last snapshot is after the release
     marks = sorted({0, 3, steps // 4, steps // 2, 3 * steps // 4, steps - 1})
     print("| layout | bytes a block | " + " | ".join(f"step {k}" for k in marks) + " | peak | peak bytes |")
     print("|---|---:|" + "---:|" * len(marks) + "---:|---:|")
     for name, eng, used, _, _ in rows:
         per_block = eng.rank.plan.groups.bytes_per_block
-        print(f"| {name} | {per_block} | " + " | ".join(str(used[k]) for k in marks) +
-              f" | {max(used)} | {max(used) * per_block / 1024:.0f} KiB |")  # fmt: skip
+        print(
+            f"| {name} | {per_block} | "
+            + " | ".join(str(used[k]) for k in marks)
+            + f" | {max(used)} | {max(used) * per_block / 1024:.0f} KiB |"
+        )
     (_, e1, u1, _, _), (_, e2, u2, _, _) = rows
     b1, b2 = e1.rank.plan.groups.bytes_per_block, e2.rank.plan.groups.bytes_per_block
     last = steps - 1
-    print(f"\nat the last step before the release the hybrid layout holds {u1[last] * b1 / (u2[last] * b2):.2f} of the "
-          f"full layout's bytes ({u1[last]} blocks of {b1} vs {u2[last]} of {b2}); at the peak "
-          f"{max(u1) * b1 / (max(u2) * b2):.2f}; every block comes back at the release ({u1[-1]} and {u2[-1]} in "
-          f"use after it). {len(rows[0][4])} tokens generated in {rows[0][3]:.1f} s (hybrid) and "
-          f"{rows[1][3]:.1f} s (full).")  # fmt: skip
+    print(
+        f"\nat the last step before the release the hybrid layout holds {u1[last] * b1 / (u2[last] * b2):.2f} of the "
+        f"full layout's bytes ({u1[last]} blocks of {b1} vs {u2[last]} of {b2}); at the peak "
+        f"{max(u1) * b1 / (max(u2) * b2):.2f}; every block comes back at the release ({u1[-1]} and {u2[-1]} in "
+        f"use after it). {len(rows[0][4])} tokens generated in {rows[0][3]:.1f} s (hybrid) and "
+        f"{rows[1][3]:.1f} s (full)."
+    )
 
 
 def main() -> None:

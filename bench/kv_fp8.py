@@ -18,9 +18,16 @@ import argparse
 
 import torch
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
-             "Write a haiku about the sea.", "How many legs does a spider have?", "What is 12 times 12?",
-             "Translate 'good morning' into French.", "What is a paged KV cache?"]  # fmt: skip
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Translate 'good morning' into French.",
+    "What is a paged KV cache?",
+]
 
 
 def accuracy(new: int) -> None:
@@ -45,14 +52,22 @@ def accuracy(new: int) -> None:
             eng.worker.remove([f"x{i}"])
         logits[dt] = outs
         runs[dt] = [c.token_ids for c in eng.generate([("", p, SamplingParams(max_tokens=new)) for p in prompts])]
-    print(f"SmolLM2-135M-Instruct, CPU, greedy, {new} tokens for each of {len(prompts)} chat questions; fp32 pages "
-          "as the reference\n")
-    print("| pages | tokens in 64 MiB | first differing token, per prompt (of the reference's tokens) | prompts equal "
-          "to the end | prefill logits: max abs err / range | mean abs err |")
+    print(
+        f"SmolLM2-135M-Instruct, CPU, greedy, {new} tokens for each of {len(prompts)} chat questions; fp32 pages "
+        "as the reference\n"
+    )
+    print(
+        "| pages | tokens in 64 MiB | first differing token, per prompt (of the reference's tokens) | prompts equal "
+        "to the end | prefill logits: max abs err / range | mean abs err |"
+    )
     print("|---|---:|---|---:|---:|---:|")
     for dt in ("auto", "fp8_e4m3", "fp8_e5m2"):
-        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x) if len(x) == len(y) else min(len(x), len(y)))
-                 for x, y in zip(runs["auto"], runs[dt])]  # fmt: skip
+        first = [
+            next(
+                (i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x) if len(x) == len(y) else min(len(x), len(y))
+            )
+            for x, y in zip(runs["auto"], runs[dt])
+        ]
         ends = sum(x == y for x, y in zip(runs["auto"], runs[dt]))
         err = max(((a - b).abs().max() / (a.max() - a.min())).item() for a, b in zip(logits["auto"], logits[dt]))
         mean = sum((a - b).abs().mean().item() for a, b in zip(logits["auto"], logits[dt])) / len(prompts)
@@ -72,10 +87,14 @@ def speed() -> None:
     from pagedkv.shell.pool import quantize
 
     bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s\n")  # fmt: skip
-    print("| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | FlashInfer bf16 ms | "
-          "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | splits |")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s\n"
+    )
+    print(
+        "| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | FlashInfer bf16 ms | "
+        "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | splits |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     H, KVH, D, bs = 32, 8, 128, 16
     for B, L in ((8, 32768), (64, 4096), (1, 32768), (256, 1024)):
@@ -93,25 +112,31 @@ def speed() -> None:
         def ref(kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
             kc = kp[table.long()].reshape(B, L, KVH, D).float().transpose(1, 2)
             vc = vp[table.long()].reshape(B, L, KVH, D).float().transpose(1, 2)
-            return torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kc, vc, scale=D**-0.5,
-                                                                    enable_gqa=True)[:, :, 0]  # fmt: skip
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.float()[:, :, None], kc, vc, scale=D**-0.5, enable_gqa=True
+            )[:, :, 0]
 
         def err(out: torch.Tensor, want: torch.Tensor) -> float:
             return ((out.float() - want).norm() / want.norm()).item()
 
         e_b = err(paged_decode(q, kb, vb, table, lens, D**-0.5), ref(kb, vb))
-        e_8 = err(paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)),
-                  ref(k8.float() * ks, v8.float() * vs))  # fmt: skip
+        e_8 = err(
+            paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)), ref(k8.float() * ks, v8.float() * vs)
+        )
         # the kernel as the engine runs it: its own tile and split count (auto_splits)
         t_b = in_graph(lambda: paged_decode(q, kb, vb, table, lens, D**-0.5))
         t_8 = in_graph(lambda: paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)))
         floor, splits = 2 * B * L * KVH * D / bw * 1e3, auto_splits(B, KVH, q.device)
         # FlashInfer's decode on the same pages and tables (its graph path, the better of its two kernels)
         fi_b = flashinfer_times(q, kb, vb, table, ref(kb, vb), B, L, bs, H, KVH, D, D**-0.5)["g_fi"]
-        fi_8 = flashinfer_times(q, k8, v8, table, ref(k8.float() * ks, v8.float() * vs), B, L, bs, H, KVH, D, D**-0.5,
-                                kv_scales=(ks, vs))["g_fi"]  # fmt: skip
-        print(f"| {B} | {L} | {t_b:.3f} | {t_8:.3f} | {t_8 / t_b:.2f} | {floor:.3f} | {floor / t_8:.2f} | {fi_b:.3f} | "
-              f"{fi_8:.3f} | {floor / fi_8:.2f} | {e_b:.1e} | {e_8:.1e} | {splits} |", flush=True)  # fmt: skip
+        fi_8 = flashinfer_times(
+            q, k8, v8, table, ref(k8.float() * ks, v8.float() * vs), B, L, bs, H, KVH, D, D**-0.5, kv_scales=(ks, vs)
+        )["g_fi"]
+        print(
+            f"| {B} | {L} | {t_b:.3f} | {t_8:.3f} | {t_8 / t_b:.2f} | {floor:.3f} | {floor / t_8:.2f} | {fi_b:.3f} | "
+            f"{fi_8:.3f} | {floor / fi_8:.2f} | {e_b:.1e} | {e_8:.1e} | {splits} |",
+            flush=True,
+        )
 
 
 def engine_speed(batch: int = 256, new: int = 48) -> None:
@@ -126,11 +151,20 @@ def engine_speed(batch: int = 256, new: int = 48) -> None:
     model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (128,), generator=g).tolist() for _ in range(batch)]
-    print(f"\nthe engine: SmolLM2-135M shapes, bf16, triton, CUDA graphs; {batch} prompts of 128 tokens, {new} new each\n")
+    print(
+        f"\nthe engine: SmolLM2-135M shapes, bf16, triton, CUDA graphs; {batch} prompts of 128 tokens, {new} new each\n"
+    )
     print("| pages | pool tokens (1 GiB) | tok/s (best of 2) | decode step ms (median) |\n|---|---:|---:|---:|")
     for dt in ("auto", "fp8"):
-        eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=1 << 30, max_num_seqs=batch, max_num_batched_tokens=4096,
-                     kv_cache_dtype=dt, time_steps=True)  # fmt: skip
+        eng = Engine(
+            model,
+            IdTokenizer(),
+            kv_cache_memory_bytes=1 << 30,
+            max_num_seqs=batch,
+            max_num_batched_tokens=4096,
+            kv_cache_dtype=dt,
+            time_steps=True,
+        )
         eng.generate([("", p[:8], SamplingParams(max_tokens=4)) for p in prompts[:2]])  # warm
         best = 0.0
         for _ in range(2):
@@ -139,8 +173,11 @@ def engine_speed(batch: int = 256, new: int = 48) -> None:
             eng.generate([("", p, SamplingParams(max_tokens=new)) for p in prompts])
             best = max(best, batch * new / (time.perf_counter() - t0))
         steps = sorted(t for rows, pre, t in eng.step_times or [] if rows == batch and pre == 0)
-        print(f"| {'bf16' if dt == 'auto' else 'fp8 e4m3'} | {eng.sizing.tokens} | {best:.0f} | "
-              f"{steps[len(steps) // 2] * 1e3 if steps else float('nan'):.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {'bf16' if dt == 'auto' else 'fp8 e4m3'} | {eng.sizing.tokens} | {best:.0f} | "
+            f"{steps[len(steps) // 2] * 1e3 if steps else float('nan'):.2f} |",
+            flush=True,
+        )
 
 
 def main() -> None:

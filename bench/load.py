@@ -41,8 +41,9 @@ def make(path: str, dtype: str) -> None:
     from pagedkv.models.gguf import SMOLLM2_FILE, load_tokenizer_meta, smollm2_path
     from pagedkv.models.tokenizer import Tokenizer
 
-    read = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path()), gguf_file=SMOLLM2_FILE,
-                                                             dtype=torch.float32)  # fmt: skip
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path()), gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    )
     cfg = {k: v for k, v in read.config.to_dict().items() if k != "quantization_config"}
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     hf.load_state_dict(read.state_dict())
@@ -51,8 +52,14 @@ def make(path: str, dtype: str) -> None:
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         f.write(Tokenizer(meta).to_json())
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "chat_template": meta["tokenizer.chat_template"],
-                   "tokenizer_class": "PreTrainedTokenizerFast"}, f)  # fmt: skip
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "chat_template": meta["tokenizer.chat_template"],
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            f,
+        )
 
 
 def main() -> None:
@@ -70,14 +77,21 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-c", CHILD, kind, path], capture_output=True, text=True, check=True)
             runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    print(f"SmolLM2-135M-Instruct saved in {args.save_dtype} ({size / 2**20:.0f} MiB of safetensors), loaded to fp32 "
-          f"on the CPU; medians of {args.repeats} fresh processes (imports included)\n")  # fmt: skip
+    print(
+        f"SmolLM2-135M-Instruct saved in {args.save_dtype} ({size / 2**20:.0f} MiB of safetensors), loaded to fp32 "
+        f"on the CPU; medians of {args.repeats} fresh processes (imports included)\n"
+    )
     print("| loader | seconds | peak RSS MiB |\n|---|---:|---:|")
-    med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss_mib"] for r in v)) for k, v in runs.items()}
+    med = {
+        k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss_mib"] for r in v))
+        for k, v in runs.items()
+    }
     for kind, (s, m) in med.items():
         print(f"| {kind} | {s:.2f} | {m:.0f} |")
-    print(f"| pagedkv / transformers | {med['pagedkv'][0] / med['transformers'][0]:.2f}x | "
-          f"{med['pagedkv'][1] / med['transformers'][1]:.2f}x |")
+    print(
+        f"| pagedkv / transformers | {med['pagedkv'][0] / med['transformers'][0]:.2f}x | "
+        f"{med['pagedkv'][1] / med['transformers'][1]:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,13 @@ class Adapter:
     kv_events = False
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks + 1, enable_prefix_caching=True,
-                          max_model_len=max_model_len, kv_events=self.kv_events)  # fmt: skip
+        cfg = CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks + 1,
+            enable_prefix_caching=True,
+            max_model_len=max_model_len,
+            kv_events=self.kv_events,
+        )
         self.state = initial_state(cfg)  # +1: pagedkv's block 0 is the null block, as vLLM's is
         self.block_size = block_size
         self.ids: list[int] = []  # the step's queued decodes: request ids and their sampled tokens
@@ -134,9 +139,11 @@ def table(paths: list[str]) -> str:
     """Same-repeat ratios of pagedkv's step to vLLM's (and nano-vllm's, where it ran), per N and GC
     setting, from bench_peers.py's JSON files; medians over the repeats. Admission and release are
     per request: vLLM's admit and free calls against this adapter's admission and release phases."""
-    lines = ["| GC | N | pagedkv step µs | vLLM step µs | pagedkv / vLLM | nano-vllm / vLLM | admission µs p / v | "
-             "release µs p / v | GC runs a step p (gen 0/1/2) | GC runs a step v | prefix-hit fraction p / v |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| GC | N | pagedkv step µs | vLLM step µs | pagedkv / vLLM | nano-vllm / vLLM | admission µs p / v | "
+        "release µs p / v | GC runs a step p (gen 0/1/2) | GC runs a step v | prefix-hit fraction p / v |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for path in paths:
         data = json.load(open(path))
         runs = data["runs"]
@@ -154,10 +161,12 @@ def table(paths: list[str]) -> str:
             adm, rel = ph.get("admission", float("nan")), ph.get("release", float("nan"))
             ours_gc = "/".join(f"{c / steps:.2f}" for c in p["gc_collections_gen012"])
             vllm_gc = f"{sum(v['gc_collections_gen012']) / steps:.2f}"
-            lines.append(f"| {gc} | {n} | {p['step_p50_us']:.0f} | {v['step_p50_us']:.0f} | {ratio:.2f}x | {nano} | "
-                         f"{adm:.0f} / {v['admit_p50_us']:.0f} ({adm / v['admit_p50_us']:.2f}x) | "
-                         f"{rel:.1f} / {v['free_p50_us']:.1f} ({rel / v['free_p50_us']:.2f}x) | {ours_gc} | {vllm_gc} | "
-                         f"{p['prefix_hit_frac']:.4f} / {v['prefix_hit_frac']:.4f} |")  # fmt: skip
+            lines.append(
+                f"| {gc} | {n} | {p['step_p50_us']:.0f} | {v['step_p50_us']:.0f} | {ratio:.2f}x | {nano} | "
+                f"{adm:.0f} / {v['admit_p50_us']:.0f} ({adm / v['admit_p50_us']:.2f}x) | "
+                f"{rel:.1f} / {v['free_p50_us']:.1f} ({rel / v['free_p50_us']:.2f}x) | {ours_gc} | {vllm_gc} | "
+                f"{p['prefix_hit_frac']:.4f} / {v['prefix_hit_frac']:.4f} |"
+            )
     return "\n".join(lines)
 
 

@@ -62,8 +62,14 @@ def main() -> None:
     for n in args.sizes:
         stream = prompts(n)
         on, off = run(stream, True), run(stream, False)
-        rows.append({"requests": n, "hit_rate": round(on["hit_rate"], 4), "us_per_admit": round(on["us_per_admit"], 2),
-                     "baseline_us_per_admit": round(off["us_per_admit"], 2)})  # fmt: skip
+        rows.append(
+            {
+                "requests": n,
+                "hit_rate": round(on["hit_rate"], 4),
+                "us_per_admit": round(on["us_per_admit"], 2),
+                "baseline_us_per_admit": round(off["us_per_admit"], 2),
+            }
+        )
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -72,8 +78,10 @@ def main() -> None:
     print(f"{'requests':>9} {'hit rate':>9} {'us/admit':>9} {'caching off':>12} {'ratio':>6}")
     for r in rows:
         ratio = r["us_per_admit"] / r["baseline_us_per_admit"]
-        print(f"{r['requests']:>9} {r['hit_rate']:>9.3f} {r['us_per_admit']:>9.1f} {r['baseline_us_per_admit']:>12.1f} "
-              f"{ratio:>6.2f}")  # fmt: skip
+        print(
+            f"{r['requests']:>9} {r['hit_rate']:>9.3f} {r['us_per_admit']:>9.1f} {r['baseline_us_per_admit']:>12.1f} "
+            f"{ratio:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

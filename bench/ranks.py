@@ -62,8 +62,10 @@ def main() -> None:
     _, meta = Llama.smollm2()
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     qs = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?", "Count to five."]
-    reqs = [(t, tok.encode(t), SamplingParams(max_tokens=16))
-            for t in (tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs)]  # fmt: skip
+    reqs = [
+        (t, tok.encode(t), SamplingParams(max_tokens=16))
+        for t in (tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs)
+    ]
     print(f"SmolLM2, {len(qs)} requests x 16 tokens, gloo on this CPU (2 cores: ranks share them)")
     print(f"{'ranks':>6} {'steps':>6} {'ms/step':>9} {'broadcast ms/step':>18} {'share':>6}")
     for world in (1, 2, 3):
@@ -74,8 +76,10 @@ def main() -> None:
         out = os.path.join(d, "ways.pt")
         mp.spawn(_ways, args=(2, os.path.join(d, "store"), out), nprocs=2, join=True)
         obj, ten = torch.load(out)
-    print(f"distributing one {ROWS}-row decode snapshot to 2 ranks: pickled KVMetadata {obj * 1e3:.3f} ms, "
-          f"fixed-size int32 tensors {ten * 1e3:.3f} ms (ratio {obj / ten:.1f})")
+    print(
+        f"distributing one {ROWS}-row decode snapshot to 2 ranks: pickled KVMetadata {obj * 1e3:.3f} ms, "
+        f"fixed-size int32 tensors {ten * 1e3:.3f} ms (ratio {obj / ten:.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ class Collections:
 def measure(n: int, trials: int) -> dict[str, float]:
     r = random.Random(n)
     blocks = n * 64 + 1
-    s = new_scheduler(CacheConfig(block_size=16, num_blocks=blocks, enable_prefix_caching=True),
-                      SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=n * 144))  # fmt: skip
+    s = new_scheduler(
+        CacheConfig(block_size=16, num_blocks=blocks, enable_prefix_caching=True),
+        SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=n * 144),
+    )
     for i in range(n):
         prompt = tuple(r.randrange(32_000) for _ in range(128 + i % 16))
         s = submit(s, SeqRequest(i, prompt, max_tokens=10**6)).unwrap()
@@ -82,9 +84,15 @@ def measure(n: int, trials: int) -> dict[str, float]:
     finally:
         gc.unfreeze()
     sched, core = statistics.median(step_us), statistics.median(core_us)
-    return {"running": n, "sched_us_per_step": sched, "core_us_per_step": core, "ratio": sched / core,
-            "sched_us_per_request": sched / n, "gc_runs_per_step": runs / (trials * STEPS),
-            "core_gc_runs_per_step": core_runs / (trials * STEPS)}  # fmt: skip
+    return {
+        "running": n,
+        "sched_us_per_step": sched,
+        "core_us_per_step": core,
+        "ratio": sched / core,
+        "sched_us_per_request": sched / n,
+        "gc_runs_per_step": runs / (trials * STEPS),
+        "core_gc_runs_per_step": core_runs / (trials * STEPS),
+    }
 
 
 def main() -> None:
@@ -98,12 +106,16 @@ def main() -> None:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"{'running':>8} {'schedule+on_output us':>22} {'core decode_step us':>20} {'ratio':>6} "
-          f"{'us/request':>10} {'GC runs/step':>12} {'core GC runs/step':>17}")  # fmt: skip
+    print(
+        f"{'running':>8} {'schedule+on_output us':>22} {'core decode_step us':>20} {'ratio':>6} "
+        f"{'us/request':>10} {'GC runs/step':>12} {'core GC runs/step':>17}"
+    )
     for row in rows:
-        print(f"{row['running']:>8} {row['sched_us_per_step']:>22.0f} {row['core_us_per_step']:>20.0f} "
-              f"{row['ratio']:>5.2f}x {row['sched_us_per_request']:>10.2f} {row['gc_runs_per_step']:>12.2f} "
-              f"{row['core_gc_runs_per_step']:>17.2f}")  # fmt: skip
+        print(
+            f"{row['running']:>8} {row['sched_us_per_step']:>22.0f} {row['core_us_per_step']:>20.0f} "
+            f"{row['ratio']:>5.2f}x {row['sched_us_per_request']:>10.2f} {row['gc_runs_per_step']:>12.2f} "
+            f"{row['core_gc_runs_per_step']:>17.2f}"
+        )
 
 
 if __name__ == "__main__":

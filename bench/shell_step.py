@@ -70,17 +70,25 @@ def main() -> None:
         for t in range(0, ROWS, 16):
             flat_k[slots[t : t + 16]] = k[t : t + 16]
         base_write.append((time.perf_counter() - t0) * 1e6)
-    row = {"rows": ROWS, "us_per_install": round(install_us, 1), "us_full_install": round(statistics.median(full), 1),
-           "us_per_kv_write": round(write_us, 1)}  # fmt: skip
+    row = {
+        "rows": ROWS,
+        "us_per_install": round(install_us, 1),
+        "us_full_install": round(statistics.median(full), 1),
+        "us_per_kv_write": round(write_us, 1),
+    }
     if args.json:
         print(json.dumps(row))
         return
     print(f"shell step on the CPU, {ROWS} decode rows, block size {BLOCK}, 1 torch thread")
     print(f"{'what':<34} {'us':>9} {'baseline us':>12} {'ratio':>6}")
-    print(f"{'install (incremental)':<34} {install_us:>9.1f} {statistics.median(full):>12.1f} "
-          f"{install_us / statistics.median(full):>6.2f}   baseline: full install into a fresh worker")  # fmt: skip
-    print(f"{'KV write, one layer (index_copy_)':<34} {write_us:>9.1f} {statistics.median(base_write):>12.1f} "
-          f"{write_us / statistics.median(base_write):>6.2f}   baseline: 16-token chunks by indexing")  # fmt: skip
+    print(
+        f"{'install (incremental)':<34} {install_us:>9.1f} {statistics.median(full):>12.1f} "
+        f"{install_us / statistics.median(full):>6.2f}   baseline: full install into a fresh worker"
+    )
+    print(
+        f"{'KV write, one layer (index_copy_)':<34} {write_us:>9.1f} {statistics.median(base_write):>12.1f} "
+        f"{write_us / statistics.median(base_write):>6.2f}   baseline: 16-token chunks by indexing"
+    )
 
 
 if __name__ == "__main__":

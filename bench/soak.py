@@ -25,8 +25,16 @@ from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 
-CFG = replace(SMOLLM2_SHAPES, vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-              num_kv_heads=2, max_position=256)  # fmt: skip
+CFG = replace(
+    SMOLLM2_SHAPES,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position=256,
+)
 
 
 def rss_mib() -> float:

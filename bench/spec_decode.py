@@ -38,12 +38,21 @@ TEXT = [
     "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make glucose "
     "and oxygen. It takes place in the chloroplasts, mainly in the leaves.",
 ]
-REPETITIVE = ([f"Rewrite this Python code with a docstring for each function, changing nothing else:\n\n{c}" for c in CODE]
-              + [f"Repeat the following text word for word, then say 'done'.\n\n{t}" for t in TEXT]
-              + [f"Quote the first sentence of this text exactly:\n\n{t}" for t in TEXT])  # fmt: skip
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
-             "Write a haiku about the sea.", "How many legs does a spider have?", "What is 12 times 12?",
-             "Translate 'good morning' into French.", "Give me a tip for learning to cook."]  # fmt: skip
+REPETITIVE = (
+    [f"Rewrite this Python code with a docstring for each function, changing nothing else:\n\n{c}" for c in CODE]
+    + [f"Repeat the following text word for word, then say 'done'.\n\n{t}" for t in TEXT]
+    + [f"Quote the first sentence of this text exactly:\n\n{t}" for t in TEXT]
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Translate 'good morning' into French.",
+    "Give me a tip for learning to cook.",
+]
 
 
 def run(model: Llama, tok: Tokenizer, prompts: list[str], batch: int, spec: dict | None, new: int) -> dict:
@@ -59,9 +68,14 @@ def run(model: Llama, tok: Tokenizer, prompts: list[str], batch: int, spec: dict
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     st = eng.stats
-    return {"tokens": [c.token_ids for c in out], "tps": st.generated_tokens / dt, "steps": st.steps,
-            "acceptance": st.acceptance, "per_verify": (st.accepted_tokens + st.verifies) / st.verifies if st.verifies else None,
-            "gc": (sum(g["collections"] for g in gc.get_stats()) - gc0) / st.steps}  # fmt: skip
+    return {
+        "tokens": [c.token_ids for c in out],
+        "tps": st.generated_tokens / dt,
+        "steps": st.steps,
+        "acceptance": st.acceptance,
+        "per_verify": (st.accepted_tokens + st.verifies) / st.verifies if st.verifies else None,
+        "gc": (sum(g["collections"] for g in gc.get_stats()) - gc0) / st.steps,
+    }
 
 
 def main() -> None:
@@ -77,10 +91,14 @@ def main() -> None:
     model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
     tok = Tokenizer(meta)
     ks = [int(k) for k in args.k.split(",")]
-    print(f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s), greedy, up to {args.new} tokens "
-          f"a prompt, medians of {args.repeats} alternating runs; drafts: ngram, prompt_lookup 2..4")  # fmt: skip
-    print("\n| workload | batch | k | tok/s off | tok/s on | speed-up | steps off | steps on | steps on/off | accepted "
-          "| tokens a verify | GC a step off / on | same tokens |")  # fmt: skip
+    print(
+        f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s), greedy, up to {args.new} tokens "
+        f"a prompt, medians of {args.repeats} alternating runs; drafts: ngram, prompt_lookup 2..4"
+    )
+    print(
+        "\n| workload | batch | k | tok/s off | tok/s on | speed-up | steps off | steps on | steps on/off | accepted "
+        "| tokens a verify | GC a step off / on | same tokens |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for name, prompts in (("repetitive", REPETITIVE), ("questions", QUESTIONS)):
         for batch in (1, 8):
@@ -94,9 +112,12 @@ def main() -> None:
                 on_tps = statistics.median(r["tps"] for r in ons)
                 same = all(r["tokens"] == offs[0]["tokens"] for r in offs + ons)
                 a, b = offs[0], ons[0]
-                print(f"| {name} | {batch} | {k} | {off_tps:.1f} | {on_tps:.1f} | {on_tps / off_tps:.2f}x | {a['steps']} | "
-                      f"{b['steps']} | {b['steps'] / a['steps']:.2f} | {b['acceptance'] or 0:.0%} | "
-                      f"{b['per_verify'] or 0:.2f} | {a['gc']:.2f} / {b['gc']:.2f} | {same} |", flush=True)  # fmt: skip
+                print(
+                    f"| {name} | {batch} | {k} | {off_tps:.1f} | {on_tps:.1f} | {on_tps / off_tps:.2f}x | {a['steps']} | "
+                    f"{b['steps']} | {b['steps'] / a['steps']:.2f} | {b['acceptance'] or 0:.0%} | "
+                    f"{b['per_verify'] or 0:.2f} | {a['gc']:.2f} / {b['gc']:.2f} | {same} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -35,17 +35,25 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.integrations.vllm_harness import (  # noqa: E402
-    BLOCK_SIZE, EngineLoop, Layout, Speculation, make_scheduler, scheduler_classes,
-)  # fmt: skip
+    BLOCK_SIZE,
+    EngineLoop,
+    Layout,
+    Speculation,
+    make_scheduler,
+    scheduler_classes,
+)
 
 TIMED = ("allocate_slots", "get_computed_blocks", "free", "get_blocks", "take_events", "cache_blocks")
 MODES: dict[str, dict[str, Any]] = {
-    "sync": {}, "async": {"async_scheduling": True},
-    "ngram2": {"speculation": Speculation("ngram", 2)}, "ngram4": {"speculation": Speculation("ngram", 4)},
-    "eagle2": {"speculation": Speculation("eagle", 2)}, "eagle4": {"speculation": Speculation("eagle", 4)},
+    "sync": {},
+    "async": {"async_scheduling": True},
+    "ngram2": {"speculation": Speculation("ngram", 2)},
+    "ngram4": {"speculation": Speculation("ngram", 4)},
+    "eagle2": {"speculation": Speculation("eagle", 2)},
+    "eagle4": {"speculation": Speculation("eagle", 4)},
     "async-eagle4": {"async_scheduling": True, "speculation": Speculation("eagle", 4)},
     "async-ngram4": {"async_scheduling": True, "v2_runner": True, "speculation": Speculation("ngram", 4)},
-}  # fmt: skip
+}
 
 
 class Gc:
@@ -87,8 +95,16 @@ def run(ours: bool, mode: str, n: int, steps: int, seed: int, events: bool = Tru
     systems = [[rng.randrange(1, 1000) for _ in range(128)] for _ in range(8)]
     max_len = 1024
     blocks = n * (max_len // BLOCK_SIZE + 2) + 64
-    sched = make_scheduler(scheduler_cls, blocks, Layout(), max_num_seqs=n, max_num_batched_tokens=n * 9 + 4096,
-                           max_model_len=max_len + 64, events=events, **options)  # fmt: skip
+    sched = make_scheduler(
+        scheduler_cls,
+        blocks,
+        Layout(),
+        max_num_seqs=n,
+        max_num_batched_tokens=n * 9 + 4096,
+        max_model_len=max_len + 64,
+        events=events,
+        **options,
+    )
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256_cbor, sched.vllm_config.num_hash_lookahead_tokens)
     counter = [0]
 
@@ -98,8 +114,9 @@ def run(ours: bool, mode: str, n: int, steps: int, seed: int, events: bool = Tru
         head = systems[rng.randrange(8)] if rng.random() < 0.25 else []
         prompt = head + [rng.randrange(1, 1000) for _ in range(250 - len(head) + rng.randrange(-40, 40))]
         out = min(1 + int(rng.expovariate(1 / 128)), max_len - len(prompt))
-        return Request(f"q{i}", prompt, SamplingParams(max_tokens=out, ignore_eos=True), pooling_params=None,
-                       block_hasher=hasher)  # fmt: skip
+        return Request(
+            f"q{i}", prompt, SamplingParams(max_tokens=out, ignore_eos=True), pooling_params=None, block_hasher=hasher
+        )
 
     class Sink:
         def publish(self, batch: Any) -> None:
@@ -136,20 +153,32 @@ def run(ours: bool, mode: str, n: int, steps: int, seed: int, events: bool = Tru
                 sched.add_request(new_request())
     finally:
         gc.callbacks.remove(counter_gc)
-    return {"step_us": statistics.median(step_ns) / 1e3, "mean_step_us": statistics.fmean(step_ns) / 1e3,
-            "manager_us": statistics.median(mgr_ns) / 1e3, "gc_per_step": gcs / steps,
-            "tokens_per_step": tokens / steps, "running": len(sched.running)}  # fmt: skip
+    return {
+        "step_us": statistics.median(step_ns) / 1e3,
+        "mean_step_us": statistics.fmean(step_ns) / 1e3,
+        "manager_us": statistics.median(mgr_ns) / 1e3,
+        "gc_per_step": gcs / steps,
+        "tokens_per_step": tokens / steps,
+        "running": len(sched.running),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="64,256,1024", help="running requests, comma-separated")
-    parser.add_argument("--modes", default="sync,async,ngram2,ngram4,eagle2,eagle4,async-eagle4",
-                        help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument(
+        "--modes",
+        default="sync,async,ngram2,ngram4,eagle2,eagle4,async-eagle4",
+        help=f"comma-separated, of {', '.join(MODES)}",
+    )
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per N (the median is shown)")
-    parser.add_argument("--events", choices=("on", "off"), default="on",
-                        help="KV cache events (vLLM's enable_kv_cache_events; off is vLLM's default)")
+    parser.add_argument(
+        "--events",
+        choices=("on", "off"),
+        default="on",
+        help="KV cache events (vLLM's enable_kv_cache_events; off is vLLM's default)",
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -157,23 +186,31 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
     import vllm
 
-    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, GC on, KV events {args.events}; median over "
-          f"{args.repeats} alternating runs of {args.steps} steps\n")  # fmt: skip
-    print("| mode | running | tokens/step | vLLM step us | pagedkv step us | step ratio | vLLM manager us |"
-          " pagedkv manager us | manager ratio | GC/step vLLM | GC/step pagedkv |")
+    print(
+        f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, GC on, KV events {args.events}; median over "
+        f"{args.repeats} alternating runs of {args.steps} steps\n"
+    )
+    print(
+        "| mode | running | tokens/step | vLLM step us | pagedkv step us | step ratio | vLLM manager us |"
+        " pagedkv manager us | manager ratio | GC/step vLLM | GC/step pagedkv |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         for n in (int(x) for x in args.n.split(",")):
             results: dict[str, list[dict[str, float]]] = {"vllm": [], "pagedkv": []}
             for r in range(args.repeats):
                 for name in ("vllm", "pagedkv"):
-                    results[name].append(run(name == "pagedkv", mode, n, args.steps, seed=r, events=args.events == "on"))
+                    results[name].append(
+                        run(name == "pagedkv", mode, n, args.steps, seed=r, events=args.events == "on")
+                    )
             med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in results.items()}
             a, b = med["vllm"], med["pagedkv"]
-            print(f"| {mode} | {n} | {a['tokens_per_step']:.0f} | {a['step_us']:.0f} | {b['step_us']:.0f} | "
-                  f"{b['step_us'] / a['step_us']:.2f} | {a['manager_us']:.0f} | {b['manager_us']:.0f} | "
-                  f"{b['manager_us'] / a['manager_us']:.2f} | {a['gc_per_step']:.2f} | {b['gc_per_step']:.2f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {mode} | {n} | {a['tokens_per_step']:.0f} | {a['step_us']:.0f} | {b['step_us']:.0f} | "
+                f"{b['step_us'] / a['step_us']:.2f} | {a['manager_us']:.0f} | {b['manager_us']:.0f} | "
+                f"{b['manager_us'] / a['manager_us']:.2f} | {a['gc_per_step']:.2f} | {b['gc_per_step']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,11 @@ def dense_last_logits(seq: list[int]) -> torch.Tensor:
 
 def main() -> None:
     # the model's layers -> the grouping plan -> blocks for the budget -> the core's geometry -> pages and buffers
-    plan = plan_rank(attention_layers(LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32), block_size=4,
-                     dtype=torch.float32)  # fmt: skip
+    plan = plan_rank(
+        attention_layers(LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32),
+        block_size=4,
+        dtype=torch.float32,
+    )
     sizing = size_pool(plan, kv_cache_memory_bytes=64 * 1024)
     print("pool:", sizing)
     cfg = plan.cache_config(sizing.num_blocks, max_model_len=64)
@@ -83,7 +86,7 @@ def main() -> None:
             s = append(s, rid, [[t]]).unwrap().state
         meta = publish(s, ids, "decode").unwrap().effect
         tokens = torch.tensor(nxt)
-    print("paged == dense at every step;", {rid: seq[len(prompts[rid]):] for rid, seq in seqs.items()})
+    print("paged == dense at every step;", {rid: seq[len(prompts[rid]) :] for rid, seq in seqs.items()})
 
 
 if __name__ == "__main__":

@@ -41,4 +41,5 @@ def smollm2() -> tuple[object, dict[str, object]]:
     except ModelFileMissing as e:  # pragma: no cover - CI installs it
         pytest.skip(str(e))
 
+
 collect_ignore_glob = ["data/*.py"]  # scripts that wrote test data (one needs vLLM), not tests

@@ -16,8 +16,14 @@ CLOCKS = {"perf_counter", "time", "monotonic", "perf_counter_ns", "monotonic_ns"
 
 
 def _reads_a_clock(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in CLOCKS
-               and isinstance(n.func.value, ast.Name) and n.func.value.id == "time" for n in ast.walk(node))  # fmt: skip
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in CLOCKS
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "time"
+        for n in ast.walk(node)
+    )
 
 
 def test_no_test_asserts_a_wall_time() -> None:
@@ -26,11 +32,17 @@ def test_no_test_asserts_a_wall_time() -> None:
     found = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        timed = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _reads_a_clock(n.value)
-                 for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+        timed = {
+            t.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and _reads_a_clock(n.value)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
         for n in ast.walk(tree):
-            if isinstance(n, ast.Assert) and (_reads_a_clock(n.test) or
-                                              any(isinstance(x, ast.Name) and x.id in timed for x in ast.walk(n.test))):  # fmt: skip
+            if isinstance(n, ast.Assert) and (
+                _reads_a_clock(n.test) or any(isinstance(x, ast.Name) and x.id in timed for x in ast.walk(n.test))
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{n.lineno}")
     assert found == []
 
@@ -45,10 +57,19 @@ def test_a_skipped_vllm_test_fails_where_vllm_must_run() -> None:
     else:
         pytest.skip("vLLM is importable here: its tests run, none skips")
     test = "tests/integrations/test_vllm_manager.py::test_pagedkv_hashes_are_vllms_sha256_cbor"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PAGEDKV_REQUIRE_VLLM": "1"})  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PAGEDKV_REQUIRE_VLLM": "1"},
+    )
     assert run.returncode == 1 and "skipped where the vLLM tests must run" in run.stdout, run.stdout[-2000:]
-    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test],
-                           cwd=ROOT, capture_output=True, text=True,
-                           env={k: v for k, v in os.environ.items() if k != "PAGEDKV_REQUIRE_VLLM"})  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PAGEDKV_REQUIRE_VLLM"},
+    )
     assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout[-2000:]

@@ -119,7 +119,6 @@ def test_lazy_and_relative_imports_are_seen(tmp_path: Path) -> None:
     assert cycles(g) == [["pagedkv.core.a", "pagedkv.core.b"]]
 
 
-
 SHADOW_CHECK = """
 import importlib, pkgutil, pagedkv
 found = list(pkgutil.walk_packages(pagedkv.__path__, "pagedkv."))

@@ -6,8 +6,23 @@ from pathlib import Path
 import pagedkv.core
 
 CORE = Path(pagedkv.core.__file__).parent
-FORBIDDEN = {"torch", "numpy", "os", "time", "random", "sys", "subprocess", "threading", "datetime",
-             "socket", "pathlib", "io", "pagedkv.shell", "pagedkv.models", "pagedkv.app"}  # fmt: skip
+FORBIDDEN = {
+    "torch",
+    "numpy",
+    "os",
+    "time",
+    "random",
+    "sys",
+    "subprocess",
+    "threading",
+    "datetime",
+    "socket",
+    "pathlib",
+    "io",
+    "pagedkv.shell",
+    "pagedkv.models",
+    "pagedkv.app",
+}
 
 
 def impure_imports(source: str) -> list[str]:

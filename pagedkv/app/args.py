@@ -165,8 +165,11 @@ MAX_THREADS = 1024
 
 def threads(text: str) -> int:
     """``--threads``: ``auto`` (0: ``auto_threads()``) or a count in [1, 1024]."""
-    return 0 if text == "auto" else int(_number(int, f"an integer in [1, {MAX_THREADS}] or auto",
-                                                lambda v: 1 <= v <= MAX_THREADS)(text))  # fmt: skip
+    return (
+        0
+        if text == "auto"
+        else int(_number(int, f"an integer in [1, {MAX_THREADS}] or auto", lambda v: 1 <= v <= MAX_THREADS)(text))
+    )
 
 
 def speculative_config(text: str) -> object:

@@ -56,56 +56,108 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     parser = Parser(prog="pagedkv", description="A scheduler-managed paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,replay,check,denoise}")
-    p = sub.add_parser("replay", help="re-run a trace (contract version 1) through the core",
-                       description="Re-run a trace through the core; report each event's result and the first "
-                                   "divergence from its expect fields (exit 1).")  # fmt: skip
+    p = sub.add_parser(
+        "replay",
+        help="re-run a trace (contract version 1) through the core",
+        description="Re-run a trace through the core; report each event's result and the first "
+        "divergence from its expect fields (exit 1).",
+    )
     p.add_argument("file", help="a JSON Lines trace; - reads standard input")
     p.add_argument("--json", action="store_true", help="print one JSON result object per event")
-    p.add_argument("--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)")
-    p.add_argument("--page-map", type=file_name, metavar="FILE.png", help="draw who holds which block, event by event (.png, .svg "
-                   "or .pdf; needs matplotlib)")  # fmt: skip
-    c = sub.add_parser("check", help="model-check every reachable state of a small configuration",
-                       description="Explore every state a small configuration reaches, breadth first, checking "
-                                   "the invariants in each; a violation's shortest trace is written to --out. The "
-                                   "default explores 15,353 states in about 20 s on one core (each state more costs "
-                                   "about 1 ms: --blocks 6 --requests 3 explores 109,476 in about 2 minutes); a "
-                                   "progress bar shows on a terminal's stderr, and the summary at the end.")  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true", help="check every invariant after every event (exit 1 if one breaks)"
+    )
+    p.add_argument(
+        "--page-map",
+        type=file_name,
+        metavar="FILE.png",
+        help="draw who holds which block, event by event (.png, .svg or .pdf; needs matplotlib)",
+    )
+    c = sub.add_parser(
+        "check",
+        help="model-check every reachable state of a small configuration",
+        description="Explore every state a small configuration reaches, breadth first, checking "
+        "the invariants in each; a violation's shortest trace is written to --out. The "
+        "default explores 15,353 states in about 20 s on one core (each state more costs "
+        "about 1 ms: --blocks 6 --requests 3 explores 109,476 in about 2 minutes); a "
+        "progress bar shows on a terminal's stderr, and the summary at the end.",
+    )
     d = CheckConfig()
     # bounds a search can finish in: the state space grows exponentially in each
     c.add_argument("--block-size", type=bounded_int(1, 16), default=d.block_size, help="tokens per block")
-    c.add_argument("--blocks", type=bounded_int(1, 64), default=d.usable_blocks,
-                   help="usable blocks (the null block comes on top)")
+    c.add_argument(
+        "--blocks", type=bounded_int(1, 64), default=d.usable_blocks, help="usable blocks (the null block comes on top)"
+    )
     c.add_argument("--requests", type=bounded_int(1, 26), default=d.requests, help="request ids in the alphabet (A..Z)")
     c.add_argument("--rows", type=bounded_int(1, 8), default=d.max_rows, help="max rows per request")
-    c.add_argument("--window", type=bounded_int(0, 64), default=d.window,
-                   help="sliding-window group size; 0: one full group only")
+    c.add_argument(
+        "--window", type=bounded_int(0, 64), default=d.window, help="sliding-window group size; 0: one full group only"
+    )
     c.add_argument("--no-prefix-caching", action="store_true", help="explore without the prefix cache")
     c.add_argument("--max-model-len", type=bounded_int(1, 256), default=d.max_model_len, help="tokens a row may hold")
-    c.add_argument("--destinations", action="store_true",
-                   help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready")
+    c.add_argument(
+        "--destinations",
+        action="store_true",
+        help="also admit rows whose KV arrives from elsewhere (pending_tokens) and mark it ready",
+    )
     c.add_argument("--mamba", action="store_true", help="add a state (Mamba) group after the attention groups")
-    c.add_argument("--mamba-align", action="store_true",
-                   help="add an align-mode state group (vLLM's mamba_cache_mode='align') after the attention groups")
-    c.add_argument("--ahead", action="store_true",
-                   help="also grow rows by placeholders, fill their ids and cut rows back (async scheduling, drafts)")
-    c.add_argument("--hash-lookahead", type=bounded_int(0, 16), default=d.hash_lookahead,
-                   help="ids after each block its hash also covers (vLLM's EAGLE lookahead hashes)")
-    c.add_argument("--long-prompts", action="store_true",
-                   help="also admit a prompt long enough that its prefix hit leaves window positions null")
-    c.add_argument("--free-queue", choices=("tail", "vllm"), default="tail",
-                   help="where freed blocks go: all to the tail, or (vllm) those without a hash to the head")
-    c.add_argument("--caching-point", choices=("commit", "schedule"), default="commit",
-                   help="when full blocks enter the prefix cache: once computed, or (vLLM) once planned; "
-                   "schedule adds cache_ahead and a failed-step release to the alphabet")
-    c.add_argument("--cache-duplicates", action="store_true",
-                   help="cache every block that fills with a content already cached (vLLM's block pool)")
-    c.add_argument("--reset-when-idle", action="store_true",
-                   help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)")
+    c.add_argument(
+        "--mamba-align",
+        action="store_true",
+        help="add an align-mode state group (vLLM's mamba_cache_mode='align') after the attention groups",
+    )
+    c.add_argument(
+        "--ahead",
+        action="store_true",
+        help="also grow rows by placeholders, fill their ids and cut rows back (async scheduling, drafts)",
+    )
+    c.add_argument(
+        "--hash-lookahead",
+        type=bounded_int(0, 16),
+        default=d.hash_lookahead,
+        help="ids after each block its hash also covers (vLLM's EAGLE lookahead hashes)",
+    )
+    c.add_argument(
+        "--long-prompts",
+        action="store_true",
+        help="also admit a prompt long enough that its prefix hit leaves window positions null",
+    )
+    c.add_argument(
+        "--free-queue",
+        choices=("tail", "vllm"),
+        default="tail",
+        help="where freed blocks go: all to the tail, or (vllm) those without a hash to the head",
+    )
+    c.add_argument(
+        "--caching-point",
+        choices=("commit", "schedule"),
+        default="commit",
+        help="when full blocks enter the prefix cache: once computed, or (vLLM) once planned; "
+        "schedule adds cache_ahead and a failed-step release to the alphabet",
+    )
+    c.add_argument(
+        "--cache-duplicates",
+        action="store_true",
+        help="cache every block that fills with a content already cached (vLLM's block pool)",
+    )
+    c.add_argument(
+        "--reset-when-idle",
+        action="store_true",
+        help="reset_prefix_cache is refused while blocks are held (vLLM's semantics)",
+    )
     c.add_argument("--max-states", type=bounded_int(1, 10**8), default=d.max_states, help="stop after this many states")
-    c.add_argument("--max-depth", type=bounded_int(1, 10**6), default=None, help="stop at this depth (default: no bound)")
-    c.add_argument("--out", type=file_name, default="counterexample.jsonl", help="where a violation's trace is written "
-                   "(its folder must exist)")  # fmt: skip
-    c.add_argument("--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}')
+    c.add_argument(
+        "--max-depth", type=bounded_int(1, 10**6), default=None, help="stop at this depth (default: no bound)"
+    )
+    c.add_argument(
+        "--out",
+        type=file_name,
+        default="counterexample.jsonl",
+        help="where a violation's trace is written (its folder must exist)",
+    )
+    c.add_argument(
+        "--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}'
+    )
     generate = add_generate(sub)
     add_denoise(sub)
     return parser, generate
@@ -128,14 +180,26 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     try:
         cfg = CheckConfig(
-            block_size=args.block_size, usable_blocks=args.blocks, requests=args.requests, max_rows=args.rows,
-            window=args.window or None, prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-            max_states=args.max_states, max_depth=args.max_depth, destinations=args.destinations, mamba=args.mamba,
+            block_size=args.block_size,
+            usable_blocks=args.blocks,
+            requests=args.requests,
+            max_rows=args.rows,
+            window=args.window or None,
+            prefix_caching=not args.no_prefix_caching,
+            max_model_len=args.max_model_len,
+            max_states=args.max_states,
+            max_depth=args.max_depth,
+            destinations=args.destinations,
+            mamba=args.mamba,
             mamba_align=args.mamba_align,
-            free_queue=args.free_queue, reset_when_idle=args.reset_when_idle,
-            cache_at_schedule=args.caching_point == "schedule", duplicates=args.cache_duplicates,
-            long_prompts=args.long_prompts, ahead=args.ahead, hash_lookahead=args.hash_lookahead,
-        )  # fmt: skip
+            free_queue=args.free_queue,
+            reset_when_idle=args.reset_when_idle,
+            cache_at_schedule=args.caching_point == "schedule",
+            duplicates=args.cache_duplicates,
+            long_prompts=args.long_prompts,
+            ahead=args.ahead,
+            hash_lookahead=args.hash_lookahead,
+        )
         cfg.cache_config()
         writable_target(args.out)  # before the search: a counterexample found must have somewhere to go
     except (InvalidConfig, UsageError) as e:
@@ -144,8 +208,15 @@ def _check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    with tqdm(total=cfg.max_states, unit="states", desc="check", file=sys.stderr, leave=False, disable=None,
-              dynamic_ncols=True) as bar:  # on a terminal only; its rate is states/s  # fmt: skip
+    with tqdm(
+        total=cfg.max_states,
+        unit="states",
+        desc="check",
+        file=sys.stderr,
+        leave=False,
+        disable=None,
+        dynamic_ncols=True,
+    ) as bar:  # on a terminal only; its rate is states/s
 
         def progress(r: CheckResult) -> None:
             bar.update(r.states - bar.n)
@@ -169,8 +240,17 @@ def _check(args: argparse.Namespace) -> int:
     else:
         print("violations:      0")
     if args.json:
-        print(json.dumps({"states": result.states, "depth": result.depth, "violations": int(bool(result.violation)),
-                          "seconds": round(seconds, 3), "exhaustive": result.exhaustive}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "states": result.states,
+                    "depth": result.depth,
+                    "violations": int(bool(result.violation)),
+                    "seconds": round(seconds, 3),
+                    "exhaustive": result.exhaustive,
+                }
+            )
+        )
     return 1 if result.violation else 0
 
 
@@ -213,7 +293,9 @@ def _replay(path: str, as_json: bool, check_invariants: bool = False, page_map_p
         print(f"pagedkv replay: {e}", file=sys.stderr)
         return USAGE_EXIT
     if not as_json:
-        out.write(("" if events else table) + f"{events} events, {failures} refused, {divergences} diverged from expect\n")
+        out.write(
+            ("" if events else table) + f"{events} events, {failures} refused, {divergences} diverged from expect\n"
+        )
     if page_map_path and states:
         from pagedkv.app.plot import page_map
 
@@ -257,8 +339,10 @@ def _row(line: int, r: dict[str, object]) -> str:
             )
     elif isinstance(err, dict):
         detail = str(err["message"])
-    return (f"{r['i']:>4} {line:>5}  {r['op']!s:<18} {result:<20} {r['generation']:>5} {r['free_blocks']:>6}  "
-            f"{str(r['digest'])[:12]:<12}  {detail}")  # fmt: skip
+    return (
+        f"{r['i']:>4} {line:>5}  {r['op']!s:<18} {result:<20} {r['generation']:>5} {r['free_blocks']:>6}  "
+        f"{str(r['digest'])[:12]:<12}  {detail}"
+    )
 
 
 def _short(xs: list[int]) -> str:

@@ -15,20 +15,28 @@ from pagedkv.app.args import USAGE_EXIT, bounded_int, seed
 
 
 def add_parser(sub: Any) -> None:
-    d = sub.add_parser("denoise", help="run the DiT reference model over CFG requests through the paged KV cache",
-                       description="Denoise CFG requests (a conditional and an unconditional row each) with the "
-                                   "DiT reference model, through the scheduler and the paged KV cache; per-step "
-                                   "timing and pool usage.")  # fmt: skip
+    d = sub.add_parser(
+        "denoise",
+        help="run the DiT reference model over CFG requests through the paged KV cache",
+        description="Denoise CFG requests (a conditional and an unconditional row each) with the "
+        "DiT reference model, through the scheduler and the paged KV cache; per-step "
+        "timing and pool usage.",
+    )
     d.add_argument("--requests", type=bounded_int(1, 4096), default=4, help="CFG requests (two rows each)")
     d.add_argument("--steps", type=bounded_int(1, 10_000), default=6, help="denoising steps per request")
-    d.add_argument("--image-tokens", type=bounded_int(1, 1 << 16), default=16,
-                   help="latent tokens each row rewrites per step")
+    d.add_argument(
+        "--image-tokens", type=bounded_int(1, 1 << 16), default=16, help="latent tokens each row rewrites per step"
+    )
     d.add_argument("--blocks", type=bounded_int(1, 1 << 20), default=48, help="usable blocks in the pool")
     d.add_argument("--block-size", type=bounded_int(1, 4096), default=8, help="tokens per block")
     d.add_argument("--seed", type=seed, default=0, help="prompts, references and latents (below 2**63)")
-    d.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-                   help="the pages' dtype: auto (fp32), or fp8 with each layer's K and V scales calibrated on the first "
-                   "request's first step")
+    d.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="the pages' dtype: auto (fp32), or fp8 with each layer's K and V scales calibrated on the first "
+        "request's first step",
+    )
 
 
 def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict[Any, Any]]:
@@ -48,8 +56,12 @@ def _submit_all(args: argparse.Namespace, model: Any, s: Any) -> tuple[Any, dict
         img = torch.randn(args.image_tokens, c.latent, generator=g)
         rows = [cond, uncond]
         work[f"img-{i}"] = (rows, [img.clone(), img.clone()])
-        req = SeqRequest(f"img-{i}", rows=tuple(r.spec(args.image_tokens) for r in rows), steps=args.steps,
-                         extra_keys=cond.content_key())  # fmt: skip
+        req = SeqRequest(
+            f"img-{i}",
+            rows=tuple(r.spec(args.image_tokens) for r in rows),
+            steps=args.steps,
+            extra_keys=cond.content_key(),
+        )
         s = submit(s, req).unwrap()
     return s, work
 
@@ -63,8 +75,9 @@ def _calibrated(model: Any, cfg: Any, s: Any, work: dict[Any, Any], need: int) -
     from pagedkv.shell.attention import get_backend
     from pagedkv.shell.rank import build_rank, plan_rank
 
-    fp32 = build_rank(plan_rank(model.kv_layers(), block_size=cfg.block_size, dtype=torch.float32), cfg, max_rows=4,
-                      max_tokens=need)  # fmt: skip
+    fp32 = build_rank(
+        plan_rank(model.kv_layers(), block_size=cfg.block_size, dtype=torch.float32), cfg, max_rows=4, max_tokens=need
+    )
     for rid, req in s.seqs.items():
         got = admit(initial_state(cfg), RequestSpec("calibration", req.rows, req.extra_keys))
         if not isinstance(got, Failure):
@@ -102,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
         scales = _calibrated(model, cfg, s, work, need) if kv_dtype != torch.float32 else None
         rank = build_rank(plan, cfg, max_rows=4, max_tokens=need, kv_scales=scales)
     except (MemoryError, RuntimeError) as e:  # a pool this machine cannot allocate
-        print(f"pagedkv denoise: cannot allocate a pool of {args.blocks} blocks of {args.block_size} tokens: "
-              f"{' '.join(str(e).split())[:160]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"pagedkv denoise: cannot allocate a pool of {args.blocks} blocks of {args.block_size} tokens: "
+            f"{' '.join(str(e).split())[:160]}",
+            file=sys.stderr,
+        )
         return USAGE_EXIT
     runner = DiTRunner(model, rank, get_backend("torch"))
     usable = cfg.usable_blocks
@@ -123,13 +139,20 @@ def run(args: argparse.Namespace) -> int:
             tokens = sum(r.seq_len for r in run_.first.rows)
             cached = sum(r.kv_start_pos for r in run_.first.rows)
             per_step = " ".join(f"{x * 1e3:.1f}" for x in runner.step_seconds)
-            print(f"{run_.request_id:<8} {len(rows):>4} {tokens:>7} {cached:>7} {used:>7} {used / usable:>6.0%}  {per_step}")
+            print(
+                f"{run_.request_id:<8} {len(rows):>4} {tokens:>7} {cached:>7} {used:>7} {used / usable:>6.0%}  {per_step}"
+            )
         s, _ = on_output(s, {}).unwrap()
     ran = args.requests - len(refused)
-    print(f"{ran} of {args.requests} requests denoised, {args.steps} steps each; later steps write only the target "
-          f"span ({args.image_tokens + 1} tokens per row) and read the prefix from the pages")  # fmt: skip
+    print(
+        f"{ran} of {args.requests} requests denoised, {args.steps} steps each; later steps write only the target "
+        f"span ({args.image_tokens + 1} tokens per row) and read the prefix from the pages"
+    )
     if not ran:
-        print(f"pagedkv denoise: no request could run ({len(refused)} refused; a pool of {usable} blocks of "
-              f"{args.block_size} tokens, max_model_len {cfg.max_model_len})", file=sys.stderr)  # fmt: skip
+        print(
+            f"pagedkv denoise: no request could run ({len(refused)} refused; a pool of {usable} blocks of "
+            f"{args.block_size} tokens, max_model_len {cfg.max_model_len})",
+            file=sys.stderr,
+        )
         return USAGE_EXIT
     return 0

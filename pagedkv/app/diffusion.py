@@ -18,13 +18,16 @@ from pagedkv.shell.kv_scales import record_scales
 from pagedkv.shell.rank import Rank
 
 
-def dit_kv_scales(model: DiT, rank: Rank, backend: AttentionBackend, rows: list[DiTRow], images: list[torch.Tensor],
-                  first: KVMetadata) -> dict[str, tuple[float, float]]:  # fmt: skip
+def dit_kv_scales(
+    model: DiT, rank: Rank, backend: AttentionBackend, rows: list[DiTRow], images: list[torch.Tensor], first: KVMetadata
+) -> dict[str, tuple[float, float]]:
     """fp8 pages' scales for ``model`` from one first step of ``rows`` (``first``: its prefill snapshot) on ``rank``, a
     rank of pages in the model's own dtype (``shell.kv_scales.record_scales``)."""
     batch = rank.worker.install(first)
-    return record_scales(model.layer_names, lambda wrap: model.paged_step(rows, images, 1.0, batch, wrap(rank.pool),
-                                                                          backend, rank.layout))  # fmt: skip
+    return record_scales(
+        model.layer_names,
+        lambda wrap: model.paged_step(rows, images, 1.0, batch, wrap(rank.pool), backend, rank.layout),
+    )
 
 
 class DiTRunner:
@@ -35,8 +38,15 @@ class DiTRunner:
         self.model, self.rank, self.backend = model, rank, backend
         self.step_seconds: list[float] = []  # wall time of each denoising step of the last run
 
-    def run(self, rows: list[DiTRow], images: list[torch.Tensor], steps: int, first: KVMetadata,
-            later: KVMetadata | None, cfg_scale: float = 4.0) -> list[torch.Tensor]:  # fmt: skip
+    def run(
+        self,
+        rows: list[DiTRow],
+        images: list[torch.Tensor],
+        steps: int,
+        first: KVMetadata,
+        later: KVMetadata | None,
+        cfg_scale: float = 4.0,
+    ) -> list[torch.Tensor]:
         """Euler denoising over ``steps``; returns the image after every step (CFG-combined when 2 rows)."""
         if steps > 1 and later is None:
             raise refuse(ErrorCode.INVALID, "later denoising steps need the denoise metadata")

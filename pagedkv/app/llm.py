@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.app.args import auto_threads
 from pagedkv.models.hf import generation_defaults, load_model, weights_dtype
@@ -64,9 +64,17 @@ class LLM:
     """SmolLM2-135M-Instruct (or any checkpoint ``load_model`` serves, or a model of your own with its tokenizer)
     served through pagedkv."""
 
-    def __init__(self, model: Any = None, tokenizer: Tokenizer | None = None, *, device: str = "auto",
-                 dtype: str | Any = "auto", threads: int | str = "auto", generation_config: str = "auto",
-                 **engine: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any = None,
+        tokenizer: Tokenizer | None = None,
+        *,
+        device: str = "auto",
+        dtype: str | Any = "auto",
+        threads: int | str = "auto",
+        generation_config: str = "auto",
+        **engine: Any,
+    ) -> None:
         """``model``: a path (a Hugging Face checkpoint directory or a Llama-family ``.gguf`` file:
         ``models.hf.load_model``, its tokenizer with it), a model of your own (with ``tokenizer``), or None for
         SmolLM2-135M-Instruct. ``device``: auto (CUDA where there is one, else the CPU), cpu, cuda, cuda:N.
@@ -99,8 +107,12 @@ class LLM:
         """``SamplingParams()`` with the checkpoint's generation defaults (``generation_config``), as vLLM's."""
         return SamplingParams(**self.defaults)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:  # fmt: skip
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Each prompt's ``RequestOutput``, in order. ``prompts``: one prompt or a list (a text, or vLLM's
         ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); ``sampling_params``: one for all, or one a prompt
         (another count is a ``ValueError``), None for ``get_default_sampling_params()``. A prompt with ``n`` > 1
@@ -111,13 +123,17 @@ class LLM:
         texts_ids = [self._prompt(p) for p in items]
         return self._run(texts_ids, many, use_tqdm)
 
-    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]], sampling_params: SamplingParams |
-             Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:  # fmt: skip
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """``generate`` over conversations rendered by the model's chat template: one conversation (a list of
         ``{"role", "content"}`` messages, system prompts and earlier turns included) or a list of them."""
-        convs: list[Sequence[Message]] = ([messages] if messages and isinstance(messages[0], Mapping)  # type: ignore[list-item]
-                                          else list(messages))  # type: ignore[arg-type]  # fmt: skip
+        one = bool(messages) and isinstance(messages[0], Mapping)  # (one conversation, or a list of them)
+        convs = [cast(Sequence[Message], messages)] if one else list(cast(Sequence[Sequence[Message]], messages))
         many = self._params(sampling_params, len(convs))
         texts = [self.tokenizer.apply_chat_template([dict(m) for m in conv], add_generation_prompt) for conv in convs]
         return self._run([(t, self.tokenizer.encode(t)) for t in texts], many, use_tqdm)
@@ -144,13 +160,17 @@ class LLM:
             f'a prompt is a string, {{"prompt": str}} or {{"prompt_token_ids": [int, ...]}}; got {prompt!r:.80}'
         )
 
-    def _run(self, prompts: list[tuple[str, list[int]]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:  # fmt: skip
+    def _run(
+        self, prompts: list[tuple[str, list[int]]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         """Every prompt's ``n`` sequences as requests of one sequence each, served together; grouped back."""
         from pagedkv.app.report import progress_bar
 
-        requests = [(text, ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i))
-                    for (text, ids), p in zip(prompts, params) for i in range(p.n)]  # fmt: skip
+        requests = [
+            (text, ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i))
+            for (text, ids), p in zip(prompts, params)
+            for i in range(p.n)
+        ]
         bar = progress_bar(len(requests), disable=not use_tqdm)
         try:
             done = self.engine.generate(requests, on_finish=lambda _: bar.update(1))
@@ -159,11 +179,19 @@ class LLM:
         out, k = [], 0
         for (text, ids), p in zip(prompts, params):
             seqs, k = done[k : k + p.n], k + p.n
-            out.append(RequestOutput(str(seqs[0].request_id), text, ids, [_output(i, c) for i, c in enumerate(seqs)],
-                                     num_cached_tokens=seqs[0].cached_tokens))  # fmt: skip
+            out.append(
+                RequestOutput(
+                    str(seqs[0].request_id),
+                    text,
+                    ids,
+                    [_output(i, c) for i, c in enumerate(seqs)],
+                    num_cached_tokens=seqs[0].cached_tokens,
+                )
+            )
         return out
 
 
 def _output(index: int, c: Completion) -> CompletionOutput:
-    return CompletionOutput(index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
-                            c.stop_reason, c.error)  # fmt: skip
+    return CompletionOutput(
+        index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason, c.error
+    )

@@ -13,8 +13,26 @@ from pagedkv.app.args import UsageError
 from pagedkv.core.state import KVState, request_blocks
 
 SUFFIXES = (".png", ".svg", ".pdf")
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
-           "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#dbdb8d",
+    "#9edae5",
+)
 CACHED_GREY = "#c8c8c8"
 MAX_LEGEND_REQUESTS = 24
 
@@ -77,9 +95,11 @@ class PageMap:
 
     def fill(self) -> dict[str, list[int]]:
         """Blocks per state: held by one request, shared by several, cached and free (the rest are free)."""
-        return {"held": [sum(len(r) == 1 for r in h.values()) for h in self.holders],
-                "shared": [sum(len(r) > 1 for r in h.values()) for h in self.holders],
-                "cached": [len(c) for c in self.cached]}  # fmt: skip
+        return {
+            "held": [sum(len(r) == 1 for r in h.values()) for h in self.holders],
+            "shared": [sum(len(r) > 1 for r in h.values()) for h in self.holders],
+            "cached": [len(c) for c in self.cached],
+        }
 
 
 def draw(states: Sequence[KVState], title: str = "pagedkv: blocks held", xlabel: str = "step") -> Any:
@@ -110,10 +130,17 @@ def draw(states: Sequence[KVState], title: str = "pagedkv: blocks held", xlabel:
         for b, owners in h.items():
             grid[b, t] = colour[owners[0]]
     cmap = ListedColormap([*PALETTE, CACHED_GREY])
-    fig, (ax, fill_ax) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, height_ratios=(3, 1),
-                                      layout="constrained")  # fmt: skip
-    ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, interpolation="nearest", origin="lower",
-              vmin=-0.5, vmax=len(PALETTE) + 0.5, extent=(-0.5, steps - 0.5, -0.5, top + 0.5))  # fmt: skip
+    fig, (ax, fill_ax) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, height_ratios=(3, 1), layout="constrained")
+    ax.imshow(
+        np.ma.masked_invalid(grid),
+        aspect="auto",
+        cmap=cmap,
+        interpolation="nearest",
+        origin="lower",
+        vmin=-0.5,
+        vmax=len(PALETTE) + 0.5,
+        extent=(-0.5, steps - 0.5, -0.5, top + 0.5),
+    )
     shared = [(t, b) for t, h in enumerate(pm.holders) for b, owners in h.items() if len(owners) > 1]
     gone = [(t, b) for t, e in enumerate(pm.evicted) for b in e]
     marker = max(2.0, min(30.0, 3000.0 / max(steps, top)))
@@ -126,8 +153,15 @@ def draw(states: Sequence[KVState], title: str = "pagedkv: blocks held", xlabel:
         handles.append(Patch(color="white", label=f"... {len(rids) - MAX_LEGEND_REQUESTS} more (colours repeat)"))
     handles.append(Patch(color=CACHED_GREY, label="cached, free (a later hit reuses it)"))
     marks, labels = ax.get_legend_handles_labels()
-    ax.legend(handles=handles + marks, labels=[h.get_label() for h in handles] + labels, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize=8, title="requests", title_fontsize=8)  # fmt: skip
+    ax.legend(
+        handles=handles + marks,
+        labels=[h.get_label() for h in handles] + labels,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        title="requests",
+        title_fontsize=8,
+    )
     ax.set_ylim(0.5, top + 0.5)  # block 0 is the null block: never held
     ax.set_ylabel(f"block id (1-{top} of {pm.usable})")
     ax.set_title(f"{title}: {len(rids)} requests, {pm.usable} usable blocks")
@@ -141,8 +175,15 @@ def _fill(ax: Any, pm: PageMap, steps: int, xlabel: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     f = pm.fill()
-    ax.stackplot(list(range(steps)), f["held"], f["shared"], f["cached"], step="mid",
-                 colors=("tab:blue", "black", CACHED_GREY), labels=("held by one request", "shared", "cached, free"))
+    ax.stackplot(
+        list(range(steps)),
+        f["held"],
+        f["shared"],
+        f["cached"],
+        step="mid",
+        colors=("tab:blue", "black", CACHED_GREY),
+        labels=("held by one request", "shared", "cached, free"),
+    )
     ax.set_ylim(0, pm.usable)
     ax.set_ylabel("blocks")
     ax.set_xlabel(xlabel)

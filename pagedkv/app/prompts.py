@@ -73,8 +73,10 @@ def _item(line: str, where: str, max_tokens: int) -> dict[str, Any]:
         _text(system, f'{where}: "system"')
     unknown = [k for k in obj if k not in ITEM_KEYS]
     if unknown:  # a typo (max_token) would silently do nothing: say so, and go on (extra keys were always allowed)
-        print(f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: "
-              f"{', '.join(ITEM_KEYS)})", file=sys.stderr)  # fmt: skip
+        print(
+            f"pagedkv generate: {where}: ignoring {', '.join(map(repr, unknown))} (known keys: {', '.join(ITEM_KEYS)})",
+            file=sys.stderr,
+        )
     return {"prompt": prompt, "max_tokens": n, **({"system": system} if system else {})}
 
 
@@ -96,8 +98,9 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag} {path} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
     gen = getattr(args, "generation_config", "auto")
     if gen not in ("auto", "vllm") and not os.path.isfile(os.path.join(gen, "generation_config.json")):
-        raise UsageError(f"--generation-config {gen}: no generation_config.json there (auto, vllm, or a directory "
-                         "holding one)")  # fmt: skip
+        raise UsageError(
+            f"--generation-config {gen}: no generation_config.json there (auto, vllm, or a directory holding one)"
+        )
     if args.ranks > 1 and getattr(args, "max_model_len", None) is not None:
         raise UsageError("--max-model-len is served by one engine: use it with --ranks 1")
     if args.page_map:

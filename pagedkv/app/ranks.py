@@ -82,10 +82,14 @@ def _leader(model: Llama, tok: Any, requests: list[Request], args: EngineArgs, r
             eng.state = cancel(eng.state, rid, ended[rid]).unwrap()
             eng.worker.remove([rid])
     kv = eng.state.kv
-    result.update(seconds=time.perf_counter() - t0, broadcast_seconds=leader.broadcast_seconds, steps=eng.stats.steps,
-                  step_seconds=eng.step_times,
-                  pool_whole=kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == [],
-                  finished=ended)
+    result.update(
+        seconds=time.perf_counter() - t0,
+        broadcast_seconds=leader.broadcast_seconds,
+        steps=eng.stats.steps,
+        step_seconds=eng.step_times,
+        pool_whole=kv.free_blocks == kv.config.usable_blocks and check_invariants(kv) == [],
+        finished=ended,
+    )
 
 
 def _follower(model: Llama, tok: Any, args: EngineArgs, fail_at: int | None, result: dict[str, Any]) -> None:
@@ -99,13 +103,25 @@ def _follower(model: Llama, tok: Any, args: EngineArgs, fail_at: int | None, res
         return
     cache, rows, tokens, token_rows = box[0]
     plan = plan_for(model, block_size=cache.block_size, kv_dtype=kv_dtype_of(args.kv_cache_dtype))
-    rank = build_rank(plan, cache, max_rows=rows, max_tokens=tokens, token_rows=token_rows, device=model.device,
-                      kv_scales=scales)  # fmt: skip
+    rank = build_rank(
+        plan, cache, max_rows=rows, max_tokens=tokens, token_rows=token_rows, device=model.device, kv_scales=scales
+    )
     result["steps"] = follow(model, rank, get_backend("torch"), fail_at)
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: list[Request], engine_kw: dict[str, Any],
-               fail_rank: int | None, fail_at: int | None, timeout_s: float, backend: str, weights: str) -> None:  # fmt: skip
+def _rank_main(
+    rank: int,
+    world: int,
+    init_file: str,
+    out_dir: str,
+    requests: list[Request],
+    engine_kw: dict[str, Any],
+    fail_rank: int | None,
+    fail_at: int | None,
+    timeout_s: float,
+    backend: str,
+    weights: str,
+) -> None:
     torch.set_num_threads(1)
     init(rank, world, init_file, timeout_s, backend)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
@@ -127,9 +143,17 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, requests: li
             pass
 
 
-def run_ranks(world: int, requests: list[Request], *, fail_rank: int | None = None, fail_at: int | None = None,
-              timeout_s: float = 60.0, backend: str = "gloo", weights: str = "smollm2",
-              **engine_kw: Any) -> list[dict[str, Any]]:  # fmt: skip
+def run_ranks(
+    world: int,
+    requests: list[Request],
+    *,
+    fail_rank: int | None = None,
+    fail_at: int | None = None,
+    timeout_s: float = 60.0,
+    backend: str = "gloo",
+    weights: str = "smollm2",
+    **engine_kw: Any,
+) -> list[dict[str, Any]]:
     """Run ``requests`` on ``world`` ranks (gloo on the CPU, or nccl with one GPU a rank); every rank's
     result dict, rank 0 first. ``weights``: "smollm2" (the GGUF) or "random" (its shapes, seeded)."""
     with tempfile.TemporaryDirectory() as d:

@@ -39,8 +39,10 @@ def trace_written(engine: Any, trace: TextIO | None, path: str | None) -> int:
             error = e
     if error is None:
         return 0
-    print(f"pagedkv generate: the trace {path} was not written whole: {getattr(error, 'strerror', None) or error}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"pagedkv generate: the trace {path} was not written whole: {getattr(error, 'strerror', None) or error}",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -48,8 +50,12 @@ def draw_page_map(engine: Any, path: str) -> int:
     from pagedkv.app.plot import page_map
 
     try:
-        page_map(engine.kv_history or [engine.state.kv], path, xlabel="engine step",
-                 title="pagedkv generate: blocks held per engine step")  # fmt: skip
+        page_map(
+            engine.kv_history or [engine.state.kv],
+            path,
+            xlabel="engine step",
+            title="pagedkv generate: blocks held per engine step",
+        )
     except (OSError, RuntimeError, ValueError) as e:
         print(f"pagedkv generate: the page map was not written: {e}", file=sys.stderr)
         return 1
@@ -61,8 +67,15 @@ def progress_bar(total: int, disable: bool) -> Any:
     """A progress bar of finished requests on a terminal's stderr (tqdm; nothing when stderr is a file)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="req", desc="generate", file=sys.stderr, disable=True if disable else None,
-                leave=False, dynamic_ncols=True)  # fmt: skip
+    return tqdm(
+        total=total,
+        unit="req",
+        desc="generate",
+        file=sys.stderr,
+        disable=True if disable else None,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 def shown(text: str, limit: int = SHOWN_PROMPT_CHARS) -> str:
@@ -81,12 +94,29 @@ def print_completion(args: argparse.Namespace, i: int, item: dict[str, Any], c: 
     print_one(args, i, item, c.text, c.token_ids, c.finish_reason, c.error, c.cached_tokens)
 
 
-def print_one(args: argparse.Namespace, i: int, item: dict[str, Any], text: str, token_ids: list[int],
-               reason: str | None, error: str | None, cached: int | None) -> None:  # fmt: skip
+def print_one(
+    args: argparse.Namespace,
+    i: int,
+    item: dict[str, Any],
+    text: str,
+    token_ids: list[int],
+    reason: str | None,
+    error: str | None,
+    cached: int | None,
+) -> None:
     """One request's output: a JSON line, or its prompt and completion (``cached``: None where unknown)."""
     if args.json:  # "error" only where a request was not served (the four keys are the contract)
-        print(json.dumps({"prompt": item["prompt"], "text": text, "token_ids": token_ids, "finish_reason": reason,
-                          **({"error": error} if error else {})}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "prompt": item["prompt"],
+                    "text": text,
+                    "token_ids": token_ids,
+                    "finish_reason": reason,
+                    **({"error": error} if error else {}),
+                }
+            )
+        )
         return
     print(f"--- [{i}] {shown(item['prompt'])}")
     if reason in REFUSED or reason == "error":
@@ -96,8 +126,9 @@ def print_one(args: argparse.Namespace, i: int, item: dict[str, Any], text: str,
         print(f"{text.strip()}  ({len(token_ids)} tokens, {reason}{tail})")
 
 
-def summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s: float, load_s: float,
-             n_threads: int) -> None:  # fmt: skip
+def summary(
+    args: argparse.Namespace, completions: list[Any], engine: Any, gen_s: float, load_s: float, n_threads: int
+) -> None:
     st = engine.stats
     kv = engine.state.kv
     served = [c for c in completions if c.finish_reason not in REFUSED]
@@ -105,25 +136,35 @@ def summary(args: argparse.Namespace, completions: list[Any], engine: Any, gen_s
     where = f"on {args.device}" + (f", {n_threads} threads" if args.device == "cpu" else "")
     print("--- summary")
     print(f"model               {getattr(args, 'model_name', 'SmolLM2-135M-Instruct')}")
-    print(f"requests            {len(completions)}" + (f" ({len(completions) - len(served)} refused)"
-                                                        if len(served) < len(completions) else ""))  # fmt: skip
+    print(
+        f"requests            {len(completions)}"
+        + (f" ({len(completions) - len(served)} refused)" if len(served) < len(completions) else "")
+    )
     print(f"prompt tokens       {prompt_tokens}")
     print(f"generated tokens    {st.generated_tokens}")
     if st.generated_tokens and gen_s > 0:
-        print(f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + prompt_tokens) / gen_s:.1f} "
-              f"with prompts) {where}; model load {load_s:.1f} s")  # fmt: skip
+        print(
+            f"tokens per second   {st.generated_tokens / gen_s:.1f} generated ({(st.generated_tokens + prompt_tokens) / gen_s:.1f} "
+            f"with prompts) {where}; model load {load_s:.1f} s"
+        )
     else:
         print(f"tokens per second   - (nothing was generated) {where}; model load {load_s:.1f} s")
     print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
-    print(f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
-          f"of the pool: {engine.sizing})")  # fmt: skip
+    print(
+        f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
+        f"of the pool: {engine.sizing})"
+    )
     if engine.pool.fp8:  # fp8 pages: their dtype and the range of the layers' scales
         scales = [p.kv_scales for p in engine.layout.by_name.values()]
-        print(f"kv cache dtype      {engine.pool.dtype} pages; K scales {min(k for k, _ in scales):.3g}-"
-              f"{max(k for k, _ in scales):.3g}, V scales {min(v for _, v in scales):.3g}-{max(v for _, v in scales):.3g}")
+        print(
+            f"kv cache dtype      {engine.pool.dtype} pages; K scales {min(k for k, _ in scales):.3g}-"
+            f"{max(k for k, _ in scales):.3g}, V scales {min(v for _, v in scales):.3g}-{max(v for _, v in scales):.3g}"
+        )
     print(f"preemptions         {st.preemptions}")
     print(f"engine steps        {st.steps}")
     if st.verifies:  # speculative decoding: how many drafts the model kept, and what a verify gave a request
-        print(f"speculation         {st.acceptance:.1%} of {st.draft_tokens} drafts accepted; "
-              f"{(st.accepted_tokens + st.verifies) / st.verifies:.2f} tokens a verify; "
-              f"{st.generated_tokens / st.steps:.2f} tokens a step")  # fmt: skip
+        print(
+            f"speculation         {st.acceptance:.1%} of {st.draft_tokens} drafts accepted; "
+            f"{(st.accepted_tokens + st.verifies) / st.verifies:.2f} tokens a verify; "
+            f"{st.generated_tokens / st.steps:.2f} tokens a step"
+        )

@@ -39,8 +39,13 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     if err is not None:
         return Failure(err)
     if type(reserve) is not int or reserve < 0:
-        return Failure(invalid(f"reserve must be a non-negative integer (blocks to leave free), got {shown(reserve):.80}",
-                               request=spec.request_id, field="reserve"))  # fmt: skip
+        return Failure(
+            invalid(
+                f"reserve must be a non-negative integer (blocks to leave free), got {shown(reserve):.80}",
+                request=spec.request_id,
+                field="reserve",
+            )
+        )
     cfg = state.config
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
@@ -55,8 +60,10 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
         return fail(
             ErrorCode.NO_CAPACITY,
             f"request {shown(rid)} needs {need} blocks; {state.free_blocks} are free{kept}",
-            rid, requested=need, available=max(state.free_blocks - reserve, 0),
-        )  # fmt: skip
+            rid,
+            requested=need,
+            available=max(state.free_blocks - reserve, 0),
+        )
     txn = Txn(state)
     slots, blocks = _reserve(txn, spec, per_row, hit, firsts)
     cached = hit.num_blocks * cfg.block_size
@@ -67,9 +74,15 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
     # the commit and growth loops do the common row of a one-row request that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
-    txn.requests[rid] = Request(rid, tuple(slots), layouts, spec.extra_keys, decode_slot, state.cache_epoch,
-                                BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys,
-                                             kind=cfg.block_hash))  # fmt: skip
+    txn.requests[rid] = Request(
+        rid,
+        tuple(slots),
+        layouts,
+        spec.extra_keys,
+        decode_slot,
+        state.cache_epoch,
+        BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash),
+    )
     txn.row_generation[slots[0]] = gen
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
@@ -107,9 +120,13 @@ def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
         for i, row in enumerate(spec.rows):
             if row.prefix_len is not None or row.spans or row.pending_tokens:
                 what = "pending_tokens" if row.pending_tokens else "a diffusion layout (prefix_len, spans)"
-                return KVError(ErrorCode.INVALID, f"request {shown(spec.request_id)} row {i} has {what}; a pool "
-                               "with state (Mamba) groups serves rows computed from their first token",
-                               request=spec.request_id, field="rows")  # fmt: skip
+                return KVError(
+                    ErrorCode.INVALID,
+                    f"request {shown(spec.request_id)} row {i} has {what}; a pool "
+                    "with state (Mamba) groups serves rows computed from their first token",
+                    request=spec.request_id,
+                    field="rows",
+                )
     return None
 
 
@@ -125,8 +142,9 @@ def growing_refusal(state: KVState, spec: RequestSpec, chunk: int) -> KVError | 
     ('UNSCHEDULABLE', None)
     """
     cfg = state.config
-    return _shape(state, spec) or _over_limits(state, spec, sum(_growing_blocks(cfg, r.num_tokens, chunk)
-                                                                for r in spec.rows))  # fmt: skip
+    return _shape(state, spec) or _over_limits(
+        state, spec, sum(_growing_blocks(cfg, r.num_tokens, chunk) for r in spec.rows)
+    )
 
 
 def _over_limits(state: KVState, spec: RequestSpec, held: int) -> KVError | None:
@@ -135,18 +153,32 @@ def _over_limits(state: KVState, spec: RequestSpec, held: int) -> KVError | None
     cfg, rid, rows = state.config, spec.request_id, spec.rows
     limit = cfg.max_rows_per_request
     if limit is not None and len(rows) > limit:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} has {len(rows)} rows, over max_rows_per_request "
-                       f"{limit}", request=rid, requested=len(rows), available=limit)  # fmt: skip
+        return KVError(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {shown(rid)} has {len(rows)} rows, over max_rows_per_request {limit}",
+            request=rid,
+            requested=len(rows),
+            available=limit,
+        )
     if cfg.max_model_len is not None:
         for i, row in enumerate(rows):
             if row.num_tokens > cfg.max_model_len:
-                return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
-                               f"max_model_len {cfg.max_model_len}", request=rid, requested=row.num_tokens,
-                               available=cfg.max_model_len)  # fmt: skip
+                return KVError(
+                    ErrorCode.UNSCHEDULABLE,
+                    f"request {shown(rid)} row {i} has {shown(row.num_tokens)} tokens, over "
+                    f"max_model_len {cfg.max_model_len}",
+                    request=rid,
+                    requested=row.num_tokens,
+                    available=cfg.max_model_len,
+                )
     if held > cfg.usable_blocks:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} needs {held} blocks; the pool has "
-                       f"{cfg.usable_blocks} usable blocks in all", request=rid, requested=held,
-                       available=cfg.usable_blocks)  # fmt: skip
+        return KVError(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {shown(rid)} needs {held} blocks; the pool has {cfg.usable_blocks} usable blocks in all",
+            request=rid,
+            requested=held,
+            available=cfg.usable_blocks,
+        )
     if rid in state.requests:
         return KVError(ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is already admitted", request=rid)
     return None
@@ -199,8 +231,9 @@ def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
     return total
 
 
-def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
-             firsts: list[list[int]]) -> tuple[list[int], list[Blocks]]:  # fmt: skip
+def _reserve(
+    txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit, firsts: list[list[int]]
+) -> tuple[list[int], list[Blocks]]:
     """Take the hit's blocks, then pop each row's fresh ones (a windowed group the null block before
     ``firsts``): the rows' slots and block lists."""
     cfg = txn.base.config
@@ -219,8 +252,14 @@ def _reserve(txn: Txn, spec: RequestSpec, per_row: list[int], hit: Hit,
                     pool.take_hit(txn, b)
     slots, blocks = [], []
     for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
-        rb = tuple(_state(txn, ids, nb) if g in states else _aligned(txn, ids, nb, first) if aligned[g] else
-                   _fresh(txn, ids, nb, first) for g, (ids, first) in enumerate(zip(row_ids, row_firsts)))  # fmt: skip
+        rb = tuple(
+            _state(txn, ids, nb)
+            if g in states
+            else _aligned(txn, ids, nb, first)
+            if aligned[g]
+            else _fresh(txn, ids, nb, first)
+            for g, (ids, first) in enumerate(zip(row_ids, row_firsts))
+        )
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING

@@ -18,7 +18,20 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.caching import caches, hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
-from pagedkv.core.errors import ErrorCode, InvariantError, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_seq, is_token_id, pairs_of, shown
+from pagedkv.core.errors import (
+    ErrorCode,
+    InvariantError,
+    KVError,
+    RequestId,
+    are_token_ids,
+    invalid,
+    is_int,
+    is_request_id,
+    is_seq,
+    is_token_id,
+    pairs_of,
+    shown,
+)
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn, each
@@ -40,7 +53,9 @@ def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -
     return fill_many(state, ((request_id, rows),)).map(lambda step: Step(step.state, step.effect[0]))
 
 
-def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]]) -> Result[Step[tuple[Filled, ...]], KVError]:
+def fill_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]]
+) -> Result[Step[tuple[Filled, ...]], KVError]:
     """Several ``fill`` as one transition (a step's sampled tokens, a step late): all, in order, or none.
 
     The fill loop judges the common row itself (one id for a one-row request's first awaited position, which is
@@ -59,8 +74,14 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
         records, tails = txn.rows.own_for(len(pairs[0])), txn.row_tail.own_for(len(pairs[0]))
         lens, computed = txn.row_len.leaves, txn.row_computed.leaves
     for rid, rows in zip(*pairs):
-        if common and (type(rows) is list or type(rows) is tuple) and len(rows) == 1 and (
-                type(ids := rows[0]) is list or type(ids) is tuple) and len(ids) == 1 and is_token_id(ids[0]):  # fmt: skip
+        if (
+            common
+            and (type(rows) is list or type(rows) is tuple)
+            and len(rows) == 1
+            and (type(ids := rows[0]) is list or type(ids) is tuple)
+            and len(ids) == 1
+            and is_token_id(ids[0])
+        ):
             req = get(rid) if type(rid) is str or type(rid) is int else None
             if req is not None and (slot := req.decode_slot) >= 0:
                 hi, o = slot >> SLOT_SHIFT, slot & mask
@@ -68,8 +89,9 @@ def fill_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence
                 if type(tail) is Awaiting and record.ids is not None:
                     known = known_ids(record, tail)
                     if known < length and computed[hi][o] <= known:
-                        more, tails[hi][o] = with_more_ids(record.ids, tail, ids[0].to_bytes(8, "little"), bs,
-                                                           awaiting=known + 1 < length)  # fmt: skip
+                        more, tails[hi][o] = with_more_ids(
+                            record.ids, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length
+                        )
                         if more is not record.ids:
                             records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
                         out.append(Filled(rid, ()))
@@ -89,18 +111,28 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
     first = len(txn.events)
     for i, (slot, ids) in enumerate(zip(req.slots, rows)):
         if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
-            return invalid(f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
-                           request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
+                request=rid,
+                field="tokens",
+            )
         if not ids:
             continue
         record, tail, length = txn.rows[slot], txn.row_tail[slot], txn.row_len[slot]
         if tail is None:
-            return invalid(f"request {shown(rid)} row {i} keeps no token ids (it grew by a count, or prefix caching "
-                           "is off): there is nothing to fill", request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i} keeps no token ids (it grew by a count, or prefix caching "
+                "is off): there is nothing to fill",
+                request=rid,
+                field="tokens",
+            )
         known = known_ids(record, tail)
         if known + len(ids) > length:
-            return invalid(f"request {shown(rid)} row {i}: {len(ids)} ids for the {length - known} positions that "
-                           f"await theirs", request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i}: {len(ids)} ids for the {length - known} positions that await theirs",
+                request=rid,
+                field="tokens",
+            )
         if record.ids is None:
             raise InvariantError("a row with a token tail has token ids")
         more, tail = with_more_ids(record.ids, tail, pack_ids(ids), cfg.block_size, awaiting=known + len(ids) < length)
@@ -134,7 +166,9 @@ def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> R
     return Success(Step(txn.done(), got))
 
 
-def truncate_many(state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]) -> Result[Step[tuple[Truncated, ...]], KVError]:
+def truncate_many(
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+) -> Result[Step[tuple[Truncated, ...]], KVError]:
     """Several ``truncate`` as one transition (a step's verified drafts): all, in order, or none."""
     return each(state, items, _truncate_one, "truncate_many")
 
@@ -146,17 +180,26 @@ def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated
     cfg = txn.config
     bs = cfg.block_size
     if cfg.state_group_set or cfg.aligned_groups:
-        return invalid(f"request {shown(rid)}: a pool with state (Mamba) groups cannot cut a row back (its state "
-                       "is past the cut)", request=rid, field="op")  # fmt: skip
+        return invalid(
+            f"request {shown(rid)}: a pool with state (Mamba) groups cannot cut a row back (its state is past the cut)",
+            request=rid,
+            field="op",
+        )
     for i, (slot, n) in enumerate(zip(req.slots, lengths)):
         floor = cut_floor(txn, slot)
         if not is_int(n) or not floor <= n <= txn.row_len[slot]:
-            return invalid(f"truncate of request {shown(rid)} row {i}: a length in [{floor}, {txn.row_len[slot]}] "
-                           f"(not below what is computed or cached), got {shown(n)}", request=rid,
-                           field="lengths")  # fmt: skip
+            return invalid(
+                f"truncate of request {shown(rid)} row {i}: a length in [{floor}, {txn.row_len[slot]}] "
+                f"(not below what is computed or cached), got {shown(n)}",
+                request=rid,
+                field="lengths",
+            )
         if req.layouts[i].is_diffusion or txn.rows[slot].pending[1]:
-            return invalid(f"request {shown(rid)} row {i}: a diffusion row or one awaiting KV has a fixed length",
-                           request=rid, field="lengths")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i}: a diffusion row or one awaiting KV has a fixed length",
+                request=rid,
+                field="lengths",
+            )
     gone: list[int] = []
     for slot, n in zip(req.slots, lengths):
         record, tail = txn.rows[slot], txn.row_tail[slot]
@@ -207,6 +250,9 @@ def _request(txn: Txn, rid: RequestId, rows: object, op: str) -> Request | KVErr
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
     if not is_seq(rows) or len(rows) != len(req.slots):
-        return invalid(f"{op} of request {shown(rid)} must give one entry per row ({len(req.slots)})", request=rid,
-                       field="tokens" if op == "fill" else "lengths")  # fmt: skip
+        return invalid(
+            f"{op} of request {shown(rid)} must give one entry per row ({len(req.slots)})",
+            request=rid,
+            field="tokens" if op == "fill" else "lengths",
+        )
     return req

@@ -43,8 +43,7 @@ def cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) 
         txn.rows[slot] = new
 
 
-def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row,
-                     tail: bytes | None) -> Row:  # fmt: skip
+def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row, tail: bytes | None) -> Row:
     """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them."""
@@ -76,8 +75,11 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     following = None
     # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
     # call's range, its null positions' ids too)
-    runs = ({g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
-            if cfg.aligned_groups and events is not None else {})  # (nothing built on the step loop otherwise)
+    runs = (
+        {g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
+        if cfg.aligned_groups and events is not None
+        else {}
+    )  # (nothing built on the step loop otherwise)
     for j in range(done, full):
         k = j - done  # (block j's place in the span)
         if ahead:
@@ -92,8 +94,17 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
             # group's block is the row's live state (cached only when the row ends on this boundary)
             if b and (not states or g not in states) and add(g, h, b) and events is not None:
                 start, up = runs.get(g, (k, parent if j else None))
-                events.append(BlockStored(h, up, unpacked[start * bs : (k + 1) * bs], g, b,
-                                          keys.every if plain is not None else keys.raw(j, bs, ahead), following))
+                events.append(
+                    BlockStored(
+                        h,
+                        up,
+                        unpacked[start * bs : (k + 1) * bs],
+                        g,
+                        b,
+                        keys.every if plain is not None else keys.raw(j, bs, ahead),
+                        following,
+                    )
+                )
                 if g in runs:
                     runs[g] = (k + 1, h)
         new.append(h)

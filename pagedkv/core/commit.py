@@ -66,13 +66,19 @@ def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVErr
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
     if not is_seq(through) or len(through) != len(req.slots):
-        return invalid(f"cache_ahead of request {shown(request_id)} must give one count per row "
-                       f"({len(req.slots)})", request=request_id, field="through")  # fmt: skip
+        return invalid(
+            f"cache_ahead of request {shown(request_id)} must give one count per row ({len(req.slots)})",
+            request=request_id,
+            field="through",
+        )
     for i, (slot, t) in enumerate(zip(req.slots, through)):
         if not is_int(t) or not txn.row_computed[slot] <= t <= txn.row_len[slot]:
-            return invalid(f"request {shown(request_id)} row {i}: through must be an integer in "
-                           f"[{txn.row_computed[slot]}, {txn.row_len[slot]}], got {shown(t)}",
-                           request=request_id, field="through")  # fmt: skip
+            return invalid(
+                f"request {shown(request_id)} row {i}: through must be an integer in "
+                f"[{txn.row_computed[slot]}, {txn.row_len[slot]}], got {shown(t)}",
+                request=request_id,
+                field="through",
+            )
     first = len(txn.events)
     for i, (slot, t) in enumerate(zip(req.slots, through)):
         cache_full_blocks(txn, req, i, slot, t)
@@ -109,8 +115,9 @@ def commit_many(
     return Success(Step(txn.done(), tuple(effects)))
 
 
-def commit_each(txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[int]] | None,
-                effects: list[Committed] | None = None) -> tuple[list[tuple[int, int]], int] | KVError:  # fmt: skip
+def commit_each(
+    txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[int]] | None, effects: list[Committed] | None = None
+) -> tuple[list[tuple[int, int]], int] | KVError:
     """The commit loop every commit runs (``commit``, ``commit_many``, ``commit_decode``, ``decode_step``):
     request ``ids[k]`` committed through ``counts[k]`` (a count a row), or through each row's length
     (``counts`` None), in order on ``txn``. Each request's ``Committed`` goes to ``effects`` when given.
@@ -173,14 +180,19 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
     if not is_seq(computed) or len(computed) != len(req.slots):
-        return invalid(f"commit of request {shown(request_id)} must give one count per row ({len(req.slots)})",
-                       request=request_id, field="computed")  # fmt: skip
+        return invalid(
+            f"commit of request {shown(request_id)} must give one count per row ({len(req.slots)})",
+            request=request_id,
+            field="computed",
+        )
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         before, seq_len = txn.row_computed[slot], txn.row_len[slot]
         if not is_int(c) or not before <= c <= seq_len:
             return invalid(
                 f"request {shown(request_id)} row {i}: computed must be an integer in [{before}, {seq_len}], got {shown(c)}",
-                request=request_id, field="computed")  # fmt: skip
+                request=request_id,
+                field="computed",
+            )
     first_event = len(txn.events)
     windowed = base.config.has_windows
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
@@ -204,8 +216,15 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     return Committed(request_id, gen, txn.free_blocks - before_free, tuple(txn.events[first_event:]))
 
 
-def _drop_invisible(txn: Txn, req: Request, i: int, slot: int, computed: int,
-                    dropped: list[tuple[int, int, int, int]], previous: int = 0) -> None:  # fmt: skip
+def _drop_invisible(
+    txn: Txn,
+    req: Request,
+    i: int,
+    slot: int,
+    computed: int,
+    dropped: list[tuple[int, int, int, int]],
+    previous: int = 0,
+) -> None:
     """Null the blocks of row i that no future query of a windowed group can see.
 
     Future queries start at ``computed`` (a diffusion row: at ``prefix_len``

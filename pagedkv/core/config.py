@@ -61,7 +61,9 @@ class GroupSpec:
             value = getattr(self, key)
             if key == need:
                 if not is_int(value) or value < 1:
-                    raise InvalidConfig(f"group {shown(self.name)}: {key} must be a positive integer, got {shown(value)}")
+                    raise InvalidConfig(
+                        f"group {shown(self.name)}: {key} must be a positive integer, got {shown(value)}"
+                    )
             elif value is not None:
                 raise InvalidConfig(f"group {shown(self.name)}: kind {self.kind.value} takes no {key}")
 
@@ -155,8 +157,9 @@ class CacheConfig:
         try:
             self.hash_namespace.encode("utf-8")  # the root hash digests its UTF-8 bytes
         except UnicodeEncodeError:
-            raise InvalidConfig(f"hash_namespace must be valid Unicode text (it is hashed as UTF-8), got "
-                                f"{shown(self.hash_namespace)}") from None
+            raise InvalidConfig(
+                f"hash_namespace must be valid Unicode text (it is hashed as UTF-8), got {shown(self.hash_namespace)}"
+            ) from None
         if not is_int(self.block_size) or not 1 <= self.block_size < MAX_NUM_BLOCKS:  # slots fit 62 bits
             raise InvalidConfig(f"block_size must be a positive integer below 2**31, got {shown(self.block_size)}")
         if not is_int(self.num_blocks) or not 2 <= self.num_blocks < MAX_NUM_BLOCKS:
@@ -182,12 +185,20 @@ class CacheConfig:
         object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set) - aligned)
         object.__setattr__(self, "has_windows", any(g.is_windowed for g in groups))
         if groups[0].is_state or groups[0].is_aligned_state:
-            raise InvalidConfig(f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
-                                "attention group (its blocks give the rows' slots)")  # fmt: skip
-        for key, allowed in (("free_queue", FREE_QUEUE_POLICIES), ("reset_prefix_cache", RESET_POLICIES),
-                             ("caching_point", CACHING_POINTS), ("block_hash", BLOCK_HASHES)):
+            raise InvalidConfig(
+                f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
+                "attention group (its blocks give the rows' slots)"
+            )
+        for key, allowed in (
+            ("free_queue", FREE_QUEUE_POLICIES),
+            ("reset_prefix_cache", RESET_POLICIES),
+            ("caching_point", CACHING_POINTS),
+            ("block_hash", BLOCK_HASHES),
+        ):
             if getattr(self, key) not in allowed or type(getattr(self, key)) is not str:
-                raise InvalidConfig(f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}")
+                raise InvalidConfig(
+                    f"{key} must be one of {', '.join(map(repr, allowed))}, got {shown(getattr(self, key))}"
+                )
         object.__setattr__(self, "hash_width", HASH_WIDTH[self.block_hash])
         try:
             object.__setattr__(self, "hash_fn", hasher(self.block_hash))
@@ -197,10 +208,14 @@ class CacheConfig:
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
         if not is_int(self.hash_lookahead) or not 0 <= self.hash_lookahead <= self.block_size:
-            raise InvalidConfig(f"hash_lookahead must be an integer in [0, block_size], got {shown(self.hash_lookahead)}")
+            raise InvalidConfig(
+                f"hash_lookahead must be an integer in [0, block_size], got {shown(self.hash_lookahead)}"
+            )
         if self.hash_lookahead and (self.state_group_set or aligned):
-            raise InvalidConfig("hash_lookahead with state (Mamba) groups: a saved state is keyed by the hash of the "
-                                "block it ends, which would wait for ids past the state")  # fmt: skip
+            raise InvalidConfig(
+                "hash_lookahead with state (Mamba) groups: a saved state is keyed by the hash of the "
+                "block it ends, which would wait for ids past the state"
+            )
         for key in ("max_rows_per_request", "max_model_len"):
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):

@@ -140,14 +140,16 @@ def pairs_of(items: object, what: str) -> tuple[list[RequestId], list[object]] |
     ((['a'], [[3]]), "commit_many takes a list of (request id, per-row list) pairs, got 'a'")
     """
     if not is_seq(items):
-        return invalid(f"{what} takes a list of (request id, per-row list) pairs, got {shown(items):.80}",
-                       field="requests")  # fmt: skip
+        return invalid(
+            f"{what} takes a list of (request id, per-row list) pairs, got {shown(items):.80}", field="requests"
+        )
     ids: list[RequestId] = []
     rows: list[object] = []
     for item in items:
         if not is_seq(item) or len(item) != 2:
-            return invalid(f"{what} takes a list of (request id, per-row list) pairs, got {shown(item):.80}",
-                           field="requests")  # fmt: skip
+            return invalid(
+                f"{what} takes a list of (request id, per-row list) pairs, got {shown(item):.80}", field="requests"
+            )
         ids.append(item[0])
         rows.append(item[1])
     return ids, rows

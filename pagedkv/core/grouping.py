@@ -99,8 +99,10 @@ class GroupPlan:
         hold one state block each (its page padded to the attention page: ``state_padding_bytes``)."""
         sizes = {g.block_size for g in self.groups}
         if len(sizes) > 1:
-            raise InvalidConfig(f"page sizes are unified with block sizes {sorted(sizes)} tokens; the core "
-                                "allocates one block size for every group")  # fmt: skip
+            raise InvalidConfig(
+                f"page sizes are unified with block sizes {sorted(sizes)} tokens; the core "
+                "allocates one block size for every group"
+            )
         groups = tuple(GroupSpec(g.name, GroupKind(g.kind.value), g.window, g.chunk) for g in self.groups)
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks, groups=groups, **limits)  # type: ignore[arg-type]
 
@@ -134,8 +136,9 @@ def plan_groups(layers: list[LayerSpec] | tuple[LayerSpec, ...], block_size: int
             padding += size - len(chunk_layers)
             suffix = f"{kind.value}" + (f"{window}" if window else "") + (f"{chunk}" if chunk else "")
             name = suffix if len(members) <= size else f"{suffix}.{k // size}"  # one group: the core's default name
-            groups.append(PlannedGroup(name, kind, window, chunk, chunk_layers,
-                                       tokens_per_block[(kind, window, chunk)]))  # fmt: skip
+            groups.append(
+                PlannedGroup(name, kind, window, chunk, chunk_layers, tokens_per_block[(kind, window, chunk)])
+            )
     # full groups first: the hit lookup scans them left to right before the windowed ones cut back
     groups.sort(key=lambda g: g.kind not in (LayerKind.FULL, LayerKind.MLA))
     return GroupPlan(tuple(groups), size, bs, page, tuple(shared), padding, state_padding)
@@ -153,8 +156,10 @@ def _owners(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> tuple[list[Layer
         if layer.kv_sharing_target is not None:
             target = by_name.get(layer.kv_sharing_target)
             if target is None or target.kv_sharing_target is not None:
-                raise InvalidConfig(f"layer {shown(layer.name)} shares KV with {shown(layer.kv_sharing_target)}, "
-                                    "which is not a layer with KV of its own")  # fmt: skip
+                raise InvalidConfig(
+                    f"layer {shown(layer.name)} shares KV with {shown(layer.kv_sharing_target)}, "
+                    "which is not a layer with KV of its own"
+                )
             shared.append((layer.name, target.name))
         else:
             owners.append(layer)
@@ -172,8 +177,10 @@ def _page_size(owners: list[LayerSpec], block_size: int) -> tuple[int, int, int]
     largest = max(per_token) if per_token else 0
     for b in per_token:
         if largest % b:
-            raise InvalidConfig(f"attention layers' bytes per token {sorted(per_token)} do not divide; "
-                                "their pages cannot be made one size")  # fmt: skip
+            raise InvalidConfig(
+                f"attention layers' bytes per token {sorted(per_token)} do not divide; "
+                "their pages cannot be made one size"
+            )
     if len(per_token) > 1 and any(layer.kind is LayerKind.MAMBA for layer in owners):
         raise InvalidConfig("state layers beside attention layers of different page sizes are not planned")
     state_sizes = []
@@ -204,6 +211,8 @@ def num_blocks_for_budget(kv_cache_memory_bytes: int, plan: GroupPlan) -> int:
         raise InvalidConfig(f"kv_cache_memory_bytes must be a non-negative integer, got {shown(kv_cache_memory_bytes)}")
     n = kv_cache_memory_bytes // plan.bytes_per_block
     if n < 2:
-        raise InvalidConfig(f"{kv_cache_memory_bytes} bytes hold {n} blocks of {plan.bytes_per_block} bytes; "
-                            "a pool needs at least 2 (block 0 is the null block)")  # fmt: skip
+        raise InvalidConfig(
+            f"{kv_cache_memory_bytes} bytes hold {n} blocks of {plan.bytes_per_block} bytes; "
+            "a pool needs at least 2 (block 0 is the null block)"
+        )
     return n

@@ -15,7 +15,21 @@ from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
-from pagedkv.core.errors import ErrorCode, INT_ID_LIMIT, InvariantError, KVError, RequestId, are_token_ids, ids_problem, invalid, is_request_id, is_seq, is_token_id, pairs_of, shown
+from pagedkv.core.errors import (
+    ErrorCode,
+    INT_ID_LIMIT,
+    InvariantError,
+    KVError,
+    RequestId,
+    are_token_ids,
+    ids_problem,
+    invalid,
+    is_request_id,
+    is_seq,
+    is_token_id,
+    pairs_of,
+    shown,
+)
 from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn
@@ -77,8 +91,9 @@ def append_decode(
     return _appended(state, *batch, None)
 
 
-def _appended(state: KVState, ids: Sequence[RequestId], toks: Sequence[int] | None,
-              rows: Sequence[Sequence[Growth]] | None) -> Result[Step[Appended], KVError]:  # fmt: skip
+def _appended(
+    state: KVState, ids: Sequence[RequestId], toks: Sequence[int] | None, rows: Sequence[Sequence[Growth]] | None
+) -> Result[Step[Appended], KVError]:
     txn = Txn(state)
     grown = grow_each(txn, ids, toks, rows)
     if isinstance(grown, KVError):
@@ -86,8 +101,9 @@ def _appended(state: KVState, ids: Sequence[RequestId], toks: Sequence[int] | No
     return Success(Step(txn.done(), Appended(tuple((ids[k], gen) for k, gen in grown), tuple(txn.events))))
 
 
-def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
-              rows: Sequence[Sequence[Growth]] | None) -> list[tuple[int, int]] | KVError:  # fmt: skip
+def grow_each(
+    txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None, rows: Sequence[Sequence[Growth]] | None
+) -> list[tuple[int, int]] | KVError:
     """The growth loop every append runs (``append``, ``append_many``, ``append_decode``, ``decode_step``):
     request ``ids[k]`` grows by ``rows[k]`` (a growth a row), or (``rows`` None) every row of it by one
     token, ``toks[k]`` or a count (``toks`` None), in order on ``txn``. Returns (batch index, generation)
@@ -99,7 +115,12 @@ def grow_each(txn: Txn, ids: Sequence[RequestId], toks: Sequence[int] | None,
     (``_grow_row``). Everything else (a count that stops the row's ids, placeholders, several rows, a
     refusal) is ``_grow``'s."""
     cfg = txn.config
-    bs, limit, mask, paged = cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.paged_groups + cfg.aligned_groups
+    bs, limit, mask, paged = (
+        cfg.block_size,
+        cfg.length_limit,
+        (1 << SLOT_SHIFT) - 1,
+        cfg.paged_groups + cfg.aligned_groups,
+    )
     get = txn.base.requests.get
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
@@ -168,8 +189,9 @@ def _one_token(rows: Sequence[Growth]) -> object:
     return _MANY
 
 
-def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
-                 ) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:  # fmt: skip
+def decode_batch(
+    request_ids: Iterable[RequestId], tokens: Sequence[int] | None
+) -> tuple[Sequence[RequestId], Sequence[int] | None] | KVError:
     """A decode batch's ids and token ids, the token ids checked once for the whole call."""
     refused = ids_problem(request_ids, "a decode step")
     if refused is not None:
@@ -181,8 +203,9 @@ def decode_batch(request_ids: Iterable[RequestId], tokens: Sequence[int] | None,
         return invalid(f"a decode step's token ids must be a list (or None), got {shown(tokens):.80}", field="tokens")
     toks = tokens
     if len(toks) != len(ids):
-        return invalid(f"a decode step needs one token id per request: {len(ids)} requests, {len(toks)} ids",
-                       field="tokens")  # fmt: skip
+        return invalid(
+            f"a decode step needs one token id per request: {len(ids)} requests, {len(toks)} ids", field="tokens"
+        )
     if not are_token_ids(toks):
         bad = next(t for t in toks if not is_token_id(t))
         return invalid(f"token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens")
@@ -202,15 +225,23 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
     if rows is None:  # append_decode: one token per row
         rows = _ONES[len(req.slots)] if len(req.slots) < len(_ONES) else (1,) * len(req.slots)
     if not is_seq(rows) or len(rows) != len(req.slots):
-        return invalid(f"append to request {shown(rid)} must give one entry per row ({len(req.slots)})",
-                       request=rid, field="tokens")  # fmt: skip
+        return invalid(
+            f"append to request {shown(rid)} must give one entry per row ({len(req.slots)})",
+            request=rid,
+            field="tokens",
+        )
     planned = _plan_growth(txn, req, rows)
     if isinstance(planned, KVError):
         return planned
     grown, need = planned
     if need > txn.free_blocks:
-        return KVError(ErrorCode.NO_CAPACITY, f"request {shown(rid)} needs {need} more blocks; {txn.free_blocks} are free",
-                       request=rid, requested=need, available=txn.free_blocks)  # fmt: skip
+        return KVError(
+            ErrorCode.NO_CAPACITY,
+            f"request {shown(rid)} needs {need} more blocks; {txn.free_blocks} are free",
+            request=rid,
+            requested=need,
+            available=txn.free_blocks,
+        )
     for slot, new_len, extra, item in grown:
         _grow_row(txn, slot, new_len, extra, item)
     return _new_layout(txn, req.slots[0]) if need else 0
@@ -223,7 +254,9 @@ def _new_layout(txn: Txn, first_slot: int) -> int:
     return gen
 
 
-def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[tuple[int, int, int, Growth]], int] | KVError:
+def _plan_growth(
+    txn: Txn, req: Request, rows: Sequence[Growth]
+) -> tuple[list[tuple[int, int, int, Growth]], int] | KVError:
     """Each growing row's (slot, new length, new blocks per group, growth), and the blocks all groups
     need; or why the growth is refused. Nothing is written."""
     rid, cfg = req.request_id, txn.config
@@ -234,36 +267,56 @@ def _plan_growth(txn: Txn, req: Request, rows: Sequence[Growth]) -> tuple[list[t
         if type(item) is int or type(item) is Placeholders:
             n = item if type(item) is int else item.n  # type: ignore[union-attr]
             if type(n) is not int or not 0 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no row, nor a message)
-                return invalid(f"request {shown(rid)} row {i}: cannot append {shown(n)} tokens", request=rid,
-                               field="num_tokens")  # fmt: skip
+                return invalid(
+                    f"request {shown(rid)} row {i}: cannot append {shown(n)} tokens", request=rid, field="num_tokens"
+                )
         elif isinstance(item, (list, tuple)):
             if type(txn.row_tail[req.slots[i]]) is Awaiting:  # ids go where the known ones end: fill first
                 slot = req.slots[i]
-                return invalid(f"request {shown(rid)} row {i}: positions {known_ids(records[slot], txn.row_tail[slot])}.."
-                               f"{row_len[slot]} await their ids (fill them before appending ids)", request=rid,
-                               field="tokens")  # fmt: skip
+                return invalid(
+                    f"request {shown(rid)} row {i}: positions {known_ids(records[slot], txn.row_tail[slot])}.."
+                    f"{row_len[slot]} await their ids (fill them before appending ids)",
+                    request=rid,
+                    field="tokens",
+                )
             for t in item:
                 if not is_token_id(t):
-                    return invalid(f"request {shown(rid)} row {i}: token ids must be non-negative integers below 2**64, got {shown(t)}",
-                                   request=rid, field="tokens")  # fmt: skip
+                    return invalid(
+                        f"request {shown(rid)} row {i}: token ids must be non-negative integers below 2**64, got {shown(t)}",
+                        request=rid,
+                        field="tokens",
+                    )
             n = len(item)
         else:
-            return invalid(f"request {shown(rid)} row {i}: growth must be a count or a list of token ids, got {shown(item)}",
-                           request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i}: growth must be a count or a list of token ids, got {shown(item)}",
+                request=rid,
+                field="tokens",
+            )
         if n == 0:
             continue
         if req.layouts[i].is_diffusion:
-            return invalid(f"request {shown(rid)} row {i} is a diffusion row; its length is fixed at admission",
-                           request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i} is a diffusion row; its length is fixed at admission",
+                request=rid,
+                field="tokens",
+            )
         slot = req.slots[i]
         new_len = row_len[slot] + n
         if cfg.max_model_len is not None and new_len > cfg.max_model_len:
-            return invalid(f"request {shown(rid)} row {i} would reach {shown(new_len)} tokens, over max_model_len {cfg.max_model_len}",
-                           request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i} would reach {shown(new_len)} tokens, over max_model_len {cfg.max_model_len}",
+                request=rid,
+                field="tokens",
+            )
         old, bs = row_len[slot], cfg.block_size
         if cfg.aligned_groups and old % bs and new_len > old - old % bs + bs:  # (vLLM's aligned split)
-            return invalid(f"request {shown(rid)} row {i}: an align-mode state group caches each block's state at the "
-                           f"block's end: a forward from {old} tokens stops at {old - old % bs + bs}", request=rid, field="tokens")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i}: an align-mode state group caches each block's state at the "
+                f"block's end: a forward from {old} tokens stops at {old - old % bs + bs}",
+                request=rid,
+                field="tokens",
+            )
         extra = -(-new_len // bs) - len(records[slot].blocks[0])
         need += extra
         opened += extra > 0
@@ -303,6 +356,11 @@ def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
     if len(blocks) == 1:
         return (blocks[0] + pool.pop_blocks(txn, extra),)
     states, groups = cfg.state_group_set, cfg.groups
-    return tuple(g[:-1] + (0,) * extra + g[-1:] if i in states else
-                 g + pool.pop_aligned(txn, extra) if groups[i].is_aligned_state else
-                 g + pool.pop_blocks(txn, extra) for i, g in enumerate(blocks))  # fmt: skip
+    return tuple(
+        g[:-1] + (0,) * extra + g[-1:]
+        if i in states
+        else g + pool.pop_aligned(txn, extra)
+        if groups[i].is_aligned_state
+        else g + pool.pop_blocks(txn, extra)
+        for i, g in enumerate(blocks)
+    )

@@ -53,8 +53,9 @@ def root_hash(namespace: str, kind: str = "blake2b") -> BlockHash:
     return _digest(kind)(data)
 
 
-def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[Key, ...],
-               kind: str = "blake2b") -> BlockHash:  # fmt: skip
+def hash_block(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[Key, ...], kind: str = "blake2b"
+) -> BlockHash:
     """The hash of one full block given its parent's.
 
     >>> r = root_hash("pagedkv")
@@ -83,8 +84,9 @@ def hash_packed(parent: BlockHash, packed_ids: bytes, extra: bytes) -> BlockHash
     >>> hash_packed(r, (5).to_bytes(8, "little"), encode_keys(())) == hash_block(r, [5], ())
     True
     """
-    return hashlib.blake2b(parent + (len(packed_ids) >> 3).to_bytes(4, "little") + packed_ids + extra,
-                           digest_size=16).digest()  # fmt: skip
+    return hashlib.blake2b(
+        parent + (len(packed_ids) >> 3).to_bytes(4, "little") + packed_ids + extra, digest_size=16
+    ).digest()
 
 
 def _cbor_triple(parent: BlockHash, packed_ids: bytes, extra: bytes) -> bytes:
@@ -162,8 +164,13 @@ class BlockKeys:
     plain: Any  # encode_keys(every): a block no content span touches, past the first
 
     @staticmethod
-    def of(every: tuple[Key, ...] = (), *, content: tuple[Content, ...] = (), first: tuple[Key, ...] = (),
-           kind: str = "blake2b") -> BlockKeys:  # fmt: skip
+    def of(
+        every: tuple[Key, ...] = (),
+        *,
+        content: tuple[Content, ...] = (),
+        first: tuple[Key, ...] = (),
+        kind: str = "blake2b",
+    ) -> BlockKeys:
         return BlockKeys(every, content, first, kind, encode_keys(every, kind))
 
     @property

@@ -61,8 +61,7 @@ class PrefixIndex:
 
     __slots__ = ("buckets", "where", "size", "mask", "root")
 
-    def __init__(self, buckets: tuple[Vec[dict[Any, Any]], ...], where: Vec[int], size: int,
-                 root: BlockHash) -> None:  # fmt: skip
+    def __init__(self, buckets: tuple[Vec[dict[Any, Any]], ...], where: Vec[int], size: int, root: BlockHash) -> None:
         self.buckets = buckets
         self.where = where  # by block: 0, or (bucket << GROUP_BITS | group) + 1
         self.size = size

@@ -62,8 +62,9 @@ class DecodeRows(Sequence[RowMetadata]):
 
     __slots__ = ("request_ids", "block_ids", "seq_lens", "slots")
 
-    def __init__(self, request_ids: tuple[RequestId, ...], block_ids: tuple[Blocks, ...], seq_lens: array[int],
-                 slots: array[int]) -> None:  # fmt: skip
+    def __init__(
+        self, request_ids: tuple[RequestId, ...], block_ids: tuple[Blocks, ...], seq_lens: array[int], slots: array[int]
+    ) -> None:
         self.request_ids = request_ids
         self.block_ids = block_ids
         self.seq_lens = seq_lens
@@ -82,16 +83,21 @@ class DecodeRows(Sequence[RowMetadata]):
         if isinstance(i, slice):
             return tuple(self[k] for k in range(*i.indices(len(self))))
         n = self.seq_lens[i]
-        return RowMetadata(self.request_ids[i], 0, self.block_ids[i], n, 1, n - 1, (self.slots[i],),
-                           (Segment(True, n - 1, n, n),))  # fmt: skip
+        return RowMetadata(
+            self.request_ids[i], 0, self.block_ids[i], n, 1, n - 1, (self.slots[i],), (Segment(True, n - 1, n, n),)
+        )
 
     def __iter__(self) -> Iterator[RowMetadata]:
         return (self[k] for k in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DecodeRows):
-            return (self.request_ids == other.request_ids and self.seq_lens == other.seq_lens
-                    and self.slots == other.slots and self.block_ids == other.block_ids)  # fmt: skip
+            return (
+                self.request_ids == other.request_ids
+                and self.seq_lens == other.seq_lens
+                and self.slots == other.slots
+                and self.block_ids == other.block_ids
+            )
         return isinstance(other, tuple) and tuple(self) == other
 
     def __hash__(self) -> int:
@@ -165,5 +171,6 @@ def token_rows_of(meta: KVMetadata) -> KVMetadata:
         blocks.extend([r.block_ids] * q)
         lens.extend(range(r.kv_start_pos + 1, r.seq_len + 1))
         slots.extend(r.slots)
-    return KVMetadata(meta.generation, meta.epoch, meta.block_size, Phase.DECODE,
-                      DecodeRows(tuple(rids), tuple(blocks), lens, slots))  # fmt: skip
+    return KVMetadata(
+        meta.generation, meta.epoch, meta.block_size, Phase.DECODE, DecodeRows(tuple(rids), tuple(blocks), lens, slots)
+    )

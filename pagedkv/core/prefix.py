@@ -58,6 +58,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
     full_blocks = hit
     hit = _reconcile(state, chains, hit, spec, drop_last_block)
     bs, cache = cfg.block_size, state.cache
+
     # A hit never splits a request's rows into different segment structures: rows
     # that could share one forward from position 0 (CFG branches) still can.
     def structure(row_index: int, n: int) -> tuple[bool, ...]:
@@ -171,8 +172,11 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         packed = pack_ids(row.tokens[: cap * bs + ahead])
         for j in range(cap):
             if ahead:
-                h = hash_packed(parent, packed[j * width : (j + 1) * width],
-                                keys.ahead(j, bs, row.tokens[(j + 1) * bs : (j + 1) * bs + ahead]))  # fmt: skip
+                h = hash_packed(
+                    parent,
+                    packed[j * width : (j + 1) * width],
+                    keys.ahead(j, bs, row.tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
+                )
             else:
                 h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
             if any((g, h) not in cache for g in full):

@@ -35,9 +35,13 @@ def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) 
     (2, 2)
     """
     if not isinstance(reason, str) or reason not in _REASONS:
-        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason"))
+        return Failure(
+            invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason")
+        )
     if not is_request_id(request_id):
-        return Failure(invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request"))
+        return Failure(
+            invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request")
+        )
     req = state.requests.get(request_id)
     if req is None:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request_id)
@@ -66,7 +70,9 @@ def release_many(
     [('a', 3, 2), ('b', 4, 1)]
     """
     if not isinstance(reason, str) or reason not in _REASONS:
-        return Failure(invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason"))
+        return Failure(
+            invalid(f"release reason must be one of {sorted(_REASONS)}, got {shown(reason)}", field="reason")
+        )
     bad = ids_problem(request_ids, "release_many")
     if bad is not None:
         return Failure(bad)
@@ -76,7 +82,9 @@ def release_many(
     gone: set[RequestId] = set()
     for rid in request_ids:
         if not is_request_id(rid):
-            return Failure(invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request"))
+            return Failure(
+                invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
+            )
         req = state.requests.get(rid)
         if req is None or rid in gone:
             return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", rid)
@@ -110,8 +118,9 @@ def reset(state: KVState) -> Result[Step[WasReset], KVError]:
     Generations go on from where they were (they are never reused), so a
     worker can tell every snapshot of the old epoch from the new ones.
     """
-    nxt = initial_state(state.config, generation=state.generation, epoch=state.epoch + 1,
-                        cache_epoch=state.cache_epoch + 1)  # fmt: skip
+    nxt = initial_state(
+        state.config, generation=state.generation, epoch=state.epoch + 1, cache_epoch=state.cache_epoch + 1
+    )
     released = tuple(sorted(state.requests.keys(), key=_id_order))
     events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) and state.config.kv_events else ()
     return Success(Step(nxt, WasReset(nxt.epoch, released, events)))
@@ -133,8 +142,14 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     """
     if state.config.reset_prefix_cache == "when_idle" and state.free_blocks != state.config.usable_blocks:
         held = state.config.usable_blocks - state.free_blocks
-        return fail(ErrorCode.BLOCKS_IN_USE, f"reset_prefix_cache waits until no block is held ({held} are; "
-                    "reset_prefix_cache is \"when_idle\", as vLLM's)", None, requested=held, available=0)  # fmt: skip
+        return fail(
+            ErrorCode.BLOCKS_IN_USE,
+            f"reset_prefix_cache waits until no block is held ({held} are; "
+            'reset_prefix_cache is "when_idle", as vLLM\'s)',
+            None,
+            requested=held,
+            available=0,
+        )
     dropped = len(state.cache)
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
     nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)

@@ -55,25 +55,36 @@ def publish(
             if structure is None:
                 structure = flags
             elif flags != structure:
-                return Failure(invalid(
-                    f"request {shown(req.request_id)} row {i} has segments {_flags(flags)} but the forward's first row "
-                    f"has {_flags(structure)}; rows of one forward need the same segment structure",
-                    request=req.request_id, field="requests"))  # fmt: skip
+                return Failure(
+                    invalid(
+                        f"request {shown(req.request_id)} row {i} has segments {_flags(flags)} but the forward's first row "
+                        f"has {_flags(structure)}; rows of one forward need the same segment structure",
+                        request=req.request_id,
+                        field="requests",
+                    )
+                )
             _, pending = state.rows[slot].pending
             if pending and min(pending) * bs < row.seq_len:
-                return Failure(invalid(f"request {shown(req.request_id)} row {i}: block position {min(pending)} is pending "
-                                       "(its KV has not arrived); attention cannot read it", request=req.request_id,
-                                       field="pending"))  # fmt: skip
+                return Failure(
+                    invalid(
+                        f"request {shown(req.request_id)} row {i}: block position {min(pending)} is pending "
+                        "(its KV has not arrived); attention cannot read it",
+                        request=req.request_id,
+                        field="pending",
+                    )
+                )
             rows.append(row)
     return Success(Step(state, KVMetadata(state.generation, state.epoch, bs, phase, tuple(rows))))
 
 
-def _check_call(request_ids: Sequence[RequestId], phase: Phase | str,
-                query_limits: Mapping[RequestId, int] | None) -> KVError | None:  # fmt: skip
+def _check_call(
+    request_ids: Sequence[RequestId], phase: Phase | str, query_limits: Mapping[RequestId, int] | None
+) -> KVError | None:
     """The phase is one of the three, the ids a non-empty list of distinct request ids, the query limits a mapping."""
     if query_limits is not None and not isinstance(query_limits, Mapping):
-        return invalid(f"query_limits must map request ids to token counts, got {shown(query_limits):.80}",
-                       field="query_limits")  # fmt: skip
+        return invalid(
+            f"query_limits must map request ids to token counts, got {shown(query_limits):.80}", field="query_limits"
+        )
     if not isinstance(phase, str) or phase not in _PHASES:
         return invalid(f"phase must be one of {sorted(_PHASES)}, got {shown(phase)}", field="phase")
     if not is_seq(request_ids) or not request_ids:
@@ -88,34 +99,41 @@ def _check_call(request_ids: Sequence[RequestId], phase: Phase | str,
     return None
 
 
-def _query(state: KVState, req: Request, i: int, slot: int, phase: Phase,
-           query_limits: Mapping[RequestId, int] | None) -> tuple[int, int] | KVError:  # fmt: skip
+def _query(
+    state: KVState, req: Request, i: int, slot: int, phase: Phase, query_limits: Mapping[RequestId, int] | None
+) -> tuple[int, int] | KVError:
     """(first query position, keys' end) of row ``i`` in this phase, or why it has no query."""
     rid, layout, length = req.request_id, req.layouts[i], state.row_len[slot]
     if phase is Phase.PREFILL:
         start = state.row_computed[slot]
         if start >= length:
-            return invalid(f"request {shown(rid)} row {i}: all {length} tokens are computed; nothing to prefill",
-                           request=rid, field="phase")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i}: all {length} tokens are computed; nothing to prefill",
+                request=rid,
+                field="phase",
+            )
         limit = query_limits.get(rid) if query_limits else None
         if limit is None:
             return start, length
         if type(limit) is not int or limit < 1:
-            return invalid(f"query limit of request {shown(rid)} must be a positive integer", request=rid,
-                           field="query_limits")  # fmt: skip
+            return invalid(
+                f"query limit of request {shown(rid)} must be a positive integer", request=rid, field="query_limits"
+            )
         return start, min(length, start + limit)
     if phase is Phase.DENOISE:
         if layout.prefix_len is None or layout.target_len is None:
-            return invalid(f"request {shown(rid)} row {i} is not a diffusion row; it cannot denoise", request=rid,
-                           field="phase")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} row {i} is not a diffusion row; it cannot denoise", request=rid, field="phase"
+            )
         return layout.prefix_len, layout.prefix_len + layout.target_len
     if layout.is_diffusion:
         return invalid(f"request {shown(rid)} row {i} is a diffusion row; it cannot decode", request=rid, field="phase")
     return length - 1, length
 
 
-def _row(state: KVState, req: Request, i: int, slot: int, phase: Phase,
-         query_limits: Mapping[RequestId, int] | None) -> tuple[RowMetadata, tuple[bool, ...]] | KVError:  # fmt: skip
+def _row(
+    state: KVState, req: Request, i: int, slot: int, phase: Phase, query_limits: Mapping[RequestId, int] | None
+) -> tuple[RowMetadata, tuple[bool, ...]] | KVError:
     """Row ``i``'s metadata in this phase and its segments' causal flags, or why it has no query."""
     q = _query(state, req, i, slot, phase, query_limits)
     if isinstance(q, KVError):
@@ -129,8 +147,9 @@ def _row(state: KVState, req: Request, i: int, slot: int, phase: Phase,
         segments = segments_of(layout.spans, seq_len, start)
         flags = tuple(s.causal for s in segments)
     blocks, query = record.blocks, seq_len - start
-    return RowMetadata(req.request_id, i, blocks, seq_len, query, start, slots_of(blocks[0], bs, start, query),
-                       segments), flags  # fmt: skip
+    return RowMetadata(
+        req.request_id, i, blocks, seq_len, query, start, slots_of(blocks[0], bs, start, query), segments
+    ), flags
 
 
 def _decode_columns(state: KVState, requests: list[Request]) -> DecodeRows | None:

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.errors import INT_ID_LIMIT, KVError, RequestId, are_token_ids, invalid, is_int, is_request_id, is_token_id
+from pagedkv.core.errors import (
+    INT_ID_LIMIT,
+    KVError,
+    RequestId,
+    are_token_ids,
+    invalid,
+    is_int,
+    is_request_id,
+    is_token_id,
+)
 from pagedkv.core.errors import shown
 from pagedkv.core.hashing import Content, Key
 
@@ -50,8 +59,15 @@ class RowSpec:
     ) -> RowSpec:
         """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``ahead.fill``: a step
         planned before the last one's tokens are back, draft and lookahead slots)."""
-        return RowSpec(len(tokens) + placeholders, tuple(tokens), prefix_len, target_len,
-                       tuple((start, end) for start, end in spans), pending_tokens, placeholders)  # fmt: skip
+        return RowSpec(
+            len(tokens) + placeholders,
+            tuple(tokens),
+            prefix_len,
+            target_len,
+            tuple((start, end) for start, end in spans),
+            pending_tokens,
+            placeholders,
+        )
 
     @property
     def known(self) -> int:
@@ -102,16 +118,32 @@ def check_request_spec(spec: object) -> KVError | None:
     for name in ("extra_keys", "first_block_keys"):
         keys = getattr(spec, name)
         if not isinstance(keys, tuple) or not all(type(k) is str or (type(k) is tuple and is_key(k)) for k in keys):
-            return invalid(f"request {shown(rid)}: {name} must be strings or tuples of strings, integers and None",
-                           request=rid, field=name)  # fmt: skip
+            return invalid(
+                f"request {shown(rid)}: {name} must be strings or tuples of strings, integers and None",
+                request=rid,
+                field=name,
+            )
     if not isinstance(spec.content, tuple) or not all(
-            type(c) is tuple and len(c) == 3 and type(c[0]) is str and is_int(c[1]) and is_int(c[2]) and c[1] >= 0
-            and c[2] > 0 for c in spec.content):  # fmt: skip
-        return invalid(f"request {shown(rid)}: content must be (identifier, offset >= 0, length > 0) spans",
-                       request=rid, field="content")  # fmt: skip
+        type(c) is tuple
+        and len(c) == 3
+        and type(c[0]) is str
+        and is_int(c[1])
+        and is_int(c[2])
+        and c[1] >= 0
+        and c[2] > 0
+        for c in spec.content
+    ):
+        return invalid(
+            f"request {shown(rid)}: content must be (identifier, offset >= 0, length > 0) spans",
+            request=rid,
+            field="content",
+        )
     if spec.max_hit is not None and (not is_int(spec.max_hit) or spec.max_hit < 0):
-        return invalid(f"request {shown(rid)}: max_hit must be a non-negative integer or None, got "
-                       f"{shown(spec.max_hit)}", request=rid, field="max_hit")  # fmt: skip
+        return invalid(
+            f"request {shown(rid)}: max_hit must be a non-negative integer or None, got {shown(spec.max_hit)}",
+            request=rid,
+            field="max_hit",
+        )
     for i, row in enumerate(spec.rows):
         err = _check_row(row, f"request {shown(rid)} row {i}")
         if err is not None:
@@ -133,19 +165,27 @@ def _check_row(row: object, where: str) -> KVError | None:
         return invalid(f"{where}: rows must be RowSpec values, got {type(row).__name__}", field="rows")
     n = row.num_tokens
     if not is_int(n) or not 1 <= n < INT_ID_LIMIT:  # (a count past 2**63 fits no pool, nor a message)
-        return invalid(f"{where}: num_tokens must be a positive integer below 2**63, got {shown(n)}", field="num_tokens")
+        return invalid(
+            f"{where}: num_tokens must be a positive integer below 2**63, got {shown(n)}", field="num_tokens"
+        )
     w = row.placeholders
     if not is_int(w) or not 0 <= w <= n or (w and (row.tokens is None or row.target_len is not None)):
-        return invalid(f"{where}: placeholders must be an integer in [0, num_tokens], and only in a row of token "
-                       f"ids that is not a diffusion row, got {shown(w)}", field="placeholders")  # fmt: skip
+        return invalid(
+            f"{where}: placeholders must be an integer in [0, num_tokens], and only in a row of token "
+            f"ids that is not a diffusion row, got {shown(w)}",
+            field="placeholders",
+        )
     if row.tokens is not None:
         if not isinstance(row.tokens, tuple) or len(row.tokens) != n - w:
-            return invalid(f"{where}: tokens must be a tuple of num_tokens - placeholders ({shown(n - w)}) ids",
-                           field="tokens")  # fmt: skip
+            return invalid(
+                f"{where}: tokens must be a tuple of num_tokens - placeholders ({shown(n - w)}) ids", field="tokens"
+            )
         toks = row.tokens  # judged at C speed (the types, then the range as unsigned 64-bit); the loop names a bad id
         if not are_token_ids(toks):
             bad = next(t for t in toks if not is_token_id(t))
-            return invalid(f"{where}: token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens")
+            return invalid(
+                f"{where}: token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens"
+            )
     p, t = row.prefix_len, row.target_len
     if (p is None) != (t is None):
         return invalid(f"{where}: prefix_len and target_len come together", field="prefix_len")
@@ -157,8 +197,10 @@ def _check_row(row: object, where: str) -> KVError | None:
         if p + t > n:
             return invalid(f"{where}: prefix_len + target_len = {shown(p + t)} exceeds seq_len {n}", field="target_len")
     if not is_int(row.pending_tokens) or not 0 <= row.pending_tokens <= n:
-        return invalid(f"{where}: pending_tokens must be an integer in [0, {n}], got {shown(row.pending_tokens)}",
-                       field="pending_tokens")  # fmt: skip
+        return invalid(
+            f"{where}: pending_tokens must be an integer in [0, {n}], got {shown(row.pending_tokens)}",
+            field="pending_tokens",
+        )
     if not isinstance(row.spans, tuple):
         return invalid(f"{where}: spans must be a tuple of [start, end) pairs", field="spans")
     end_prev = 0
@@ -167,7 +209,9 @@ def _check_row(row: object, where: str) -> KVError | None:
             return invalid(f"{where}: a span must be a [start, end) pair of integers, got {shown(s)}", field="spans")
         a, b = s
         if not 0 <= a < b <= n:
-            return invalid(f"{where}: span [{shown(a)}, {shown(b)}) is empty or outside the row [0, {n})", field="spans")
+            return invalid(
+                f"{where}: span [{shown(a)}, {shown(b)}) is empty or outside the row [0, {n})", field="spans"
+            )
         if a < end_prev:
             return invalid(f"{where}: span [{a}, {b}) is unsorted or overlaps the span before it", field="spans")
         end_prev = b

@@ -167,7 +167,6 @@ class KVState:
         return _SlotView(self, _pending_of)
 
 
-
 T = TypeVar("T")
 
 

@@ -34,10 +34,26 @@ class Txn:
     """
 
     __slots__ = (
-        "config", "base", "free_blocks", "slot_top", "generation", "prefix_queries", "prefix_hits", "events",
-        "_refcount", "_nxt", "_prv", "_row_len", "_row_computed", "_row_tail", "_rows", "_row_generation",
-        "_slot_stack", "_requests", "_index",
-    )  # fmt: skip
+        "config",
+        "base",
+        "free_blocks",
+        "slot_top",
+        "generation",
+        "prefix_queries",
+        "prefix_hits",
+        "events",
+        "_refcount",
+        "_nxt",
+        "_prv",
+        "_row_len",
+        "_row_computed",
+        "_row_tail",
+        "_rows",
+        "_row_generation",
+        "_slot_stack",
+        "_requests",
+        "_index",
+    )
 
     def __init__(self, s: KVState) -> None:
         self.base = s
@@ -196,8 +212,9 @@ class Txn:
         self.slot_top += 1
 
 
-def each(state: KVState, items: Iterable[tuple[RequestId, Any]], one: Callable[[Txn, RequestId, Any], E | KVError],
-         what: str) -> Result[Step[tuple[E, ...]], KVError]:  # fmt: skip
+def each(
+    state: KVState, items: Iterable[tuple[RequestId, Any]], one: Callable[[Txn, RequestId, Any], E | KVError], what: str
+) -> Result[Step[tuple[E, ...]], KVError]:
     """Several one-request changes as one transition (``commit_many``, ``fill_many``, ...): ``one`` applied to
     each item in order on a single working copy; all of them, or none (the first refusal)."""
     pairs = pairs_of(items, what)

@@ -74,6 +74,7 @@ class Vec(Generic[T]):
         """``n`` copies of ``value`` in O(sqrt(n)): every full leaf is the same (immutable) object."""
         sh = leaf_shift(n) if shift is None else shift
         size = 1 << sh
+
         def make(k: int) -> Any:
             return array("q", [value]) * k if ints else (value,) * k  # type: ignore[type-var]
 

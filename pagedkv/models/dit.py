@@ -62,13 +62,16 @@ class DiTRow:
         spans = ((len(self.text), prefix),) if ref else ()
         target = image_tokens + 1  # the timestep token and the image
         tokens = self.text + (IMAGE_TOKEN,) * ref + (TIME_TOKEN,) + (IMAGE_TOKEN,) * image_tokens
-        return RowSpec.of_tokens(tokens, prefix_len=prefix, target_len=target,
-                                 spans=spans + ((prefix, prefix + target),))  # fmt: skip
+        return RowSpec.of_tokens(
+            tokens, prefix_len=prefix, target_len=target, spans=spans + ((prefix, prefix + target),)
+        )
 
     def content_key(self) -> tuple[str, ...]:
         if self.reference is None:
             return ()
-        return ("ref-image:" + hashlib.blake2b(self.reference.contiguous().numpy().tobytes(), digest_size=8).hexdigest(),)
+        return (
+            "ref-image:" + hashlib.blake2b(self.reference.contiguous().numpy().tobytes(), digest_size=8).hexdigest(),
+        )
 
 
 class DiT:
@@ -83,8 +86,17 @@ class DiT:
         self.latent_in, self.latent_out = w(c.hidden, c.latent), w(c.latent, c.hidden)
         self.time = w(c.hidden, 1)
         kv = c.kv_heads * c.head_dim
-        self.layers = [{"q": w(c.hidden, c.hidden), "k": w(kv, c.hidden), "v": w(kv, c.hidden), "o": w(c.hidden, c.hidden),
-                        "up": w(2 * c.hidden, c.hidden), "down": w(c.hidden, 2 * c.hidden)} for _ in range(c.layers)]  # fmt: skip
+        self.layers = [
+            {
+                "q": w(c.hidden, c.hidden),
+                "k": w(kv, c.hidden),
+                "v": w(kv, c.hidden),
+                "o": w(c.hidden, c.hidden),
+                "up": w(2 * c.hidden, c.hidden),
+                "down": w(c.hidden, 2 * c.hidden),
+            }
+            for _ in range(c.layers)
+        ]
 
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """Its layers' K/V pages (fp32), for ``plan_rank``."""
@@ -149,18 +161,33 @@ class DiT:
         return outs
 
     # -- paged: K/V through the pool; the first step writes everything, later ones the target ---
-    def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_step(
+        self,
+        rows: list[DiTRow],
+        images: list[torch.Tensor],
+        t: float,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
 
-    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_rows(
+        self,
+        entries: list[tuple[DiTRow, torch.Tensor, float]],
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         """``paged_step`` over the forward's rows in order, each with its own image and timestep (rows of
         several requests at different denoising steps in one forward: step batching). ``group``: the one group,
         or the rank's layout (fp8 pages: each layer's scales)."""
         x = self.query_inputs(entries, batch)
         attns = self.attentions(group)
         for i, L in enumerate(self.layers):
+
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 pool.write(i, k, v, batch.slot_mapping, attns[i].kv_scales)  # this forward's K/V, once, then attention
                 return backend.forward(q, pool.k[i], pool.v[i], batch, attns[i])
@@ -176,8 +203,9 @@ class DiT:
             xs.append(full[r.kv_start_pos : r.seq_len])
         return torch.cat(xs)
 
-    def predictions(self, x: torch.Tensor, entries: list[tuple[DiTRow, torch.Tensor, float]],
-                    batch: ForwardBatch) -> list[torch.Tensor]:  # fmt: skip
+    def predictions(
+        self, x: torch.Tensor, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch
+    ) -> list[torch.Tensor]:
         """Each row's image-token prediction from the last layer's ``x`` (rows in order)."""
         qsl = batch.query_start_loc.tolist()
         return [x[qsl[r + 1] - entries[r][1].shape[0] : qsl[r + 1]] @ self.latent_out.T for r in range(len(entries))]
@@ -191,8 +219,9 @@ def euler(images: list[torch.Tensor], preds: list[torch.Tensor], steps: int, cfg
     return [img - pred / steps for img, pred in zip(images, preds)]
 
 
-def dense_denoise(model: DiT, rows: list[DiTRow], images: list[torch.Tensor], steps: int,
-                  cfg_scale: float = 4.0) -> list[torch.Tensor]:  # fmt: skip
+def dense_denoise(
+    model: DiT, rows: list[DiTRow], images: list[torch.Tensor], steps: int, cfg_scale: float = 4.0
+) -> list[torch.Tensor]:
     history = []
     for s in range(steps):
         preds = model.dense_step(rows, images, 1.0 - s / steps)

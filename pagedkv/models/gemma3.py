@@ -33,19 +33,34 @@ def gemma3_config(c: dict[str, Any]) -> LlamaConfig:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"Gemma 3 activation {act!r} is not served (gelu_pytorch_tanh is)")
     if scaling["rope_type"] not in ("default", "linear") or local.get("rope_type", "default") != "default":
-        raise ValueError(f"Gemma 3 RoPE scaling {scaling['rope_type']!r} is not served (default and linear on global "
-                         "layers are)")
+        raise ValueError(
+            f"Gemma 3 RoPE scaling {scaling['rope_type']!r} is not served (default and linear on global layers are)"
+        )
     window = c.get("sliding_window", 4096)
     return LlamaConfig(
-        vocab_size=c.get("vocab_size", 262_208), hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_layers=n, num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        rope_theta=full.get("rope_theta", c.get("rope_theta", GLOBAL_THETA)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        max_position=c.get("max_position_embeddings", 131_072), tie_embeddings=c.get("tie_word_embeddings", True),
-        bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"), head_dim_=c.get("head_dim", 256),
+        vocab_size=c.get("vocab_size", 262_208),
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=n,
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        rope_theta=full.get("rope_theta", c.get("rope_theta", GLOBAL_THETA)),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        max_position=c.get("max_position_embeddings", 131_072),
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_id=c.get("eos_token_id"),
+        head_dim_=c.get("head_dim", 256),
         layer_types=tuple(types) if "sliding_attention" in types and window else None,
-        sliding_window=window if "sliding_attention" in types and window else None, qk_norm=True,
+        sliding_window=window if "sliding_attention" in types and window else None,
+        qk_norm=True,
         rope_scaling=tuple(sorted(scaling.items())) if scaling["rope_type"] != "default" else None,
-        sandwich_norms=True, norm_offset=1.0, query_scale=c.get("query_pre_attn_scalar", 256),
-        local_rope_theta=local.get("rope_theta", c.get("rope_local_base_freq", LOCAL_THETA)), embed_scale=True,
-        activation="gelu_tanh", final_softcap=c.get("final_logit_softcapping"), attn_softcap=c.get("attn_logit_softcapping"),
-    )  # fmt: skip
+        sandwich_norms=True,
+        norm_offset=1.0,
+        query_scale=c.get("query_pre_attn_scalar", 256),
+        local_rope_theta=local.get("rope_theta", c.get("rope_local_base_freq", LOCAL_THETA)),
+        embed_scale=True,
+        activation="gelu_tanh",
+        final_softcap=c.get("final_logit_softcapping"),
+        attn_softcap=c.get("attn_logit_softcapping"),
+    )

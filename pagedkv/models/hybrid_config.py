@@ -85,8 +85,10 @@ class HybridConfig:
         expand = raw.get("mamba_expand", 2)
         mamba_head_dim = int(raw.get("mamba_d_head") or expand * hidden // mamba_heads)
         if mamba_heads * mamba_head_dim != int(expand * hidden):
-            raise ValueError(f"mamba_n_heads x mamba_d_head is {mamba_heads * mamba_head_dim}; mamba_expand x "
-                             f"hidden_size is {int(expand * hidden)}")  # fmt: skip
+            raise ValueError(
+                f"mamba_n_heads x mamba_d_head is {mamba_heads * mamba_head_dim}; mamba_expand x "
+                f"hidden_size is {int(expand * hidden)}"
+            )
         groups = int(raw.get("mamba_n_groups", 1))
         if mamba_heads % groups:
             raise ValueError(f"mamba_n_heads {mamba_heads} is not a multiple of mamba_n_groups {groups}")
@@ -94,24 +96,39 @@ class HybridConfig:
         granite = arch == "granitemoehybrid"
         if raw.get("attention_bias") or raw.get("mlp_bias"):
             raise ValueError("attention_bias and mlp_bias are not served for hybrids")
-        return cls(arch=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden, num_layers=n, attention=attention,
-                   num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
-                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                   max_position=int(raw.get("max_position_embeddings", 4096)),
-                   tie_embeddings=bool(raw.get("tie_word_embeddings", False)), rope_theta=rope[0], rotary_dim=rope[1],
-                   attention_scale=float(raw.get("attention_multiplier", 1.0)) if granite else head_dim**-0.5,
-                   intermediate_size=int(raw["shared_intermediate_size" if granite else "intermediate_size"]),
-                   experts=int(raw.get("num_local_experts", 0)) if granite else 0,
-                   experts_per_token=int(raw.get("num_experts_per_tok", 0)) if granite else 0,
-                   expert_size=int(raw["intermediate_size"]) if granite else 0,
-                   embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)) if granite else 1.0,
-                   residual_multiplier=float(raw.get("residual_multiplier", 1.0)) if granite else 1.0,
-                   logits_scaling=float(raw.get("logits_scaling", 1.0)) if granite else 1.0,
-                   mamba_heads=mamba_heads, mamba_head_dim=mamba_head_dim, mamba_groups=groups,
-                   d_state=int(raw["mamba_d_state"]), d_conv=int(raw.get("mamba_d_conv", 4)),
-                   chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
-                   proj_bias=bool(raw.get("mamba_proj_bias", False)), dt_limit=_limit(limit),
-                   eos_token_id=raw.get("eos_token_id") if isinstance(raw.get("eos_token_id"), int) else None)  # fmt: skip
+        return cls(
+            arch=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n,
+            attention=attention,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            max_position=int(raw.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_theta=rope[0],
+            rotary_dim=rope[1],
+            attention_scale=float(raw.get("attention_multiplier", 1.0)) if granite else head_dim**-0.5,
+            intermediate_size=int(raw["shared_intermediate_size" if granite else "intermediate_size"]),
+            experts=int(raw.get("num_local_experts", 0)) if granite else 0,
+            experts_per_token=int(raw.get("num_experts_per_tok", 0)) if granite else 0,
+            expert_size=int(raw["intermediate_size"]) if granite else 0,
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)) if granite else 1.0,
+            logits_scaling=float(raw.get("logits_scaling", 1.0)) if granite else 1.0,
+            mamba_heads=mamba_heads,
+            mamba_head_dim=mamba_head_dim,
+            mamba_groups=groups,
+            d_state=int(raw["mamba_d_state"]),
+            d_conv=int(raw.get("mamba_d_conv", 4)),
+            chunk_size=int(raw.get("mamba_chunk_size", 256)),
+            conv_bias=bool(raw.get("mamba_conv_bias", True)),
+            proj_bias=bool(raw.get("mamba_proj_bias", False)),
+            dt_limit=_limit(limit),
+            eos_token_id=raw.get("eos_token_id") if isinstance(raw.get("eos_token_id"), int) else None,
+        )
 
 
 def _rope(raw: dict[str, Any], arch: str, head_dim: int) -> tuple[float | None, int]:
@@ -133,6 +150,7 @@ def _rope(raw: dict[str, Any], arch: str, head_dim: int) -> tuple[float | None, 
 
 def _limit(limit: Any) -> tuple[float, float]:
     """``time_step_limit`` as saved (transformers writes infinity as ``{"__float__": "Infinity"}``)."""
+
     def one(v: Any) -> float:
         return float(v["__float__"]) if isinstance(v, dict) else float(v)
 
@@ -145,32 +163,63 @@ def _limit(limit: Any) -> tuple[float, float]:
 def hybrid_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of config ``c`` must hold, with its shape."""
     h, granite = c.hidden_size, c.arch == "granitemoehybrid"
-    out = {"model.embed_tokens.weight": (c.vocab_size, h), ("model.norm.weight" if granite else "model.final_layernorm.weight"): (h,)}
+    out = {
+        "model.embed_tokens.weight": (c.vocab_size, h),
+        ("model.norm.weight" if granite else "model.final_layernorm.weight"): (h,),
+    }
     if not c.tie_embeddings:
         out["lm_head.weight"] = (c.vocab_size, h)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         if granite:
-            out.update({p + "post_attention_layernorm.weight": (h,), p + "shared_mlp.input_linear.weight": (2 * c.intermediate_size, h),
-                        p + "shared_mlp.output_linear.weight": (h, c.intermediate_size)})  # fmt: skip
+            out.update(
+                {
+                    p + "post_attention_layernorm.weight": (h,),
+                    p + "shared_mlp.input_linear.weight": (2 * c.intermediate_size, h),
+                    p + "shared_mlp.output_linear.weight": (h, c.intermediate_size),
+                }
+            )
             if c.experts:
-                out.update({p + "block_sparse_moe.router.layer.weight": (c.experts, h),
-                            p + "block_sparse_moe.input_linear.weight": (c.experts, 2 * c.expert_size, h),
-                            p + "block_sparse_moe.output_linear.weight": (c.experts, h, c.expert_size)})  # fmt: skip
+                out.update(
+                    {
+                        p + "block_sparse_moe.router.layer.weight": (c.experts, h),
+                        p + "block_sparse_moe.input_linear.weight": (c.experts, 2 * c.expert_size, h),
+                        p + "block_sparse_moe.output_linear.weight": (c.experts, h, c.expert_size),
+                    }
+                )
         else:
-            out.update({p + "pre_ff_layernorm.weight": (h,), p + "feed_forward.gate_proj.weight": (c.intermediate_size, h),
-                        p + "feed_forward.up_proj.weight": (c.intermediate_size, h),
-                        p + "feed_forward.down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
+            out.update(
+                {
+                    p + "pre_ff_layernorm.weight": (h,),
+                    p + "feed_forward.gate_proj.weight": (c.intermediate_size, h),
+                    p + "feed_forward.up_proj.weight": (c.intermediate_size, h),
+                    p + "feed_forward.down_proj.weight": (h, c.intermediate_size),
+                }
+            )
         if c.is_attention(i):
             kv = c.num_kv_heads * c.head_dim
-            out.update({p + "self_attn.q_proj.weight": (c.num_heads * c.head_dim, h), p + "self_attn.k_proj.weight": (kv, h),
-                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, c.num_heads * c.head_dim)})  # fmt: skip
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": (c.num_heads * c.head_dim, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, c.num_heads * c.head_dim),
+                }
+            )
         else:
             m = p + "mamba."
-            out.update({m + "in_proj.weight": (c.inner + c.conv_dim + c.mamba_heads, h), m + "out_proj.weight": (h, c.inner),
-                        m + "norm.weight": (c.inner,), m + "conv1d.weight": (c.conv_dim, 1, c.d_conv), m + "dt_bias": (c.mamba_heads,),
-                        m + "A_log": (c.mamba_heads,), m + "D": (c.mamba_heads,)})  # fmt: skip
+            out.update(
+                {
+                    m + "in_proj.weight": (c.inner + c.conv_dim + c.mamba_heads, h),
+                    m + "out_proj.weight": (h, c.inner),
+                    m + "norm.weight": (c.inner,),
+                    m + "conv1d.weight": (c.conv_dim, 1, c.d_conv),
+                    m + "dt_bias": (c.mamba_heads,),
+                    m + "A_log": (c.mamba_heads,),
+                    m + "D": (c.mamba_heads,),
+                }
+            )
             if c.conv_bias:
                 out[m + "conv1d.bias"] = (c.conv_dim,)
     return out

@@ -24,8 +24,14 @@ from pagedkv.shell.worker import ForwardBatch
 class Llama:
     """Weights as plain tensors; ``forward`` runs one installed batch."""
 
-    def __init__(self, config: LlamaConfig, state_dict: dict[str, torch.Tensor], *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: LlamaConfig,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.config = config
         self.dtype, self.device = dtype, torch.device(device)
 
@@ -34,21 +40,41 @@ class Llama:
 
         def norm(name: str) -> torch.Tensor:  # (Gemma's norms scale by 1 + w: the offset is added once, here)
             t = state_dict[name]
-            return (t.float() + config.norm_offset).to(device=self.device, dtype=dtype) if config.norm_offset else w(name)
+            return (
+                (t.float() + config.norm_offset).to(device=self.device, dtype=dtype) if config.norm_offset else w(name)
+            )
 
         self.embed = w("model.embed_tokens.weight")  # (vocab, hidden)
         self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
         self.norm = norm("model.norm.weight")
         self.layers = []
-        norms = (("ln1", "input_layernorm"), ("post_attn", "post_attention_layernorm"), ("ln2", "pre_feedforward_layernorm"),
-                 ("post_ffn", "post_feedforward_layernorm")) if config.sandwich_norms else (
-                 ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))  # fmt: skip
+        norms = (
+            (
+                ("ln1", "input_layernorm"),
+                ("post_attn", "post_attention_layernorm"),
+                ("ln2", "pre_feedforward_layernorm"),
+                ("post_ffn", "post_feedforward_layernorm"),
+            )
+            if config.sandwich_norms
+            else (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+        )
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append({k: w(p + n) for k, n in (
-                ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"), ("v", "self_attn.v_proj.weight"),
-                ("o", "self_attn.o_proj.weight"), ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
-                ("down", "mlp.down_proj.weight"))} | {k: norm(p + n + ".weight") for k, n in norms})  # fmt: skip
+            self.layers.append(
+                {
+                    k: w(p + n)
+                    for k, n in (
+                        ("q", "self_attn.q_proj.weight"),
+                        ("k", "self_attn.k_proj.weight"),
+                        ("v", "self_attn.v_proj.weight"),
+                        ("o", "self_attn.o_proj.weight"),
+                        ("gate", "mlp.gate_proj.weight"),
+                        ("up", "mlp.up_proj.weight"),
+                        ("down", "mlp.down_proj.weight"),
+                    )
+                }
+                | {k: norm(p + n + ".weight") for k, n in norms}
+            )
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}.self_attn."
             for k in ("q", "k", "v", "o"):  # Qwen2's q/k/v biases (any of them, where the checkpoint has them)
@@ -59,8 +85,12 @@ class Llama:
         fuse_layers(self.layers)
         self.layer_names = tuple(f"layer{i}" for i in range(config.num_layers))  # kv_layers' names, for the layout
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self.local_inv_freq = (None if config.local_rope_theta is None else  # Gemma's sliding layers' own base
-                               rope_inv_freq(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)).to(self.device))
+        self.local_inv_freq = (
+            None
+            if config.local_rope_theta is None
+            # Gemma's sliding layers' own base
+            else rope_inv_freq(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)).to(self.device)
+        )
         self.act = F.silu if config.activation == "silu" else partial(F.gelu, approximate="tanh")
         # the head layout this instance computes, and how a row-parallel projection's partial sums
         # combine: a tensor-parallel shard narrows the first and all-reduces the second (models/parallel.py)
@@ -80,16 +110,22 @@ class Llama:
         """What this instance's layers keep in pages (a shard: its KV heads), for ``plan_rank``."""
         c = self.config
         layers = attention_layers(c.num_layers, kv_heads=self.n_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
-        return tuple(replace(x, kind=LayerKind.SLIDING_WINDOW, window=c.window_of(i)) if c.window_of(i) else x
-                     for i, x in enumerate(layers))  # fmt: skip
+        return tuple(
+            replace(x, kind=LayerKind.SLIDING_WINDOW, window=c.window_of(i)) if c.window_of(i) else x
+            for i, x in enumerate(layers)
+        )
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
 
-    def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every query token's rotation, (tokens, 1, head_dim): once a forward, for every layer."""
-        freqs = positions[:, None].float() * (self.inv_freq if inv_freq is None else inv_freq)[None, :]  # (tokens, hd / 2)
+        freqs = (
+            positions[:, None].float() * (self.inv_freq if inv_freq is None else inv_freq)[None, :]
+        )  # (tokens, hd / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos(), emb.sin()
 
@@ -109,21 +145,42 @@ class Llama:
             return made[2]
         if isinstance(layout, GroupSpec):
             if self.config.layer_types is not None:
-                raise InvalidConfig("this model has sliding-window layers: run it with its rank's layout, not one group")
+                raise InvalidConfig(
+                    "this model has sliding-window layers: run it with its rank's layout, not one group"
+                )
             places = tuple(LayerPlace(0, layout, i) for i in range(self.config.num_layers))
         else:
             places = layout.of(self.layer_names)
         c = self.config
         scale = (c.query_scale if c.query_scale is not None else c.head_dim) ** -0.5
-        out = tuple((p.slot, p.group, LayerAttention(group=p.group, spec=p.spec, scale=scale, softcap=c.attn_softcap,
-                                                     kv_index=self.kv_index, kv_scales=p.kv_scales))
-                    for p in places)  # fmt: skip
+        out = tuple(
+            (
+                p.slot,
+                p.group,
+                LayerAttention(
+                    group=p.group,
+                    spec=p.spec,
+                    scale=scale,
+                    softcap=c.attn_softcap,
+                    kv_index=self.kv_index,
+                    kv_scales=p.kv_scales,
+                ),
+            )
+            for p in places
+        )
         self._places = (key, layout, out)
         return out
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                layout: Layout | GroupSpec, logits_at: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        layout: Layout | GroupSpec,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab),
         or of the query tokens ``logits_at`` names (indices into ``tokens``: a row verifying drafts needs
         every position's). ``layout``: the rank's (``Rank.layout``: each layer's group and page tensor), or
@@ -203,8 +260,9 @@ def _whole(partial: torch.Tensor) -> torch.Tensor:
     return partial
 
 
-def random_llama(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Llama:  # fmt: skip
+def random_llama(
+    config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> Llama:
     """A Llama of ``config``'s shapes with seeded random weights (timing and equality runs where the real
     weights cannot go)."""
     g = torch.Generator().manual_seed(seed)
@@ -217,18 +275,33 @@ def random_llama(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = tor
     sd = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size), "model.norm.weight": torch.ones(c.hidden_size)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        sd.update({p + "input_layernorm.weight": torch.ones(c.hidden_size),
-                   p + "post_attention_layernorm.weight": torch.ones(c.hidden_size),
-                   p + "self_attn.q_proj.weight": w(c.hidden_size, c.hidden_size), p + "self_attn.k_proj.weight": w(kv, c.hidden_size),
-                   p + "self_attn.v_proj.weight": w(kv, c.hidden_size), p + "self_attn.o_proj.weight": w(c.hidden_size, c.hidden_size),
-                   p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
-                   p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
-                   p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size)})  # fmt: skip
+        sd.update(
+            {
+                p + "input_layernorm.weight": torch.ones(c.hidden_size),
+                p + "post_attention_layernorm.weight": torch.ones(c.hidden_size),
+                p + "self_attn.q_proj.weight": w(c.hidden_size, c.hidden_size),
+                p + "self_attn.k_proj.weight": w(kv, c.hidden_size),
+                p + "self_attn.v_proj.weight": w(kv, c.hidden_size),
+                p + "self_attn.o_proj.weight": w(c.hidden_size, c.hidden_size),
+                p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
+                p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
+                p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size),
+            }
+        )
     return Llama(replace(c, tie_embeddings=True), sd, dtype=dtype, device=device)
 
 
-SMOLLM2_SHAPES = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                             num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5, max_position=8192)  # fmt: skip
+SMOLLM2_SHAPES = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position=8192,
+)
 
 
 class IdTokenizer:

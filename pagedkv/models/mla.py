@@ -40,12 +40,18 @@ class MLAModel:
             return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
 
         self.embed = w(c.vocab, c.hidden)
-        self.layers = [{
-            "q": w(c.heads * (c.qk_nope_dim + c.qk_rope_dim), c.hidden),
-            "dkv": w(c.kv_lora_rank + c.qk_rope_dim, c.hidden),  # down-projection: [c_kv, k_pe]
-            "uk": w(c.heads, c.qk_nope_dim, c.kv_lora_rank), "uv": w(c.heads, c.v_dim, c.kv_lora_rank),
-            "o": w(c.hidden, c.heads * c.v_dim), "up": w(2 * c.hidden, c.hidden), "down": w(c.hidden, 2 * c.hidden),
-        } for _ in range(c.layers)]  # fmt: skip
+        self.layers = [
+            {
+                "q": w(c.heads * (c.qk_nope_dim + c.qk_rope_dim), c.hidden),
+                "dkv": w(c.kv_lora_rank + c.qk_rope_dim, c.hidden),  # down-projection: [c_kv, k_pe]
+                "uk": w(c.heads, c.qk_nope_dim, c.kv_lora_rank),
+                "uv": w(c.heads, c.v_dim, c.kv_lora_rank),
+                "o": w(c.hidden, c.heads * c.v_dim),
+                "up": w(2 * c.hidden, c.hidden),
+                "down": w(c.hidden, 2 * c.hidden),
+            }
+            for _ in range(c.layers)
+        ]
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.qk_rope_dim, 2).float() / c.qk_rope_dim))
         self.scale = 1 / math.sqrt(c.qk_nope_dim + c.qk_rope_dim)
 
@@ -57,8 +63,9 @@ class MLAModel:
         half = x.shape[-1] // 2
         return x * emb.cos() + torch.cat([-x[..., half:], x[..., :half]], -1) * emb.sin()
 
-    def _project(self, x: torch.Tensor, L: dict[str, torch.Tensor], pos: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _project(
+        self, x: torch.Tensor, L: dict[str, torch.Tensor], pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q_nope (T, H, dn), q_pe (T, H, dr), latent (T, rank + dr): what the cache holds."""
         c = self.config
         h = F.layer_norm(x, (c.hidden,))

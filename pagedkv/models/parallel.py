@@ -65,12 +65,24 @@ def shard(model: Llama, rank: int, world: int) -> Llama:
     part.layers = []
     for L in model.layers:
         o_cols = torch.cat([L["o"][:, h * hd : (h + 1) * hd] for h in q_heads], dim=1)
-        part.layers.append({
-            "ln1": L["ln1"], "ln2": L["ln2"], "q": rows(L["q"], q_heads), "k": rows(L["k"], kv_heads),
-            "v": rows(L["v"], kv_heads), "o": o_cols, "gate": L["gate"][ff], "up": L["up"][ff],
-            "down": L["down"][:, ff],
-            **{k: L[k] for k in ("q_norm", "k_norm", "o_bias") if k in L},  # per head or after the sum: whole
-            **{f"{k}_bias": rows(L[f"{k}_bias"], q_heads if k == "q" else kv_heads) for k in "qkv" if f"{k}_bias" in L},
-        })  # fmt: skip
+        part.layers.append(
+            {
+                "ln1": L["ln1"],
+                "ln2": L["ln2"],
+                "q": rows(L["q"], q_heads),
+                "k": rows(L["k"], kv_heads),
+                "v": rows(L["v"], kv_heads),
+                "o": o_cols,
+                "gate": L["gate"][ff],
+                "up": L["up"][ff],
+                "down": L["down"][:, ff],
+                **{k: L[k] for k in ("q_norm", "k_norm", "o_bias") if k in L},  # per head or after the sum: whole
+                **{
+                    f"{k}_bias": rows(L[f"{k}_bias"], q_heads if k == "q" else kv_heads)
+                    for k in "qkv"
+                    if f"{k}_bias" in L
+                },
+            }
+        )
     fuse_layers(part.layers)
     return part

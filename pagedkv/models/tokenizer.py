@@ -26,10 +26,12 @@ class Tokenizer:
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         tok = _Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])  # fmt: skip
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
         tok.decoder = decoders.ByteLevel()
         types = list(meta.get("tokenizer.ggml.token_type") or [])
         tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == CONTROL])
@@ -101,8 +103,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ValueError("this model file has no chat template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     eos_token=self.eos_token, bos_token=self.bos_token or "")  # fmt: skip
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self.eos_token,
+            bos_token=self.bos_token or "",
+        )
 
 
 def _environment() -> jinja2.Environment:

@@ -42,8 +42,11 @@ class HeadExchange:
         per_kv = c.heads // c.kv_heads  # query heads a K/V head serves
         self.heads = c.heads // size
         if self.heads % per_kv and per_kv % self.heads:
-            raise refuse(ErrorCode.INVALID, f"{size} ranks split {c.heads} query heads into shares of {self.heads}, "
-                                            f"which cut across K/V groups of {per_kv}")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"{size} ranks split {c.heads} query heads into shares of {self.heads}, "
+                f"which cut across K/V groups of {per_kv}",
+            )
         self.size, self.group = size, group
         self.kv_heads = max(1, self.heads // per_kv)
         self.kv_first = index * self.heads // per_kv  # this rank's first K/V head
@@ -91,12 +94,26 @@ class ShardedDiT:
         c = self.model.config
         return attention_layers(c.layers, kv_heads=self.exchange.kv_heads, head_dim=c.head_dim, dtype=torch.float32)
 
-    def paged_step(self, rows: list[DiTRow], images: list[torch.Tensor], t: float, batch: ForwardBatch,
-                   pool: PagePool, backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_step(
+        self,
+        rows: list[DiTRow],
+        images: list[torch.Tensor],
+        t: float,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         return self.paged_rows([(row, image, t) for row, image in zip(rows, images)], batch, pool, backend, group)
 
-    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_rows(
+        self,
+        entries: list[tuple[DiTRow, torch.Tensor, float]],
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
@@ -107,8 +124,14 @@ class UlyssesDiT(ShardedDiT):
         self.model, self.rank, self.world = model, rank, world
         self.exchange = HeadExchange(model, rank, world)
 
-    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_rows(
+        self,
+        entries: list[tuple[DiTRow, torch.Tensor, float]],
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         """``DiT.paged_rows`` (a timestep a row: rows of requests at different denoising steps in one forward, as
         step batching plans them), its tokens sharded over the ranks."""
         m, c = self.model, self.model.config
@@ -118,6 +141,7 @@ class UlyssesDiT(ShardedDiT):
         x = torch.cat([x, x.new_zeros(n * self.world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
         attns = m.attentions(group)
         for i, L in enumerate(m.layers):
+
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 ex = self.exchange
                 q_all, k_all, v_all = ex.to_heads(q)[:total], ex.kv(k)[:total], ex.kv(v)[:total]

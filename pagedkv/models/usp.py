@@ -50,8 +50,14 @@ class UspDiT(ShardedDiT):
         self.exchange = HeadExchange(model, self.ui, ulysses, ulysses_group)
 
     # -- the forward -----------------------------------------------------------------------------
-    def paged_rows(self, entries: list[tuple[DiTRow, torch.Tensor, float]], batch: ForwardBatch, pool: PagePool,
-                   backend: AttentionBackend, group: GroupSpec | Layout) -> list[torch.Tensor]:  # fmt: skip
+    def paged_rows(
+        self,
+        entries: list[tuple[DiTRow, torch.Tensor, float]],
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        group: GroupSpec | Layout,
+    ) -> list[torch.Tensor]:
         """``DiT.paged_rows`` (a timestep a row) over the grid; every rank returns the same predictions.
         (``backend``: the pages are read here, by position, not through an attention backend; ``group``: the
         group, or the rank's layout, whose fp8 scales the writes and reads apply.)"""
@@ -62,6 +68,7 @@ class UspDiT(ShardedDiT):
         plan = _Plan(batch, total, n, self.u, self.r, self.ri, [a.kv_scales for a in m.attentions(group)])
         x = torch.cat([x, x.new_zeros(n * world - total, c.hidden)])[self.rank * n : (self.rank + 1) * n]
         for i, L in enumerate(m.layers):
+
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 ex = self.exchange
                 return ex.to_tokens(self._attend(ex.to_heads(q), ex.kv(k), ex.kv(v), plan, pool, i))
@@ -71,8 +78,9 @@ class UspDiT(ShardedDiT):
         dist.all_gather(parts, x.contiguous())
         return m.predictions(torch.cat(parts)[:total], entries, batch)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, pool: PagePool,
-                layer: int) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, pool: PagePool, layer: int
+    ) -> torch.Tensor:
         """My group's tokens (G, my heads, D): their K/V to the ring groups that own their positions, written there;
         then my queries over every group's K/V, chunk by chunk around the ring."""
         real = plan.real  # how many of my group's G tokens are real (the rest: padding)
@@ -85,8 +93,12 @@ class UspDiT(ShardedDiT):
         pool.write(layer, got[:, 0], got[:, 1], plan.recv_slots, plan.kv_scales[layer])  # the positions I own
         flat = (-1, *pool.k[layer].shape[2:])
         ks, vs = plan.kv_scales[layer]
-        chunk = torch.stack((pool.k[layer].reshape(flat)[plan.key_slots[self.ri]].float() * ks,
-                             pool.v[layer].reshape(flat)[plan.key_slots[self.ri]].float() * vs))  # (2, my keys, kvh, D)
+        chunk = torch.stack(
+            (
+                pool.k[layer].reshape(flat)[plan.key_slots[self.ri]].float() * ks,
+                pool.v[layer].reshape(flat)[plan.key_slots[self.ri]].float() * vs,
+            )
+        )  # (2, my keys, kvh, D)
         qr = q[:real].float()
         g = qr.shape[1] // chunk.shape[2]
         peak = torch.full((qr.shape[1], real), float("-inf"))
@@ -126,8 +138,9 @@ class _Plan:
     """A forward's layout over the grid, from the snapshot alone (so every rank computes the same, with no
     exchange): who holds which query tokens, which ring group owns each position, which keys each group reads."""
 
-    def __init__(self, batch: ForwardBatch, total: int, n: int, u: int, r: int, ri: int,
-                 kv_scales: list[tuple[float, float]]) -> None:  # fmt: skip
+    def __init__(
+        self, batch: ForwardBatch, total: int, n: int, u: int, r: int, ri: int, kv_scales: list[tuple[float, float]]
+    ) -> None:
         rows = batch.metadata.rows
         bs = batch.metadata.block_size
         pos, row_of, limit = [], [], []

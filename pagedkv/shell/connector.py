@@ -56,8 +56,9 @@ def _ready(state: KVState, request_id: RequestId) -> KVState:
     return state
 
 
-def copy_missing(src: PagePool, dst: PagePool, state: KVState, request_id: RequestId,
-                 source: tuple[Blocks, ...]) -> tuple[KVState, int]:  # fmt: skip
+def copy_missing(
+    src: PagePool, dst: PagePool, state: KVState, request_id: RequestId, source: tuple[Blocks, ...]
+) -> tuple[KVState, int]:
     """Copy the missing blocks, every layer, K and V; returns the state with them ready and the count."""
     _whole_pages(src, dst)
     moves = missing_blocks(state, request_id, source)
@@ -70,8 +71,9 @@ def copy_missing(src: PagePool, dst: PagePool, state: KVState, request_id: Reque
     return _ready(state, request_id), len(moves)
 
 
-def recv_missing(dst: PagePool, state: KVState, request_id: RequestId, source: tuple[Blocks, ...],
-                 src_rank: int) -> tuple[KVState, int]:  # fmt: skip
+def recv_missing(
+    dst: PagePool, state: KVState, request_id: RequestId, source: tuple[Blocks, ...], src_rank: int
+) -> tuple[KVState, int]:
     """Receiver side: ask ``src_rank`` for the missing source blocks, write them, mark them ready."""
     _whole_pages(dst)
     moves = missing_blocks(state, request_id, source)
@@ -96,7 +98,11 @@ def serve_missing(src: PagePool, dst_rank: int) -> int:
     if count:
         ids = torch.empty(count, dtype=torch.int64)
         dist.recv(ids, dst_rank)
-        pages = [torch.stack([src.k[layer].index_select(0, ids.to(src.device)),
-                              src.v[layer].index_select(0, ids.to(src.device))]) for layer in range(src.num_layers)]  # fmt: skip
+        pages = [
+            torch.stack(
+                [src.k[layer].index_select(0, ids.to(src.device)), src.v[layer].index_select(0, ids.to(src.device))]
+            )
+            for layer in range(src.num_layers)
+        ]
         dist.send(torch.stack(pages).cpu().contiguous(), dst_rank)
     return count

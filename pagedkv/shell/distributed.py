@@ -36,8 +36,15 @@ class Leader:
         worker.cuts = []  # (rows the core cut back: each follower's worker cuts them too)
         self.broadcast_seconds = 0.0  # time spent distributing metadata (bench/ranks.py)
 
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, pool: PagePool, backend: AttentionBackend,
-                layout: Any, logits_at: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        pool: PagePool,
+        backend: AttentionBackend,
+        layout: Any,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         held = sorted({key[0] for key in self.worker.rows}, key=str)
         t0 = time.perf_counter()
         cuts, self.worker.cuts = self.worker.cuts, []
@@ -78,8 +85,9 @@ def init(rank: int, world: int, init_file: str, timeout_s: float = 60.0, backend
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def describe(e: BaseException) -> str:

@@ -21,8 +21,15 @@ from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
 from pagedkv.core.scheduler import (
-    SchedulerConfig, SeqRequest, StepPlan, cancel, new_scheduler, on_output, schedule, submit,
-)  # fmt: skip
+    SchedulerConfig,
+    SeqRequest,
+    StepPlan,
+    cancel,
+    new_scheduler,
+    on_output,
+    schedule,
+    submit,
+)
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import EngineBusy, ShellError, refuse
 from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
@@ -33,8 +40,14 @@ from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.overlap import Overlap
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import (
-    NO_HISTORY, History, SamplingParams, params_problem, request_seed, sample_batch, token_logprobs,
-)  # fmt: skip
+    NO_HISTORY,
+    History,
+    SamplingParams,
+    params_problem,
+    request_seed,
+    sample_batch,
+    token_logprobs,
+)
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
 from pagedkv.shell.transfer import to_device
 
@@ -58,23 +71,45 @@ class Engine:
     is the caller's once handed out (an engine that served a million requests holds what one that served ten
     does); a request id may be taken again as soon as its request ended."""
 
-    def __init__(self, model: Any, tokenizer: Any, args: EngineArgs | None = None, *, trace: TextIO | None = None,
-                 rank: Rank | None = None, keep_history: bool = False, time_steps: bool = False,
-                 trace_expect: bool = True, on_kv_events: Callable[[tuple[Any, ...]], None] | None = None,
-                 **fields: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        args: EngineArgs | None = None,
+        *,
+        trace: TextIO | None = None,
+        rank: Rank | None = None,
+        keep_history: bool = False,
+        time_steps: bool = False,
+        trace_expect: bool = True,
+        on_kv_events: Callable[[tuple[Any, ...]], None] | None = None,
+        **fields: Any,
+    ) -> None:
         args = replace(args or EngineArgs(), **fields)
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.backend = args.attention(model)
         if rank is None:
             rank = args.rank_for(model, self.backend, calibration_ids(tokenizer))
         elif rank.worker.max_rows < args.max_num_seqs or rank.worker.max_tokens < args.step_tokens(model):
-            raise InvalidConfig(f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
-                                f"tokens; the scheduler may batch {args.max_num_seqs} and "
-                                f"{args.step_tokens(model)}")  # fmt: skip
-        self.rank, self.cache, self.pool, self.worker, self.layout = rank, rank.cache, rank.pool, rank.worker, rank.layout
+            raise InvalidConfig(
+                f"the rank's buffers hold {rank.worker.max_rows} rows and {rank.worker.max_tokens} "
+                f"tokens; the scheduler may batch {args.max_num_seqs} and "
+                f"{args.step_tokens(model)}"
+            )
+        self.rank, self.cache, self.pool, self.worker, self.layout = (
+            rank,
+            rank.cache,
+            rank.pool,
+            rank.worker,
+            rank.layout,
+        )
         self.sizing = rank.sizing
-        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                chunked_prefill=args.chunked_prefill, grow_prefill=args.grow_prefill)  # fmt: skip
+        sched = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill=args.chunked_prefill,
+            grow_prefill=args.grow_prefill,
+        )
         self.state = new_scheduler(self.cache, sched)
         spec = SpeculativeConfig.of(args.speculative_config)
         self.speculation = None if spec is None else Speculation(spec)  # n-gram drafts, verified each step
@@ -83,14 +118,19 @@ class Engine:
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any a live request holds
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self.graphs: GraphDecoder | None = None
-        if (args.cuda_graphs and model.device.type == "cuda" and getattr(self.backend, "capturable", False)
-                and getattr(model, "capturable", True)):  # fmt: skip
+        if (
+            args.cuda_graphs
+            and model.device.type == "cuda"
+            and getattr(self.backend, "capturable", False)
+            and getattr(model, "capturable", True)
+        ):
             rows = max(args.max_num_seqs, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
             self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
-        self.outcomes = Outcomes(tokenizer, None if trace is None else Recorder(trace, self.cache, sched,
-                                                                               expect=trace_expect))  # fmt: skip
+        self.outcomes = Outcomes(
+            tokenizer, None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
+        )
         self.on_kv_events = on_kv_events  # each step's core KV events, in order (pagedkv.integrations.vllm)
         self.kv_history: list[Any] | None = [] if keep_history else None
         self.step_times: list[tuple[int, int, float]] | None = [] if time_steps else None
@@ -100,8 +140,10 @@ class Engine:
     def _entered(self, what: str) -> Iterator[None]:
         """The calling thread inside the engine, or ``EngineBusy`` at once when another thread is."""
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy(f"Engine.{what} from a second thread while another is inside the engine: an engine is "
-                             "single-threaded (serve it from one thread, or hand it requests through a queue)")  # fmt: skip
+            raise EngineBusy(
+                f"Engine.{what} from a second thread while another is inside the engine: an engine is "
+                "single-threaded (serve it from one thread, or hand it requests through a queue)"
+            )
         try:
             yield
         finally:
@@ -133,10 +175,15 @@ class Engine:
         if problem is not None:  # refused here, not by the step that would sample with it
             raise refuse(ErrorCode.INVALID, f"request {shown(req.request_id)}: {problem}", request=req.request_id)
         vocab = self.model.config.vocab_size
-        bad = next((t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None)  # the core checks types
+        bad = next(
+            (t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None
+        )  # the core checks types
         if bad is not None:
-            raise refuse(ErrorCode.INVALID, f"request {req.request_id!r}: token id {bad} is outside the model's "
-                                            f"vocabulary [0, {vocab})", request=req.request_id)  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"request {req.request_id!r}: token id {bad} is outside the model's vocabulary [0, {vocab})",
+                request=req.request_id,
+            )
         submitted = submit(state, req)
         if isinstance(submitted, Failure):  # a bad request: typed, and the engine as it was
             raise ShellError(submitted.failure())
@@ -281,6 +328,7 @@ class Engine:
         self.outcomes.failed([*(self.requests.pop(rid) for rid in failed), *ended_unread], one_line(error))
         if not recorded:
             self.outcomes.record(lambda r: r.schedule(planned, plan, drafts))
+
         def errors(r: Recorder) -> None:
             for rid, s in zip(failed, after):
                 r.error(rid, s)
@@ -305,19 +353,24 @@ class Engine:
             pick, live, counters = Speculation.positions(samples, verify, where, dict(zip(samples, bound)))
         else:
             pick, live, ahead = [where[rid] for rid in samples], bound, self.state.awaiting
-            counters = [len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)]  # (in flight: drawn)
+            counters = [
+                len(x.completion.token_ids) + (rid in ahead) for rid, x in zip(samples, live)
+            ]  # (in flight: drawn)
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
         params = [x.params for x in live]
-        history = self._history(samples, verify, live) if any(p.penalized or p.min_tokens for p in params) else NO_HISTORY
+        history = (
+            self._history(samples, verify, live) if any(p.penalized or p.min_tokens for p in params) else NO_HISTORY
+        )
         ids = sample_batch(logits, params, [x.seed for x in live], counters, history)
         ks = [p.logprobs for p in params]
         lps = None if all(k is None for k in ks) else token_logprobs(logits, ids, [k or 0 for k in ks])
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids, lps
 
-    def _history(self, samples: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]],
-                 live: list[Live]) -> History:  # fmt: skip
+    def _history(
+        self, samples: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]], live: list[Live]
+    ) -> History:
         """What penalties and ``min_tokens`` read of each sampled row (``live``: one a logits row): its prompt and
         output ids (a verify row's position j: its output and the first j drafts), the model's stop ids, and the
         rows whose last output id is still on the device (overlapped scheduling: the last step's, ``_last``)."""
@@ -335,8 +388,9 @@ class Engine:
         pending = [(k, where[rid]) for k, rid in enumerate(samples) if rid in self.state.awaiting and rid in where]
         return History(ids, self.tokenizer.stop_token_ids, pending, last[1])
 
-    def _forward(self, meta: KVMetadata, verify: dict[RequestId, tuple[int, ...]], where: dict[RequestId, int],
-                 base: int) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self, meta: KVMetadata, verify: dict[RequestId, tuple[int, ...]], where: dict[RequestId, int], base: int
+    ) -> torch.Tensor:
         """One snapshot's forward queued: its logits, each request's first logits row in ``where`` (after ``base``).
         Decodes replay a graph where captured; a verify step goes one query token a row where it fits (the decode
         kernel and its graphs compute each position as a decode of it would: ``Worker.install``)."""
@@ -344,18 +398,24 @@ class Engine:
         batch = self.worker.install(meta, token_rows=verifying and meta.num_query_tokens <= self.worker.token_rows)
         rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
         tokens = self._tokens(meta, rows, verify)
-        at, places = (Speculation.logits_rows(meta.rows, verify, base) if verifying
-                      else (None, zip(rows, range(base, base + len(rows)))))  # (where its logits land)
+        at, places = (
+            Speculation.logits_rows(meta.rows, verify, base)
+            if verifying
+            else (None, zip(rows, range(base, base + len(rows))))
+        )  # (where its logits land)
         where.update(places)
         at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
             out = self.graphs.decode(tokens, batch)  # (every row's logits: a verify step's positions picked here)
             return out if at_dev is None or len(at_dev) == len(out) else out[at_dev]
-        out = self.model.forward(tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,)))
+        out = self.model.forward(
+            tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,))
+        )
         return out  # type: ignore[no-any-return]
 
-    def _tokens(self, meta: KVMetadata, rows: Sequence[RequestId],
-                verify: dict[RequestId, tuple[int, ...]] | None = None) -> torch.Tensor:  # fmt: skip
+    def _tokens(
+        self, meta: KVMetadata, rows: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]] | None = None
+    ) -> torch.Tensor:
         """The rows' query ids on the model's device: the last step's very ids, else ``query_ids`` copied once."""
         dev = self.model.device
         if isinstance(meta.rows, DecodeRows):
@@ -377,8 +437,11 @@ class Engine:
         return f"req-{self._next_id - 1}"
 
     # -- the whole-request API -------------------------------------------------------
-    def generate(self, prompts: Iterable[tuple[str, list[int], SamplingParams]],
-                 on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:  # fmt: skip
+    def generate(
+        self,
+        prompts: Iterable[tuple[str, list[int], SamplingParams]],
+        on_finish: Callable[[Completion], None] | None = None,
+    ) -> list[Completion]:
         """Serve ``prompts`` (text, ids, params) to the end: their completions, in order (``on_finish`` is called
         with each as it ends, and with any other request's the steps hand out). The requests are named
         ``req-N``, N counting up from the engine's last (a fresh engine: req-0, req-1, ... in order), skipping
@@ -387,12 +450,12 @@ class Engine:
             items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
             state = self.state
             for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-                state = self._submitted(state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)),
-                                        params)  # fmt: skip
+                state = self._submitted(
+                    state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)), params
+                )
             lives = [self._add(rid, text, ids, params) for rid, text, ids, params in items]
             while self.has_unfinished():
                 for comp in self._step(None):
                     if on_finish is not None:
                         on_finish(comp)
             return [x.completion for x in lives]
-

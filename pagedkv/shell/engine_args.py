@@ -52,7 +52,9 @@ class EngineArgs:
         if self.speculative_config is not None and self.async_scheduling:
             raise InvalidConfig("speculative decoding with async_scheduling is not served yet: use one of them")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidConfig(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise InvalidConfig(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 1):
             raise InvalidConfig(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
         fraction = self.gpu_memory_utilization
@@ -65,15 +67,19 @@ class EngineArgs:
         if self.max_model_len is None:
             return int(model.config.max_position)
         if self.max_model_len > model.config.max_position:
-            raise InvalidConfig(f"max_model_len {self.max_model_len} is past the model's {model.config.max_position} "
-                                "positions")  # fmt: skip
+            raise InvalidConfig(
+                f"max_model_len {self.max_model_len} is past the model's {model.config.max_position} positions"
+            )
         return self.max_model_len
 
     def step_tokens(self, model: Any) -> int:
         """The most query tokens one step's forward may hold: the budget, or with chunked prefill off a whole
         prompt (up to the model's length), which the scheduler runs alone when it is over the budget."""
-        return self.max_num_batched_tokens if self.chunked_prefill else max(self.max_num_batched_tokens,
-                                                                            self.model_len(model))
+        return (
+            self.max_num_batched_tokens
+            if self.chunked_prefill
+            else max(self.max_num_batched_tokens, self.model_len(model))
+        )
 
     def token_rows(self) -> int:
         """Query tokens a step may lay out one a forward row (``Worker``): with speculation, every request and all
@@ -85,8 +91,9 @@ class EngineArgs:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
         return get_backend(backend_for(self.backend, model.device))
 
-    def rank_for(self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None,
-                 kv_scales: Any = None) -> Rank:  # fmt: skip
+    def rank_for(
+        self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None, kv_scales: Any = None
+    ) -> Rank:
         """The KV side these arguments give ``model`` (``shell.rank.rank_for``); ``backend`` (by default
         ``attention(model)``) lends the pool its fused K/V write, where it has one; ``calibration``: token ids of
         the forward that computes fp8 pages' scales where the checkpoint has none; ``kv_scales``: fp8 pages' scales
@@ -94,25 +101,38 @@ class EngineArgs:
         backend = backend if backend is not None else self.attention(model)
         kv_dtype = kv_dtype_of(self.kv_cache_dtype)
         if kv_dtype is not None and not getattr(backend, "fp8_pages", False):
-            raise InvalidConfig(f"the {backend.name} backend has no fp8 path: kv_cache_dtype {self.kv_cache_dtype} "
-                                "runs on the torch, triton and flashinfer backends (the pool is never upcast in silence)")  # fmt: skip
+            raise InvalidConfig(
+                f"the {backend.name} backend has no fp8 path: kv_cache_dtype {self.kv_cache_dtype} "
+                "runs on the torch, triton and flashinfer backends (the pool is never upcast in silence)"
+            )
         if kv_dtype is not None and getattr(model, "state_shape", None) is not None:
             raise InvalidConfig("fp8 pages beside Mamba states are not served: a state kept in fp8 drifts step by step")
         if getattr(model, "state_shape", None) is not None and self.speculative_config is not None:
-            raise InvalidConfig("speculative decoding is not served for a model with Mamba states: a rejected draft "
-                                "would stay in the row's state (it cannot be cut back as K/V blocks are)")  # fmt: skip
+            raise InvalidConfig(
+                "speculative decoding is not served for a model with Mamba states: a rejected draft "
+                "would stay in the row's state (it cannot be cut back as K/V blocks are)"
+            )
         budget = self.kv_cache_memory_bytes
         if self.gpu_memory_utilization is not None:  # (the pages of the model's dtype or fp8: the plan they need)
             plan = plan_for(model, block_size=self.block_size, kv_dtype=kv_dtype)
-            budget = measured_budget(model, plan, fraction=self.gpu_memory_utilization, tokens=self.step_tokens(model),
-                                     backend=backend)  # fmt: skip
-        return rank_for(model, max_model_len=self.model_len(model), block_size=self.block_size,
-                        kv_cache_memory_bytes=budget,
-                        enable_prefix_caching=self.enable_prefix_caching, max_rows=self.max_num_seqs,
-                        max_tokens=self.step_tokens(model), token_rows=self.token_rows(), backend=backend,
-                        caching_point=self.caching_point, free_queue=self.free_queue, kv_dtype=kv_dtype,
-                        kv_scales=kv_scales if kv_scales is not None else scales_for(model, kv_dtype, calibration,
-                                                                                     backend))  # fmt: skip
+            budget = measured_budget(
+                model, plan, fraction=self.gpu_memory_utilization, tokens=self.step_tokens(model), backend=backend
+            )
+        return rank_for(
+            model,
+            max_model_len=self.model_len(model),
+            block_size=self.block_size,
+            kv_cache_memory_bytes=budget,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_rows=self.max_num_seqs,
+            max_tokens=self.step_tokens(model),
+            token_rows=self.token_rows(),
+            backend=backend,
+            caching_point=self.caching_point,
+            free_queue=self.free_queue,
+            kv_dtype=kv_dtype,
+            kv_scales=kv_scales if kv_scales is not None else scales_for(model, kv_dtype, calibration, backend),
+        )
 
 
 @dataclass(slots=True)

@@ -21,8 +21,9 @@ class BackendUnavailable(ShellError):
     """A backend (attention, a Mamba mixer) whose package is missing: the message names what to install."""
 
     def __init__(self, name: str, install: str, reason: str) -> None:
-        super().__init__(KVError(ErrorCode.INVALID, f"backend {name!r} is unavailable ({reason}); "
-                                                    f"install it with: {install}"))  # fmt: skip
+        super().__init__(
+            KVError(ErrorCode.INVALID, f"backend {name!r} is unavailable ({reason}); install it with: {install}")
+        )
         self.backend = name
 
 

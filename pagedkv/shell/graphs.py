@@ -49,9 +49,16 @@ def decode_template(config: CacheConfig) -> KVMetadata:
 class GraphDecoder:
     """Decode forwards of ``model`` on ``rank`` through ``backend``, one captured graph per bucket."""
 
-    def __init__(self, model: Any, rank: Rank, backend: AttentionBackend,
-                 buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:  # fmt: skip
-        self.model, self.pool, self.worker, self.backend, self.layout = model, rank.pool, rank.worker, backend, rank.layout
+    def __init__(
+        self, model: Any, rank: Rank, backend: AttentionBackend, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    ) -> None:
+        self.model, self.pool, self.worker, self.backend, self.layout = (
+            model,
+            rank.pool,
+            rank.worker,
+            backend,
+            rank.layout,
+        )
         self.config = rank.cache
         self.buckets = tuple(b for b in buckets if b <= self.worker.forward_rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}

@@ -39,14 +39,23 @@ class InstallRules:
     def __init__(self, worker: Buffers) -> None:
         self.w = worker
 
-    def check(self, meta: KVMetadata, installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
-               req_gen: dict[RequestId, int]) -> None:  # fmt: skip
+    def check(
+        self,
+        meta: KVMetadata,
+        installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+        req_gen: dict[RequestId, int],
+    ) -> None:
         if isinstance(meta.rows, DecodeRows) and meta.block_size == self.w.config.block_size:
             return self._check_decode(meta, meta.rows, installed, req_gen)
         self._check_general(meta, installed, req_gen)
 
-    def _check_general(self, meta: KVMetadata, installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
-                       req_gen: dict[RequestId, int], only: list[int] | None = None) -> None:  # fmt: skip
+    def _check_general(
+        self,
+        meta: KVMetadata,
+        installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+        req_gen: dict[RequestId, int],
+        only: list[int] | None = None,
+    ) -> None:
         """Every rule, row by row (``only``: just those rows of a decode forward the fast path did not settle)."""
         cfg = self.w.config
         if meta.block_size != cfg.block_size:
@@ -78,12 +87,17 @@ class InstallRules:
                 continue  # the very block lists installed (the core reuses unchanged ones): nothing to compare
             gen = req_gen.get(r.request_id, 0)
             if meta.generation == gen and r.block_ids != old[1]:
-                raise refuse(ErrorCode.CONFLICTING_METADATA,
-                             f"{where}: generation {gen} is installed with other block ids", request=r.request_id)
+                raise refuse(
+                    ErrorCode.CONFLICTING_METADATA,
+                    f"{where}: generation {gen} is installed with other block ids",
+                    request=r.request_id,
+                )
             if not self._extends(old[1], r.block_ids):
-                raise refuse(ErrorCode.CONFLICTING_METADATA,
-                             f"{where}: generation {meta.generation} does not extend what generation {gen} installed",
-                             request=r.request_id)  # fmt: skip
+                raise refuse(
+                    ErrorCode.CONFLICTING_METADATA,
+                    f"{where}: generation {meta.generation} does not extend what generation {gen} installed",
+                    request=r.request_id,
+                )
             self._check_slots(r, where)
         if new_rows > (len(self.w.free_rows) if installed is self.w.rows else self.w.max_rows):
             raise refuse(ErrorCode.INVALID, f"{new_rows} new rows, {len(self.w.free_rows)} buffer rows free")
@@ -97,16 +111,25 @@ class InstallRules:
         for r in meta.rows:
             segs = getattr(r, "segments", None)
             if not isinstance(segs, tuple) or len(segs) != 1 or not getattr(segs[0], "causal", False):
-                raise refuse(ErrorCode.INVALID, f"request {shown(r.request_id)}: only causal rows are laid out one "
-                                                "token a row (its segments are not one causal segment)")  # fmt: skip
+                raise refuse(
+                    ErrorCode.INVALID,
+                    f"request {shown(r.request_id)}: only causal rows are laid out one "
+                    "token a row (its segments are not one causal segment)",
+                )
             tokens += r.query_len if type(r.query_len) is int else 0
         if tokens > self.w.token_rows:
-            raise refuse(ErrorCode.INVALID, f"{tokens} query tokens laid out one a row; the buffers hold "
-                                            f"{self.w.token_rows} such rows")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"{tokens} query tokens laid out one a row; the buffers hold {self.w.token_rows} such rows",
+            )
 
-    def _check_decode(self, meta: KVMetadata, rows: DecodeRows,
-                      installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
-                      req_gen: dict[RequestId, int]) -> None:  # fmt: skip
+    def _check_decode(
+        self,
+        meta: KVMetadata,
+        rows: DecodeRows,
+        installed: dict[RowKey, tuple[int, tuple[tuple[int, ...], ...]]],
+        req_gen: dict[RequestId, int],
+    ) -> None:
         """``_check`` for a decode forward's columns: the same rules, read without making a record a row.
         A row whose block lists are the very ones installed needs only its length checked; any other row
         (new, or its lists grew) goes through the general checks."""
@@ -115,13 +138,17 @@ class InstallRules:
             return self._check_general(meta, installed, req_gen)  # the general path says what is wrong
         bs = self.w.config.block_size
         other = []
-        for i, (rid, blocks, seq_len, slot) in enumerate(zip(rows.request_ids, rows.block_ids, rows.seq_lens,
-                                                                rows.slots)):  # fmt: skip
+        for i, (rid, blocks, seq_len, slot) in enumerate(
+            zip(rows.request_ids, rows.block_ids, rows.seq_lens, rows.slots)
+        ):
             old = installed.get((rid, 0))
             if old is None or old[1] is not blocks:
                 other.append(i)
-            elif (not (1 <= seq_len <= len(blocks[0]) * bs) or blocks[0][(seq_len - 1) // bs] == 0
-                  or slot != blocks[0][(seq_len - 1) // bs] * bs + (seq_len - 1) % bs):  # fmt: skip
+            elif (
+                not (1 <= seq_len <= len(blocks[0]) * bs)
+                or blocks[0][(seq_len - 1) // bs] == 0
+                or slot != blocks[0][(seq_len - 1) // bs] * bs + (seq_len - 1) % bs
+            ):
                 self._check_row(rows[i], f"request {rid!r} row 0", same_blocks=True)  # raises, saying which
                 self._check_slots(rows[i], f"request {rid!r} row 0")
         if other:
@@ -142,13 +169,17 @@ class InstallRules:
         nb = len(r.block_ids[0])
         for g, ids in enumerate(() if same_blocks else r.block_ids):  # installed lists were checked then
             if len(ids) != nb or nb > self.w.max_blocks:
-                raise refuse(ErrorCode.INVALID, f"{where}: {len(ids)} blocks in group {g}; rows hold {self.w.max_blocks}")
+                raise refuse(
+                    ErrorCode.INVALID, f"{where}: {len(ids)} blocks in group {g}; rows hold {self.w.max_blocks}"
+                )
             for b in ids:
                 if type(b) is not int or not 0 <= b < cfg.num_blocks:
                     raise refuse(ErrorCode.INVALID, f"{where}: block id {b!r} outside [0, {cfg.num_blocks})")
         if not (0 <= r.kv_start_pos and r.query_len >= 1 and r.kv_start_pos + r.query_len == r.seq_len):
-            raise refuse(ErrorCode.INVALID, f"{where}: lengths start {r.kv_start_pos} + query {r.query_len} "
-                                            f"!= seq_len {r.seq_len}")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"{where}: lengths start {r.kv_start_pos} + query {r.query_len} != seq_len {r.seq_len}",
+            )
         if r.seq_len > nb * cfg.block_size:
             raise refuse(ErrorCode.INVALID, f"{where}: seq_len {r.seq_len} exceeds its {nb} blocks")
         if len(r.slots) != r.query_len:
@@ -162,8 +193,12 @@ class InstallRules:
         bs, table = self.w.config.block_size, r.block_ids[0]
         for p, slot in enumerate(r.slots, r.kv_start_pos):
             if type(slot) is not int or slot != table[p // bs] * bs + p % bs:
-                raise refuse(ErrorCode.INVALID, f"{where}: slot {shown(slot)} of position {p} is not the block table's "
-                                                f"{table[p // bs] * bs + p % bs}", request=r.request_id)  # fmt: skip
+                raise refuse(
+                    ErrorCode.INVALID,
+                    f"{where}: slot {shown(slot)} of position {p} is not the block table's "
+                    f"{table[p // bs] * bs + p % bs}",
+                    request=r.request_id,
+                )
 
     def _extends(self, old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> bool:
         for g, (a, b) in enumerate(zip(old, new)):  # (shorter lists: a row cut back, its tail's blocks gone)

@@ -24,8 +24,16 @@ class LatentPagePool:
     """Per layer ``(num_blocks, block_size, latent_dim)``. An fp8 ``dtype`` (``pool.FP8``) holds each layer's latents
     over its scale (``scales``, one a layer: a page holds ``latent / scale``); ``latents(layer, ids)`` reads them back."""
 
-    def __init__(self, config: CacheConfig, *, num_layers: int, latent_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", scales: Sequence[float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        num_layers: int,
+        latent_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        scales: Sequence[float] | None = None,
+    ) -> None:
         self.config, self.num_layers, self.latent_dim = config, num_layers, latent_dim
         shape = (config.num_blocks, config.block_size, latent_dim)  # no heads: one vector per token
         self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -53,8 +61,18 @@ class LatentPagePool:
         return lat * self.scales[layer] if self.fp8 else lat
 
 
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: LatentPagePool, layer: int, batch: ForwardBatch,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, *, absorbed: bool) -> torch.Tensor:  # fmt: skip
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    pool: LatentPagePool,
+    layer: int,
+    batch: ForwardBatch,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    *,
+    absorbed: bool,
+) -> torch.Tensor:
     """q_nope (tokens, heads, d_nope), q_pe (tokens, heads, d_rope); w_uk (heads, d_nope, rank),
     w_uv (heads, d_v, rank) -> (tokens, heads, d_v). Causal within each row, keys from layer ``layer``'s pages."""
     bs = pool.config.block_size

@@ -46,8 +46,16 @@ def state_blocks(batch: ForwardBatch, group: int) -> torch.Tensor:
 class MixerBackend(Protocol):
     name: str
 
-    def forward(self, xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
-                blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: Mamba2Weights,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        blocks: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         """``xbc`` (tokens, conv_dim): the convolution's input (x, B, C); ``dt`` (tokens, heads), before its bias
         and softplus; ``conv`` (num_blocks, conv_dim, kernel - 1) and ``ssm`` (num_blocks, heads, head_dim,
         d_state): the layer's state pages; ``blocks``: ``state_blocks``. -> y (tokens, heads * head_dim), the
@@ -60,13 +68,22 @@ class TorchMixer:
 
     name = "torch"
 
-    def forward(self, xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
-                blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: Mamba2Weights,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        blocks: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         if batch.num_tokens == batch.num_rows:
             return self._step(xbc, dt, w, conv, ssm, blocks, batch)
 
-        def row(x: torch.Tensor, d: torch.Tensor, cs: torch.Tensor | None,
-                s0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        def row(
+            x: torch.Tensor, d: torch.Tensor, cs: torch.Tensor | None, s0: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             h, new_cs = conv_prefill(x, torch.zeros_like(conv[0]) if cs is None else cs, w)
             y, s1 = ssd_scan(h, d, w, torch.zeros_like(ssm[0], dtype=torch.float32) if s0 is None else s0.float())
             return y, new_cs, s1
@@ -74,8 +91,15 @@ class TorchMixer:
         return by_row(xbc, dt, w, conv, ssm, blocks, batch, row)
 
     @staticmethod
-    def _step(xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
-              blocks: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+    def _step(
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: Mamba2Weights,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        blocks: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         """One query token a row, every row at once: the recurrent form."""
         n = xbc.shape[0]
         live = ((batch.kv_start > 0) & (blocks > 0))[:, None]  # rows that carry a state in
@@ -95,14 +119,24 @@ class TorchMixer:
         return y.reshape(n, -1).to(xbc.dtype)
 
 
-RowScan = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"],
-                   tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+RowScan = Callable[
+    [torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
 """``(xbc, dt, conv state | None, ssm state | None) -> (y, conv state, ssm state)``: one row's query tokens from where
 its states leave it (None: the row starts at position 0)."""
 
 
-def by_row(xbc: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, conv: torch.Tensor, ssm: torch.Tensor,
-           blocks: torch.Tensor, batch: ForwardBatch, scan: RowScan) -> torch.Tensor:  # fmt: skip
+def by_row(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    w: Mamba2Weights,
+    conv: torch.Tensor,
+    ssm: torch.Tensor,
+    blocks: torch.Tensor,
+    batch: ForwardBatch,
+    scan: RowScan,
+) -> torch.Tensor:
     """A forward of several query tokens a row, row by row (both backends' prefill): each row's states read from its
     state block (None where the row starts at 0: a block just taken may hold someone's old state), ``scan`` over its
     tokens, the new states written back. -> y (tokens, heads * head_dim)."""
@@ -125,12 +159,15 @@ def conv_prefill(xbc: torch.Tensor, cs: torch.Tensor, w: Mamba2Weights) -> tuple
     """The causal depthwise convolution over one row's query tokens, ``xbc`` (L, conv_dim), after the inputs its
     state ``cs`` (conv_dim, k - 1) holds -> (silu(conv) (L, conv_dim) fp32, the new state (conv_dim, k - 1))."""
     window = torch.cat((cs.float(), xbc.float().T), dim=-1)[None]  # (1, conv_dim, k - 1 + L)
-    x = F.conv1d(window, w.conv_w.float()[:, None, :], None if w.conv_b is None else w.conv_b.float(),
-                 groups=window.shape[1])[0]  # fmt: skip
+    x = F.conv1d(
+        window, w.conv_w.float()[:, None, :], None if w.conv_b is None else w.conv_b.float(), groups=window.shape[1]
+    )[0]
     return F.silu(x.T), window[0, :, -cs.shape[-1] :]
 
 
-def ssd_scan(x: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2's SSD over one row, chunk by chunk (``w.chunk`` tokens): ``x`` (L, conv_dim) after the convolution,
     ``dt`` (L, heads) raw, ``state`` (heads, head_dim, d_state) fp32 where the row's earlier tokens left it ->
     (y (L, heads * head_dim) fp32, the state after the last token).

@@ -73,9 +73,15 @@ class Outcomes:
                         live.started = True
                         live.completion.cached_tokens = row.kv_start_pos
 
-    def take(self, plan: StepPlan, bound: Sequence[Live], tokens: list[int],
-             on_token: Callable[[RequestId, int], None] | None, stats: EngineStats,
-             logprobs: list[list[float]] | None = None) -> tuple[dict[RequestId, Any], list[RequestId]]:  # fmt: skip
+    def take(
+        self,
+        plan: StepPlan,
+        bound: Sequence[Live],
+        tokens: list[int],
+        on_token: Callable[[RequestId, int], None] | None,
+        stats: EngineStats,
+        logprobs: list[list[float]] | None = None,
+    ) -> tuple[dict[RequestId, Any], list[RequestId]]:
         """The step's sampled ``tokens`` (one a sampled request, one a position of a request that verified drafts,
         in ``plan.samples``' order; ``bound``: the requests they were sampled for, in that order) and, where any
         request asked them, their ``logprobs`` rows (``sampling.token_logprobs``): each request's token kept
@@ -193,8 +199,9 @@ class Outcomes:
         ``error`` (its tokens stand)."""
         comp = live.completion
         try:
-            comp.text = cut_at_stop(self.tokenizer.decode(comp.token_ids), cast("tuple[str, ...]", live.params.stop),
-                                    live.stop_from)  # fmt: skip
+            comp.text = cut_at_stop(
+                self.tokenizer.decode(comp.token_ids), cast("tuple[str, ...]", live.params.stop), live.stop_from
+            )
         except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
             comp.text, comp.error = "", f"the detokenizer failed: {one_line(e)}"
 

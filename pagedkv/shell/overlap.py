@@ -31,8 +31,15 @@ class Overlap:
     def __init__(self) -> None:
         self.pending: tuple[StepPlan, tuple[Live, ...], Readback, Readback | None] | None = None
 
-    def resolve(self, engine: Any, plan: StepPlan, bound: Sequence[Live], ids: torch.Tensor | None,
-                logprobs: torch.Tensor | None, on_token: Any) -> dict[RequestId, None]:  # fmt: skip
+    def resolve(
+        self,
+        engine: Any,
+        plan: StepPlan,
+        bound: Sequence[Live],
+        ids: torch.Tensor | None,
+        logprobs: torch.Tensor | None,
+        on_token: Any,
+    ) -> dict[RequestId, None]:
         """The last step's ids (and logprob rows, where asked) read (this step is queued behind it), taken by their
         requests and told to the scheduler; this step's samples, as ``on_output`` takes them ahead of their ids
         (those still live)."""
@@ -49,8 +56,9 @@ class Overlap:
         return self.pending is not None and any(x is live for x in self.pending[1])
 
     @staticmethod
-    def _take(engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, logprobs: Readback | None,
-              on_token: Any) -> None:  # fmt: skip
+    def _take(
+        engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, logprobs: Readback | None, on_token: Any
+    ) -> None:
         tokens: list[int] = ids.tolist()  # (waits for that step's copy, not this step)
         rows = None if logprobs is None else logprobs.tolist()
         sampled, stop = engine.outcomes.take(plan, bound, tokens, on_token, engine.stats, rows)
@@ -65,7 +73,9 @@ class Overlap:
         for rid, _ in ended:
             del requests[rid]
         # those that stopped on these ids, and those that ended while these ids were on the device
-        engine.outcomes.finished(x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x)
+        engine.outcomes.finished(
+            x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x
+        )
 
     def abandon(self) -> list[Live]:
         """A step failed with the last one's ids unread: they are lost. The requests they were sampled for and
@@ -74,12 +84,15 @@ class Overlap:
         return [] if pending is None else [x for x in pending[1] if not x.handed_out]
 
     @staticmethod
-    def gather(rows: Any, last: tuple[tuple[RequestId, ...], torch.Tensor], requests: Any, device: torch.device) -> torch.Tensor:
+    def gather(
+        rows: Any, last: tuple[tuple[RequestId, ...], torch.Tensor], requests: Any, device: torch.device
+    ) -> torch.Tensor:
         """A decode batch's input ids: the last step's, taken on the device, for the rows it sampled; the others'
         last ids (known) from the host."""
         where = {rid: i for i, rid in enumerate(last[0])}
-        out = to_device([0 if rid in where else requests[rid].completion.token_ids[-1] for rid in rows], torch.int64,
-                        device)  # fmt: skip
+        out = to_device(
+            [0 if rid in where else requests[rid].completion.token_ids[-1] for rid in rows], torch.int64, device
+        )
         dst = [k for k, rid in enumerate(rows) if rid in where]
         src = to_device([where[rows[k]] for k in dst], torch.int64, device)
         out[to_device(dst, torch.int64, device)] = last[1][src]

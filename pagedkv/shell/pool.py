@@ -53,9 +53,18 @@ class PagePool:
     a block's K and V side by side, so K's and V's block stride is the whole page), and ``conv[slot]``,
     ``ssm[slot]`` view the same pages as states (the rest of a page is padding)."""
 
-    def __init__(self, config: CacheConfig, *, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 write: KVWrite | None = None, state: StateShape | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        write: KVWrite | None = None,
+        state: StateShape | None = None,
+    ) -> None:
         self.config = config
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -74,8 +83,10 @@ class PagePool:
         else:
             page = 2 * bs * kv_heads * head_dim
             if state.elements > page:
-                raise InvalidConfig(f"a state of {state.elements} elements does not fit a page of {page} "
-                                    f"(block size {bs}): plan the pool with plan_rank")  # fmt: skip
+                raise InvalidConfig(
+                    f"a state of {state.elements} elements does not fit a page of {page} "
+                    f"(block size {bs}): plan the pool with plan_rank"
+                )
             raw = [torch.zeros((nb, page), dtype=dtype, device=self.device) for _ in range(num_layers)]
             kv = [r.view(nb, 2, bs, kv_heads, head_dim) for r in raw]
             self.k, self.v = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
@@ -89,8 +100,14 @@ class PagePool:
     def bytes(self) -> int:
         return self._bytes
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-              scales: tuple[float, float] = (1.0, 1.0)) -> None:  # fmt: skip
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scales: tuple[float, float] = (1.0, 1.0),
+    ) -> None:
         """Write this forward's K/V, ``(tokens, kv_heads, head_dim)``, once, through the slot mapping (fp8 pages:
         quantized by the layer's ``scales``, K's and V's).
 

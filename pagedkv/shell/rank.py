@@ -26,11 +26,14 @@ from pagedkv.shell.worker import Worker
 PAGED_KINDS = (LayerKind.FULL, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL)  # what PagePool's K/V pages hold
 
 
-def attention_layers(num_layers: int, *, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                     prefix: str = "layer") -> tuple[LayerSpec, ...]:  # fmt: skip
+def attention_layers(
+    num_layers: int, *, kv_heads: int, head_dim: int, dtype: torch.dtype, prefix: str = "layer"
+) -> tuple[LayerSpec, ...]:
     """``num_layers`` full-attention layers of one K/V shape (a Llama, the DiT reference)."""
-    return tuple(LayerSpec(f"{prefix}{i}", kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype.itemsize)
-                 for i in range(num_layers))  # fmt: skip
+    return tuple(
+        LayerSpec(f"{prefix}{i}", kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype.itemsize)
+        for i in range(num_layers)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,28 +56,34 @@ class RankPlan:
         return self.groups.cache_config(num_blocks, **limits)
 
 
-def plan_rank(layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtype,
-              state: StateShape | None = None) -> RankPlan:  # fmt: skip
+def plan_rank(
+    layers: Sequence[LayerSpec], *, block_size: int, dtype: torch.dtype, state: StateShape | None = None
+) -> RankPlan:
     """Plan ``layers`` (``plan_groups``) for K/V pages of one shape, and Mamba layers' states of shape ``state`` in
     the same pages; raises ``InvalidConfig`` for layers these pages cannot hold (MLA's latent pages have a pool of
     their own) and for state layers without ``state`` or of another size."""
     owners = [layer for layer in layers if layer.kv_sharing_target is None]
-    odd = sorted({layer.kind.value for layer in owners if layer.kind not in PAGED_KINDS and layer.kind is not LayerKind.MAMBA})
+    odd = sorted(
+        {layer.kind.value for layer in owners if layer.kind not in PAGED_KINDS and layer.kind is not LayerKind.MAMBA}
+    )
     if odd:
         raise InvalidConfig(f"K/V page pools hold attention layers with heads; {odd} layers need their own pools")
     states = {layer.state_bytes for layer in owners if layer.kind is LayerKind.MAMBA}
     if states and (state is None or states != {state.elements * dtype.itemsize}):
-        raise InvalidConfig(f"state layers of {sorted(states, key=str)} bytes need one state shape of that size "
-                            f"(plan_rank's state: {state})")  # fmt: skip
+        raise InvalidConfig(
+            f"state layers of {sorted(states, key=str)} bytes need one state shape of that size "
+            f"(plan_rank's state: {state})"
+        )
     attention = [layer for layer in owners if layer.kind is not LayerKind.MAMBA]
     if not attention:
         raise InvalidConfig("a pool of state layers alone is not planned: the pages take their size from attention")
     shapes = {(layer.kv_heads, layer.head_dim, layer.dtype_bytes) for layer in attention}
     if len(shapes) > 1:
-        raise InvalidConfig(f"one page pool holds one K/V shape (kv_heads, head_dim, dtype bytes); "
-                            f"these layers have {sorted(shapes)}")  # fmt: skip
+        raise InvalidConfig(
+            f"one page pool holds one K/V shape (kv_heads, head_dim, dtype bytes); these layers have {sorted(shapes)}"
+        )
     plan = plan_groups(tuple(layers), block_size)
-    (kv_heads, head_dim, dtype_bytes), = shapes
+    ((kv_heads, head_dim, dtype_bytes),) = shapes
     if dtype_bytes != dtype.itemsize:
         raise InvalidConfig(f"layers of {dtype_bytes}-byte elements planned for {dtype} pages")
     return RankPlan(plan, kv_heads, head_dim, dtype, state if states else None)
@@ -88,22 +97,34 @@ class PoolSizing:
     tokens: int  # tokens the usable blocks hold
 
     def __str__(self) -> str:
-        return (f"{self.num_blocks} blocks ({self.num_blocks - 1} usable) x {self.page_bytes} bytes = "
-                f"{self.total_bytes / 2**20:.1f} MiB, {self.tokens} tokens")  # fmt: skip
+        return (
+            f"{self.num_blocks} blocks ({self.num_blocks - 1} usable) x {self.page_bytes} bytes = "
+            f"{self.total_bytes / 2**20:.1f} MiB, {self.tokens} tokens"
+        )
 
 
-def size_pool(plan: RankPlan, *, device: torch.device | str = "cpu", kv_cache_memory_bytes: int | None = None,
-              memory_fraction: float | None = None, profile: Callable[[], object] | None = None) -> PoolSizing:  # fmt: skip
+def size_pool(
+    plan: RankPlan,
+    *,
+    device: torch.device | str = "cpu",
+    kv_cache_memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    profile: Callable[[], object] | None = None,
+) -> PoolSizing:
     """Blocks for an explicit byte budget (``num_blocks_for_budget``), or (CUDA) for a memory fraction
     of the device minus the non-KV memory a profile forward of the largest shape takes."""
     device = torch.device(device)
     if kv_cache_memory_bytes is None:
         if device.type != "cuda":
-            raise InvalidConfig(f"on {device.type} the KV budget must be given: pass kv_cache_memory_bytes "
-                                "(a memory fraction is measured only on CUDA)")  # fmt: skip
+            raise InvalidConfig(
+                f"on {device.type} the KV budget must be given: pass kv_cache_memory_bytes "
+                "(a memory fraction is measured only on CUDA)"
+            )
         if memory_fraction is None or not 0 < memory_fraction <= 1 or profile is None:
-            raise InvalidConfig("on CUDA give kv_cache_memory_bytes, or memory_fraction in (0, 1] with a profile "
-                                "forward of the largest shape")  # fmt: skip
+            raise InvalidConfig(
+                "on CUDA give kv_cache_memory_bytes, or memory_fraction in (0, 1] with a profile "
+                "forward of the largest shape"
+            )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         profile()
@@ -112,8 +133,10 @@ def size_pool(plan: RankPlan, *, device: torch.device | str = "cpu", kv_cache_me
         total = torch.cuda.get_device_properties(device).total_memory
         kv_cache_memory_bytes = int(total * memory_fraction) - non_kv
         if kv_cache_memory_bytes < 0:
-            raise InvalidConfig(f"the profile forward takes {non_kv} bytes: {memory_fraction} of the device's "
-                                f"{total} leaves nothing for KV pages")  # fmt: skip
+            raise InvalidConfig(
+                f"the profile forward takes {non_kv} bytes: {memory_fraction} of the device's "
+                f"{total} leaves nothing for KV pages"
+            )
     n = num_blocks_for_budget(kv_cache_memory_bytes, plan.groups)
     per_block = plan.groups.bytes_per_block
     return PoolSizing(n, per_block, n * per_block, (n - 1) * plan.block_size)
@@ -144,11 +167,15 @@ class Layout:
     by layer slot i of every group; block ids are unique across groups, so they never collide). A layer
     that reads another's KV takes its target's place."""
 
-    def __init__(self, plan: GroupPlan, groups: tuple[GroupSpec, ...],
-                 kv_scales: Mapping[str, tuple[float, float]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, plan: GroupPlan, groups: tuple[GroupSpec, ...], kv_scales: Mapping[str, tuple[float, float]] | None = None
+    ) -> None:
         scales = kv_scales or {}
-        self.by_name = {name: LayerPlace(g, groups[g], i, scales.get(name, (1.0, 1.0)))
-                        for g, pg in enumerate(plan.groups) for i, name in enumerate(pg.layers)}  # fmt: skip
+        self.by_name = {
+            name: LayerPlace(g, groups[g], i, scales.get(name, (1.0, 1.0)))
+            for g, pg in enumerate(plan.groups)
+            for i, name in enumerate(pg.layers)
+        }
         for layer, target in plan.shared:
             self.by_name[layer] = self.by_name[target]
         self._of: dict[tuple[str, ...], tuple[LayerPlace, ...]] = {}
@@ -190,29 +217,53 @@ class Rank:
         return self.cache.groups[0]
 
 
-def build_rank(plan: RankPlan, cache: CacheConfig, *, max_rows: int, max_tokens: int, token_rows: int = 0,
-               device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
-               kv_scales: Mapping[str, tuple[float, float]] | None = None) -> Rank:  # fmt: skip
+def build_rank(
+    plan: RankPlan,
+    cache: CacheConfig,
+    *,
+    max_rows: int,
+    max_tokens: int,
+    token_rows: int = 0,
+    device: torch.device | str = "cpu",
+    backend: AttentionBackend | None = None,
+    kv_scales: Mapping[str, tuple[float, float]] | None = None,
+) -> Rank:
     """Pages and worker buffers for ``cache`` (rank 0's geometry, or the one it broadcast), which must be
     ``plan``'s: the same block size and groups. Rows hold ``max_model_len`` (every block a row can need);
     ``token_rows``: query tokens a forward may lay out one a row (``Worker``); ``backend`` lends the pool its
     fused K/V write, when it has one; ``kv_scales``: each layer's K and V scale, for fp8 pages (``shell.kv_scales``)."""
     want = plan.cache_config(cache.num_blocks)
     if (cache.block_size, cache.groups) != (want.block_size, want.groups):
-        raise InvalidConfig(f"geometry of block size {cache.block_size} and groups {[g.name for g in cache.groups]} "
-                            f"is not this rank's plan ({want.block_size}, {[g.name for g in want.groups]})")  # fmt: skip
+        raise InvalidConfig(
+            f"geometry of block size {cache.block_size} and groups {[g.name for g in cache.groups]} "
+            f"is not this rank's plan ({want.block_size}, {[g.name for g in want.groups]})"
+        )
     if cache.max_model_len is None:
         raise InvalidConfig("a rank's geometry needs max_model_len: it sizes the block-table rows")
-    pool = PagePool(cache, num_layers=plan.groups.layers_per_group, kv_heads=plan.kv_heads, head_dim=plan.head_dim,
-                    dtype=plan.dtype, device=device, write=None if backend is None else backend.kv_write,
-                    state=plan.state)  # fmt: skip
-    worker = Worker(cache, max_rows=max_rows, max_blocks_per_row=cache.blocks_for(cache.max_model_len),
-                    max_tokens=max_tokens, token_rows=token_rows, device=device)  # fmt: skip
+    pool = PagePool(
+        cache,
+        num_layers=plan.groups.layers_per_group,
+        kv_heads=plan.kv_heads,
+        head_dim=plan.head_dim,
+        dtype=plan.dtype,
+        device=device,
+        write=None if backend is None else backend.kv_write,
+        state=plan.state,
+    )
+    worker = Worker(
+        cache,
+        max_rows=max_rows,
+        max_blocks_per_row=cache.blocks_for(cache.max_model_len),
+        max_tokens=max_tokens,
+        token_rows=token_rows,
+        device=device,
+    )
     return Rank(plan, cache, pool, worker, Layout(plan.groups, cache.groups, kv_scales))
 
 
-def measured_budget(model: PagedModel, plan: RankPlan, *, fraction: float, tokens: int,
-                    backend: AttentionBackend) -> int:  # fmt: skip
+def measured_budget(
+    model: PagedModel, plan: RankPlan, *, fraction: float, tokens: int, backend: AttentionBackend
+) -> int:
     """vLLM's ``gpu_memory_utilization`` on CUDA: the bytes of KV pages ``fraction`` of the device leaves once
     the weights and a forward of the largest step (one row of ``tokens`` query tokens, over a pool of the model's
     dtype just big enough for it) are counted (``size_pool``'s measure), in ``plan``'s blocks (fp8 ones too);
@@ -242,19 +293,41 @@ def plan_for(model: PagedModel, *, block_size: int, kv_dtype: torch.dtype | None
     layers = tuple(model.kv_layers())
     if kv_dtype is not None:
         layers = tuple(replace(x, dtype_bytes=kv_dtype.itemsize) if x.kind in PAGED_KINDS else x for x in layers)
-    return plan_rank(layers, block_size=block_size, dtype=kv_dtype or model.dtype, state=getattr(model, "state_shape", None))
+    return plan_rank(
+        layers, block_size=block_size, dtype=kv_dtype or model.dtype, state=getattr(model, "state_shape", None)
+    )
 
 
-def rank_for(model: PagedModel, *, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
-             enable_prefix_caching: bool, max_rows: int, max_tokens: int, token_rows: int = 0,
-             backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None,
-             kv_scales: Mapping[str, tuple[float, float]] | None = None, **policies: str) -> Rank:  # fmt: skip
+def rank_for(
+    model: PagedModel,
+    *,
+    max_model_len: int,
+    block_size: int,
+    kv_cache_memory_bytes: int,
+    enable_prefix_caching: bool,
+    max_rows: int,
+    max_tokens: int,
+    token_rows: int = 0,
+    backend: AttentionBackend | None = None,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: Mapping[str, tuple[float, float]] | None = None,
+    **policies: str,
+) -> Rank:
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
     ``kv_scales``). ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
     plan = plan_for(model, block_size=block_size, kv_dtype=kv_dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
-    cache = plan.cache_config(sizing.num_blocks, enable_prefix_caching=enable_prefix_caching,
-                              max_model_len=max_model_len, **policies)  # fmt: skip
-    return build_rank(plan, cache, max_rows=max_rows, max_tokens=max_tokens, token_rows=token_rows,
-                      device=model.device, backend=backend, kv_scales=kv_scales)  # fmt: skip
+    cache = plan.cache_config(
+        sizing.num_blocks, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **policies
+    )
+    return build_rank(
+        plan,
+        cache,
+        max_rows=max_rows,
+        max_tokens=max_tokens,
+        token_rows=token_rows,
+        device=model.device,
+        backend=backend,
+        kv_scales=kv_scales,
+    )

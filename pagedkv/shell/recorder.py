@@ -29,8 +29,13 @@ class Recorder:
     def _line(self, event: dict[str, Any], after: SchedState | None = None, **fields: Any) -> None:
         if after is not None and self.expect:
             kv = after.kv
-            event["expect"] = {"ok": True, "generation": kv.generation, "free_blocks": kv.free_blocks,
-                               "digest": sched_digest(after), **fields}  # fmt: skip
+            event["expect"] = {
+                "ok": True,
+                "generation": kv.generation,
+                "free_blocks": kv.free_blocks,
+                "digest": sched_digest(after),
+                **fields,
+            }
         self.out.write(json.dumps(event) + "\n")
         self.events += 1
 
@@ -48,21 +53,37 @@ class Recorder:
         """A request the engine ended with reason ``error`` (a failed step): the scheduler's cancel with that reason."""
         self._line({"op": "error", "request": rid}, after)
 
-    def schedule(self, after: SchedState | None = None, plan: StepPlan | None = None,
-                 drafts: Mapping[RequestId, Sequence[int]] | None = None) -> None:  # fmt: skip
+    def schedule(
+        self,
+        after: SchedState | None = None,
+        plan: StepPlan | None = None,
+        drafts: Mapping[RequestId, Sequence[int]] | None = None,
+    ) -> None:
         event: dict[str, Any] = {"op": "schedule"}
         if drafts:  # (written only when there are any: a run without drafts records as before)
             event["drafts"] = [[rid, list(ids)] for rid, ids in drafts.items()]
         self._line(event, after, **({"plan": plan_json(plan)} if plan is not None else {}))
 
-    def tokens(self, sampled: Mapping[RequestId, int], finished: Iterable[RequestId], after: SchedState | None = None,
-               ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
+    def tokens(
+        self,
+        sampled: Mapping[RequestId, int],
+        finished: Iterable[RequestId],
+        after: SchedState | None = None,
+        ended: Iterable[tuple[RequestId, str]] = (),
+    ) -> None:
         """The ids of an earlier output's ``None`` tokens (overlapped scheduling: ``on_tokens``)."""
         event = {**output_event(sampled, finished), "op": "tokens"}
         self._line(event, after, **({} if after is None else {"finished": [[r, str(h)] for r, h in ended]}))
 
-    def output(self, sampled: Mapping[RequestId, int | Sequence[int] | None], finished: Iterable[RequestId],
-               after: SchedState | None = None,
-               ended: Iterable[tuple[RequestId, str]] = ()) -> None:  # fmt: skip
-        self._line(output_event(sampled, finished), after, **({} if after is None else
-                                                               {"finished": [[r, str(h)] for r, h in ended]}))
+    def output(
+        self,
+        sampled: Mapping[RequestId, int | Sequence[int] | None],
+        finished: Iterable[RequestId],
+        after: SchedState | None = None,
+        ended: Iterable[tuple[RequestId, str]] = (),
+    ) -> None:
+        self._line(
+            output_event(sampled, finished),
+            after,
+            **({} if after is None else {"finished": [[r, str(h)] for r, h in ended]}),
+        )

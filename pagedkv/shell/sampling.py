@@ -83,24 +83,42 @@ def params_problem(params: object) -> str | None:
     p = params
     checks = (
         ("max_tokens", type(p.max_tokens) is int and 1 <= p.max_tokens < 1 << 63, "an integer in [1, 2**63)"),
-        ("temperature", isinstance(p.temperature, (int, float)) and not isinstance(p.temperature, bool)
-         and math.isfinite(p.temperature) and p.temperature >= 0, "a finite number >= 0"),
+        (
+            "temperature",
+            isinstance(p.temperature, (int, float))
+            and not isinstance(p.temperature, bool)
+            and math.isfinite(p.temperature)
+            and p.temperature >= 0,
+            "a finite number >= 0",
+        ),
         ("top_k", type(p.top_k) is int and 0 <= p.top_k < 1 << 31, "an integer in [0, 2**31)"),
-        ("top_p", isinstance(p.top_p, (int, float)) and not isinstance(p.top_p, bool) and 0 < p.top_p <= 1,
-         "a number in (0, 1]"),
+        (
+            "top_p",
+            isinstance(p.top_p, (int, float)) and not isinstance(p.top_p, bool) and 0 < p.top_p <= 1,
+            "a number in (0, 1]",
+        ),
         ("seed", p.seed is None or (type(p.seed) is int and 0 <= p.seed < 1 << 63), "an integer in [0, 2**63) or None"),
-        ("stop", isinstance(p.stop, tuple) and all(type(x) is str and x for x in p.stop),
-         "a string or a sequence of non-empty strings"),
+        (
+            "stop",
+            isinstance(p.stop, tuple) and all(type(x) is str and x for x in p.stop),
+            "a string or a sequence of non-empty strings",
+        ),
         ("n", type(p.n) is int and 1 <= p.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
         ("repetition_penalty", _number(p.repetition_penalty) and p.repetition_penalty > 0, "a finite number > 0"),
         ("presence_penalty", _number(p.presence_penalty) and -2 <= p.presence_penalty <= 2, "a number in [-2, 2]"),
         ("frequency_penalty", _number(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2, "a number in [-2, 2]"),
-        ("min_tokens", type(p.min_tokens) is int and 0 <= p.min_tokens <= p.max_tokens if type(p.max_tokens) is int
-         else False, "an integer in [0, max_tokens]"),
+        (
+            "min_tokens",
+            type(p.min_tokens) is int and 0 <= p.min_tokens <= p.max_tokens if type(p.max_tokens) is int else False,
+            "an integer in [0, max_tokens]",
+        ),
         ("ignore_eos", type(p.ignore_eos) is bool, "true or false"),
-        ("logprobs", p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS),
-         f"an integer in [0, {MAX_LOGPROBS}] or None"),
-    )  # fmt: skip
+        (
+            "logprobs",
+            p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS),
+            f"an integer in [0, {MAX_LOGPROBS}] or None",
+        ),
+    )
     for name, ok, what in checks:
         if not ok:
             return f"{name} must be {what}, got {shown(getattr(p, name)):.60}"
@@ -158,8 +176,13 @@ class History:
 NO_HISTORY = History()
 
 
-def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                 counters: Sequence[int], history: History = NO_HISTORY) -> torch.Tensor:  # fmt: skip
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    counters: Sequence[int],
+    history: History = NO_HISTORY,
+) -> torch.Tensor:
     """Every row's token at once, on ``logits``' device: (rows,) int64. Row ``i`` samples with ``params[i]``,
     drawing the race noise of (``seeds[i]``, ``counters[i]``: the tokens its request drew before), after its
     penalties and ``min_tokens`` (``history``). No host sync."""
@@ -173,8 +196,11 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: 
     rows = to_device(drawn, torch.int64, dev)
     temps = to_device([p.temperature for p in ps], torch.float32, dev)
     probs = torch.softmax(logits[rows].float() / temps[:, None], dim=-1)
-    noise = race_noise(to_device([seeds[i] for i in drawn], torch.int64, dev),
-                       to_device([counters[i] for i in drawn], torch.int64, dev), probs.shape[1])  # fmt: skip
+    noise = race_noise(
+        to_device([seeds[i] for i in drawn], torch.int64, dev),
+        to_device([counters[i] for i in drawn], torch.int64, dev),
+        probs.shape[1],
+    )
     if any(p.top_k > 0 or p.top_p < 1.0 for p in ps):
         vocab = probs.shape[1]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
@@ -203,8 +229,11 @@ def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], history: 
     pending = [(rows.index(r), at) for r, at in history.pending if r in rows]
     if pending and history.pending_ids is not None:  # (a last id still on the device counts too)
         where = to_device([k for k, _ in pending], torch.int64, dev)
-        counts.index_put_((where, history.pending_ids[to_device([at for _, at in pending], torch.int64, dev)]),
-                          torch.ones(len(pending), device=dev), accumulate=True)  # fmt: skip
+        counts.index_put_(
+            (where, history.pending_ids[to_device([at for _, at in pending], torch.int64, dev)]),
+            torch.ones(len(pending), device=dev),
+            accumulate=True,
+        )
     sub = logits[to_device(rows, torch.int64, dev)].float()
     seen = counts > 0
     if any(p.repetition_penalty != 1.0 for p in ps):
@@ -229,8 +258,9 @@ def _counts(id_lists: Sequence[Sequence[int]], vocab: int, dev: torch.device) ->
     return counts[:, :vocab]
 
 
-def _held_back(logits: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int],
-               stop_ids: frozenset[int]) -> torch.Tensor:  # fmt: skip
+def _held_back(
+    logits: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int], stop_ids: frozenset[int]
+) -> torch.Tensor:
     """The stop ids out of reach of every row still short of its ``min_tokens``."""
     rows = [i for i, (p, c) in enumerate(zip(params, counters)) if c < p.min_tokens]
     if not rows or not stop_ids:

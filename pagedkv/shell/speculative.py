@@ -62,19 +62,25 @@ class SpeculativeConfig:
             raise InvalidConfig(f"speculative_config must be a JSON object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(SpeculativeConfig.__dataclass_fields__))
         if unknown:
-            raise InvalidConfig(f"speculative_config has unknown keys {unknown} (known: method, num_speculative_tokens,"
-                                " prompt_lookup_max, prompt_lookup_min)")  # fmt: skip
+            raise InvalidConfig(
+                f"speculative_config has unknown keys {unknown} (known: method, num_speculative_tokens,"
+                " prompt_lookup_max, prompt_lookup_min)"
+            )
         method = raw.get("method", "ngram")
         if method not in METHODS:
-            raise InvalidConfig(f"speculative_config method {method!r} is not served: pagedkv's engine proposes drafts "
-                                'by n-gram prompt lookup ("ngram"); a draft model (eagle, medusa, mtp, draft_model) is '
-                                "not implemented")  # fmt: skip
+            raise InvalidConfig(
+                f"speculative_config method {method!r} is not served: pagedkv's engine proposes drafts "
+                'by n-gram prompt lookup ("ngram"); a draft model (eagle, medusa, mtp, draft_model) is '
+                "not implemented"
+            )
         k = raw.get("num_speculative_tokens", 4)
         hi = raw.get("prompt_lookup_max", 4)
         lo = raw.get("prompt_lookup_min", min(2, hi) if type(hi) is int else 2)
-        for name, v, ok in (("num_speculative_tokens", k, type(k) is int and 1 <= k <= MAX_DRAFTS),
-                            ("prompt_lookup_max", hi, type(hi) is int and hi >= 1),
-                            ("prompt_lookup_min", lo, type(lo) is int and 1 <= lo)):  # fmt: skip
+        for name, v, ok in (
+            ("num_speculative_tokens", k, type(k) is int and 1 <= k <= MAX_DRAFTS),
+            ("prompt_lookup_max", hi, type(hi) is int and hi >= 1),
+            ("prompt_lookup_min", lo, type(lo) is int and 1 <= lo),
+        ):
             if not ok:
                 bound = f"an integer in [1, {MAX_DRAFTS}]" if name == "num_speculative_tokens" else "a positive integer"
                 raise InvalidConfig(f"speculative_config {name} must be {bound}, got {v!r}")
@@ -164,7 +170,9 @@ class Speculation:
         self.config = config
         self.proposer = NgramProposer(config)
 
-    def drafts(self, running: Sequence[Any], prefilling: frozenset[Any], requests: Mapping[Any, Any]) -> dict[Any, tuple[int, ...]]:
+    def drafts(
+        self, running: Sequence[Any], prefilling: frozenset[Any], requests: Mapping[Any, Any]
+    ) -> dict[Any, tuple[int, ...]]:
         """Drafts for each decoding request (``requests``: the engine's ``Live`` records), at most what its
         ``max_tokens`` leaves after the token a verify always yields."""
         out: dict[Any, tuple[int, ...]] = {}
@@ -172,15 +180,18 @@ class Speculation:
             if rid in prefilling:
                 continue
             c = requests[rid].completion
-            draft = self.proposer.propose(rid, c.prompt_token_ids, c.token_ids,
-                                          requests[rid].params.max_tokens - len(c.token_ids) - 1)  # fmt: skip
+            draft = self.proposer.propose(
+                rid, c.prompt_token_ids, c.token_ids, requests[rid].params.max_tokens - len(c.token_ids) - 1
+            )
             if draft:
                 out[rid] = draft
         self.proposer.keep(running)
         return out
 
     @staticmethod
-    def logits_rows(rows: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], base: int) -> tuple[list[int], dict[Any, int]]:
+    def logits_rows(
+        rows: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], base: int
+    ) -> tuple[list[int], dict[Any, int]]:
         """A varlen forward's rows (``RowMetadata``): the query tokens whose logits it returns (each row's
         last; every position of a row verifying drafts) and, per request, the first logits row it lands on
         (after ``base`` rows of earlier forwards; a verifying request's follow it)."""
@@ -195,8 +206,12 @@ class Speculation:
         return at, where
 
     @staticmethod
-    def positions(samples: Sequence[Any], verify: Mapping[Any, tuple[int, ...]], where: Mapping[Any, int],
-                  requests: Mapping[Any, Any]) -> tuple[list[int], list[Any], list[int]]:  # fmt: skip
+    def positions(
+        samples: Sequence[Any],
+        verify: Mapping[Any, tuple[int, ...]],
+        where: Mapping[Any, int],
+        requests: Mapping[Any, Any],
+    ) -> tuple[list[int], list[Any], list[int]]:
         """Each sampled position's logits row (from each request's first, ``where``), request (its ``Live``) and
         counter (the tokens its request had drawn before it): a verify row's positions draw as the decodes
         without drafts would have, one after another."""

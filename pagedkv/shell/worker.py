@@ -29,7 +29,6 @@ from pagedkv.shell.install_rules import InstallRules, RowKey
 from pagedkv.shell.transfer import to_device
 
 
-
 @dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """What one installed forward hands the attention backend: views of the worker's buffers,
@@ -56,8 +55,16 @@ class ForwardBatch:
 class Worker:
     """One rank's view of the block tables. ``install`` before each forward; ``remove`` on release."""
 
-    def __init__(self, config: CacheConfig, *, max_rows: int, max_blocks_per_row: int, max_tokens: int,
-                 token_rows: int = 0, device: torch.device | str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        max_rows: int,
+        max_blocks_per_row: int,
+        max_tokens: int,
+        token_rows: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.config = config
         self.num_groups = len(config.groups)
         self.windowed = tuple(g.is_windowed or g.is_state for g in config.groups)  # groups whose positions go null
@@ -66,6 +73,7 @@ class Worker:
         fwd = max(max_rows, self.token_rows)  # forward rows the kernels' buffers hold
         self.forward_rows = fwd
         dev = torch.device(device)
+
         def i32(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int32, device=dev)
 
@@ -116,8 +124,10 @@ class Worker:
         if not new_epoch and meta.epoch < self.epoch:  # type: ignore[operator]
             raise refuse(ErrorCode.STALE_METADATA, f"snapshot of epoch {meta.epoch}; epoch {self.epoch} is installed")
         if not new_epoch and meta.generation < self.generation:
-            raise refuse(ErrorCode.STALE_METADATA,
-                         f"snapshot of generation {meta.generation}; generation {self.generation} is installed")
+            raise refuse(
+                ErrorCode.STALE_METADATA,
+                f"snapshot of generation {meta.generation}; generation {self.generation} is installed",
+            )
         installed = {} if new_epoch else self.rows
         req_gen = {} if new_epoch else self.request_generation
         InstallRules(self).check(meta, installed, req_gen)
@@ -132,7 +142,11 @@ class Worker:
             self.generation = 0
         rows = meta.rows
         decode = isinstance(rows, DecodeRows)
-        keys = [(rid, 0) for rid in rows.request_ids] if isinstance(rows, DecodeRows) else [(r.request_id, r.row) for r in rows]
+        keys = (
+            [(rid, 0) for rid in rows.request_ids]
+            if isinstance(rows, DecodeRows)
+            else [(r.request_id, r.row) for r in rows]
+        )
         lists = rows.block_ids if isinstance(rows, DecodeRows) else [r.block_ids for r in rows]
         order = self._place_rows(keys, lists)
         gen = meta.generation
@@ -163,17 +177,28 @@ class Worker:
             self.kv_start[:n].copy_(lens[:, 1])
             torch.cumsum(lens[:, 2], 0, out=self.query_start_loc[1 : n + 1])
             tokens = sum(r.query_len for r in rows)
-            self.positions[:tokens].copy_(to_device([p for r in rows for p in range(r.kv_start_pos, r.seq_len)],
-                                                    torch.int64, dev))  # fmt: skip
+            self.positions[:tokens].copy_(
+                to_device([p for r in rows for p in range(r.kv_start_pos, r.seq_len)], torch.int64, dev)
+            )
             self.slot_mapping[:tokens].copy_(to_device([s for r in rows for s in r.slots], torch.int64, dev))
         torch.index_select(self.row_tables, 1, rows_idx, out=self.block_tables[:, :n])
         self.slot_mappings[:, tokens:].zero_()  # padding tokens write to the null block's slot 0
         if self.num_groups > 1:
             self._group_slots(n, tokens, None if decode else [r.query_len for r in rows])
         self.generation = max(self.generation, meta.generation)
-        batch = ForwardBatch(view, n, tokens, self.block_tables[:, :n], self.seq_lens[:n], self.kv_start[:n],
-                             self.query_start_loc[: n + 1], self.slot_mapping[:tokens], self.positions[:tokens],
-                             self.slot_mappings[:, :tokens], None if view is meta else meta)  # fmt: skip
+        batch = ForwardBatch(
+            view,
+            n,
+            tokens,
+            self.block_tables[:, :n],
+            self.seq_lens[:n],
+            self.kv_start[:n],
+            self.query_start_loc[: n + 1],
+            self.slot_mapping[:tokens],
+            self.positions[:tokens],
+            self.slot_mappings[:, :tokens],
+            None if view is meta else meta,
+        )
         self.last = (meta, batch)
         return batch
 
@@ -202,7 +227,9 @@ class Worker:
             order.append(brow)
         if flat:
             dev = self.row_tables.device
-            self.row_tables.view(-1).index_copy_(0, to_device(flat, torch.int64, dev), to_device(vals, torch.int32, dev))
+            self.row_tables.view(-1).index_copy_(
+                0, to_device(flat, torch.int64, dev), to_device(vals, torch.int32, dev)
+            )
         return order
 
     def _group_slots(self, n: int, tokens: int, query_lens: list[int] | None) -> None:
@@ -222,9 +249,18 @@ class Worker:
     # -- fixed-shape decode batches (CUDA graphs) ----------------------------------
     def decode_views(self, rows: int, metadata: KVMetadata) -> ForwardBatch:
         """The first ``rows`` rows of the buffers as a one-token-a-row batch: what a graph captures."""
-        return ForwardBatch(metadata, rows, rows, self.block_tables[:, :rows], self.seq_lens[:rows],
-                            self.kv_start[:rows], self.query_start_loc[: rows + 1], self.slot_mapping[:rows],
-                            self.positions[:rows], self.slot_mappings[:, :rows])  # fmt: skip
+        return ForwardBatch(
+            metadata,
+            rows,
+            rows,
+            self.block_tables[:, :rows],
+            self.seq_lens[:rows],
+            self.kv_start[:rows],
+            self.query_start_loc[: rows + 1],
+            self.slot_mapping[:rows],
+            self.positions[:rows],
+            self.slot_mappings[:, :rows],
+        )
 
     def pad_decode(self, rows: int, bucket: int) -> None:
         """Make buffer rows ``rows..bucket`` padding of an installed decode batch of ``rows`` rows: the
@@ -233,8 +269,9 @@ class Worker:
             return
         self.slot_mappings[:, rows:bucket].zero_()
         self.seq_lens[rows:bucket].fill_(1)
-        self.query_start_loc[rows + 1 : bucket + 1] = torch.arange(rows + 1, bucket + 1, dtype=torch.int32,
-                                                                   device=self.query_start_loc.device)  # fmt: skip
+        self.query_start_loc[rows + 1 : bucket + 1] = torch.arange(
+            rows + 1, bucket + 1, dtype=torch.int32, device=self.query_start_loc.device
+        )
         self.block_tables[:, rows:bucket].zero_()
 
     # -- remove ----------------------------------------------------------------
@@ -263,8 +300,11 @@ class Worker:
             return
         brow, old = entry
         if len(old) != len(blocks) or any(len(b) > len(a) or a[: len(b)] != b for a, b in zip(old, blocks)):
-            raise refuse(ErrorCode.CONFLICTING_METADATA, f"request {shown(request_id)}: a cut to {shown(blocks):.80} is "
-                                                         f"not a prefix of the installed {shown(old):.80}")  # fmt: skip
+            raise refuse(
+                ErrorCode.CONFLICTING_METADATA,
+                f"request {shown(request_id)}: a cut to {shown(blocks):.80} is "
+                f"not a prefix of the installed {shown(old):.80}",
+            )
         for g, (a, b) in enumerate(zip(old, blocks)):
             self.row_tables[g, brow, len(b) : len(a)] = 0
         self.rows[key] = (brow, blocks)
@@ -276,6 +316,7 @@ class Worker:
     def require(self, batch: ForwardBatch | None) -> ForwardBatch:
         """A paged forward without installed metadata is an error, never a dense run."""
         if batch is None:
-            raise refuse(ErrorCode.INVALID, "a paged forward needs installed metadata (Worker.install); "
-                                            "it never runs dense")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID, "a paged forward needs installed metadata (Worker.install); it never runs dense"
+            )
         return batch

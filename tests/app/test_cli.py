@@ -51,8 +51,11 @@ def prompt_files(tmp: Path) -> dict[str, str]:
 USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be a positive integer up to 2,147,483,647, got '0'"),
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
-    (["generate", "--prompts", "{neg}"], 'neg.jsonl line 1: "max_tokens" must be an integer in [1, 2147483647], got -5'),
-    (["generate", "--prompts", "{abc}"], '"max_tokens" must be an integer in [1, 2147483647], got \'abc\''),
+    (
+        ["generate", "--prompts", "{neg}"],
+        'neg.jsonl line 1: "max_tokens" must be an integer in [1, 2147483647], got -5',
+    ),
+    (["generate", "--prompts", "{abc}"], "\"max_tokens\" must be an integer in [1, 2147483647], got 'abc'"),
     (["generate", "--prompts", "{frac}"], "got 2.7"),
     (["generate", "--prompts", "{bool}"], "got True"),
     (["generate", "--prompts", "{digits}"], "digits.jsonl line 1: Exceeds the limit (4300 digits)"),
@@ -103,7 +106,10 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--page-map", "{tmp}/map.txt"], "must end in .png"),
     (["generate", "hi", "--page-map", "{tmp}/no/such/dir/map.png"], "no such directory"),
     (["generate", "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["generate", "hi", "--speculative-config", '{{"method": "eagle"}}'], "method 'eagle' is not served"),  # ({{: format)
+    (
+        ["generate", "hi", "--speculative-config", '{{"method": "eagle"}}'],
+        "method 'eagle' is not served",
+    ),  # ({{: format)
     (["generate", "hi", "--speculative-config", "{{"], "--speculative-config: is not JSON"),
     (["generate", "hi", "--speculative-config", '{{"num_speculative_tokens": 0}}'], "num_speculative_tokens must be"),
     (["generate", "hi", "--speculative-config", '{{"prompt_lookup": 3}}'], "unknown keys ['prompt_lookup']"),
@@ -125,8 +131,9 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
 
 
 @pytest.mark.parametrize("argv, says", USAGE_ERRORS, ids=[" ".join(a)[:60] for a, _ in USAGE_ERRORS])
-def test_a_mistake_is_one_line_and_exit_2(argv: list[str], says: str, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_mistake_is_one_line_and_exit_2(
+    argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     names = {**prompt_files(tmp_path), "tmp": str(tmp_path)}
     argv = [a.format(**names) for a in argv]
     assert main(argv) == 2
@@ -148,8 +155,9 @@ def test_cuda_asked_of_a_machine_without_it(capsys: pytest.CaptureFixture[str]) 
         assert capsys.readouterr().err == f"pagedkv generate: --device {device}, but no CUDA device is available\n"
 
 
-def test_no_matplotlib_is_said_before_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_no_matplotlib_is_said_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
@@ -160,13 +168,20 @@ def test_no_matplotlib_is_said_before_the_run(monkeypatch: pytest.MonkeyPatch, t
 
 def test_argument_errors_come_before_torch_and_without_a_traceback() -> None:
     """In a fresh process, as a user runs it: the flag's mistake is said before torch is imported."""
-    code = ("import sys; from pagedkv.app.cli import main; rc = main(['generate', 'hi', '--max-tokens', '0']); "
-            "print(rc, 'torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys; from pagedkv.app.cli import main; rc = main(['generate', 'hi', '--max-tokens', '0']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert res.stdout.split() == ["2", "False"]
     assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1
-    res = subprocess.run([sys.executable, "-m", "pagedkv.app.cli", "denoise", "--steps", "0"], capture_output=True,
-                         text=True, cwd=ROOT, check=False)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pagedkv.app.cli", "denoise", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
 
 
@@ -189,8 +204,9 @@ def test_help_shows_defaults_and_every_option_has_help(capsys: pytest.CaptureFix
     assert all(f in families for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma 3", "Bamba", "granite-4.0-h"))
 
 
-def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_prompts_come_anywhere_and_from_standard_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import io
 
     from pagedkv.app.cli import _parsers
@@ -203,11 +219,11 @@ def test_prompts_come_anywhere_and_from_standard_input(monkeypatch: pytest.Monke
     stdin = io.TextIOWrapper(io.BytesIO(b'{"prompt": "fourth", "max_tokens": 5, "max_token": 9}\n\n'))  # (bytes below)
     monkeypatch.setattr(sys, "stdin", stdin)
     items = read_items(args)
-    assert [(i["prompt"], i["max_tokens"]) for i in items] == [("first", 3), ("second", 3), ("third", 3),
-                                                              ("fourth", 5)]  # fmt: skip
+    assert [(i["prompt"], i["max_tokens"]) for i in items] == [("first", 3), ("second", 3), ("third", 3), ("fourth", 5)]
     err = capsys.readouterr().err  # a typo is named, not silently dropped
-    assert err == ("pagedkv generate: standard input line 1: ignoring 'max_token' (known keys: prompt, max_tokens, "
-                   "system)\n")  # fmt: skip
+    assert err == (
+        "pagedkv generate: standard input line 1: ignoring 'max_token' (known keys: prompt, max_tokens, system)\n"
+    )
 
 
 def test_threads_follow_the_idle_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,8 +304,9 @@ def test_the_page_map_shows_owners_sharing_cached_blocks_and_evictions() -> None
     plt.close(fig)
 
 
-def test_a_page_map_that_cannot_be_written_keeps_the_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_page_map_that_cannot_be_written_keeps_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib", reason="the page map needs matplotlib (pip install 'pagedkv[plot]')")
     from pagedkv.app import plot
 
@@ -315,8 +332,15 @@ def loaded(smollm2: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("loaded")
 def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["generate", "--chat", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "--max-tokens", "24",
-            "--threads", "1"]  # fmt: skip
+    argv = [
+        "generate",
+        "--chat",
+        "Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
+        "--max-tokens",
+        "24",
+        "--threads",
+        "1",
+    ]
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
@@ -329,9 +353,13 @@ def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: p
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("loaded")
-def test_generate_trace_replays_and_a_changed_digest_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_trace_replays_and_a_changed_digest_is_caught(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "t.jsonl"
-    assert main(["generate", "--chat", "What is 2+2?", "--max-tokens", "6", "Name a colour.", "--trace", str(trace)]) == 0
+    assert (
+        main(["generate", "--chat", "What is 2+2?", "--max-tokens", "6", "Name a colour.", "--trace", str(trace)]) == 0
+    )
     capsys.readouterr()
     rows = [json.loads(x) for x in trace.read_text().splitlines()]
     assert all("expect" in r for r in rows[1:-1]) and any("plan" in r["expect"] for r in rows[1:-1])
@@ -357,8 +385,10 @@ def test_requests_that_can_never_run_say_why(tmp_path: Path, capsys: pytest.Capt
     assert "(not served: UNSCHEDULABLE: request 'req-0' row 0 has 9001 tokens, over max_model_len 8192)" in out
     assert "... (45,000 characters)" in out and long not in out  # the prompt shown in one short line
     assert "tokens per second   - (nothing was generated)" in out
-    assert err.splitlines() == [("pagedkv generate: UNSCHEDULABLE: request 'req-0' row 0 has 9001 tokens, over "
-                                 "max_model_len 8192"), "pagedkv generate: no request could run (1 refused)"]  # fmt: skip
+    assert err.splitlines() == [
+        ("pagedkv generate: UNSCHEDULABLE: request 'req-0' row 0 has 9001 tokens, over max_model_len 8192"),
+        "pagedkv generate: no request could run (1 refused)",
+    ]
     assert main(["generate", "--prompts", prompts, "Hello", "--max-tokens", "3"]) == 1  # one runs: exit 1, said
     out, err = capsys.readouterr()
     assert "requests            2 (1 refused)" in out and "prompt tokens       1\n" in out
@@ -368,14 +398,17 @@ def test_requests_that_can_never_run_say_why(tmp_path: Path, capsys: pytest.Capt
     obj = json.loads(line)
     assert obj["finish_reason"] == "UNSCHEDULABLE" and "needs" in obj["error"] and "the pool has 1" in obj["error"]
     assert main(["generate", "hi", "--kv-cache-memory", "0.5"]) == 2  # the model's geometry says this one
-    assert capsys.readouterr().err == ("pagedkv generate: 524288 bytes hold 0 blocks of 737280 bytes; a pool needs at "
-                                       "least 2 (block 0 is the null block)\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        "pagedkv generate: 524288 bytes hold 0 blocks of 737280 bytes; a pool needs at "
+        "least 2 (block 0 is the null block)\n"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("loaded")
-def test_nothing_is_lost_when_the_page_map_or_the_user_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_nothing_is_lost_when_the_page_map_or_the_user_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib", reason="the page map needs matplotlib (pip install 'pagedkv[plot]')")
     from pagedkv.app import plot
     from pagedkv.shell.engine import Engine
@@ -429,8 +462,10 @@ def test_two_ranks_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> 
     two = [json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()]
     assert two == one
     assert main(["generate", "hi", "--ranks", "2", "--kv-cache-memory", "0.5"]) == 2
-    assert capsys.readouterr().err == ("pagedkv generate: 524288 bytes hold 1 blocks of 491520 bytes; a pool needs "
-                                       "at least 2 (block 0 is the null block)\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        "pagedkv generate: 524288 bytes hold 1 blocks of 491520 bytes; a pool needs "
+        "at least 2 (block 0 is the null block)\n"
+    )
     leader, follower = run_ranks(2, [], kv_cache_memory_bytes=1 << 19)
     assert "a pool needs at least 2" in leader["usage_error"] and follower["steps"] == 0 and "error" not in follower
 
@@ -467,8 +502,10 @@ def test_vllm_policies_in_the_engine_keep_its_tokens(smollm2: tuple[Any, Any]) -
     model, meta = smollm2
     tok = Tokenizer(meta)
     system = "You are a careful assistant. Answer in one short sentence and name what you mean exactly. " * 3
-    texts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
-             for q in ("What is 2+2?", "Name a colour.", "Where is Paris?")]  # fmt: skip
+    texts = [
+        tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in ("What is 2+2?", "Name a colour.", "Where is Paris?")
+    ]
     runs = {}
     for policy in ({}, {"caching_point": "schedule", "free_queue": "vllm"}):
         eng = Engine(model, tok, kv_cache_memory_bytes=32 << 20, **policy)

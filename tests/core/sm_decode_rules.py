@@ -12,8 +12,17 @@ from hypothesis.stateful import rule
 from returns.result import Failure, Success
 
 from pagedkv.core import (
-    KVState, append_decode, append_many, commit, commit_decode, commit_many, decode_step, digest, release, release_many,
-)  # fmt: skip
+    KVState,
+    append_decode,
+    append_many,
+    commit,
+    commit_decode,
+    commit_many,
+    decode_step,
+    digest,
+    release,
+    release_many,
+)
 
 IDS = ["a", "b", "c", "d", "e"]
 
@@ -30,7 +39,9 @@ class DecodeRules:
 
     def _running(self, data: st.DataObject) -> list[Any]:
         """Mostly admitted requests that can grow (a decode batch), now and then anything."""
-        growing = sorted(rid for rid, req in self.state.requests.items() if not any(l.is_diffusion for l in req.layouts))
+        growing = sorted(
+            rid for rid, req in self.state.requests.items() if not any(l.is_diffusion for l in req.layouts)
+        )
         if growing and data.draw(st.integers(0, 9)):
             return data.draw(st.lists(st.sampled_from(growing), min_size=1, max_size=4))
         return data.draw(st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
@@ -56,11 +67,17 @@ class DecodeRules:
         event(f"decode_step {'ok' if isinstance(fast, Success) else fast.failure().code.value}")
         chain: Any = Success((self.state, ()))
         for rid in rids:  # the commits
-            chain = chain.bind(lambda se, r=rid: commit(se[0], r, _lengths(se[0], r)).map(
-                lambda c, ev=se[1]: (c.state, ev + c.effect.events)))
+            chain = chain.bind(
+                lambda se, r=rid: commit(se[0], r, _lengths(se[0], r)).map(
+                    lambda c, ev=se[1]: (c.state, ev + c.effect.events)
+                )
+            )
         for k, rid in enumerate(rids):  # then the appends
-            chain = chain.bind(lambda se, r=rid, k=k: append_many(se[0], [(r, _one_each(se[0], r, toks, k))]).map(
-                lambda a, ev=se[1]: (a.state, ev + a.effect.events)))
+            chain = chain.bind(
+                lambda se, r=rid, k=k: append_many(se[0], [(r, _one_each(se[0], r, toks, k))]).map(
+                    lambda a, ev=se[1]: (a.state, ev + a.effect.events)
+                )
+            )
         if isinstance(fast, Failure) or isinstance(chain, Failure):
             assert isinstance(fast, Failure) and isinstance(chain, Failure), (fast, chain)
             assert fast.failure().code == chain.failure().code and fast.failure().message == chain.failure().message
@@ -79,8 +96,10 @@ class DecodeRules:
     @rule(data=st.data())
     def commit_decode(self, data: st.DataObject) -> None:
         rids = self._running(data)
-        items = [(r, [self.state.row_len[x] for x in self.state.requests[r].slots] if r in self.state.requests else [1])
-                 for r in rids]  # fmt: skip
+        items = [
+            (r, [self.state.row_len[x] for x in self.state.requests[r].slots] if r in self.state.requests else [1])
+            for r in rids
+        ]
         fast, general = commit_decode(self.state, rids), commit_many(self.state, items)
         _same(fast, general)
         if isinstance(fast, Success):
@@ -122,5 +141,3 @@ def _same(fast: Any, general: Any) -> None:
         assert (fast.failure().code, fast.failure().message) == (general.failure().code, general.failure().message)
     else:
         assert digest(fast.unwrap().state) == digest(general.unwrap().state)
-
-

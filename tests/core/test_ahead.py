@@ -10,9 +10,24 @@ import pytest
 
 from pagedkv.app.cli import main
 from pagedkv.core import (
-    CacheConfig, Placeholders, RequestSpec, RowSpec, admit, append, cache_ahead, commit, decode_step, digest, fill,
-    fill_many, initial_state, request_blocks, row_token_ids, truncate, truncate_many,
-)  # fmt: skip
+    CacheConfig,
+    Placeholders,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    cache_ahead,
+    commit,
+    decode_step,
+    digest,
+    fill,
+    fill_many,
+    initial_state,
+    request_blocks,
+    row_token_ids,
+    truncate,
+    truncate_many,
+)
 from pagedkv.core.verify.invariants import check_invariants
 
 
@@ -34,7 +49,9 @@ def test_placeholders_are_computed_but_never_hashed_until_their_ids_come() -> No
     with pytest.raises(Exception):
         append(s, "a", [[9]]).unwrap()  # ids may not go past the gap
     step = fill(s, "a", [[4, 5]]).unwrap()  # the first block completes: hashed, cached
-    assert len(step.state.cache) == 1 and [e.block_id for e in step.effect.events] == list(request_blocks(s, "a")[0][0][:1])
+    assert len(step.state.cache) == 1 and [e.block_id for e in step.effect.events] == list(
+        request_blocks(s, "a")[0][0][:1]
+    )
     s = fill(step.state, "a", [[6, 7, 8]]).unwrap().state
     assert len(s.cache) == 2 and row_token_ids(s, 0) == (1, 2, 3, 4, 5, 6, 7, 8) and check_invariants(s) == []
     # the same content reached by ids all along has the same cache (the chain hashes match)
@@ -91,20 +108,23 @@ def test_truncate_of_placeholders_and_the_refusals_that_change_nothing() -> None
     s = fill(s, "a", [[4, 5]]).unwrap().state
     s = cache_ahead(s, "a", [5]).unwrap().state  # block 0 cached ahead of the forward
     before = digest(s)
-    for bad in (lambda: truncate(s, "a", [2]),  # below what is computed
-                lambda: truncate(s, "a", [3]),  # into a block cached ahead
-                lambda: truncate(s, "a", [6]),  # past the row
-                lambda: truncate(s, "a", [4, 4]),  # not one length a row
-                lambda: truncate(s, "zz", [4]),
-                lambda: fill(s, "a", [[9]]),  # nothing awaits
-                lambda: fill(s, "a", [[-1]]),
-                lambda: truncate_many(s, [("a", [5]), ("a", [2])])):  # all or nothing
+    for bad in (
+        lambda: truncate(s, "a", [2]),  # below what is computed
+        lambda: truncate(s, "a", [3]),  # into a block cached ahead
+        lambda: truncate(s, "a", [6]),  # past the row
+        lambda: truncate(s, "a", [4, 4]),  # not one length a row
+        lambda: truncate(s, "zz", [4]),
+        lambda: fill(s, "a", [[9]]),  # nothing awaits
+        lambda: fill(s, "a", [[-1]]),
+        lambda: truncate_many(s, [("a", [5]), ("a", [2])]),
+    ):  # all or nothing
         assert bad().failure().code.value in ("INVALID", "UNKNOWN_REQUEST")
         assert digest(s) == before
 
 
-def test_the_trace_contract_carries_placeholders_fill_and_truncate(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_trace_contract_carries_placeholders_fill_and_truncate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     header = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9, "enable_prefix_caching": True}}
     events = [
         {"op": "admit", "request": "a", "rows": [{"tokens": [1, 2, 3]}]},

@@ -9,8 +9,18 @@ import importlib
 import pytest
 
 from pagedkv.core import (
-    CacheConfig, ErrorCode, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, append, commit, initial_state, release,
-)  # fmt: skip
+    CacheConfig,
+    ErrorCode,
+    GroupKind,
+    GroupSpec,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    initial_state,
+    release,
+)
 from pagedkv.core.ahead import truncate
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.verify.alphabet import CheckConfig
@@ -29,14 +39,16 @@ def _lists(state, rid):  # type: ignore[no-untyped-def]
 def test_the_documented_example() -> None:
     s = initial_state(CacheConfig(block_size=4, num_blocks=30, groups=ALIGN, enable_prefix_caching=True))
     seen = []
-    for op in (lambda s: admit(s, RequestSpec("a", (RowSpec.of_tokens(TOKENS[:8]),))),  # a first chunk of 8
-               lambda s: commit(s, "a", [8]),
-               lambda s: append(s, "a", [TOKENS[8:10]]),  # the rest of a 10-token prompt
-               lambda s: commit(s, "a", [10]),
-               lambda s: append(s, "a", [TOKENS[10:12]]),  # decode in place up to the block's end
-               lambda s: commit(s, "a", [12]),
-               lambda s: append(s, "a", [TOKENS[12:13]]),
-               lambda s: commit(s, "a", [13])):  # fmt: skip
+    for op in (
+        lambda s: admit(s, RequestSpec("a", (RowSpec.of_tokens(TOKENS[:8]),))),  # a first chunk of 8
+        lambda s: commit(s, "a", [8]),
+        lambda s: append(s, "a", [TOKENS[8:10]]),  # the rest of a 10-token prompt
+        lambda s: commit(s, "a", [10]),
+        lambda s: append(s, "a", [TOKENS[10:12]]),  # decode in place up to the block's end
+        lambda s: commit(s, "a", [12]),
+        lambda s: append(s, "a", [TOKENS[12:13]]),
+        lambda s: commit(s, "a", [13]),
+    ):
         s = op(s).unwrap().state
         assert check_invariants(s) == []
         seen.append((_lists(s, "a"), s.free_blocks))

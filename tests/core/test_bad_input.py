@@ -14,8 +14,18 @@ from returns.result import Failure
 
 from pagedkv.app.cli import main
 from pagedkv.core import (
-    CacheConfig, RequestSpec, RowSpec, admit, append, append_many, commit, decode_step, digest, initial_state, publish,
-)  # fmt: skip
+    CacheConfig,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    append_many,
+    commit,
+    decode_step,
+    digest,
+    initial_state,
+    publish,
+)
 from pagedkv.core.prefix import find_hit
 from pagedkv.shell.errors import ShellError
 from pagedkv.shell.worker import Worker
@@ -28,19 +38,22 @@ def state() -> Any:
     return admit(s, RequestSpec("a", (RowSpec.of_tokens([1, 2, 3]),))).unwrap().state
 
 
-@pytest.mark.parametrize("call", [
-    lambda s: append(s, "a", [HUGE]),
-    lambda s: append(s, "a", [-HUGE]),
-    lambda s: append_many(s, [("a", [HUGE])]),
-    lambda s: append(s, "a", [[HUGE]]),
-    lambda s: commit(s, "a", [HUGE]),
-    lambda s: decode_step(s, ["a"], [HUGE]),
-    lambda s: admit(s, RequestSpec("b", (RowSpec(8, prefix_len=10**4400, target_len=10**4400),))),
-    lambda s: admit(s, RequestSpec("b", (RowSpec(8, spans=((10**4400, 10**4401),)),))),
-    lambda s: admit(s, RequestSpec("b", (RowSpec(8, spans=((HUGE, HUGE, 3),)),))),
-    lambda s: admit(s, RequestSpec("b", (RowSpec(HUGE),))),
-    lambda s: admit(s, RequestSpec("b", (RowSpec(4, tokens=(-1, 2, 3, 4)),))),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: append(s, "a", [HUGE]),
+        lambda s: append(s, "a", [-HUGE]),
+        lambda s: append_many(s, [("a", [HUGE])]),
+        lambda s: append(s, "a", [[HUGE]]),
+        lambda s: commit(s, "a", [HUGE]),
+        lambda s: decode_step(s, ["a"], [HUGE]),
+        lambda s: admit(s, RequestSpec("b", (RowSpec(8, prefix_len=10**4400, target_len=10**4400),))),
+        lambda s: admit(s, RequestSpec("b", (RowSpec(8, spans=((10**4400, 10**4401),)),))),
+        lambda s: admit(s, RequestSpec("b", (RowSpec(8, spans=((HUGE, HUGE, 3),)),))),
+        lambda s: admit(s, RequestSpec("b", (RowSpec(HUGE),))),
+        lambda s: admit(s, RequestSpec("b", (RowSpec(4, tokens=(-1, 2, 3, 4)),))),
+    ],
+)
 def test_huge_and_negative_integers_are_refused_with_a_message(call: Any) -> None:
     s = state()
     before = digest(s)
@@ -73,10 +86,20 @@ def test_replay_of_4300_digit_diffusion_lengths(tmp_path: Path, capsys: pytest.C
     assert json.loads(capsys.readouterr().out.splitlines()[0])["error"]["code"] == "INVALID"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("seq_len", 4.0), ("query_len", 4.0), ("kv_start_pos", 0.0), ("seq_len", HUGE), ("row", "0"),
-    ("block_ids", 5), ("slots", None), ("segments", None),
-], ids=lambda v: v if isinstance(v, str) else type(v).__name__)  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seq_len", 4.0),
+        ("query_len", 4.0),
+        ("kv_start_pos", 0.0),
+        ("seq_len", HUGE),
+        ("row", "0"),
+        ("block_ids", 5),
+        ("slots", None),
+        ("segments", None),
+    ],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+)
 def test_the_worker_refuses_malformed_rows_and_writes_nothing(field: str, value: Any) -> None:
     cfg = CacheConfig(block_size=4, num_blocks=9)
     s = admit(initial_state(cfg), RequestSpec("a", (RowSpec(4),))).unwrap().state
@@ -95,15 +118,40 @@ def test_the_worker_refuses_malformed_rows_and_writes_nothing(field: str, value:
 # characters' ids, ``Placeholders(2)`` as a count, a NaN or negative reserve as room), and checks were
 # ``assert``s that ``python -O`` strips. Every value below is refused as a typed INVALID (or, for ids, as
 # UNKNOWN_REQUEST), the state unchanged, under -O too (``test_the_refusals_hold_under_python_O``).
-WRONG = [None, 1, -1, "ab", "a", b"a", 1.5, float("nan"), [None], ["a"], [[None]], {"a": 1}, True, [["a"]],
-         [1.5], {"a"}, object()]  # fmt: skip
+WRONG = [
+    None,
+    1,
+    -1,
+    "ab",
+    "a",
+    b"a",
+    1.5,
+    float("nan"),
+    [None],
+    ["a"],
+    [[None]],
+    {"a": 1},
+    True,
+    [["a"]],
+    [1.5],
+    {"a"},
+    object(),
+]
 
 
 def _calls(s: Any) -> dict[str, Any]:
     from pagedkv.core import (
-        Placeholders, cache_ahead_many, commit_decode, commit_many, fill, fill_many, release, release_many, truncate,
+        Placeholders,
+        cache_ahead_many,
+        commit_decode,
+        commit_many,
+        fill,
+        fill_many,
+        release,
+        release_many,
+        truncate,
         truncate_many,
-    )  # fmt: skip
+    )
 
     return {
         "admit reserve": lambda v: admit(s, RequestSpec("b", (RowSpec.of_tokens([1, 2]),)), reserve=v),
@@ -131,8 +179,16 @@ def _calls(s: Any) -> dict[str, Any]:
 
 # (call, value) pairs of WRONG that are right for that call: request "a" named in a list, a reserve of 1, no
 # token ids (a count), no query limits or a mapping of them
-VALID = {("admit reserve", "1"), ("publish limits", "None"), ("publish limits", "{'a': 1}"), ("decode tokens", "None"),
-         ("decode ids", "['a']"), ("commit_decode", "['a']"), ("publish ids", "['a']"), ("release_many", "['a']")}  # fmt: skip
+VALID = {
+    ("admit reserve", "1"),
+    ("publish limits", "None"),
+    ("publish limits", "{'a': 1}"),
+    ("decode tokens", "None"),
+    ("decode ids", "['a']"),
+    ("commit_decode", "['a']"),
+    ("publish ids", "['a']"),
+    ("release_many", "['a']"),
+}
 
 
 @pytest.mark.parametrize("name", list(_calls(None)))
@@ -174,8 +230,15 @@ def test_the_scheduler_refuses_wrong_types_and_outputs_for_requests_outside_the_
     """``on_output`` once took tokens and endings for requests the plan did not sample (ignored in silence) and
     raised on a non-mapping; ``on_tokens`` ended a prefilling request with an InvariantError."""
     from pagedkv.core.scheduler import (
-        SchedulerConfig, SeqRequest, new_scheduler, on_output, on_tokens, sched_digest, schedule, submit,
-    )  # fmt: skip
+        SchedulerConfig,
+        SeqRequest,
+        new_scheduler,
+        on_output,
+        on_tokens,
+        sched_digest,
+        schedule,
+        submit,
+    )
 
     st = new_scheduler(CacheConfig(block_size=4, num_blocks=9), SchedulerConfig(max_num_seqs=4))
     st = submit(submit(st, SeqRequest("a", (1, 2, 3), max_tokens=3)).unwrap(), SeqRequest("w", (9,) * 32)).unwrap()
@@ -213,8 +276,12 @@ def test_the_library_holds_no_assert_statement() -> None:
     import ast
 
     root = Path(__file__).resolve().parents[2] / "pagedkv"
-    found = [f"{p.relative_to(root.parent)}:{node.lineno}" for p in sorted(root.rglob("*.py"))
-             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Assert)]  # fmt: skip
+    found = [
+        f"{p.relative_to(root.parent)}:{node.lineno}"
+        for p in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Assert)
+    ]
     assert found == []
 
 
@@ -234,7 +301,25 @@ def test_the_refusals_hold_under_python_O() -> None:
         "tests/core/test_scheduler.py",
         "tests/core/test_trace_end.py",
     ]
-    run = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                          "-o", "addopts=", *files], cwd=root, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-O",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            "-o",
+            "addopts=",
+            *files,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout

@@ -126,8 +126,9 @@ def _hash_kept_after_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _window_block_freed_while_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     original = GroupSpec.first_visible_block
-    monkeypatch.setattr(GroupSpec, "first_visible_block",
-                        lambda self, pos, bs: original(self, pos, bs) + (self.window is not None))  # fmt: skip
+    monkeypatch.setattr(
+        GroupSpec, "first_visible_block", lambda self, pos, bs: original(self, pos, bs) + (self.window is not None)
+    )
 
 
 def _generation_reused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,8 +175,14 @@ def test_the_checker_catches_the_planted_bug_with_a_short_replayable_trace(
 def test_the_state_machine_catches_the_planted_bug(planted: str) -> None:
     """The claim is a budget: 400 examples of 40 steps, generation only (no shrinking, no database),
     find each plant; so this test sets its own settings, apart from the profiles."""
-    budget = settings(max_examples=400, stateful_step_count=40, deadline=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
+    budget = settings(
+        max_examples=400,
+        stateful_step_count=40,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     case = sm_caching.CachingMachine.TestCase
     old = case.settings
     case.settings = budget
@@ -207,8 +214,9 @@ def _saved_state_left_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _state_allocated_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(growth, "_extended", lambda txn, blocks, extra: tuple(g + pool.pop_blocks(txn, extra)
-                                                                              for g in blocks))  # fmt: skip
+    monkeypatch.setattr(
+        growth, "_extended", lambda txn, blocks, extra: tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
+    )
 
 
 MAMBA_PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -218,8 +226,9 @@ MAMBA_PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
 
 
 @pytest.mark.parametrize("plant", sorted(MAMBA_PLANTS))
-def test_the_checker_catches_planted_state_group_bugs(plant: str, monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_checker_catches_planted_state_group_bugs(
+    plant: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     MAMBA_PLANTS[plant](monkeypatch)
     result = check(MAMBA)
     assert result.violation, f"the checker missed: {plant}"
@@ -248,11 +257,19 @@ def _mutated(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, old: str, 
 
 
 def _open_block_id_dropped(monkeypatch: pytest.MonkeyPatch) -> None:  # the id never joins the open block's ids
-    _mutated(monkeypatch, growth, "grow_each", 'tail_leaf[o] = tail + token.to_bytes(8, "little")', "tail_leaf[o] = tail")
+    _mutated(
+        monkeypatch, growth, "grow_each", 'tail_leaf[o] = tail + token.to_bytes(8, "little")', "tail_leaf[o] = tail"
+    )
 
 
 def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a commit past a boundary, one write
-    _mutated(monkeypatch, sys.modules["pagedkv.core.commit"], "commit_each", "cache_full_blocks(txn, req, 0, slot, c)", "pass")
+    _mutated(
+        monkeypatch,
+        sys.modules["pagedkv.core.commit"],
+        "commit_each",
+        "cache_full_blocks(txn, req, 0, slot, c)",
+        "pass",
+    )
 
 
 def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,8 +280,9 @@ def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("plant", [_open_block_id_dropped, _completed_block_not_hashed, _boundary_without_a_generation])
-def test_the_checker_catches_a_planted_bug_in_the_decode_loops(plant: Callable[[pytest.MonkeyPatch], None],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_checker_catches_a_planted_bug_in_the_decode_loops(
+    plant: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     clean = check(FULL)
     assert clean.violation == [] and clean.states == 9076
     plant(monkeypatch)
@@ -305,8 +323,9 @@ def test_long_prompts_with_hits_below_the_window_are_exhaustive_without_a_violat
     assert result.violation == [] and result.exhaustive and result.states == 2510
 
 
-def test_the_checker_catches_a_planted_window_over_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_checker_catches_a_planted_window_over_count(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The old rule: every group of a row counted for all its blocks, so a request whose hit leaves its window
     group holding two blocks was refused for good (inside vLLM: ManagerError from Scheduler.schedule)."""
     original = admission._cost
@@ -322,7 +341,6 @@ def test_the_checker_catches_a_planted_window_over_count(monkeypatch: pytest.Mon
     path.write_text("\n".join(result.trace) + "\n")
     assert main(["replay", "--check", str(path)]) == 1
     assert f"line {len(result.trace) - 1} " in capsys.readouterr().err
-
 
 
 # -- rows that run ahead of their tokens (issue 31) ----------------------------------------------------------------
@@ -350,7 +368,9 @@ def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("plant", [_hash_over_a_placeholder, _cut_frees_a_cached_block])
 def test_the_checker_catches_planted_bugs_of_rows_ahead_of_their_tokens(
-    plant: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    plant: Callable[[pytest.MonkeyPatch], None],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     plant(monkeypatch)

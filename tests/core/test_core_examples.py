@@ -5,9 +5,25 @@ import pickle
 import pytest
 
 from pagedkv.core import (
-    CacheConfig, ErrorCode, GroupSpec, InvalidConfig, RequestSpec, RowSpec, admit, append, append_decode,
-    append_many, commit, digest, free_queue, initial_state, publish, release, request_blocks, reset,
-)  # fmt: skip
+    CacheConfig,
+    ErrorCode,
+    GroupSpec,
+    InvalidConfig,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    append_decode,
+    append_many,
+    commit,
+    digest,
+    free_queue,
+    initial_state,
+    publish,
+    release,
+    request_blocks,
+    reset,
+)
 
 
 def pool(block_size: int = 4, usable: int = 8, **kw: object) -> object:
@@ -174,7 +190,10 @@ def test_phases_and_segments() -> None:
     s = admit(pool(), RequestSpec("d", (RowSpec(8, prefix_len=4, target_len=3, spans=((4, 7),)),))).unwrap().state
     pre = publish(s, ["d"], "prefill").unwrap().effect.rows[0]
     assert [(g.causal, g.q_start, g.q_end, g.kv_end) for g in pre.segments] == [
-        (True, 0, 4, 4), (False, 4, 7, 7), (True, 7, 8, 8)]  # fmt: skip
+        (True, 0, 4, 4),
+        (False, 4, 7, 7),
+        (True, 7, 8, 8),
+    ]
     den = publish(s, ["d"], "denoise").unwrap().effect.rows[0]
     assert (den.seq_len, den.query_len, den.kv_start_pos) == (7, 3, 4)
     assert [(g.causal, g.q_start, g.q_end, g.kv_end) for g in den.segments] == [(False, 4, 7, 7)]
@@ -187,9 +206,12 @@ def test_phases_and_segments() -> None:
 
 
 def test_bad_configs_raise_a_typed_error() -> None:
-    for kw in ({"block_size": 0, "num_blocks": 4}, {"block_size": 4, "num_blocks": 1},
-               {"block_size": 4, "num_blocks": 4, "groups": ()},
-               {"block_size": 4, "num_blocks": 4, "max_model_len": 0}):  # fmt: skip
+    for kw in (
+        {"block_size": 0, "num_blocks": 4},
+        {"block_size": 4, "num_blocks": 1},
+        {"block_size": 4, "num_blocks": 4, "groups": ()},
+        {"block_size": 4, "num_blocks": 4, "max_model_len": 0},
+    ):
         with pytest.raises(InvalidConfig):
             CacheConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(InvalidConfig):

@@ -47,12 +47,14 @@ def step_mode(runner: DiTStepRunner, budget: Budget, count: int = 4) -> tuple[di
 
 
 def rank(cfg, rows: int = 16, tokens: int = 512):  # type: ignore[no-untyped-def]
-    return build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=rows,
-                      max_tokens=tokens)  # fmt: skip
+    return build_rank(
+        plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=rows, max_tokens=tokens
+    )
 
 
-def drive(state: StepState, runner: DiTStepRunner, *, broken: set[object] = frozenset(), retry: bool = False,
-          ticks: int = 50) -> StepState:  # type: ignore[assignment]
+def drive(
+    state: StepState, runner: DiTStepRunner, *, broken: set[object] = frozenset(), retry: bool = False, ticks: int = 50
+) -> StepState:  # type: ignore[assignment]
     """Tick until idle; a forward holding a request of ``broken`` raises (its first time only, with ``retry``)."""
     for _ in range(ticks):
         if not (state.active or state.waiting):
@@ -73,8 +75,10 @@ def drive(state: StepState, runner: DiTStepRunner, *, broken: set[object] = froz
             assert (ended == ()) == retry
         else:
             state, finished = done(state).unwrap()
-        runner.rank.worker.remove(list(finished) + [r for r in getattr(runner.failed_forward, "request_ids", ())
-                                                    if r not in {a[0] for a in state.active}])  # fmt: skip
+        runner.rank.worker.remove(
+            list(finished)
+            + [r for r in getattr(runner.failed_forward, "request_ids", ()) if r not in {a[0] for a in state.active}]
+        )
         assert check_invariants(state.kv) == []
     raise AssertionError("not idle")
 
@@ -129,7 +133,8 @@ def test_submit_refuses_what_admission_refuses_for_good_and_checks_ids_first() -
     state = submit_job(state, job("a", rows)).unwrap()
     spec = job("x", rows).spec
     cases = {
-        1.5: ("INVALID", "request"), ("a",): ("INVALID", "request"),
+        1.5: ("INVALID", "request"),
+        ("a",): ("INVALID", "request"),
         "long": ("UNSCHEDULABLE", None),  # a row past max_model_len
         "rows": ("UNSCHEDULABLE", None),  # 3 CFG rows, a forward holds 2
         "pending": ("INVALID", "rows"),  # KV arriving from elsewhere: the planner has no mark_ready
@@ -141,8 +146,13 @@ def test_submit_refuses_what_admission_refuses_for_good_and_checks_ids_first() -
             j = DiTJob(rid, RequestSpec(rid, spec.rows * 3), 2)
         elif rid == "pending":
             r = spec.rows[0]
-            j = DiTJob(rid, RequestSpec(rid, (RowSpec(r.num_tokens, prefix_len=r.prefix_len, target_len=r.target_len,
-                                                      pending_tokens=4),)), 2)  # fmt: skip
+            j = DiTJob(
+                rid,
+                RequestSpec(
+                    rid, (RowSpec(r.num_tokens, prefix_len=r.prefix_len, target_len=r.target_len, pending_tokens=4),)
+                ),
+                2,
+            )
         else:
             j = DiTJob(rid, RequestSpec("b", spec.rows), 2)  # type: ignore[arg-type]
         e = submit_job(state, j).failure()
@@ -185,7 +195,9 @@ def test_forwards_stay_within_the_budget_and_a_burst_waits_a_tick() -> None:
     assert max(admitted_per_tick) < len(reqs)  # the burst was spread over ticks
     for rid, *_ in reqs:
         got = runner.take(rid)
-        assert len(got) == len(want[rid]) and all(((a - b).abs().max() / b.abs().max()) < 1e-5 for a, b in zip(got, want[rid]))
+        assert len(got) == len(want[rid]) and all(
+            ((a - b).abs().max() / b.abs().max()) < 1e-5 for a, b in zip(got, want[rid])
+        )
     assert runner.history == {} and runner.work == {}
 
 
@@ -195,15 +207,37 @@ def test_replay_and_the_page_map_run_fail_refused_and_bad_ids(tmp_path: Path) ->
 
     (_, rows, _, steps, _), *_ = requests()
     spec = job("a", rows, steps).spec
-    submit = {"op": "submit", "rows": [row_json(r) for r in spec.rows], "steps": steps, "extra_keys": list(spec.extra_keys)}
-    lines = [{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 41, "enable_prefix_caching": True,
-                                             "max_model_len": 64, "dit_steps": True, "max_forward_rows": 4}},
-             {**submit, "request": "a"}, {"op": "tick", "expect": {"ok": True, "admitted": ["a"]}},
-             {"op": "submit", **{k: v for k, v in submit.items() if k != "op"}, "request": ["a", 1],
-              "expect": {"ok": False, "error": {"code": "INVALID"}}},
-             {"op": "fail", "requests": ["a"], "expect": {"ok": True, "failed": ["a"], "finished": []}},
-             {**submit, "request": "b"}, {"op": "tick", "expect": {"ok": True, "forwards": [["prefill", ["b"], [0]]]}},
-             {"op": "done"}]  # fmt: skip
+    submit = {
+        "op": "submit",
+        "rows": [row_json(r) for r in spec.rows],
+        "steps": steps,
+        "extra_keys": list(spec.extra_keys),
+    }
+    lines = [
+        {
+            "pagedkv_trace": 1,
+            "config": {
+                "block_size": 4,
+                "num_blocks": 41,
+                "enable_prefix_caching": True,
+                "max_model_len": 64,
+                "dit_steps": True,
+                "max_forward_rows": 4,
+            },
+        },
+        {**submit, "request": "a"},
+        {"op": "tick", "expect": {"ok": True, "admitted": ["a"]}},
+        {
+            "op": "submit",
+            **{k: v for k, v in submit.items() if k != "op"},
+            "request": ["a", 1],
+            "expect": {"ok": False, "error": {"code": "INVALID"}},
+        },
+        {"op": "fail", "requests": ["a"], "expect": {"ok": True, "failed": ["a"], "finished": []}},
+        {**submit, "request": "b"},
+        {"op": "tick", "expect": {"ok": True, "forwards": [["prefill", ["b"], [0]]]}},
+        {"op": "done"},
+    ]
     trace = tmp_path / "steps.jsonl"
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     png = tmp_path / "map.png"

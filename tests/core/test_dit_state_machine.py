@@ -109,8 +109,9 @@ test_dit_step_state_machine = StepMachine.TestCase  # examples and steps: the Hy
 def test_the_old_way_round_a_failed_first_step_poisoned_the_cache(caching_point: str) -> None:
     """What ``fail`` replaces: done (which commits and caches the prefix) then cancel with ``error``. A later
     request of the prompt then hits blocks the failed step never wrote; after ``fail`` it hits nothing."""
-    cfg = CacheConfig(block_size=4, num_blocks=21, enable_prefix_caching=True, max_model_len=48,
-                      caching_point=caching_point)  # fmt: skip
+    cfg = CacheConfig(
+        block_size=4, num_blocks=21, enable_prefix_caching=True, max_model_len=48, caching_point=caching_point
+    )
     rows = [DiTRow(PROMPTS[0] * 2)]
 
     def spec(rid: str) -> RequestSpec:

@@ -37,16 +37,19 @@ def cache_config(blocks: int) -> CacheConfig:
 
 
 def rank_for(cfg: CacheConfig):  # type: ignore[no-untyped-def]
-    return build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=16,
-                      max_tokens=512)  # fmt: skip
+    return build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=16, max_tokens=512)
 
 
-def request_mode(rows: list[DiTRow], images: list[torch.Tensor], steps: int, extra: tuple[str, ...]) -> list[torch.Tensor]:
+def request_mode(
+    rows: list[DiTRow], images: list[torch.Tensor], steps: int, extra: tuple[str, ...]
+) -> list[torch.Tensor]:
     cfg = cache_config(40)
     s = admit(initial_state(cfg), RequestSpec("x", tuple(r.spec(IMAGE) for r in rows), extra)).unwrap().state
     first = publish(s, ["x"], "prefill").unwrap().effect
     later = publish(s, ["x"], "denoise").unwrap().effect
-    return DiTRunner(DiT(), rank_for(cfg), get_backend("torch")).run(rows, [i.clone() for i in images], steps, first, later)
+    return DiTRunner(DiT(), rank_for(cfg), get_backend("torch")).run(
+        rows, [i.clone() for i in images], steps, first, later
+    )
 
 
 @pytest.mark.parametrize("blocks", [60, 24])  # 24: the pool holds three or four requests at once, the rest wait
@@ -63,8 +66,9 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
         for item in [p for p in pending if p[4] <= state.tick]:
             rid, rows, imgs, steps, _ = item
             runner.add(rid, rows, [i.clone() for i in imgs], steps)
-            state = submit_job(state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows),
-                                                         rows[0].content_key()), steps)).unwrap()  # fmt: skip
+            state = submit_job(
+                state, DiTJob(rid, RequestSpec(rid, tuple(r.spec(IMAGE) for r in rows), rows[0].content_key()), steps)
+            ).unwrap()
             pending.remove(item)
         if state.tick == 3 and any(rid == cancelled for rid, _, _ in state.active):
             state = cancel_job(state, cancelled).unwrap()  # between ticks, mid-way through its steps
@@ -116,8 +120,16 @@ def test_a_step_batching_trace_replays_event_for_event() -> None:
     from pagedkv.core.verify.trace import replay
 
     cfg = cache_config(24)
-    header = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 25, "enable_prefix_caching": True,
-                                             "max_model_len": 64, "dit_steps": True}}  # fmt: skip
+    header = {
+        "pagedkv_trace": 1,
+        "config": {
+            "block_size": 4,
+            "num_blocks": 25,
+            "enable_prefix_caching": True,
+            "max_model_len": 64,
+            "dit_steps": True,
+        },
+    }
     lines = [header]
     state = StepState.empty(initial_state(cfg))
     pending = list(requests())
@@ -136,8 +148,17 @@ def test_a_step_batching_trace_replays_event_for_event() -> None:
             lines.append({"op": "cancel", "request": "r3"})
         state, plan = tick(state).unwrap()
         forwards = [[f.phase, list(f.request_ids), list(f.step_index)] for f in plan.forwards]
-        lines.append({"op": "tick", "expect": {"ok": True, "forwards": forwards, "admitted": list(plan.admitted),
-                                               "free_blocks": state.kv.free_blocks}})  # fmt: skip
+        lines.append(
+            {
+                "op": "tick",
+                "expect": {
+                    "ok": True,
+                    "forwards": forwards,
+                    "admitted": list(plan.admitted),
+                    "free_blocks": state.kv.free_blocks,
+                },
+            }
+        )
         state, finished = done(state).unwrap()
         lines.append({"op": "done", "expect": {"ok": True, "finished": list(finished)}})
     lines.append({"op": "tick", "expect": {"ok": True, "forwards": [], "free_blocks": cfg.usable_blocks}})

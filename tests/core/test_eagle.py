@@ -12,9 +12,21 @@ import pytest
 
 from pagedkv.app.cli import main
 from pagedkv.core import (
-    CacheConfig, GroupKind, GroupSpec, InvalidConfig, RequestSpec, RowSpec, admit, append, commit, decode_step, fill,
-    initial_state, row_token_ids, truncate,
-)  # fmt: skip
+    CacheConfig,
+    GroupKind,
+    GroupSpec,
+    InvalidConfig,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    decode_step,
+    fill,
+    initial_state,
+    row_token_ids,
+    truncate,
+)
 from pagedkv.core.hashing import hash_block
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import row_known
@@ -55,12 +67,15 @@ def test_a_hit_covers_only_known_ids_and_placeholders_travel_in_a_trace() -> Non
     assert admit_spec({"request": "b", "rows": [row_json(row)]}) == spec
 
 
-@pytest.mark.parametrize("row", [
-    RowSpec(3, placeholders=1),  # a row of a count has no ids to wait for
-    RowSpec(3, (1, 2, 3), placeholders=1),  # tokens must be the ones before the placeholders
-    RowSpec(3, (1, 2), placeholders=-1),
-    RowSpec(4, (1, 2, 3), prefix_len=1, target_len=2, placeholders=1),  # a diffusion row's ids are known
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "row",
+    [
+        RowSpec(3, placeholders=1),  # a row of a count has no ids to wait for
+        RowSpec(3, (1, 2, 3), placeholders=1),  # tokens must be the ones before the placeholders
+        RowSpec(3, (1, 2), placeholders=-1),
+        RowSpec(4, (1, 2, 3), prefix_len=1, target_len=2, placeholders=1),  # a diffusion row's ids are known
+    ],
+)
 def test_bad_placeholders_are_refused_and_change_nothing(row: RowSpec) -> None:
     s = initial_state(cfg())
     got = admit(s, RequestSpec("a", (row,)))
@@ -119,11 +134,15 @@ def test_hash_lookahead_is_validated() -> None:
 
 def test_a_trace_header_carries_hash_lookahead(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    lines = [{"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 9, "enable_prefix_caching": True,
-                                             "hash_lookahead": 1}},
-             {"op": "admit", "request": "a", "rows": [{"tokens": [1, 2, 3], "placeholders": 1}]},
-             {"op": "commit", "request": "a", "computed": [4]},
-             {"op": "fill", "request": "a", "tokens": [[4]]}]  # fmt: skip
+    lines = [
+        {
+            "pagedkv_trace": 1,
+            "config": {"block_size": 2, "num_blocks": 9, "enable_prefix_caching": True, "hash_lookahead": 1},
+        },
+        {"op": "admit", "request": "a", "rows": [{"tokens": [1, 2, 3], "placeholders": 1}]},
+        {"op": "commit", "request": "a", "computed": [4]},
+        {"op": "fill", "request": "a", "tokens": [[4]]},
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert main(["replay", "--check", str(path)]) == 0
 

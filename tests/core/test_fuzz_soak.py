@@ -12,13 +12,31 @@ from hypothesis import strategies as st
 from returns.result import Failure
 
 from pagedkv.core import (
-    CacheConfig, ErrorCode, RequestSpec, RowSpec, admit, append, commit, digest, free_queue, initial_state, publish,
+    CacheConfig,
+    ErrorCode,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    digest,
+    free_queue,
+    initial_state,
+    publish,
     release,
-)  # fmt: skip
+)
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import (
-    SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, sched_digest, schedule, submit,
-)  # fmt: skip
+    SchedState,
+    SchedulerConfig,
+    SeqRequest,
+    cancel,
+    new_scheduler,
+    on_output,
+    sched_digest,
+    schedule,
+    submit,
+)
 from pagedkv.core.verify.trace import replay
 
 CODES = {c.value for c in ErrorCode}
@@ -53,7 +71,9 @@ def events(draw: st.DrawFn) -> str:
 @pytest.mark.slow
 @given(st.lists(events(), max_size=25))
 def test_malformed_events_get_typed_errors_and_change_nothing(lines: list[str]) -> None:
-    header = json.dumps({"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 9, "enable_prefix_caching": True}})
+    header = json.dumps(
+        {"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 9, "enable_prefix_caching": True}}
+    )
     previous = None
     for ev in replay([header, *lines]):
         r = ev.result
@@ -68,8 +88,9 @@ def test_malformed_events_get_typed_errors_and_change_nothing(lines: list[str]) 
 
 @pytest.mark.slow
 @given(rid=hostile_values, rows=hostile_values, counts=hostile_values, reason=hostile_values, phase=hostile_values)
-def test_transitions_refuse_wrong_types_with_typed_errors(rid: Any, rows: Any, counts: Any, reason: Any,
-                                                          phase: Any) -> None:  # fmt: skip
+def test_transitions_refuse_wrong_types_with_typed_errors(
+    rid: Any, rows: Any, counts: Any, reason: Any, phase: Any
+) -> None:
     """Issue 17, defect 7: ids, counts and token ids over 4,300 digits raised ValueError while the message
     (or the hash) was made; every input is a Success or a typed Failure."""
     s = initial_state(CacheConfig(block_size=2, num_blocks=9))
@@ -110,7 +131,9 @@ def test_soak_ten_thousand_random_events_leave_every_block_free() -> None:
         roll = rng.random()
         if roll < 0.25:
             base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]])
-            prompt = tuple(base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(4))])
+            prompt = tuple(
+                base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(4))]
+            )
             s = submit(s, SeqRequest(next(ids), prompt, max_tokens=rng.randrange(1, 12))).unwrap()
         elif roll < 0.30 and s.live:
             victim = rng.choice(sorted(s.live.keys()))

@@ -19,7 +19,8 @@ def test_52_window_and_10_full_layers_make_groups_of_10_the_last_padded() -> Non
     plan = plan_groups([swa(i) for i in range(52)] + [full(i) for i in range(10)], 16)
     assert plan.layers_per_group == 10
     assert [(g.kind.value, len(g.layers)) for g in plan.groups] == [("full", 10)] + [("sliding_window", 10)] * 5 + [
-        ("sliding_window", 2)]  # fmt: skip
+        ("sliding_window", 2)
+    ]
     assert plan.padding_slots == 8
     assert plan.waste_fraction == pytest.approx(8 / 70)
     assert plan.page_bytes == 16 * 2 * 8 * 128 * 2  # 64 KiB: K and V, bf16

@@ -9,9 +9,18 @@ from typing import Any
 import pytest
 
 from pagedkv.core import (
-    CacheConfig, InvalidConfig, KVState, RequestSpec, RowSpec, admit, decode_step, digest, initial_state, release_many,
+    CacheConfig,
+    InvalidConfig,
+    KVState,
+    RequestSpec,
+    RowSpec,
+    admit,
+    decode_step,
+    digest,
+    initial_state,
+    release_many,
     reset_prefix_cache,
-)  # fmt: skip
+)
 from pagedkv.core.verify.record import policy_keys
 from pagedkv.core.verify.trace import parse_trace_header
 
@@ -60,8 +69,11 @@ def test_without_events_the_states_are_the_same_and_no_event_is_reported(seed: i
 
 def test_the_trace_header_carries_it_only_when_off() -> None:
     assert "kv_events" not in policy_keys(CONFIG)
-    assert policy_keys(replace(CONFIG, kv_events=False)) == {"free_queue": "vllm", "cache_duplicates": True,
-                                                              "kv_events": False}  # fmt: skip
+    assert policy_keys(replace(CONFIG, kv_events=False)) == {
+        "free_queue": "vllm",
+        "cache_duplicates": True,
+        "kv_events": False,
+    }
     header = '{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9, "kv_events": false}}'
     assert parse_trace_header(header)[0].kv_events is False
     assert parse_trace_header('{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9}}')[0].kv_events

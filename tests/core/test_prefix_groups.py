@@ -6,10 +6,27 @@ import pytest
 
 from pagedkv.app.cli import main
 from pagedkv.core import (
-    AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit,
-    append, commit, digest, free_queue, hash_block, initial_state, release, request_blocks, reset,
-    reset_prefix_cache, root_hash,
-)  # fmt: skip
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheConfig,
+    GroupKind,
+    GroupSpec,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    digest,
+    free_queue,
+    hash_block,
+    initial_state,
+    release,
+    request_blocks,
+    reset,
+    reset_prefix_cache,
+    root_hash,
+)
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
 
@@ -20,8 +37,7 @@ def test_pinned_traces_replay_without_divergence(trace: Path, capsys: pytest.Cap
 
 
 def caching(usable: int = 8, block_size: int = 4, **kw: object) -> object:
-    return initial_state(CacheConfig(block_size=block_size, num_blocks=usable + 1, enable_prefix_caching=True,
-                                     **kw))  # type: ignore[arg-type]  # fmt: skip
+    return initial_state(CacheConfig(block_size=block_size, num_blocks=usable + 1, enable_prefix_caching=True, **kw))  # type: ignore[arg-type]
 
 
 def tokens_row(*ids: int) -> RowSpec:
@@ -103,8 +119,9 @@ def test_appended_token_ids_are_cached_after_commit_but_counts_stop_tracking() -
 
 
 def test_window_of_112_tokens_keeps_7_full_and_2_window_blocks() -> None:
-    cfg = CacheConfig(block_size=16, num_blocks=40, groups=(
-        GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=32)))  # fmt: skip
+    cfg = CacheConfig(
+        block_size=16, num_blocks=40, groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=32))
+    )
     s = admit(initial_state(cfg), RequestSpec("a", (RowSpec(112),))).unwrap().state
     step = commit(s, "a", [112]).unwrap()
     full, swa = request_blocks(step.state, "a")[0]
@@ -113,8 +130,9 @@ def test_window_of_112_tokens_keeps_7_full_and_2_window_blocks() -> None:
 
 
 def test_a_diffusion_row_keeps_the_window_its_target_needs() -> None:
-    cfg = CacheConfig(block_size=4, num_blocks=30, groups=(
-        GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=4)))  # fmt: skip
+    cfg = CacheConfig(
+        block_size=4, num_blocks=30, groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=4))
+    )
     s = admit(initial_state(cfg), RequestSpec("d", (RowSpec(24, prefix_len=16, target_len=8),))).unwrap().state
     s = commit(s, "d", [24]).unwrap().state
     # every later denoising step queries from position 16: blocks from (16 - 4 + 1) // 4 = 3 stay

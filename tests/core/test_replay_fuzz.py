@@ -13,16 +13,34 @@ import pytest
 from pagedkv.app.cli import main
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
-HOSTILE = ["1" * 4400, "-" + "9" * 5000, str(10**30), str(10**9), str(2**64), '"\\ud800"', '"a\\udfff"', "1e999",
-           "[" * 3000, "null", "{}", '""']  # fmt: skip
+HOSTILE = [
+    "1" * 4400,
+    "-" + "9" * 5000,
+    str(10**30),
+    str(10**9),
+    str(2**64),
+    '"\\ud800"',
+    '"a\\udfff"',
+    "1e999",
+    "[" * 3000,
+    "null",
+    "{}",
+    '""',
+]
 
 
-@pytest.mark.parametrize("field, value, says", [
-    ("num_blocks", "1" + "0" * 4400, "not JSON"), ("num_blocks", str(10**30), "num_blocks"),
-    ("num_blocks", str(10**9), "num_blocks"), ("hash_namespace", '"\\ud800"', "hash_namespace"),
-])  # fmt: skip
-def test_a_hostile_header_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str,
-                                                  value: str, says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("num_blocks", "1" + "0" * 4400, "not JSON"),
+        ("num_blocks", str(10**30), "num_blocks"),
+        ("num_blocks", str(10**9), "num_blocks"),
+        ("hash_namespace", '"\\ud800"', "hash_namespace"),
+    ],
+)
+def test_a_hostile_header_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: str, says: str
+) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9, "%s": %s}}\n' % (field, value))
     assert main(["replay", str(path)]) == 2
@@ -43,12 +61,16 @@ def mutate(lines: list[str], rng: random.Random) -> list[str]:
             end = k + 1
             while end < len(line) and (line[end].isdigit() if line[k].isdigit() else line[end] != '"'):
                 end += 1
-            out[i] = line[:k] + rng.choice(HOSTILE) + line[end + (0 if line[k].isdigit() else 1):]
+            out[i] = line[:k] + rng.choice(HOSTILE) + line[end + (0 if line[k].isdigit() else 1) :]
         elif how < 0.85:
             out[i] = line[: rng.randrange(len(line) + 1)]
         else:
-            out.insert(i, json.dumps({"op": rng.choice(["admit", "submit", "cancel", "schedule"]), "request": "x"})
-                       .replace('"x"', rng.choice(HOSTILE)))  # fmt: skip
+            out.insert(
+                i,
+                json.dumps({"op": rng.choice(["admit", "submit", "cancel", "schedule"]), "request": "x"}).replace(
+                    '"x"', rng.choice(HOSTILE)
+                ),
+            )
     return out
 
 
@@ -61,7 +83,9 @@ def test_two_thousand_mutated_traces_never_raise(tmp_path: Path, capsys: pytest.
     for n in range(2000):
         lines = mutate(sources[n % len(sources)], rng)
         path.write_text("\n".join(lines) + "\n")
-        for args in (["replay", str(path)], ["replay", "--json", str(path)]) if n % 4 == 0 else (["replay", str(path)],):
+        for args in (
+            (["replay", str(path)], ["replay", "--json", str(path)]) if n % 4 == 0 else (["replay", str(path)],)
+        ):
             rc = main(args)  # an exception here fails the test: that is the point
             codes[rc] = codes.get(rc, 0) + 1
             captured = capsys.readouterr()

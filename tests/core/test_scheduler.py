@@ -11,8 +11,15 @@ import pytest
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RowSpec, digest
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import (
-    SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit,
-)  # fmt: skip
+    SchedState,
+    SchedulerConfig,
+    SeqRequest,
+    cancel,
+    new_scheduler,
+    on_output,
+    schedule,
+    submit,
+)
 
 
 def model(tokens: tuple[int, ...]) -> int:
@@ -112,8 +119,11 @@ def test_unschedulable_ends_the_request_with_that_code() -> None:
     assert [e.message for e in plan.refusals] == ["request 'huge' needs 20 blocks; the pool has 3 usable blocks in all"]
 
 
-WINDOWS = (GroupSpec("full"), GroupSpec("w1", GroupKind.SLIDING_WINDOW, window=4),
-           GroupSpec("w2", GroupKind.SLIDING_WINDOW, window=4))  # fmt: skip
+WINDOWS = (
+    GroupSpec("full"),
+    GroupSpec("w1", GroupKind.SLIDING_WINDOW, window=4),
+    GroupSpec("w2", GroupKind.SLIDING_WINDOW, window=4),
+)
 
 
 @pytest.mark.parametrize("usable", range(15, 24))
@@ -122,8 +132,10 @@ def test_a_prompt_that_hits_its_own_cached_prefix_under_windows_is_served(usable
     """Issue 28: a 36-token prompt's second copy hits 32 tokens; its window groups then hold two blocks each,
     not nine. The old admission counted every group whole (9 x 3 = 27 blocks) and refused it for good at every
     pool size from 16 blocks up, though it runs alone in each."""
-    s = new_scheduler(CacheConfig(block_size=4, num_blocks=usable + 1, groups=WINDOWS, enable_prefix_caching=True),
-                      SchedulerConfig(max_num_batched_tokens=4, grow_prefill=True))  # fmt: skip
+    s = new_scheduler(
+        CacheConfig(block_size=4, num_blocks=usable + 1, groups=WINDOWS, enable_prefix_caching=True),
+        SchedulerConfig(max_num_batched_tokens=4, grow_prefill=True),
+    )
     prompt = tuple(range(1, 37))
     s = submit(s, SeqRequest("a", prompt, max_tokens=2)).unwrap()
     hits, ends = {}, {}
@@ -145,8 +157,10 @@ def test_a_prompt_that_hits_its_own_cached_prefix_under_windows_is_served(usable
 
 
 def test_diffusion_runs_at_request_level_with_its_phases() -> None:
-    rows = (RowSpec(10, prefix_len=6, target_len=4, spans=((6, 10),)), RowSpec(8, prefix_len=4, target_len=4,
-                                                                            spans=((4, 8),)))  # fmt: skip
+    rows = (
+        RowSpec(10, prefix_len=6, target_len=4, spans=((6, 10),)),
+        RowSpec(8, prefix_len=4, target_len=4, spans=((4, 8),)),
+    )
     s = new_scheduler(CacheConfig(block_size=4, num_blocks=13))
     s = submit(s, SeqRequest("img", rows=rows, steps=3)).unwrap()
     s, plan = schedule(s).unwrap()

@@ -12,7 +12,16 @@ import pytest
 from returns.result import Failure
 
 from pagedkv.core import CacheConfig
-from pagedkv.core.scheduler import SchedState, SchedulerConfig, SeqRequest, new_scheduler, on_output, on_tokens, schedule, submit
+from pagedkv.core.scheduler import (
+    SchedState,
+    SchedulerConfig,
+    SeqRequest,
+    new_scheduler,
+    on_output,
+    on_tokens,
+    schedule,
+    submit,
+)
 from pagedkv.core.scheduler.digest import sched_digest
 from pagedkv.core.verify.invariants import check_invariants
 from tests.core.test_scheduler import llm, model
@@ -57,11 +66,17 @@ def serve(cfg: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], ahea
 @pytest.mark.parametrize("seed", range(40))
 def test_planning_ahead_gives_the_outputs_of_waiting(seed: int) -> None:
     r = random.Random(seed)
-    cfg = CacheConfig(block_size=r.choice([2, 4]), num_blocks=r.choice([20, 40, 200]), enable_prefix_caching=seed % 2 == 0,
-                      max_model_len=r.choice([None, 30]))  # fmt: skip
+    cfg = CacheConfig(
+        block_size=r.choice([2, 4]),
+        num_blocks=r.choice([20, 40, 200]),
+        enable_prefix_caching=seed % 2 == 0,
+        max_model_len=r.choice([None, 30]),
+    )
     sched = SchedulerConfig(max_num_seqs=r.randint(1, 5), max_num_batched_tokens=r.choice([8, 16, 64]))
-    reqs = [llm(f"r{i}", r.randint(3, 14), max_tokens=r.randint(1, 24), base=r.choice([0, 100]) + i)
-            for i in range(r.randint(2, 6))]  # fmt: skip
+    reqs = [
+        llm(f"r{i}", r.randint(3, 14), max_tokens=r.randint(1, 24), base=r.choice([0, 100]) + i)
+        for i in range(r.randint(2, 6))
+    ]
     assert serve(cfg, sched, reqs, True) == serve(cfg, sched, reqs, False)
 
 

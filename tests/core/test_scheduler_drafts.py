@@ -12,7 +12,16 @@ import pytest
 from returns.result import Failure
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec
-from pagedkv.core.scheduler import SchedState, SchedulerConfig, SeqRequest, cancel, new_scheduler, on_output, schedule, submit
+from pagedkv.core.scheduler import (
+    SchedState,
+    SchedulerConfig,
+    SeqRequest,
+    cancel,
+    new_scheduler,
+    on_output,
+    schedule,
+    submit,
+)
 from pagedkv.core.scheduler.digest import sched_digest
 from pagedkv.core.verify.invariants import check_invariants
 from tests.core.test_scheduler import llm, model
@@ -38,12 +47,23 @@ def _drafts(state: SchedState, r: random.Random) -> dict[object, list[int]]:
 def test_drafts_give_the_outputs_of_decoding_through_preemption_and_caching(seed: int) -> None:
     r = random.Random(seed)
     bs = r.choice([2, 4])
-    groups = (GroupSpec("full", GroupKind.FULL), GroupSpec("local", GroupKind.SLIDING_WINDOW, window=6)) if seed % 3 == 2 else None
-    cfg = CacheConfig(block_size=bs, num_blocks=r.choice([24, 40, 200]), enable_prefix_caching=seed % 2 == 0,
-                      max_model_len=r.choice([None, 40]), **({"groups": groups} if groups else {}))  # fmt: skip
+    groups = (
+        (GroupSpec("full", GroupKind.FULL), GroupSpec("local", GroupKind.SLIDING_WINDOW, window=6))
+        if seed % 3 == 2
+        else None
+    )
+    cfg = CacheConfig(
+        block_size=bs,
+        num_blocks=r.choice([24, 40, 200]),
+        enable_prefix_caching=seed % 2 == 0,
+        max_model_len=r.choice([None, 40]),
+        **({"groups": groups} if groups else {}),
+    )
     sched = SchedulerConfig(max_num_seqs=r.randint(1, 5), max_num_batched_tokens=r.choice([8, 16, 64]))
-    reqs = [llm(f"r{i}", r.randint(3, 14), max_tokens=r.randint(1, 24), base=r.choice([0, 100]) + i)
-            for i in range(r.randint(2, 6))]  # fmt: skip
+    reqs = [
+        llm(f"r{i}", r.randint(3, 14), max_tokens=r.randint(1, 24), base=r.choice([0, 100]) + i)
+        for i in range(r.randint(2, 6))
+    ]
     want = _final(cfg, sched, reqs, None)
     got = _final(cfg, sched, reqs, random.Random(seed + 1000))
     assert got == want
@@ -89,7 +109,9 @@ def _final(cfg: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], r: 
 
 
 def test_drafts_are_trimmed_to_the_budget_max_tokens_and_the_length_limit() -> None:
-    s = new_scheduler(CacheConfig(block_size=4, num_blocks=40, max_model_len=12), SchedulerConfig(max_num_batched_tokens=5))
+    s = new_scheduler(
+        CacheConfig(block_size=4, num_blocks=40, max_model_len=12), SchedulerConfig(max_num_batched_tokens=5)
+    )
     s = submit(s, llm("a", 4, max_tokens=6)).unwrap()
     s, _ = schedule(s).unwrap()
     s, _ = on_output(s, {"a": 1}).unwrap()

@@ -38,8 +38,12 @@ def record(tmp_path: Path) -> tuple[Path, list[dict[str, object]]]:
             lines.append({"op": "cancel", "request": "r1", "expect": {"digest": sched_digest(s)}})
         s, plan = schedule(s).unwrap()
         expected.append(plan_json(plan))
-        lines.append({"op": "schedule", "expect": {"plan": plan_json(plan), "digest": sched_digest(s),
-                                                   "free_blocks": s.kv.free_blocks}})  # fmt: skip
+        lines.append(
+            {
+                "op": "schedule",
+                "expect": {"plan": plan_json(plan), "digest": sched_digest(s), "free_blocks": s.kv.free_blocks},
+            }
+        )
         sampled = {rid: model(s.live[rid].prompt + s.live[rid].output) for rid in plan.samples}
         stop = [rid for rid, tok in sampled.items() if tok == 0]  # an "EOS"
         s, _ = on_output(s, sampled, stop).unwrap()
@@ -61,8 +65,12 @@ def test_a_recorded_serving_run_replays_with_the_same_plans_and_digests(
     assert main(["replay", "--check", str(path)]) == 0, capsys.readouterr().err
     capsys.readouterr()
     # and in another process, under another hash seed
-    res = subprocess.run([sys.executable, "-m", "pagedkv.app.cli", "replay", "--json", str(path)], capture_output=True,
-                         text=True, env={"PYTHONHASHSEED": "7", "PATH": ""})  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pagedkv.app.cli", "replay", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONHASHSEED": "7", "PATH": ""},
+    )
     assert res.returncode == 0, res.stderr
     got = [json.loads(line)["plan"] for line in res.stdout.splitlines() if json.loads(line)["op"] == "schedule"]
     assert got == plans
@@ -70,15 +78,27 @@ def test_a_recorded_serving_run_replays_with_the_same_plans_and_digests(
 
 def test_scheduler_ops_are_refused_in_a_core_trace_and_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "t.jsonl"
-    p.write_text(json.dumps({"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 5}}) + "\n"
-                 + json.dumps({"op": "schedule"}) + "\n")  # fmt: skip
+    p.write_text(
+        json.dumps({"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 5}})
+        + "\n"
+        + json.dumps({"op": "schedule"})
+        + "\n"
+    )
     assert main(["replay", "--json", str(p)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["error"]["code"] == "INVALID" and "without a scheduler" in out["error"]["message"]
-    p.write_text(json.dumps(scheduler_header(CacheConfig(block_size=2, num_blocks=5), SchedulerConfig())) + "\n"
-                 + json.dumps({"op": "admit", "request": "a", "rows": [{"num_tokens": 1}]}) + "\n"
-                 + json.dumps({"op": "output", "sampled": [["x", 1]]}) + "\n"
-                 + json.dumps({"op": "output", "sampled": []}) + "\n" + json.dumps(end_event(3)) + "\n")  # fmt: skip
+    p.write_text(
+        json.dumps(scheduler_header(CacheConfig(block_size=2, num_blocks=5), SchedulerConfig()))
+        + "\n"
+        + json.dumps({"op": "admit", "request": "a", "rows": [{"num_tokens": 1}]})
+        + "\n"
+        + json.dumps({"op": "output", "sampled": [["x", 1]]})
+        + "\n"
+        + json.dumps({"op": "output", "sampled": []})
+        + "\n"
+        + json.dumps(end_event(3))
+        + "\n"
+    )
     assert main(["replay", "--json", str(p)]) == 0
     a, b, c, end = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert a["error"]["code"] == "INVALID" and "with a scheduler" in a["error"]["message"]

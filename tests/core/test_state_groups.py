@@ -47,7 +47,11 @@ def test_a_state_is_saved_on_a_block_boundary_and_taken_over_by_a_hit() -> None:
     s = done.state
     assert s.cache.key_of(7) is not None and s.free_blocks == 29 and check_invariants(s) == []
     (stored,) = done.effect.events  # the saved state, on the event stream
-    assert isinstance(stored, BlockStored) and (stored.group, stored.block_id, stored.token_ids) == (2, 7, (8, 9, 10, 11))
+    assert isinstance(stored, BlockStored) and (stored.group, stored.block_id, stored.token_ids) == (
+        2,
+        7,
+        (8, 9, 10, 11),
+    )
     step = admit(s, RequestSpec("b", (RowSpec.of_tokens(list(range(14))),))).unwrap()
     assert step.effect.cached_tokens == (12,)  # full and window blocks hit, and the state saved after block 2
     assert request_blocks(step.state, "b") == (((1, 2, 3, 10), (0, 0, 6, 11), (0, 0, 0, 7)),)
@@ -89,13 +93,31 @@ def test_what_state_groups_refuse() -> None:
 
 
 def test_a_trace_with_a_state_group_replays() -> None:
-    header = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 30, "enable_prefix_caching": True,
-              "groups": [{"name": "full", "kind": "full"}, {"name": "swa", "kind": "sliding_window", "window": 4},
-                         {"name": "mamba", "kind": "mamba"}]}}  # fmt: skip
-    lines = [header, {"op": "admit", "request": "a", "rows": [{"tokens": list(range(8))}]},
-             {"op": "commit", "request": "a", "computed": [8]}, {"op": "release", "request": "a", "reason": "finished"},
-             {"op": "admit", "request": "b", "rows": [{"tokens": list(range(9))}],
-              "expect": {"cached_tokens": [8], "blocks": [[[1, 2, 6], [0, 4, 7], [0, 0, 5]]]}}]  # fmt: skip
+    header = {
+        "pagedkv_trace": 1,
+        "config": {
+            "block_size": 4,
+            "num_blocks": 30,
+            "enable_prefix_caching": True,
+            "groups": [
+                {"name": "full", "kind": "full"},
+                {"name": "swa", "kind": "sliding_window", "window": 4},
+                {"name": "mamba", "kind": "mamba"},
+            ],
+        },
+    }
+    lines = [
+        header,
+        {"op": "admit", "request": "a", "rows": [{"tokens": list(range(8))}]},
+        {"op": "commit", "request": "a", "computed": [8]},
+        {"op": "release", "request": "a", "reason": "finished"},
+        {
+            "op": "admit",
+            "request": "b",
+            "rows": [{"tokens": list(range(9))}],
+            "expect": {"cached_tokens": [8], "blocks": [[[1, 2, 6], [0, 4, 7], [0, 0, 5]]]},
+        },
+    ]
     results = list(replay([json.dumps(x) for x in lines], check=True))
     assert [r.result["ok"] for r in results] == [True] * 4
     assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]

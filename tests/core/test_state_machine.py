@@ -18,9 +18,23 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from returns.result import Failure, Success
 
 from pagedkv.core import (
-    CacheConfig, GroupSpec, KVState, RequestSpec, RowSpec, admit, append_decode, append_many, commit,
-    digest, free_queue, initial_state, publish, release, request_blocks, reset,
-)  # fmt: skip
+    CacheConfig,
+    GroupSpec,
+    KVState,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append_decode,
+    append_many,
+    commit,
+    digest,
+    free_queue,
+    initial_state,
+    publish,
+    release,
+    request_blocks,
+    reset,
+)
 
 IDS = [f"r{i}" for i in range(5)] + [7]
 REASONS = ["finished", "cancelled", "error", "preempted"]
@@ -54,14 +68,24 @@ class Reference:
             return "DUPLICATE_REQUEST"
         if need > len(self.free):
             return "NO_CAPACITY"
-        self.reqs[rid] = [{"len": n, "computed": 0, "diff": p is not None,
-                           "blocks": [self.take(self.nblocks(n)) for _ in range(self.ng)]} for n, p, t in rows]  # fmt: skip
+        self.reqs[rid] = [
+            {
+                "len": n,
+                "computed": 0,
+                "diff": p is not None,
+                "blocks": [self.take(self.nblocks(n)) for _ in range(self.ng)],
+            }
+            for n, p, t in rows
+        ]
         self.gen += 1
         return None
 
     def append(self, items: list[tuple[Any, list[int]]]) -> str | None:
-        free, reqs, gen = list(self.free), {k: [dict(r, blocks=[list(b) for b in r["blocks"]]) for r in v]
-                                            for k, v in self.reqs.items()}, self.gen  # fmt: skip
+        free, reqs, gen = (
+            list(self.free),
+            {k: [dict(r, blocks=[list(b) for b in r["blocks"]]) for r in v] for k, v in self.reqs.items()},
+            self.gen,
+        )
         for rid, counts in items:
             if rid not in self.reqs:
                 return self._undo(free, reqs, gen, "UNKNOWN_REQUEST")
@@ -129,13 +153,17 @@ class CoreMachine(RuleBasedStateMachine):
         self.history: list[tuple[KVState, str]] = []
 
     @initialize(
-        bs=st.sampled_from([1, 2, 4]), usable=st.integers(1, 16), ngroups=st.integers(1, 2),
-        max_rows=st.sampled_from([None, 2]), max_len=st.sampled_from([None, 12]),
-    )  # fmt: skip
+        bs=st.sampled_from([1, 2, 4]),
+        usable=st.integers(1, 16),
+        ngroups=st.integers(1, 2),
+        max_rows=st.sampled_from([None, 2]),
+        max_len=st.sampled_from([None, 12]),
+    )
     def setup(self, bs: int, usable: int, ngroups: int, max_rows: int | None, max_len: int | None) -> None:
         groups = tuple(GroupSpec(f"g{i}") for i in range(ngroups))
-        cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=groups,
-                          max_rows_per_request=max_rows, max_model_len=max_len)  # fmt: skip
+        cfg = CacheConfig(
+            block_size=bs, num_blocks=usable + 1, groups=groups, max_rows_per_request=max_rows, max_model_len=max_len
+        )
         self.state = initial_state(cfg)
         self.ref = Reference(bs, usable, ngroups, max_rows, max_len)
         self.max_gen = 0
@@ -153,8 +181,10 @@ class CoreMachine(RuleBasedStateMachine):
             assert err.message
             assert digest(self.state) == before
 
-    @rule(rid=st.sampled_from(IDS), rows=st.lists(
-        st.tuples(st.integers(0, 14), st.booleans(), st.integers(0, 3)), min_size=1, max_size=3))
+    @rule(
+        rid=st.sampled_from(IDS),
+        rows=st.lists(st.tuples(st.integers(0, 14), st.booleans(), st.integers(0, 3)), min_size=1, max_size=3),
+    )
     def admit(self, rid: Any, rows: list[tuple[int, bool, int]]) -> None:
         specs, ref_rows = [], []
         for n, diffusion, t in rows:
@@ -163,8 +193,13 @@ class CoreMachine(RuleBasedStateMachine):
             ref_rows.append((n, *p_t))
         self.apply(admit(self.state, RequestSpec(rid, tuple(specs))), self.ref.admit(rid, ref_rows))
 
-    @rule(items=st.lists(st.tuples(st.sampled_from(IDS), st.lists(st.integers(-1, 6), min_size=1, max_size=3)),
-                         min_size=1, max_size=3))
+    @rule(
+        items=st.lists(
+            st.tuples(st.sampled_from(IDS), st.lists(st.integers(-1, 6), min_size=1, max_size=3)),
+            min_size=1,
+            max_size=3,
+        )
+    )
     def append(self, items: list[tuple[Any, list[int]]]) -> None:
         self.apply(append_many(self.state, items), self.ref.append(items))
 
@@ -190,8 +225,10 @@ class CoreMachine(RuleBasedStateMachine):
         self.apply(reset(self.state), None)
         assert self.state.epoch == epoch + 1
 
-    @rule(rids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3, unique=True),
-          phase=st.sampled_from(["prefill", "denoise", "decode"]))
+    @rule(
+        rids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3, unique=True),
+        phase=st.sampled_from(["prefill", "denoise", "decode"]),
+    )
     def publish(self, rids: list[Any], phase: str) -> None:
         result = publish(self.state, rids, phase)
         if any(r not in self.ref.reqs for r in rids):
@@ -218,8 +255,10 @@ class CoreMachine(RuleBasedStateMachine):
             elif phase == "decode":
                 assert (m.kv_start_pos, m.query_len) == (row["len"] - 1, 1)
             blocks = row["blocks"][0]
-            assert list(m.slots) == [blocks[p // self.ref.bs] * self.ref.bs + p % self.ref.bs
-                                     for p in range(m.kv_start_pos, m.kv_start_pos + m.query_len)]  # fmt: skip
+            assert list(m.slots) == [
+                blocks[p // self.ref.bs] * self.ref.bs + p % self.ref.bs
+                for p in range(m.kv_start_pos, m.kv_start_pos + m.query_len)
+            ]
             assert sum(s.q_end - s.q_start for s in m.segments) == m.query_len
 
     # -- invariants ------------------------------------------------------------
@@ -243,7 +282,9 @@ class CoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "state"):
             return
         assert check_invariants(self.state) == []
-        held = [b for rid in self.state.requests.keys() for row in request_blocks(self.state, rid) for g in row for b in g]
+        held = [
+            b for rid in self.state.requests.keys() for row in request_blocks(self.state, rid) for g in row for b in g
+        ]
         assert len(held) == len(set(held)), "a block is in two live rows (no prefix cache here)"
 
     @invariant()

@@ -21,10 +21,33 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from returns.result import Failure, Success
 
 from pagedkv.core import (
-    Admitted, Appended, Committed, Decoded, Placeholders, Released, CacheConfig, GroupKind, GroupSpec, KVState,
-    RequestSpec, RowSpec, Truncated, admit, append_decode, append_many, cache_ahead, commit, digest, fill,
-    initial_state, release, request_blocks, reset, reset_prefix_cache, truncate,
-)  # fmt: skip
+    Admitted,
+    Appended,
+    Committed,
+    Decoded,
+    Placeholders,
+    Released,
+    CacheConfig,
+    GroupKind,
+    GroupSpec,
+    KVState,
+    RequestSpec,
+    RowSpec,
+    Truncated,
+    admit,
+    append_decode,
+    append_many,
+    cache_ahead,
+    commit,
+    digest,
+    fill,
+    initial_state,
+    release,
+    request_blocks,
+    reset,
+    reset_prefix_cache,
+    truncate,
+)
 from pagedkv.core.ahead import cut_floor
 from pagedkv.core.tails import known_ids
 from pagedkv.core.txn import Txn
@@ -38,8 +61,11 @@ GROUPINGS = {
     "full+swa": (GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3)),
     "full+local": (GroupSpec("full"), GroupSpec("local", GroupKind.CHUNKED_LOCAL, chunk=4)),
     "swa": (GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=2),),
-    "full+swa+mamba": (GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3),
-                       GroupSpec("mamba", GroupKind.MAMBA)),
+    "full+swa+mamba": (
+        GroupSpec("full"),
+        GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=3),
+        GroupSpec("mamba", GroupKind.MAMBA),
+    ),
 }
 _opaque = count()
 
@@ -55,16 +81,38 @@ class _Everything:
 
 
 class CachingMachine(DecodeRules, RuleBasedStateMachine):
-    @initialize(bs=st.sampled_from([1, 2]), usable=st.integers(6, 32), grouping=st.sampled_from(sorted(GROUPINGS)),
-                free_queue=st.sampled_from(["tail", "vllm"]), reset_policy=st.sampled_from(["always", "when_idle"]),
-                caching_point=st.sampled_from(["commit", "schedule"]),
-                block_hash=st.sampled_from(["blake2b", "sha256_cbor"]), duplicates=st.booleans())
-    def setup(self, bs: int, usable: int, grouping: str, free_queue: str, reset_policy: str, caching_point: str,
-              block_hash: str, duplicates: bool) -> None:  # fmt: skip
-        self.cfg = CacheConfig(block_size=bs, num_blocks=usable + 1, groups=GROUPINGS[grouping],
-                               enable_prefix_caching=True, free_queue=free_queue, reset_prefix_cache=reset_policy,
-                               caching_point=caching_point, block_hash=block_hash,
-                               cache_duplicates=duplicates)  # fmt: skip
+    @initialize(
+        bs=st.sampled_from([1, 2]),
+        usable=st.integers(6, 32),
+        grouping=st.sampled_from(sorted(GROUPINGS)),
+        free_queue=st.sampled_from(["tail", "vllm"]),
+        reset_policy=st.sampled_from(["always", "when_idle"]),
+        caching_point=st.sampled_from(["commit", "schedule"]),
+        block_hash=st.sampled_from(["blake2b", "sha256_cbor"]),
+        duplicates=st.booleans(),
+    )
+    def setup(
+        self,
+        bs: int,
+        usable: int,
+        grouping: str,
+        free_queue: str,
+        reset_policy: str,
+        caching_point: str,
+        block_hash: str,
+        duplicates: bool,
+    ) -> None:
+        self.cfg = CacheConfig(
+            block_size=bs,
+            num_blocks=usable + 1,
+            groups=GROUPINGS[grouping],
+            enable_prefix_caching=True,
+            free_queue=free_queue,
+            reset_prefix_cache=reset_policy,
+            caching_point=caching_point,
+            block_hash=block_hash,
+            cache_duplicates=duplicates,
+        )
         self.state = initial_state(self.cfg)
         self.content: dict[int, object] = {}  # block id -> what its KV holds
         self.tokens: dict[Any, list[list[int] | None]] = {}  # per request, per row: known token ids
@@ -84,10 +132,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         effect = result.unwrap().effect
         several = effect if isinstance(effect, tuple) else (effect,)  # release_many, commit_many
         changed_layout = any(
-            isinstance(e, (Admitted, Released)) or (isinstance(e, (Appended, Decoded)) and bool(e.allocations))
+            isinstance(e, (Admitted, Released))
+            or (isinstance(e, (Appended, Decoded)) and bool(e.allocations))
             or (isinstance(e, Truncated) and bool(e.freed_blocks))
-            or (isinstance(e, Committed) and self._nulled(old, self.state)) for e in several
-        )  # fmt: skip
+            or (isinstance(e, Committed) and self._nulled(old, self.state))
+            for e in several
+        )
         if changed_layout:
             assert self.state.generation > old.generation, "a layout change reused a generation"
         elif not hasattr(effect, "released"):
@@ -97,9 +147,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
     @staticmethod
     def _nulled(old: KVState, new: KVState) -> bool:
         """Did a commit put the null block anywhere the old state had a real one?"""
-        return any(0 in ids and ids != old.row_blocks[slot][g]
-                   for req in new.requests.values() for slot in req.slots
-                   for g, ids in enumerate(new.row_blocks[slot]))  # fmt: skip
+        return any(
+            0 in ids and ids != old.row_blocks[slot][g]
+            for req in new.requests.values()
+            for slot in req.slots
+            for g, ids in enumerate(new.row_blocks[slot])
+        )
 
     def expected_content(self, rid: Any, row: int, group: int, j: int) -> object:
         toks = self.tokens[rid][row]
@@ -129,8 +182,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         result = admit(self.state, spec)
         event(f"admit {'ok' if isinstance(result, Success) else result.failure().code.value}")
         ok = isinstance(result, Success)  # judged by the admission count written apart from admission's own
-        assert admission_violations(self.state, spec, result.unwrap().state if ok else None,
-                                    None if ok else result.failure().code.value) == []  # fmt: skip
+        assert (
+            admission_violations(
+                self.state, spec, result.unwrap().state if ok else None, None if ok else result.failure().code.value
+            )
+            == []
+        )
         effect = self.step(result)
         if effect is None:
             return
@@ -148,14 +205,16 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
                     if hit:
                         event("admit took a saved state over")
                         assert self.content.get(ids[-1]) == self.state_content(rid, i, g, cached), (
-                            f"state block {ids[-1]} holds {self.content.get(ids[-1])!r}")
+                            f"state block {ids[-1]} holds {self.content.get(ids[-1])!r}"
+                        )
                     else:
                         self.content[ids[-1]] = self.state_content(rid, i, g, 0)
                     continue
                 for j, b in enumerate(ids):
                     if j < hit and b:
                         assert self.content.get(b) == self.expected_content(rid, i, g, j), (
-                            f"hit block {b} at position {j} holds {self.content.get(b)!r}")
+                            f"hit block {b} at position {j} holds {self.content.get(b)!r}"
+                        )
                     elif j >= hit:
                         self.content[b] = None  # fresh: garbage until computed
 
@@ -180,9 +239,16 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
     def _snapshot(self) -> dict[Any, Any]:
         return {rid: request_blocks(self.state, rid) for rid in self.state.requests.keys()}
 
-    @rule(items=st.lists(st.tuples(st.sampled_from(IDS), st.lists(
-        st.one_of(st.integers(0, 2), st.lists(st.integers(0, 1), max_size=3)), min_size=1, max_size=2)),
-        min_size=1, max_size=2))  # fmt: skip
+    @rule(
+        items=st.lists(
+            st.tuples(
+                st.sampled_from(IDS),
+                st.lists(st.one_of(st.integers(0, 2), st.lists(st.integers(0, 1), max_size=3)), min_size=1, max_size=2),
+            ),
+            min_size=1,
+            max_size=2,
+        )
+    )
     def append(self, items: list[tuple[Any, list[Any]]]) -> None:
         self._append(items, append_many(self.state, items))
 

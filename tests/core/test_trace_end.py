@@ -62,8 +62,12 @@ def test_a_whole_trace_replays_and_says_where_it_ends(tmp_path: Path, capsys: py
 def test_a_trace_cut_short_diverges(cut: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = recorded()
     text = "\n".join(lines) + "\n"
-    cuts = {"half its bytes": text[: len(text) // 2], "mid-line": text[: len(text) - len(lines[-2]) // 2 - len(lines[-1]) - 2],
-            "its end record": "\n".join(lines[:-1]) + "\n", "half its lines": "\n".join(lines[: len(lines) // 2]) + "\n"}  # fmt: skip
+    cuts = {
+        "half its bytes": text[: len(text) // 2],
+        "mid-line": text[: len(text) - len(lines[-2]) // 2 - len(lines[-1]) - 2],
+        "its end record": "\n".join(lines[:-1]) + "\n",
+        "half its lines": "\n".join(lines[: len(lines) // 2]) + "\n",
+    }
     code, err = replayed(tmp_path, capsys, lines, cuts[cut])
     assert code == 1 and "without the end record its header promises: it was cut short" in err, err
 
@@ -75,15 +79,23 @@ def test_a_trace_cut_short_diverges(cut: str, tmp_path: Path, capsys: pytest.Cap
 def test_lines_lost_or_added_diverge(change: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = recorded()
     k = len(lines) // 2
-    changed = {"junk inserted": lines[:k] + ["}{ junk"] + lines[k:],
-               "an event inserted": lines[:k] + ['{"op": "schedule"}'] + lines[k:],
-               "an event lost": lines[:k] + lines[k + 1 :], "junk appended": lines + ["junk"],
-               "an event appended": lines + ['{"op": "schedule"}'],
-               "the count changed": lines[:-1] + [json.dumps({"op": "end", "events": len(lines) - 1})]}[change]  # fmt: skip
+    changed = {
+        "junk inserted": lines[:k] + ["}{ junk"] + lines[k:],
+        "an event inserted": lines[:k] + ['{"op": "schedule"}'] + lines[k:],
+        "an event lost": lines[:k] + lines[k + 1 :],
+        "junk appended": lines + ["junk"],
+        "an event appended": lines + ['{"op": "schedule"}'],
+        "the count changed": lines[:-1] + [json.dumps({"op": "end", "events": len(lines) - 1})],
+    }[change]
     code, err = replayed(tmp_path, capsys, changed)
     assert code == 1, err
-    said = ("after the end record" if "appended" in change else
-            "lost or inserted" if change in ("junk inserted", "the count changed") else "")  # fmt: skip
+    said = (
+        "after the end record"
+        if "appended" in change
+        else "lost or inserted"
+        if change in ("junk inserted", "the count changed")
+        else ""
+    )
     assert said in err, err
 
 
@@ -98,8 +110,9 @@ def test_the_missing_end_is_reported_in_its_place_as_json(tmp_path: Path, capsys
     assert rows[-1]["digest"] == rows[-2]["digest"]
 
 
-def test_a_trace_recorded_before_the_end_record_replays_as_it_did(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_trace_recorded_before_the_end_record_replays_as_it_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Its header promises no end and its scheduler digest covered every ended request: replay keeps that
     record itself, so its digests hold; cut short, it cannot tell (it never could)."""
     lines = OLD_TRACE.read_text().splitlines()
@@ -108,10 +121,12 @@ def test_a_trace_recorded_before_the_end_record_replays_as_it_did(tmp_path: Path
     assert replayed(tmp_path, capsys, lines[: len(lines) // 2]) == (0, "")
 
 
-@pytest.mark.parametrize("config, says", [({"end_record": "yes"}, "end_record"),
-                                          ({"scheduler": {"digest": "history"}}, "digest")])  # fmt: skip
-def test_a_bad_promise_is_a_bad_header(config: dict[str, object], says: str, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "config, says", [({"end_record": "yes"}, "end_record"), ({"scheduler": {"digest": "history"}}, "digest")]
+)
+def test_a_bad_promise_is_a_bad_header(
+    config: dict[str, object], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     head = {"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 9, **config}}
     code, err = replayed(tmp_path, capsys, [json.dumps(head)])
     assert code == 2 and says in err and len(err.splitlines()) == 1

@@ -22,8 +22,18 @@ class Fp8Case(NamedTuple):
     want: torch.Tensor  # (B, H, D) fp32 attention over the dequantized pages
 
 
-def fp8_case(seed: int, B: int, L: int, H: int, KVH: int, D: int, bs: int, fp8: torch.dtype, q_dtype: torch.dtype,
-             device: str = "cuda") -> Fp8Case:  # fmt: skip
+def fp8_case(
+    seed: int,
+    B: int,
+    L: int,
+    H: int,
+    KVH: int,
+    D: int,
+    bs: int,
+    fp8: torch.dtype,
+    q_dtype: torch.dtype,
+    device: str = "cuda",
+) -> Fp8Case:
     g = torch.Generator(device=device).manual_seed(seed)
     nb = -(-L // bs)
     k = torch.randn(B * nb + 1, bs, KVH, D, device=device, generator=g)
@@ -35,6 +45,7 @@ def fp8_case(seed: int, B: int, L: int, H: int, KVH: int, D: int, bs: int, fp8: 
     q = torch.randn(B, H, D, device=device, generator=g).to(q_dtype)
     kc = (k8.float() * ks)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
     vc = (v8.float() * vs)[table.long()].reshape(B, nb * bs, KVH, D)[:, :L].transpose(1, 2)
-    want = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kc, vc, scale=D**-0.5,
-                                                            enable_gqa=True)[:, :, 0]  # fmt: skip
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None], kc, vc, scale=D**-0.5, enable_gqa=True
+    )[:, :, 0]
     return Fp8Case(q, k8, v8, ks, vs, table, lens, want)

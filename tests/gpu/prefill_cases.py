@@ -20,9 +20,18 @@ from pagedkv.shell.attention import LayerAttention, get_backend
 from pagedkv.shell.worker import Worker
 
 
-def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]], spec: GroupSpec, bs: int,
-         dtype: torch.dtype, heads: int = 12, kvh: int = 4, d: int = 64, backend: str = "triton",
-         phase: Phase = Phase.PREFILL) -> tuple[str, float, float, float]:  # fmt: skip
+def case(
+    name: str,
+    rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]],
+    spec: GroupSpec,
+    bs: int,
+    dtype: torch.dtype,
+    heads: int = 12,
+    kvh: int = 4,
+    d: int = 64,
+    backend: str = "triton",
+    phase: Phase = Phase.PREFILL,
+) -> tuple[str, float, float, float]:
     dev = "cuda"
     g = torch.Generator(device="cpu").manual_seed(0)
     need = sum(-(-L // bs) for L, *_ in rows)
@@ -33,8 +42,18 @@ def case(name: str, rows: list[tuple[int, tuple[tuple[int, int], ...], int, int]
     meta_rows = []
     for r, (L, spans, start, seq_len) in enumerate(rows):
         table = tuple(ids.pop() for _ in range(-(-L // bs)))
-        meta_rows.append(RowMetadata(r, 0, (table,), seq_len, seq_len - start, start,
-                                     slots_of(table, bs, start, seq_len - start), segments_of(spans, seq_len, start)))  # fmt: skip
+        meta_rows.append(
+            RowMetadata(
+                r,
+                0,
+                (table,),
+                seq_len,
+                seq_len - start,
+                start,
+                slots_of(table, bs, start, seq_len - start),
+                segments_of(spans, seq_len, start),
+            )
+        )
     meta = KVMetadata(1, 0, bs, phase, tuple(meta_rows))
     w = Worker(cfg, max_rows=8, max_blocks_per_row=512, max_tokens=8192, device=dev)
     batch = w.install(meta)
@@ -100,17 +119,22 @@ def main() -> int:
             print(f"{backend:<11} not run: {e}")
             continue
         for dtype, tol in TOLERANCE.items():
-            for name, rows, spec, bs, phase in ([(*c, Phase.PREFILL) for c in cases()]
-                                                + [(*c, Phase.DECODE) for c in decode_cases()]):  # fmt: skip
+            for name, rows, spec, bs, phase in [(*c, Phase.PREFILL) for c in cases()] + [
+                (*c, Phase.DECODE) for c in decode_cases()
+            ]:
                 try:
                     label, err, t_b, t_ref = case(name, rows, spec, bs, dtype, backend=backend, phase=phase)
                 except ShellError as e:  # refused with its reason (fp32 on flashinfer, a span under a window)
-                    print(f"{backend:<11} {name + ' ' + str(dtype)[6:]:<36} {'':>9} {'':>7} {'':>8} {'':>9}  refused: {e}")
+                    print(
+                        f"{backend:<11} {name + ' ' + str(dtype)[6:]:<36} {'':>9} {'':>7} {'':>8} {'':>9}  refused: {e}"
+                    )
                     continue
                 good = err < tol
                 ok &= good
-                print(f"{backend:<11} {label:<36} {err:>9.1e} {tol:>7.0e} {t_b:>8.3f} {t_ref:>9.2f}  "
-                      f"{'ok' if good else 'FAIL'}")  # fmt: skip
+                print(
+                    f"{backend:<11} {label:<36} {err:>9.1e} {tol:>7.0e} {t_b:>8.3f} {t_ref:>9.2f}  "
+                    f"{'ok' if good else 'FAIL'}"
+                )
     return 0 if ok else 1
 
 

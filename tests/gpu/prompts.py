@@ -6,8 +6,12 @@ from __future__ import annotations
 from pagedkv.models.tokenizer import Tokenizer
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
-PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
-           ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
+PROMPTS = [
+    ("What is the capital of France?", None),
+    ("Name three primary colors.", SYSTEM),
+    ("Write a haiku about the sea.", None),
+    ("The history of paged memory begins", "raw"),
+]
 
 
 def prompt_text(tok: Tokenizer, prompt: str, system: str | None) -> str:

@@ -26,13 +26,18 @@ def check_sizing() -> tuple[str, str, bool]:
         x = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
         (x @ x.T).sum().item()
 
-    smollm2 = plan_rank(attention_layers(30, kv_heads=3, head_dim=64, dtype=torch.bfloat16), block_size=16,
-                        dtype=torch.bfloat16)  # fmt: skip
+    smollm2 = plan_rank(
+        attention_layers(30, kv_heads=3, head_dim=64, dtype=torch.bfloat16), block_size=16, dtype=torch.bfloat16
+    )
     s = size_pool(smollm2, device=dev, memory_fraction=0.5, profile=profile)
     peak = torch.cuda.max_memory_allocated(dev)
     total = torch.cuda.get_device_properties(dev).total_memory
     good = 0 < s.total_bytes <= total // 2 - peak + s.page_bytes
-    return "size_pool (fraction 0.5)", f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak {peak / 2**20:.0f} MiB", good
+    return (
+        "size_pool (fraction 0.5)",
+        f"{s.num_blocks} blocks, {s.total_bytes / 2**30:.1f} GiB, peak {peak / 2**20:.0f} MiB",
+        good,
+    )
 
 
 def check_pages(dtype: torch.dtype, tol: float) -> tuple[str, str, bool]:
@@ -75,7 +80,11 @@ def check_pages(dtype: torch.dtype, tol: float) -> tuple[str, str, bool]:
     ref = torch.stack(refs)
     err = ((out - ref).norm() / ref.norm()).item()
     good = err < tol and bool(torch.isfinite(out).all())
-    return f"torch backend over pages, {str(dtype)[6:]}", f"rel err {err:.2e} (< {tol}), install {install_ms:.2f} ms", good
+    return (
+        f"torch backend over pages, {str(dtype)[6:]}",
+        f"rel err {err:.2e} (< {tol}), install {install_ms:.2f} ms",
+        good,
+    )
 
 
 def main() -> int:

@@ -11,7 +11,9 @@ import torch
 
 pytestmark = pytest.mark.cuda
 
-pytest.importorskip("flashinfer", reason="the flashinfer backend needs flashinfer-python (pip install flashinfer-python)")
+pytest.importorskip(
+    "flashinfer", reason="the flashinfer backend needs flashinfer-python (pip install flashinfer-python)"
+)
 pytest.importorskip("triton", reason="the comparisons run triton beside it")
 
 from tests.gpu import decode_rig  # noqa: E402
@@ -61,8 +63,15 @@ def test_decode_equals_the_reference(name: str, rows: list, spec: object, bs: in
     """Both backends' decode on the same shuffled pages against the float32 torch reference (bf16 inputs)."""
     from pagedkv.core import Phase
 
-    _, err, _, _ = prefill_cases.case(name, rows, spec, bs, torch.bfloat16, backend=backend,  # type: ignore[arg-type]
-                                          phase=Phase.DECODE)  # fmt: skip
+    _, err, _, _ = prefill_cases.case(
+        name,
+        rows,
+        spec,
+        bs,
+        torch.bfloat16,
+        backend=backend,  # type: ignore[arg-type]
+        phase=Phase.DECODE,
+    )
     assert err < prefill_cases.TOLERANCE[torch.bfloat16], err
 
 
@@ -118,8 +127,9 @@ def test_flashinfer_reads_fp8_pages_with_the_layers_scales(tensor_cores: bool) -
     dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
     dec.plan(indptr, table.reshape(-1).to(i32).cpu(), last, H, KVH, D, bs, **kw)
     pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-    pre.plan(torch.arange(B + 1, dtype=i32), indptr, table.reshape(-1).to(i32).cpu(), last, H, KVH, D, bs,
-             causal=True, **kw)  # fmt: skip
+    pre.plan(
+        torch.arange(B + 1, dtype=i32), indptr, table.reshape(-1).to(i32).cpu(), last, H, KVH, D, bs, causal=True, **kw
+    )
 
     def err(got: torch.Tensor) -> float:
         return ((got.float() - want).norm() / want.norm()).item()
@@ -135,10 +145,12 @@ def test_an_engine_on_fp8_pages_runs_on_flashinfer_with_graphs() -> None:
     from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 
     model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device="cuda")
-    prompts = [(f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(max_tokens=6))
-               for i in range(4)]  # fmt: skip
-    eng = Engine(model, IdTokenizer(), backend="flashinfer", block_size=16, kv_cache_memory_bytes=64 << 20,
-                 kv_cache_dtype="fp8")  # fmt: skip
+    prompts = [
+        (f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(max_tokens=6)) for i in range(4)
+    ]
+    eng = Engine(
+        model, IdTokenizer(), backend="flashinfer", block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8"
+    )
     assert eng.pool.fp8
     done = eng.generate(prompts)
     assert [len(c.token_ids) for c in done] == [6] * 4

@@ -33,9 +33,15 @@ def models() -> tuple[Any, Llama]:
 def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                          eos_token_id=None, pad_token_id=511)  # fmt: skip
-    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=511,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 def engine(model: Llama, **kw: Any) -> Engine:
@@ -47,7 +53,9 @@ def test_the_defaults_on_cuda_run_the_hybrid_model_as_transformers_does(models: 
     hf, ours = models
     eng = engine(ours)
     assert eng.backend.name == "triton" and eng.graphs is not None  # the engine's defaults on CUDA
-    assert [g.kind.value for g in eng.cache.groups] == ["full", "sliding_window"] and eng.cache.groups[1].window == WINDOW
+    assert [g.kind.value for g in eng.cache.groups] == ["full", "sliding_window"] and eng.cache.groups[
+        1
+    ].window == WINDOW
     for prompt in prompts(1, 100, 1) + prompts(1, 37, 2):
         eng = engine(ours)
         (c,) = eng.generate([("p", prompt, SamplingParams(max_tokens=40))])

@@ -49,8 +49,15 @@ def reference(hf: Any, path: Path, batch: list[list[int]], new: int) -> list[lis
         for p, w in zip(batch, want):
             ids = torch.tensor([p], device="cuda")
             with torch.no_grad():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
             assert out[0, len(p) :].tolist() == w
     return want
 
@@ -72,7 +79,9 @@ def test_triton_and_graphs_give_transformers_tokens(models: tuple[Any, Path]) ->
 def test_chunked_prefill_and_preemption_on_the_device(models: tuple[Any, Path]) -> None:
     hf, path = models
     batch = prompts((50, 44, 38, 60), 5)
-    eng, got = serve(ours(path), batch, 24, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=24)
+    eng, got = serve(
+        ours(path), batch, 24, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=24
+    )
     assert eng.stats.preemptions > 0
     assert got == reference(hf, path, batch, 24)
 

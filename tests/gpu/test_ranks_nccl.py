@@ -20,8 +20,7 @@ def test_two_gpus_give_one_gpus_tokens() -> None:
     reqs = [(f"p{i}", [rng.randrange(49152) for _ in range(48)], SamplingParams(max_tokens=8)) for i in range(4)]
     out = {}
     for world in (1, 2):
-        results = run_ranks(world, reqs, backend="nccl", weights="random", timeout_s=300,
-                            kv_cache_memory_bytes=1 << 30)  # fmt: skip
+        results = run_ranks(world, reqs, backend="nccl", weights="random", timeout_s=300, kv_cache_memory_bytes=1 << 30)
         assert all("error" not in r for r in results), [r.get("error") for r in results]
         out[world] = results[0]["completions"]
     assert out[1] == out[2]

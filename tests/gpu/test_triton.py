@@ -44,8 +44,9 @@ def test_graph_replay_equals_the_eager_step(rig: decode_rig.DecodeRig, batch_siz
 
 def test_an_engine_on_triton_gives_the_torch_backends_tokens() -> None:
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
-    prompts = [(f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(max_tokens=12))
-               for i in range(4)]  # fmt: skip
+    prompts = [
+        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(max_tokens=12)) for i in range(4)
+    ]
     runs = {}
     for backend in ("torch", "triton"):
         eng = Engine(model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20)
@@ -58,13 +59,17 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
     """The engine captures its graphs at start-up and decodes by replay; greedy and seeded sampled requests
     get the tokens of the same engine with graphs off, and a seeded request alone gets its batched tokens."""
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
-    params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5),
-              SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=6)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=6),
+    ]
     prompts = [(f"p{i}", [(5 * i + j) % 49152 for j in range(30 + 11 * i)], params[i % 3]) for i in range(6)]
     runs = {}
     for graphs in (True, False):
-        eng = Engine(model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
-                     cuda_graphs=graphs)  # fmt: skip
+        eng = Engine(
+            model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
+        )
         assert (eng.graphs is not None) == graphs and (not graphs or eng.graphs.captures == 1)
         runs[graphs] = [c.token_ids for c in eng.generate(prompts)]
     assert runs[True] == runs[False]
@@ -91,12 +96,14 @@ def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dt
 
 def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() -> None:
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
-    prompts = [(f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(max_tokens=12))
-               for i in range(4)]  # fmt: skip
+    prompts = [
+        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(max_tokens=12)) for i in range(4)
+    ]
     runs = {}
     for backend in ("torch", "triton"):
-        eng = Engine(model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20,
-                     kv_cache_dtype="fp8")  # fmt: skip
+        eng = Engine(
+            model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8"
+        )
         assert eng.pool.fp8 and (eng.graphs is not None) == (backend == "triton")
         runs[backend] = [c.token_ids for c in eng.generate(prompts)]
     assert runs["triton"] == runs["torch"]
@@ -136,7 +143,8 @@ def test_the_decode_kernel_over_group_sizes_tails_and_windows(G: int, pages: str
             idx = torch.arange(lo, L, device="cuda")
             kc = k[table[r, idx // bs].long(), idx % bs].transpose(0, 1)  # (KVH, L, D)
             vc = v[table[r, idx // bs].long(), idx % bs].transpose(0, 1)
-            want = torch.nn.functional.scaled_dot_product_attention(q[r].float()[:, None], kc, vc, scale=D**-0.5,
-                                                                    enable_gqa=True)[:, 0]  # fmt: skip
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[r].float()[:, None], kc, vc, scale=D**-0.5, enable_gqa=True
+            )[:, 0]
             err = ((got[r] - want).norm() / want.norm()).item()
             assert err < (1e-4 if pages == "fp32" else 1e-2), (G, pages, window, L, err)

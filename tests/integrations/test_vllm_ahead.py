@@ -18,9 +18,16 @@ from __future__ import annotations
 import pytest
 
 from tests.integrations.vllm_harness import (
-    Layout, Speculation, Workload, drive, drive_reading_state, first_difference, make_scheduler, scheduler_classes,
+    Layout,
+    Speculation,
+    Workload,
+    drive,
+    drive_reading_state,
+    first_difference,
+    make_scheduler,
+    scheduler_classes,
     vllm_available,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
 
@@ -30,50 +37,119 @@ V2 = {"async_scheduling": True, "v2_runner": True}
 CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "async, full attention, 60 blocks": (60, Layout(), {"num_requests": 120}, ASYNC),
     "async, window 32, 60 blocks": (60, Layout(windows=(32,)), {"num_requests": 120, "seed": 1}, ASYNC),
-    "async, V2 runner, windows 32 and 64, 90 blocks": (90, Layout(windows=(32, 64)), {"num_requests": 120, "seed": 2}, V2),
-    "async, watermark, resets, repeats": (80, Layout(windows=(48,)), {
-        "num_requests": 120, "seed": 3, "reset_every": 7, "idle_after": 100, "repeats": 0.4}, {**ASYNC, "watermark": 0.1}),
-    "async, long hits under window 16, 64-token chunks": (40, Layout(windows=(16,)), {
-        "num_requests": 80, "seed": 4, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440},
-        {**ASYNC, "max_num_batched_tokens": 64}),
+    "async, V2 runner, windows 32 and 64, 90 blocks": (
+        90,
+        Layout(windows=(32, 64)),
+        {"num_requests": 120, "seed": 2},
+        V2,
+    ),
+    "async, watermark, resets, repeats": (
+        80,
+        Layout(windows=(48,)),
+        {"num_requests": 120, "seed": 3, "reset_every": 7, "idle_after": 100, "repeats": 0.4},
+        {**ASYNC, "watermark": 0.1},
+    ),
+    "async, long hits under window 16, 64-token chunks": (
+        40,
+        Layout(windows=(16,)),
+        {"num_requests": 80, "seed": 4, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440},
+        {**ASYNC, "max_num_batched_tokens": 64},
+    ),
     "async, caching off": (60, Layout(windows=(32,)), {"num_requests": 80, "seed": 5}, {**ASYNC, "caching": False}),
     "async, Mamba (align), repeats": (60, Layout(mamba=1), {"num_requests": 120, "seed": 22, "repeats": 0.4}, ASYNC),
-    "ngram k=1": (60, Layout(), {"num_requests": 100, "seed": 6, "repeats": 0.4}, {"speculation": Speculation("ngram", 1)}),
-    "ngram k=2, padding after full hits": (60, Layout(), {"num_requests": 100, "seed": 7, "repeats": 0.5},
-                                           {"speculation": Speculation("ngram", 2)}),
-    "ngram k=4, window 32, LoRA and salts": (60, Layout(windows=(32,)), {
-        "num_requests": 100, "seed": 8, "repeats": 0.3, "lora_every": 3, "salt_every": 4},
-        {"speculation": Speculation("ngram", 4), "hash_algo": "sha256"}),
-    "ngram k=8, windows 32 and 64": (90, Layout(windows=(32, 64)), {"num_requests": 100, "seed": 9},
-                                     {"speculation": Speculation("ngram", 8)}),
-    "async ngram k=2, V2 runner": (60, Layout(), {"num_requests": 100, "seed": 10, "repeats": 0.4},
-                                   {**V2, "speculation": Speculation("ngram", 2)}),
-    "async ngram k=4, V2 runner, window 32, metrics": (60, Layout(windows=(32,)), {"num_requests": 100, "seed": 11},
-                                                     {**V2, "speculation": Speculation("ngram", 4), "metrics": True}),
-    "async ngram k=8, V2 runner, report mode full": (90, Layout(), {
-        "num_requests": 100, "seed": 12, "report_every": 3, "repeats": 0.4},
-        {**V2, "speculation": Speculation("ngram", 8)}),
+    "ngram k=1": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 6, "repeats": 0.4},
+        {"speculation": Speculation("ngram", 1)},
+    ),
+    "ngram k=2, padding after full hits": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 7, "repeats": 0.5},
+        {"speculation": Speculation("ngram", 2)},
+    ),
+    "ngram k=4, window 32, LoRA and salts": (
+        60,
+        Layout(windows=(32,)),
+        {"num_requests": 100, "seed": 8, "repeats": 0.3, "lora_every": 3, "salt_every": 4},
+        {"speculation": Speculation("ngram", 4), "hash_algo": "sha256"},
+    ),
+    "ngram k=8, windows 32 and 64": (
+        90,
+        Layout(windows=(32, 64)),
+        {"num_requests": 100, "seed": 9},
+        {"speculation": Speculation("ngram", 8)},
+    ),
+    "async ngram k=2, V2 runner": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 10, "repeats": 0.4},
+        {**V2, "speculation": Speculation("ngram", 2)},
+    ),
+    "async ngram k=4, V2 runner, window 32, metrics": (
+        60,
+        Layout(windows=(32,)),
+        {"num_requests": 100, "seed": 11},
+        {**V2, "speculation": Speculation("ngram", 4), "metrics": True},
+    ),
+    "async ngram k=8, V2 runner, report mode full": (
+        90,
+        Layout(),
+        {"num_requests": 100, "seed": 12, "report_every": 3, "repeats": 0.4},
+        {**V2, "speculation": Speculation("ngram", 8)},
+    ),
     # EAGLE: k lookahead slots past the drafts; its block hashes cover the token after each block (vLLM 0.33's
     # default) or, with that off, a hit matches one block past it and gives it back
-    "eagle k=1": (60, Layout(), {"num_requests": 100, "seed": 13, "repeats": 0.4}, {"speculation": Speculation("eagle", 1)}),
-    "eagle k=3, window 32, report mode full": (60, Layout(windows=(32,)), {
-        "num_requests": 100, "seed": 14, "repeats": 0.4, "report_every": 3}, {"speculation": Speculation("eagle", 3)}),
-    "eagle k=8, LoRA and salts, sha256": (90, Layout(), {
-        "num_requests": 100, "seed": 15, "repeats": 0.3, "lora_every": 3, "salt_every": 4},
-        {"speculation": Speculation("eagle", 8), "hash_algo": "sha256"}),
-    "eagle k=2, block drop": (60, Layout(), {"num_requests": 100, "seed": 16, "repeats": 0.5},
-                              {"speculation": Speculation("eagle", 2, lookahead_hashes=False)}),
-    "eagle k=4, block drop, windows 32 and 64": (90, Layout(windows=(32, 64)), {
-        "num_requests": 100, "seed": 17, "repeats": 0.5}, {"speculation": Speculation("eagle", 4, lookahead_hashes=False)}),
-    "async eagle k=2, V1 runner, window 16": (60, Layout(windows=(16,)), {"num_requests": 100, "seed": 18, "repeats": 0.4},
-                                              {**ASYNC, "speculation": Speculation("eagle", 2)}),
-    "async eagle k=3, V2 runner, block drop, window 32": (60, Layout(windows=(32,)), {
-        "num_requests": 100, "seed": 19, "repeats": 0.5},
-        {**V2, "speculation": Speculation("eagle", 3, lookahead_hashes=False)}),
-    "async eagle k=5, V2 runner, salts, metrics": (60, Layout(), {
-        "num_requests": 100, "seed": 20, "repeats": 0.4, "salt_every": 3},
-        {**V2, "speculation": Speculation("eagle", 5), "metrics": True}),
-}  # fmt: skip
+    "eagle k=1": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 13, "repeats": 0.4},
+        {"speculation": Speculation("eagle", 1)},
+    ),
+    "eagle k=3, window 32, report mode full": (
+        60,
+        Layout(windows=(32,)),
+        {"num_requests": 100, "seed": 14, "repeats": 0.4, "report_every": 3},
+        {"speculation": Speculation("eagle", 3)},
+    ),
+    "eagle k=8, LoRA and salts, sha256": (
+        90,
+        Layout(),
+        {"num_requests": 100, "seed": 15, "repeats": 0.3, "lora_every": 3, "salt_every": 4},
+        {"speculation": Speculation("eagle", 8), "hash_algo": "sha256"},
+    ),
+    "eagle k=2, block drop": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 16, "repeats": 0.5},
+        {"speculation": Speculation("eagle", 2, lookahead_hashes=False)},
+    ),
+    "eagle k=4, block drop, windows 32 and 64": (
+        90,
+        Layout(windows=(32, 64)),
+        {"num_requests": 100, "seed": 17, "repeats": 0.5},
+        {"speculation": Speculation("eagle", 4, lookahead_hashes=False)},
+    ),
+    "async eagle k=2, V1 runner, window 16": (
+        60,
+        Layout(windows=(16,)),
+        {"num_requests": 100, "seed": 18, "repeats": 0.4},
+        {**ASYNC, "speculation": Speculation("eagle", 2)},
+    ),
+    "async eagle k=3, V2 runner, block drop, window 32": (
+        60,
+        Layout(windows=(32,)),
+        {"num_requests": 100, "seed": 19, "repeats": 0.5},
+        {**V2, "speculation": Speculation("eagle", 3, lookahead_hashes=False)},
+    ),
+    "async eagle k=5, V2 runner, salts, metrics": (
+        60,
+        Layout(),
+        {"num_requests": 100, "seed": 20, "repeats": 0.4, "salt_every": 3},
+        {**V2, "speculation": Speculation("eagle", 5), "metrics": True},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -130,4 +206,3 @@ def test_a_scheduler_class_that_does_not_match_async_scheduling_is_refused() -> 
         make_scheduler(PagedKVScheduler, 40, Layout(), async_scheduling=True)
     with pytest.raises(Unsupported, match="without async scheduling"):
         make_scheduler(PagedKVAsyncScheduler, 40, Layout())
-

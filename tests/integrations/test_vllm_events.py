@@ -15,8 +15,15 @@ pytest.importorskip("msgspec", reason="vLLM's event format needs msgspec (pip in
 
 from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state  # noqa: E402
 from pagedkv.integrations.vllm.events import (  # noqa: E402
-    AllBlocksCleared, BlockRemoved, BlockStored, decode, encode, int64_hash, to_vllm, to_vllm_batch,
-)  # fmt: skip
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode,
+    encode,
+    int64_hash,
+    to_vllm,
+    to_vllm_batch,
+)
 from tests.integrations.vllm_events_scenario import CONFIG, events  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_events.msgpack"
@@ -39,7 +46,11 @@ def test_what_the_events_say() -> None:
     assert kinds == ["BlockStored"] * 2 + ["BlockRemoved"] * 4 + ["BlockStored"] * 2 + ["AllBlocksCleared"]
     full, window = b.events[:2]  # type: ignore[attr-defined]
     assert (full.group_idx, full.kv_cache_spec_kind, full.kv_cache_spec_sliding_window) == (0, "full_attention", None)
-    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (1, "sliding_window", 8)
+    assert (window.group_idx, window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == (
+        1,
+        "sliding_window",
+        8,
+    )
     assert full.block_hashes == window.block_hashes and len(full.block_hashes) == 3  # one chain, one event a group
     assert full.token_ids == list(range(12)) and full.parent_block_hash is None and full.block_size == 4
     assert full.medium == "GPU" and full.lora_id is None
@@ -60,13 +71,23 @@ def test_a_chain_continues_from_its_parent() -> None:
 
 def test_int64_hashes_are_stable_across_processes() -> None:
     here = [e.block_hashes for e in batch().events if not isinstance(e, AllBlocksCleared)]  # type: ignore[attr-defined]
-    code = ("from tests.integrations.vllm_events_scenario import CONFIG, events; "
-            "from pagedkv.integrations.vllm.events import to_vllm; "
-            "print([e.block_hashes for e in to_vllm(events(), CONFIG) if hasattr(e, 'block_hashes')])")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""})  # fmt: skip
+    code = (
+        "from tests.integrations.vllm_events_scenario import CONFIG, events; "
+        "from pagedkv.integrations.vllm.events import to_vllm; "
+        "print([e.block_hashes for e in to_vllm(events(), CONFIG) if hasattr(e, 'block_hashes')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+    )
     assert out.stdout.strip() == str(here)
-    assert all(0 <= h < 2**64 for hs in here for h in hs) and int64_hash(b"\x00" * 8 + b"\x01" * 8) == 0x0101010101010101
+    assert (
+        all(0 <= h < 2**64 for hs in here for h in hs) and int64_hash(b"\x00" * 8 + b"\x01" * 8) == 0x0101010101010101
+    )
     assert isinstance(batch().events[2], BlockRemoved)  # type: ignore[attr-defined]
 
 
@@ -158,11 +179,26 @@ def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
     from pagedkv.shell.engine import Engine
     from pagedkv.shell.sampling import SamplingParams
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                      rope_theta=1e4, rms_norm_eps=1e-6, max_position=256)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position=256,
+    )
     steps: list[tuple[object, ...]] = []
-    eng = Engine(random_llama(cfg), IdTokenizer(), block_size=4, kv_cache_memory_bytes=10 * 1024,  # 9 blocks
-                 max_num_seqs=2, on_kv_events=steps.append)  # fmt: skip
+    eng = Engine(
+        random_llama(cfg),
+        IdTokenizer(),
+        block_size=4,
+        kv_cache_memory_bytes=10 * 1024,  # 9 blocks
+        max_num_seqs=2,
+        on_kv_events=steps.append,
+    )
     prompts = [list(range(1, 18)), list(range(1, 14)) + [40, 41], list(range(30, 52))]
     eng.generate([(f"p{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts)])
     index: dict[tuple[int, bytes], int] = {}

@@ -19,8 +19,15 @@ from typing import Any
 import pytest
 
 from tests.integrations.vllm_harness import (
-    Layout, Workload, differential, drive, drive_reading_state, fuzzed, make_scheduler, vllm_available,
-)  # fmt: skip
+    Layout,
+    Workload,
+    differential,
+    drive,
+    drive_reading_state,
+    fuzzed,
+    make_scheduler,
+    vllm_available,
+)
 
 pytestmark = pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")
 
@@ -28,21 +35,46 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "full attention, 60 blocks": (60, Layout(), {}, {}),
     "full + window 32, 60 blocks": (60, Layout(windows=(32,)), {}, {}),
     "full + windows 32 and 64, 90 blocks": (90, Layout(windows=(32, 64)), {}, {}),
-    "full + window 16, 40 blocks, long chunks": (40, Layout(windows=(16,)), {"seed": 3}, {"max_num_batched_tokens": 512}),
+    "full + window 16, 40 blocks, long chunks": (
+        40,
+        Layout(windows=(16,)),
+        {"seed": 3},
+        {"max_num_batched_tokens": 512},
+    ),
     "full + window 48, watermark 0.1": (80, Layout(windows=(48,)), {"seed": 1}, {"watermark": 0.1}),
     "prefix caching off, window 32": (60, Layout(windows=(32,)), {"seed": 2}, {"caching": False}),
     "resets while busy and idle": (120, Layout(windows=(32,)), {"seed": 4, "reset_every": 7, "idle_after": 150}, {}),
     # issue 28: long hits under windows (the core once counted a window group whole and refused them for good)
-    "long hits under window 16, 40 blocks, 64-token chunks": (40, Layout(windows=(16,)), {
-        "seed": 5, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440}, {"max_num_batched_tokens": 64}),
-    "1,700-token prompts under window 16, 200 blocks": (200, Layout(windows=(16,)), {
-        "seed": 6, "long_prompts": 0.3, "repeats": 0.3, "max_prompt": 1800, "num_requests": 80}, {}),
-    "long hits under windows 32 and 64, 300 blocks": (300, Layout(windows=(32, 64)), {
-        "seed": 7, "long_prompts": 0.5, "repeats": 0.4, "max_prompt": 1500}, {}),
-    "preemption back onto a cached prefix, 40 blocks": (40, Layout(windows=(32,)), {
-        "seed": 8, "repeats": 0.5, "max_prompt": 300}, {}),
-    "LoRA adapters and cache salts, sha256": (90, Layout(windows=(32,)), {
-        "seed": 9, "lora_every": 3, "salt_every": 4, "repeats": 0.3}, {"hash_algo": "sha256"}),
+    "long hits under window 16, 40 blocks, 64-token chunks": (
+        40,
+        Layout(windows=(16,)),
+        {"seed": 5, "long_prompts": 0.4, "repeats": 0.4, "max_prompt": 440},
+        {"max_num_batched_tokens": 64},
+    ),
+    "1,700-token prompts under window 16, 200 blocks": (
+        200,
+        Layout(windows=(16,)),
+        {"seed": 6, "long_prompts": 0.3, "repeats": 0.3, "max_prompt": 1800, "num_requests": 80},
+        {},
+    ),
+    "long hits under windows 32 and 64, 300 blocks": (
+        300,
+        Layout(windows=(32, 64)),
+        {"seed": 7, "long_prompts": 0.5, "repeats": 0.4, "max_prompt": 1500},
+        {},
+    ),
+    "preemption back onto a cached prefix, 40 blocks": (
+        40,
+        Layout(windows=(32,)),
+        {"seed": 8, "repeats": 0.5, "max_prompt": 300},
+        {},
+    ),
+    "LoRA adapters and cache salts, sha256": (
+        90,
+        Layout(windows=(32,)),
+        {"seed": 9, "lora_every": 3, "salt_every": 4, "repeats": 0.3},
+        {"hash_algo": "sha256"},
+    ),
     "LoRA adapters and cache salts, sha256_cbor": (90, Layout(), {"seed": 10, "lora_every": 3, "salt_every": 4}, {}),
     "kv_cache_report_mode full": (90, Layout(windows=(48,)), {"seed": 11, "report_every": 2, "repeats": 0.4}, {}),
     "KV cache residency metrics": (50, Layout(windows=(32,)), {"seed": 12, "repeats": 0.3}, {"metrics": True}),
@@ -50,15 +82,27 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
     "xxhash_cbor, window 64": (90, Layout(windows=(64,)), {"seed": 14}, {"hash_algo": "xxhash_cbor"}),
     # issue 34: a Mamba group in mamba_cache_mode="align" (a state block at each boundary, aligned prefill splits)
     "full + Mamba (align), 60 blocks": (60, Layout(mamba=1), {}, {}),
-    "full + window 32 + Mamba, long prompts and repeats": (90, Layout(windows=(32,), mamba=1), {
-        "seed": 16, "long_prompts": 0.3, "repeats": 0.4, "max_prompt": 600}, {}),
-    "Mamba, 40 blocks, 64-token chunks, repeats, metrics": (40, Layout(mamba=1), {
-        "seed": 17, "repeats": 0.5, "max_prompt": 300}, {"max_num_batched_tokens": 64, "metrics": True}),
+    "full + window 32 + Mamba, long prompts and repeats": (
+        90,
+        Layout(windows=(32,), mamba=1),
+        {"seed": 16, "long_prompts": 0.3, "repeats": 0.4, "max_prompt": 600},
+        {},
+    ),
+    "Mamba, 40 blocks, 64-token chunks, repeats, metrics": (
+        40,
+        Layout(mamba=1),
+        {"seed": 17, "repeats": 0.5, "max_prompt": 300},
+        {"max_num_batched_tokens": 64, "metrics": True},
+    ),
     "Mamba, resets while busy and idle": (120, Layout(mamba=1), {"seed": 21, "reset_every": 5, "idle_after": 150}, {}),
     "Mamba, prefix caching off": (60, Layout(mamba=1), {"seed": 19}, {"caching": False}),
-    "Mamba, LoRA, salts, report mode full": (90, Layout(mamba=1), {"seed": 20, "lora_every": 3, "salt_every": 4,
-                                                                   "report_every": 3, "repeats": 0.3}, {}),
-}  # fmt: skip
+    "Mamba, LoRA, salts, report mode full": (
+        90,
+        Layout(mamba=1),
+        {"seed": 20, "lora_every": 3, "salt_every": 4, "report_every": 3, "repeats": 0.3},
+        {},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -137,13 +181,21 @@ def test_each_align_mode_rule_is_needed(plant: str, monkeypatch: pytest.MonkeyPa
 def test_event_hashes_as_bytes_when_vllm_sends_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` vLLM's events carry the 32-byte hashes; so do pagedkv's."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    diff, steps, _ = differential(60, Layout(windows=(32,)), {"seed": 15, "num_requests": 60, "lora_every": 3,
-                                                              "salt_every": 4}, {"hash_algo": "sha256"})  # fmt: skip
+    diff, steps, _ = differential(
+        60,
+        Layout(windows=(32,)),
+        {"seed": 15, "num_requests": 60, "lora_every": 3, "salt_every": 4},
+        {"hash_algo": "sha256"},
+    )
     assert diff is None and steps > 50
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    stored = [ev for rec in drive(make_scheduler(Scheduler, 60, Layout(), hash_algo="sha256"), Workload(num_requests=20))
-              for ev in rec.events if type(ev).__name__ == "BlockStored"]  # fmt: skip
+    stored = [
+        ev
+        for rec in drive(make_scheduler(Scheduler, 60, Layout(), hash_algo="sha256"), Workload(num_requests=20))
+        for ev in rec.events
+        if type(ev).__name__ == "BlockStored"
+    ]
     assert stored and all(type(h) is bytes and len(h) == 32 for ev in stored for h in ev.block_hashes)
 
 
@@ -186,8 +238,10 @@ def test_pagedkv_hashes_are_vllms_sha256_cbor() -> None:
     assert computed and computed & cached == cached  # every cached hash is one vLLM computed
 
 
-@pytest.mark.parametrize("ids", [[], [5], [0, 23, 24, 255, 256, 65535, 65536, 131071, 131072, 2**32 + 5, 2**64 - 1],
-                                 list(range(131_060, 131_080))])  # fmt: skip
+@pytest.mark.parametrize(
+    "ids",
+    [[], [5], [0, 23, 24, 255, 256, 65535, 65536, 131071, 131072, 2**32 + 5, 2**64 - 1], list(range(131_060, 131_080))],
+)
 def test_the_sha256_cbor_block_hash_is_vllms_for_any_ids(ids: list[int]) -> None:
     """The CBOR pagedkv hashes (table heads for token ids, computed heads past the table) is cbor2's, and the
     hash vLLM's ``sha256_cbor`` gives, for ids at every head width and past the table."""
@@ -201,7 +255,8 @@ def test_the_sha256_cbor_block_hash_is_vllms_for_any_ids(ids: list[int]) -> None
     parent = root_hash("vllm-none-hash", "sha256_cbor")
     for extra in (None, ("lora-1", "salt")):
         assert hash_packed_cbor(parent, array("Q", ids).tobytes(), cbor2.dumps(extra, canonical=True)) == sha256_cbor(
-            (parent, tuple(ids), extra))
+            (parent, tuple(ids), extra)
+        )
 
 
 def test_what_the_manager_does_not_serve_is_refused_at_construction() -> None:
@@ -213,16 +268,27 @@ def test_what_the_manager_does_not_serve_is_refused_at_construction() -> None:
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
     mamba = MambaSpec(block_size=16, shapes=((2, 4),), dtypes=(torch.float32,))
-    cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)])  # fmt: skip
+    cfg = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)],
+    )
     with pytest.raises(Unsupported, match="MambaSpec"):
         PagedKVCacheManager(cfg, max_model_len=512, scheduler_block_size=16, hash_block_size=16)
     one = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], full)])
     with pytest.raises(Unsupported, match="multi-module MTP"):
-        PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, num_prefill_lookahead=3)
+        PagedKVCacheManager(
+            one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, num_prefill_lookahead=3
+        )
     with pytest.raises(Unsupported, match="block drop with lookahead hashes"):
-        PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16, use_eagle=True,
-                            num_hash_lookahead_tokens=1)  # fmt: skip
+        PagedKVCacheManager(
+            one,
+            max_model_len=512,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            use_eagle=True,
+            num_hash_lookahead_tokens=1,
+        )
     with pytest.raises(Unsupported, match="hash block size"):
         PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=8)
     with pytest.raises(Unsupported, match="block size 16"):
@@ -249,8 +315,13 @@ def _managers(max_model_len: int = 32) -> tuple[Any, Any, Any]:
 
     init_none_hash(sha256_cbor)
     config = Layout(windows=(32,)).kv_cache_config(16)
-    kw = dict(max_model_len=max_model_len, scheduler_block_size=16, hash_block_size=16, enable_caching=True,
-              enable_kv_cache_events=True)  # fmt: skip
+    kw = dict(
+        max_model_len=max_model_len,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
     hasher = get_request_block_hasher(16, sha256_cbor)
 
     def request(rid: str, tokens: list[int]) -> Any:
@@ -323,13 +394,28 @@ def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str, lookahead:
     from pagedkv.integrations.vllm.manager import PagedKVCacheManager
 
     init_none_hash(get_hash_fn_by_name(algo))
-    images = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(off, n))
-              for ident, off, n in (("img-a", 3, 10), ("img-b", 40, 30), ("img-c", 80, 5))]  # fmt: skip
-    request = Request("mm", list(range(1, 101)), SamplingParams(max_tokens=4), pooling_params=None,
-                      block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo), lookahead),
-                      mm_features=images, lora_request=LoRARequest("ad", 3, "/ad"), cache_salt="tenant")  # fmt: skip
-    manager = PagedKVCacheManager(Layout().kv_cache_config(32), max_model_len=512, scheduler_block_size=16,
-                                  hash_block_size=16, hash_algo=algo, num_hash_lookahead_tokens=lookahead)  # fmt: skip
+    images = [
+        MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(off, n))
+        for ident, off, n in (("img-a", 3, 10), ("img-b", 40, 30), ("img-c", 80, 5))
+    ]
+    request = Request(
+        "mm",
+        list(range(1, 101)),
+        SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo), lookahead),
+        mm_features=images,
+        lora_request=LoRARequest("ad", 3, "/ad"),
+        cache_salt="tenant",
+    )
+    manager = PagedKVCacheManager(
+        Layout().kv_cache_config(32),
+        max_model_len=512,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        hash_algo=algo,
+        num_hash_lookahead_tokens=lookahead,
+    )
     spec = manager._spec(request, request.all_token_ids, None)
     state = commit(admit(manager.state, spec).unwrap().state, "mm", [100]).unwrap().state
     ours = [state.rows[state.requests["mm"].slots[0]].hash_at(j) for j in range(6)]

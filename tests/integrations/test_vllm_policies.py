@@ -46,8 +46,14 @@ def test_reset_prefix_cache_when_idle_waits_for_the_blocks() -> None:
     assert digest(s) == before
     s = release(s, "a", "finished").unwrap().state
     assert reset_prefix_cache(s).unwrap().effect.dropped == 2
-    always = admit(initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True)),
-                   RequestSpec("a", (RowSpec.of_tokens(list(range(8))),))).unwrap().state  # fmt: skip
+    always = (
+        admit(
+            initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True)),
+            RequestSpec("a", (RowSpec.of_tokens(list(range(8))),)),
+        )
+        .unwrap()
+        .state
+    )
     assert reset_prefix_cache(always).unwrap().state.requests  # the default: works while requests run
 
 
@@ -55,13 +61,20 @@ def test_sha256_cbor_hashes_are_vllms() -> None:
     """vLLM's sha256_cbor block hashes (values computed with vLLM 0.33's ``sha256_cbor`` and
     ``hash_block_tokens``, NONE_HASH from the seed "vllm-none-hash"); 32 bytes a hash in the rows and the
     index, and the digest shows them; the trace header carries the key only when it is not the default."""
-    cfg = CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True, block_hash="sha256_cbor",
-                      hash_namespace="vllm-none-hash")  # fmt: skip
+    cfg = CacheConfig(
+        block_size=4,
+        num_blocks=9,
+        enable_prefix_caching=True,
+        block_hash="sha256_cbor",
+        hash_namespace="vllm-none-hash",
+    )
     s = admit(initial_state(cfg), RequestSpec("a", (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]),))).unwrap().state
     step = commit(s, "a", [9]).unwrap()
     hashes = [ev.block_hash.hex() for ev in step.effect.events]
-    assert hashes == ["58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
-                      "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1"]
+    assert hashes == [
+        "58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
+        "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1",
+    ]
     assert step.effect.events[1].parent_hash == step.effect.events[0].block_hash
     assert [len(key[1]) for key, _ in step.state.cache.items()] == [32, 32]
     b = admit(step.state, RequestSpec("b", (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]),))).unwrap()
@@ -73,17 +86,27 @@ def test_sha256_cbor_hashes_are_vllms() -> None:
 
 KEYS = (("lora", "ad", "/p"), ("mm", "img", -1), ("cache_salt", "s"))
 VLLM_HASHES = {  # algo: (block [1..4], block [5..8] after it, block [1..4] with KEYS), each from NONE_HASH
-    "sha256": ("52a7f141c60918f65779927090482b5a24adbe68c8613a211a1eb4e3edd9361a",
-               "bee96bce54f5fcaba04c4a3fc2491b30b48e29dbbd38a327d41bc1f76b956dde",
-               "e08eabff71505439410e1a0707db921cd431070eaf7edb0d62f683b5d25d92e4"),
-    "sha256_cbor": ("58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
-                    "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1",
-                    "94aa62868572b019848ae9e77d1f73373723395c321873772859afb5f460955c"),
-    "xxhash": ("70410442fe39dc79de6e69e5d3153abe", "7061a0ef4dbdfbd3395c4d47235a72fd",
-               "a271894e48d92cc086a87705cb94be5b"),
-    "xxhash_cbor": ("47d46a11b8224574dbb8a1b02b1374b7", "67e530479fcb10185401db165c03c9ac",
-                    "da3d40941548874f287b6446aa08cc22"),
-}  # fmt: skip
+    "sha256": (
+        "52a7f141c60918f65779927090482b5a24adbe68c8613a211a1eb4e3edd9361a",
+        "bee96bce54f5fcaba04c4a3fc2491b30b48e29dbbd38a327d41bc1f76b956dde",
+        "e08eabff71505439410e1a0707db921cd431070eaf7edb0d62f683b5d25d92e4",
+    ),
+    "sha256_cbor": (
+        "58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
+        "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1",
+        "94aa62868572b019848ae9e77d1f73373723395c321873772859afb5f460955c",
+    ),
+    "xxhash": (
+        "70410442fe39dc79de6e69e5d3153abe",
+        "7061a0ef4dbdfbd3395c4d47235a72fd",
+        "a271894e48d92cc086a87705cb94be5b",
+    ),
+    "xxhash_cbor": (
+        "47d46a11b8224574dbb8a1b02b1374b7",
+        "67e530479fcb10185401db165c03c9ac",
+        "da3d40941548874f287b6446aa08cc22",
+    ),
+}
 
 
 @pytest.mark.parametrize("algo", sorted(VLLM_HASHES))
@@ -95,12 +118,21 @@ def test_every_hash_kind_vllm_offers_is_byte_equal_to_vllms(algo: str) -> None:
         pytest.importorskip("xxhash", reason="the xxhash kinds need the xxhash package (vLLM installs it)")
     root = root_hash("vllm-none-hash", algo)
     first = hash_block(root, [1, 2, 3, 4], (), algo)
-    assert (first.hex(), hash_block(first, [5, 6, 7, 8], (), algo).hex(),
-            hash_block(root, [1, 2, 3, 4], KEYS, algo).hex()) == VLLM_HASHES[algo]  # fmt: skip
-    cfg = CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True, block_hash=algo,
-                      hash_namespace="vllm-none-hash")  # fmt: skip
-    spec = RequestSpec("a", (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]),), (KEYS[0],), content=(("img", 3, 2),),
-                       first_block_keys=(KEYS[2],))  # fmt: skip
+    assert (
+        first.hex(),
+        hash_block(first, [5, 6, 7, 8], (), algo).hex(),
+        hash_block(root, [1, 2, 3, 4], KEYS, algo).hex(),
+    ) == VLLM_HASHES[algo]
+    cfg = CacheConfig(
+        block_size=4, num_blocks=9, enable_prefix_caching=True, block_hash=algo, hash_namespace="vllm-none-hash"
+    )
+    spec = RequestSpec(
+        "a",
+        (RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]),),
+        (KEYS[0],),
+        content=(("img", 3, 2),),
+        first_block_keys=(KEYS[2],),
+    )
     step = commit(admit(initial_state(cfg), spec).unwrap().state, "a", [9]).unwrap()
     block0 = (KEYS[0], ("mm", "img", 3), KEYS[2])  # the adapter, the input from its offset 3, the salt
     assert [ev.extra_keys for ev in step.effect.events] == [block0, (KEYS[0], ("mm", "img", -1))]
@@ -112,13 +144,24 @@ def test_policies_are_checked_and_come_from_the_trace_header(tmp_path: object) -
         CacheConfig(block_size=4, num_blocks=9, free_queue="lifo")
     with pytest.raises(InvalidConfig, match="reset_prefix_cache"):
         CacheConfig(block_size=4, num_blocks=9, reset_prefix_cache=True)  # type: ignore[arg-type]
-    header = {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 9, "enable_prefix_caching": True,
-                                             "free_queue": "vllm", "reset_prefix_cache": "when_idle"}}
-    lines = [header, {"op": "admit", "request": "a", "rows": [{"tokens": list(range(10))}]},
-             {"op": "commit", "request": "a", "computed": [8]},
-             {"op": "reset_prefix_cache", "expect": {"ok": False, "error": {"code": "BLOCKS_IN_USE"}}},
-             {"op": "release", "request": "a", "reason": "finished"},
-             {"op": "admit", "request": "b", "rows": [{"num_tokens": 1}], "expect": {"blocks": [[[3]]]}}]
+    header = {
+        "pagedkv_trace": 1,
+        "config": {
+            "block_size": 4,
+            "num_blocks": 9,
+            "enable_prefix_caching": True,
+            "free_queue": "vllm",
+            "reset_prefix_cache": "when_idle",
+        },
+    }
+    lines = [
+        header,
+        {"op": "admit", "request": "a", "rows": [{"tokens": list(range(10))}]},
+        {"op": "commit", "request": "a", "computed": [8]},
+        {"op": "reset_prefix_cache", "expect": {"ok": False, "error": {"code": "BLOCKS_IN_USE"}}},
+        {"op": "release", "request": "a", "reason": "finished"},
+        {"op": "admit", "request": "b", "rows": [{"num_tokens": 1}], "expect": {"blocks": [[[3]]]}},
+    ]
     results = list(replay([json.dumps(x) for x in lines], check=True))
     assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
     from pathlib import Path
@@ -128,9 +171,14 @@ def test_policies_are_checked_and_come_from_the_trace_header(tmp_path: object) -
     assert main(["replay", str(bad)]) == 2
 
 
-@pytest.mark.parametrize("cfg", [CheckConfig(usable_blocks=5, requests=2, free_queue="vllm"),
-                                 CheckConfig(usable_blocks=5, requests=2, reset_when_idle=True),
-                                 CheckConfig(usable_blocks=5, requests=2, duplicates=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CheckConfig(usable_blocks=5, requests=2, free_queue="vllm"),
+        CheckConfig(usable_blocks=5, requests=2, reset_when_idle=True),
+        CheckConfig(usable_blocks=5, requests=2, duplicates=True),
+    ],
+)
 def test_the_checker_explores_each_policy(cfg: CheckConfig) -> None:
     result = check(cfg)
     assert result.exhaustive and not result.violation
@@ -157,8 +205,14 @@ def test_the_schedule_caching_point_caches_planned_blocks_and_a_failed_step_take
     done = commit(ahead.state, "A", [8]).unwrap()  # the step ran: nothing hashed twice, nothing new stored
     assert done.effect.events == () and len(done.state.cache) == 4
     assert cache_ahead(s, "A", [9]).failure().code is ErrorCode.INVALID  # past the row
-    plain = admit(initial_state(CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True)),
-                  RequestSpec("A", (RowSpec.of_tokens(toks),))).unwrap().state  # fmt: skip
+    plain = (
+        admit(
+            initial_state(CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True)),
+            RequestSpec("A", (RowSpec.of_tokens(toks),)),
+        )
+        .unwrap()
+        .state
+    )
     assert "caching_point" in cache_ahead(plain, "A", [8]).failure().message  # only under the policy
 
 
@@ -176,14 +230,19 @@ def test_the_scheduler_under_the_schedule_caching_point_hits_in_the_same_step() 
 
 
 def test_cache_ahead_is_a_trace_op_under_its_policy() -> None:
-    header = {"pagedkv_trace": 1, "config": {"block_size": 2, "num_blocks": 20, "enable_prefix_caching": True,
-                                             "caching_point": "schedule"}}
-    lines = [header, {"op": "admit", "request": "A", "rows": [{"tokens": [0, 1, 0, 1, 1]}]},
-             {"op": "cache_ahead", "request": "A", "through": [4], "expect": {"ok": True, "blocks": [[[1, 2, 3]]]}},
-             {"op": "admit", "request": "B", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [4]}},
-             {"op": "cache_ahead", "request": "A", "through": [9], "expect": {"ok": False, "error": {"code": "INVALID"}}},
-             {"op": "release", "request": "A", "reason": "error"},
-             {"op": "admit", "request": "C", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [0]}}]
+    header = {
+        "pagedkv_trace": 1,
+        "config": {"block_size": 2, "num_blocks": 20, "enable_prefix_caching": True, "caching_point": "schedule"},
+    }
+    lines = [
+        header,
+        {"op": "admit", "request": "A", "rows": [{"tokens": [0, 1, 0, 1, 1]}]},
+        {"op": "cache_ahead", "request": "A", "through": [4], "expect": {"ok": True, "blocks": [[[1, 2, 3]]]}},
+        {"op": "admit", "request": "B", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [4]}},
+        {"op": "cache_ahead", "request": "A", "through": [9], "expect": {"ok": False, "error": {"code": "INVALID"}}},
+        {"op": "release", "request": "A", "reason": "error"},
+        {"op": "admit", "request": "C", "rows": [{"tokens": [0, 1, 0, 1, 1]}], "expect": {"cached_tokens": [0]}},
+    ]
     results = list(replay([json.dumps(x) for x in lines], check=True))
     assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
     # (C misses though B still holds the blocks: A's failed step took their entries back; B shared that
@@ -204,11 +263,18 @@ def test_max_hit_caps_the_prefix_hit_and_replays() -> None:
     assert admit(s, RequestSpec("b", row, max_hit=9)).unwrap().effect.cached_tokens == (8,)
     assert admit(s, RequestSpec("b", row, max_hit=0)).unwrap().effect.cached_tokens == (0,)
     assert admit(s, RequestSpec("b", row, max_hit=-1)).failure().field == "max_hit"
-    lines = [{"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 17, "enable_prefix_caching": True}},
-             {"op": "admit", "request": "a", "rows": [{"tokens": list(range(13))}]},
-             {"op": "commit", "request": "a", "computed": [13]},
-             {"op": "admit", "request": "b", "rows": [{"tokens": list(range(13))}], "max_hit": 5,
-              "expect": {"cached_tokens": [4]}}]  # fmt: skip
+    lines = [
+        {"pagedkv_trace": 1, "config": {"block_size": 4, "num_blocks": 17, "enable_prefix_caching": True}},
+        {"op": "admit", "request": "a", "rows": [{"tokens": list(range(13))}]},
+        {"op": "commit", "request": "a", "computed": [13]},
+        {
+            "op": "admit",
+            "request": "b",
+            "rows": [{"tokens": list(range(13))}],
+            "max_hit": 5,
+            "expect": {"cached_tokens": [4]},
+        },
+    ]
     results = list(replay([json.dumps(x) for x in lines], check=True))
     assert all(r.divergence is None and not r.violations for r in results), [r.divergence for r in results]
 

@@ -8,8 +8,12 @@ from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec
 from pagedkv.core import release, reset_prefix_cache
 from pagedkv.core.events import KVEvent
 
-CONFIG = CacheConfig(block_size=4, num_blocks=13, enable_prefix_caching=True,
-                     groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=8)))  # fmt: skip
+CONFIG = CacheConfig(
+    block_size=4,
+    num_blocks=13,
+    enable_prefix_caching=True,
+    groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=8)),
+)
 
 
 def events() -> list[KVEvent]:

@@ -24,10 +24,18 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 BLOCK_SIZE = 16
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
-              "torch_dtype": "float32"}  # fmt: skip
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
 
 
 def vllm_available() -> str | None:
@@ -50,18 +58,40 @@ class Layout:
     def kv_cache_config(self, num_blocks: int) -> Any:
         import torch
         from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
-        )  # fmt: skip
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            MambaSpec,
+            SlidingWindowSpec,
+        )
 
-        groups = [KVCacheGroupSpec(["full.0"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2,
-                                                                 head_size=16, dtype=torch.float32))]  # fmt: skip
+        groups = [
+            KVCacheGroupSpec(
+                ["full.0"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32)
+            )
+        ]
         for i, w in enumerate(self.windows):
-            groups.append(KVCacheGroupSpec([f"swa.{i}"], SlidingWindowSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=w)))
+            groups.append(
+                KVCacheGroupSpec(
+                    [f"swa.{i}"],
+                    SlidingWindowSpec(
+                        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=w
+                    ),
+                )
+            )
         for i in range(self.mamba):  # (conv state 3 x 32, SSM state 2 x 16 x 8, in the attention page's 4 KiB)
-            groups.append(KVCacheGroupSpec([f"mamba.{i}"], MambaSpec(
-                block_size=BLOCK_SIZE, shapes=((3, 32), (2, 16, 8)), dtypes=(torch.float32, torch.float32),
-                page_size_padded=groups[0].kv_cache_spec.page_size_bytes, mamba_cache_mode="align")))
+            groups.append(
+                KVCacheGroupSpec(
+                    [f"mamba.{i}"],
+                    MambaSpec(
+                        block_size=BLOCK_SIZE,
+                        shapes=((3, 32), (2, 16, 8)),
+                        dtypes=(torch.float32, torch.float32),
+                        page_size_padded=groups[0].kv_cache_spec.page_size_bytes,
+                        mamba_cache_mode="align",
+                    ),
+                )
+            )
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)  # no worker here
 
 
@@ -76,22 +106,50 @@ class Speculation:
     lookahead_hashes: bool = True
 
 
-def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_num_seqs: int = 32,
-                   max_num_batched_tokens: int = 256, max_model_len: int = 2048, events: bool = True,
-                   log_stats: bool = True, caching: bool = True, watermark: float = 0.0,
-                   hash_algo: str = "sha256_cbor", metrics: bool = False, async_scheduling: bool = False,
-                   speculation: Speculation | None = None, v2_runner: bool = False) -> Any:  # fmt: skip
+def make_scheduler(
+    scheduler_cls: type,
+    num_blocks: int,
+    layout: Layout,
+    *,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 2048,
+    events: bool = True,
+    log_stats: bool = True,
+    caching: bool = True,
+    watermark: float = 0.0,
+    hash_algo: str = "sha256_cbor",
+    metrics: bool = False,
+    async_scheduling: bool = False,
+    speculation: Speculation | None = None,
+    v2_runner: bool = False,
+) -> Any:
     """vLLM's ``Scheduler`` (or a subclass) over a ``num_blocks`` pool, as its engine core builds it;
     ``hash_algo`` its ``--prefix-caching-hash-algo``, ``metrics`` its KV cache residency metrics (every block
     sampled, so the counts are deterministic); ``async_scheduling`` on (``scheduler_cls`` is then an
     ``AsyncScheduler``: vLLM's CPU platform turns it off, it is turned on again here), ``speculation``,
     ``v2_runner`` vLLM's V2 model runner (what the scheduler sends it and how it resumes requests)."""
     env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2_runner else "0"  # (read while the config and scheduler are built)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = (
+        "1" if v2_runner else "0"
+    )  # (read while the config and scheduler are built)
     try:
-        return _make_scheduler(scheduler_cls, num_blocks, layout, max_num_seqs, max_num_batched_tokens, max_model_len,
-                               events, log_stats, caching, watermark, hash_algo, metrics, async_scheduling,
-                               speculation)  # fmt: skip
+        return _make_scheduler(
+            scheduler_cls,
+            num_blocks,
+            layout,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            events,
+            log_stats,
+            caching,
+            watermark,
+            hash_algo,
+            metrics,
+            async_scheduling,
+            speculation,
+        )
     finally:
         if env is None:
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
@@ -99,14 +157,33 @@ def make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, *, max_
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
 
 
-def _make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, max_num_seqs: int,
-                    max_num_batched_tokens: int, max_model_len: int, events: bool, log_stats: bool, caching: bool,
-                    watermark: float, hash_algo: str, metrics: bool, async_scheduling: bool,
-                    speculation: Speculation | None) -> Any:  # fmt: skip
+def _make_scheduler(
+    scheduler_cls: type,
+    num_blocks: int,
+    layout: Layout,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    events: bool,
+    log_stats: bool,
+    caching: bool,
+    watermark: float,
+    hash_algo: str,
+    metrics: bool,
+    async_scheduling: bool,
+    speculation: Speculation | None,
+) -> Any:
     from vllm.config import (
-        CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig,
-        SpeculativeConfig, VllmConfig,
-    )  # fmt: skip
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        ObservabilityConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.structured_output import StructuredOutputManager
@@ -115,29 +192,57 @@ def _make_scheduler(scheduler_cls: type, num_blocks: int, layout: Layout, max_nu
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     model = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, prefix_caching_hash_algo=hash_algo,
-                        mamba_cache_mode="align" if layout.mamba else "none")  # fmt: skip
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, is_encoder_decoder=False, watermark=watermark)  # fmt: skip
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=caching,
+        prefix_caching_hash_algo=hash_algo,
+        mamba_cache_mode="align" if layout.mamba else "none",
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        watermark=watermark,
+    )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     observe = ObservabilityConfig(kv_cache_metrics=metrics, kv_cache_metrics_sample=1.0)
     parallel = ParallelConfig()
     spec = None
     if speculation is not None:
-        how: dict[str, Any] = ({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if speculation.method == "ngram" else
-                               {"model": folder, "disable_lookahead_block_hashes": not speculation.lookahead_hashes})
-        spec = SpeculativeConfig(target_model_config=model, target_parallel_config=parallel, method=speculation.method,
-                                 num_speculative_tokens=speculation.k, **how)  # fmt: skip
+        how: dict[str, Any] = (
+            {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            if speculation.method == "ngram"
+            else {"model": folder, "disable_lookahead_block_hashes": not speculation.lookahead_hashes}
+        )
+        spec = SpeculativeConfig(
+            target_model_config=model,
+            target_parallel_config=parallel,
+            method=speculation.method,
+            num_speculative_tokens=speculation.k,
+            **how,
+        )
     sched.async_scheduling = async_scheduling  # (validated as vLLM does on a GPU)
-    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, device_config=DeviceConfig("cpu"),
-                        kv_events_config=kv_events, observability_config=observe, parallel_config=parallel,
-                        speculative_config=spec)  # fmt: skip
+    config = VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=kv_events,
+        observability_config=observe,
+        parallel_config=parallel,
+        speculative_config=spec,
+    )
     config.scheduler_config.async_scheduling = async_scheduling  # (the CPU platform turned it off)
     config.cache_config.num_gpu_blocks = num_blocks
     init_none_hash(get_hash_fn_by_name(hash_algo))
-    return scheduler_cls(vllm_config=config, kv_cache_config=layout.kv_cache_config(num_blocks),
-                         structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
-                         log_stats=log_stats)  # fmt: skip
+    return scheduler_cls(
+        vllm_config=config,
+        kv_cache_config=layout.kv_cache_config(num_blocks),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=log_stats,
+    )
 
 
 @dataclass
@@ -248,8 +353,9 @@ def model_output(scheduler: Any, out: Any, step: int) -> Any:
                 break
             good.append(t)
         tokens.append(good + [sampled(rid, step)])
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=tokens)  # fmt: skip
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=tokens
+    )
 
 
 class EngineLoop:
@@ -287,8 +393,9 @@ class EngineLoop:
         return out, engine_out
 
 
-def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
-          on_step: Callable[[int], None] | None = None) -> list[StepRecord]:  # fmt: skip
+def drive(
+    scheduler: Any, workload: Workload, *, max_steps: int = 5000, on_step: Callable[[int], None] | None = None
+) -> list[StepRecord]:
     """Run the workload to its end through ``scheduler`` as vLLM's engine core drives it (``EngineLoop``);
     what each step decided."""
     import msgspec
@@ -299,8 +406,11 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
     from vllm.v1.request import Request, RequestStatus
 
     config = scheduler.vllm_config
-    hasher = get_request_block_hasher(BLOCK_SIZE, get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo),
-                                      config.num_hash_lookahead_tokens)  # fmt: skip
+    hasher = get_request_block_hasher(
+        BLOCK_SIZE,
+        get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo),
+        config.num_hash_lookahead_tokens,
+    )
     recorder = Recorder(msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch))
     scheduler.kv_event_publisher = recorder
     engine = EngineLoop(scheduler)
@@ -317,8 +427,12 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
         for rid, prompt, max_tokens, _ in arriving:
             skip = workload.skip_cache_every and int(rid[1:]) % workload.skip_cache_every == 7
             extra = workload.extras(rid)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=bool(skip) or None,
-                                    extra_args=extra.pop("extra_args", None))  # fmt: skip
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                skip_reading_prefix_cache=bool(skip) or None,
+                extra_args=extra.pop("extra_args", None),
+            )
             scheduler.add_request(Request(rid, prompt, params, pooling_params=None, block_hasher=hasher, **extra))
         del pending[: len(arriving)]
         for rid, at in list(abort_at.items()):  # aborts arrive between steps
@@ -345,9 +459,17 @@ def drive(scheduler: Any, workload: Workload, *, max_steps: int = 5000,
             if eco.scheduler_stats is not None:
                 st = eco.scheduler_stats
                 p = st.prefix_cache_stats
-                record.stats = (round(st.kv_cache_usage, 12), p.requests, p.queries, p.hits, p.preempted_requests,
-                                p.preempted_queries, p.preempted_hits, p.reset,
-                                tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events))  # fmt: skip
+                record.stats = (
+                    round(st.kv_cache_usage, 12),
+                    p.requests,
+                    p.queries,
+                    p.hits,
+                    p.preempted_requests,
+                    p.preempted_queries,
+                    p.preempted_hits,
+                    p.reset,
+                    tuple(len(e.reuse_gaps_seconds) for e in st.kv_cache_eviction_events),
+                )
         if workload.reset_every and step % workload.reset_every == workload.reset_every - 1:
             record.stats += (scheduler.reset_prefix_cache(),)  # refused while blocks are held; else clears the cache
         record.events = [ev for batch in recorder.batches for ev in batch.events]
@@ -397,13 +519,26 @@ def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
     chunk = rng.choice((64, 128, 256, 512))
     # the longest prompt a request with its output still fits alone: the full group's blocks and each window's
     fits = (blocks - 1 - sum((w + chunk) // BLOCK_SIZE + 2 for w in windows)) * BLOCK_SIZE - 64
-    work = {"num_requests": rng.choice((40, 60, 80)), "seed": rng.randrange(1 << 30), "long_prompts": rng.choice((0, 0.1, 0.3)),
-            "max_prompt": max(fits, 32),
-            "repeats": rng.choice((0, 0.2, 0.5)), "lora_every": rng.choice((0, 3, 5)), "salt_every": rng.choice((0, 4)),
-            "report_every": rng.choice((0, 3)), "reset_every": rng.choice((0, 0, 9)), "arrivals_per_step": rng.choice((2, 6))}
-    options = {"max_num_batched_tokens": chunk, "max_num_seqs": rng.choice((8, 32)),
-               "watermark": rng.choice((0.0, 0.0, 0.05)), "caching": rng.random() < 0.9, "hash_algo": algo,
-               "metrics": rng.random() < 0.5}  # fmt: skip
+    work = {
+        "num_requests": rng.choice((40, 60, 80)),
+        "seed": rng.randrange(1 << 30),
+        "long_prompts": rng.choice((0, 0.1, 0.3)),
+        "max_prompt": max(fits, 32),
+        "repeats": rng.choice((0, 0.2, 0.5)),
+        "lora_every": rng.choice((0, 3, 5)),
+        "salt_every": rng.choice((0, 4)),
+        "report_every": rng.choice((0, 3)),
+        "reset_every": rng.choice((0, 0, 9)),
+        "arrivals_per_step": rng.choice((2, 6)),
+    }
+    options = {
+        "max_num_batched_tokens": chunk,
+        "max_num_seqs": rng.choice((8, 32)),
+        "watermark": rng.choice((0.0, 0.0, 0.05)),
+        "caching": rng.random() < 0.9,
+        "hash_algo": algo,
+        "metrics": rng.random() < 0.5,
+    }
     # issue 31 (drawn after the rest, so each seed's other choices stay what they were): async scheduling,
     # speculative decoding (n-gram, EAGLE with lookahead hashes or its block drop), vLLM's V2 model runner
     method = rng.choice((None, None, "ngram", "eagle"))
@@ -430,7 +565,9 @@ def scheduler_classes(async_scheduling: bool) -> tuple[type, type]:
     return Scheduler, ours.PagedKVScheduler
 
 
-def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dict[str, Any]) -> tuple[str | None, int, Any]:
+def differential(
+    blocks: int, layout: Layout, work: dict[str, Any], options: dict[str, Any]
+) -> tuple[str | None, int, Any]:
     """vLLM's scheduler with its own manager and with pagedkv's on one workload: the first difference (or
     None; a raise in either run is one), the steps run, and pagedkv's manager."""
     theirs_cls, ours_cls = scheduler_classes(options.get("async_scheduling", False))
@@ -446,9 +583,12 @@ def differential(blocks: int, layout: Layout, work: dict[str, Any], options: dic
 def ahead_of(options: dict[str, Any]) -> str:
     """A configuration's async scheduling and speculation, shortly: ``async+eagle4/drop``, ``ngram2``, ``-``."""
     spec = options.get("speculation")
-    parts = ["async" if options.get("async_scheduling") else "",
-             "" if spec is None else f"{spec.method}{spec.k}" + ("" if spec.lookahead_hashes or spec.method != "eagle"
-                                                                   else "/drop")]  # fmt: skip
+    parts = [
+        "async" if options.get("async_scheduling") else "",
+        ""
+        if spec is None
+        else f"{spec.method}{spec.k}" + ("" if spec.lookahead_hashes or spec.method != "eagle" else "/drop"),
+    ]
     return "+".join(p for p in parts if p) or "-"
 
 
@@ -468,8 +608,11 @@ def main() -> None:
         diff, n, _ = differential(blocks, layout, work, options)
         steps += n
         same += diff is None
-        print(f"{seed:>5} {blocks:>6} {str(layout.windows):<10} {options['hash_algo']:<12} {ahead_of(options):<16} {n:>6} "
-              f"{time.perf_counter() - t:>6.1f}  {diff or 'identical'}", flush=True)
+        print(
+            f"{seed:>5} {blocks:>6} {str(layout.windows):<10} {options['hash_algo']:<12} {ahead_of(options):<16} {n:>6} "
+            f"{time.perf_counter() - t:>6.1f}  {diff or 'identical'}",
+            flush=True,
+        )
     print(f"{same} of {count} configurations identical to the end, {steps} steps")
 
 
@@ -500,7 +643,8 @@ def rows_as_vllm_sees_them(scheduler: Any) -> int:
         slot = req.slots[0]
         length, ids = state.row_len[slot], row_token_ids(state, slot)
         assert length >= request.num_computed_tokens and -(-length // manager.block_size) == len(
-            manager.get_block_ids(request.request_id)[0])
+            manager.get_block_ids(request.request_id)[0]
+        )
         assert ids is None or list(ids) == list(request.all_token_ids[: len(ids)])
         rows += 1
     return rows

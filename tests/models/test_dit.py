@@ -73,8 +73,9 @@ def test_later_steps_write_only_the_target_slots() -> None:
     writes: list[list[int]] = []
     original = pool.write
 
-    def counting(layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                 scales: tuple[float, float] = (1.0, 1.0)) -> None:  # fmt: skip
+    def counting(
+        layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)
+    ) -> None:
         writes.append(slots.tolist())
         original(layer, k, v, slots, scales)
 
@@ -141,8 +142,9 @@ def test_through_the_scheduler_and_prefix_reuse_by_content() -> None:
     assert [r.kv_start_pos for r in plan.diffusion[0].first.rows] == [8, 8]  # 2 blocks of each prefix
     s, _ = on_output(s, {}).unwrap()
     other, _ = rows_for(2, True, seed=9)
-    s = submit(s, SeqRequest("c", rows=tuple(r.spec(IMAGE) for r in other), steps=STEPS,
-                             extra_keys=other[0].content_key())).unwrap()  # fmt: skip
+    s = submit(
+        s, SeqRequest("c", rows=tuple(r.spec(IMAGE) for r in other), steps=STEPS, extra_keys=other[0].content_key())
+    ).unwrap()
     s, plan = schedule(s).unwrap()
     assert [r.kv_start_pos for r in plan.diffusion[0].first.rows] == [0, 0]
 
@@ -155,9 +157,10 @@ def test_denoise_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "img-0" in out and "img-1" in out and "per-step ms" in out
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--blocks", "0"], "--blocks"), (["--block-size", "0"], "--block-size"), (["--steps", "0"], "positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, says",
+    [(["--blocks", "0"], "--blocks"), (["--block-size", "0"], "--block-size"), (["--steps", "0"], "positive")],
+)
 def test_denoise_mistakes_are_one_line(flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     from pagedkv.app.cli import main
 
@@ -167,8 +170,9 @@ def test_denoise_mistakes_are_one_line(flags: list[str], says: str, capsys: pyte
 
 
 @pytest.mark.parametrize("fp8, bound", [(torch.float8_e4m3fn, 0.12), (torch.float8_e5m2, 0.35)])
-def test_fp8_pages_keep_the_latents_close_to_fp32_pages(fp8: torch.dtype, bound: float,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_fp8_pages_keep_the_latents_close_to_fp32_pages(
+    fp8: torch.dtype, bound: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Request mode over fp8 pages (scales from one calibration first step on fp32 pages) against fp32 pages: the
     latent after every step within ``bound`` of its scale (measured: e4m3 2.7% after the first step, 8.8% after the
     fourth, CFG scale 4 amplifying; e5m2 7.3% to 23.6%); pages read without their scales are far off."""
@@ -186,13 +190,18 @@ def test_fp8_pages_keep_the_latents_close_to_fp32_pages(fp8: torch.dtype, bound:
     rows = [DiTRow(tuple(range(3, 12)), ref), DiTRow((3, 4), ref)]  # CFG rows of one segment structure
     images = [torch.randn(6, 8, generator=g)] * 2
     cfg = CacheConfig(block_size=4, num_blocks=41, max_model_len=64)
-    s = admit(initial_state(cfg), RequestSpec("x", tuple(r.spec(6) for r in rows), rows[0].content_key())).unwrap().state
+    s = (
+        admit(initial_state(cfg), RequestSpec("x", tuple(r.spec(6) for r in rows), rows[0].content_key()))
+        .unwrap()
+        .state
+    )
     first, later = publish(s, ["x"], "prefill").unwrap().effect, publish(s, ["x"], "denoise").unwrap().effect
 
     def rank(dtype: torch.dtype, scales: object = None):  # type: ignore[no-untyped-def]
         layers = tuple(with_(x, dtype_bytes=dtype.itemsize) for x in model.kv_layers())
-        return build_rank(plan_rank(layers, block_size=4, dtype=dtype), cfg, max_rows=4, max_tokens=64,
-                          kv_scales=scales)  # type: ignore[arg-type]  # fmt: skip
+        return build_rank(
+            plan_rank(layers, block_size=4, dtype=dtype), cfg, max_rows=4, max_tokens=64, kv_scales=scales
+        )  # type: ignore[arg-type]
 
     want = DiTRunner(model, rank(torch.float32), be).run(rows, [i.clone() for i in images], 4, first, later)
     scales = dit_kv_scales(model, rank(torch.float32), be, rows, [i.clone() for i in images], first)

@@ -30,21 +30,42 @@ WINDOW = 24
 def hf_model(kind: str) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, eos_token_id=2)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
-                                       "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 64}, **common)  # fmt: skip
+        cfg = transformers.LlamaConfig(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
         return transformers.LlamaForCausalLM(cfg).eval()
     if kind == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=WINDOW, tie_word_embeddings=True,
-                                                                          **common)).eval()  # fmt: skip
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(sliding_window=WINDOW, tie_word_embeddings=True, **common)
+        ).eval()
     if kind == "qwen2":  # sliding layers from max_window_layers (no layer_types): transformers' derivation
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
-                                                                       max_window_layers=2, tie_word_embeddings=True,
-                                                                       **common)).eval()  # fmt: skip
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, tie_word_embeddings=True, **common
+            )
+        ).eval()
         assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
         with torch.no_grad():
             for layer in model.model.layers:
@@ -52,9 +73,16 @@ def hf_model(kind: str) -> Any:
                     proj.bias.normal_(0, 0.25)
         return model
     if kind == "gemma3":  # 3 local layers to 1 global (sliding_window_pattern, no layer_types), soft-capped logits
-        cfg = transformers.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, sliding_window_pattern=4, query_pre_attn_scalar=24,
-                                            final_logit_softcapping=5.0, rope_theta=50_000.0, rope_local_base_freq=500.0,
-                                            **common)  # fmt: skip
+        cfg = transformers.Gemma3TextConfig(
+            head_dim=32,
+            sliding_window=WINDOW,
+            sliding_window_pattern=4,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=5.0,
+            rope_theta=50_000.0,
+            rope_local_base_freq=500.0,
+            **common,
+        )
         assert cfg.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
         model = transformers.Gemma3ForCausalLM(cfg).eval()
         with torch.no_grad():  # Gemma's norms start at zero (a scale of 1): give them values the test can see
@@ -63,17 +91,25 @@ def hf_model(kind: str) -> Any:
                     p.normal_(3.0 if "post" in name else 0.0, 0.3)
         return model
     types = ["sliding_attention", "full_attention"] * 2
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
-                                                                  layer_types=types, tie_word_embeddings=True,
-                                                                  **common)).eval()  # fmt: skip
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            layer_types=types,
+            tie_word_embeddings=True,
+            **common,
+        )
+    ).eval()
 
 
 def save_tokenizer(path: Path) -> Tokenizer:
     meta = load_tokenizer_meta()
     tok = Tokenizer(meta)
     (path / "tokenizer.json").write_text(tok.to_json())
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None,
-                                                            "chat_template": meta["tokenizer.chat_template"]}))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": meta["tokenizer.chat_template"]})
+    )
     return tok
 
 
@@ -87,8 +123,14 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
-                      pad_token_id=0, eos_token_id=None)  # fmt: skip
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new,
+        do_sample=False,
+        min_new_tokens=new,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -102,8 +144,9 @@ def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[An
     eng = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20, max_num_seqs=4)
     params = SamplingParams(max_tokens=12)
     got = eng.generate([("", p, params) for p in prompts])
-    assert [c.token_ids[:12] for c in got if c.finish_reason != "stop"] == [w for w, c in zip(want, got)
-                                                                            if c.finish_reason != "stop"]  # fmt: skip
+    assert [c.token_ids[:12] for c in got if c.finish_reason != "stop"] == [
+        w for w, c in zip(want, got) if c.finish_reason != "stop"
+    ]
     assert sum(len(c.token_ids) for c in got) >= 24 and any(len(set(w)) > 3 for w in want)  # (not an empty check)
     for p, w in zip(prompts, want):  # alone
         (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", p, params)])
@@ -145,14 +188,21 @@ def _broken(path: Path, tmp: Path, what: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("what, says", [("arch", "architecture 'GPTNeoXForCausalLM' is not served (supported: LlamaForCausalLM"),
-                                        ("layers", "model.layers.4.input_layernorm.weight is missing"),
-                                        ("hidden", "mlp.gate_proj.weight has shape [128, 64]; the config implies [96, 64]"),
-                                        ("vocab", "the tokenizer gives 49152 ids; the model has 1000"),
-                                        ("weights", "holds no model.safetensors"), ("tokenizer", "tokenizer.json cannot be read"),
-                                        ("config", "config.json is not JSON")])  # fmt: skip
-def test_a_bad_directory_is_one_line_before_any_weight_is_read(checkpoint: tuple[Any, Path], tmp_path: Path, what: str,
-                                                               says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "what, says",
+    [
+        ("arch", "architecture 'GPTNeoXForCausalLM' is not served (supported: LlamaForCausalLM"),
+        ("layers", "model.layers.4.input_layernorm.weight is missing"),
+        ("hidden", "mlp.gate_proj.weight has shape [128, 64]; the config implies [96, 64]"),
+        ("vocab", "the tokenizer gives 49152 ids; the model has 1000"),
+        ("weights", "holds no model.safetensors"),
+        ("tokenizer", "tokenizer.json cannot be read"),
+        ("config", "config.json is not JSON"),
+    ],
+)
+def test_a_bad_directory_is_one_line_before_any_weight_is_read(
+    checkpoint: tuple[Any, Path], tmp_path: Path, what: str, says: str
+) -> None:
     _, path = checkpoint
     bad = _broken(path, tmp_path, what)
     with pytest.raises(CheckpointError, match=None) as e:
@@ -165,11 +215,15 @@ def test_a_bad_directory_is_one_line_before_any_weight_is_read(checkpoint: tuple
         load_model(str(tmp_path / "empty"))
 
 
-def test_generate_serves_a_directory_and_names_it(checkpoint: tuple[Any, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_serves_a_directory_and_names_it(
+    checkpoint: tuple[Any, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     from pagedkv.app.cli import main
 
     hf, path = checkpoint
-    assert main(["generate", "--model", str(path), "--chat", "What is 2+2?", "--max-tokens", "5", "--threads", "1"]) == 0
+    assert (
+        main(["generate", "--model", str(path), "--chat", "What is 2+2?", "--max-tokens", "5", "--threads", "1"]) == 0
+    )
     out = capsys.readouterr().out
     assert f"model               {path.name} ({type(hf).__name__})" in out
     bad = path.parent / f"{path.name}-arch"
@@ -241,20 +295,56 @@ def test_hub_configs_and_transformers_5_configs_read_alike() -> None:
     model config."""
     from pagedkv.models.hf import model_config
 
-    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    hub = {**sizes, "model_type": "gemma3_text", "torch_dtype": "bfloat16", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-           "sliding_window_pattern": 6, "sliding_window": 512, "head_dim": 16, "query_pre_attn_scalar": 16}  # fmt: skip
-    new = {**sizes, "model_type": "gemma3_text", "dtype": "bfloat16", "sliding_window": 512, "head_dim": 16,
-           "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    hub = {
+        **sizes,
+        "model_type": "gemma3_text",
+        "torch_dtype": "bfloat16",
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "sliding_window_pattern": 6,
+        "sliding_window": 512,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+    }
+    new = {
+        **sizes,
+        "model_type": "gemma3_text",
+        "dtype": "bfloat16",
+        "sliding_window": 512,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
     assert model_config(hub) == model_config(new)
-    qwen_hub = {**sizes, "model_type": "qwen2", "rope_theta": 5e5, "use_sliding_window": True, "sliding_window": 64,
-                "max_window_layers": 4}  # fmt: skip
-    qwen_new = {**sizes, "model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
-                "use_sliding_window": True, "sliding_window": 64,
-                "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 2}  # fmt: skip
+    qwen_hub = {
+        **sizes,
+        "model_type": "qwen2",
+        "rope_theta": 5e5,
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "max_window_layers": 4,
+    }
+    qwen_new = {
+        **sizes,
+        "model_type": "qwen2",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 2,
+    }
     a, b = model_config(qwen_hub), model_config(qwen_new)
     assert a == b and a.window_of(3) is None and a.window_of(4) == 64 and a.rope_theta == 5e5
 
@@ -269,7 +359,9 @@ def test_every_stop_id_in_generation_config_ends_a_request(checkpoint: tuple[Any
     shutil.copytree(path, out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB - 1, want[stop_at]]}))
     model, tok, _ = load_model(str(out))
-    (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate([("", prompt, SamplingParams(max_tokens=8))])
+    (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate(
+        [("", prompt, SamplingParams(max_tokens=8))]
+    )
     assert c.token_ids == want[: stop_at + 1] and c.finish_reason == "stop"
 
 
@@ -286,20 +378,52 @@ def test_vllms_flag_names_serve_as_pagedkvs(llama_dir: Path, capsys: pytest.Capt
     from pagedkv.app.cli import main
 
     ours = ["generate", "--model", str(llama_dir), "--json", "hi", "there", "--max-tokens", "6", "--threads", "1"]
-    assert main([*ours, "--ranks", "1", "--no-cuda-graphs", "--no-prefix-caching", "--kv-cache-memory", "16",
-                 "--dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                *ours,
+                "--ranks",
+                "1",
+                "--no-cuda-graphs",
+                "--no-prefix-caching",
+                "--kv-cache-memory",
+                "16",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     want = capsys.readouterr().out
-    vllms = ["--tensor-parallel-size", "1", "--enforce-eager", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
-             "16M", "--dtype", "float", "--device", "auto", "--max-num-batched-tokens", "64", "--max-model-len", "128",
-             "--tokenizer", str(llama_dir)]  # fmt: skip
+    vllms = [
+        "--tensor-parallel-size",
+        "1",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        "16M",
+        "--dtype",
+        "float",
+        "--device",
+        "auto",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-model-len",
+        "128",
+        "--tokenizer",
+        str(llama_dir),
+    ]
     assert main([*ours, *vllms]) == 0 and capsys.readouterr().out == want
     assert main([*ours, "-tp", "1", "--enable-prefix-caching", "--dtype", "half"]) == 0
     capsys.readouterr()
-    for argv, says in ((["--max-model-len", "4096"], "max_model_len 4096 is past the model's 512 positions"),
-                       (["--kv-cache-memory", "8", "--kv-cache-memory-bytes", "8M"], "not allowed with argument"),
-                       (["--kv-cache-memory-bytes", "12Q"], "--kv-cache-memory-bytes: must be a positive byte count"),
-                       (["--dtype", "fp16"], "invalid choice: 'fp16'"), (["-tp", "2"], "--ranks splits SmolLM2 only"),
-                       (["--generation-config", str(llama_dir / "nope")], "no generation_config.json there")):  # fmt: skip
+    for argv, says in (
+        (["--max-model-len", "4096"], "max_model_len 4096 is past the model's 512 positions"),
+        (["--kv-cache-memory", "8", "--kv-cache-memory-bytes", "8M"], "not allowed with argument"),
+        (["--kv-cache-memory-bytes", "12Q"], "--kv-cache-memory-bytes: must be a positive byte count"),
+        (["--dtype", "fp16"], "invalid choice: 'fp16'"),
+        (["-tp", "2"], "--ranks splits SmolLM2 only"),
+        (["--generation-config", str(llama_dir / "nope")], "no generation_config.json there"),
+    ):
         assert main([*ours, *argv]) == 2, argv
         err = capsys.readouterr().err.splitlines()
         assert err and says in err[0], (argv, err)
@@ -309,16 +433,18 @@ def test_vllms_flag_names_serve_as_pagedkvs(llama_dir: Path, capsys: pytest.Capt
         assert c["finish_reason"] == "length" and 1 <= len(c["token_ids"]) <= 4
 
 
-def test_sampling_defaults_come_from_generation_config_and_flags_override_them(llama_dir: Path, tmp_path: Path,
-                                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_sampling_defaults_come_from_generation_config_and_flags_override_them(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from pagedkv.app.cli import main
     from pagedkv.app.llm import LLM
     from pagedkv.shell.sampling import SamplingParams
 
     path = tmp_path / "gen"
     shutil.copytree(llama_dir, path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 3,
-                                                              "temperature": 0.7, "top_k": 5, "top_p": 0.9}))  # fmt: skip
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "max_new_tokens": 3, "temperature": 0.7, "top_k": 5, "top_p": 0.9})
+    )
     base = ["generate", "--model", str(path), "--json", "hi", "--threads", "1", "--seed", "4"]
 
     def tokens(*flags: str) -> list[int]:
@@ -339,8 +465,14 @@ def test_sampling_defaults_come_from_generation_config_and_flags_override_them(l
 def test_load_model_takes_vllms_dtype_names(llama_dir: Path) -> None:
     from pagedkv.models.hf import load_model
 
-    for name, want in (("float32", torch.float32), ("float", torch.float32), ("half", torch.float16),
-                       ("bfloat16", torch.bfloat16), (torch.float16, torch.float16), ("auto", torch.float32)):  # fmt: skip
+    for name, want in (
+        ("float32", torch.float32),
+        ("float", torch.float32),
+        ("half", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        (torch.float16, torch.float16),
+        ("auto", torch.float32),
+    ):
         model, _, _ = load_model(str(llama_dir), dtype=name)
         assert model.dtype == want, name
     with pytest.raises(ValueError, match="one of auto, half, float16, bfloat16, float, float32; got 'fp16'"):

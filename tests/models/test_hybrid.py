@@ -29,10 +29,22 @@ TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_atten
 def hf_model(kind: str) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=WINDOW,
-                  layer_types=TYPES, max_window_layers=0, tie_word_embeddings=True, rope_theta=10000.0,
-                  initializer_range=0.25)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=TYPES,
+        max_window_layers=0,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        initializer_range=0.25,
+    )
     torch.manual_seed(0)  # transformers' own init, seeded: wide enough that greedy tokens vary
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common)).eval()
@@ -59,9 +71,15 @@ def prompts(n: int, length: int, seed: int, prefix: list[int] | None = None) -> 
 def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():  # the mask given: generate would take every pad_token_id in the prompt for padding
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                          eos_token_id=None, pad_token_id=VOCAB - 1)  # fmt: skip
-    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=VOCAB - 1,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 def engine(model: Llama, **kw: Any) -> Engine:
@@ -121,9 +139,19 @@ def test_a_hybrid_model_refuses_one_group() -> None:
     from pagedkv.core.config import GroupSpec, InvalidConfig
     from pagedkv.models.llama import random_llama
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                      rope_theta=1e4, rms_norm_eps=1e-6, max_position=128, layer_types=tuple(TYPES[:2]),
-                      sliding_window=8)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position=128,
+        layer_types=tuple(TYPES[:2]),
+        sliding_window=8,
+    )
     model = random_llama(cfg)
     with pytest.raises(InvalidConfig, match="sliding-window layers"):
         model._attention(GroupSpec("full"))  # noqa: SLF001
@@ -140,8 +168,9 @@ def _fields(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(models: tuple[Any, Llama],
-                                                                         tmp_path: Any) -> None:  # fmt: skip
+def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(
+    models: tuple[Any, Llama], tmp_path: Any
+) -> None:
     """A 32-block pool: a 150-token prompt reserved whole needs 22 blocks in each group (44) and is
     UNSCHEDULABLE; with grow_prefill its window group holds a window and a chunk (22 + 8), so it runs,
     preempting as chunks grow, and every completion is transformers'. Its trace replays digest for digest."""
@@ -156,8 +185,9 @@ def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(models
     block_bytes = 2 * 2 * ours.config.num_kv_heads * ours.config.head_dim * 4 * 8  # 2 slots of K and V, 8 tokens
     for grow in (False, True):
         trace = io.StringIO()
-        eng = engine(ours, kv_cache_memory_bytes=33 * block_bytes, max_num_batched_tokens=32, grow_prefill=grow,
-                     trace=trace)  # fmt: skip
+        eng = engine(
+            ours, kv_cache_memory_bytes=33 * block_bytes, max_num_batched_tokens=32, grow_prefill=grow, trace=trace
+        )
         done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(batch)])
         eng.finish_trace()
         outcome[grow] = [str(c.finish_reason) for c in done]

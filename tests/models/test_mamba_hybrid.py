@@ -26,19 +26,41 @@ BLOCK = 16
 def hf_model(kind: str) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
-                  mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16,
-                  mamba_expand=2, max_position_embeddings=512, initializer_range=0.25, eos_token_id=2)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        mamba_expand=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     if kind == "bamba":  # RoPE on half of each head, attention at layer 1
-        model = transformers.BambaForCausalLM(transformers.BambaConfig(intermediate_size=96, attn_layer_indices=[1],
-                                                                       tie_word_embeddings=False, **common))  # fmt: skip
+        model = transformers.BambaForCausalLM(
+            transformers.BambaConfig(intermediate_size=96, attn_layer_indices=[1], tie_word_embeddings=False, **common)
+        )
     else:  # experts beside the shared MLP, every multiplier away from 1
-        cfg = transformers.GraniteMoeHybridConfig(intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
-                                                  layer_types=["mamba", "attention", "mamba", "mamba"],
-                                                  num_experts_per_tok=2, position_embedding_type="rope",
-                                                  embedding_multiplier=2.0, residual_multiplier=0.5,
-                                                  attention_multiplier=0.2, logits_scaling=2.0, **common)  # fmt: skip
+        cfg = transformers.GraniteMoeHybridConfig(
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            num_experts_per_tok=2,
+            position_embedding_type="rope",
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+            **common,
+        )
         model = transformers.GraniteMoeHybridForCausalLM(cfg)
     with torch.no_grad():  # A, dt's bias and D start at values that hide mistakes (1, 1, 1): give them others
         for name, p in model.named_parameters():
@@ -63,8 +85,15 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def reference(hf: Any, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                      do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
@@ -146,12 +175,15 @@ def test_generate_serves_the_directory(checkpoint: tuple[Any, ...], capsys: pyte
     from pagedkv.app.cli import main
 
     hf, _, _, path = checkpoint
-    assert main(["generate", "--model", str(path), "--chat", "What is 2+2?", "--max-tokens", "5", "--threads", "1"]) == 0
+    assert (
+        main(["generate", "--model", str(path), "--chat", "What is 2+2?", "--max-tokens", "5", "--threads", "1"]) == 0
+    )
     assert f"{path.name} ({type(hf).__name__})" in capsys.readouterr().out
 
 
-def test_speculation_and_fp8_pages_are_refused_with_the_reason(checkpoint: tuple[Any, ...],
-                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_speculation_and_fp8_pages_are_refused_with_the_reason(
+    checkpoint: tuple[Any, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
     from pagedkv.app.cli import main
 
     _, model, tok, path = checkpoint

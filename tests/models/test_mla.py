@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from pagedkv.core import (
-    CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, append, commit, initial_state, publish,
-)  # fmt: skip
+    CacheConfig,
+    GroupKind,
+    GroupSpec,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    initial_state,
+    publish,
+)
 from pagedkv.models.mla import MLAModel
 from pagedkv.shell.latent import LatentPagePool
 from pagedkv.shell.worker import Worker
@@ -23,8 +32,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def setup() -> tuple[MLAModel, LatentPagePool, Worker]:
     m = MLAModel()
     # a fragmented pool: other requests hold blocks between ours
-    return m, LatentPagePool(CFG, num_layers=m.config.layers, latent_dim=m.config.latent_dim), \
-        Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=32)  # fmt: skip
+    return (
+        m,
+        LatentPagePool(CFG, num_layers=m.config.layers, latent_dim=m.config.latent_dim),
+        Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=32),
+    )
 
 
 @pytest.mark.parametrize("absorbed_decode", [True, False])
@@ -57,7 +69,10 @@ def test_absorbed_and_unabsorbed_attention_agree_on_the_same_pages() -> None:
     m.paged(torch.tensor(TOKENS), batch, pool, absorbed=False)  # fills the pages
     c = m.config
     g = torch.Generator().manual_seed(3)
-    qn, qp = torch.randn(len(TOKENS), c.heads, c.qk_nope_dim, generator=g), torch.randn(len(TOKENS), c.heads, c.qk_rope_dim, generator=g)
+    qn, qp = (
+        torch.randn(len(TOKENS), c.heads, c.qk_nope_dim, generator=g),
+        torch.randn(len(TOKENS), c.heads, c.qk_rope_dim, generator=g),
+    )
     L = m.layers[0]
     a = mla_attention(qn, qp, pool, 0, batch, L["uk"], L["uv"], m.scale, absorbed=True)
     b = mla_attention(qn, qp, pool, 0, batch, L["uk"], L["uv"], m.scale, absorbed=False)

@@ -42,8 +42,9 @@ def test_two_and_three_ranks_give_the_tokens_of_one(requests: list) -> None:
 
 @pytest.mark.slow
 def test_a_rank_that_raises_stops_every_rank_and_the_pool_stays_whole(requests: list) -> None:
-    results = run_ranks(3, requests, fail_rank=1, fail_at=2, timeout_s=20, kv_cache_memory_bytes=16 << 20,
-                        max_num_seqs=4)  # fmt: skip
+    results = run_ranks(
+        3, requests, fail_rank=1, fail_at=2, timeout_s=20, kv_cache_memory_bytes=16 << 20, max_num_seqs=4
+    )
     assert "injected" in results[1]["error"]
     assert results[0]["error"] and results[2]["error"]  # the others stop with an error, none hangs
     assert results[0]["pool_whole"]

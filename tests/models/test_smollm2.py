@@ -25,8 +25,12 @@ from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
-PROMPTS = [("What is the capital of France?", None), ("Name three primary colors.", SYSTEM),
-           ("Write a haiku about the sea.", None), ("The history of paged memory begins", "raw")]  # fmt: skip
+PROMPTS = [
+    ("What is the capital of France?", None),
+    ("Name three primary colors.", SYSTEM),
+    ("Write a haiku about the sea.", None),
+    ("The history of paged memory begins", "raw"),
+]
 NEW = 32
 
 
@@ -62,8 +66,13 @@ def reference(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> list[
     for prompt, system in PROMPTS:
         ids = torch.tensor([tok.encode(prompt_text(tok, prompt, system))])
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
-                                 pad_token_id=tok.eos_token_id)  # fmt: skip
+            gen = model.generate(
+                ids,
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
+                pad_token_id=tok.eos_token_id,
+            )
         out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
@@ -77,8 +86,14 @@ def engine(ours: tuple[Llama, Tokenizer], **kw: object) -> Engine:
 def test_tokenizer_matches_transformers(hf: tuple[object, object], ours: tuple[Llama, Tokenizer]) -> None:
     _, ref = hf
     _, tok = ours
-    for text in ["Hello, world!", "  spaces  and\ttabs\n", "1234567 + 89 = ?", "naïve café — ünïcödé ✓",
-                 "<|im_start|>user\nhi<|im_end|>", prompt_text(tok, "What is 12 times 12?", SYSTEM)]:  # fmt: skip
+    for text in [
+        "Hello, world!",
+        "  spaces  and\ttabs\n",
+        "1234567 + 89 = ?",
+        "naïve café — ünïcödé ✓",
+        "<|im_start|>user\nhi<|im_end|>",
+        prompt_text(tok, "What is 12 times 12?", SYSTEM),
+    ]:
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text  # type: ignore[attr-defined]
 
 
@@ -101,8 +116,9 @@ def test_greedy_tokens_equal_transformers_one_at_a_time_and_batched_with_preempt
 
 
 @pytest.mark.slow
-def test_a_cached_system_prompt_hits_and_gives_the_same_tokens(ours: tuple[Llama, Tokenizer],
-                                                              reference: list[list[int]]) -> None:  # fmt: skip
+def test_a_cached_system_prompt_hits_and_gives_the_same_tokens(
+    ours: tuple[Llama, Tokenizer], reference: list[list[int]]
+) -> None:
     _, tok = ours
     e = engine(ours, kv_cache_memory_bytes=32 << 20)
     first = prompt_text(tok, "How many legs does a spider have?", SYSTEM)
@@ -226,9 +242,12 @@ def test_llm_chat_takes_a_system_prompt_and_earlier_turns(ours: tuple[Llama, Tok
 
     model, tok = ours
     llm = LLM(model, tok, threads=1)
-    conv = [{"role": "system", "content": "You answer with the name of a city."},
-            {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
-            {"role": "user", "content": "And the capital of Italy?"}]  # fmt: skip
+    conv = [
+        {"role": "system", "content": "You answer with the name of a city."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And the capital of Italy?"},
+    ]
     (c,) = llm.chat(conv, SamplingParams(max_tokens=12))
     rendered = tok.apply_chat_template(conv)
     assert all(m["content"] in rendered for m in conv) and c.prompt == rendered
@@ -238,8 +257,9 @@ def test_llm_chat_takes_a_system_prompt_and_earlier_turns(ours: tuple[Llama, Tok
 
 
 @pytest.mark.slow
-def test_repetition_penalty_and_logprobs_equal_transformers(hf: tuple[object, object],
-                                                             ours: tuple[Llama, Tokenizer]) -> None:  # fmt: skip
+def test_repetition_penalty_and_logprobs_equal_transformers(
+    hf: tuple[object, object], ours: tuple[Llama, Tokenizer]
+) -> None:
     """vLLM's repetition penalty is transformers' (over the prompt's and the output's ids): greedy tokens equal
     token for token; and the logprobs of each token are transformers' raw scores' log-softmax."""
     ref_model, _ = hf
@@ -247,9 +267,16 @@ def test_repetition_penalty_and_logprobs_equal_transformers(hf: tuple[object, ob
     text = prompt_text(tok, "List the days of the week, then list them again.", None)
     ids = tok.encode(text)
     with torch.no_grad():
-        gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, repetition_penalty=1.3,  # type: ignore[attr-defined]
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        gen = ref_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW,
+            do_sample=False,
+            repetition_penalty=1.3,  # type: ignore[attr-defined]
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     want = gen.sequences[0, len(ids) :].tolist()
     raw = [torch.log_softmax(x[0].float(), -1) for x in gen.logits]
     (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate(

@@ -157,8 +157,11 @@ def test_ulysses_with_step_batching_equals_one_rank_at_every_step() -> None:
     from tests.core.test_dit_failures import step_mode
 
     cfg = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
-    runner = DiTStepRunner(DiT(), build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg,
-                                             max_rows=6, max_tokens=64), get_backend("torch"))  # fmt: skip
+    runner = DiTStepRunner(
+        DiT(),
+        build_rank(plan_rank(DiT().kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=6, max_tokens=64),
+        get_backend("torch"),
+    )
     want, mixed = step_mode(runner, Budget(rows=6, tokens=64))
     assert mixed
     with tempfile.TemporaryDirectory() as d:

@@ -72,13 +72,18 @@ def _worker(rank: int, ulysses: int, ring: int, init_file: str, out_dir: str, pl
         sp_steps = usp.UspDiT(DiT(), rank, ulysses, ring)
 
         def rank_of(m: object = sp) -> object:
-            return build_rank(plan_rank(m.kv_layers(), block_size=4, dtype=torch.float32), CFG, max_rows=6, max_tokens=64)  # type: ignore[attr-defined]
+            return build_rank(
+                plan_rank(m.kv_layers(), block_size=4, dtype=torch.float32), CFG, max_rows=6, max_tokens=64
+            )  # type: ignore[attr-defined]
 
         if plant == "pass":  # a chunk corrupted on its way round the ring
             orig = usp.UspDiT._pass
             usp.UspDiT._pass = lambda self, chunk, incoming: orig(self, chunk, incoming) * 1.5  # type: ignore[method-assign]
-        out = {"request": request_mode(sp, rank_of), "steps": step_mode(sp_steps, lambda: rank_of(sp_steps)),
-               "kv_heads": rank_of().pool.k[0].shape[2]}  # type: ignore[attr-defined]
+        out = {
+            "request": request_mode(sp, rank_of),
+            "steps": step_mode(sp_steps, lambda: rank_of(sp_steps)),
+            "kv_heads": rank_of().pool.k[0].shape[2],
+        }  # type: ignore[attr-defined]
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -86,7 +91,9 @@ def _worker(rank: int, ulysses: int, ring: int, init_file: str, out_dir: str, pl
 
 def one_rank() -> dict[str, object]:
     def rank_of(m: DiT) -> object:
-        return lambda: build_rank(plan_rank(m.kv_layers(), block_size=4, dtype=torch.float32), CFG, max_rows=6, max_tokens=64)
+        return lambda: build_rank(
+            plan_rank(m.kv_layers(), block_size=4, dtype=torch.float32), CFG, max_rows=6, max_tokens=64
+        )
 
     a, b = DiT(CONFIG), DiT()
     return {"request": request_mode(a, rank_of(a)), "steps": step_mode(b, rank_of(b))}
@@ -99,7 +106,9 @@ def run_grid(ulysses: int, ring: int, plant: str = "") -> list[dict[str, object]
 
 
 def close(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
-    return len(got) == len(want) > 0 and all(((a - b).abs().max() / b.abs().max()).item() < 1e-5 for a, b in zip(got, want))
+    return len(got) == len(want) > 0 and all(
+        ((a - b).abs().max() / b.abs().max()).item() < 1e-5 for a, b in zip(got, want)
+    )
 
 
 @pytest.fixture(scope="module")

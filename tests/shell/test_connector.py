@@ -11,9 +11,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedkv.core import (
-    CacheConfig, ErrorCode, RequestSpec, RowSpec, admit, commit, digest, initial_state, mark_ready, publish,
-    release, request_blocks,
-)  # fmt: skip
+    CacheConfig,
+    ErrorCode,
+    RequestSpec,
+    RowSpec,
+    admit,
+    commit,
+    digest,
+    initial_state,
+    mark_ready,
+    publish,
+    release,
+    request_blocks,
+)
 from pagedkv.shell.connector import copy_missing, recv_missing, serve_missing
 from pagedkv.shell.pool import PagePool
 

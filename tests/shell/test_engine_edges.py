@@ -163,8 +163,12 @@ def test_a_second_thread_is_refused_at_once_and_the_first_finishes(model: Any) -
     t = threading.Thread(target=first)
     t.start()
     assert inside.wait(10)
-    for call in (lambda: eng.generate(prompts), lambda: eng.step(),
-                 lambda: eng.add_request("z", "", [1, 2], SamplingParams()), lambda: eng.cancel("req-0")):  # fmt: skip
+    for call in (
+        lambda: eng.generate(prompts),
+        lambda: eng.step(),
+        lambda: eng.add_request("z", "", [1, 2], SamplingParams()),
+        lambda: eng.cancel("req-0"),
+    ):
         with pytest.raises(EngineBusy, match="single-threaded"):
             call()
         errors.append(call)

@@ -19,8 +19,16 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 from tests.shell.handed import keep_handed
 
-CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-              num_kv_heads=2, max_position=32)  # fmt: skip
+CFG = replace(
+    SMOLLM2_SHAPES,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position=32,
+)
 
 
 def test_requests_that_reach_max_model_len_end_as_length_and_give_their_rows_back() -> None:
@@ -42,8 +50,16 @@ def test_the_default_seed_is_the_same_in_every_process() -> None:
     """Issue 17, defect 9: an unseeded request's seed came from ``hash(str(id))``, which PYTHONHASHSEED
     changes; now it is the id's CRC-32."""
     code = "from pagedkv.shell.sampling import SamplingParams, request_seed; print(request_seed('req-7', SamplingParams()))"
-    seeds = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={"PYTHONHASHSEED": str(h), "PATH": ""}).stdout for h in (1, 2, 3)}  # fmt: skip
+    seeds = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(h), "PATH": ""},
+        ).stdout
+        for h in (1, 2, 3)
+    }
     assert len(seeds) == 1
 
 
@@ -77,17 +93,25 @@ class Faulty:
         return self.model.forward(*a)  # type: ignore[attr-defined]
 
 
-PROMPTS = [(f"p{i}", [(7 * i + j) % 300 for j in range(3 + 4 * i)], SamplingParams(max_tokens=6 + i % 3))
-           for i in range(6)]  # fmt: skip
+PROMPTS = [
+    (f"p{i}", [(7 * i + j) % 300 for j in range(3 + 4 * i)], SamplingParams(max_tokens=6 + i % 3)) for i in range(6)
+]
 SMALL = dict(kv_cache_memory_bytes=14 * 1024, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
 
 
-SAMPLED = [(f"s{i}", [(5 * i + j) % 300 for j in range(2 + 5 * i)],
-            SamplingParams(max_tokens=5 + i % 4, temperature=0.9, top_p=0.9, seed=i)) for i in range(6)]  # fmt: skip
+SAMPLED = [
+    (
+        f"s{i}",
+        [(5 * i + j) % 300 for j in range(2 + 5 * i)],
+        SamplingParams(max_tokens=5 + i % 4, temperature=0.9, top_p=0.9, seed=i),
+    )
+    for i in range(6)
+]
 
 
-def serve(model: object, faulty: Faulty | None = None, where: str = "forward", trace: object = None,
-          prompts: list = PROMPTS) -> Engine:  # fmt: skip
+def serve(
+    model: object, faulty: Faulty | None = None, where: str = "forward", trace: object = None, prompts: list = PROMPTS
+) -> Engine:
     eng = keep_handed(Engine(faulty if where == "forward" and faulty else model, IdTokenizer(), trace=trace, **SMALL))  # type: ignore[arg-type]
     if faulty is not None and where != "forward":
         target = {"install": (eng.worker, "install"), "sample": (engine_module, "sample_batch")}.get(where)
@@ -127,8 +151,10 @@ def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_serves_on(tiny:
         if c.finish_reason != "error":
             assert c.token_ids == clean.handed[rid].token_ids
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows
-    assert all(r.result.get("error") is None and r.divergence is None and not r.violations
-               for r in replay(trace.getvalue().splitlines(), check=True))  # fmt: skip
+    assert all(
+        r.result.get("error") is None and r.divergence is None and not r.violations
+        for r in replay(trace.getvalue().splitlines(), check=True)
+    )
     (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=4))])
     assert len(again.token_ids) == 4 and again.finish_reason == "length"
 
@@ -181,14 +207,17 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
     eng.add_request("gone", "", [5], SamplingParams(max_tokens=2))
     eng.cancel("gone")
     before = sched_digest(eng.state)
-    cases = [(lambda: eng.cancel("nobody"), "UNKNOWN_REQUEST"), (lambda: eng.cancel("done"), "UNKNOWN_REQUEST"),
-             (lambda: eng.cancel("gone"), "UNKNOWN_REQUEST"),
-             (lambda: eng.add_request("live", "", [1], SamplingParams()), "DUPLICATE_REQUEST"),
-             (lambda: eng.add_request("e", "", [], SamplingParams()), "non-empty"),
-             (lambda: eng.add_request("m", "", [1], SamplingParams(max_tokens=0)), "max_tokens"),
-             (lambda: eng.add_request("n", "", [-1], SamplingParams()), "INVALID"),
-             (lambda: eng.add_request("v", "", [1, 300], SamplingParams()), "vocabulary"),
-             (lambda: eng.generate([("ok", [1], SamplingParams()), ("v", [299, 300], SamplingParams())]), "vocabulary")]
+    cases = [
+        (lambda: eng.cancel("nobody"), "UNKNOWN_REQUEST"),
+        (lambda: eng.cancel("done"), "UNKNOWN_REQUEST"),
+        (lambda: eng.cancel("gone"), "UNKNOWN_REQUEST"),
+        (lambda: eng.add_request("live", "", [1], SamplingParams()), "DUPLICATE_REQUEST"),
+        (lambda: eng.add_request("e", "", [], SamplingParams()), "non-empty"),
+        (lambda: eng.add_request("m", "", [1], SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda: eng.add_request("n", "", [-1], SamplingParams()), "INVALID"),
+        (lambda: eng.add_request("v", "", [1, 300], SamplingParams()), "vocabulary"),
+        (lambda: eng.generate([("ok", [1], SamplingParams()), ("v", [299, 300], SamplingParams())]), "vocabulary"),
+    ]
     for call, says in cases:
         with pytest.raises(ShellError, match=says):
             call()
@@ -200,7 +229,16 @@ def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
     another request's block made the K/V write overwrite that request's page (and string or out-of-range
     slots failed later, half-written). A slot must be where the row's block table puts its position:
     anything else is INVALID, and nothing is written."""
-    from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
+    from pagedkv.core import (
+        CacheConfig,
+        RequestSpec,
+        RowSpec,
+        admit,
+        append_decode,
+        commit_many,
+        initial_state,
+        publish,
+    )
     from pagedkv.shell.errors import ShellError
     from pagedkv.shell.worker import Worker
 
@@ -213,14 +251,18 @@ def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
     d = append_decode(commit_many(s, [("a", [4]), ("b", [4])]).unwrap().state, ["a", "b"]).unwrap().state
     dec = publish(d, ["a", "b"], "decode").unwrap().effect
     w = Worker(cfg, max_rows=2, max_blocks_per_row=2, max_tokens=8)
-    for forged in (replace(meta, rows=(a, replace(b, slots=a.slots[:3] + (a.slots[0],)))),  # into a's page
-                   replace(meta, rows=(a, replace(b, slots=b.slots[:3] + ("7",)))),  # not an integer
-                   replace(meta, rows=(a, replace(b, slots=b.slots[:3] + (-1,))))):  # fmt: skip
+    for forged in (
+        replace(meta, rows=(a, replace(b, slots=a.slots[:3] + (a.slots[0],)))),  # into a's page
+        replace(meta, rows=(a, replace(b, slots=b.slots[:3] + ("7",)))),  # not an integer
+        replace(meta, rows=(a, replace(b, slots=b.slots[:3] + (-1,)))),
+    ):
         before = [t.clone() for t in (w.row_tables, w.block_tables, w.seq_lens, w.slot_mapping, w.positions)]
         with pytest.raises(ShellError, match="is not the block table's"):
             w.install(forged)
-        assert all(torch.equal(x, y) for x, y in zip(before, (w.row_tables, w.block_tables, w.seq_lens,
-                                                                 w.slot_mapping, w.positions)))  # fmt: skip
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(before, (w.row_tables, w.block_tables, w.seq_lens, w.slot_mapping, w.positions))
+        )
         assert not w.rows and len(w.free_rows) == 2
     assert w.install(meta).slot_mapping.tolist() == [*a.slots, *b.slots]
     cols = dec.rows  # a decode forward's columns (the worker's fast path) are checked the same way
@@ -231,16 +273,27 @@ def test_a_forged_slot_cannot_write_into_another_requests_page() -> None:
         w.install(replace(dec, rows=bad))
     assert w.install(dec).slot_mapping.tolist() == list(cols.slots)
 
+
 def test_without_chunked_prefill_a_prompt_over_the_budget_runs_alone_and_the_buffers_hold_it(tiny: object) -> None:
     """Issue 17, defect 3: with chunked_prefill off the scheduler runs a prompt over max_num_batched_tokens
     alone in an otherwise empty step (documented in docs/scheduler.md); the worker's buffers were sized to
     the budget, so such a step could not be installed. Now they hold a whole prompt."""
-    eng = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4, max_num_batched_tokens=8,
-                 chunked_prefill=False)  # type: ignore[arg-type]  # fmt: skip
+    eng = Engine(
+        tiny,
+        IdTokenizer(),
+        kv_cache_memory_bytes=1 << 20,
+        block_size=4,
+        max_num_batched_tokens=8,
+        chunked_prefill=False,
+    )  # type: ignore[arg-type]
     assert eng.state.config.chunked_prefill is False and eng.worker.max_tokens >= CFG.max_position
     long, short = [(i * 3) % 300 for i in range(20)], [1, 2, 3]
     done = eng.generate([("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))])
     assert [len(c.token_ids) for c in done] == [3, 3]
     ref = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)  # type: ignore[arg-type]
-    assert [c.token_ids for c in done] == [c.token_ids for c in ref.generate(
-        [("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))])]  # fmt: skip
+    assert [c.token_ids for c in done] == [
+        c.token_ids
+        for c in ref.generate(
+            [("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))]
+        )
+    ]

@@ -26,15 +26,20 @@ from pagedkv.shell.sampling import SamplingParams
 from pagedkv.shell.sampling import request_seed
 from tests.shell.test_sampling import sample  # (the one-row rule, written plainly)
 
-CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-              num_kv_heads=2)  # fmt: skip
-ARGS = EngineArgs(block_size=4, kv_cache_memory_bytes=18 * 1024, max_num_seqs=3,
-                  max_num_batched_tokens=24)  # a pool small enough to preempt  # fmt: skip
+CFG = replace(
+    SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2
+)
+ARGS = EngineArgs(
+    block_size=4, kv_cache_memory_bytes=18 * 1024, max_num_seqs=3, max_num_batched_tokens=24
+)  # a pool small enough to preempt
 
 
 def requests() -> list[tuple[str, list[int], SamplingParams]]:
-    kinds = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=11, temperature=0.8, top_p=0.9, seed=3),
-             SamplingParams(max_tokens=7, temperature=1.3, top_k=12)]  # fmt: skip
+    kinds = [
+        SamplingParams(max_tokens=9),
+        SamplingParams(max_tokens=11, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=7, temperature=1.3, top_k=12),
+    ]
     return [(f"req-{i}", [(11 * i + j) % 300 for j in range(5 + 6 * i)], kinds[i % 3]) for i in range(7)]
 
 
@@ -42,8 +47,9 @@ def sequential(model: Any) -> tuple[list[dict[str, Any]], list[list[int]], list[
     """The loop written plainly: each row's logits sampled alone, tokens read from the core's requests."""
     backend = get_backend("torch")
     rank = ARGS.rank_for(model, backend)
-    state = new_scheduler(rank.cache, SchedulerConfig(max_num_seqs=ARGS.max_num_seqs,
-                                                      max_num_batched_tokens=ARGS.max_num_batched_tokens))  # fmt: skip
+    state = new_scheduler(
+        rank.cache, SchedulerConfig(max_num_seqs=ARGS.max_num_seqs, max_num_batched_tokens=ARGS.max_num_batched_tokens)
+    )
     reqs = requests()
     params = {rid: p for rid, _, p in reqs}
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
@@ -64,8 +70,9 @@ def sequential(model: Any) -> tuple[list[dict[str, Any]], list[list[int]], list[
                 toks += seq[row.kv_start_pos : row.seq_len]
             rows_out = model.forward(torch.tensor(toks), batch, rank.pool, backend, rank.layout)
             logits.update({row.request_id: rows_out[r] for r, row in enumerate(meta.rows)})
-        sampled = {rid: sample(logits[rid], params[rid], request_seed(rid, params[rid]), len(out[rid]))
-                   for rid in plan.samples}  # fmt: skip
+        sampled = {
+            rid: sample(logits[rid], params[rid], request_seed(rid, params[rid]), len(out[rid])) for rid in plan.samples
+        }
         for rid, tok in sampled.items():
             out[rid].append(tok)
         state, ended = on_output(state, sampled, []).unwrap()

@@ -19,11 +19,20 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 from tests.shell.handed import keep_handed
 
-CFG = replace(SMOLLM2_SHAPES, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-              num_kv_heads=2, max_position=48)  # fmt: skip
+CFG = replace(
+    SMOLLM2_SHAPES,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position=48,
+)
 ARGS = dict(kv_cache_memory_bytes=24 * 1024, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
-PROMPTS = [(f"p{i}", [(7 * i + j) % 300 for j in range(5 + 4 * i)], SamplingParams(max_tokens=5 + i % 3))
-           for i in range(5)]  # fmt: skip
+PROMPTS = [
+    (f"p{i}", [(7 * i + j) % 300 for j in range(5 + 4 * i)], SamplingParams(max_tokens=5 + i % 3)) for i in range(5)
+]
 AGAIN = [(7 * 4 + j) % 300 for j in range(21)]  # p4's prompt: its blocks were cached ahead when it failed
 
 
@@ -92,7 +101,9 @@ def clean(tiny: Any) -> Engine:
     return eng
 
 
-def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_stale_cache(tiny: Any, clean: Engine) -> None:
+def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_stale_cache(
+    tiny: Any, clean: Engine
+) -> None:
     """A KeyboardInterrupt in the forward was not caught: the engine wedged, and under vLLM's caching point the
     only way out (cancel) kept blocks cached ahead whose K/V were never written; a later request with the same
     prompt hit them and gave other tokens. Now the step's requests end with error, the blocks cached ahead are
@@ -266,9 +277,15 @@ def test_sampling_parameters_it_cannot_sample_with_are_refused_at_the_door(tiny:
 
     eng = engine(tiny)
     before = sched_digest(eng.state)
-    for bad in (SamplingParams(seed=10**30), SamplingParams(seed=-1), SamplingParams(temperature=float("nan")),
-                SamplingParams(top_p=0.0), SamplingParams(top_k=-2), SamplingParams(stop=("",)),
-                SamplingParams(max_tokens=10**5000)):  # fmt: skip
+    for bad in (
+        SamplingParams(seed=10**30),
+        SamplingParams(seed=-1),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_k=-2),
+        SamplingParams(stop=("",)),
+        SamplingParams(max_tokens=10**5000),
+    ):
         with pytest.raises(ShellError, match="INVALID"):
             eng.add_request("x", "", [1, 2], bad)
         with pytest.raises(ShellError, match="INVALID"):

@@ -17,8 +17,17 @@ from pagedkv.shell.attention import LayerAttention, get_backend
 from pagedkv.shell.engine import Engine, EngineArgs
 from pagedkv.shell.pool import PagePool, StateShape, quantize
 
-TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-                   rope_theta=1e4, rms_norm_eps=1e-6, max_position=256)  # fmt: skip
+TINY = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position=256,
+)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -28,15 +37,23 @@ def test_the_torch_backend_reads_exactly_the_dequantized_values(fp8: torch.dtype
     batch_pool = PagePool(cfg, num_layers=1, kv_heads=2, head_dim=8, dtype=fp8)
     plain = PagePool(cfg, num_layers=1, kv_heads=2, head_dim=8)
     g = torch.Generator().manual_seed(0)
-    k, v, q = torch.randn(19, 2, 8, generator=g) * 3, torch.randn(19, 2, 8, generator=g), torch.randn(19, 4, 8, generator=g)
+    k, v, q = (
+        torch.randn(19, 2, 8, generator=g) * 3,
+        torch.randn(19, 2, 8, generator=g),
+        torch.randn(19, 4, 8, generator=g),
+    )
     scales = (float(k.abs().max()) / 200, float(v.abs().max()) / 100)
     from pagedkv.shell.worker import Worker
 
     worker = Worker(cfg, max_rows=2, max_blocks_per_row=8, max_tokens=32)
     batch = worker.install(publish(s, ["a"], "prefill").unwrap().effect)
     batch_pool.write(0, k, v, batch.slot_mapping, scales)
-    plain.write(0, quantize(k, scales[0], fp8).float() * scales[0], quantize(v, scales[1], fp8).float() * scales[1],
-                batch.slot_mapping)  # the values the fp8 pages stand for, in fp32 pages  # fmt: skip
+    plain.write(
+        0,
+        quantize(k, scales[0], fp8).float() * scales[0],
+        quantize(v, scales[1], fp8).float() * scales[1],
+        batch.slot_mapping,
+    )  # the values the fp8 pages stand for, in fp32 pages
     attn = LayerAttention(0, GroupSpec("full"), scale=8**-0.5, kv_scales=scales)
     be = get_backend("torch")
     got = be.forward(q, batch_pool.k[0], batch_pool.v[0], batch, attn)
@@ -50,13 +67,23 @@ def test_the_torch_backend_reads_exactly_the_dequantized_values(fp8: torch.dtype
 
 def test_the_pool_holds_four_times_fp32_tokens_and_states_refuse_fp8() -> None:
     model = random_llama(TINY)
-    sizes = {dt: Engine(model, IdTokenizer(), kv_cache_memory_bytes=4 << 20, kv_cache_dtype=dt).sizing
-             for dt in ("auto", "fp8", "fp8_e5m2")}  # fmt: skip
-    assert sizes["fp8"].tokens >= 4 * sizes["auto"].tokens - 16 and sizes["fp8"].page_bytes * 4 == sizes["auto"].page_bytes
+    sizes = {
+        dt: Engine(model, IdTokenizer(), kv_cache_memory_bytes=4 << 20, kv_cache_dtype=dt).sizing
+        for dt in ("auto", "fp8", "fp8_e5m2")
+    }
+    assert (
+        sizes["fp8"].tokens >= 4 * sizes["auto"].tokens - 16 and sizes["fp8"].page_bytes * 4 == sizes["auto"].page_bytes
+    )
     assert sizes["fp8_e5m2"] == sizes["fp8"]
     with pytest.raises(InvalidConfig, match="Mamba states"):
-        PagePool(CacheConfig(block_size=16, num_blocks=4), num_layers=1, kv_heads=2, head_dim=32,
-                 dtype=torch.float8_e4m3fn, state=StateShape((8, 3), (2, 4, 4)))  # fmt: skip
+        PagePool(
+            CacheConfig(block_size=16, num_blocks=4),
+            num_layers=1,
+            kv_heads=2,
+            head_dim=32,
+            dtype=torch.float8_e4m3fn,
+            state=StateShape((8, 3), (2, 4, 4)),
+        )
     with pytest.raises(InvalidConfig, match="kv_cache_dtype must be one of"):
         EngineArgs(kv_cache_dtype="fp4")
 

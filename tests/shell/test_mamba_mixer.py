@@ -14,12 +14,23 @@ CONV = H * P + 2 * G * N
 
 def weights(chunk: int, seed: int = 0) -> Mamba2Weights:
     g = torch.Generator().manual_seed(seed)
-    return Mamba2Weights(conv_w=torch.randn(CONV, K, generator=g) / 2, conv_b=torch.randn(CONV, generator=g) / 4,
-                         dt_bias=torch.randn(H, generator=g) / 2, A=-torch.rand(H, generator=g) - 0.2,
-                         D=torch.randn(H, generator=g), heads=H, head_dim=P, groups=G, d_state=N, chunk=chunk)  # fmt: skip
+    return Mamba2Weights(
+        conv_w=torch.randn(CONV, K, generator=g) / 2,
+        conv_b=torch.randn(CONV, generator=g) / 4,
+        dt_bias=torch.randn(H, generator=g) / 2,
+        A=-torch.rand(H, generator=g) - 0.2,
+        D=torch.randn(H, generator=g),
+        heads=H,
+        head_dim=P,
+        groups=G,
+        d_state=N,
+        chunk=chunk,
+    )
 
 
-def recurrence(x: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrence(
+    x: torch.Tensor, dt: torch.Tensor, w: Mamba2Weights, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, one token at a time: h = exp(dt A) h + dt x B^T, y = h C + D x."""
     xs, B, C = torch.split(x, [H * P, G * N, G * N], dim=-1)
     ys = []
@@ -75,8 +86,9 @@ def test_the_step_over_pages_is_the_scan_and_a_fresh_row_ignores_its_block() -> 
     h, s = conv_prefill(x[:9], torch.zeros(CONV, K - 1), w)
     conv[2], ssm[2] = s, ssd_scan(h, dt[:9], w, torch.zeros(H, P, N))[1]
     blocks = torch.tensor([2, 4])
-    y = TorchMixer().forward(torch.stack((x[9], x[0])), torch.stack((dt[9], dt[0])), w, conv, ssm, blocks,
-                             _Batch([9, 0]))  # type: ignore[arg-type]
+    y = TorchMixer().forward(
+        torch.stack((x[9], x[0])), torch.stack((dt[9], dt[0])), w, conv, ssm, blocks, _Batch([9, 0])
+    )  # type: ignore[arg-type]
     full = ssd_scan(conv_prefill(x, torch.zeros(CONV, K - 1), w)[0], dt, w, torch.zeros(H, P, N))[0]
     torch.testing.assert_close(y[0], full[9], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y[1], full[0], rtol=1e-4, atol=1e-4)  # block 4's garbage never read

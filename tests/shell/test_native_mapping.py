@@ -22,11 +22,24 @@ from pagedkv.shell.errors import BackendUnavailable, ShellError
 from tests.shell.test_shell_attention import build, scenario
 
 
-def fused_infer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
-                          num_heads: int, num_key_value_heads: int, input_layout: str, block_table: torch.Tensor,
-                          block_size: int, actual_seq_lengths: list[int], actual_seq_lengths_kv: list[int],
-                          sparse_mode: int, atten_mask: torch.Tensor | None = None, pre_tokens: int = 2**31 - 1,
-                          next_tokens: int = 2**31 - 1) -> tuple[torch.Tensor, None]:  # fmt: skip
+def fused_infer_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    num_heads: int,
+    num_key_value_heads: int,
+    input_layout: str,
+    block_table: torch.Tensor,
+    block_size: int,
+    actual_seq_lengths: list[int],
+    actual_seq_lengths_kv: list[int],
+    sparse_mode: int,
+    atten_mask: torch.Tensor | None = None,
+    pre_tokens: int = 2**31 - 1,
+    next_tokens: int = 2**31 - 1,
+) -> tuple[torch.Tensor, None]:
     """What the documented operator computes, written from its documentation, one query at a time."""
     assert input_layout == "TND" and query.shape[1] == num_heads
     assert sparse_mode in (0, 3, 4) and (sparse_mode == 0) == (atten_mask is None)
@@ -86,8 +99,15 @@ def test_npu_mapping_reproduces_the_reference(sc: dict[str, object]) -> None:
 
 def test_the_stand_in_can_tell_a_wrong_mapping(npu: Any) -> None:
     """The same forward with the window's band one token too wide must differ: the check can fail."""
-    sc = {"bs": 16, "kv_heads": 1, "heads": 2, "spec": GroupSpec("g", GroupKind.SLIDING_WINDOW, window=3),
-          "rows": [(20, (), 0, 20)], "seed": 1, "d": 4}  # fmt: skip
+    sc = {
+        "bs": 16,
+        "kv_heads": 1,
+        "heads": 2,
+        "spec": GroupSpec("g", GroupKind.SLIDING_WINDOW, window=3),
+        "rows": [(20, (), 0, 20)],
+        "seed": 1,
+        "d": 4,
+    }
     q, _, pool, worker, meta, layer, _ = build(sc)
     batch = worker.install(meta)
     ref = get_backend("torch").forward(q, pool.k[0], pool.v[0], batch, layer)

@@ -28,8 +28,9 @@ def model() -> object:
     return random_llama(CFG)
 
 
-def _serve(model: object, prompts: list[list[int]], params: SamplingParams, overlap: bool, tok: object = None,
-           **kw: object) -> tuple:  # fmt: skip
+def _serve(
+    model: object, prompts: list[list[int]], params: SamplingParams, overlap: bool, tok: object = None, **kw: object
+) -> tuple:
     trace = io.StringIO()
     eng = Engine(model, tok or StopAt(), block_size=4, async_scheduling=overlap, trace=trace, **kw)
     done = eng.generate([(f"p{i}", p, params) for i, p in enumerate(prompts)])
@@ -41,8 +42,14 @@ def _serve(model: object, prompts: list[list[int]], params: SamplingParams, over
     return [(c.token_ids, c.finish_reason) for c in done], eng, lines
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=1.0, seed=2),
-                                    SamplingParams(max_tokens=2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=30),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=2),
+        SamplingParams(max_tokens=2),
+    ],
+)
 def test_overlap_gives_the_completions_of_waiting(model: object, params: SamplingParams) -> None:
     prompts = _prompts(6, seed=4)
     kw = dict(kv_cache_memory_bytes=4 * CFG_POOL, max_num_seqs=5)  # (a small pool: its digests and checks are quick)

@@ -12,8 +12,14 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import History, SamplingParams, race_noise, sample_batch, token_logprobs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int,
-           ids: tuple[list[int], list[int]] = ([], []), stop_ids: frozenset[int] = frozenset()) -> int:  # fmt: skip
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    counter: int,
+    ids: tuple[list[int], list[int]] = ([], []),
+    stop_ids: frozenset[int] = frozenset(),
+) -> int:
     """The reference: one row's token, written plainly. Penalties (vLLM's: repetition over the prompt's and the
     output's ids, presence and frequency over the output's), stop ids held back before min_tokens, then greedy at
     temperature 0; else temperature, top-k, top-p, and the race drawn with the noise of (seed, counter)."""
@@ -44,12 +50,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int
     return int(torch.argmax(probs / noise))
 
 
-PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
-                   top_k=st.sampled_from([0, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]))  # fmt: skip
+PARAMS = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 1, 3, 40]),
+    top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]),
+)
 
 
-@given(st.lists(st.tuples(PARAMS, st.integers(0, 2**40), st.integers(0, 5000)), min_size=1, max_size=6),
-       st.integers(0, 2**31), st.sampled_from([7, 97, 1000]))  # fmt: skip
+@given(
+    st.lists(st.tuples(PARAMS, st.integers(0, 2**40), st.integers(0, 5000)), min_size=1, max_size=6),
+    st.integers(0, 2**31),
+    st.sampled_from([7, 97, 1000]),
+)
 def test_the_batch_sampler_equals_the_one_row_sampler(rows: list, data_seed: int, vocab: int) -> None:
     g = torch.Generator().manual_seed(data_seed)
     logits = torch.randn(len(rows), vocab, generator=g) * 3
@@ -88,13 +101,20 @@ def test_a_seeded_request_draws_the_same_tokens_batched_or_alone() -> None:
 
     from pagedkv.models.llama import LlamaConfig
 
-    cfg = replace(SMOLLM2_SHAPES, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2)  # fmt: skip
+    cfg = replace(
+        SMOLLM2_SHAPES, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2
+    )
     assert isinstance(cfg, LlamaConfig)
     model = random_llama(cfg)
     mine = ("mine", list(range(1, 20)), SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=42))
-    others = [(f"o{i}", [(3 * i + j) % 512 for j in range(5 + 7 * i)],
-               SamplingParams(max_tokens=9, temperature=1.2, top_k=50, seed=i)) for i in range(5)]  # fmt: skip
+    others = [
+        (
+            f"o{i}",
+            [(3 * i + j) % 512 for j in range(5 + 7 * i)],
+            SamplingParams(max_tokens=9, temperature=1.2, top_k=50, seed=i),
+        )
+        for i in range(5)
+    ]
     alone = Engine(model, IdTokenizer(), kv_cache_memory_bytes=4 << 20).generate([mine])[0].token_ids
     batched = Engine(model, IdTokenizer(), kv_cache_memory_bytes=4 << 20).generate([*others[:3], mine, *others[3:]])
     assert batched[3].token_ids == alone and len(alone) == 12
@@ -102,17 +122,32 @@ def test_a_seeded_request_draws_the_same_tokens_batched_or_alone() -> None:
     assert again[0].token_ids == alone  # and through other batches and steps
 
 
-PENALIZED = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([0, 5]),
-                      repetition_penalty=st.sampled_from([1.0, 0.8, 1.3, 2.0]),
-                      presence_penalty=st.sampled_from([0.0, -0.5, 1.5]),
-                      frequency_penalty=st.sampled_from([0.0, 0.4, -1.0]), min_tokens=st.sampled_from([0, 3]),
-                      max_tokens=st.just(8))  # fmt: skip
+PENALIZED = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.3]),
+    top_k=st.sampled_from([0, 5]),
+    repetition_penalty=st.sampled_from([1.0, 0.8, 1.3, 2.0]),
+    presence_penalty=st.sampled_from([0.0, -0.5, 1.5]),
+    frequency_penalty=st.sampled_from([0.0, 0.4, -1.0]),
+    min_tokens=st.sampled_from([0, 3]),
+    max_tokens=st.just(8),
+)
 
 
-@given(st.lists(st.tuples(PENALIZED, st.integers(0, 2**40), st.integers(0, 6),
-                          st.lists(st.integers(0, 30), max_size=6), st.lists(st.integers(0, 30), max_size=8)),
-                min_size=1, max_size=6),
-       st.integers(0, 2**31))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            PENALIZED,
+            st.integers(0, 2**40),
+            st.integers(0, 6),
+            st.lists(st.integers(0, 30), max_size=6),
+            st.lists(st.integers(0, 30), max_size=8),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 2**31),
+)
 def test_penalties_and_min_tokens_equal_the_reference(rows: list, data_seed: int) -> None:
     """The batch sampler with vLLM's penalties and min_tokens equals the plain one-row rule, row for row, in any
     mix of rows with and without them (and a row's ids count where its params turn a penalty on only)."""
@@ -122,8 +157,17 @@ def test_penalties_and_min_tokens_equal_the_reference(rows: list, data_seed: int
     stop_ids = frozenset({0, 7})
     history = History([(p, o) if q.penalized else None for q, p, o in zip(params, prompts, outputs)], stop_ids)
     batch = sample_batch(logits, params, seeds, counters, history)
-    want = [sample(logits[i], params[i], seeds[i], counters[i], (prompts[i], outputs[i]) if params[i].penalized
-                   else ([], []), stop_ids) for i in range(len(rows))]  # fmt: skip
+    want = [
+        sample(
+            logits[i],
+            params[i],
+            seeds[i],
+            counters[i],
+            (prompts[i], outputs[i]) if params[i].penalized else ([], []),
+            stop_ids,
+        )
+        for i in range(len(rows))
+    ]
     assert batch.tolist() == want
 
 

@@ -49,16 +49,24 @@ def served_one(model: Any, item: Any, mode: str, tok: Any) -> Any:
     return c
 
 
-PENALIZED = [SamplingParams(max_tokens=24, repetition_penalty=2.5), SamplingParams(max_tokens=24, presence_penalty=1.2),
-             SamplingParams(max_tokens=24, frequency_penalty=0.7),
-             SamplingParams(max_tokens=24, temperature=0.8, seed=3, repetition_penalty=0.9, frequency_penalty=-0.5),
-             SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.1, seed=9, presence_penalty=-1.0)]  # fmt: skip
+PENALIZED = [
+    SamplingParams(max_tokens=24, repetition_penalty=2.5),
+    SamplingParams(max_tokens=24, presence_penalty=1.2),
+    SamplingParams(max_tokens=24, frequency_penalty=0.7),
+    SamplingParams(max_tokens=24, temperature=0.8, seed=3, repetition_penalty=0.9, frequency_penalty=-0.5),
+    SamplingParams(max_tokens=24),
+    SamplingParams(max_tokens=24, temperature=1.1, seed=9, presence_penalty=-1.0),
+]
 
 
 def test_penalties_give_the_same_tokens_in_every_mode_batched_and_alone(model: Any) -> None:
     want = [c.token_ids for c in served(model, PENALIZED, "waiting")]
-    plain = [c.token_ids for c in served(model, [SamplingParams(max_tokens=24, temperature=p.temperature, seed=p.seed)
-                                                  for p in PENALIZED], "waiting")]  # fmt: skip
+    plain = [
+        c.token_ids
+        for c in served(
+            model, [SamplingParams(max_tokens=24, temperature=p.temperature, seed=p.seed) for p in PENALIZED], "waiting"
+        )
+    ]
     assert all(w != p for w, p, q in zip(want, plain, PENALIZED) if q.penalized)  # (they change the tokens)
     assert want[4] == plain[4]  # (a row without penalties beside them: as it was)
     for mode in MODES:
@@ -97,8 +105,11 @@ def test_stop_reason_names_the_stop_string_or_id(model: Any) -> None:
 
 
 def test_logprobs_of_each_token_in_every_mode(model: Any) -> None:
-    params = [SamplingParams(max_tokens=12, logprobs=3), SamplingParams(max_tokens=12),
-              SamplingParams(max_tokens=12, temperature=0.9, seed=4, logprobs=0)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=12, logprobs=3),
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=4, logprobs=0),
+    ]
     got = {mode: served(model, params, mode) for mode in MODES}
     for mode, done in got.items():
         a, b, c = done
@@ -119,12 +130,18 @@ def test_logprobs_of_each_token_in_every_mode(model: Any) -> None:
 def test_stop_takes_a_string_or_any_sequence_and_the_rest_is_checked(model: Any) -> None:
     assert SamplingParams(stop="five").stop == ("five",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop=None).stop == () and params_problem(SamplingParams(stop=["a", "b"])) is None
-    for bad, says in ((SamplingParams(stop={"a"}), "stop"), (SamplingParams(stop=[""]), "stop"),
-                      (SamplingParams(n=0), "n must"), (SamplingParams(repetition_penalty=0), "repetition_penalty"),
-                      (SamplingParams(presence_penalty=3), "presence_penalty"),
-                      (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
-                      (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"), (SamplingParams(ignore_eos=1), "ignore_eos"),
-                      (SamplingParams(logprobs=21), "logprobs"), (SamplingParams(logprobs=True), "logprobs")):  # fmt: skip
+    for bad, says in (
+        (SamplingParams(stop={"a"}), "stop"),
+        (SamplingParams(stop=[""]), "stop"),
+        (SamplingParams(n=0), "n must"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        (SamplingParams(presence_penalty=3), "presence_penalty"),
+        (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
+        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+        (SamplingParams(ignore_eos=1), "ignore_eos"),
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(logprobs=True), "logprobs"),
+    ):
         assert says in (params_problem(bad) or ""), bad
     eng = Engine(model, IdTokenizer(), block_size=4, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ShellError, match="n=2: a request here is one sequence"):

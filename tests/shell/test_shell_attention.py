@@ -15,8 +15,16 @@ from pagedkv.shell.pool import PagePool
 from pagedkv.shell.worker import Worker
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, seq_len: int,
-          spans: tuple[tuple[int, int], ...], spec: GroupSpec, scale: float) -> torch.Tensor:  # fmt: skip
+def dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    seq_len: int,
+    spans: tuple[tuple[int, int], ...],
+    spec: GroupSpec,
+    scale: float,
+) -> torch.Tensor:
     """Contiguous K/V (seq, kv_heads, d), the visibility rules written from the spans, one query at a time."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
@@ -43,8 +51,11 @@ def scenario(draw: st.DrawFn) -> dict[str, object]:
     kv_heads = draw(st.integers(1, 3))
     heads = kv_heads * draw(st.integers(1, 3))
     kind = draw(st.sampled_from(["full", "sliding_window", "chunked_local"]))
-    spec = {"full": GroupSpec("g"), "sliding_window": GroupSpec("g", GroupKind.SLIDING_WINDOW, window=draw(st.integers(1, 8))),
-            "chunked_local": GroupSpec("g", GroupKind.CHUNKED_LOCAL, chunk=draw(st.integers(1, 8)))}[kind]  # fmt: skip
+    spec = {
+        "full": GroupSpec("g"),
+        "sliding_window": GroupSpec("g", GroupKind.SLIDING_WINDOW, window=draw(st.integers(1, 8))),
+        "chunked_local": GroupSpec("g", GroupKind.CHUNKED_LOCAL, chunk=draw(st.integers(1, 8))),
+    }[kind]
     phase = draw(st.sampled_from(["prefill", "chunked", "decode", "denoise"]))
     nrows = draw(st.integers(1, 3))
     rows = []
@@ -66,11 +77,20 @@ def scenario(draw: st.DrawFn) -> dict[str, object]:
             else:
                 start, seq_len = draw(st.integers(0, length - 1)), length
         rows.append((length, spans, start, seq_len))
-    return {"bs": bs, "kv_heads": kv_heads, "heads": heads, "spec": spec, "rows": rows,
-            "seed": draw(st.integers(0, 2**16)), "d": draw(st.sampled_from([4, 8]))}  # fmt: skip
+    return {
+        "bs": bs,
+        "kv_heads": kv_heads,
+        "heads": heads,
+        "spec": spec,
+        "rows": rows,
+        "seed": draw(st.integers(0, 2**16)),
+        "d": draw(st.sampled_from([4, 8])),
+    }
 
 
-def build(sc: dict[str, object]) -> tuple[torch.Tensor, list[torch.Tensor], PagePool, Worker, KVMetadata, LayerAttention, list]:
+def build(
+    sc: dict[str, object],
+) -> tuple[torch.Tensor, list[torch.Tensor], PagePool, Worker, KVMetadata, LayerAttention, list]:
     bs, spec, rows = sc["bs"], sc["spec"], sc["rows"]  # type: ignore[assignment]
     g = torch.Generator().manual_seed(sc["seed"])  # type: ignore[arg-type]
     need = sum(-(-length // bs) for length, *_ in rows) + 1  # type: ignore[operator]
@@ -92,13 +112,27 @@ def build(sc: dict[str, object]) -> tuple[torch.Tensor, list[torch.Tensor], Page
         k = torch.randn(length, sc["kv_heads"], sc["d"], generator=g)  # type: ignore[call-overload]
         v = torch.randn(length, sc["kv_heads"], sc["d"], generator=g)  # type: ignore[call-overload]
         written = [p for p in range(seq_len) if table[p // bs]]  # earlier steps wrote [0, seq_len)
-        pool.write(0, k[written], v[written], torch.tensor(slots_of(table, bs, 0, seq_len))[
-            torch.tensor([table[p // bs] != 0 for p in range(seq_len)])])  # fmt: skip
+        pool.write(
+            0,
+            k[written],
+            v[written],
+            torch.tensor(slots_of(table, bs, 0, seq_len))[torch.tensor([table[p // bs] != 0 for p in range(seq_len)])],
+        )
         q = torch.randn(seq_len - start, sc["heads"], sc["d"], generator=g)  # type: ignore[call-overload]
         qs.append(q)
         dense_kv.append((k, v, start, seq_len, spans))
-        meta_rows.append(RowMetadata(r, 0, (tuple(table),), seq_len, seq_len - start, start,
-                                     slots_of(table, bs, start, seq_len - start), segments_of(spans, seq_len, start)))  # fmt: skip
+        meta_rows.append(
+            RowMetadata(
+                r,
+                0,
+                (tuple(table),),
+                seq_len,
+                seq_len - start,
+                start,
+                slots_of(table, bs, start, seq_len - start),
+                segments_of(spans, seq_len, start),
+            )
+        )
     meta = KVMetadata(1, 0, bs, Phase.PREFILL, tuple(meta_rows))  # type: ignore[arg-type]
     worker = Worker(cfg, max_rows=4, max_blocks_per_row=32, max_tokens=128)
     layer = LayerAttention(0, spec, scale=1 / sc["d"] ** 0.5)  # type: ignore[arg-type, operator]
@@ -110,8 +144,12 @@ def test_torch_backend_over_pages_equals_dense(sc: dict[str, object]) -> None:
     q, qs, pool, worker, meta, layer, dense_kv = build(sc)
     batch = worker.install(meta)
     out = get_backend("torch").forward(q, pool.k[0], pool.v[0], batch, layer)
-    ref = torch.cat([dense(qr, k, v, start, seq_len, spans, layer.spec, layer.scale)
-                     for qr, (k, v, start, seq_len, spans) in zip(qs, dense_kv)])  # fmt: skip
+    ref = torch.cat(
+        [
+            dense(qr, k, v, start, seq_len, spans, layer.spec, layer.scale)
+            for qr, (k, v, start, seq_len, spans) in zip(qs, dense_kv)
+        ]
+    )
     assert torch.isfinite(out).all(), "read a slot it must not read"
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max().clamp_min(1e-6)
 
@@ -172,12 +210,22 @@ def test_unavailable_backends_name_the_package() -> None:
 
 
 def test_flash_attn_backend_matches_torch_on_cuda() -> None:
-    pytest.importorskip("flash_attn", reason="flash-attn is not installed here (pip install 'pagedkv[flash]'); "
-                                             "its call mapping is checked through segment_calls above")  # fmt: skip
+    pytest.importorskip(
+        "flash_attn",
+        reason="flash-attn is not installed here (pip install 'pagedkv[flash]'); "
+        "its call mapping is checked through segment_calls above",
+    )
     if not torch.cuda.is_available():
         pytest.skip("flash-attn needs a CUDA device")
-    sc = {"bs": 256, "kv_heads": 2, "heads": 8, "spec": GroupSpec("g"), "seed": 0, "d": 64,
-          "rows": [(300, (), 0, 300), (520, (), 519, 520)]}  # fmt: skip
+    sc = {
+        "bs": 256,
+        "kv_heads": 2,
+        "heads": 8,
+        "spec": GroupSpec("g"),
+        "seed": 0,
+        "d": 64,
+        "rows": [(300, (), 0, 300), (520, (), 519, 520)],
+    }
     q, _, pool, worker, meta, layer, _ = build(sc)
     pool.k[0], pool.v[0] = pool.k[0].nan_to_num().cuda().bfloat16(), pool.v[0].nan_to_num().cuda().bfloat16()
     worker = Worker(pool.config, max_rows=4, max_blocks_per_row=32, max_tokens=1024, device="cuda")
@@ -209,8 +257,9 @@ def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None
     class Other(TorchBackend):
         name = "other"
 
-    cfg = replace(SMOLLM2_SHAPES, vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2)  # fmt: skip
+    cfg = replace(
+        SMOLLM2_SHAPES, vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+    )
     prompts = [(f"p{i}", [(5 * i + j) % 97 for j in range(9 + 4 * i)], SamplingParams(max_tokens=6)) for i in range(3)]
     for dtype, prefill_calls in ((torch.bfloat16, True), (torch.float32, False)):
         model = random_llama(cfg, seed=1, dtype=dtype)

@@ -20,8 +20,16 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams, sample_batch
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig, accepted, lookup
 
-CFG = replace(SMOLLM2_SHAPES, vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-              num_kv_heads=2, max_position=160)  # fmt: skip
+CFG = replace(
+    SMOLLM2_SHAPES,
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position=160,
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -49,8 +57,14 @@ def _run(model: object, prompts: list[list[int]], params: SamplingParams, spec: 
     return [c.token_ids for c in done], [c.finish_reason for c in done], eng
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=0.9, seed=5),
-                                    SamplingParams(max_tokens=40, temperature=1.3, top_k=8, top_p=0.9, seed=11)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=5),
+        SamplingParams(max_tokens=40, temperature=1.3, top_k=8, top_p=0.9, seed=11),
+    ],
+)
 def test_speculation_gives_the_tokens_decoding_gives_batched_and_alone(model: object, params: SamplingParams) -> None:
     prompts = _prompts(6, seed=1)
     want, reasons, _ = _run(model, prompts, params, None, max_num_seqs=8)
@@ -69,10 +83,12 @@ def test_speculation_through_preemption_and_a_small_budget(model: object) -> Non
     """A pool too small for every request at once preempts (by recompute); a token budget of 6 trims drafts."""
     prompts = _prompts(5, seed=2)
     params = SamplingParams(max_tokens=48, temperature=0.7, seed=3)
-    want, _, ref = _run(model, prompts, params, None, kv_cache_memory_bytes=CFG_POOL, max_num_seqs=5,
-                        max_num_batched_tokens=64)  # fmt: skip
-    got, _, eng = _run(model, prompts, params, NGRAM, kv_cache_memory_bytes=CFG_POOL, max_num_seqs=5,
-                       max_num_batched_tokens=64)  # fmt: skip
+    want, _, ref = _run(
+        model, prompts, params, None, kv_cache_memory_bytes=CFG_POOL, max_num_seqs=5, max_num_batched_tokens=64
+    )
+    got, _, eng = _run(
+        model, prompts, params, NGRAM, kv_cache_memory_bytes=CFG_POOL, max_num_seqs=5, max_num_batched_tokens=64
+    )
     assert got == want and eng.stats.preemptions and eng.stats.verifies
     small, _, _ = _run(model, prompts, params, NGRAM, max_num_batched_tokens=48, max_num_seqs=5)
     assert small == want
@@ -109,6 +125,7 @@ def test_stop_tokens_and_max_tokens_cut_a_verify(model: object) -> None:
     for mt in (1, 2, 3, 7):
         params = SamplingParams(max_tokens=mt)
         assert _run(model, prompts, params, NGRAM)[0] == _run(model, prompts, params, None)[0]
+
     class StopAt(IdTokenizer):  # a stop token the random model samples now and then
         stop_token_ids = frozenset({7, 19, 33})
 
@@ -132,8 +149,12 @@ def test_verification_is_the_rejection_rule_for_a_point_mass_draft() -> None:
     counts = torch.zeros(6)
     kept = 0
     for seeds in range(0, n, 1000):
-        ids = sample_batch(logits.repeat(1000, 1), [params] * 2000, [s for s in range(seeds, seeds + 1000) for _ in (0, 1)],
-                           [0, 1] * 1000).tolist()  # fmt: skip
+        ids = sample_batch(
+            logits.repeat(1000, 1),
+            [params] * 2000,
+            [s for s in range(seeds, seeds + 1000) for _ in (0, 1)],
+            [0, 1] * 1000,
+        ).tolist()
         for k in range(1000):
             toks = accepted([draft], ids[2 * k : 2 * k + 2])
             kept += len(toks) == 2
@@ -162,10 +183,17 @@ def test_the_proposer_finds_the_latest_longest_earlier_ngram() -> None:
 def test_speculative_config_is_vllms_and_checked() -> None:
     assert SpeculativeConfig.of(None) is None
     assert SpeculativeConfig.of({"method": "ngram"}) == SpeculativeConfig()
-    assert SpeculativeConfig.of('{"num_speculative_tokens": 2, "prompt_lookup_max": 1}') == SpeculativeConfig("ngram", 2, 1, 1)
-    for bad, says in (({"method": "eagle"}, "not served"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-                      ({"k": 1}, "unknown keys"), ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "above"),
-                      ("[1]", "JSON object"), ("{", "not JSON")):  # fmt: skip
+    assert SpeculativeConfig.of('{"num_speculative_tokens": 2, "prompt_lookup_max": 1}') == SpeculativeConfig(
+        "ngram", 2, 1, 1
+    )
+    for bad, says in (
+        ({"method": "eagle"}, "not served"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"k": 1}, "unknown keys"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "above"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ):
         with pytest.raises(InvalidConfig, match=says):
             SpeculativeConfig.of(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidConfig, match="not served"):  # the engine refuses it before it allocates
@@ -174,8 +202,15 @@ def test_speculative_config_is_vllms_and_checked() -> None:
 
 def test_a_speculative_run_is_recorded_and_replays_digest_for_digest(model: object) -> None:
     trace = io.StringIO()
-    eng = Engine(model, IdTokenizer(), speculative_config=NGRAM, block_size=4, trace=trace, max_num_seqs=4,
-                 kv_cache_memory_bytes=4 * CFG_POOL)  # (a small pool: its digests and checks are quick)
+    eng = Engine(
+        model,
+        IdTokenizer(),
+        speculative_config=NGRAM,
+        block_size=4,
+        trace=trace,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=4 * CFG_POOL,
+    )  # (a small pool: its digests and checks are quick)
     eng.generate([(f"p{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(_prompts(4, seed=6))])
     eng.finish_trace()
     lines = trace.getvalue().splitlines()

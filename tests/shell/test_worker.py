@@ -8,20 +8,33 @@ import pytest
 import torch
 
 from pagedkv.core import (
-    CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, append, commit, initial_state, publish, reset,
-)  # fmt: skip
+    CacheConfig,
+    GroupKind,
+    GroupSpec,
+    RequestSpec,
+    RowSpec,
+    admit,
+    append,
+    commit,
+    initial_state,
+    publish,
+    reset,
+)
 from pagedkv.shell.errors import ShellError
 from pagedkv.shell.pool import PagePool
 from pagedkv.shell.rank import attention_layers, plan_rank, size_pool
 from pagedkv.shell.worker import Worker
 
-CFG = CacheConfig(block_size=4, num_blocks=33, groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW,
-                                                                                     window=4)))  # fmt: skip
+CFG = CacheConfig(
+    block_size=4, num_blocks=33, groups=(GroupSpec("full"), GroupSpec("swa", GroupKind.SLIDING_WINDOW, window=4))
+)
 
 
 def buffers(w: Worker) -> list[torch.Tensor]:
-    return [t.clone() for t in (w.row_tables, w.block_tables, w.seq_lens, w.kv_start, w.query_start_loc,
-                                w.slot_mapping, w.positions)]  # fmt: skip
+    return [
+        t.clone()
+        for t in (w.row_tables, w.block_tables, w.seq_lens, w.kv_start, w.query_start_loc, w.slot_mapping, w.positions)
+    ]
 
 
 def refused(w: Worker, meta: object, code: str) -> None:
@@ -147,7 +160,9 @@ def test_missing_metadata_is_an_error_never_a_dense_run() -> None:
 
 
 def test_pool_sizing_and_write() -> None:
-    plan = plan_rank(attention_layers(2, kv_heads=2, head_dim=8, dtype=torch.float32), block_size=4, dtype=torch.float32)
+    plan = plan_rank(
+        attention_layers(2, kv_heads=2, head_dim=8, dtype=torch.float32), block_size=4, dtype=torch.float32
+    )
     sizing = size_pool(plan, kv_cache_memory_bytes=10_000)
     assert sizing.page_bytes == 2 * 2 * 4 * 2 * 8 * 4 and sizing.num_blocks == 10_000 // 1024
     assert sizing.tokens == (sizing.num_blocks - 1) * 4
@@ -179,8 +194,10 @@ def test_token_rows_lay_a_causal_snapshot_out_one_query_token_a_row() -> None:
     assert w.install(meta, token_rows=True) is b  # the same snapshot, the same layout: a no-op
     flat = w.install(meta)  # the same snapshot laid out by rows again
     assert flat.source is None and flat.num_rows == 2 and flat.seq_lens.tolist() == [6, 3]
-    for small, bad in ((Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=64, token_rows=8), meta),
-                       (w, replace(meta, rows=(replace(meta.rows[0], segments=(Segment(False, 0, 6, 6),)),)))):
+    for small, bad in (
+        (Worker(CFG, max_rows=4, max_blocks_per_row=8, max_tokens=64, token_rows=8), meta),
+        (w, replace(meta, rows=(replace(meta.rows[0], segments=(Segment(False, 0, 6, 6),)),))),
+    ):
         before, rows = buffers(small), dict(small.rows)
         with pytest.raises(ShellError, match="8 such rows|one causal segment"):
             small.install(bad, token_rows=True)

@@ -11,13 +11,34 @@ from pagedkv.core.scheduler.inputs import cancel, submit
 from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Stage
 from pagedkv.core.scheduler.policy import schedule
 from pagedkv.core.scheduler.records import (
-    DiffusionRun, LiveRequests, Prefilled, SchedState, SchedulerConfig, SeqRequest, StepPlan,
+    DiffusionRun,
+    LiveRequests,
+    Prefilled,
+    SchedState,
+    SchedulerConfig,
+    SeqRequest,
+    StepPlan,
     new_scheduler,
-)  # fmt: skip
+)
 from pagedkv.core.scheduler.results import on_output, on_tokens
 
 __all__ = [
-    "DiffusionRun", "Event", "FinishReason", "LiveRequests", "Prefilled", "SchedState", "SchedulerConfig",
-    "SeqRequest", "Stage", "StepPlan", "cancel", "new_scheduler", "on_output", "on_tokens", "sched_canonical", "sched_digest",
-    "schedule", "submit",
-]  # fmt: skip
+    "DiffusionRun",
+    "Event",
+    "FinishReason",
+    "LiveRequests",
+    "Prefilled",
+    "SchedState",
+    "SchedulerConfig",
+    "SeqRequest",
+    "Stage",
+    "StepPlan",
+    "cancel",
+    "new_scheduler",
+    "on_output",
+    "on_tokens",
+    "sched_canonical",
+    "sched_digest",
+    "schedule",
+    "submit",
+]

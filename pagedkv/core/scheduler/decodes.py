@@ -24,8 +24,11 @@ def drafts_problem(drafts: object) -> KVError | None:
         return invalid(f"drafts must map request ids to token-id lists, got {type(drafts).__name__}", field="drafts")
     for rid, ids in drafts.items():
         if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
-            return invalid(f"the drafts of request {shown(rid)} must be a list of token ids, got {shown(ids):.80}",
-                           request=rid if is_request_id(rid) else None, field="drafts")  # fmt: skip
+            return invalid(
+                f"the drafts of request {shown(rid)} must be a list of token ids, got {shown(ids):.80}",
+                request=rid if is_request_id(rid) else None,
+                field="drafts",
+            )
     return None
 
 
@@ -34,13 +37,20 @@ def decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
     whole batch as one transition when it fits (with drafts: ``_verify_batch``); request by request,
     preempting the newest as needed, when not."""
     prefilling = d.prefilling
-    candidates = [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
+    candidates = (
+        [rid for rid in d.running if rid not in prefilling][: d.budget] if prefilling else d.running[: d.budget]
+    )
     if drafts is None:
         if not d.awaiting:
             batch = append_decode(d.kv, candidates, d.log.last_many(candidates))
         else:  # planned ahead of the last step's ids: a row whose id is not known grows by a placeholder
-            batch = append_many(d.kv, [(rid, [Placeholders(1)] if rid in d.awaiting else [[tok]])
-                                       for rid, tok in zip(candidates, d.log.last_many(candidates))])
+            batch = append_many(
+                d.kv,
+                [
+                    (rid, [Placeholders(1)] if rid in d.awaiting else [[tok]])
+                    for rid, tok in zip(candidates, d.log.last_many(candidates))
+                ],
+            )
         if isinstance(batch, Success):
             d.apply(batch.unwrap())
             d.decode.extend(candidates)
@@ -80,8 +90,11 @@ def _fitting(d: Draft, rid: RequestId, draft: Sequence[int], budget: int | None 
     if not draft:
         return ()
     slot = d.kv.requests[rid].slots[0]
-    room = min((d.budget if budget is None else budget) - 1, d.seqs[rid].max_tokens - d.log.count(rid) - 1,
-               d.kv.config.length_limit - d.kv.row_len[slot] - 1)  # fmt: skip
+    room = min(
+        (d.budget if budget is None else budget) - 1,
+        d.seqs[rid].max_tokens - d.log.count(rid) - 1,
+        d.kv.config.length_limit - d.kv.row_len[slot] - 1,
+    )
     return tuple(draft[: max(room, 0)])
 
 

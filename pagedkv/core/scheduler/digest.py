@@ -24,18 +24,33 @@ def sched_canonical(state: SchedState, ended: Mapping[RequestId, str] | None = N
     plan = _pending_plan(state)
     cfg = state.config
     awaiting = (tuple(sorted(state.awaiting, key=lambda r: (type(r).__name__, r))),) if state.awaiting else ()
-    return ("pagedkv-scheduler/2" if ended is None else "pagedkv-scheduler/1", cfg.max_num_seqs,
-            cfg.max_num_batched_tokens, cfg.chunked_prefill, cfg.watermark_blocks, cfg.allow_overtaking,
-            canonical(state.kv), tuple(state.waiting), state.running, tuple(sorted(state.prefilling, key=str)), reqs,
-            *fin, plan, state.step, state.arrivals, *awaiting)  # fmt: skip
+    return (
+        "pagedkv-scheduler/2" if ended is None else "pagedkv-scheduler/1",
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+        cfg.chunked_prefill,
+        cfg.watermark_blocks,
+        cfg.allow_overtaking,
+        canonical(state.kv),
+        tuple(state.waiting),
+        state.running,
+        tuple(sorted(state.prefilling, key=str)),
+        reqs,
+        *fin,
+        plan,
+        state.step,
+        state.arrivals,
+        *awaiting,
+    )
 
 
 def _pending_plan(state: SchedState) -> tuple[tuple[Any, ...], ...]:
     """The last plan's entries until its on_output (decodes, prefill chunks, diffusion runs, decodes verifying
     drafts: these only when there are any, so a run without drafts digests as before) as tuples."""
     kv = state.kv
-    out: list[tuple[Any, ...]] = [("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True)
-                                  for rid in state.sched_decode]  # fmt: skip
+    out: list[tuple[Any, ...]] = [
+        ("decode", rid, 1, kv.row_len[kv.requests[rid].slots[0]], True) for rid in state.sched_decode
+    ]
     out += [("prefill", *p) for p in state.sched_prefill]
     out += [("diffusion", rid, 0, 0, False) for rid in state.sched_diffusion]
     out += [("verify", rid, kv.row_len[kv.requests[rid].slots[0]], draft) for rid, draft in state.sched_verify]
@@ -43,8 +58,9 @@ def _pending_plan(state: SchedState) -> tuple[tuple[Any, ...], ...]:
 
 
 def _req_key(r: SeqRequest) -> tuple[Any, ...]:
-    rows = None if r.rows is None else tuple(
-        (x.num_tokens, x.tokens, x.prefix_len, x.target_len, x.spans) for x in r.rows)  # fmt: skip
+    rows = (
+        None if r.rows is None else tuple((x.num_tokens, x.tokens, x.prefix_len, x.target_len, x.spans) for x in r.rows)
+    )
     return (r.prompt, r.max_tokens, rows, r.steps, r.extra_keys, r.output, r.arrival)
 
 

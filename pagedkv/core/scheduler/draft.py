@@ -22,8 +22,27 @@ from pagedkv.core.state import KVState, Step
 class Draft:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
-    __slots__ = ("state", "kv", "budget", "running", "waiting", "stages", "seqs", "log", "log_edit",
-                 "decode", "verify", "prefill", "diffusion", "preempted", "ended", "refusals", "prefilling", "events", "awaiting")  # fmt: skip
+    __slots__ = (
+        "state",
+        "kv",
+        "budget",
+        "running",
+        "waiting",
+        "stages",
+        "seqs",
+        "log",
+        "log_edit",
+        "decode",
+        "verify",
+        "prefill",
+        "diffusion",
+        "preempted",
+        "ended",
+        "refusals",
+        "prefilling",
+        "events",
+        "awaiting",
+    )
 
     def __init__(self, state: SchedState) -> None:
         self.state = state

@@ -34,9 +34,17 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
     req = replace(_as_tuples(request), arrival=state.arrivals)
     log = state.log.edit()
     log.add(rid)
-    return Success(replace(state, waiting=state.waiting.append(rid), stages=state.stages.set(rid, moved(None, Event.SUBMIT)),
-                           seqs=state.seqs.set(rid, req), log=log.persistent(),
-                           arrivals=state.arrivals + 1, kv_events=()))  # fmt: skip
+    return Success(
+        replace(
+            state,
+            waiting=state.waiting.append(rid),
+            stages=state.stages.set(rid, moved(None, Event.SUBMIT)),
+            seqs=state.seqs.set(rid, req),
+            log=log.persistent(),
+            arrivals=state.arrivals + 1,
+            kv_events=(),
+        )
+    )
 
 
 def _check(state: SchedState, request: object) -> KVError | None:
@@ -45,8 +53,9 @@ def _check(state: SchedState, request: object) -> KVError | None:
     rid = request.request_id
     if request.rows is None:
         if not is_seq(request.prompt) or not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
-            return invalid(f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid,
-                           field="prompt")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid, field="prompt"
+            )
         if not is_int(request.max_tokens) or not 1 <= request.max_tokens < INT_ID_LIMIT:
             return invalid(
                 f"request {shown(rid)}: max_tokens must be a positive integer", request=rid, field="max_tokens"
@@ -91,15 +100,20 @@ def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:
     log = state.log.edit()
     log.drop(request_id)
     return replace(
-        state, kv=kv, waiting=_without(state.waiting, request_id),
-        running=tuple(r for r in state.running if r != request_id), stages=state.stages.delete(request_id),
-        seqs=state.seqs.delete(request_id), log=log.persistent(),
+        state,
+        kv=kv,
+        waiting=_without(state.waiting, request_id),
+        running=tuple(r for r in state.running if r != request_id),
+        stages=state.stages.delete(request_id),
+        seqs=state.seqs.delete(request_id),
+        log=log.persistent(),
         sched_decode=tuple(r for r in state.sched_decode if r != request_id),
         sched_prefill=tuple(p for p in state.sched_prefill if p[0] != request_id),
-        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id), kv_events=events,
+        sched_diffusion=tuple(r for r in state.sched_diffusion if r != request_id),
+        kv_events=events,
         sched_verify=tuple(v for v in state.sched_verify if v[0] != request_id),
         awaiting=state.awaiting - {request_id},
-    )  # fmt: skip
+    )
 
 
 def _without(q: PDeque[RequestId], rid: RequestId) -> PDeque[RequestId]:

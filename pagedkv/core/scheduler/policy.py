@@ -36,8 +36,9 @@ from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, 
 from pagedkv.core.snapshot import publish
 
 
-def schedule(state: SchedState, drafts: Mapping[RequestId, Sequence[int]] | None = None,
-             ) -> Result[tuple[SchedState, StepPlan], KVError]:  # fmt: skip
+def schedule(
+    state: SchedState, drafts: Mapping[RequestId, Sequence[int]] | None = None
+) -> Result[tuple[SchedState, StepPlan], KVError]:
     """Plan the next step (see the module docstring). Refused while the last plan awaits its on_output.
 
     ``drafts``: speculative decoding, draft token ids proposed for decoding requests (n-gram lookup, a draft
@@ -191,9 +192,34 @@ def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
         total = _sequence_len(d, rid) if state.config.grow_prefill else kv.row_len[slot]
         chunks.append(Prefilled(rid, q, target, target == total))
     samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples) + tuple(r for r, _ in d.verify)
-    plan = StepPlan(state.step, tuple(d.decode), tuple(d.prefill), tuple(d.diffusion), tuple(d.preempted),
-                    tuple(d.ended), tuple(metadata), samples, tuple(d.refusals), tuple(d.verify))  # fmt: skip
+    plan = StepPlan(
+        state.step,
+        tuple(d.decode),
+        tuple(d.prefill),
+        tuple(d.diffusion),
+        tuple(d.preempted),
+        tuple(d.ended),
+        tuple(metadata),
+        samples,
+        tuple(d.refusals),
+        tuple(d.verify),
+    )
     log = d.log if d.log_edit is None else d.log_edit.persistent()
-    new = SchedState(state.config, kv, d.waiting, tuple(d.running), d.stages.finish(), d.seqs, log, tuple(d.decode), tuple(chunks), tuple(r.request_id for r in d.diffusion), state.step + 1,
-                     state.arrivals, tuple(d.events), tuple(d.verify), d.awaiting)  # fmt: skip
+    new = SchedState(
+        state.config,
+        kv,
+        d.waiting,
+        tuple(d.running),
+        d.stages.finish(),
+        d.seqs,
+        log,
+        tuple(d.decode),
+        tuple(chunks),
+        tuple(r.request_id for r in d.diffusion),
+        state.step + 1,
+        state.arrivals,
+        tuple(d.events),
+        tuple(d.verify),
+        d.awaiting,
+    )
     return new, plan

@@ -102,8 +102,12 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(q for _, q in self.prefill) + sum(
-            r.first.num_query_tokens for r in self.diffusion) + sum(1 + len(d) for _, d in self.verify)  # fmt: skip
+        return (
+            len(self.decode)
+            + sum(q for _, q in self.prefill)
+            + sum(r.first.num_query_tokens for r in self.diffusion)
+            + sum(1 + len(d) for _, d in self.verify)
+        )
 
     @property
     def is_empty(self) -> bool:
@@ -178,8 +182,16 @@ class LiveRequests(Mapping[RequestId, SeqRequest]):
 
     def __getitem__(self, rid: RequestId) -> SeqRequest:
         seq = self.seqs[rid]
-        return SeqRequest(seq.request_id, seq.prompt, seq.max_tokens, seq.rows, seq.steps, seq.extra_keys,
-                          self.log.tokens(rid), seq.arrival)  # fmt: skip
+        return SeqRequest(
+            seq.request_id,
+            seq.prompt,
+            seq.max_tokens,
+            seq.rows,
+            seq.steps,
+            seq.extra_keys,
+            self.log.tokens(rid),
+            seq.arrival,
+        )
 
     def __contains__(self, rid: object) -> bool:
         try:

@@ -46,8 +46,11 @@ def on_output(
         return Failure(_bad_arguments("on_output", sampled, finished))
     toks: list[Any] = [sampled.get(rid) for rid in state.sched_decode]  # checked at C speed; a bad one named below
     fast = are_token_ids(toks)  # (a None among the decodes fails it; the last prefill chunks are few)
-    ahead = frozenset() if fast and all(sampled.get(c.request_id) is not None for c in state.sched_prefill
-                                        if c.samples) else frozenset(rid for rid, v in sampled.items() if v is None)  # fmt: skip
+    ahead = (
+        frozenset()
+        if fast and all(sampled.get(c.request_id) is not None for c in state.sched_prefill if c.samples)
+        else frozenset(rid for rid, v in sampled.items() if v is None)
+    )
     err = _check_sampled(state, sampled, fast, ahead) or _outside_plan(state, sampled, finished)
     if err is not None:
         return Failure(err)
@@ -72,13 +75,35 @@ def on_output(
     gone = set(ending)
     running = tuple(r for r in state.running if r not in gone) if gone else state.running
     awaiting = (state.awaiting | ahead) - gone if ahead or state.awaiting else state.awaiting
-    new = SchedState(state.config, kv, state.waiting, running, stages.finish(), seqs, log.persistent(), (), (), (),
-                     state.step, state.arrivals, tuple(events), (), awaiting)  # fmt: skip
+    new = SchedState(
+        state.config,
+        kv,
+        state.waiting,
+        running,
+        stages.finish(),
+        seqs,
+        log.persistent(),
+        (),
+        (),
+        (),
+        state.step,
+        state.arrivals,
+        tuple(events),
+        (),
+        awaiting,
+    )
     return Success((new, tuple((rid, FinishReason.FINISHED) for rid in ending)))
 
 
-def _logged(state: SchedState, sampled: Mapping[RequestId, Any], toks: list[Any], verified: Mapping[RequestId, tuple[int, ...]],
-            stop: set[RequestId], log: Any, stages: Any) -> list[RequestId]:  # fmt: skip
+def _logged(
+    state: SchedState,
+    sampled: Mapping[RequestId, Any],
+    toks: list[Any],
+    verified: Mapping[RequestId, tuple[int, ...]],
+    stop: set[RequestId],
+    log: Any,
+    stages: Any,
+) -> list[RequestId]:
     """The step's tokens into the log (decodes, last prefill chunks, verifying decodes; a prefilled request
     moves to decoding); the requests that end: a stop the engine named, ``max_tokens``, a diffusion run."""
     decode, limit = state.sched_decode, state.seqs.__getitem__
@@ -100,8 +125,9 @@ def _logged(state: SchedState, sampled: Mapping[RequestId, Any], toks: list[Any]
     return ending + list(state.sched_diffusion)
 
 
-def _check_sampled(state: SchedState, sampled: Mapping[RequestId, Any], decodes_ok: bool,
-                   ahead: frozenset[RequestId]) -> KVError | None:  # fmt: skip
+def _check_sampled(
+    state: SchedState, sampled: Mapping[RequestId, Any], decodes_ok: bool, ahead: frozenset[RequestId]
+) -> KVError | None:
     """Every request whose forward yields a token has a token id, or ``None`` (its id comes with ``on_tokens``)."""
     chunk_ids = (c.request_id for c in state.sched_prefill if c.samples)
     for rid in (*(() if decodes_ok else state.sched_decode), *chunk_ids):
@@ -110,8 +136,12 @@ def _check_sampled(state: SchedState, sampled: Mapping[RequestId, Any], decodes_
             continue
         if not is_token_id(tok):
             again = " (its last id is still awaited: on_tokens first)" if rid in state.awaiting and tok is None else ""
-            return invalid(f"request {shown(rid)} computed its last token this step; on_output needs its "
-                           f"sampled token id{again}, got {shown(tok)}", request=rid, field="sampled")  # fmt: skip
+            return invalid(
+                f"request {shown(rid)} computed its last token this step; on_output needs its "
+                f"sampled token id{again}, got {shown(tok)}",
+                request=rid,
+                field="sampled",
+            )
     return None
 
 
@@ -122,13 +152,19 @@ def _outside_plan(state: SchedState, sampled: Mapping[RequestId, Any], finished:
     n = len(state.sched_decode) + len(state.sched_verify) + sum(1 for c in state.sched_prefill if c.samples)
     if len(sampled) == n and not finished:
         return None
-    samples = {*state.sched_decode, *(rid for rid, _ in state.sched_verify),
-               *(c.request_id for c in state.sched_prefill if c.samples)}  # fmt: skip
+    samples = {
+        *state.sched_decode,
+        *(rid for rid, _ in state.sched_verify),
+        *(c.request_id for c in state.sched_prefill if c.samples),
+    }
     for field, rids in (("sampled", sampled), ("finished", finished)):
         for rid in rids:
             if not is_request_id(rid) or rid not in samples:
-                return invalid(f"request {shown(rid)} computed no token in step {state.step - 1}; on_output takes "
-                               f"{field} only for the requests the plan sampled", field=field)  # fmt: skip
+                return invalid(
+                    f"request {shown(rid)} computed no token in step {state.step - 1}; on_output takes "
+                    f"{field} only for the requests the plan sampled",
+                    field=field,
+                )
     return None
 
 
@@ -139,8 +175,9 @@ def _is_collection(value: object) -> bool:
 
 def _bad_arguments(op: str, sampled: object, finished: object) -> KVError:
     if not isinstance(sampled, Mapping):
-        return invalid(f"{op} needs sampled: a mapping of request id to token id, got {shown(sampled):.80}",
-                       field="sampled")  # fmt: skip
+        return invalid(
+            f"{op} needs sampled: a mapping of request id to token id, got {shown(sampled):.80}", field="sampled"
+        )
     return invalid(f"{op} needs finished: a list of request ids, got {shown(finished):.80}", field="finished")
 
 
@@ -150,11 +187,18 @@ def _verified(state: SchedState, sampled: Mapping[RequestId, Any]) -> dict[Reque
     for rid, draft in state.sched_verify:
         got = sampled.get(rid)
         got = (got,) if type(got) is int else got
-        if (not isinstance(got, (list, tuple)) or not 1 <= len(got) <= len(draft) + 1 or not are_token_ids(got)
-                or tuple(got[:-1]) != draft[: len(got) - 1]):  # fmt: skip
-            return invalid(f"request {shown(rid)} verified {len(draft)} drafts {shown(list(draft)):.80}; on_output "
-                           f"needs the drafts it accepted, in order, then its sampled token id, got {shown(got):.80}",
-                           request=rid, field="sampled")  # fmt: skip
+        if (
+            not isinstance(got, (list, tuple))
+            or not 1 <= len(got) <= len(draft) + 1
+            or not are_token_ids(got)
+            or tuple(got[:-1]) != draft[: len(got) - 1]
+        ):
+            return invalid(
+                f"request {shown(rid)} verified {len(draft)} drafts {shown(list(draft)):.80}; on_output "
+                f"needs the drafts it accepted, in order, then its sampled token id, got {shown(got):.80}",
+                request=rid,
+                field="sampled",
+            )
         out[rid] = tuple(got)
     return out
 
@@ -168,8 +212,10 @@ def _commit(state: SchedState, events: list[KVEvent], verified: Mapping[RequestI
         kv = step.state
         events.extend(events_of(step.effect))
     # a verifying row holds its last token and every draft: it keeps the last token and the accepted ones
-    kept = {rid: kv.row_len[kv.requests[rid].slots[0]] - len(draft) + len(verified[rid]) - 1
-            for rid, draft in state.sched_verify}  # fmt: skip
+    kept = {
+        rid: kv.row_len[kv.requests[rid].slots[0]] - len(draft) + len(verified[rid]) - 1
+        for rid, draft in state.sched_verify
+    }
     cuts = [(rid, [n]) for rid, n in kept.items() if n < kv.row_len[kv.requests[rid].slots[0]]]
     if cuts:
         cut = truncate_many(kv, cuts).unwrap()
@@ -185,8 +231,9 @@ def _commit(state: SchedState, events: list[KVEvent], verified: Mapping[RequestI
     return kv
 
 
-def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Iterable[RequestId] = (),
-              ) -> Result[tuple[SchedState, tuple[tuple[RequestId, FinishReason], ...]], KVError]:  # fmt: skip
+def on_tokens(
+    state: SchedState, sampled: Mapping[RequestId, int], finished: Iterable[RequestId] = ()
+) -> Result[tuple[SchedState, tuple[tuple[RequestId, FinishReason], ...]], KVError]:
     """The ids an earlier ``on_output`` gave as ``None`` (overlapped scheduling: the next step was planned and
     launched before they were read): each request still awaiting one takes it, in its log and in the row
     position its next decode grew by (a placeholder, now filled: blocks it completes can be cached).
@@ -200,12 +247,23 @@ def on_tokens(state: SchedState, sampled: Mapping[RequestId, int], finished: Ite
     for field, rids in (("sampled", sampled), ("finished", finished)):
         for rid in rids:  # a live request that awaits no id: not this output's (an ended one's are ignored)
             if not is_request_id(rid) or (rid in state.seqs and rid not in state.awaiting):
-                return Failure(invalid(f"request {shown(rid)} awaits no token id; on_tokens takes {field} only for "
-                                       "the requests an earlier output gave as None", field=field))  # fmt: skip
+                return Failure(
+                    invalid(
+                        f"request {shown(rid)} awaits no token id; on_tokens takes {field} only for "
+                        "the requests an earlier output gave as None",
+                        field=field,
+                    )
+                )
     for rid in live:
         if not is_token_id(sampled.get(rid)):
-            return Failure(invalid(f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
-                                   f"{shown(sampled.get(rid))}", request=rid, field="sampled"))  # fmt: skip
+            return Failure(
+                invalid(
+                    f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
+                    f"{shown(sampled.get(rid))}",
+                    request=rid,
+                    field="sampled",
+                )
+            )
     log, kv = state.log.edit(), state.kv
     fills = []
     for rid in live:

@@ -59,8 +59,9 @@ class Budget:
         for name in ("rows", "tokens"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
-                return invalid(f"the forward budget's {name} must be a positive integer or None, got {shown(v)}",
-                               field=name)  # fmt: skip
+                return invalid(
+                    f"the forward budget's {name} must be a positive integer or None, got {shown(v)}", field=name
+                )
         return None
 
 
@@ -108,13 +109,26 @@ def submit_job(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
     if rid in state.kv.requests or any(j.request_id == rid for j in state.waiting):
         return Failure(invalid(f"request {shown(rid)} is already submitted", request=rid, field="request"))
     if type(job.steps) is not int or job.steps < 1:
-        return Failure(invalid(f"request {shown(rid)}: steps must be a positive integer, got {shown(job.steps)}",
-                               request=rid, field="steps"))  # fmt: skip
+        return Failure(
+            invalid(
+                f"request {shown(rid)}: steps must be a positive integer, got {shown(job.steps)}",
+                request=rid,
+                field="steps",
+            )
+        )
     if not isinstance(job.spec, RequestSpec) or job.spec.request_id != rid:
-        return Failure(invalid(f"request {shown(rid)}: its spec must be a RequestSpec of that id", request=rid, field="spec"))
+        return Failure(
+            invalid(f"request {shown(rid)}: its spec must be a RequestSpec of that id", request=rid, field="spec")
+        )
     if not job.spec.rows or any(not r.is_diffusion or r.pending_tokens for r in job.spec.rows):
-        return Failure(invalid(f"request {shown(rid)}: every row must be a diffusion row (prefix and target) computed "
-                               "here (no pending_tokens)", request=rid, field="rows"))  # fmt: skip
+        return Failure(
+            invalid(
+                f"request {shown(rid)}: every row must be a diffusion row (prefix and target) computed "
+                "here (no pending_tokens)",
+                request=rid,
+                field="rows",
+            )
+        )
     err = refusal(state.kv, job.spec) or _over_budget(state.budget, job.spec)
     if err is not None:
         return Failure(err)
@@ -126,11 +140,17 @@ def _over_budget(budget: Budget, spec: RequestSpec) -> KVError | None:
     whole rows, as without a prefix hit)."""
     rid, rows, tokens = spec.request_id, len(spec.rows), sum(r.num_tokens for r in spec.rows)
     if budget.rows is not None and rows > budget.rows:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)} has {rows} rows; the worker holds {budget.rows}",
-                       request=rid)  # fmt: skip
+        return KVError(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {shown(rid)} has {rows} rows; the worker holds {budget.rows}",
+            request=rid,
+        )
     if budget.tokens is not None and tokens > budget.tokens:
-        return KVError(ErrorCode.UNSCHEDULABLE, f"request {shown(rid)}'s first step computes {tokens} tokens; a "
-                       f"forward holds {budget.tokens}", request=rid)  # fmt: skip
+        return KVError(
+            ErrorCode.UNSCHEDULABLE,
+            f"request {shown(rid)}'s first step computes {tokens} tokens; a forward holds {budget.tokens}",
+            request=rid,
+        )
     return None
 
 
@@ -168,8 +188,9 @@ def tick(state: StepState) -> Result[tuple[StepState, TickPlan], KVError]:
     forwards = _forwards(kv, active, budget)
     if isinstance(forwards, KVError):
         return Failure(forwards)
-    new = StepState(kv, tuple(waiting), tuple(active), state.tick + 1,
-                    tuple(rid for f in forwards for rid in f.request_ids), budget)  # fmt: skip
+    new = StepState(
+        kv, tuple(waiting), tuple(active), state.tick + 1, tuple(rid for f in forwards for rid in f.request_ids), budget
+    )
     return Success((new, TickPlan(state.tick, tuple(forwards), tuple(admitted), tuple(refused))))
 
 
@@ -192,8 +213,10 @@ def _forwards(kv: KVState, active: list[tuple[RequestId, int, int]], budget: Bud
         part: list[tuple[RequestId, int]] = []
         rows = tokens = 0
         for rid, done_, n, q in members:
-            if part and ((budget.rows is not None and rows + n > budget.rows) or
-                         (budget.tokens is not None and tokens + q > budget.tokens)):  # fmt: skip
+            if part and (
+                (budget.rows is not None and rows + n > budget.rows)
+                or (budget.tokens is not None and tokens + q > budget.tokens)
+            ):
                 parts.append((phase, part))
                 part, rows, tokens = [], 0, 0
             part.append((rid, done_))
@@ -215,8 +238,9 @@ def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KV
     return _advance(state, frozenset(), retry=False).map(lambda r: (r[0], r[1]))
 
 
-def fail(state: StepState, request_ids: list[RequestId] | tuple[RequestId, ...],
-         retry: bool = False) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:  # fmt: skip
+def fail(
+    state: StepState, request_ids: list[RequestId] | tuple[RequestId, ...], retry: bool = False
+) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
     """The last tick's forwards ran, those of ``request_ids`` failed: in one transition, every other request is
     one step further (as ``done``), and each failed one ends with reason ``error`` (nothing of its failed step
     is cached: a first step's rows are never committed; its blocks go back), or with ``retry`` stays active at
@@ -224,15 +248,18 @@ def fail(state: StepState, request_ids: list[RequestId] | tuple[RequestId, ...],
     if not state.planned:
         return Failure(invalid("fail comes between a tick and its done: no tick is outstanding", field="op"))
     if not isinstance(request_ids, (list, tuple)) or not request_ids:
-        return Failure(invalid(f"fail needs the failed forward's request ids, got {shown(request_ids)}", field="requests"))
+        return Failure(
+            invalid(f"fail needs the failed forward's request ids, got {shown(request_ids)}", field="requests")
+        )
     for rid in request_ids:
         if not is_request_id(rid) or rid not in state.planned:
             return Failure(invalid(f"request {shown(rid)} was not stepped by the last tick", field="requests"))
     return _advance(state, frozenset(request_ids), retry=retry is True)
 
 
-def _advance(state: StepState, failed: frozenset[RequestId],
-             retry: bool) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:  # fmt: skip
+def _advance(
+    state: StepState, failed: frozenset[RequestId], retry: bool
+) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
     kv = state.kv
     ran = set(state.planned)
     active: list[tuple[RequestId, int, int]] = []
@@ -265,9 +292,14 @@ def steps_digest(state: StepState) -> str:
     """The state's digest: the core's and the queues' (replay compares it event by event)."""
     from pagedkv.core.verify.digest import digest as kv_digest  # (verify imports this module: not at the top)
 
-    queues = (kv_digest(state.kv), [(repr(j.request_id), j.steps) for j in state.waiting],
-              [(repr(r), n, d) for r, n, d in state.active], state.tick, [repr(r) for r in state.planned],
-              (state.budget.rows, state.budget.tokens))  # fmt: skip
+    queues = (
+        kv_digest(state.kv),
+        [(repr(j.request_id), j.steps) for j in state.waiting],
+        [(repr(r), n, d) for r, n, d in state.active],
+        state.tick,
+        [repr(r) for r in state.planned],
+        (state.budget.rows, state.budget.tokens),
+    )
     return hashlib.blake2b(repr(queues).encode(), digest_size=16).hexdigest()
 
 
@@ -278,16 +310,23 @@ def cancel_job(state: StepState, request_id: RequestId, reason: str = "cancelled
     if reason not in ("cancelled", "error"):
         return Failure(invalid(f'reason must be "cancelled" or "error", got {shown(reason)}', field="reason"))
     if not is_request_id(request_id):
-        return Failure(invalid(f"a request id must be a string or a 64-bit integer, got {shown(request_id)}",
-                               field="request"))  # fmt: skip
+        return Failure(
+            invalid(f"a request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request")
+        )
     if state.planned:
-        return Failure(invalid("cancel between a tick and its done: a request cancels between ticks (a failed "
-                               "forward's requests: fail)", field="op"))  # fmt: skip
+        return Failure(
+            invalid(
+                "cancel between a tick and its done: a request cancels between ticks (a failed "
+                "forward's requests: fail)",
+                field="op",
+            )
+        )
     if any(j.request_id == request_id for j in state.waiting):
         return Success(replace(state, waiting=tuple(j for j in state.waiting if j.request_id != request_id)))
     if not any(rid == request_id for rid, _, _ in state.active):
-        return Failure(KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not submitted",
-                               request=request_id))  # fmt: skip
+        return Failure(
+            KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not submitted", request=request_id)
+        )
     rel = release(state.kv, request_id, reason)
     if isinstance(rel, Failure):
         return Failure(rel.failure())

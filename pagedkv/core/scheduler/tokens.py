@@ -163,5 +163,6 @@ class TokenLogEdit:
         return unpack_ids(self.done[slot] + self.recent[slot])
 
     def persistent(self) -> TokenLog:
-        return TokenLog(self.slots.finish(), self.done.persistent(), self.recent.persistent(),
-                        self.free.persistent(), self.free_top)  # fmt: skip
+        return TokenLog(
+            self.slots.finish(), self.done.persistent(), self.recent.persistent(), self.free.persistent(), self.free_top
+        )

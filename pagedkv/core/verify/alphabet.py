@@ -61,12 +61,19 @@ class CheckConfig:
             groups += (GroupSpec("mamba", GroupKind.MAMBA),)
         if self.mamba_align:
             groups += (GroupSpec("mamba_align", GroupKind.MAMBA_ALIGN),)
-        return CacheConfig(block_size=self.block_size, num_blocks=self.usable_blocks + 1, groups=groups,
-                           enable_prefix_caching=self.prefix_caching, max_rows_per_request=self.max_rows,
-                           max_model_len=self.max_model_len, free_queue=self.free_queue,
-                           reset_prefix_cache="when_idle" if self.reset_when_idle else "always",
-                           caching_point="schedule" if self.cache_at_schedule else "commit",
-                           cache_duplicates=self.duplicates, hash_lookahead=self.hash_lookahead)  # fmt: skip
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.usable_blocks + 1,
+            groups=groups,
+            enable_prefix_caching=self.prefix_caching,
+            max_rows_per_request=self.max_rows,
+            max_model_len=self.max_model_len,
+            free_queue=self.free_queue,
+            reset_prefix_cache="when_idle" if self.reset_when_idle else "always",
+            caching_point="schedule" if self.cache_at_schedule else "commit",
+            cache_duplicates=self.duplicates,
+            hash_lookahead=self.hash_lookahead,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +123,16 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
             events += _ahead_events(rid)
         if cfg.cache_at_schedule:  # vLLM's caching point: the whole row planned, then a failed step
             events.append(Event(f"cache_ahead {rid}", _ahead(rid), _ahead_json(rid)))
-            events.append(Event(f"release {rid} error", _release(rid, "error"),
-                                _const({"op": "release", "request": rid, "reason": "error"})))
-        events.append(Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid,
-                                                                     "reason": "finished"})))  # fmt: skip
+            events.append(
+                Event(
+                    f"release {rid} error",
+                    _release(rid, "error"),
+                    _const({"op": "release", "request": rid, "reason": "error"}),
+                )
+            )
+        events.append(
+            Event(f"release {rid}", _release(rid), _const({"op": "release", "request": rid, "reason": "finished"}))
+        )
     if cfg.prefix_caching:
         events.append(Event("reset_prefix_cache", reset_prefix_cache, _const({"op": "reset_prefix_cache"})))
     return events
@@ -127,12 +140,20 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
 
 def _ahead_events(rid: str) -> list[Event]:
     """A placeholder a row, one id filling in (two kinds), and a cut back to what is computed."""
-    out = [Event(f"placeholder {rid}", lambda s: append(s, rid, [Placeholders(1)] * _nrows(s, rid)) if rid in s.requests
-                 else None, lambda s: {"op": "append", "request": rid, "placeholders": [1] * _nrows(s, rid)})]  # fmt: skip
+    out = [
+        Event(
+            f"placeholder {rid}",
+            lambda s: append(s, rid, [Placeholders(1)] * _nrows(s, rid)) if rid in s.requests else None,
+            lambda s: {"op": "append", "request": rid, "placeholders": [1] * _nrows(s, rid)},
+        )
+    ]
     for tok in (1, 2):
         out.append(Event(f"fill {rid} {tok}", _fill(rid, tok), _fill_json(rid, tok)))
-    out.append(Event(f"truncate {rid}", _cut(rid), lambda s: {"op": "truncate", "request": rid,
-                                                              "lengths": _cut_lengths(s, rid)}))  # fmt: skip
+    out.append(
+        Event(
+            f"truncate {rid}", _cut(rid), lambda s: {"op": "truncate", "request": rid, "lengths": _cut_lengths(s, rid)}
+        )
+    )
     return out
 
 

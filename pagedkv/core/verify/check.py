@@ -121,9 +121,17 @@ def check(
     return result
 
 
-def _expand(cfg: CheckConfig, state: KVState, key: tuple[Any, ...], events: list[Event],
-            invariants: Callable[[KVState], list[str]], parents: dict[Any, Any], result: CheckResult,
-            nxt: list[tuple[KVState, tuple[Any, ...]]], progress: Callable[[CheckResult], None] | None) -> bool:  # fmt: skip
+def _expand(
+    cfg: CheckConfig,
+    state: KVState,
+    key: tuple[Any, ...],
+    events: list[Event],
+    invariants: Callable[[KVState], list[str]],
+    parents: dict[Any, Any],
+    result: CheckResult,
+    nxt: list[tuple[KVState, tuple[Any, ...]]],
+    progress: Callable[[CheckResult], None] | None,
+) -> bool:
     """Every event applied to ``state``: new states into ``nxt`` (and ``parents``), each checked; True when the
     search stops here (a violation, the state bound)."""
     for ev in events:
@@ -179,8 +187,7 @@ def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:
     return admission_violations(state, ev.spec, outcome.unwrap().state, None)
 
 
-def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...],
-           last: Any = None) -> list[str]:  # fmt: skip
+def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...], last: Any = None) -> list[str]:
     """The trace that reaches ``key`` (then ``last``, a refused event), its header and its end record."""
     events: list[Any] = [] if last is None else [last]
     link = parents[key]
@@ -190,8 +197,17 @@ def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...],
         link = parents[key]
     c = cfg.cache_config()
     groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {})} for g in c.groups]
-    header = {"pagedkv_trace": 1, "config": {
-        "block_size": c.block_size, "num_blocks": c.num_blocks, "groups": groups,
-        "enable_prefix_caching": c.enable_prefix_caching, "max_rows_per_request": c.max_rows_per_request,
-        "max_model_len": c.max_model_len, **policy_keys(c), "end_record": True}}  # fmt: skip
+    header = {
+        "pagedkv_trace": 1,
+        "config": {
+            "block_size": c.block_size,
+            "num_blocks": c.num_blocks,
+            "groups": groups,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "max_rows_per_request": c.max_rows_per_request,
+            "max_model_len": c.max_model_len,
+            **policy_keys(c),
+            "end_record": True,
+        },
+    }
     return [json.dumps(header)] + [json.dumps(e) for e in reversed(events)] + [json.dumps(end_event(len(events)))]

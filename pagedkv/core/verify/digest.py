@@ -69,4 +69,3 @@ def digest(state: KVState) -> str:
     True
     """
     return hashlib.blake2b(repr(canonical(state)).encode(), digest_size=16).hexdigest()
-

@@ -55,7 +55,11 @@ def check_invariants(state: KVState) -> list[str]:
 def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
     """A row's token ids and hashes: whole, and no more ids than tokens."""
     record, tail, length = s.rows[slot], s.row_tail[slot], s.row_len[slot]
-    if record.hw != s.config.hash_width or len(record.hashes) % record.hw or (record.ids is not None and len(record.ids) % 8):
+    if (
+        record.hw != s.config.hash_width
+        or len(record.hashes) % record.hw
+        or (record.ids is not None and len(record.ids) % 8)
+    ):
         bad.append(f"{where}: ids or hashes that are not whole")
     if tail is not None and (record.ids is None or len(tail) % 8):
         bad.append(f"{where}: a token tail without token ids, or not whole ids")
@@ -64,8 +68,10 @@ def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
         if known > length:
             bad.append(f"{where}: {known} known token ids for {length} tokens")
         elif tail is not None and (known < length) != (type(tail) is Awaiting):
-            bad.append(f"{where}: {known} known ids of {length}, but the tail says "
-                       f"{'positions await ids' if type(tail) is Awaiting else 'none await'}")
+            bad.append(
+                f"{where}: {known} known ids of {length}, but the tail says "
+                f"{'positions await ids' if type(tail) is Awaiting else 'none await'}"
+            )
         elif tail and (known - 1) // s.config.block_size != record.chunked // s.config.block_size:
             bad.append(f"{where}: the token tail reaches past the row's last block")
         ahead = s.config.hash_lookahead if record.num_hashed else 0  # (and the ids after its block)
@@ -115,8 +121,10 @@ def _row_blocks(s: KVState, slot: int, where: str, future: int, held: list[int],
                 held[b] += 1
                 key = s.cache.key_of(b)
                 if j >= len(hashes) and key is not None:
-                    bad.append(f"{where} group {g} position {j}: block {b} carries a hash its row never computed "
-                               "(a stale cache entry)")  # fmt: skip
+                    bad.append(
+                        f"{where} group {g} position {j}: block {b} carries a hash its row never computed "
+                        "(a stale cache entry)"
+                    )
                 elif j < len(hashes) and key is not None and key != (g, hashes[j]):
                     bad.append(f"{where} group {g} position {j}: block {b} carries another prefix's hash")
 
@@ -217,8 +225,11 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
                         own += 1
     alone = own + len(shared)
     taken = own + sum(1 for b in shared if before.refcount[b] == 0)
-    within = ((cfg.max_rows_per_request is None or len(spec.rows) <= cfg.max_rows_per_request)
-              and all(r.num_tokens <= cfg.length_limit for r in spec.rows) and rid not in before.requests)  # fmt: skip
+    within = (
+        (cfg.max_rows_per_request is None or len(spec.rows) <= cfg.max_rows_per_request)
+        and all(r.num_tokens <= cfg.length_limit for r in spec.rows)
+        and rid not in before.requests
+    )
     who = f"admit {shown(rid)}"
     if refused == "UNSCHEDULABLE" and within and alone <= cfg.usable_blocks:
         return [f"{who} refused for good, though alone it holds {alone} of {cfg.usable_blocks} usable blocks"]

@@ -15,15 +15,34 @@ from pagedkv.core.verify.trace import LIVE_DIGEST, SCHEDULER_KEYS, TRACE_VERSION
 def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, Any]:
     """The first line of a scheduler trace (contract v1 with a "scheduler" config): its digest covers live state
     only, and it ends with an end record (``end_event``)."""
-    groups = [{"name": g.name, "kind": g.kind.value, **({"window": g.window} if g.window else {}),
-               **({"chunk": g.chunk} if g.chunk else {})} for g in cache.groups]  # fmt: skip
-    return {"pagedkv_trace": TRACE_VERSION, "config": {
-        "block_size": cache.block_size, "num_blocks": cache.num_blocks, "groups": groups,
-        "enable_prefix_caching": cache.enable_prefix_caching, "max_rows_per_request": cache.max_rows_per_request,
-        "max_model_len": cache.max_model_len, "hash_namespace": cache.hash_namespace,
-        **policy_keys(cache), "end_record": True,
-        "scheduler": {**{k: getattr(sched, k) for k in SCHEDULER_KEYS},
-                      **({"grow_prefill": True} if sched.grow_prefill else {}), "digest": LIVE_DIGEST}}}  # fmt: skip
+    groups = [
+        {
+            "name": g.name,
+            "kind": g.kind.value,
+            **({"window": g.window} if g.window else {}),
+            **({"chunk": g.chunk} if g.chunk else {}),
+        }
+        for g in cache.groups
+    ]
+    return {
+        "pagedkv_trace": TRACE_VERSION,
+        "config": {
+            "block_size": cache.block_size,
+            "num_blocks": cache.num_blocks,
+            "groups": groups,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "max_rows_per_request": cache.max_rows_per_request,
+            "max_model_len": cache.max_model_len,
+            "hash_namespace": cache.hash_namespace,
+            **policy_keys(cache),
+            "end_record": True,
+            "scheduler": {
+                **{k: getattr(sched, k) for k in SCHEDULER_KEYS},
+                **({"grow_prefill": True} if sched.grow_prefill else {}),
+                "digest": LIVE_DIGEST,
+            },
+        },
+    }
 
 
 def end_event(events: int) -> dict[str, Any]:
@@ -35,10 +54,14 @@ def end_event(events: int) -> dict[str, Any]:
 def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:
     """The header keys of the policies that differ from the defaults (a default header stays as it was)."""
     keys: dict[str, tuple[str | bool | int, str | bool | int]] = {
-        "free_queue": ("tail", cache.free_queue), "reset_prefix_cache": ("always", cache.reset_prefix_cache),
-        "caching_point": ("commit", cache.caching_point), "block_hash": ("blake2b", cache.block_hash),
-        "cache_duplicates": (False, cache.cache_duplicates), "hash_lookahead": (0, cache.hash_lookahead),
-        "kv_events": (True, cache.kv_events)}  # fmt: skip
+        "free_queue": ("tail", cache.free_queue),
+        "reset_prefix_cache": ("always", cache.reset_prefix_cache),
+        "caching_point": ("commit", cache.caching_point),
+        "block_hash": ("blake2b", cache.block_hash),
+        "cache_duplicates": (False, cache.cache_duplicates),
+        "hash_lookahead": (0, cache.hash_lookahead),
+        "kv_events": (True, cache.kv_events),
+    }
     return {k: v for k, (default, v) in keys.items() if v != default}
 
 
@@ -83,6 +106,8 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
 def output_event(sampled: Mapping[Any, Any], finished: Iterable[Any] = ()) -> dict[str, Any]:
     """An output line: ``[request, token]`` a sampled request, ``[request, [token, ...]]`` a decode that verified
     drafts (the accepted ones, then its sampled token), ``[request, null]`` a token whose id comes later."""
-    return {"op": "output", "sampled": [[rid, tok if tok is None or type(tok) is int else list(tok)]
-                                        for rid, tok in sampled.items()],
-            "finished": list(finished)}  # fmt: skip
+    return {
+        "op": "output",
+        "sampled": [[rid, tok if tok is None or type(tok) is int else list(tok)] for rid, tok in sampled.items()],
+        "finished": list(finished),
+    }

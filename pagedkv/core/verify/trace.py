@@ -59,10 +59,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
         groups_raw = cfg.get("groups", [{"name": "full", "kind": "full"}])
         if not isinstance(groups_raw, list) or not all(isinstance(g, dict) for g in groups_raw):
             raise InvalidConfig("groups must be a list of objects")
-        groups = tuple(
-            GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk"))
-            for g in groups_raw
-        )
+        groups = tuple(GroupSpec(g.get("name"), g.get("kind"), g.get("window"), g.get("chunk")) for g in groups_raw)
         if type(cfg.get("end_record", False)) is not bool:
             raise InvalidConfig(f'"end_record" must be true or false, got {shown(cfg["end_record"])}')
         sched_raw = cfg.get("scheduler")
@@ -71,14 +68,17 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             if not isinstance(sched_raw, dict):
                 raise InvalidConfig('"scheduler" must be an object')
             if sched_raw.get("digest", LIVE_DIGEST) != LIVE_DIGEST:
-                raise InvalidConfig(f'the scheduler\'s "digest" must be "{LIVE_DIGEST}" (or absent), got '
-                                    f'{shown(sched_raw["digest"])}')  # fmt: skip
+                raise InvalidConfig(
+                    f'the scheduler\'s "digest" must be "{LIVE_DIGEST}" (or absent), got {shown(sched_raw["digest"])}'
+                )
             known = {k: sched_raw[k] for k in (*SCHEDULER_KEYS, "grow_prefill") if k in sched_raw}
             sched = SchedulerConfig(**known)
         blocks = cfg.get("num_blocks")
         if type(blocks) is int and blocks > REPLAY_MAX_BLOCKS:
-            raise InvalidConfig(f"num_blocks {shown(blocks)} is over the {REPLAY_MAX_BLOCKS:,} a trace may replay "
-                                "(each event's digest reads the whole pool)")  # fmt: skip
+            raise InvalidConfig(
+                f"num_blocks {shown(blocks)} is over the {REPLAY_MAX_BLOCKS:,} a trace may replay "
+                "(each event's digest reads the whole pool)"
+            )
         return CacheConfig(
             block_size=cfg.get("block_size"),  # type: ignore[arg-type]
             num_blocks=cfg.get("num_blocks"),  # type: ignore[arg-type]
@@ -149,8 +149,11 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             continue
         before = state
         if end_at is not None:  # nothing comes after the end record
-            state, result, expect = state, _failed(state, None, invalid(f"line {lineno}: after the end record "
-                                                                        f"(line {end_at})")), None  # fmt: skip
+            state, result, expect = (
+                state,
+                _failed(state, None, invalid(f"line {lineno}: after the end record (line {end_at})")),
+                None,
+            )
         else:
             state, result, expect = run_line(state, line, lineno, i)
         changed = result.pop("_changed")
@@ -184,12 +187,18 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
         yield EventResult(lineno, ordered, divergence, state, violations)
         i += 1
     if promised and end_at is None:  # the end record never came: reported in its place
-        why = (f"line {lineno + 1}: the trace stops after {i} events without the end record its header promises: "
-               "it was cut short (or is still being written)")  # fmt: skip
+        why = (
+            f"line {lineno + 1}: the trace stops after {i} events without the end record its header promises: "
+            "it was cut short (or is still being written)"
+        )
         result = _failed(state, "end", invalid(why))
         result.pop("_changed")
-        ordered = {"i": i, **{k: result.pop(k) for k in ("op", "ok", "error", "generation", "free_blocks")},
-                   "digest": last_digest, **result}  # fmt: skip
+        ordered = {
+            "i": i,
+            **{k: result.pop(k) for k in ("op", "ok", "error", "generation", "free_blocks")},
+            "digest": last_digest,
+            **result,
+        }
         yield EventResult(lineno + 1, ordered, why, state)
 
 
@@ -207,6 +216,7 @@ def _note_endings(ended: dict[Any, str], result: dict[str, Any], line: str) -> N
             ended.pop(rid, None)
         else:
             ended[rid] = "cancelled" if op == "cancel" else "error"
+
 
 def _judge_admission(before: KVState, line: str, after: KVState | None, error: dict[str, Any] | None) -> list[str]:
     """``admission_violations`` of an admit line (the model checker's judgement of an admission)."""
@@ -244,43 +254,74 @@ def run_line(
     op_out = op if type(op) is str else None
     if "expect" in event:
         if not isinstance(event["expect"], dict):
-            return state, _failed(state, op_out, invalid(f"line {lineno}: \"expect\" must be an object")), None
+            return state, _failed(state, op_out, invalid(f'line {lineno}: "expect" must be an object')), None
         expect = event["expect"]
     if op == "end":  # any trace's last line: how many event lines came before it
         events = event.get("events")
         if not is_int(events) or events != index:
-            why = (f"line {lineno}: the end record counts {shown(events)} events; {index} came before it: lines were "
-                   "lost or inserted")  # fmt: skip
+            why = (
+                f"line {lineno}: the end record counts {shown(events)} events; {index} came before it: lines were "
+                "lost or inserted"
+            )
             return state, _failed(state, "end", invalid(why)), expect
-        return state, {"op": "end", "ok": True, "error": None, "generation": kv_of(state).generation,
-                       "free_blocks": kv_of(state).free_blocks, "_changed": False}, expect  # fmt: skip
+        return (
+            state,
+            {
+                "op": "end",
+                "ok": True,
+                "error": None,
+                "generation": kv_of(state).generation,
+                "free_blocks": kv_of(state).free_blocks,
+                "_changed": False,
+            },
+            expect,
+        )
     steps = isinstance(state, dit_steps.StepState)
     ops = STEP_OPS if steps else SCHEDULER_OPS if isinstance(state, SchedState) else OPS
     if op not in ops:
-        other = ("a trace of DiT step batching" if steps else "a trace with a scheduler" if isinstance(state, SchedState)
-                 else "a trace without a scheduler")  # fmt: skip
+        other = (
+            "a trace of DiT step batching"
+            if steps
+            else "a trace with a scheduler"
+            if isinstance(state, SchedState)
+            else "a trace without a scheduler"
+        )
         why = f"line {lineno}: op {shown(op)} is not one of {list(ops)} ({other})"
         return state, _failed(state, op_out, invalid(why)), expect
-    outcome = (apply_steps(state, op, event) if steps else apply_scheduler(state, op, event)
-               if isinstance(state, SchedState) else apply_core(state, op, event))  # fmt: skip
+    outcome = (
+        apply_steps(state, op, event)
+        if steps
+        else apply_scheduler(state, op, event)
+        if isinstance(state, SchedState)
+        else apply_core(state, op, event)
+    )
     if isinstance(outcome, Failure):
         err = outcome.failure()
         err = KVError(err.code, f"line {lineno}: {err.message}", err.request, err.field, err.requested, err.available)
         return state, _failed(state, op, err), expect
     new_state, extra, effect = outcome.unwrap()
     result: dict[str, Any] = {
-        "op": op, "ok": True, "error": None, "generation": kv_of(new_state).generation,
-        "free_blocks": kv_of(new_state).free_blocks, "_changed": new_state is not state, "_effect": effect, **extra,
-    }  # fmt: skip
+        "op": op,
+        "ok": True,
+        "error": None,
+        "generation": kv_of(new_state).generation,
+        "free_blocks": kv_of(new_state).free_blocks,
+        "_changed": new_state is not state,
+        "_effect": effect,
+        **extra,
+    }
     return new_state, result, expect
 
 
 def _failed(state: KVState | SchedState, op: str | None, err: KVError) -> dict[str, Any]:
     result: dict[str, Any] = {
-        "op": op, "ok": False,
+        "op": op,
+        "ok": False,
         "error": {"code": err.code.value, "permanent": err.permanent, "message": err.message},
-        "generation": kv_of(state).generation, "free_blocks": kv_of(state).free_blocks, "_changed": False,
-    }  # fmt: skip
+        "generation": kv_of(state).generation,
+        "free_blocks": kv_of(state).free_blocks,
+        "_changed": False,
+    }
     for key in EXTRA_FIELDS.get(op or "", ()):
         result[key] = None
     return result

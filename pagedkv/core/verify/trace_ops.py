@@ -22,18 +22,41 @@ from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
 
-OPS = ("admit", "append", "commit", "release", "publish", "reset", "reset_prefix_cache", "mark_ready", "cache_ahead",
-       "fill", "truncate")
+OPS = (
+    "admit",
+    "append",
+    "commit",
+    "release",
+    "publish",
+    "reset",
+    "reset_prefix_cache",
+    "mark_ready",
+    "cache_ahead",
+    "fill",
+    "truncate",
+)
 SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error")
 STEP_OPS = ("submit", "tick", "done", "fail", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
-EXTRA_FIELDS = {"admit": ("cached_tokens", "blocks"), "append": ("blocks",), "commit": ("blocks",), "truncate": ("blocks",),
-                "cache_ahead": ("blocks",),
-                "publish": ("rows",), "schedule": ("plan",), "output": ("finished",), "tokens": ("finished",),
-                "tick": ("forwards", "admitted", "refused"), "fail": ("finished", "failed"), "done": ("finished",)}  # fmt: skip
+EXTRA_FIELDS = {
+    "admit": ("cached_tokens", "blocks"),
+    "append": ("blocks",),
+    "commit": ("blocks",),
+    "truncate": ("blocks",),
+    "cache_ahead": ("blocks",),
+    "publish": ("rows",),
+    "schedule": ("plan",),
+    "output": ("finished",),
+    "tokens": ("finished",),
+    "tick": ("forwards", "admitted", "refused"),
+    "fail": ("finished", "failed"),
+    "done": ("finished",),
+}
 
 
-def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
+def apply_core(
+    state: KVState, op: str, ev: Mapping[str, Any]
+) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
     if op == "admit":
         spec = admit_spec(ev)
         if isinstance(spec, KVError):
@@ -63,7 +86,8 @@ def apply_core(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[K
         )
     if op == "mark_ready":  # KV of [start, end) of a row arrived (destination blocks)
         return mark_ready(state, ev["request"], ev.get("row", 0), ev.get("start"), ev.get("end")).map(  # type: ignore[arg-type]
-            lambda s: (s.state, {"ready": list(s.effect.ready), "pending": list(s.effect.pending)}, s.effect))
+            lambda s: (s.state, {"ready": list(s.effect.ready), "pending": list(s.effect.pending)}, s.effect)
+        )
     if op == "reset":
         return reset(state).map(lambda s: (s.state, {}, s.effect))
     return reset_prefix_cache(state).map(lambda s: (s.state, {}, s.effect))
@@ -85,8 +109,13 @@ def apply_scheduler(
         sampled = ev.get("sampled", [])
         fin = ev.get("finished", [])
         if not isinstance(sampled, list) or any(not isinstance(p, list) or len(p) != 2 for p in sampled):
-            return Failure(invalid('output "sampled" must be a list of [request, token] pairs (or [request, '
-                                   '[token, ...]] for a decode that verified drafts)', field="sampled"))  # fmt: skip
+            return Failure(
+                invalid(
+                    'output "sampled" must be a list of [request, token] pairs (or [request, '
+                    "[token, ...]] for a decode that verified drafts)",
+                    field="sampled",
+                )
+            )
         if not isinstance(fin, list):
             return Failure(invalid('output "finished" must be a list of request ids', field="finished"))
         try:
@@ -95,7 +124,9 @@ def apply_scheduler(
         except TypeError:
             return Failure(invalid("request ids must be strings or integers", field="sampled"))
         step = on_output if op == "output" else on_tokens
-        return step(state, pairs, stop).map(lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None))
+        return step(state, pairs, stop).map(
+            lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None)
+        )
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     rid = ev["request"]
@@ -144,18 +175,22 @@ def _ahead(state: KVState, op: str, ev: Mapping[str, Any]) -> Result[tuple[KVSta
             return Failure(invalid('fill needs "tokens": a list of token-id lists, one per row', field="tokens"))
         return fill(state, rid, rows).map(lambda s: (s.state, {}, s.effect))
     return truncate(state, rid, ev.get("lengths")).map(  # type: ignore[arg-type]
-        lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect))
+        lambda s: (s.state, {"blocks": _blocks(s.state, rid)}, s.effect)
+    )
 
 
 def plan_json(plan: StepPlan) -> dict[str, Any]:
     """A step plan as the trace output prints it."""
     return {
-        "step": plan.step, "decode": list(plan.decode), "prefill": [list(p) for p in plan.prefill],
+        "step": plan.step,
+        "decode": list(plan.decode),
+        "prefill": [list(p) for p in plan.prefill],
         "diffusion": [{"request": d.request_id, "steps": d.steps} for d in plan.diffusion],
-        "preempted": list(plan.preempted), "finished": [[rid, str(how)] for rid, how in plan.finished],  # plain strings, as expect holds them
+        "preempted": list(plan.preempted),
+        "finished": [[rid, str(how)] for rid, how in plan.finished],  # plain strings, as expect holds them
         "tokens": plan.num_tokens,
         **({"verify": [[rid, list(draft)] for rid, draft in plan.verify]} if plan.verify else {}),
-    }  # fmt: skip
+    }
 
 
 def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
@@ -186,13 +221,20 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
         waiting = r.get("placeholders", 0)
         if not is_int(waiting) or waiting < 0:
             return invalid(f'row {i}: "placeholders" must be a non-negative integer', field="placeholders")
-        rows.append(RowSpec(
-            num_tokens=len(r["tokens"]) + waiting if has_t else r["num_tokens"], tokens=tokens,
-            prefix_len=r.get("prefix_len"), target_len=r.get("target_len"), spans=tuple(tuple(s) for s in spans),
-            pending_tokens=r.get("pending_tokens", 0), placeholders=waiting,
-        ))  # fmt: skip
-    return RequestSpec(ev["request"], tuple(rows), keys["extra_keys"], ev.get("max_hit"),
-                       keys["first_block_keys"], keys["content"])  # fmt: skip
+        rows.append(
+            RowSpec(
+                num_tokens=len(r["tokens"]) + waiting if has_t else r["num_tokens"],
+                tokens=tokens,
+                prefix_len=r.get("prefix_len"),
+                target_len=r.get("target_len"),
+                spans=tuple(tuple(s) for s in spans),
+                pending_tokens=r.get("pending_tokens", 0),
+                placeholders=waiting,
+            )
+        )
+    return RequestSpec(
+        ev["request"], tuple(rows), keys["extra_keys"], ev.get("max_hit"), keys["first_block_keys"], keys["content"]
+    )
 
 
 def _tupled(value: Any) -> Any:
@@ -215,17 +257,20 @@ def _lists(x: Any) -> Any:
 def _rows(meta: KVMetadata) -> list[dict[str, Any]]:
     return [
         {
-            "request": r.request_id, "row": r.row, "seq_len": r.seq_len, "query_len": r.query_len,
-            "kv_start_pos": r.kv_start_pos, "block_ids": _lists(r.block_ids), "slots": list(r.slots),
+            "request": r.request_id,
+            "row": r.row,
+            "seq_len": r.seq_len,
+            "query_len": r.query_len,
+            "kv_start_pos": r.kv_start_pos,
+            "block_ids": _lists(r.block_ids),
+            "slots": list(r.slots),
             "segments": [{"causal": s.causal, "q": [s.q_start, s.q_end], "kv_end": s.kv_end} for s in r.segments],
-        }  # fmt: skip
+        }
         for r in meta.rows
     ]
 
 
-def apply_steps(
-    state: Any, op: str, ev: Mapping[str, Any]
-) -> Result[tuple[Any, dict[str, Any], object], KVError]:
+def apply_steps(state: Any, op: str, ev: Mapping[str, Any]) -> Result[tuple[Any, dict[str, Any], object], KVError]:
     """One event of a DiT step-batching trace (``core.scheduler.steps``): submit (a diffusion request's
     rows, as in admit, and its ``steps``), tick (its forwards: phase, requests, each one's step; the admitted;
     the refused for good, with their codes), done (the finished), fail (``requests``: the failed forward's,
@@ -233,10 +278,17 @@ def apply_steps(
     from pagedkv.core.scheduler import steps
 
     if op == "tick":
-        return steps.tick(state).map(lambda sp: (sp[0], {
-            "forwards": [[f.phase, list(f.request_ids), list(f.step_index)] for f in sp[1].forwards],
-            "admitted": list(sp[1].admitted),
-            "refused": [{"request": rid, "code": e.code.value} for rid, e in sp[1].refused]}, None))  # fmt: skip
+        return steps.tick(state).map(
+            lambda sp: (
+                sp[0],
+                {
+                    "forwards": [[f.phase, list(f.request_ids), list(f.step_index)] for f in sp[1].forwards],
+                    "admitted": list(sp[1].admitted),
+                    "refused": [{"request": rid, "code": e.code.value} for rid, e in sp[1].refused],
+                },
+                None,
+            )
+        )
     if op == "done":
         return steps.done(state).map(lambda sd: (sd[0], {"finished": list(sd[1])}, None))
     if op == "fail":
@@ -244,7 +296,8 @@ def apply_steps(
         if type(retry) is not bool:
             return Failure(invalid(f'fail\'s "retry" must be true or false, got {shown(retry)}', field="retry"))
         return steps.fail(state, ev.get("requests"), retry).map(  # type: ignore[arg-type]
-            lambda sf: (sf[0], {"finished": list(sf[1]), "failed": list(sf[2])}, None))
+            lambda sf: (sf[0], {"finished": list(sf[1]), "failed": list(sf[2])}, None)
+        )
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     if op == "cancel":

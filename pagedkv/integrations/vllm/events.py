@@ -24,9 +24,14 @@ from pagedkv.core.events import BlockStored as CoreStored
 from pagedkv.core.events import KVEvent
 
 MEDIUM_GPU = "GPU"
-SPEC_KIND = {GroupKind.FULL: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
-             GroupKind.CHUNKED_LOCAL: "chunked_local_attention", GroupKind.MLA: "mla_attention",
-             GroupKind.MAMBA: "mamba", GroupKind.MAMBA_ALIGN: "mamba"}  # fmt: skip  (vLLM's KVCacheSpecKind values)
+SPEC_KIND = {
+    GroupKind.FULL: "full_attention",
+    GroupKind.SLIDING_WINDOW: "sliding_window",
+    GroupKind.CHUNKED_LOCAL: "chunked_local_attention",
+    GroupKind.MLA: "mla_attention",
+    GroupKind.MAMBA: "mamba",
+    GroupKind.MAMBA_ALIGN: "mamba",
+}  # (vLLM's KVCacheSpecKind values)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -123,9 +128,14 @@ def _group(ev: CoreStored) -> int:
     return ev.group
 
 
-def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None = MEDIUM_GPU, *,
-            request: RequestFields | None = None,
-            external: Callable[[bytes], int | bytes] = int64_hash) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:  # fmt: skip
+def to_vllm(
+    events: Iterable[KVEvent],
+    config: CacheConfig,
+    medium: str | None = MEDIUM_GPU,
+    *,
+    request: RequestFields | None = None,
+    external: Callable[[bytes], int | bytes] = int64_hash,
+) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
     chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks.
     ``request``: the stores carry its adapter and session and each block's extra keys, as vLLM's manager
@@ -147,13 +157,23 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
             else:
                 g = config.groups[ev.group]
                 keys = None if request is None else [event_keys(ev.extra_keys) if ev.extra_keys else None]
-                out.append(BlockStored(
-                    block_hashes=[external(ev.block_hash)],
-                    parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
-                    token_ids=list(ev.token_ids), block_size=config.block_size, lora_id=lora_id, medium=medium,
-                    lora_name=lora_name, extra_keys=keys, group_idx=ev.group, kv_cache_spec_kind=SPEC_KIND[g.kind],
-                    kv_cache_spec_sliding_window=g.window, session_id=session_id,
-                    lookahead_token_ids=None if ev.lookahead is None else [list(ev.lookahead)]))  # fmt: skip
+                out.append(
+                    BlockStored(
+                        block_hashes=[external(ev.block_hash)],
+                        parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
+                        token_ids=list(ev.token_ids),
+                        block_size=config.block_size,
+                        lora_id=lora_id,
+                        medium=medium,
+                        lora_name=lora_name,
+                        extra_keys=keys,
+                        group_idx=ev.group,
+                        kv_cache_spec_kind=SPEC_KIND[g.kind],
+                        kv_cache_spec_sliding_window=g.window,
+                        session_id=session_id,
+                        lookahead_token_ids=None if ev.lookahead is None else [list(ev.lookahead)],
+                    )
+                )
             last = (ev.group, ev.block_hash)
             continue
         last = None
@@ -164,8 +184,14 @@ def to_vllm(events: Iterable[KVEvent], config: CacheConfig, medium: str | None =
     return out
 
 
-def to_vllm_batch(events: Iterable[KVEvent], config: CacheConfig, *, ts: float, medium: str | None = MEDIUM_GPU,
-                  data_parallel_rank: int | None = None) -> KVEventBatch:  # fmt: skip
+def to_vllm_batch(
+    events: Iterable[KVEvent],
+    config: CacheConfig,
+    *,
+    ts: float,
+    medium: str | None = MEDIUM_GPU,
+    data_parallel_rank: int | None = None,
+) -> KVEventBatch:
     """One batch of a step's events, as vLLM's publisher sends them."""
     return KVEventBatch(ts=ts, events=to_vllm(events, config, medium), data_parallel_rank=data_parallel_rank)
 

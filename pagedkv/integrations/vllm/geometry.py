@@ -49,8 +49,10 @@ class Geometry:
         """The blocks a running row of ``blocks`` (per group) takes growing to ``num_tokens``: each group's missing
         positions, an align-mode Mamba group's last one only."""
         want = -(-num_tokens // self.config.block_size)
-        return sum(min(max(want - len(ids), 0), 1) if aligned else max(want - len(ids), 0)
-                   for ids, aligned in zip(blocks, self.aligned))  # fmt: skip
+        return sum(
+            min(max(want - len(ids), 0), 1) if aligned else max(want - len(ids), 0)
+            for ids, aligned in zip(blocks, self.aligned)
+        )
 
     def capped_need(self, state: KVState, num_tokens: int, computed: int, hit_ids: Any) -> int:
         """vLLM's admission gate for ``full_sequence_must_fit``: the blocks the whole sequence takes, a window
@@ -70,8 +72,18 @@ class Geometry:
         return total
 
 
-def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_flight: int, caching: bool,
-              hash_algo: str, hash_lookahead: int = 0, kv_events: bool = True, refused: list[str]) -> Geometry:  # fmt: skip
+def translate(
+    kv_cache_config: Any,
+    *,
+    max_model_len: int,
+    block_size: int,
+    in_flight: int,
+    caching: bool,
+    hash_algo: str,
+    hash_lookahead: int = 0,
+    kv_events: bool = True,
+    refused: list[str],
+) -> Geometry:
     """The core's geometry for vLLM's ``kv_cache_config``; ``refused`` (what the caller already refuses) and
     what this finds unserved raise ``Unsupported`` together. ``kv_events``: vLLM's ``enable_kv_cache_events``
     (off, the core builds no events)."""
@@ -81,33 +93,53 @@ def translate(kv_cache_config: Any, *, max_model_len: int, block_size: int, in_f
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if getattr(spec, "block_size", None) != block_size:
-            refused.append(f"group {i}'s block size {getattr(spec, 'block_size', None)} (pagedkv pools one "
-                           f"block size: {block_size})")  # fmt: skip
+            refused.append(
+                f"group {i}'s block size {getattr(spec, 'block_size', None)} (pagedkv pools one "
+                f"block size: {block_size})"
+            )
         if type(spec) is full_spec:
             groups.append(GroupSpec(f"g{i}"))
             caps.append(None)
         elif type(spec) is window_spec:
             groups.append(GroupSpec(f"g{i}", GroupKind.SLIDING_WINDOW, window=spec.sliding_window))
-            caps.append(spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight,
-                                                              max_model_len=max_model_len))  # fmt: skip
-        elif type(spec) is mamba_spec and spec.mamba_cache_mode == "align" and not (
-                spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks):  # fmt: skip
+            caps.append(
+                spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight, max_model_len=max_model_len)
+            )
+        elif (
+            type(spec) is mamba_spec
+            and spec.mamba_cache_mode == "align"
+            and not (spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks)
+        ):
             groups.append(GroupSpec(f"g{i}", GroupKind.MAMBA_ALIGN))
             caps.append(None)
         elif type(spec) is mamba_spec:
-            refused.append(f"group {i}'s MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r}, "
-                           f"{spec.num_speculative_blocks} speculative and {spec.num_prefill_checkpoint_blocks} "
-                           "prefill checkpoint blocks (Mamba groups in mode 'align' without either only)")  # fmt: skip
+            refused.append(
+                f"group {i}'s MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r}, "
+                f"{spec.num_speculative_blocks} speculative and {spec.num_prefill_checkpoint_blocks} "
+                "prefill checkpoint blocks (Mamba groups in mode 'align' without either only)"
+            )
         else:
-            refused.append(f"group {i}'s {type(spec).__name__} (full attention, sliding windows and Mamba in "
-                           "mamba_cache_mode='align' only)")  # fmt: skip
+            refused.append(
+                f"group {i}'s {type(spec).__name__} (full attention, sliding windows and Mamba in "
+                "mamba_cache_mode='align' only)"
+            )
     config = None
     try:
-        config = CacheConfig(block_size=block_size, num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
-                             enable_prefix_caching=caching, max_model_len=max_model_len, hash_namespace=hash_seed(),
-                             free_queue="vllm", reset_prefix_cache="when_idle", caching_point="schedule",
-                             block_hash=hash_algo, cache_duplicates=True, hash_lookahead=hash_lookahead,
-                             kv_events=kv_events)  # fmt: skip
+        config = CacheConfig(
+            block_size=block_size,
+            num_blocks=kv_cache_config.num_blocks,
+            groups=tuple(groups),
+            enable_prefix_caching=caching,
+            max_model_len=max_model_len,
+            hash_namespace=hash_seed(),
+            free_queue="vllm",
+            reset_prefix_cache="when_idle",
+            caching_point="schedule",
+            block_hash=hash_algo,
+            cache_duplicates=True,
+            hash_lookahead=hash_lookahead,
+            kv_events=kv_events,
+        )
     except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
         refused.append(f"this cache configuration ({e})")
     if refused or config is None:

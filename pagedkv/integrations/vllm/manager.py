@@ -29,30 +29,61 @@ from pagedkv.integrations.vllm.rows import RunningRows
 from pagedkv.integrations.vllm.states import StepStates
 from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
+
 class PagedKVCacheManager(StepStates, RunningRows):
     """vLLM's ``KVCacheManager`` surface over pagedkv's core (module docstring)."""
 
-    def __init__(self, kv_cache_config: Any, max_model_len: int, scheduler_block_size: int, hash_block_size: int,
-                 max_in_flight_tokens: int | None = None, enable_caching: bool = True, use_eagle: bool = False,
-                 num_hash_lookahead_tokens: int = 0, num_prefill_lookahead: int = 0, log_stats: bool = False,
-                 enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
-                 metrics_collector: Any = None, watermark: float = 0.0,
-                 enable_mamba_shared_prefix_checkpoint: bool = False, hash_algo: str = "sha256") -> None:  # fmt: skip
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+        hash_algo: str = "sha256",
+    ) -> None:
         kvm = vllm_modules()[0]
-        refused = [why for bad, why in (
-            (num_prefill_lookahead > 1, f"a prefill lookahead of {num_prefill_lookahead} tokens (multi-module MTP: "
-                                        "its last chunk's tokens are prefilled again)"),
-            (use_eagle and num_hash_lookahead_tokens, "EAGLE's block drop with lookahead hashes"),
-            (dcp_world_size != 1 or pcp_world_size != 1, "decode / prefill context parallelism"),
-            (enable_mamba_shared_prefix_checkpoint, "Mamba checkpoints"),
-            (hash_block_size != scheduler_block_size, f"a hash block size ({hash_block_size}) other than the "
-                                                      f"block size ({scheduler_block_size})"),
-            (not 0.0 <= watermark < 1.0, f"watermark {watermark} (must be in [0, 1))"),
-        ) if bad]  # fmt: skip
-        geometry = translate(kv_cache_config, max_model_len=max_model_len, block_size=scheduler_block_size,
-                             in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
-                             caching=enable_caching, hash_algo=hash_algo, hash_lookahead=num_hash_lookahead_tokens,
-                             kv_events=enable_kv_cache_events, refused=refused)  # fmt: skip
+        refused = [
+            why
+            for bad, why in (
+                (
+                    num_prefill_lookahead > 1,
+                    f"a prefill lookahead of {num_prefill_lookahead} tokens (multi-module MTP: "
+                    "its last chunk's tokens are prefilled again)",
+                ),
+                (use_eagle and num_hash_lookahead_tokens, "EAGLE's block drop with lookahead hashes"),
+                (dcp_world_size != 1 or pcp_world_size != 1, "decode / prefill context parallelism"),
+                (enable_mamba_shared_prefix_checkpoint, "Mamba checkpoints"),
+                (
+                    hash_block_size != scheduler_block_size,
+                    f"a hash block size ({hash_block_size}) other than the block size ({scheduler_block_size})",
+                ),
+                (not 0.0 <= watermark < 1.0, f"watermark {watermark} (must be in [0, 1))"),
+            )
+            if bad
+        ]
+        geometry = translate(
+            kv_cache_config,
+            max_model_len=max_model_len,
+            block_size=scheduler_block_size,
+            in_flight=max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
+            caching=enable_caching,
+            hash_algo=hash_algo,
+            hash_lookahead=num_hash_lookahead_tokens,
+            kv_events=enable_kv_cache_events,
+            refused=refused,
+        )
         self.geometry = geometry
         self.config = geometry.config
         self.kv_cache_config = kv_cache_config
@@ -66,8 +97,13 @@ class PagedKVCacheManager(StepStates, RunningRows):
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.metrics_collector = metrics_collector
         self._state: KVState = initial_state(self.config)
-        self._stream = EventStream(self.config, enable_kv_cache_events, caching=enable_caching,
-                                   metrics=metrics_collector, blocks=kv_cache_config.num_blocks)  # fmt: skip
+        self._stream = EventStream(
+            self.config,
+            enable_kv_cache_events,
+            caching=enable_caching,
+            metrics=metrics_collector,
+            blocks=kv_cache_config.num_blocks,
+        )
         # each admitted request's row as vLLM sees it: its length (the core's may lag inside the open block), the
         # blocks of it the core has hashed, and the request (its ids, for the core's row to catch up)
         self._len: dict[str, int] = {}
@@ -108,21 +144,36 @@ class PagedKVCacheManager(StepStates, RunningRows):
         if self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._stream.announce(hit, spec, event_fields(request))
         block = self._block
-        return (self._blocks_cls(tuple([block[b] for b in ids] for ids in hit.ids[0])), hit.num_blocks * self.block_size,
-                junction)  # fmt: skip
+        return (
+            self._blocks_cls(tuple([block[b] for b in ids] for ids in hit.ids[0])),
+            hit.num_blocks * self.block_size,
+            junction,
+        )
 
-    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
-                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True, skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:  # fmt: skip
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
         """Slots for ``num_new_tokens`` more tokens (after the hit, for a new request): the new blocks, or None
         when the pool cannot hold them (nothing then changes but a window's blocks let go, as in vLLM)."""
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
         if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise Unsupported("pagedkv's KV cache manager allocates no external (connector) or encoder slots; the "
-                              "scheduler was built with a feature it refuses")  # fmt: skip
+            raise Unsupported(
+                "pagedkv's KV cache manager allocates no external (connector) or encoder slots; the "
+                "scheduler was built with a feature it refuses"
+            )
         rid = request.request_id
         n = self._len.get(rid)
         if n is not None and self._lag and not num_new_computed_tokens:
@@ -130,9 +181,17 @@ class PagedKVCacheManager(StepStates, RunningRows):
         self._flush()  # (an admission reads the cache, a window's commit frees blocks)
         txn = Transaction(self._state)
         try:
-            new = self._allocate(txn, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                 num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
-                                 has_scheduled_reqs)  # fmt: skip
+            new = self._allocate(
+                txn,
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         except Refused as r:
             raise r.manager_error() from None
         self._state = self._stream.keep(txn, request)
@@ -141,9 +200,18 @@ class PagedKVCacheManager(StepStates, RunningRows):
         self._mirror(request)
         return self._blocks_cls(new) if any(new) else self.empty_kv_cache_blocks
 
-    def _allocate(self, txn: Transaction, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
-                  new_computed_blocks: Any, num_lookahead_tokens: int, full_sequence_must_fit: bool,
-                  reserved_blocks: int, has_scheduled_reqs: bool) -> tuple[list[Any], ...] | None:  # fmt: skip
+    def _allocate(
+        self,
+        txn: Transaction,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Any,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> tuple[list[Any], ...] | None:
         """``allocate_slots``' transitions on ``txn``: the new blocks per group, or None when they do not fit.
 
         Slots past the request's known tokens (a step scheduled before the last one's tokens came back, draft
@@ -155,8 +223,17 @@ class PagedKVCacheManager(StepStates, RunningRows):
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         need_slot = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if req is None:  # a new (or resumed) request: admitted with its hit
-            before = self._admit(txn, request, computed, need_slot, num_new_computed_tokens, new_computed_blocks,
-                                 full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)  # fmt: skip
+            before = self._admit(
+                txn,
+                request,
+                computed,
+                need_slot,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         else:
             before = self._extend(txn, request, req.slots[0], computed, need_slot, reserved_blocks)
         if before is None:
@@ -167,27 +244,45 @@ class PagedKVCacheManager(StepStates, RunningRows):
             self._cache_ahead(txn, rid, slot, through)
         block = self._block
         # (an align-mode Mamba group's new positions go out with the null block between its states, as vLLM's)
-        new = [list(ids[len(old):]) if aligned else [b for b in ids[len(old):] if b]
-               for ids, old, aligned in zip(request_blocks(txn.state, rid)[0], before, self.geometry.aligned)]
+        new = [
+            list(ids[len(old) :]) if aligned else [b for b in ids[len(old) :] if b]
+            for ids, old, aligned in zip(request_blocks(txn.state, rid)[0], before, self.geometry.aligned)
+        ]
         txn.allocated = [b for ids in new for b in ids if b]  # popped from the free queue, group by group
         return tuple([block[b] for b in ids] for ids in new)
 
-    def _admit(self, txn: Transaction, request: Any, computed: int, need_slot: int, num_new_computed_tokens: int,
-               new_computed_blocks: Any, full_sequence_must_fit: bool, reserved_blocks: int,
-               has_scheduled_reqs: bool) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
+    def _admit(
+        self,
+        txn: Transaction,
+        request: Any,
+        computed: int,
+        need_slot: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Any,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> tuple[tuple[int, ...], ...] | None:
         """A new (or resumed) request admitted with its hit: the hit's blocks per group, or None when it waits.
         One longer than ``max_model_len`` is refused, nothing allocated: vLLM's own manager would hold it a row
         cut at ``max_model_len`` that its scheduler then computes past (vLLM's input processing refuses such a
         prompt before it is scheduled, so no vLLM run sends one)."""
         rid = request.request_id
         if request.num_tokens > self.max_model_len:
-            raise Refused("admit", KVError(ErrorCode.UNSCHEDULABLE, f"request {rid!r} has {request.num_tokens} tokens, "
-                                           f"over max_model_len {self.max_model_len}; nothing was allocated"))  # fmt: skip
+            raise Refused(
+                "admit",
+                KVError(
+                    ErrorCode.UNSCHEDULABLE,
+                    f"request {rid!r} has {request.num_tokens} tokens, "
+                    f"over max_model_len {self.max_model_len}; nothing was allocated",
+                ),
+            )
         watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
         lookup = self.prefix_cache_lookup_enabled(request)
         known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
-        spec = self._spec(request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0,
-                          need_slot - known)  # fmt: skip
+        spec = self._spec(
+            request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0, need_slot - known
+        )
         if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
             return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
         if full_sequence_must_fit:
@@ -200,15 +295,23 @@ class PagedKVCacheManager(StepStates, RunningRows):
             return None
         step = txn.apply(admitted, "admit")
         if step.effect.cached_tokens[0] != num_new_computed_tokens:
-            raise Refused("admit", KVError(ErrorCode.INVALID, f"request {rid!r}: the core's hit is "
-                          f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}"))
-        before: tuple[tuple[int, ...], ...] = tuple(ids[: step.effect.cached_tokens[0] // self.block_size]
-                                                    for ids in step.effect.blocks[0])  # fmt: skip
+            raise Refused(
+                "admit",
+                KVError(
+                    ErrorCode.INVALID,
+                    f"request {rid!r}: the core's hit is "
+                    f"{step.effect.cached_tokens[0]} tokens, the scheduler's {num_new_computed_tokens}",
+                ),
+            )
+        before: tuple[tuple[int, ...], ...] = tuple(
+            ids[: step.effect.cached_tokens[0] // self.block_size] for ids in step.effect.blocks[0]
+        )
         txn.touched = [b for ids in before for b in ids if b]  # the hit, group by group
         return before
 
-    def _extend(self, txn: Transaction, request: Any, slot: int, computed: int, need_slot: int,
-                reserved_blocks: int) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
+    def _extend(
+        self, txn: Transaction, request: Any, slot: int, computed: int, need_slot: int, reserved_blocks: int
+    ) -> tuple[tuple[int, ...], ...] | None:
         """A running request: what its processed steps computed committed, its row grown to ``need_slot``; its
         blocks before the growth, or None when the pool cannot hold it."""
         rid = request.request_id

@@ -35,8 +35,16 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class ZmqEventPublisher:
-    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        data_parallel_rank: int = 0,
+    ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be positive, got {buffer_steps}")
         self.topic = topic.encode("utf-8")
@@ -109,8 +117,12 @@ def _open(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool | None = None) -
     """Bind a wildcard, ipc or inproc endpoint (or a replay socket), connect to any other, as vLLM does;
     ``tcp://127.0.0.1:0`` binds a free port. The endpoint as bound."""
     if bind is None:
-        bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")) or \
-            endpoint.endswith(":0")
+        bind = (
+            "*" in endpoint
+            or "::" in endpoint
+            or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.endswith(":0")
+        )
     if not bind:
         sock.connect(endpoint)
         return endpoint
@@ -121,7 +133,9 @@ def _open(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool | None = None) -
     return endpoint
 
 
-def hook(publisher: ZmqEventPublisher, config: CacheConfig, medium: str | None = "GPU") -> Callable[[tuple[KVEvent, ...]], None]:
+def hook(
+    publisher: ZmqEventPublisher, config: CacheConfig, medium: str | None = "GPU"
+) -> Callable[[tuple[KVEvent, ...]], None]:
     """``Engine(on_kv_events=hook(pub, engine_config))``: each step's events, one vLLM batch, published."""
 
     def publish(events: tuple[KVEvent, ...]) -> None:

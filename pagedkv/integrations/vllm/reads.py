@@ -34,7 +34,9 @@ class ManagerReads:
     def usage(self) -> float:
         """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
         usable = self.config.num_blocks - 1
-        return 1.0 - self._state.free_blocks / usable if usable else 0.0  # (a row's length kept by the manager takes no block)
+        return (
+            1.0 - self._state.free_blocks / usable if usable else 0.0
+        )  # (a row's length kept by the manager takes no block)
 
     def make_prefix_cache_stats(self) -> Any:
         if not self.log_stats:
@@ -50,8 +52,9 @@ class ManagerReads:
             return
         if self.prefix_cache_stats is None:
             raise InvariantError("log_stats keeps prefix_cache_stats")
-        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
-                                       preempted=request.num_preemptions > 0)  # fmt: skip
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
 
     # -- what the scheduler reads of a request ---------------------------------------------------------------
     def get_blocks(self, request_id: str) -> Any:
@@ -94,9 +97,19 @@ class ManagerReads:
         return {}
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("coordinator", "block_pool", "pop_blocks_for_free", "evict_blocks", "remove_skipped_blocks",
-                    "truncate_computed_blocks", "record_blocks_for_zeroing", "finalize_partial_tail_offloads",
-                    "get_computed_blocks_for_connector"):  # fmt: skip
-            raise Unsupported(f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
-                              "connectors (refused at construction)")  # fmt: skip
+        if name in (
+            "coordinator",
+            "block_pool",
+            "pop_blocks_for_free",
+            "evict_blocks",
+            "remove_skipped_blocks",
+            "truncate_computed_blocks",
+            "record_blocks_for_zeroing",
+            "finalize_partial_tail_offloads",
+            "get_computed_blocks_for_connector",
+        ):
+            raise Unsupported(
+                f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
+                "connectors (refused at construction)"
+            )
         raise AttributeError(name)

@@ -19,12 +19,17 @@ class RefusedRequest(ValueError):
 def block_keys(request: Any) -> tuple[tuple[Key, ...], tuple[Content, ...], tuple[Key, ...]]:
     """(every block's keys, content spans, the first block's keys) of a vLLM request, in vLLM's order."""
     if request.prompt_embeds is not None:
-        raise RefusedRequest(f"request {request.request_id!r}: prompt embeddings are not served by pagedkv's KV "
-                             "cache manager (their blocks hash tensor data)")  # fmt: skip
+        raise RefusedRequest(
+            f"request {request.request_id!r}: prompt embeddings are not served by pagedkv's KV "
+            "cache manager (their blocks hash tensor data)"
+        )
     lora = request.lora_request
     every: tuple[Key, ...] = (("lora", lora.lora_name, lora.lora_path),) if lora else ()
-    content = tuple((f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ()
-                    if f.identifier is not None)  # fmt: skip
+    content = tuple(
+        (f.identifier, f.mm_position.offset, f.mm_position.length)
+        for f in request.mm_features or ()
+        if f.identifier is not None
+    )
     first: tuple[Key, ...] = (("cache_salt", request.cache_salt),) if request.cache_salt else ()
     return every, content, first
 
@@ -32,8 +37,9 @@ def block_keys(request: Any) -> tuple[tuple[Key, ...], tuple[Content, ...], tupl
 def event_fields(request: Any) -> RequestFields:
     """What vLLM's ``BlockStored`` carries of the request that stored the blocks."""
     lora = request.lora_request
-    return RequestFields(lora.adapter_id if lora else None, lora.name if lora else None,
-                         getattr(request, "session_id", None))  # fmt: skip
+    return RequestFields(
+        lora.adapter_id if lora else None, lora.name if lora else None, getattr(request, "session_id", None)
+    )
 
 
 def is_waiting(request: Any) -> bool:

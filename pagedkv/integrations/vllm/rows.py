@@ -65,8 +65,9 @@ class RunningRows(ManagerReads):
             slot = state.requests[rid].slots[0]
             txn = Transaction(state)
             try:
-                txn.apply(append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]),
-                          "append")  # fmt: skip
+                txn.apply(
+                    append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]), "append"
+                )
             except Refused as r:
                 raise r.manager_error() from None
             opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
@@ -119,8 +120,11 @@ class RunningRows(ManagerReads):
         slots = {rid: state.requests[rid].slots[0] for rid in rids}
         try:
             first = {request.request_id: (request, upto) for request, _, upto in reversed(items)}  # (its first call)
-            behind = [(rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])]) for rid in rids
-                      if self._len[rid] > state.row_len[slots[rid]]]  # fmt: skip
+            behind = [
+                (rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])])
+                for rid in rids
+                if self._len[rid] > state.row_len[slots[rid]]
+            ]
             if behind:
                 txn.apply(append_many(state, behind), "append")
             known = {rid: row_known(txn.state, slots[rid]) for rid in rids}
@@ -132,7 +136,9 @@ class RunningRows(ManagerReads):
                 known[rid] = max(start, upto)
             if any(ids for _, (ids,) in fills):
                 txn.apply(fill_many(txn.state, fills), "fill")
-            txn.apply(cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead")
+            txn.apply(
+                cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead"
+            )
         except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
             self._queue = items + self._queue
             self._queued.update(r.request_id for r, _, _ in items)

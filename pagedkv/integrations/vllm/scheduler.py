@@ -38,9 +38,12 @@ def refusals(vllm_config: Any, *, async_class: bool = False) -> list[str]:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append("pipeline parallelism (steps in flight)")
     if bool(vllm_config.scheduler_config.async_scheduling) != async_class:
-        out.append("async scheduling with PagedKVScheduler (use --scheduler-cls "
-                   "pagedkv.integrations.vllm.PagedKVAsyncScheduler)" if not async_class else
-                   "PagedKVAsyncScheduler without async scheduling (use PagedKVScheduler)")  # fmt: skip
+        out.append(
+            "async scheduling with PagedKVScheduler (use --scheduler-cls "
+            "pagedkv.integrations.vllm.PagedKVAsyncScheduler)"
+            if not async_class
+            else "PagedKVAsyncScheduler without async scheduling (use PagedKVScheduler)"
+        )
     return out
 
 
@@ -48,16 +51,22 @@ def _install(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> None:
     """``scheduler``'s KV cache manager replaced by pagedkv's, built from the same settings as vLLM built its own."""
     theirs: Any = scheduler.kv_cache_manager
     scheduler.kv_cache_manager = PagedKVCacheManager(
-        kv_cache_config=kv_cache_config, max_model_len=scheduler.max_model_len,
-        scheduler_block_size=scheduler.block_size, hash_block_size=scheduler.hash_block_size,
-        max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=theirs.enable_caching,
-        use_eagle=theirs.use_eagle, num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
-        num_prefill_lookahead=scheduler.num_prefill_lookahead, log_stats=scheduler.log_stats,
+        kv_cache_config=kv_cache_config,
+        max_model_len=scheduler.max_model_len,
+        scheduler_block_size=scheduler.block_size,
+        hash_block_size=scheduler.hash_block_size,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+        enable_caching=theirs.enable_caching,
+        use_eagle=theirs.use_eagle,
+        num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
+        num_prefill_lookahead=scheduler.num_prefill_lookahead,
+        log_stats=scheduler.log_stats,
         enable_kv_cache_events=theirs.enable_kv_cache_events,
-        watermark=scheduler.scheduler_config.watermark, metrics_collector=scheduler.kv_metrics_collector,
+        watermark=scheduler.scheduler_config.watermark,
+        metrics_collector=scheduler.kv_metrics_collector,
         enable_mamba_shared_prefix_checkpoint=scheduler.cache_config.enable_mamba_shared_prefix_checkpoint,
         hash_algo=scheduler.cache_config.prefix_caching_hash_algo,
-    )  # fmt: skip
+    )
 
 
 def _check(vllm_config: Any, *, async_class: bool) -> None:
@@ -75,11 +84,24 @@ if _VllmScheduler is not None:
 
         _async = False
 
-        def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
-                     hash_block_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            vllm_config: Any,
+            kv_cache_config: Any,
+            structured_output_manager: Any,
+            block_size: int,
+            hash_block_size: int | None = None,
+            **kwargs: Any,
+        ) -> None:
             _check(vllm_config, async_class=self._async)
-            super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,  # type: ignore[call-arg]
-                             hash_block_size=hash_block_size, **kwargs)  # fmt: skip
+            super().__init__(
+                vllm_config,
+                kv_cache_config,
+                structured_output_manager,
+                block_size,  # type: ignore[call-arg]
+                hash_block_size=hash_block_size,
+                **kwargs,
+            )
             _install(self, vllm_config, kv_cache_config)
 
     class PagedKVScheduler(_OnPagedKV, _VllmScheduler):  # type: ignore[misc]

@@ -27,8 +27,12 @@ class StepStates:
         txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
         if self._aligned:
             record = txn.state.rows[slot]
-            self._cached_now.update((g, record.hash_at(j)) for j in range(hashed, record.num_hashed)
-                                    for g in self._aligned if record.blocks[g][j])  # fmt: skip
+            self._cached_now.update(
+                (g, record.hash_at(j))
+                for j in range(hashed, record.num_hashed)
+                for g in self._aligned
+                if record.blocks[g][j]
+            )
 
     def _state_cached_now(self, state: KVState, spec: RequestSpec) -> bool:
         """Does the hit of ``spec`` end on a Mamba state cached this step? (A lookup of its own: the admission that

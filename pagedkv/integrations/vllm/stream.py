@@ -85,11 +85,15 @@ class EventStream:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
         self.config, self.enabled, self.caching, self.metrics = config, enabled, caching, metrics
-        self._kinds = {"BlockStored": kv_events.BlockStored, "BlockRemoved": kv_events.BlockRemoved,
-                       "AllBlocksCleared": kv_events.AllBlocksCleared}  # fmt: skip
+        self._kinds = {
+            "BlockStored": kv_events.BlockStored,
+            "BlockRemoved": kv_events.BlockRemoved,
+            "AllBlocksCleared": kv_events.AllBlocksCleared,
+        }
         # hashes as vLLM's events carry them (its maybe_convert_block_hash), the setting read once
-        self._external: Callable[[bytes], int | bytes] = (int64_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-                                                          else bytes)  # fmt: skip
+        self._external: Callable[[bytes], int | bytes] = (
+            int64_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else bytes
+        )
         # the KVCacheBlock objects handed to the scheduler carry block ids only, one per id, made once
         self.blocks = [KVCacheBlock(i) for i in range(blocks)]
         self.blocks[0].is_null = True
@@ -143,9 +147,19 @@ class EventStream:
         bs, ahead, hashes = self.config.block_size, self.config.hash_lookahead, hit.hashes[0]
         tokens = spec.rows[0].tokens or ()
         keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys)
-        stores = [BlockStored(h, hashes[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), g, b,
-                              keys.raw(j, bs, ahead), tuple(tokens[(j + 1) * bs : (j + 1) * bs + ahead]) if ahead else None)
-                  for g, ids in enumerate(hit.ids[0]) for j, (h, b) in enumerate(zip(hashes, ids))]  # fmt: skip
+        stores = [
+            BlockStored(
+                h,
+                hashes[j - 1] if j else None,
+                tuple(tokens[j * bs : (j + 1) * bs]),
+                g,
+                b,
+                keys.raw(j, bs, ahead),
+                tuple(tokens[(j + 1) * bs : (j + 1) * bs + ahead]) if ahead else None,
+            )
+            for g, ids in enumerate(hit.ids[0])
+            for j, (h, b) in enumerate(zip(hashes, ids))
+        ]
         self._send(tuple(stores), fields)
 
     def reset_metrics(self) -> None:
@@ -158,12 +172,14 @@ class EventStream:
             return []
         events, self._events = self._events, []
         kinds = self._kinds
-        return [kinds[type(e).__name__](**msgspec.structs.asdict(e))
-                for x in events for e in (x.events if isinstance(x, _Place) else (x,))]  # fmt: skip
+        return [
+            kinds[type(e).__name__](**msgspec.structs.asdict(e))
+            for x in events
+            for e in (x.events if isinstance(x, _Place) else (x,))
+        ]
 
     def _send(self, events: Sequence[Any], fields: RequestFields | None) -> None:
         if events:
-            self._events.extend(to_vllm(events, self.config, request=fields or RequestFields(),
-                                        external=self._external))  # fmt: skip
-
-
+            self._events.extend(
+                to_vllm(events, self.config, request=fields or RequestFields(), external=self._external)
+            )

@@ -41,8 +41,9 @@ class AttentionBackend(Protocol):
         """A fused K/V write kernel the page pool uses (``build_rank``), or None."""
         ...
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         """``q``: (tokens, heads, head_dim) in query order -> (tokens, heads, head_dim), q's dtype."""
         ...
 
@@ -95,16 +96,29 @@ def _segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
         if nseg == 1:
             index = None  # the batched layout as it stands
         else:
-            index = torch.cat([torch.arange(qsl[r] + s.q_start - row.kv_start_pos, qsl[r] + s.q_end - row.kv_start_pos)
-                               for r, (row, s) in enumerate(zip(rows, segs))]).to(batch.seq_lens.device)  # fmt: skip
-        calls.append(SegmentCall(segs[0].causal, index, cu.to(batch.seq_lens.device),
-                                 torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
-                                 max(lens), max(kv), k))  # fmt: skip
+            index = torch.cat(
+                [
+                    torch.arange(qsl[r] + s.q_start - row.kv_start_pos, qsl[r] + s.q_end - row.kv_start_pos)
+                    for r, (row, s) in enumerate(zip(rows, segs))
+                ]
+            ).to(batch.seq_lens.device)
+        calls.append(
+            SegmentCall(
+                segs[0].causal,
+                index,
+                cu.to(batch.seq_lens.device),
+                torch.tensor(kv, dtype=torch.int32, device=batch.seq_lens.device),
+                max(lens),
+                max(kv),
+                k,
+            )
+        )
     return calls
 
 
-def run_segments(q: torch.Tensor, batch: ForwardBatch,
-                 kernel: Callable[[torch.Tensor, SegmentCall], torch.Tensor]) -> torch.Tensor:
+def run_segments(
+    q: torch.Tensor, batch: ForwardBatch, kernel: Callable[[torch.Tensor, SegmentCall], torch.Tensor]
+) -> torch.Tensor:
     """Run ``kernel(q_part, call) -> out_part`` per segment call; the output is in token order."""
     out = torch.empty_like(q)
     for call in segment_calls(batch):

@@ -24,8 +24,9 @@ from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segmen
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
-INSTALL = ("pip install flash-attn-4 (FA4), or 'pagedkv[flash]' (flash-attn 2; FA3 comes from flash-attention's "
-           "hopper/ build)")
+INSTALL = (
+    "pip install flash-attn-4 (FA4), or 'pagedkv[flash]' (flash-attn 2; FA3 comes from flash-attention's hopper/ build)"
+)
 
 
 class FlashAttnBackend:
@@ -57,50 +58,89 @@ class FlashAttnBackend:
         except ImportError:
             pass
         if self.fa4 is None and self.fa3 is None and self.fa2 is None:
-            raise BackendUnavailable(self.name, INSTALL, "none of flash_attn.cute, flash_attn_interface, flash_attn "
-                                                         "imports")  # fmt: skip
+            raise BackendUnavailable(
+                self.name, INSTALL, "none of flash_attn.cute, flash_attn_interface, flash_attn imports"
+            )
         self.version = 4 if self.fa4 is not None else 3 if self.fa3 is not None else 2
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL:
-            raise refuse(ErrorCode.INVALID, "chunked local attention has no flash-attn window form; "
-                                            "use the torch backend for that group")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                "chunked local attention has no flash-attn window form; use the torch backend for that group",
+            )
         if spec.kind is GroupKind.SLIDING_WINDOW and any(not s.causal for s in batch.metadata.rows[0].segments):
-            raise refuse(ErrorCode.INVALID, "a full span under a sliding window has no flash-attn window form (its "
-                                            "window is causal); use the torch backend for that group")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                "a full span under a sliding window has no flash-attn window form (its "
+                "window is causal); use the torch backend for that group",
+            )
         window = (spec.window - 1, 0) if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else (-1, -1)
         table = batch.block_tables[layer.group].to(torch.int32)
         block_size = k_pages.shape[1]
         softcap = float(layer.softcap or 0.0)
         if self.version == 2 and block_size % 256:
-            raise refuse(ErrorCode.INVALID, f"flash-attn 2's paged path needs a block size divisible by 256; "
-                                            f"the pool's is {block_size} (FA3 takes any size)")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"flash-attn 2's paged path needs a block size divisible by 256; "
+                f"the pool's is {block_size} (FA3 takes any size)",
+            )
 
         if self.version == 4 and q.dtype not in (torch.float16, torch.bfloat16):
-            raise refuse(ErrorCode.INVALID, f"flash-attn 4 computes float16 and bfloat16 attention; this forward is "
-                                            f"{str(q.dtype)[6:]} (use the triton or torch backend)")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"flash-attn 4 computes float16 and bfloat16 attention; this forward is "
+                f"{str(q.dtype)[6:]} (use the triton or torch backend)",
+            )
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             if self.fa4 is not None:
-                out, _ = self.fa4(qp, k_pages, v_pages, cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
-                                  seqused_k=call.kv_lens, page_table=table, softmax_scale=layer.scale,
-                                  causal=call.causal, window_size=window if window != (-1, -1) else (None, None),
-                                  softcap=softcap)  # fmt: skip
+                out, _ = self.fa4(
+                    qp,
+                    k_pages,
+                    v_pages,
+                    cu_seqlens_q=call.cu_seqlens_q,
+                    max_seqlen_q=call.max_seqlen_q,
+                    seqused_k=call.kv_lens,
+                    page_table=table,
+                    softmax_scale=layer.scale,
+                    causal=call.causal,
+                    window_size=window if window != (-1, -1) else (None, None),
+                    softcap=softcap,
+                )
                 return out  # type: ignore[no-any-return]
             if self.fa3 is not None:
                 return self.fa3.flash_attn_with_kvcache(  # type: ignore[no-any-return]
-                    qp, k_pages, v_pages, cache_seqlens=call.kv_lens, page_table=table,
-                    cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q, softmax_scale=layer.scale,
-                    causal=call.causal, window_size=window, softcap=softcap,
-                )  # fmt: skip
+                    qp,
+                    k_pages,
+                    v_pages,
+                    cache_seqlens=call.kv_lens,
+                    page_table=table,
+                    cu_seqlens_q=call.cu_seqlens_q,
+                    max_seqlen_q=call.max_seqlen_q,
+                    softmax_scale=layer.scale,
+                    causal=call.causal,
+                    window_size=window,
+                    softcap=softcap,
+                )
             cu_k = torch.zeros_like(call.cu_seqlens_q)
             cu_k[1:] = torch.cumsum(call.kv_lens, 0)
             return self.fa2.flash_attn_varlen_func(  # type: ignore[no-any-return]
-                qp, k_pages, v_pages, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, softmax_scale=layer.scale,
-                causal=call.causal, window_size=window, softcap=softcap, block_table=table,
-            )  # fmt: skip
+                qp,
+                k_pages,
+                v_pages,
+                cu_seqlens_q=call.cu_seqlens_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=call.max_seqlen_q,
+                max_seqlen_k=call.max_seqlen_k,
+                softmax_scale=layer.scale,
+                causal=call.causal,
+                window_size=window,
+                softcap=softcap,
+                block_table=table,
+            )
 
         return run_segments(q, batch, kernel)

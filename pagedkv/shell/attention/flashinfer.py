@@ -35,8 +35,9 @@ INSTALL = "pip install flashinfer-python (with apache-tvm-ffi; kernels compile w
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 
 
-def page_lists(rows: Any, group: int, kv_lens: list[int], block_size: int,
-               window: int) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+def page_lists(
+    rows: Any, group: int, kv_lens: list[int], block_size: int, window: int
+) -> tuple[list[int], list[int], list[int]]:
     """FlashInfer's page table of one group for a forward's ``rows``: indptr, indices, last page lengths.
     A row lists the blocks its first ``kv_lens[r]`` keys fill; with a window, not the leading null ones
     (nothing in them is visible, and FlashInfer's positions are relative to the first page listed).
@@ -87,25 +88,45 @@ class FlashInferBackend:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspace
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         spec = layer.spec
         if q.dtype not in (torch.float16, torch.bfloat16):
-            raise refuse(ErrorCode.INVALID, f"FlashInfer computes float16 and bfloat16 attention; this forward is "
-                                            f"{str(q.dtype)[6:]} (use the triton or torch backend)")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"FlashInfer computes float16 and bfloat16 attention; this forward is "
+                f"{str(q.dtype)[6:]} (use the triton or torch backend)",
+            )
         if spec.kind is GroupKind.CHUNKED_LOCAL or layer.kv_index is not None:
-            what = "chunked local attention" if layer.kv_index is None else "an explicit head map (a tensor-parallel shard)"
+            what = (
+                "chunked local attention"
+                if layer.kv_index is None
+                else "an explicit head map (a tensor-parallel shard)"
+            )
             raise refuse(ErrorCode.INVALID, f"the flashinfer backend does not compute {what}; use the torch backend")
         window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
         meta = batch.metadata
         if window and any(not s.causal for s in meta.rows[0].segments):
-            raise refuse(ErrorCode.INVALID, "a full span under a sliding window has no FlashInfer window form (its "
-                                            "window is causal); use the torch backend for that group")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                "a full span under a sliding window has no FlashInfer window form (its "
+                "window is causal); use the torch backend for that group",
+            )
         kv_heads, head_dim, block_size = k_pages.shape[2], k_pages.shape[3], k_pages.shape[1]
         self._block_size = block_size
         heads = q.shape[1]
-        key = (layer.group, window, layer.scale, float(layer.softcap or 0.0), q.dtype, heads, kv_heads, head_dim,
-               k_pages.dtype)  # fmt: skip
+        key = (
+            layer.group,
+            window,
+            layer.scale,
+            float(layer.softcap or 0.0),
+            q.dtype,
+            heads,
+            kv_heads,
+            head_dim,
+            k_pages.dtype,
+        )
         ks, vs = layer.kv_scales  # (fp8 pages: FlashInfer folds K's into the softmax scale, applies V's to the output)
         if meta.phase is Phase.DECODE:
             if self._graph_batch is not None:  # inside a CUDA graph: the bucket's wrapper, planned before replay
@@ -114,7 +135,8 @@ class FlashInferBackend:
                 wrapper = self._wrappers.get(key)
                 if wrapper is None:
                     wrapper = self._wrappers[key] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                        self._ws(q.device), "NHD", use_tensor_cores=heads // kv_heads >= 4)  # fmt: skip
+                        self._ws(q.device), "NHD", use_tensor_cores=heads // kv_heads >= 4
+                    )
                 if self._planned.get(key) is not meta:  # once a forward: every layer of the group runs the plan
                     self._plan_decode(wrapper, meta, key, block_size)
                     self._planned[key] = meta
@@ -134,19 +156,33 @@ class FlashInferBackend:
 
     def _common(self, key: tuple[Any, ...]) -> dict[str, Any]:
         _, window, scale, softcap, dtype, *_, kv_dtype = key
-        return {"window_left": window - 1 if window else -1, "sm_scale": scale,
-                "logits_soft_cap": softcap or None, "q_data_type": dtype, "kv_data_type": kv_dtype}  # fmt: skip
+        return {
+            "window_left": window - 1 if window else -1,
+            "sm_scale": scale,
+            "logits_soft_cap": softcap or None,
+            "q_data_type": dtype,
+            "kv_data_type": kv_dtype,
+        }
 
     def _plan_decode(self, wrapper: Any, meta: KVMetadata, key: tuple[Any, ...], block_size: int) -> None:
         group, window, *_, heads, kv_heads, head_dim, _ = key
         lens = [row.seq_len for row in meta.rows]
         indptr, indices, last = page_lists(meta.rows, group, lens, block_size, window)
         i32 = torch.int32
-        wrapper.plan(torch.tensor(indptr, dtype=i32), torch.tensor(indices or [0], dtype=i32)[: len(indices)],
-                     torch.tensor(last, dtype=i32), heads, kv_heads, head_dim, block_size, **self._common(key))  # fmt: skip
+        wrapper.plan(
+            torch.tensor(indptr, dtype=i32),
+            torch.tensor(indices or [0], dtype=i32)[: len(indices)],
+            torch.tensor(last, dtype=i32),
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            **self._common(key),
+        )
 
-    def _plan_prefill(self, wrapper: Any, meta: KVMetadata, call: SegmentCall, key: tuple[Any, ...],
-                      block_size: int) -> None:  # fmt: skip
+    def _plan_prefill(
+        self, wrapper: Any, meta: KVMetadata, call: SegmentCall, key: tuple[Any, ...], block_size: int
+    ) -> None:
         group, window, *_, heads, kv_heads, head_dim, _ = key
         segs = [row.segments[call.segment] for row in meta.rows]
         qo = [0]
@@ -154,9 +190,18 @@ class FlashInferBackend:
             qo.append(qo[-1] + s.q_end - s.q_start)
         indptr, indices, last = page_lists(meta.rows, group, [s.kv_end for s in segs], block_size, window)
         i32 = torch.int32
-        wrapper.plan(torch.tensor(qo, dtype=i32), torch.tensor(indptr, dtype=i32),
-                     torch.tensor(indices or [0], dtype=i32)[: len(indices)], torch.tensor(last, dtype=i32),
-                     heads, kv_heads, head_dim, block_size, causal=call.causal, **self._common(key))  # fmt: skip
+        wrapper.plan(
+            torch.tensor(qo, dtype=i32),
+            torch.tensor(indptr, dtype=i32),
+            torch.tensor(indices or [0], dtype=i32)[: len(indices)],
+            torch.tensor(last, dtype=i32),
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            causal=call.causal,
+            **self._common(key),
+        )
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
     def begin_graph(self, bucket: int, batch: ForwardBatch, max_blocks_per_row: int) -> None:
@@ -182,10 +227,14 @@ class FlashInferBackend:
             batch, max_blocks = self._graph_input
             i32 = torch.int32
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws(device), "NHD", use_cuda_graph=True, use_tensor_cores=key[5] // key[6] >= 4,
+                self._ws(device),
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=key[5] // key[6] >= 4,
                 paged_kv_indptr_buffer=torch.zeros(bucket + 1, dtype=i32, device=device),
                 paged_kv_indices_buffer=torch.zeros(bucket * max(max_blocks, 1), dtype=i32, device=device),
-                paged_kv_last_page_len_buffer=torch.zeros(bucket, dtype=i32, device=device))  # fmt: skip
+                paged_kv_last_page_len_buffer=torch.zeros(bucket, dtype=i32, device=device),
+            )
             self._graph[(bucket, *key)] = wrapper
             self._plan_graph(wrapper, bucket, key, batch.metadata)
         return wrapper
@@ -198,5 +247,13 @@ class FlashInferBackend:
             indptr.append(len(indices))
             last.append(1)
         i32 = torch.int32
-        wrapper.plan(torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32), torch.tensor(last, dtype=i32),
-                     key[5], key[6], key[7], self._block_size, **self._common(key))  # fmt: skip
+        wrapper.plan(
+            torch.tensor(indptr, dtype=i32),
+            torch.tensor(indices, dtype=i32),
+            torch.tensor(last, dtype=i32),
+            key[5],
+            key[6],
+            key[7],
+            self._block_size,
+            **self._common(key),
+        )

@@ -37,28 +37,39 @@ class NpuBackend:
         self.npu: Any = torch_npu
         self._causal_mask: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         num_blocks, block_size, kv_heads, head_dim = k_pages.shape
         if block_size % 16 or block_size > 512:
-            raise refuse(ErrorCode.INVALID, f"npu_fused_infer_attention_score needs a block size that is a "
-                                            f"multiple of 16 and at most 512; the pool's is {block_size}")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                f"npu_fused_infer_attention_score needs a block size that is a "
+                f"multiple of 16 and at most 512; the pool's is {block_size}",
+            )
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL:
             raise refuse(ErrorCode.INVALID, "chunked local attention has no fused-infer form; use the torch backend")
         if spec.kind is GroupKind.SLIDING_WINDOW and any(not s.causal for s in batch.metadata.rows[0].segments):
-            raise refuse(ErrorCode.INVALID, "a full span under a sliding window has no fused-infer mask (its band "
-                                            "is causal); use the torch backend for that group")  # fmt: skip
+            raise refuse(
+                ErrorCode.INVALID,
+                "a full span under a sliding window has no fused-infer mask (its band "
+                "is causal); use the torch backend for that group",
+            )
         key = k_pages.view(num_blocks, block_size, kv_heads * head_dim)
         value = v_pages.view(num_blocks, block_size, kv_heads * head_dim)
         table = batch.block_tables[layer.group].to(torch.int32)
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             kw: dict[str, Any] = dict(
-                num_heads=q.shape[1], num_key_value_heads=kv_heads, input_layout="TND", block_table=table,
-                block_size=block_size, actual_seq_lengths=call.cu_seqlens_q[1:].tolist(),
+                num_heads=q.shape[1],
+                num_key_value_heads=kv_heads,
+                input_layout="TND",
+                block_table=table,
+                block_size=block_size,
+                actual_seq_lengths=call.cu_seqlens_q[1:].tolist(),
                 actual_seq_lengths_kv=call.kv_lens.tolist(),
-            )  # fmt: skip
+            )
             if call.causal and spec.kind is GroupKind.SLIDING_WINDOW and spec.window:
                 kw.update(sparse_mode=4, pre_tokens=spec.window - 1, next_tokens=0, atten_mask=self._mask(qp.device))
             elif call.causal:

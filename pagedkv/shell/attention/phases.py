@@ -29,8 +29,9 @@ class PhaseBackend:
     def kv_write(self) -> KVWrite | None:
         return self.decode.kv_write  # (the pages are the same: one write for both)
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         use = self.decode if batch.metadata.phase is Phase.DECODE or q.dtype == torch.float32 else self.prefill
         self.calls[use.name] += 1
         return use.forward(q, k_pages, v_pages, batch, layer)

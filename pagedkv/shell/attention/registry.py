@@ -36,5 +36,6 @@ def get_backend(name: str) -> AttentionBackend:
         from pagedkv.shell.attention.phases import PhaseBackend
 
         return PhaseBackend(get_backend("triton"), get_backend("flashinfer"))
-    raise BackendUnavailable(name, "one of: torch, flash_attn, npu, triton, flashinfer, triton+flashinfer",
-                             "no backend by that name")  # fmt: skip
+    raise BackendUnavailable(
+        name, "one of: torch, flash_attn, npu, triton, flashinfer, triton+flashinfer", "no backend by that name"
+    )

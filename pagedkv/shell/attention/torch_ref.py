@@ -20,8 +20,9 @@ class TorchBackend:
     def __init__(self) -> None:
         self._made: tuple[ForwardBatch, tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         bs = k_pages.shape[1]
         heads, kv_heads = q.shape[1], k_pages.shape[2]
         rows = batch.metadata.rows
@@ -65,8 +66,9 @@ class TorchBackend:
             out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out
 
-
-    def _decode_plan(self, batch: ForwardBatch, layer: LayerAttention, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_plan(
+        self, batch: ForwardBatch, layer: LayerAttention, bs: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' block tables and visible keys for a decode batch: the same for every layer of a group,
         so made once a forward (kept for the batch and group it was made for)."""
         made = self._made
@@ -78,21 +80,24 @@ class TorchBackend:
         keys = torch.arange(nb * bs, device=tables.device)
         visible = keys[None, :] < seq_lens[:, None]  # (rows, keys); a lone query sees [lo, seq_len)
         if layer.spec.kind is not GroupKind.FULL:
-            lows = torch.tensor([lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows],
-                                device=tables.device)  # fmt: skip
+            lows = torch.tensor(
+                [lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows], device=tables.device
+            )
             visible &= keys[None, :] >= lows[:, None]
         self._made = (batch, (layer.group, layer.spec, bs, n), tables, visible)
         return tables, visible
 
-    def _decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def _decode(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         """Every row has one query token: all rows at once over their gathered pages."""
         bs, kv_heads, d = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
         n, heads = q.shape[0], q.shape[1]
         tables, visible = self._decode_plan(batch, layer, bs, n)
         nb = tables.shape[1]
-        k, v = _dequantized(k_pages[tables].reshape(n, nb * bs, kv_heads, d),
-                            v_pages[tables].reshape(n, nb * bs, kv_heads, d), layer)  # (rows, keys, kv_heads, d)
+        k, v = _dequantized(
+            k_pages[tables].reshape(n, nb * bs, kv_heads, d), v_pages[tables].reshape(n, nb * bs, kv_heads, d), layer
+        )  # (rows, keys, kv_heads, d)
         v = v.masked_fill(~visible[:, :, None, None], 0.0)  # never let unread slots into the sums (K's are masked
         # in the scores below)
         if layer.kv_index is not None:  # a shard's explicit head map: one KV head per query head

@@ -36,22 +36,47 @@ class TritonBackend:
         self._decode, self._varlen, self.splits = paged_decode, paged_varlen, splits
         self.kv_write = kv_write  # the slot-mapping write as one kernel (K and V together)
 
-    def forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch,
-                layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
+    ) -> torch.Tensor:
         spec = layer.spec
         if spec.kind is GroupKind.CHUNKED_LOCAL or layer.kv_index is not None or layer.softcap:
-            what = ("chunked local attention" if spec.kind is GroupKind.CHUNKED_LOCAL
-                    else "an explicit head map (a tensor-parallel shard)" if layer.kv_index is not None
-                    else "a logit softcap")  # fmt: skip
+            what = (
+                "chunked local attention"
+                if spec.kind is GroupKind.CHUNKED_LOCAL
+                else "an explicit head map (a tensor-parallel shard)"
+                if layer.kv_index is not None
+                else "a logit softcap"
+            )
             raise refuse(ErrorCode.INVALID, f"the triton backend does not compute {what}; use the torch backend")
         table = batch.block_tables[layer.group]
         window = spec.window if spec.kind is GroupKind.SLIDING_WINDOW and spec.window else 0
         if batch.metadata.phase is Phase.DECODE:  # one query token a row, one causal segment
-            return self._decode(q, k_pages, v_pages, table, batch.seq_lens, layer.scale, splits=self.splits,
-                                window=window, kv_scales=layer.kv_scales)  # fmt: skip
+            return self._decode(
+                q,
+                k_pages,
+                v_pages,
+                table,
+                batch.seq_lens,
+                layer.scale,
+                splits=self.splits,
+                window=window,
+                kv_scales=layer.kv_scales,
+            )
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
-            return self._varlen(qp, k_pages, v_pages, table, call.cu_seqlens_q, call.kv_lens, call.max_seqlen_q,
-                                causal=call.causal, scale=layer.scale, window=window, kv_scales=layer.kv_scales)  # fmt: skip
+            return self._varlen(
+                qp,
+                k_pages,
+                v_pages,
+                table,
+                call.cu_seqlens_q,
+                call.kv_lens,
+                call.max_seqlen_q,
+                causal=call.causal,
+                scale=layer.scale,
+                window=window,
+                kv_scales=layer.kv_scales,
+            )
 
         return run_segments(q, batch, kernel)  # several query tokens: one native call per segment

@@ -30,10 +30,28 @@ if triton is not None:
 
     @triton.jit
     def _decode_tile(
-        q, m_i, l_i, acc, K, V, TABLE, b, kvh, off, end, scale, stride_tb, stride_kb,
-        KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
-        FP8_PAGES: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        q,
+        m_i,
+        l_i,
+        acc,
+        K,
+        V,
+        TABLE,
+        b,
+        kvh,
+        off,
+        end,
+        scale,
+        stride_tb,
+        stride_kb,
+        KVH: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        TILE: tl.constexpr,
+        MASKED: tl.constexpr,
+        FP8_PAGES: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One tile of keys folded into the online softmax (base 2: ``scale`` carries log2 e). Only a split's
         last tile is ``MASKED``: the others load, compare and select nothing for keys past the end."""
         pos = off + tl.arange(0, TILE)
@@ -65,10 +83,28 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, LENS, OUT, LSE, scale, stride_tb, stride_kb, v_scale,
-        KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        TILE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, FP8_PAGES: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        TABLE,
+        LENS,
+        OUT,
+        LSE,
+        scale,
+        stride_tb,
+        stride_kb,
+        v_scale,
+        KVH: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        TILE: tl.constexpr,
+        SPLITS: tl.constexpr,
+        WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr,
+        FP8_PAGES: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -92,14 +128,59 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         full = start + tl.maximum(end - start, 0) // TILE * TILE
         for off in range(start, full, TILE):
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, TABLE, b, kvh, off, end, scale, stride_tb, stride_kb,
-                                         KVH, D, BS, TILE, False, FP8_PAGES, PRECISION)  # fmt: skip
+            m_i, l_i, acc = _decode_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                K,
+                V,
+                TABLE,
+                b,
+                kvh,
+                off,
+                end,
+                scale,
+                stride_tb,
+                stride_kb,
+                KVH,
+                D,
+                BS,
+                TILE,
+                False,
+                FP8_PAGES,
+                PRECISION,
+            )
         if full < end:
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, TABLE, b, kvh, full, end, scale, stride_tb, stride_kb,
-                                         KVH, D, BS, TILE, True, FP8_PAGES, PRECISION)  # fmt: skip
+            m_i, l_i, acc = _decode_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                K,
+                V,
+                TABLE,
+                b,
+                kvh,
+                full,
+                end,
+                scale,
+                stride_tb,
+                stride_kb,
+                KVH,
+                D,
+                BS,
+                TILE,
+                True,
+                FP8_PAGES,
+                PRECISION,
+            )
         heads = b * KVH * G + kvh * G + g
-        tl.store(OUT + (heads[:, None] * SPLITS + s) * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
-                 mask=hmask[:, None])  # fmt: skip
+        tl.store(
+            OUT + (heads[:, None] * SPLITS + s) * D + d[None, :],
+            acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
+            mask=hmask[:, None],
+        )
         lse = m_i * 0.6931471805599453 + tl.log(tl.maximum(l_i, 1e-30))  # back from base 2
         tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, lse, float("-inf")), mask=hmask)
 
@@ -115,10 +196,19 @@ if triton is not None:
         tl.store(RES + h * D + d, tl.sum(part * w[:, None], 0) / tl.sum(w, 0))
 
 
-def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float | None = None, *, splits: int | None = None,
-                 tile: int | None = None, window: int = 0,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
+def paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    splits: int | None = None,
+    tile: int | None = None,
+    window: int = 0,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
     """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence.
 
     ``splits`` (key ranges a sequence's keys are cut into, merged by their log-sum-exp): by default enough for
@@ -134,13 +224,26 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(B, kvh, splits)](
-        q.contiguous(), k_pages, v_pages, block_table, seq_lens, out, lse, scale * kv_scales[0] * LOG2E,
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        out,
+        lse,
+        scale * kv_scales[0] * LOG2E,
         block_table.stride(0),
         k_pages.stride(0),  # a block's stride: the whole page where a hybrid pool keeps K and V side by side
         kv_scales[1],
-        KVH=kvh, G=G, D=D, BS=bs, SPLITS=splits, WINDOW=window, FP8_PAGES=k_pages.dtype in FP8,
+        KVH=kvh,
+        G=G,
+        D=D,
+        BS=bs,
+        SPLITS=splits,
+        WINDOW=window,
+        FP8_PAGES=k_pages.dtype in FP8,
         **_program(q.dtype, k_pages.element_size(), G, D, tile),
-    )  # fmt: skip
+    )
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
     return res.to(q.dtype)
@@ -154,10 +257,20 @@ def _program(q_dtype: torch.dtype, page_bytes: int, G: int, D: int, tile: int | 
     bench/RESULTS.md), 8 KB of K a tile. fp32 queries (IEEE dots): four warps over 16 rows and 64 keys (one warp's
     registers do not hold an fp32 tile)."""
     if q_dtype != torch.float32:
-        return {"GP": triton.next_power_of_2(G), "TILE": tile or max(16, min(64, 8192 // (D * page_bytes))),
-                "PRECISION": "tf32", "num_warps": 1, "num_stages": 2}  # fmt: skip
-    return {"GP": max(16, triton.next_power_of_2(G)), "TILE": tile or 64, "PRECISION": "ieee", "num_warps": 4,
-            "num_stages": 3}  # fmt: skip
+        return {
+            "GP": triton.next_power_of_2(G),
+            "TILE": tile or max(16, min(64, 8192 // (D * page_bytes))),
+            "PRECISION": "tf32",
+            "num_warps": 1,
+            "num_stages": 2,
+        }
+    return {
+        "GP": max(16, triton.next_power_of_2(G)),
+        "TILE": tile or 64,
+        "PRECISION": "ieee",
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
 def auto_splits(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -168,18 +281,41 @@ def auto_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 @functools.cache
 def _multiprocessors(index: int | None) -> int:
-    return int(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
-               .multi_processor_count)  # fmt: skip
+    return int(
+        torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()
+        ).multi_processor_count
+    )
 
 
 if triton is not None:
 
     @triton.jit
     def _varlen_kernel(
-        Q, K, V, OUT, TABLE, CU_Q, KV_LENS, scale, stride_tb, stride_kb, v_scale, FP8_PAGES: tl.constexpr,
-        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        BM: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        OUT,
+        TABLE,
+        CU_Q,
+        KV_LENS,
+        scale,
+        stride_tb,
+        stride_kb,
+        v_scale,
+        FP8_PAGES: tl.constexpr,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        BM: tl.constexpr,
+        TILE: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         r = tl.program_id(0)
         kvh = tl.program_id(1)
         mt = tl.program_id(2)
@@ -234,9 +370,20 @@ if triton is not None:
             tl.store(OUT + ((q0 + tok) * H + kvh * G + g)[:, None] * D + d[None, :], out, mask=rowmask[:, None])
 
 
-def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                 cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int, *, causal: bool,
-                 scale: float, window: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # fmt: skip
+def paged_varlen(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    causal: bool,
+    scale: float,
+    window: int = 0,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
     """flash-attn varlen semantics over pages: q (tokens, heads, d); row r's queries are the last
     ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all."""
     if triton is None:
@@ -249,12 +396,32 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     rows = cu_seqlens_q.numel() - 1
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
-        q.contiguous(), k_pages, v_pages, out, block_table, cu_seqlens_q.to(torch.int32), kv_lens.to(torch.int32),
-        scale * kv_scales[0], block_table.stride(0), k_pages.stride(0), kv_scales[1], FP8_PAGES=k_pages.dtype in FP8,
-        H=H, KVH=kvh, G=G, GP=GP, D=D, BS=bs, BM=BM, TILE=32,
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        out,
+        block_table,
+        cu_seqlens_q.to(torch.int32),
+        kv_lens.to(torch.int32),
+        scale * kv_scales[0],
+        block_table.stride(0),
+        k_pages.stride(0),
+        kv_scales[1],
+        FP8_PAGES=k_pages.dtype in FP8,
+        H=H,
+        KVH=kvh,
+        G=G,
+        GP=GP,
+        D=D,
+        BS=bs,
+        BM=BM,
+        TILE=32,
         CAUSAL=causal,
-        WINDOW=window, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
-    )  # fmt: skip
+        WINDOW=window,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
     return out.to(q.dtype)
 
 
@@ -271,12 +438,23 @@ if triton is not None:
         tl.store(VC + at + i, tl.load(V + t * W + i, mask=m), mask=m)
 
 
-def kv_write(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor) -> None:
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor
+) -> None:
     """The slot-mapping K/V write as one kernel: token t's (kv_heads, head_dim) goes to slot ``slots[t]``."""
     if triton is None:
         raise RuntimeError("the Triton kernels need triton and a CUDA device")
     T = k.shape[0]
     W = k[0].numel()
     if T:
-        _kv_write_kernel[(T,)](k.contiguous().to(k_pages.dtype), v.contiguous().to(v_pages.dtype), k_pages, v_pages,
-                               slots, k_pages.stride(0), W=W, BW=triton.next_power_of_2(W), BS=k_pages.shape[1])  # fmt: skip
+        _kv_write_kernel[(T,)](
+            k.contiguous().to(k_pages.dtype),
+            v.contiguous().to(v_pages.dtype),
+            k_pages,
+            v_pages,
+            slots,
+            k_pages.stride(0),
+            W=W,
+            BW=triton.next_power_of_2(W),
+            BS=k_pages.shape[1],
+        )

@@ -147,14 +147,14 @@ def step_mode(work: list, steps: int, rank_index: int = 0, world: int = 1) -> tu
     import time
 
     from pagedkv.app.diffusion import DiTStepRunner
-    from pagedkv.core.scheduler.steps import Budget, DiTJob, StepState, done, submit_job, tick
+    from pagedkv.core.scheduler.steps import Budget, DiTJob, DiTState, done, submit_job, tick
     from pagedkv.models.ulysses import UlyssesDiT, broadcast
     from pagedkv.shell.attention import get_backend
 
     shard, cfg, rank, spec = _setup(None if world == 1 else lambda m: UlyssesDiT(m, rank_index, world))
     r = rank()
     runner = DiTStepRunner(shard, r, get_backend("torch"))
-    state = StepState.empty(initial_state(cfg), Budget(rows=64, tokens=4096))
+    state = DiTState.empty(initial_state(cfg), Budget(rows=64, tokens=4096))
     pending, arrived, lat = list(work), {}, []
     for rid, rows, imgs, _ in work:
         runner.add(rid, rows, [i.clone() for i in imgs], steps)

@@ -8,13 +8,14 @@ evicts its own hit).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted
-from pagedkv.core.errors import ErrorCode, KVError, fail, invalid, shown
+from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
@@ -49,7 +50,9 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     cfg = state.config
     rid, rows = spec.request_id, spec.rows
     per_row = [cfg.blocks_for(row.num_tokens) for row in rows]
-    hit = find_hit(state, spec)
+    hit = _hit(state, spec)
+    if isinstance(hit, KVError):
+        return Failure(hit)
     firsts = _firsts(cfg, spec, hit)
     held, need = _cost(state, spec, hit, firsts)
     err = _over_limits(state, spec, held)
@@ -104,19 +107,38 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     err = _shape(state, spec)
     if err is not None:
         return err
-    hit = find_hit(state, spec)
+    hit = _hit(state, spec)
+    if isinstance(hit, KVError):
+        return hit
     return _over_limits(state, spec, _cost(state, spec, hit, _firsts(state.config, spec, hit))[0])
 
 
 def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
-    """What is wrong with ``spec`` before any count: its form, and rows a state group cannot serve."""
-    return check_request_spec(spec) or _state_rows(state, spec)
+    """What is wrong with ``spec`` before any count: its form, the block hashes it brings, and rows a state
+    group cannot serve."""
+    err = check_request_spec(spec) or _state_rows(state, spec)
+    if err is None and any(len(h) != state.config.hash_width for h in spec.block_hashes):
+        width = state.config.hash_width
+        return invalid(
+            f"request {shown(spec.request_id)}: block_hashes must be {width}-byte hashes ({state.config.block_hash})",
+            request=spec.request_id,
+            field="block_hashes",
+        )
+    return err
+
+
+def _hit(state: KVState, spec: RequestSpec) -> Hit | KVError:
+    """``find_hit``, a given block hash that is not the core's (``check_given_hashes``) refused."""
+    try:
+        return find_hit(state, spec)
+    except GivenHashError as e:
+        return e.refusal(spec.request_id)
 
 
 def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     """State groups hold a row's state as it runs from position 0: a diffusion row (a target rewritten each
     step) or KV that arrives from elsewhere has no state here."""
-    if state.config.state_group_set or state.config.aligned_groups:
+    if state.config.recurrent:
         for i, row in enumerate(spec.rows):
             if row.prefix_len is not None or row.spans or row.pending_tokens:
                 what = "pending_tokens" if row.pending_tokens else "a diffusion layout (prefix_len, spans)"
@@ -193,7 +215,7 @@ def _firsts(cfg: Any, spec: RequestSpec, hit: Hit) -> list[list[int]]:
     for row in spec.rows:
         c = max(cached, row.pending_tokens)
         c = min(c, row.prefix_len) if row.prefix_len is not None else c
-        out.append([g.first_visible_block(c, cfg.block_size) for g in cfg.groups])
+        out.append([r.first_visible_block(c, cfg.block_size) for r in cfg.rules])
     return out
 
 
@@ -202,33 +224,21 @@ def _cost(state: KVState, spec: RequestSpec, hit: Hit, firsts: list[list[int]]) 
     block shared by rows once) and the blocks it takes from the free queue (fresh ones, and hit blocks no
     one holds). One count for the permanent refusal, the capacity check and ``_reserve``'s pops."""
     cfg, refcount = state.config, state.refcount
-    states = cfg.state_group_set
-    aligned = [g.is_aligned_state for g in cfg.groups]
-    fresh = len(states) * len(spec.rows)  # a state group's block: fresh, or a saved one taken over
+    fresh = 0
     hits: set[int] = set()
     for row, row_ids, row_firsts in zip(spec.rows, hit.ids, firsts):
         nb = cfg.blocks_for(row.num_tokens)
-        for g, (ids, first) in enumerate(zip(row_ids, row_firsts)):
-            if g not in states:
-                fresh += nb - max(len(ids), min(first, nb)) if not aligned[g] else int(nb > len(ids))
-                hits.update(b for b in ids[first:] if b)
+        for rules, ids, first in zip(cfg.rules, row_ids, row_firsts):
+            popped, shared = rules.admission_cost(nb, ids, first)
+            fresh += popped
+            hits.update(shared)
     return fresh + len(hits), fresh + sum(1 for b in hits if refcount[b] == 0)
 
 
 def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
     """The most blocks one row holds at once when its blocks come a chunk at a time."""
-    nb, bs, total = cfg.blocks_for(num_tokens), cfg.block_size, 0
-    for g in cfg.groups:
-        if g.is_state:
-            total += 1
-        elif g.is_aligned_state:
-            total += min(nb, 2)
-        elif g.is_windowed:
-            span = (g.window - 1) if g.window else g.chunk
-            total += min(nb, -(-(span + chunk) // bs) + 1)
-        else:
-            total += nb
-    return total
+    nb = cfg.blocks_for(num_tokens)
+    return sum(r.most_held_growing(nb, chunk, cfg.block_size) for r in cfg.rules)
 
 
 def _reserve(
@@ -239,27 +249,18 @@ def _reserve(
     cfg = txn.base.config
     cached = hit.num_blocks * cfg.block_size
     computed = [max(cached, row.pending_tokens) for row in spec.rows]
-    states = cfg.state_group_set
-    aligned = [g.is_aligned_state for g in cfg.groups]
+    rules = cfg.rules
     for row_ids, row_firsts in zip(hit.ids, firsts):  # hits first, so popping new blocks never evicts one of them
-        for g, (group_ids, first) in enumerate(zip(row_ids, row_firsts)):
-            if g in states:
-                if group_ids:
-                    take_state(txn, group_ids[-1])
-                continue
-            for j, b in enumerate(group_ids):
-                if b and j >= first:
-                    pool.take_hit(txn, b)
+        for r, group_ids, first in zip(rules, row_ids, row_firsts):
+            saved = r.taken_over(group_ids)
+            if saved is not None:
+                take_state(txn, saved)
+            for b in r.hit_taken(group_ids, first):
+                pool.take_hit(txn, b)
+    pop = partial(pool.pop_blocks, txn)
     slots, blocks = [], []
     for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
-        rb = tuple(
-            _state(txn, ids, nb)
-            if g in states
-            else _aligned(txn, ids, nb, first)
-            if aligned[g]
-            else _fresh(txn, ids, nb, first)
-            for g, (ids, first) in enumerate(zip(row_ids, row_firsts))
-        )
+        rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
@@ -273,28 +274,8 @@ def _reserve(
     return slots, blocks
 
 
-def _aligned(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:
-    """An align-mode state group's list of ``nb`` positions: the hit's state block (the null block before
-    it), then one fresh block at the last position for the state the forward writes, the null block between."""
-    return tuple(0 if j < first else b for j, b in enumerate(ids)) + pool.pop_aligned(txn, nb - len(ids))
-
-
 def take_state(txn: Txn, saved: int) -> None:
     """The saved state at a hit's boundary becomes the row's: out of the cache (it will be rewritten, so no
     other request may hit it), out of the free queue."""
     pool.evict(txn, saved)
     pool.take_hit(txn, saved)
-
-
-def _state(txn: Txn, ids: tuple[int, ...], nb: int) -> tuple[int, ...]:
-    """A state group's list of ``nb`` positions: the null block, then the row's state at the last: the hit's
-    saved state (taken over above), or a fresh block."""
-    return (0,) * (nb - 1) + ((ids[-1],) if ids else pool.pop_blocks(txn, 1))
-
-
-def _fresh(txn: Txn, ids: tuple[int, ...], nb: int, first: int) -> tuple[int, ...]:
-    """One group's list of ``nb`` blocks from the hit's ``ids``: the null block where no query of the group
-    will look (before ``first``), the hit's blocks, then fresh ones."""
-    kept = ids if not first else tuple(0 if j < first else b for j, b in enumerate(ids))
-    skip = max(0, min(first, nb) - len(ids))
-    return kept + (0,) * skip + pool.pop_blocks(txn, nb - len(ids) - skip)

@@ -179,7 +179,7 @@ def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated
         return req
     cfg = txn.config
     bs = cfg.block_size
-    if cfg.state_group_set or cfg.aligned_groups:
+    if cfg.recurrent:
         return invalid(
             f"request {shown(rid)}: a pool with state (Mamba) groups cannot cut a row back (its state is past the cut)",
             request=rid,

@@ -6,7 +6,9 @@ and a state (Mamba) group's block saved where a row ends on a boundary. ``commit
 
 from __future__ import annotations
 
-from pagedkv.core.errors import InvariantError
+from collections.abc import Sequence
+
+from pagedkv.core.errors import GivenHashError, InvariantError
 from pagedkv.core.events import BlockStored
 from pagedkv.core.state import Request, Row
 from pagedkv.core.tails import known_ids, unpack_ids
@@ -33,20 +35,34 @@ def caches(txn: Txn, req: Request) -> bool:
     return txn.config.enable_prefix_caching and req.cache_epoch == txn.base.cache_epoch
 
 
-def cache_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int) -> None:
-    """Put row i's newly full computed blocks into the cache index (once per content), where ``req`` caches."""
+def cache_full_blocks(
+    txn: Txn, req: Request, i: int, slot: int, computed: int, given: Sequence[bytes] | None = None
+) -> None:
+    """Put row i's newly full computed blocks into the cache index (once per content), where ``req`` caches;
+    ``given``: the row's chain hashes as the caller computed them (``hash_full_blocks``)."""
     if not caches(txn, req):
         return
     record = txn.rows[slot]
-    new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot])
+    new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot], given)
     if new is not record:
         txn.rows[slot] = new
 
 
-def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, record: Row, tail: bytes | None) -> Row:
+def hash_full_blocks(
+    txn: Txn,
+    req: Request,
+    i: int,
+    slot: int,
+    computed: int,
+    record: Row,
+    tail: bytes | None,
+    given: Sequence[bytes] | None = None,
+) -> Row:
     """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
-    drafter's KV at a block's last position depends on them), and a block waits for them."""
+    drafter's KV at a block's last position depends on them), and a block waits for them. ``given[j]`` is
+    block j's chain hash as the caller computed it (vLLM's ``request.block_hashes``): taken as it is, or
+    checked against the core's (``check_given_hashes``: ``GivenHashError``)."""
     if record.ids is None:
         return record
     cfg = txn.config
@@ -76,18 +92,22 @@ def hash_full_blocks(txn: Txn, req: Request, i: int, slot: int, computed: int, r
     # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
     # call's range, its null positions' ids too)
     runs = (
-        {g: (0, parent if done else None) for g, gs in enumerate(cfg.groups) if gs.is_aligned_state}
-        if cfg.aligned_groups and events is not None
+        {g: (0, parent if done else None) for g, rules in enumerate(cfg.rules) if rules.event_covers_run}
+        if len(cfg.rules) > 1 and events is not None
         else {}
     )  # (nothing built on the step loop otherwise)
+    taken = 0 if given is None or cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
     for j in range(done, full):
         k = j - done  # (block j's place in the span)
         if ahead:
             following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
-            extra = keys.ahead(j, bs, following)
+        if j < taken:
+            h = given[j]  # type: ignore[index]
         else:
-            extra = keys.at(j, bs) if plain is None else plain
-        h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
+            extra = (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
+            h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
+            if given is not None and j < len(given) and given[j] != h:
+                raise GivenHashError(j, h)
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
             # not let go already, not cached already, and no other block holds the same content; a state

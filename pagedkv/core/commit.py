@@ -8,13 +8,24 @@ place) and the request takes a generation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Committed
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, is_seq, pairs_of, shown
+from pagedkv.core.errors import (
+    ErrorCode,
+    GivenHashError,
+    KVError,
+    RequestId,
+    invalid,
+    is_int,
+    is_request_id,
+    is_seq,
+    pairs_of,
+    shown,
+)
 from pagedkv.core.caching import cache_full_blocks
 from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Step
 from pagedkv.core.txn import Txn, each
@@ -53,15 +64,29 @@ def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -
 
 
 def cache_ahead_many(
-    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+    state: KVState,
+    items: Iterable[tuple[RequestId, Sequence[int]]],
+    *,
+    hashes: Mapping[RequestId, Sequence[bytes]] | None = None,
 ) -> Result[Step[tuple[Committed, ...]], KVError]:
-    """Several ``cache_ahead`` as one transition (the blocks a step's decode tokens fill): all, in order, or none."""
+    """Several ``cache_ahead`` as one transition (the blocks a step's decode tokens fill): all, in order, or none.
+    ``hashes``: a one-row request's chain hashes of its leading full blocks as the caller computed them (vLLM's
+    ``request.block_hashes``), taken instead of hashing those blocks again (checked under
+    ``CacheConfig(check_given_hashes=True)``)."""
     if state.config.caching_point != "schedule":
         return Failure(invalid('cache_ahead needs CacheConfig(caching_point="schedule")', field="op"))
-    return each(state, items, _ahead_one, "cache_ahead_many")
+    if hashes is None:
+        return each(state, items, _ahead_one, "cache_ahead_many")
+    if not isinstance(hashes, Mapping):
+        return Failure(invalid(f"hashes must map request ids to block hashes, got {shown(hashes):.80}", field="hashes"))
+    return each(
+        state, items, lambda txn, rid, through: _ahead_one(txn, rid, through, hashes.get(rid)), "cache_ahead_many"
+    )
 
 
-def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVError | Committed:
+def _ahead_one(
+    txn: Txn, request_id: RequestId, through: Sequence[int], given: Sequence[bytes] | None = None
+) -> KVError | Committed:
     req = txn.base.requests.get(request_id) if is_request_id(request_id) else None
     if req is None:
         return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
@@ -79,9 +104,20 @@ def _ahead_one(txn: Txn, request_id: RequestId, through: Sequence[int]) -> KVErr
                 request=request_id,
                 field="through",
             )
+    if given is not None:
+        hw = txn.config.hash_width
+        if len(req.slots) != 1 or not is_seq(given) or any(type(h) is not bytes or len(h) != hw for h in given):
+            return invalid(
+                f"cache_ahead of request {shown(request_id)}: hashes must be one row's {hw}-byte block hashes",
+                request=request_id,
+                field="hashes",
+            )
     first = len(txn.events)
-    for i, (slot, t) in enumerate(zip(req.slots, through)):
-        cache_full_blocks(txn, req, i, slot, t)
+    try:
+        for i, (slot, t) in enumerate(zip(req.slots, through)):
+            cache_full_blocks(txn, req, i, slot, t, given)
+    except GivenHashError as e:
+        return e.refusal(request_id)
     return Committed(request_id, None, 0, tuple(txn.events[first:]))
 
 
@@ -123,12 +159,14 @@ def commit_each(
     (``counts`` None), in order on ``txn``. Each request's ``Committed`` goes to ``effects`` when given.
     Returns (batch index, generation) for each request whose layout changed, and the blocks freed.
 
-    A one-row request in a pool without windows or a lookahead is judged here: its count changes one
-    number, and the blocks it completes go through the caching rule (``cache_full_blocks``). Everything
-    else (a window to move, several rows, a lookahead, a refusal) is ``_commit_one``'s."""
+    A one-row request in a pool without a lookahead is judged here when no group's first visible block
+    moves (a decode token inside a window's block): its count changes one number, and the blocks it
+    completes go through the caching rule (``cache_full_blocks``). Everything else (a window that lets
+    blocks go, several rows, a lookahead, a refusal) is ``_commit_one``'s."""
     cfg = txn.config
     bs, mask = cfg.block_size, (1 << SLOT_SHIFT) - 1
-    quick = not cfg.has_windows and not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
+    quick = not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
+    moving = tuple(r for r in cfg.rules if r.lets_go)  # the groups whose first visible block a commit may move
     get = txn.base.requests.get
     lens = txn.row_len.leaves  # (read only)
     done = txn.row_computed.own_for(len(ids))
@@ -150,6 +188,11 @@ def commit_each(
                 c = row[0] if (type(row) is list or type(row) is tuple) and len(row) == 1 else None
                 if type(c) is not int or not before <= c <= lens[hi][o]:
                     c = None  # (refused by the general rule, with the reason)
+            if c is not None and moving:  # a window that moves lets blocks go: the general rule
+                for r in moving:
+                    if r.first_visible_block(c, bs) != r.first_visible_block(before, bs):
+                        c = None
+                        break
             if c is not None:
                 leaf[o] = c
                 first = len(txn.events)
@@ -225,34 +268,25 @@ def _drop_invisible(
     dropped: list[tuple[int, int, int, int]],
     previous: int = 0,
 ) -> None:
-    """Null the blocks of row i that no future query of a windowed group can see.
+    """Null the blocks of row i that no future query of a windowed group can see (``KindRules.let_go``).
 
     Future queries start at ``computed`` (a diffusion row: at ``prefix_len``
-    too, since every denoising step recomputes its target). The null positions
-    of a window group are always a prefix of its list, so the scan walks back
-    from the new boundary only over blocks still held; an align-mode state group
-    has null positions between its state blocks, and everything before the
-    first visible block at ``previous`` (the last commit's count) already null.
+    too, since every denoising step recomputes its target); ``previous`` is
+    the last commit's count.
     """
     cfg = txn.config
+    bs = cfg.block_size
     layout = req.layouts[i]
     future = min(computed, layout.prefix_len) if layout.prefix_len is not None else computed
     record = txn.rows[slot]
     groups = list(record.blocks)
     changed = False
-    for g, gs in enumerate(cfg.groups):
-        first = gs.first_visible_block(future, cfg.block_size)
+    for g, rules in enumerate(cfg.rules):
         ids = groups[g]
-        if gs.is_aligned_state:  # null between its state blocks: scanned from the last commit's first visible
-            since = gs.first_visible_block(previous, cfg.block_size)
-            held: Sequence[int] = [k for k in range(since, min(first, len(ids))) if ids[k]]
-        else:  # a window's null positions are a prefix: back from the boundary over the blocks still held
-            j = first - 1
-            while j >= 0 and ids[j]:
-                j -= 1
-            held = range(first - 1, j, -1)
+        held = rules.let_go(ids, future, previous, bs)
         if held:
             dropped.extend((k, i, g, ids[k]) for k in held)
+            first = rules.first_visible_block(future, bs)
             groups[g] = (0,) * first + ids[first:]
             changed = True
     if changed:

@@ -8,23 +8,13 @@ blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import Any
 
-from pagedkv.core.errors import InvariantError, is_int, shown
+from pagedkv.core.errors import is_int, shown
 from pagedkv.core.hashing import BLOCK_HASHES, HASH_WIDTH, hasher
 from pagedkv.core.index import GROUP_BITS
-
-
-class GroupKind(StrEnum):
-    FULL = "full"
-    SLIDING_WINDOW = "sliding_window"
-    CHUNKED_LOCAL = "chunked_local"
-    MLA = "mla"  # multi-head latent attention: one latent vector per token; allocates like full attention
-    MAMBA = "mamba"  # a state per row (a Mamba layer's conv and SSM state): one block, whatever the length
-    # vLLM's mamba_cache_mode="align": the state at each block boundary in that position's own block
-    MAMBA_ALIGN = "mamba_align"
+from pagedkv.core.kinds import RULES, GroupKind, KindRules
 
 
 class InvalidConfig(ValueError):
@@ -49,6 +39,7 @@ class GroupSpec:
     kind: GroupKind = GroupKind.FULL
     window: int | None = None  # sliding_window: a token sees itself and window - 1 before it
     chunk: int | None = None  # chunked_local: a token sees its chunk from the chunk's start
+    rules: KindRules = field(init=False, repr=False, compare=False)  # what the kind does (core/kinds.py)
 
     def __post_init__(self) -> None:
         if type(self.name) is not str or not self.name:
@@ -56,7 +47,7 @@ class GroupSpec:
         if self.kind not in tuple(GroupKind):
             raise InvalidConfig(f"group {shown(self.name)}: unknown kind {shown(self.kind)}")
         object.__setattr__(self, "kind", GroupKind(self.kind))
-        need = {GroupKind.SLIDING_WINDOW: "window", GroupKind.CHUNKED_LOCAL: "chunk"}.get(self.kind)
+        need = RULES[self.kind].parameter
         for key in ("window", "chunk"):
             value = getattr(self, key)
             if key == need:
@@ -66,59 +57,7 @@ class GroupSpec:
                     )
             elif value is not None:
                 raise InvalidConfig(f"group {shown(self.name)}: kind {self.kind.value} takes no {key}")
-
-    @property
-    def is_windowed(self) -> bool:
-        """Does this group let blocks go once no future query can see them?"""
-        return self.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL, GroupKind.MAMBA_ALIGN)
-
-    @property
-    def is_aligned_state(self) -> bool:
-        """A state group in vLLM's ``mamba_cache_mode="align"``: the state after the row's last token lives at
-        its last block position, and each allocation (admission, growth) takes one block there, the positions
-        it skips null; a forward reads the state from the previous state block and writes the new one, so the
-        state at every block boundary stays in that position's block, is cached under its hash, and a hit
-        shares it (the block the hit ends on). As a window of 2 tokens, the blocks before the one holding the
-        computed tokens' state go at commit."""
-        return self.kind is GroupKind.MAMBA_ALIGN
-
-    @property
-    def is_state(self) -> bool:
-        """A state group (Mamba): each row holds one block, its state, at its last block position (the null
-        block before it); growth moves it, never allocates; it is cached only when its row ends on a block
-        boundary, and a hit takes it over (a state is rewritten in place: never shared)."""
-        return self.kind is GroupKind.MAMBA
-
-    def first_visible_position(self, position: int) -> int:
-        """The first key a query at ``position`` reads (0 unless the group is windowed).
-
-        >>> GroupSpec("w", GroupKind.SLIDING_WINDOW, window=32).first_visible_position(112)
-        81
-        """
-        if self.kind is GroupKind.SLIDING_WINDOW:
-            if self.window is None:
-                raise InvariantError("a sliding-window group has its window")
-            return max(0, position - self.window + 1)
-        if self.kind is GroupKind.CHUNKED_LOCAL:
-            if self.chunk is None:
-                raise InvariantError("a chunked-local group has its chunk")
-            return position // self.chunk * self.chunk
-        if self.kind is GroupKind.MAMBA_ALIGN:  # the state after the token before (vLLM's skipped tokens: n - 1)
-            return max(0, position - 1)
-        return 0
-
-    def first_visible_block(self, position: int, block_size: int) -> int:
-        """The first block any query at ``position`` or later can still see.
-
-        Blocks before it hold nothing a future token reads: a windowed group
-        lets them go (the null block takes their place).
-
-        >>> GroupSpec("w", GroupKind.SLIDING_WINDOW, window=32).first_visible_block(112, 16)
-        5
-        >>> GroupSpec("c", GroupKind.CHUNKED_LOCAL, chunk=32).first_visible_block(112, 16)
-        6
-        """
-        return self.first_visible_position(position) // block_size
+        object.__setattr__(self, "rules", RULES[self.kind](self.window, self.chunk))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +83,13 @@ class CacheConfig:
     cache_duplicates: bool = False  # False: one block per content; True: every block that fills is cached (vLLM)
     hash_lookahead: int = 0  # ids after each block that its hash also covers (vLLM's EAGLE lookahead hashes)
     kv_events: bool = True  # False: transitions report no KV cache events (vLLM's enable_kv_cache_events off)
-    state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # the state groups' indices
-    paged_groups: int = field(init=False, repr=False, compare=False)  # groups whose blocks grow with the tokens
-    aligned_groups: int = field(init=False, repr=False, compare=False)  # align-mode state groups: a block a growth
+    check_given_hashes: bool = False  # True: block hashes a caller gives (RequestSpec.block_hashes) are checked
+    rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/kinds.py)
+    state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # groups whose block is a live state
+    opening_blocks: int = field(init=False, repr=False, compare=False)  # blocks a row's growth takes a block it opens
     has_windows: bool = field(init=False, repr=False, compare=False)  # a group lets blocks go as its window moves
+    recurrent: bool = field(init=False, repr=False, compare=False)  # a group carries a state from token to token
+    stops_at_block_end: bool = field(init=False, repr=False, compare=False)  # a forward ends at its block's end
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
     hash_fn: Callable[[bytes, bytes, Any], bytes] = field(init=False, repr=False, compare=False)
 
@@ -179,12 +121,14 @@ class CacheConfig:
         if len(set(names)) != len(names):
             raise InvalidConfig(f"group names must be unique, got {names}")
         object.__setattr__(self, "groups", groups)
-        object.__setattr__(self, "state_group_set", frozenset(i for i, g in enumerate(groups) if g.is_state))
-        aligned = sum(1 for g in groups if g.is_aligned_state)
-        object.__setattr__(self, "aligned_groups", aligned)
-        object.__setattr__(self, "paged_groups", len(groups) - len(self.state_group_set) - aligned)
-        object.__setattr__(self, "has_windows", any(g.is_windowed for g in groups))
-        if groups[0].is_state or groups[0].is_aligned_state:
+        rules = tuple(g.rules for g in groups)
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "state_group_set", frozenset(i for i, r in enumerate(rules) if r.holds_state))
+        object.__setattr__(self, "opening_blocks", sum(r.growth_blocks(1) for r in rules))
+        object.__setattr__(self, "has_windows", any(r.lets_go for r in rules))
+        object.__setattr__(self, "recurrent", any(r.recurrent for r in rules))
+        object.__setattr__(self, "stops_at_block_end", any(r.stops_at_block_end for r in rules))
+        if rules[0].recurrent:
             raise InvalidConfig(
                 f"group 0 ({shown(groups[0].name)}) is a state group; the first group must be an "
                 "attention group (its blocks give the rows' slots)"
@@ -204,14 +148,14 @@ class CacheConfig:
             object.__setattr__(self, "hash_fn", hasher(self.block_hash))
         except ValueError as e:  # a kind whose package is absent
             raise InvalidConfig(str(e)) from None
-        for key in ("enable_prefix_caching", "cache_duplicates", "kv_events"):
+        for key in ("enable_prefix_caching", "cache_duplicates", "kv_events", "check_given_hashes"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidConfig(f"{key} must be a boolean, got {shown(getattr(self, key))}")
         if not is_int(self.hash_lookahead) or not 0 <= self.hash_lookahead <= self.block_size:
             raise InvalidConfig(
                 f"hash_lookahead must be an integer in [0, block_size], got {shown(self.hash_lookahead)}"
             )
-        if self.hash_lookahead and (self.state_group_set or aligned):
+        if self.hash_lookahead and self.recurrent:
             raise InvalidConfig(
                 "hash_lookahead with state (Mamba) groups: a saved state is keyed by the hash of the "
                 "block it ends, which would wait for ids past the state"
@@ -231,11 +175,16 @@ class CacheConfig:
         return self.max_model_len if self.max_model_len is not None else 1 << 62
 
     def row_blocks(self, num_tokens: int) -> int:
-        """Blocks one row of ``num_tokens`` holds over all groups at most: a block per token block in each
-        paged group, one state block in each state group, two in an align-mode one (the state it reads, the
-        one it writes)."""
+        """Blocks one row of ``num_tokens`` holds over all groups at most (each kind's ``most_held``)."""
         nb = self.blocks_for(num_tokens)
-        return self.paged_groups * nb + len(self.state_group_set) + self.aligned_groups * min(nb, 2)
+        return sum(r.most_held(nb) for r in self.rules)
+
+    def growth_blocks(self, opened: int) -> int:
+        """Blocks a row's growth that opens ``opened`` positions takes over all groups (each kind's
+        ``growth_blocks``)."""
+        return (
+            self.opening_blocks * opened if len(self.rules) == 1 else sum(r.growth_blocks(opened) for r in self.rules)
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks one group needs for ``num_tokens`` positions: ceil(n / block_size)."""

@@ -24,6 +24,18 @@ class InvariantError(AssertionError):
     ``KVError``). An ``AssertionError`` that ``python -O`` cannot strip."""
 
 
+class GivenHashError(Exception):
+    """A block hash a caller gave (``RequestSpec.block_hashes``, ``cache_ahead_many``'s ``hashes``) is not the
+    core's own hash of that block (found under ``CacheConfig(check_given_hashes=True)``)."""
+
+    def __init__(self, block: int, expected: bytes) -> None:
+        super().__init__(f"block_hashes[{block}] is not the hash of block {block} (expected {expected.hex()})")
+        self.block = block
+
+    def refusal(self, request: RequestId) -> KVError:
+        return KVError(ErrorCode.INVALID, f"request {shown(request)}: {self}", request=request, field="block_hashes")
+
+
 class ErrorCode(StrEnum):
     """The error codes of trace contract version 1 (see docs/trace.md)."""
 

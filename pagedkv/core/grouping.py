@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec, InvalidConfig
+from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.errors import InvariantError, is_int, shown
+from pagedkv.core.kinds import GroupKind
 
 BLOCK_ALIGN = 16  # attention kernels want block sizes in multiples of 16 when the size is raised
 

@@ -9,6 +9,7 @@ tail, the rest in its record) and stop at the first growth by a count.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 from returns.result import Failure, Result, Success
@@ -16,8 +17,8 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Appended
 from pagedkv.core.errors import (
-    ErrorCode,
     INT_ID_LIMIT,
+    ErrorCode,
     InvariantError,
     KVError,
     RequestId,
@@ -115,12 +116,7 @@ def grow_each(
     (``_grow_row``). Everything else (a count that stops the row's ids, placeholders, several rows, a
     refusal) is ``_grow``'s."""
     cfg = txn.config
-    bs, limit, mask, paged = (
-        cfg.block_size,
-        cfg.length_limit,
-        (1 << SLOT_SHIFT) - 1,
-        cfg.paged_groups + cfg.aligned_groups,
-    )
+    bs, limit, mask, paged = (cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.opening_blocks)
     get = txn.base.requests.get
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
@@ -261,7 +257,7 @@ def _plan_growth(
     need; or why the growth is refused. Nothing is written."""
     rid, cfg = req.request_id, txn.config
     row_len, records = txn.row_len, txn.rows
-    need = opened = 0
+    need = 0
     grown: list[tuple[int, int, int, Growth]] = []
     for i, item in enumerate(rows):
         if type(item) is int or type(item) is Placeholders:
@@ -310,7 +306,7 @@ def _plan_growth(
                 field="tokens",
             )
         old, bs = row_len[slot], cfg.block_size
-        if cfg.aligned_groups and old % bs and new_len > old - old % bs + bs:  # (vLLM's aligned split)
+        if cfg.stops_at_block_end and old % bs and new_len > old - old % bs + bs:  # (vLLM's aligned split)
             return invalid(
                 f"request {shown(rid)} row {i}: an align-mode state group caches each block's state at the "
                 f"block's end: a forward from {old} tokens stops at {old - old % bs + bs}",
@@ -318,10 +314,10 @@ def _plan_growth(
                 field="tokens",
             )
         extra = -(-new_len // bs) - len(records[slot].blocks[0])
-        need += extra
-        opened += extra > 0
+        if extra:
+            need += cfg.growth_blocks(extra)
         grown.append((slot, new_len, extra, item))
-    return grown, need * cfg.paged_groups + opened * cfg.aligned_groups
+    return grown, need
 
 
 def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
@@ -349,18 +345,8 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
 
 
 def _extended(txn: Txn, blocks: Blocks, extra: int) -> Blocks:
-    """A row's lists grown by ``extra`` positions: fresh blocks in each paged group; a state group's one
-    block moves to the new last position, nothing allocated; an align-mode state group takes one block at
-    the new last position (its last state block stays: the next forward reads it)."""
-    cfg = txn.config
+    """A row's lists grown by ``extra`` positions, each group's as its kind grows (``KindRules.grown``)."""
     if len(blocks) == 1:
         return (blocks[0] + pool.pop_blocks(txn, extra),)
-    states, groups = cfg.state_group_set, cfg.groups
-    return tuple(
-        g[:-1] + (0,) * extra + g[-1:]
-        if i in states
-        else g + pool.pop_aligned(txn, extra)
-        if groups[i].is_aligned_state
-        else g + pool.pop_blocks(txn, extra)
-        for i, g in enumerate(blocks)
-    )
+    pop = partial(pool.pop_blocks, txn)
+    return tuple(r.grown(g, extra, pop) for r, g in zip(txn.config.rules, blocks))

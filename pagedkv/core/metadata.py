@@ -1,4 +1,4 @@
-"""The metadata snapshot the core hands the shell for one forward (DESIGN.md's contract).
+"""The metadata snapshot the core hands the shell for one forward (its contract: docs/core.md, "The metadata snapshot").
 
 Immutable, small, picklable; no tensors. ``core.snapshot.publish`` builds it and takes no
 generation: the snapshot carries the latest one, which is what a worker checks.

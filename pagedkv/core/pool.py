@@ -46,12 +46,6 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def pop_aligned(txn: Txn, extra: int) -> tuple[int, ...]:
-    """``extra`` new positions of an align-mode state group: the null block at each but the last, one fresh
-    block there for the state the forward writes; nothing for none."""
-    return (0,) * (extra - 1) + pop_blocks(txn, 1) if extra > 0 else ()
-
-
 def evict(txn: Txn, b: int) -> None:
     """``b``'s cache entry goes (its content is about to be overwritten, or may never have been written), with
     a ``BlockRemoved`` where the pool reports events."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.core.errors import InvariantError
+from pagedkv.core.errors import GivenHashError, InvariantError
 from pagedkv.core.hashing import BlockHash, BlockKeys
+from pagedkv.core.index import PrefixIndex
+from pagedkv.core.kinds import Cached
 from pagedkv.core.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState
@@ -71,12 +73,8 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
     ids = []
     for chain in chains:
         per_group = []
-        for g, gs in enumerate(cfg.groups):
-            if gs.is_state:  # the state after the hit's last block, at its position
-                per_group.append((0,) * (hit - 1) + (cache[(g, chain[hit - 1])],) if hit else ())
-                continue
-            first = gs.first_visible_block(hit * bs, bs)
-            per_group.append(tuple(cache[(g, chain[j])] if j >= first else 0 for j in range(hit)))
+        for g, rules in enumerate(cfg.rules):
+            per_group.append(rules.hit_ids(_cached_in(cache, g), chain, hit, bs))
         ids.append(tuple(per_group))
     return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks)
 
@@ -90,9 +88,9 @@ def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: R
     cfg = state.config
     bs = cfg.block_size
     kinds: dict[tuple[object, ...], list[int]] = {}  # groups of one spec are searched together, as vLLM's
-    for g, gs in enumerate(cfg.groups):
-        if gs.is_windowed or gs.is_state:
-            kinds.setdefault((gs.kind, gs.window, gs.chunk), []).append(g)
+    for g, rules in enumerate(cfg.rules):
+        if not rules.full_hit:
+            kinds.setdefault(rules.search_key, []).append(g)
     if not kinds:
         return full
     searches = list(kinds.values())
@@ -102,8 +100,7 @@ def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: R
     while True:
         curr = min(length, full * bs)
         for k, groups in enumerate(searches):
-            first_spec = cfg.groups[groups[0]]  # (no EAGLE margin for a state group, as vLLM's for Mamba)
-            peek = drop and k not in verified and not (first_spec.is_state or first_spec.is_aligned_state)
+            peek = drop and k not in verified and cfg.rules[groups[0]].eagle_margin
             n = min(curr // bs, len(chains[-1]) - 1) if peek else curr // bs
             while n and not _holds(state, chains, groups, n, peek):
                 n -= 1
@@ -128,18 +125,12 @@ def _holds(state: KVState, chains: list[list[BlockHash]], groups: list[int], n: 
     the boundary can see (and the block after it, under ``peek``), a state group a state saved where the hit
     ends, a different one for each row (it is taken over)."""
     cfg, cache = state.config, state.cache
-    bs = cfg.block_size
-    for g in groups:
-        gs = cfg.groups[g]
-        if gs.is_state:
-            saved = [cache.get((g, chain[n - 1])) for chain in chains]
-            if None in saved or len(set(saved)) < len(saved):
-                return False
-            continue
-        first = gs.first_visible_block(n * bs, bs)
-        if any((g, chain[j]) not in cache for chain in chains for j in range(first, n + peek)):
-            return False
-    return True
+    return all(cfg.rules[g].holds(_cached_in(cache, g), chains, n, peek, cfg.block_size) for g in groups)
+
+
+def _cached_in(cache: PrefixIndex, g: int) -> Cached:
+    """Group ``g``'s view of the prefix cache: a chain hash's block, or None."""
+    return lambda h: cache.get((g, h))
 
 
 def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[list[BlockHash]]:
@@ -148,7 +139,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
     it (the hit is common to all rows)."""
     cfg, cache = state.config, state.cache
     bs = cfg.block_size
-    full = [g for g, gs in enumerate(cfg.groups) if not (gs.is_windowed or gs.is_state)]  # full attention, MLA
+    full = [g for g, rules in enumerate(cfg.rules) if rules.full_hit]  # full attention, MLA
     chains: list[list[BlockHash]] = []
     limit: int | None = None if spec.max_hit is None else spec.max_hit // bs + drop
     keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash)
@@ -169,9 +160,12 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
             cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
         chain: list[BlockHash] = []
         parent = cache.root
-        packed = pack_ids(row.tokens[: cap * bs + ahead])
+        given = spec.block_hashes  # (the caller's: taken as they are, or checked)
+        packed = pack_ids(row.tokens[: cap * bs + ahead]) if len(given) < cap or cfg.check_given_hashes else b""
         for j in range(cap):
-            if ahead:
+            if j < len(given) and not cfg.check_given_hashes:
+                h = given[j]
+            elif ahead:
                 h = hash_packed(
                     parent,
                     packed[j * width : (j + 1) * width],
@@ -179,6 +173,8 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
                 )
             else:
                 h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
+            if j < len(given) and given[j] != h:  # (check_given_hashes)
+                raise GivenHashError(j, h)
             if any((g, h) not in cache for g in full):
                 break
             chain.append(h)

@@ -97,6 +97,10 @@ class RequestSpec:
     max_hit: int | None = None  # the prefix-cache hit is at most this many tokens (0: the cache is not read)
     first_block_keys: tuple[Key, ...] = ()
     content: tuple[Content, ...] = ()
+    # the chain hashes of the row's leading full blocks as the caller computed them (vLLM's
+    # ``request.block_hashes``): the core takes them instead of hashing those blocks again (one row only;
+    # ``CacheConfig(check_given_hashes=True)`` checks each against the core's own)
+    block_hashes: tuple[bytes, ...] = ()
 
 
 def check_request_spec(spec: object) -> KVError | None:
@@ -137,6 +141,17 @@ def check_request_spec(spec: object) -> KVError | None:
             f"request {shown(rid)}: content must be (identifier, offset >= 0, length > 0) spans",
             request=rid,
             field="content",
+        )
+    given = spec.block_hashes
+    if not isinstance(given, tuple) or not all(type(h) is bytes for h in given):
+        return invalid(
+            f"request {shown(rid)}: block_hashes must be a tuple of bytes", request=rid, field="block_hashes"
+        )
+    if given and len(spec.rows) != 1:
+        return invalid(
+            f"request {shown(rid)}: block_hashes are a single row's; this request has {len(spec.rows)} rows",
+            request=rid,
+            field="block_hashes",
         )
     if spec.max_hit is not None and (not is_int(spec.max_hit) or spec.max_hit < 0):
         return invalid(

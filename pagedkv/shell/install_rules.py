@@ -1,5 +1,5 @@
 """Whether a snapshot may be installed: every rule a worker checks before it writes anything (the
-generation rules of DESIGN's metadata section, the rows' lengths, block ids and slots, the buffers' sizes).
+generation rules of docs/core.md's metadata snapshot, the rows' lengths, block ids and slots, the buffers' sizes).
 A decode forward's columns are read without making a record a row; any row that is not the very block
 lists installed goes through the general rules."""
 

@@ -1,4 +1,4 @@
-"""Recording an engine's run as a scheduler trace (contract v1, DESIGN.md): one JSON line per input,
+"""Recording an engine's run as a scheduler trace (contract v1, docs/trace.md): one JSON line per input,
 each with an ``expect`` of what the core gave the engine (the digest of the scheduler's state after it,
 the generation, the free blocks, a schedule's plan, an output's endings), so that ``pagedkv replay``
 checks the run digest for digest and reports where a replay departs from it. ``end`` writes the last line, the

@@ -1,7 +1,7 @@
 """The worker: installs the core's metadata snapshots into persistent device buffers.
 
 Every check runs before any write, so a refused install leaves every buffer as
-it was. Generation rules (DESIGN.md): an older generation is ``STALE_METADATA``;
+it was. Generation rules (docs/core.md, "The metadata snapshot"): an older generation is ``STALE_METADATA``;
 the same generation with the same snapshot is a no-op; a request whose block
 lists at the same generation differ, or at a newer generation do not extend
 (or, in windowed groups, null out) what is installed, is ``CONFLICTING_METADATA``;
@@ -67,7 +67,7 @@ class Worker:
     ) -> None:
         self.config = config
         self.num_groups = len(config.groups)
-        self.windowed = tuple(g.is_windowed or g.is_state for g in config.groups)  # groups whose positions go null
+        self.windowed = tuple(r.nulls_positions for r in config.rules)  # groups whose positions go null
         self.max_rows, self.max_blocks, self.max_tokens = max_rows, max_blocks_per_row, max_tokens
         self.token_rows = min(token_rows, max_tokens)  # query tokens a forward may lay out one a row (install)
         fwd = max(max_rows, self.token_rows)  # forward rows the kernels' buffers hold

@@ -4,8 +4,6 @@ The step-for-step agreement with vLLM's own MambaManager is tests/integrations/t
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from pagedkv.core import (
@@ -23,6 +21,7 @@ from pagedkv.core import (
 )
 from pagedkv.core.ahead import truncate
 from pagedkv.core.config import InvalidConfig
+from pagedkv.core.kinds import MambaAlign, SlidingWindow
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
 from pagedkv.core.verify.invariants import check_invariants
@@ -106,22 +105,7 @@ def test_the_checker_explores_align_groups_and_catches_a_planted_bug(monkeypatch
     cfg = CheckConfig(usable_blocks=7, requests=2, window=None, mamba_align=True, long_prompts=True, max_states=6000)
     fixed = check(cfg)
     assert fixed.violation == [] and fixed.states >= 6000
-    commit_module = importlib.import_module("pagedkv.core.commit")  # (the package exports the function by that name)
-
-    def windows_scan(txn, req, i, slot, computed, dropped, previous=0):  # type: ignore[no-untyped-def]
-        cfg, record = txn.config, txn.rows[slot]
-        groups = list(record.blocks)
-        for g, gs in enumerate(cfg.groups):
-            first = gs.first_visible_block(computed, cfg.block_size)
-            ids, j = groups[g], first - 1
-            while j >= 0 and ids[j]:
-                dropped.append((j, i, g, ids[j]))
-                j -= 1
-            if j < first - 1:
-                groups[g] = (0,) * first + ids[first:]
-        txn.rows[slot] = record.with_blocks(tuple(groups))
-
-    monkeypatch.setattr(commit_module, "_drop_invisible", windows_scan)
+    monkeypatch.setattr(MambaAlign, "let_go", SlidingWindow.let_go)  # (back from the boundary to a null block)
     planted = check(cfg)
     assert planted.violation and "a state no forward reads again" in "\n".join(planted.violation)
 

@@ -1,7 +1,7 @@
 """The model checker: pinned state counts, and tests of the tester.
 
 Each planted bug is a kind real KV managers shipped. It is injected at a seam
-every caller shares (the pool's functions, a Txn method, GroupSpec, or admit where it is bound), and
+every caller shares (the pool's functions, a Txn method, a kind's rules, or admit where it is bound), and
 must be caught three ways: by the checker with a short counterexample, by
 `pagedkv replay --check` of that counterexample, and by the caching state machine.
 """
@@ -25,12 +25,12 @@ import pagedkv.core.verify.alphabet as check_mod
 import pagedkv.core.verify.trace_ops as trace_mod
 import tests.core.test_state_machine_caching as sm_caching
 from pagedkv.app.cli import main
-from pagedkv.core import Admitted, GroupSpec, KVState, Step, free_queue
+from pagedkv.core import Admitted, KVState, Step, admission, free_queue, growth, pool
 from pagedkv.core import admission as admission_mod
+from pagedkv.core.kinds import FullAttention, MambaState, SlidingWindow
+from pagedkv.core.txn import Txn
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
-from pagedkv.core import admission, growth, pool
-from pagedkv.core.txn import Txn
 
 SMALL = CheckConfig(usable_blocks=4, requests=2, max_model_len=6)
 
@@ -125,10 +125,8 @@ def _hash_kept_after_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _window_block_freed_while_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = GroupSpec.first_visible_block
-    monkeypatch.setattr(
-        GroupSpec, "first_visible_block", lambda self, pos, bs: original(self, pos, bs) + (self.window is not None)
-    )
+    original = SlidingWindow.first_visible_block
+    monkeypatch.setattr(SlidingWindow, "first_visible_block", lambda self, pos, bs: original(self, pos, bs) + 1)
 
 
 def _generation_reused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,9 +212,7 @@ def _saved_state_left_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _state_allocated_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        growth, "_extended", lambda txn, blocks, extra: tuple(g + pool.pop_blocks(txn, extra) for g in blocks)
-    )
+    monkeypatch.setattr(MambaState, "grown", FullAttention.grown)
 
 
 MAMBA_PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -298,12 +294,10 @@ def test_destination_reservations_are_explored_and_the_window_bug_is_caught(
     could see (found by hand). With ``destinations`` the checker admits such rows and marks their KV ready,
     so the fixed core holds every invariant over the whole space, and the old admission is caught with a
     short trace that ``pagedkv replay --check`` reproduces."""
-    from pagedkv.core import admission
-
     cfg = replace(SMALL, destinations=True)
     fixed = check(cfg)
     assert fixed.violation == [] and fixed.exhaustive and fixed.states > check(SMALL).states
-    monkeypatch.setattr(admission, "_fresh", lambda txn, ids, nb, first: ids + pool.pop_blocks(txn, nb - len(ids)))
+    monkeypatch.setattr(SlidingWindow, "admitted", lambda self, hit, nb, first, pop: hit + pop(nb - len(hit)))
     old = check(cfg)
     assert old.violation and any("no query can see" in v for v in old.violation), old.violation
     path = tmp_path / "counterexample.jsonl"

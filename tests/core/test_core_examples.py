@@ -1,4 +1,4 @@
-"""Example tests that pin the documented numbers of the core (issue 2, DESIGN.md)."""
+"""Example tests that pin the documented numbers of the core (issue 2, docs/core.md and docs/trace.md)."""
 
 import pickle
 

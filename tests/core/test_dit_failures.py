@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.app.diffusion import DiTStepRunner
 from pagedkv.core import RequestSpec, initial_state
-from pagedkv.core.scheduler.steps import Budget, DiTJob, StepState, cancel_job, done, fail, submit_job, tick
+from pagedkv.core.scheduler.steps import Budget, DiTJob, DiTState, cancel_job, done, fail, submit_job, tick
 from pagedkv.core.spec import RowSpec
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.verify.record import row_json
@@ -31,7 +31,7 @@ def job(rid: object, rows: list[DiTRow], steps: int = 3) -> DiTJob:
 def step_mode(runner: DiTStepRunner, budget: Budget, count: int = 4) -> tuple[dict[object, list[torch.Tensor]], bool]:
     """The first ``count`` of ``requests()`` through step batching on ``runner`` (its rank's geometry), arriving at
     their ticks: each one's images, and whether a forward held rows at different steps."""
-    state, pending, mixed = StepState.empty(initial_state(runner.rank.cache), budget), requests()[:count], False
+    state, pending, mixed = DiTState.empty(initial_state(runner.rank.cache), budget), requests()[:count], False
     for rid, rows, imgs, steps, _ in pending:
         runner.add(rid, rows, [i.clone() for i in imgs], steps)
     while pending or state.active or state.waiting:
@@ -53,8 +53,8 @@ def rank(cfg, rows: int = 16, tokens: int = 512):  # type: ignore[no-untyped-def
 
 
 def drive(
-    state: StepState, runner: DiTStepRunner, *, broken: set[object] = frozenset(), retry: bool = False, ticks: int = 50
-) -> StepState:  # type: ignore[assignment]
+    state: DiTState, runner: DiTStepRunner, *, broken: set[object] = frozenset(), retry: bool = False, ticks: int = 50
+) -> DiTState:  # type: ignore[assignment]
     """Tick until idle; a forward holding a request of ``broken`` raises (its first time only, with ``retry``)."""
     for _ in range(ticks):
         if not (state.active or state.waiting):
@@ -88,7 +88,7 @@ def test_a_failed_first_step_caches_nothing_and_a_retried_one_runs_again() -> No
     want = request_mode(rows, imgs, steps, rows[0].content_key())
     cfg = cache_config(40)
     runner = DiTStepRunner(DiT(), rank(cfg), get_backend("torch"))
-    state = submit_job(StepState.empty(initial_state(cfg)), job("a", rows, steps)).unwrap()
+    state = submit_job(DiTState.empty(initial_state(cfg)), job("a", rows, steps)).unwrap()
     runner.add("a", rows, [i.clone() for i in imgs], steps)
     state = drive(state, runner, broken={"a"})
     assert runner.take("a") == [] and state.kv.free_blocks == cfg.usable_blocks
@@ -113,7 +113,7 @@ def test_a_failed_first_step_caches_nothing_and_a_retried_one_runs_again() -> No
 def test_fail_is_checked_and_leaves_the_others_going() -> None:
     reqs = requests()[:3]
     cfg = cache_config(60)
-    state = StepState.empty(initial_state(cfg))
+    state = DiTState.empty(initial_state(cfg))
     for rid, rows, _, steps, _ in reqs:
         state = submit_job(state, job(rid, rows, steps)).unwrap()
     assert fail(state, ["r0"]).failure().field == "op"  # no tick outstanding
@@ -128,7 +128,7 @@ def test_fail_is_checked_and_leaves_the_others_going() -> None:
 
 def test_submit_refuses_what_admission_refuses_for_good_and_checks_ids_first() -> None:
     cfg = cache_config(20)  # 20 usable blocks, max_model_len 64
-    state = StepState.empty(initial_state(cfg), Budget(rows=2, tokens=40))
+    state = DiTState.empty(initial_state(cfg), Budget(rows=2, tokens=40))
     rows = [DiTRow((1, 2, 3))]
     state = submit_job(state, job("a", rows)).unwrap()
     spec = job("x", rows).spec
@@ -165,7 +165,7 @@ def test_a_job_refused_for_good_at_the_head_is_ended_and_the_queue_moves_on() ->
     cfg = cache_config(20)
     rows = [DiTRow((1, 2, 3))]
     bad = DiTJob("bad", RequestSpec("bad", (RowSpec(70, prefix_len=30, target_len=40),)), 2)  # (an older queue's)
-    state = StepState(initial_state(cfg), (bad, job("ok", rows, 2)), ())
+    state = DiTState(initial_state(cfg), (bad, job("ok", rows, 2)), ())
     state, plan = tick(state).unwrap()
     assert [(rid, e.code.value) for rid, e in plan.refused] == [("bad", "UNSCHEDULABLE")]
     assert plan.admitted == ("ok",) and [f.request_ids for f in plan.forwards] == [("ok",)]
@@ -179,7 +179,7 @@ def test_forwards_stay_within_the_budget_and_a_burst_waits_a_tick() -> None:
     want = {rid: request_mode(rows, imgs, steps, rows[0].content_key()) for rid, rows, imgs, steps, _ in reqs}
     cfg = cache_config(60)
     runner = DiTStepRunner(DiT(), rank(cfg, rows=3, tokens=40), get_backend("torch"))
-    state = StepState.empty(initial_state(cfg), Budget(rows=3, tokens=40))
+    state = DiTState.empty(initial_state(cfg), Budget(rows=3, tokens=40))
     for rid, rows, imgs, steps, _ in reqs:
         state = submit_job(state, job(rid, rows, steps)).unwrap()
         runner.add(rid, rows, [i.clone() for i in imgs], steps)

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from returns.result import Failure
 
 from pagedkv.core import CacheConfig, RequestSpec, initial_state
-from pagedkv.core.scheduler.steps import Budget, DiTJob, StepState, cancel_job, done, fail, submit_job, tick
+from pagedkv.core.scheduler.steps import Budget, DiTJob, DiTState, cancel_job, done, fail, submit_job, tick
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.models.dit import DiTRow
 
@@ -26,7 +26,7 @@ class StepMachine(RuleBasedStateMachine):
     @initialize(rows=st.sampled_from([2, 3, 4]), tokens=st.sampled_from([24, 40]), blocks=st.sampled_from([12, 30]))
     def start(self, rows: int, tokens: int, blocks: int) -> None:
         cfg = CacheConfig(block_size=4, num_blocks=blocks + 1, enable_prefix_caching=True, max_model_len=48)
-        self.state = StepState.empty(initial_state(cfg), Budget(rows=rows, tokens=tokens))
+        self.state = DiTState.empty(initial_state(cfg), Budget(rows=rows, tokens=tokens))
         self.prompt: dict[Any, tuple[tuple[int, ...], ...]] = {}  # request -> its rows' token ids
         self.completed: set[tuple[int, ...]] = set()  # rows some request computed a first step of
 
@@ -57,7 +57,7 @@ class StepMachine(RuleBasedStateMachine):
         for rid, _ in plan.refused:
             self.prompt.pop(rid, None)
 
-    def _ran(self, finished: tuple[Any, ...], ended: tuple[Any, ...], before: StepState) -> None:
+    def _ran(self, finished: tuple[Any, ...], ended: tuple[Any, ...], before: DiTState) -> None:
         first = {rid for rid, _, d in before.active if d == 0 and rid in before.planned}
         for rid in first - set(ended) - set(self.failed):
             self.completed.update(self.prompt[rid])
@@ -118,7 +118,7 @@ def test_the_old_way_round_a_failed_first_step_poisoned_the_cache(caching_point:
         return RequestSpec(rid, tuple(r.spec(6) for r in rows))
 
     for way in ("done+cancel", "fail"):
-        s = submit_job(StepState.empty(initial_state(cfg)), DiTJob("a", spec("a"), 3)).unwrap()
+        s = submit_job(DiTState.empty(initial_state(cfg)), DiTJob("a", spec("a"), 3)).unwrap()
         s, _ = tick(s).unwrap()  # the forward fails
         if way == "fail":
             s = fail(s, ["a"]).unwrap()[0]

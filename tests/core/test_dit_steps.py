@@ -10,7 +10,7 @@ import torch
 
 from pagedkv.app.diffusion import DiTRunner, DiTStepRunner
 from pagedkv.core import CacheConfig, RequestSpec, admit, initial_state, publish
-from pagedkv.core.scheduler.steps import DiTJob, StepState, cancel_job, done, submit_job, tick
+from pagedkv.core.scheduler.steps import DiTJob, DiTState, cancel_job, done, submit_job, tick
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.models.dit import DiT, DiTRow
 from pagedkv.shell.attention import get_backend
@@ -59,7 +59,7 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
     cfg = cache_config(blocks)
     rank = rank_for(cfg)
     runner = DiTStepRunner(DiT(), rank, get_backend("torch"))
-    state = StepState.empty(initial_state(cfg))
+    state = DiTState.empty(initial_state(cfg))
     pending = list(reqs)
     cancelled, waited, mixed = "r3", False, False
     while pending or state.active or state.waiting:
@@ -91,7 +91,7 @@ def test_step_batching_equals_request_mode_for_every_request_every_step(blocks: 
 
 
 def test_submit_checks_the_job() -> None:
-    state = StepState.empty(initial_state(cache_config(20)))
+    state = DiTState.empty(initial_state(cache_config(20)))
     rows = [DiTRow((1, 2, 3))]
     spec = RequestSpec("a", tuple(r.spec(IMAGE) for r in rows))
     state = submit_job(state, DiTJob("a", spec, 2)).unwrap()
@@ -131,7 +131,7 @@ def test_a_step_batching_trace_replays_event_for_event() -> None:
         },
     }
     lines = [header]
-    state = StepState.empty(initial_state(cfg))
+    state = DiTState.empty(initial_state(cfg))
     pending = list(requests())
     while pending or state.active or state.waiting:
         for item in [p for p in pending if p[4] <= state.tick]:

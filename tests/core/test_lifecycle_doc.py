@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pagedkv.core.scheduler.lifecycle as lifecycle
-from pagedkv.core.scheduler.lifecycle import TABLE, Event, Stage, diagram
+from pagedkv.core.scheduler.lifecycle import TABLE, Move, Stage, diagram
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "scheduler.md"
 BLOCK = re.compile(
@@ -37,5 +37,5 @@ def test_the_diagram_names_every_event_and_phase_once_per_move() -> None:
 
 
 def test_a_changed_table_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lifecycle, "TABLE", TABLE + ((Event.PREEMPT, (Stage.DENOISING,), Stage.WAITING),))
+    monkeypatch.setattr(lifecycle, "TABLE", TABLE + ((Move.PREEMPT, (Stage.DENOISING,), Stage.WAITING),))
     assert documented() != lifecycle.diagram()

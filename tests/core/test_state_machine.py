@@ -1,6 +1,6 @@
 """The core against a small, obviously correct reference model.
 
-The reference is plain lists and dicts written from DESIGN.md's rules; after
+The reference is plain lists and dicts written from the documented rules (docs/core.md, docs/trace.md); after
 every step the two must agree on block ids, the free queue's order, lengths and
 generations, the invariants must hold, a refused step must leave the digest
 unchanged, and old snapshots must never change.

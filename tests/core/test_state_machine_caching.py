@@ -201,7 +201,9 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         for i, (cached, row_blocks) in enumerate(zip(effect.cached_tokens, effect.blocks)):
             hit = cached // bs
             for g, ids in enumerate(row_blocks):
-                if self.cfg.groups[g].is_state:  # the row's state: a saved one holds exactly the hit's tokens
+                if (
+                    self.cfg.groups[g].kind is GroupKind.MAMBA
+                ):  # the row's state: a saved one holds exactly the hit's tokens
                     if hit:
                         event("admit took a saved state over")
                         assert self.content.get(ids[-1]) == self.state_content(rid, i, g, cached), (
@@ -229,7 +231,7 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         for rid in self.state.requests.keys():
             for i, row in enumerate(request_blocks(self.state, rid)):
                 for g, ids in enumerate(row):
-                    if self.cfg.groups[g].is_state:
+                    if self.cfg.groups[g].kind is GroupKind.MAMBA:
                         continue  # the state moved, nothing fresh
                     old = before.get(rid, ((),) * 0)
                     old_len = len(old[i][g]) if old else 0
@@ -299,7 +301,11 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
             blocks = request_blocks(self.state, rid)[i]
             for j in range(min(self.state.row_computed[s], len(toks)) // bs):  # computed, and now known
                 for g, group_ids in enumerate(blocks):
-                    if group_ids[j] and not self.cfg.groups[g].is_state and self.content.get(group_ids[j]) is not None:
+                    if (
+                        group_ids[j]
+                        and not self.cfg.groups[g].kind is GroupKind.MAMBA
+                        and self.content.get(group_ids[j]) is not None
+                    ):
                         self.content[group_ids[j]] = self.expected_content(rid, i, g, j)
 
     @rule(rid=st.sampled_from(IDS), data=st.data())
@@ -346,12 +352,12 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         bs = self.cfg.block_size
         for i, (c0, c1) in enumerate(zip(old, new)):
             for g, ids in enumerate(blocks[i]):  # a state absorbs what was computed, if it held what came before
-                if self.cfg.groups[g].is_state:
+                if self.cfg.groups[g].kind is GroupKind.MAMBA:
                     valid = self.content.get(ids[-1]) == self.state_content(rid, i, g, c0)
                     self.content[ids[-1]] = self.state_content(rid, i, g, c1) if valid else ("opaque", next(_opaque))
             for j in range(c0 // bs, c1 // bs):  # blocks that became full and computed now
                 for g, ids in enumerate(blocks[i]):
-                    if self.cfg.groups[g].is_state:
+                    if self.cfg.groups[g].kind is GroupKind.MAMBA:
                         continue
                     if ids[j]:
                         self.content[ids[j]] = self.expected_content(rid, i, g, j)
@@ -374,7 +380,11 @@ class CachingMachine(DecodeRules, RuleBasedStateMachine):
         for i, (c0, c1) in enumerate(zip(old, through)):
             for j in range(c0 // bs, c1 // bs):
                 for g, ids in enumerate(blocks[i]):
-                    if ids[j] and not self.cfg.groups[g].is_state and self.state.cache.key_of(ids[j]) is not None:
+                    if (
+                        ids[j]
+                        and not self.cfg.groups[g].kind is GroupKind.MAMBA
+                        and self.state.cache.key_of(ids[j]) is not None
+                    ):
                         ahead.append(ids[j])
         if fails:
             event("a planned step failed after caching ahead")

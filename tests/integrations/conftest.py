@@ -13,6 +13,8 @@ import pytest
 collect_ignore = ["data/make_vllm_events_golden.py"]  # a script that writes the golden file where vLLM is
 
 REQUIRED = os.environ.get("PAGEDKV_REQUIRE_VLLM") == "1"
+# the manager takes vLLM's request.block_hashes as the core's; here the core checks each against its own
+os.environ.setdefault("PAGEDKV_CHECK_HASHES", "1")
 
 
 def _failed(report: Any) -> None:

@@ -164,7 +164,7 @@ def test_each_align_mode_rule_is_needed(plant: str, monkeypatch: pytest.MonkeyPa
     a hit on a state cached this step waits a step; the lookup reports where the full groups' hit ends (the
     scheduler ends a prefill chunk there, so the state at the shared prefix is cached); the group allocates
     its last position only."""
-    from pagedkv.core import admission
+    from pagedkv.core.kinds import FullAttention, MambaAlign
     from pagedkv.integrations.vllm import manager
 
     if plant == "no deferral":
@@ -173,7 +173,7 @@ def test_each_align_mode_rule_is_needed(plant: str, monkeypatch: pytest.MonkeyPa
         real = manager.find_hit
         monkeypatch.setattr(manager, "find_hit", lambda *a, **k: dataclasses.replace(real(*a, **k), full_blocks=0))
     else:
-        monkeypatch.setattr(admission, "_aligned", admission._fresh)
+        monkeypatch.setattr(MambaAlign, "admitted", FullAttention.admitted)
     diff, steps, _ = differential(60, Layout(mamba=1), {"num_requests": 120}, {})
     assert diff is not None, f"{plant}: no difference in {steps} steps"
 
@@ -420,3 +420,32 @@ def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str, lookahead:
     state = commit(admit(manager.state, spec).unwrap().state, "mm", [100]).unwrap().state
     ours = [state.rows[state.requests["mm"].slots[0]].hash_at(j) for j in range(6)]
     assert ours == [bytes(h) for h in request.block_hashes] and len(ours) == 6
+
+
+@pytest.mark.parametrize("where", ["lookup", "cache_ahead"])
+def test_vllm_block_hashes_are_taken_and_a_wrong_one_is_caught(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager hands the core vLLM's ``request.block_hashes`` instead of hashing every block again; under
+    ``PAGEDKV_CHECK_HASHES=1`` (this directory's conftest) the core checks each. Planted: one byte of a hash
+    vLLM gives flipped, at the lookup (the spec's ``block_hashes``) or at ``cache_ahead``: refused, named."""
+    from pagedkv.integrations.vllm import manager, rows
+
+    def flipped(hashes: Any) -> tuple[bytes, ...]:
+        return tuple(bytes([h[0] ^ 1]) + h[1:] if j == 0 else h for j, h in enumerate(hashes))
+
+    if where == "lookup":
+        real = manager.PagedKVCacheManager._spec
+
+        def spec(self: Any, *a: Any, **k: Any) -> Any:
+            s = real(self, *a, **k)
+            return dataclasses.replace(s, block_hashes=flipped(s.block_hashes))
+
+        monkeypatch.setattr(manager.PagedKVCacheManager, "_spec", spec)
+    else:
+        real_many = rows.cache_ahead_many
+        monkeypatch.setattr(
+            rows,
+            "cache_ahead_many",
+            lambda state, items, hashes: real_many(state, items, hashes={r: flipped(h) for r, h in hashes.items()}),
+        )
+    diff, steps, _ = differential(60, Layout(), {"num_requests": 40}, {})
+    assert diff is not None and "block_hashes[0] is not the hash of block 0" in diff, diff

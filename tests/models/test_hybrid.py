@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
 
-from pagedkv.core.config import GroupKind  # noqa: E402
+from pagedkv.core.kinds import GroupKind  # noqa: E402
 from pagedkv.core.state import request_blocks  # noqa: E402
 from pagedkv.models.gguf import LlamaConfig  # noqa: E402
 from pagedkv.models.llama import IdTokenizer, Llama  # noqa: E402

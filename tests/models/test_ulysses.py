@@ -106,7 +106,7 @@ def _steps_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from pagedkv.app.diffusion import DiTStepRunner
-    from pagedkv.core.scheduler.steps import Budget, StepState, done, submit_job, tick
+    from pagedkv.core.scheduler.steps import Budget, DiTState, done, submit_job, tick
     from pagedkv.models.ulysses import UlyssesDiT, broadcast
     from pagedkv.shell.distributed import init
     from tests.core.test_dit_failures import job
@@ -119,7 +119,7 @@ def _steps_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         cfg = CacheConfig(block_size=4, num_blocks=61, enable_prefix_caching=True, max_model_len=64)
         r = build_rank(plan_rank(sp.kv_layers(), block_size=4, dtype=torch.float32), cfg, max_rows=6, max_tokens=64)
         runner = DiTStepRunner(sp, r, get_backend("torch"))
-        state = StepState.empty(initial_state(cfg), Budget(rows=6, tokens=64)) if rank == 0 else None
+        state = DiTState.empty(initial_state(cfg), Budget(rows=6, tokens=64)) if rank == 0 else None
         pending = requests()[:4]
         for rid, rows, imgs, steps, _ in pending:
             runner.add(rid, rows, [i.clone() for i in imgs], steps)

@@ -8,7 +8,7 @@ requests, state, plans), ``inputs`` (submit, cancel), ``policy`` (schedule), ``r
 
 from pagedkv.core.scheduler.digest import sched_canonical, sched_digest
 from pagedkv.core.scheduler.inputs import cancel, submit
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Stage
+from pagedkv.core.scheduler.lifecycle import FinishReason, Move, Stage
 from pagedkv.core.scheduler.policy import schedule
 from pagedkv.core.scheduler.records import (
     DiffusionRun,
@@ -24,7 +24,7 @@ from pagedkv.core.scheduler.results import on_output, on_tokens
 
 __all__ = [
     "DiffusionRun",
-    "Event",
+    "Move",
     "FinishReason",
     "LiveRequests",
     "Prefilled",

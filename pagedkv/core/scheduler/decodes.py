@@ -13,8 +13,8 @@ from pagedkv.core.admission import growing_refusal, refusal
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
 from pagedkv.core.growth import Placeholders, append, append_decode, append_many
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.draft import Draft
-from pagedkv.core.scheduler.lifecycle import Event
+from pagedkv.core.scheduler.lifecycle import Move
+from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState
 
@@ -32,7 +32,7 @@ def drafts_problem(drafts: object) -> KVError | None:
     return None
 
 
-def decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
+def decodes(d: Planning, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
     """Decodes, oldest first: one token each (its last sampled id), and its drafts where it has any. The
     whole batch as one transition when it fits (with drafts: ``_verify_batch``); request by request,
     preempting the newest as needed, when not."""
@@ -63,7 +63,7 @@ def decodes(d: Draft, drafts: Mapping[RequestId, Sequence[int]] | None) -> None:
             _decode_one(d, rid, d.log.last(rid), _fitting(d, rid, drafts.get(rid, ())) if drafts else ())
 
 
-def _verify_batch(d: Draft, candidates: list[RequestId], drafts: Mapping[RequestId, Sequence[int]]) -> bool:
+def _verify_batch(d: Planning, candidates: list[RequestId], drafts: Mapping[RequestId, Sequence[int]]) -> bool:
     """Decodes with drafts as one transition, when every row grows by its token and the drafts that fit (as the
     request-by-request loop would grow them, in order) without a refusal; False, nothing changed, when not."""
     budget, items, fitted = d.budget, [], []
@@ -83,7 +83,7 @@ def _verify_batch(d: Draft, candidates: list[RequestId], drafts: Mapping[Request
     return True
 
 
-def _fitting(d: Draft, rid: RequestId, draft: Sequence[int], budget: int | None = None) -> tuple[int, ...]:
+def _fitting(d: Planning, rid: RequestId, draft: Sequence[int], budget: int | None = None) -> tuple[int, ...]:
     """As many of ``rid``'s drafts as its step can verify: the budget left after its own token (``budget``, by
     default the draft's), the tokens ``max_tokens`` still allows after the one a verify always yields, and the
     row's length limit."""
@@ -98,7 +98,7 @@ def _fitting(d: Draft, rid: RequestId, draft: Sequence[int], budget: int | None 
     return tuple(draft[: max(room, 0)])
 
 
-def _planned(d: Draft, rid: RequestId, draft: tuple[int, ...]) -> None:
+def _planned(d: Planning, rid: RequestId, draft: tuple[int, ...]) -> None:
     """``rid`` grew by its token and ``draft``: a decode, or a verify of its drafts, out of the budget."""
     if draft:
         d.verify.append((rid, draft))
@@ -107,7 +107,7 @@ def _planned(d: Draft, rid: RequestId, draft: tuple[int, ...]) -> None:
     d.budget -= 1 + len(draft)
 
 
-def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
+def _decode_one(d: Planning, rid: RequestId, token: int, draft: tuple[int, ...] = ()) -> None:
     ahead = rid in d.awaiting  # (its last id not known yet: a placeholder, and no drafts after it)
     draft = () if ahead else draft
     grown = grow(d, rid, Placeholders(1) if ahead else [token, *draft])
@@ -116,10 +116,10 @@ def _decode_one(d: Draft, rid: RequestId, token: int, draft: tuple[int, ...] = (
     elif grown is not False:  # max_model_len reached, or more than the whole pool holds: it cannot go on
         d.apply(release(d.kv, rid, "error").unwrap())
         d.running.remove(rid)
-        d.end(rid, Event.OVERRUN, grown)
+        d.end(rid, Move.OVERRUN, grown)
 
 
-def grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
+def grow(d: Planning, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
     """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
     True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
     refusal that is not about blocks: its length past ``max_model_len``, or (``UNSCHEDULABLE``) more than the
@@ -143,7 +143,7 @@ def grow(d: Draft, rid: RequestId, tokens: list[int] | Placeholders) -> bool | K
             return False
 
 
-def readmission_refusal(d: Draft, rid: RequestId) -> KVError | None:
+def readmission_refusal(d: Planning, rid: RequestId) -> KVError | None:
     """Why running ``rid``, preempted now, could never be admitted again (its prompt and what it generated, as the
     waiting queue's head would be judged with its blocks back): then it is not preempted, it ends."""
     req = d.seqs[rid]
@@ -151,7 +151,7 @@ def readmission_refusal(d: Draft, rid: RequestId) -> KVError | None:
     return admission_refusal(d, kv, replace(req, output=d.output(rid)).spec())
 
 
-def admission_refusal(d: Draft, kv: KVState, spec: RequestSpec) -> KVError | None:
+def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec) -> KVError | None:
     """Why the scheduler can never admit ``spec`` into ``kv``'s pool, whatever the pool holds then: ``refusal``
     (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
     cfg = d.state.config

@@ -20,7 +20,7 @@ from pagedkv.core.errors import (
     shown,
 )
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.lifecycle import Event, advance, moved
+from pagedkv.core.scheduler.lifecycle import Move, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
 from pagedkv.core.spec import check_request_spec
 
@@ -38,7 +38,7 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
         replace(
             state,
             waiting=state.waiting.append(rid),
-            stages=state.stages.set(rid, moved(None, Event.SUBMIT)),
+            stages=state.stages.set(rid, moved(None, Move.SUBMIT)),
             seqs=state.seqs.set(rid, req),
             log=log.persistent(),
             arrivals=state.arrivals + 1,
@@ -92,7 +92,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
 def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:
     """``state`` without the live request ``request_id`` (its blocks back, out of the queues, the log and a plan
     in flight), which ended with ``reason``: cancelled, error, or finished (a stop token whose id came late)."""
-    advance(state.stages[request_id], Event.FINISH if reason == "finished" else Event.CANCEL)
+    advance(state.stages[request_id], Move.FINISH if reason == "finished" else Move.CANCEL)
     kv, events = state.kv, state.kv_events[:0]
     if request_id in kv.requests:
         released = release(kv, request_id, reason).unwrap()

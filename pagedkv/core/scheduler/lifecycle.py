@@ -1,8 +1,8 @@
-"""A request's lifecycle in the scheduler, as data: its stages, the events that move it,
-and the table of which event may move it from where to where (h11 style).
+"""A request's lifecycle in the scheduler, as data: its stages, the moves (``Move``) between them,
+and the table of which move may take it from where to where (h11 style).
 
 ``submit``, ``schedule``, ``on_output`` and ``cancel`` move a request only through
-``advance``, which consults ``TABLE``; an event the table does not allow is a bug and
+``advance``, which consults ``TABLE``; a move the table does not allow is a bug and
 raises. docs/scheduler.md draws its diagram from the table (``diagram()``; a test
 fails when the two differ).
 """
@@ -10,6 +10,7 @@ fails when the two differ).
 from __future__ import annotations
 
 from enum import StrEnum
+
 from pagedkv.core.errors import InvariantError, shown
 
 
@@ -22,7 +23,7 @@ class Stage(StrEnum):
     DENOISING = "denoising"  # a diffusion request's steps, planned in one step and ended by the next output
 
 
-class Event(StrEnum):
+class Move(StrEnum):
     SUBMIT = "submit"
     ADMIT = "admit"  # an LLM request's blocks are reserved
     ADMIT_DIFFUSION = "admit diffusion"  # a diffusion request's blocks are reserved and all its steps planned
@@ -47,47 +48,47 @@ class FinishReason(StrEnum):
 
 END = None  # a transition's target when the request ends: it leaves the stage map
 
-# (event, stages it may come from (None: not yet submitted), stage it goes to, or END)
-TABLE: tuple[tuple[Event, tuple[Stage | None, ...], Stage | None], ...] = (
-    (Event.SUBMIT, (None,), Stage.WAITING),
-    (Event.ADMIT, (Stage.WAITING,), Stage.PREFILLING),
-    (Event.ADMIT_DIFFUSION, (Stage.WAITING,), Stage.DENOISING),
-    (Event.REFUSE, (Stage.WAITING,), END),
-    (Event.PREFILLED, (Stage.PREFILLING,), Stage.DECODING),
-    (Event.PREEMPT, (Stage.PREFILLING, Stage.DECODING), Stage.WAITING),
-    (Event.OVERRUN, (Stage.DECODING,), END),
-    (Event.FINISH, (Stage.WAITING, Stage.DECODING, Stage.DENOISING), END),  # (waiting: preempted, its stop token late)
-    (Event.CANCEL, (Stage.WAITING, Stage.PREFILLING, Stage.DECODING, Stage.DENOISING), END),
+# (move, stages it may come from (None: not yet submitted), stage it goes to, or END)
+TABLE: tuple[tuple[Move, tuple[Stage | None, ...], Stage | None], ...] = (
+    (Move.SUBMIT, (None,), Stage.WAITING),
+    (Move.ADMIT, (Stage.WAITING,), Stage.PREFILLING),
+    (Move.ADMIT_DIFFUSION, (Stage.WAITING,), Stage.DENOISING),
+    (Move.REFUSE, (Stage.WAITING,), END),
+    (Move.PREFILLED, (Stage.PREFILLING,), Stage.DECODING),
+    (Move.PREEMPT, (Stage.PREFILLING, Stage.DECODING), Stage.WAITING),
+    (Move.OVERRUN, (Stage.DECODING,), END),
+    (Move.FINISH, (Stage.WAITING, Stage.DECODING, Stage.DENOISING), END),  # (waiting: preempted, its stop token late)
+    (Move.CANCEL, (Stage.WAITING, Stage.PREFILLING, Stage.DECODING, Stage.DENOISING), END),
 )
-_MOVES = {(src, event): dst for event, sources, dst in TABLE for src in sources}
+_MOVES = {(src, move): dst for move, sources, dst in TABLE for src in sources}
 
 
-def advance(phase: Stage | None, event: Event) -> Stage | None:
-    """The phase ``event`` moves a request to from ``phase`` (None: it ended).
+def advance(phase: Stage | None, move: Move) -> Stage | None:
+    """The phase ``move`` takes a request to from ``phase`` (None: it ended).
 
-    >>> advance(Stage.WAITING, Event.ADMIT), advance(Stage.DECODING, Event.FINISH)
+    >>> advance(Stage.WAITING, Move.ADMIT), advance(Stage.DECODING, Move.FINISH)
     (<Stage.PREFILLING: 'prefilling'>, None)
     """
     try:
-        return _MOVES[(phase, event)]
+        return _MOVES[(phase, move)]
     except KeyError:
-        raise InvariantError(f"the lifecycle has no {shown(event.value)} from {phase}: a scheduler bug") from None
+        raise InvariantError(f"the lifecycle has no {shown(move.value)} from {phase}: a scheduler bug") from None
 
 
-def moved(phase: Stage | None, event: Event) -> Stage:
-    """``advance`` for an event that keeps the request alive."""
-    to = advance(phase, event)
+def moved(phase: Stage | None, move: Move) -> Stage:
+    """``advance`` for a move that keeps the request alive."""
+    to = advance(phase, move)
     if to is None:
-        raise InvariantError(f"{shown(event.value)} ends a request")
+        raise InvariantError(f"{shown(move.value)} ends a request")
     return to
 
 
 def diagram() -> str:
     """The table as a Mermaid state diagram (what docs/scheduler.md shows)."""
     lines = ["stateDiagram-v2"]
-    for event, sources, dst in TABLE:
+    for move, sources, dst in TABLE:
         for src in sources:
             a = "[*]" if src is None else src.value
             b = "[*]" if dst is None else dst.value
-            lines.append(f"    {a} --> {b}: {event.value}")
+            lines.append(f"    {a} --> {b}: {move.value}")
     return "\n".join(lines)

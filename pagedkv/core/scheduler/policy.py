@@ -26,14 +26,14 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.admission import admit
 from pagedkv.core.commit import cache_ahead
 from pagedkv.core.errors import ErrorCode, InvariantError, KVError, RequestId, invalid
-from pagedkv.core.prefix import find_hit
-from pagedkv.core.spec import RowSpec
 from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.scheduler.lifecycle import Event
+from pagedkv.core.prefix import find_hit
 from pagedkv.core.scheduler.decodes import admission_refusal, decodes, drafts_problem, grow
-from pagedkv.core.scheduler.draft import Draft
+from pagedkv.core.scheduler.lifecycle import Move
+from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
 from pagedkv.core.snapshot import publish
+from pagedkv.core.spec import RowSpec
 
 
 def schedule(
@@ -51,14 +51,14 @@ def schedule(
         bad = drafts_problem(drafts)
         if bad is not None:
             return Failure(bad)
-    d = Draft(state)
+    d = Planning(state)
     decodes(d, drafts or None)
     _prefill_chunks(d)
     _admissions(d)
     return Success(_plan(d))
 
 
-def _prefill_chunks(d: Draft) -> None:
+def _prefill_chunks(d: Planning) -> None:
     """Chunked prefills of running requests, in admission order, while the budget lasts."""
     cfg, prefilling = d.state.config, d.prefilling
     for rid in d.running if prefilling else ():
@@ -78,12 +78,12 @@ def _prefill_chunks(d: Draft) -> None:
                 _cache_ahead(d, rid, computed + q)
 
 
-def _sequence_len(d: Draft, rid: RequestId) -> int:
+def _sequence_len(d: Planning, rid: RequestId) -> int:
     """What an LLM request computes before it decodes: its prompt and what it generated before a preemption."""
     return len(d.seqs[rid].prompt) + len(d.output(rid))
 
 
-def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
+def _grow_chunk(d: Planning, rid: RequestId, end: int) -> bool:
     """``grow_prefill``: the row holds tokens up to ``end`` (its next chunk's blocks), preempting the newest
     running request while the blocks are short; False when ``rid`` itself was the one preempted."""
     slot = d.kv.requests[rid].slots[0]
@@ -97,7 +97,7 @@ def _grow_chunk(d: Draft, rid: RequestId, end: int) -> bool:
     return grown
 
 
-def _admissions(d: Draft) -> None:
+def _admissions(d: Planning) -> None:
     """Admissions from the head of the waiting queue while budget, seats and blocks allow."""
     cfg = d.state.config
     skipped: list[RequestId] = []
@@ -113,7 +113,7 @@ def _admissions(d: Draft) -> None:
         d.waiting = d.waiting.appendleft(rid)
 
 
-def _admit_head(d: Draft, rid: RequestId) -> str:
+def _admit_head(d: Planning, rid: RequestId) -> str:
     """Try the head of the waiting queue: "stop" (it waits, and so do those behind it), "skip" (it
     waits; later ones may overtake it), or "done" (admitted, or ended by a permanent refusal)."""
     cfg = d.state.config
@@ -125,7 +125,7 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
     if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
         never = admission_refusal(d, d.kv, spec)
         if never is not None:
-            d.end(rid, Event.REFUSE, never)
+            d.end(rid, Move.REFUSE, never)
             return "done"
         hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
         total = len(req.prompt) + len(output)
@@ -139,7 +139,7 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:
             return "skip" if cfg.allow_overtaking else "stop"
-        d.end(rid, Event.REFUSE, err)
+        d.end(rid, Move.REFUSE, err)
         return "done"
     step = admitted.unwrap()
     cached = step.effect.cached_tokens[0]
@@ -151,7 +151,7 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
         first = publish(d.kv, [rid], "prefill").unwrap().effect
         later = publish(d.kv, [rid], "denoise").unwrap().effect if req.steps > 1 else None
         d.diffusion.append(DiffusionRun(rid, req.steps, first, later))
-        d.move(rid, Event.ADMIT_DIFFUSION)
+        d.move(rid, Move.ADMIT_DIFFUSION)
         d.budget -= tokens
         return "done"
     remaining = len(req.prompt) + len(output) - cached
@@ -160,21 +160,21 @@ def _admit_head(d: Draft, rid: RequestId) -> str:
         return "stop"
     d.apply(step)
     d.running.append(rid)
-    d.move(rid, Event.ADMIT)
+    d.move(rid, Move.ADMIT)
     d.prefill.append((rid, q))
     d.budget -= q
     _cache_ahead(d, rid, cached + q)
     return "done"
 
 
-def _cache_ahead(d: Draft, rid: RequestId, through: int) -> None:
+def _cache_ahead(d: Planning, rid: RequestId, through: int) -> None:
     """Under vLLM's caching point, a planned prefill chunk's full blocks are cached now: a request admitted
     after it in this step can hit them (the one prefill forward writes them before any row reads them)."""
     if d.kv.config.caching_point == "schedule":
         d.apply(cache_ahead(d.kv, rid, [through]).unwrap())
 
 
-def _plan(d: Draft) -> tuple[SchedState, StepPlan]:
+def _plan(d: Planning) -> tuple[SchedState, StepPlan]:
     """The step's metadata (prefill rows' snapshot, then decode rows'), its plan, the next state."""
     state, kv = d.state, d.kv
     metadata: list[KVMetadata] = []

@@ -16,9 +16,9 @@ from pagedkv.core.effects import events_of
 from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.events import KVEvent
 from pagedkv.core.release import release_many
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, advance, moved
-from pagedkv.core.scheduler.records import SchedState
 from pagedkv.core.scheduler.inputs import ended
+from pagedkv.core.scheduler.lifecycle import FinishReason, Move, advance, moved
+from pagedkv.core.scheduler.records import SchedState
 from pagedkv.core.state import KVState, row_known
 
 
@@ -68,7 +68,7 @@ def on_output(
         kv = released.state
         events.extend(events_of(released.effect))
         for rid in ending:
-            advance(stages[rid], Event.FINISH)
+            advance(stages[rid], Move.FINISH)
             del stages[rid]
             seqs = seqs.delete(rid)
             log.drop(rid)
@@ -113,7 +113,7 @@ def _logged(
             ending.append(rid)
     for rid, _, _, samples in state.sched_prefill:
         if samples:  # its prompt is computed: it decodes from now on
-            stages[rid] = moved(stages[rid], Event.PREFILLED)
+            stages[rid] = moved(stages[rid], Move.PREFILLED)
             log.append(rid, sampled[rid] or 0)
             if rid in stop or log.count(rid) >= limit(rid).max_tokens:
                 ending.append(rid)

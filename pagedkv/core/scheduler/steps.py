@@ -12,7 +12,7 @@ finishes, is cancelled or fails on its own (``done``, ``cancel``, ``fail``). Act
 preempted: their blocks are fixed at admission and a preempted DiT request would have to restart from its
 latent, so a request that does not fit waits instead.
 
-    s = StepState.empty(kv, Budget(rows=16, tokens=2048))
+    s = DiTState.empty(kv, Budget(rows=16, tokens=2048))
     s = submit_job(s, DiTJob("img", spec, steps=30)).unwrap()
     s, plan = tick(s).unwrap()          # TickPlan: forwards (phase, request ids, metadata, their step index)
     ... run each forward ...
@@ -84,7 +84,7 @@ class TickPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class StepState:
+class DiTState:
     """The KV state and the diffusion requests: waiting (not admitted) and active (request, steps, done)."""
 
     kv: KVState
@@ -95,11 +95,11 @@ class StepState:
     budget: Budget = Budget()
 
     @staticmethod
-    def empty(kv: KVState, budget: Budget = Budget()) -> StepState:
-        return StepState(kv, (), (), budget=budget)
+    def empty(kv: KVState, budget: Budget = Budget()) -> DiTState:
+        return DiTState(kv, (), (), budget=budget)
 
 
-def submit_job(state: StepState, job: DiTJob) -> Result[StepState, KVError]:
+def submit_job(state: DiTState, job: DiTJob) -> Result[DiTState, KVError]:
     """Queue ``job``: its id new, its rows diffusion rows, and nothing admission would refuse for good (the
     pool, ``max_model_len``, row limits, a first step over the forward budget); refused with the reason,
     the state unchanged."""
@@ -154,7 +154,7 @@ def _over_budget(budget: Budget, spec: RequestSpec) -> KVError | None:
     return None
 
 
-def tick(state: StepState) -> Result[tuple[StepState, TickPlan], KVError]:
+def tick(state: DiTState) -> Result[tuple[DiTState, TickPlan], KVError]:
     """Admit what fits (in order; the first that does not fit stops admission; one refused for good is ended
     with its reason and the queue moves on; first steps admitted in a tick hold at most one forward's tokens),
     then plan one step of every active request, in forwards of one segment structure within the budget."""
@@ -188,7 +188,7 @@ def tick(state: StepState) -> Result[tuple[StepState, TickPlan], KVError]:
     forwards = _forwards(kv, active, budget)
     if isinstance(forwards, KVError):
         return Failure(forwards)
-    new = StepState(
+    new = DiTState(
         kv, tuple(waiting), tuple(active), state.tick + 1, tuple(rid for f in forwards for rid in f.request_ids), budget
     )
     return Success((new, TickPlan(state.tick, tuple(forwards), tuple(admitted), tuple(refused))))
@@ -232,15 +232,15 @@ def _forwards(kv: KVState, active: list[tuple[RequestId, int, int]], budget: Bud
     return forwards
 
 
-def done(state: StepState) -> Result[tuple[StepState, tuple[RequestId, ...]], KVError]:
+def done(state: DiTState) -> Result[tuple[DiTState, tuple[RequestId, ...]], KVError]:
     """The last tick's forwards ran: each request is one step further (its rows committed after its first
     step); those whose steps are all done are released and returned."""
     return _advance(state, frozenset(), retry=False).map(lambda r: (r[0], r[1]))
 
 
 def fail(
-    state: StepState, request_ids: list[RequestId] | tuple[RequestId, ...], retry: bool = False
-) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
+    state: DiTState, request_ids: list[RequestId] | tuple[RequestId, ...], retry: bool = False
+) -> Result[tuple[DiTState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
     """The last tick's forwards ran, those of ``request_ids`` failed: in one transition, every other request is
     one step further (as ``done``), and each failed one ends with reason ``error`` (nothing of its failed step
     is cached: a first step's rows are never committed; its blocks go back), or with ``retry`` stays active at
@@ -258,8 +258,8 @@ def fail(
 
 
 def _advance(
-    state: StepState, failed: frozenset[RequestId], retry: bool
-) -> Result[tuple[StepState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
+    state: DiTState, failed: frozenset[RequestId], retry: bool
+) -> Result[tuple[DiTState, tuple[RequestId, ...], tuple[RequestId, ...]], KVError]:
     kv = state.kv
     ran = set(state.planned)
     active: list[tuple[RequestId, int, int]] = []
@@ -284,11 +284,11 @@ def _advance(
             return Failure(rel.failure())
         kv = rel.unwrap().state
         (ended if rid in failed else finished).append(rid)
-    new = StepState(kv, state.waiting, tuple(active), state.tick, (), state.budget)
+    new = DiTState(kv, state.waiting, tuple(active), state.tick, (), state.budget)
     return Success((new, tuple(finished), tuple(ended)))
 
 
-def steps_digest(state: StepState) -> str:
+def steps_digest(state: DiTState) -> str:
     """The state's digest: the core's and the queues' (replay compares it event by event)."""
     from pagedkv.core.verify.digest import digest as kv_digest  # (verify imports this module: not at the top)
 
@@ -303,7 +303,7 @@ def steps_digest(state: StepState) -> str:
     return hashlib.blake2b(repr(queues).encode(), digest_size=16).hexdigest()
 
 
-def cancel_job(state: StepState, request_id: RequestId, reason: str = "cancelled") -> Result[StepState, KVError]:
+def cancel_job(state: DiTState, request_id: RequestId, reason: str = "cancelled") -> Result[DiTState, KVError]:
     """Drop a waiting request, or release an active one (between ticks); its blocks go back. ``reason``
     ``"error"`` for a request the caller gives up on (the core then takes back what it cached ahead); a step
     that failed is ``fail``'s."""

@@ -15,7 +15,8 @@ from returns.result import Result
 
 from pagedkv.core.admission import admit
 from pagedkv.core.ahead import fill, truncate
-from pagedkv.core.config import CacheConfig, GroupKind, GroupSpec
+from pagedkv.core.config import CacheConfig, GroupSpec
+from pagedkv.core.kinds import GroupKind
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.decode import decode_step
 from pagedkv.core.destination import mark_ready

@@ -7,8 +7,9 @@ raises on a broken state, so a checker can report it with its trace.
 
 from __future__ import annotations
 
-from pagedkv.core.config import GroupKind, GroupSpec
+from pagedkv.core.config import GroupSpec
 from pagedkv.core.errors import shown
+from pagedkv.core.kinds import GroupKind
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import KVState, Request
@@ -17,7 +18,7 @@ from pagedkv.core.tails import Awaiting, known_ids
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
     """The first position a query at ``future`` or later reads. Written out here on purpose,
-    apart from ``GroupSpec.first_visible_block``, so that a bug there cannot hide from this check."""
+    apart from ``KindRules.first_visible_block``, so that a bug there cannot hide from this check."""
     if group.kind is GroupKind.SLIDING_WINDOW and group.window is not None:
         return future - group.window + 1
     if group.kind is GroupKind.CHUNKED_LOCAL and group.chunk is not None:

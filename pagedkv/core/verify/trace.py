@@ -136,7 +136,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
                 budget = dit_steps.Budget(config.get("max_forward_rows"), config.get("max_forward_tokens"))
                 if (bad := budget.check()) is not None:
                     raise TraceHeaderError(f"line {lineno}: {bad.message}")
-                state = dit_steps.StepState.empty(state if isinstance(state, KVState) else state.kv, budget)
+                state = dit_steps.DiTState.empty(state if isinstance(state, KVState) else state.kv, budget)
             break
     else:
         raise TraceHeaderError("line 1: the trace is empty; it needs a header")
@@ -228,11 +228,11 @@ def _judge_admission(before: KVState, line: str, after: KVState | None, error: d
 
 def kv_of(state: Any) -> KVState:
     """The core's state inside a replayed state (a scheduler's, a DiT step planner's, or the core's own)."""
-    return state.kv if isinstance(state, (SchedState, dit_steps.StepState)) else state
+    return state.kv if isinstance(state, (SchedState, dit_steps.DiTState)) else state
 
 
 def _digest(state: Any, ended: dict[Any, str] | None = None) -> str:
-    if isinstance(state, dit_steps.StepState):
+    if isinstance(state, dit_steps.DiTState):
         return dit_steps.steps_digest(state)
     return sched_digest(state, ended) if isinstance(state, SchedState) else digest(state)
 
@@ -276,7 +276,7 @@ def run_line(
             },
             expect,
         )
-    steps = isinstance(state, dit_steps.StepState)
+    steps = isinstance(state, dit_steps.DiTState)
     ops = STEP_OPS if steps else SCHEDULER_OPS if isinstance(state, SchedState) else OPS
     if op not in ops:
         other = (

@@ -17,11 +17,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pagedkv.core.config import CacheConfig, GroupKind
+from pagedkv.core.config import CacheConfig
 from pagedkv.core.events import AllBlocksCleared as CoreCleared
 from pagedkv.core.events import BlockRemoved as CoreRemoved
 from pagedkv.core.events import BlockStored as CoreStored
 from pagedkv.core.events import KVEvent
+from pagedkv.core.kinds import GroupKind
 
 MEDIUM_GPU = "GPU"
 SPEC_KIND = {

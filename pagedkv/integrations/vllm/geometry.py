@@ -139,9 +139,13 @@ def translate(
             cache_duplicates=True,
             hash_lookahead=hash_lookahead,
             kv_events=kv_events,
+            # vLLM's request.block_hashes are taken as the core's; PAGEDKV_CHECK_HASHES=1 checks each (tests do)
+            check_given_hashes=os.environ.get("PAGEDKV_CHECK_HASHES", "0") == "1",
         )
     except ValueError as e:  # (InvalidConfig: a hash kind whose package is absent, an empty group list)
         refused.append(f"this cache configuration ({e})")
     if refused or config is None:
         raise Unsupported("pagedkv's KV cache manager does not serve " + "; ".join(refused))
-    return Geometry(config, tuple(caps), tuple(g.window for g in groups), tuple(g.is_aligned_state for g in groups))
+    return Geometry(
+        config, tuple(caps), tuple(g.window for g in groups), tuple(g.kind is GroupKind.MAMBA_ALIGN for g in groups)
+    )

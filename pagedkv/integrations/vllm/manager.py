@@ -241,7 +241,7 @@ class PagedKVCacheManager(StepStates, RunningRows):
         slot = txn.state.requests[rid].slots[0]
         through = min(computed + num_new_tokens, request.num_tokens, txn.state.row_len[slot])
         if self.enable_caching and through > txn.state.row_computed[slot]:
-            self._cache_ahead(txn, rid, slot, through)
+            self._cache_ahead(txn, request, slot, through)
         block = self._block
         # (an align-mode Mamba group's new positions go out with the null block between its states, as vLLM's)
         new = [
@@ -347,7 +347,7 @@ class PagedKVCacheManager(StepStates, RunningRows):
             self._catch_up(txn, request, slot)  # (the tokens a step late, the accepted drafts)
             through = min(num_computed_tokens, txn.state.row_len[slot])
             if through > txn.state.row_computed[slot]:
-                self._cache_ahead(txn, rid, slot, through)
+                self._cache_ahead(txn, request, slot, through)
         except Refused as r:
             raise r.manager_error() from None
         self._state = self._stream.keep(txn, request)
@@ -402,4 +402,5 @@ class PagedKVCacheManager(StepStates, RunningRows):
         except RefusedRequest as e:
             raise Unsupported(str(e)) from None
         row = RowSpec.of_tokens(tokens, placeholders=placeholders)
-        return RequestSpec(request.request_id, (row,), every, max_hit, first, content)
+        given = tuple(request.block_hashes)  # (vLLM hashed the full blocks already: the core takes its hashes)
+        return RequestSpec(request.request_id, (row,), every, max_hit, first, content, given)

@@ -137,7 +137,12 @@ class RunningRows(ManagerReads):
             if any(ids for _, (ids,) in fills):
                 txn.apply(fill_many(txn.state, fills), "fill")
             txn.apply(
-                cache_ahead_many(txn.state, [(r.request_id, [through]) for r, through, _ in items]), "cache_ahead"
+                cache_ahead_many(
+                    txn.state,
+                    [(r.request_id, [through]) for r, through, _ in items],
+                    hashes={r.request_id: r.block_hashes for r, _, _ in items},
+                ),
+                "cache_ahead",
             )
         except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
             self._queue = items + self._queue

@@ -4,7 +4,9 @@ ends on one of them waits a step: its state is written by this step's forward, w
 
 from __future__ import annotations
 
-from pagedkv.core import cache_ahead
+from typing import Any
+
+from pagedkv.core import Step, cache_ahead_many
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.state import KVState
@@ -21,10 +23,13 @@ class StepStates:
     def new_step_starts(self) -> None:
         self._cached_now.clear()
 
-    def _cache_ahead(self, txn: Transaction, rid: str, slot: int, through: int) -> None:
-        """``cache_ahead`` through ``through`` tokens; the Mamba states it caches noted as cached this step."""
+    def _cache_ahead(self, txn: Transaction, request: Any, slot: int, through: int) -> None:
+        """``cache_ahead`` through ``through`` tokens (vLLM's block hashes taken); the Mamba states it caches noted
+        as cached this step."""
         hashed = txn.state.rows[slot].num_hashed
-        txn.apply(cache_ahead(txn.state, rid, [through]), "cache_ahead")
+        rid = request.request_id
+        cached = cache_ahead_many(txn.state, [(rid, [through])], hashes={rid: request.block_hashes})
+        txn.apply(cached.map(lambda step: Step(step.state, step.effect[0])), "cache_ahead")
         if self._aligned:
             record = txn.state.rows[slot]
             self._cached_now.update(

@@ -49,8 +49,8 @@ class AttentionBackend(Protocol):
 
 
 def lowest_visible_key(spec: GroupSpec, position: int) -> int:
-    """The first key a query at ``position`` sees: the core's rule, ``GroupSpec.first_visible_position``."""
-    return spec.first_visible_position(position)
+    """The first key a query at ``position`` sees: the core's rule, ``KindRules.first_visible_position``."""
+    return spec.rules.first_visible_position(position)
 
 
 @dataclass(frozen=True, slots=True)

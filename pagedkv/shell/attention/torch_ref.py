@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core.config import GroupKind
+from pagedkv.core.kinds import GroupKind
 from pagedkv.shell.attention.base import LayerAttention, lowest_visible_key
 from pagedkv.shell.worker import ForwardBatch
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core.config import GroupKind
 from pagedkv.core.errors import ErrorCode
+from pagedkv.core.kinds import GroupKind
 from pagedkv.core.metadata import Phase
 from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse

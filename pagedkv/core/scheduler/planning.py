@@ -1,4 +1,4 @@
-"""A ``schedule`` call's working copy of the scheduler state (``Draft``): the lists it grows, the core state it
+"""A ``schedule`` call's working copy of the scheduler state (``Planning``): the lists it grows, the core state it
 moves through transitions, and the lifecycle moves (an end, a preemption) every part of the policy shares.
 It never escapes the call."""
 
@@ -13,13 +13,13 @@ from pagedkv.core.effects import events_of
 from pagedkv.core.errors import KVError, RequestId
 from pagedkv.core.events import KVEvent
 from pagedkv.core.release import release
-from pagedkv.core.scheduler.lifecycle import Event, FinishReason, Stage, advance
+from pagedkv.core.scheduler.lifecycle import FinishReason, Move, Stage, advance
 from pagedkv.core.scheduler.records import DiffusionRun, SchedState, SeqRequest
 from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
 from pagedkv.core.state import KVState, Step
 
 
-class Draft:
+class Planning:
     """One ``schedule`` call's working copy of the scheduler state; it never escapes the call."""
 
     __slots__ = (
@@ -77,20 +77,20 @@ class Draft:
         if evs:
             self.events.extend(evs)
 
-    def move(self, rid: RequestId, event: Event) -> None:
+    def move(self, rid: RequestId, move: Move) -> None:
         """A lifecycle transition (the table's), and what leaving the phase map means."""
-        phase = advance(self.stages.get(rid), event)
+        phase = advance(self.stages.get(rid), move)
         if phase is None:
             del self.stages[rid]
         else:
             self.stages[rid] = phase
 
-    def end(self, rid: RequestId, event: Event, why: KVError) -> None:
+    def end(self, rid: RequestId, move: Move, why: KVError) -> None:
         """``rid`` ends in this step, refused (a permanent refusal, an overrun) with ``why``: out of the state,
         into the plan's ``finished`` with the refusal's code."""
         how = FinishReason(why.code.value)
         self.refusals.append(why)
-        self.move(rid, event)
+        self.move(rid, move)
         self.seqs = self.seqs.delete(rid)
         self.log_edit = self.log_edit or self.log.edit()
         self.log_edit.drop(rid)
@@ -99,7 +99,7 @@ class Draft:
 
     def preempt(self, victim: RequestId) -> None:
         self.apply(release(self.kv, victim, "preempted").unwrap())
-        self.move(victim, Event.PREEMPT)
+        self.move(victim, Move.PREEMPT)
         self.running.remove(victim)
         self.waiting = self.waiting.appendleft(victim)
         self.preempted.append(victim)

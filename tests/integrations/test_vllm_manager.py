@@ -427,7 +427,7 @@ def test_vllm_block_hashes_are_taken_and_a_wrong_one_is_caught(where: str, monke
     """The manager hands the core vLLM's ``request.block_hashes`` instead of hashing every block again; under
     ``PAGEDKV_CHECK_HASHES=1`` (this directory's conftest) the core checks each. Planted: one byte of a hash
     vLLM gives flipped, at the lookup (the spec's ``block_hashes``) or at ``cache_ahead``: refused, named."""
-    from pagedkv.integrations.vllm import manager, rows
+    from pagedkv.integrations.vllm import manager
 
     def flipped(hashes: Any) -> tuple[bytes, ...]:
         return tuple(bytes([h[0] ^ 1]) + h[1:] if j == 0 else h for j, h in enumerate(hashes))
@@ -441,9 +441,9 @@ def test_vllm_block_hashes_are_taken_and_a_wrong_one_is_caught(where: str, monke
 
         monkeypatch.setattr(manager.PagedKVCacheManager, "_spec", spec)
     else:
-        real_many = rows.cache_ahead_many
+        real_many = manager.cache_ahead_many
         monkeypatch.setattr(
-            rows,
+            manager,
             "cache_ahead_many",
             lambda state, items, hashes: real_many(state, items, hashes={r: flipped(h) for r, h in hashes.items()}),
         )

@@ -8,8 +8,10 @@ ids that came back), ``commit`` (a window lets blocks go), ``append``, ``cache_a
 state, kept only when the call completes; a refusal leaves the manager as it was and answers as vLLM (None
 when short; ``ManagerError`` where vLLM's manager would have done what the core refused).
 
-In a pool without windows a running request's call is cut to what moves blocks: ``rows`` keeps each row
-as vLLM sees it and tells the core what opens a block at once and what fills one in a queued batch.
+In a pool without windows a running request's call is cut to what moves blocks: the manager keeps each row
+as vLLM sees it and tells the core what opens a block at once and what fills one in a queued batch (the
+section on rows below). One class, in one file: its sections are what vLLM reads, the rows, and the Mamba
+states cached in a step.
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core import RequestSpec, RowSpec, admit, commit, initial_state, release, request_blocks
-from pagedkv.core import reset_prefix_cache
+from pagedkv.core import (
+    Placeholders,
+    RequestSpec,
+    RowSpec,
+    Step,
+    admit,
+    append,
+    append_many,
+    cache_ahead_many,
+    commit,
+    fill,
+    fill_many,
+    initial_state,
+    release,
+    request_blocks,
+    reset_prefix_cache,
+)
 from pagedkv.core.errors import ErrorCode, InvariantError, KVError
 from pagedkv.core.prefix import find_hit
-from pagedkv.core.state import KVState
+from pagedkv.core.state import KVState, row_known
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
 from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
-from pagedkv.integrations.vllm.rows import RunningRows
-from pagedkv.integrations.vllm.states import StepStates
 from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
 
-class PagedKVCacheManager(StepStates, RunningRows):
+class PagedKVCacheManager:
     """vLLM's ``KVCacheManager`` surface over pagedkv's core (module docstring)."""
 
     def __init__(
@@ -404,3 +419,292 @@ class PagedKVCacheManager(StepStates, RunningRows):
         row = RowSpec.of_tokens(tokens, placeholders=placeholders)
         given = tuple(request.block_hashes)  # (vLLM hashed the full blocks already: the core takes its hashes)
         return RequestSpec(request.request_id, (row,), every, max_hit, first, content, given)
+
+    # -- what vLLM reads of the manager besides its decisions -----------------------------------------------------
+    # What vLLM's scheduler reads of pagedkv's manager besides its decisions: a request's blocks and ids, the
+    # cached-token estimate, usage and prefix-cache stats, and the hooks of features refused at construction (nothing to do, or never
+    # reached). It reads the core's blocks and cache (never behind: only a row's length
+    # inside its open block may be) and the block objects.
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
+        usable = self.config.num_blocks - 1
+        return (
+            1.0 - self._state.free_blocks / usable if usable else 0.0
+        )  # (a row's length kept by the manager takes no block)
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        if self.prefix_cache_stats is None:
+            raise InvariantError("log_stats keeps prefix_cache_stats")
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    # -- what the scheduler reads of a request ---------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> Any:
+        if request_id not in self._state.requests:
+            return self.empty_kv_cache_blocks
+        block = self._block
+        return self._blocks_cls(tuple([block[b] for b in ids] for ids in request_blocks(self._state, request_id)[0]))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self._state.requests:
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return tuple(list(ids) for ids in request_blocks(self._state, request_id)[0])
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        n = -(-num_computed_tokens // self.block_size)
+        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of the request's blocks that are in the prefix cache (vLLM's estimate for its stats)."""
+        self._flush()
+        req = self._state.requests.get(request.request_id)
+        if req is None:
+            return 0
+        return self._state.rows[req.slots[0]].num_hashed * self.block_size
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:
+        return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # -- hooks of features refused at construction: nothing to do, or never reached --------------------------
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in (
+            "coordinator",
+            "block_pool",
+            "pop_blocks_for_free",
+            "evict_blocks",
+            "remove_skipped_blocks",
+            "truncate_computed_blocks",
+            "record_blocks_for_zeroing",
+            "finalize_partial_tail_offloads",
+            "get_computed_blocks_for_connector",
+        ):
+            raise Unsupported(
+                f"pagedkv's KV cache manager has no {name}: it serves vLLM's scheduler without KV "
+                "connectors (refused at construction)"
+            )
+        raise AttributeError(name)
+
+    # -- the rows as vLLM sees them, and what of them the core is told when ---------------------------------------
+    # The rows of pagedkv's vLLM manager as vLLM sees them, and what of them the core is told when.
+    #
+    # In a pool without windows a running request's call is cut to what moves blocks (``_running``).
+    # Slots inside a row's open block take none: the manager keeps the row's length itself (``_len``) and the
+    # core's row catches up when it next opens a block (one ``append``, at once: its new blocks are the answer)
+    # or when ``state`` is read. A block to cache is queued with its place in the event stream, and the queue is
+    # applied as one batch (``_flush``: the rows' catch-up, ``fill`` of the ids each call knew, ``cache_ahead``)
+    # before anything reads the cache or frees a queued row's blocks: vLLM keeps every block that fills
+    # (duplicate contents too), so caching a block in use commutes with the pops and frees of other rows between.
+    # A window lets blocks go at each commit: there every call is applied as it comes (``_catch_up``, ``_grow``).
+
+    @property
+    def state(self) -> KVState:
+        """The core's state, every row at the length vLLM sees (a value: keep it, replay from it)."""
+        self._flush()
+        behind = [rid for rid, n in self._len.items() if n != self._state.row_len[self._state.requests[rid].slots[0]]]
+        if behind:
+            txn = Transaction(self._state)
+            try:
+                for rid in behind:
+                    self._catch_up(txn, self._requests[rid], txn.state.requests[rid].slots[0])
+            except Refused as r:  # (each growth was checked when vLLM asked for it: a bug)
+                raise r.manager_error() from None
+            self._state = self._stream.keep(txn, None)
+        return self._state
+
+    def _running(self, request: Any, n: int, slots: int, num_new_tokens: int, reserved_blocks: int) -> Any:
+        """A running request's slots in a pool without windows (module docstring): the blocks its row opens,
+        at once; the blocks it fills, queued to be cached."""
+        rid = request.request_id
+        computed = min(request.num_computed_tokens, self.max_model_len)
+        length = max(min(computed + slots, self.max_model_len), n)
+        bs, state = self.block_size, self._state
+        opens = -(-length // bs) - -(-n // bs)
+        if opens * self.num_kv_cache_groups > state.free_blocks - reserved_blocks:
+            return None  # (as vLLM: even a call that takes no block, when the reserve is short)
+        new = self.empty_kv_cache_blocks
+        if opens:
+            slot = state.requests[rid].slots[0]
+            txn = Transaction(state)
+            try:
+                txn.apply(
+                    append(state, rid, [self._growth(request, request.num_tokens, state, slot, length)]), "append"
+                )
+            except Refused as r:
+                raise r.manager_error() from None
+            opened = [ids[-opens:] for ids in request_blocks(txn.state, rid)[0]]
+            txn.allocated = [b for ids in opened for b in ids]
+            self._state = self._stream.keep(txn, request)
+            block = self._block
+            new = self._blocks_cls(tuple([block[b] for b in ids] for ids in opened))
+        self._len[rid] = length
+        if self.enable_caching:
+            self._to_cache(request, min(computed + num_new_tokens, length))
+        return new
+
+    def _growth(self, request: Any, known: int, state: KVState, slot: int, target: int) -> Any:
+        """The core's row's growth to ``target`` positions: the request's first ``known`` ids, where they
+        cover it and follow the row's known ones, else placeholders (their ids filled when a block they
+        complete is cached); a count without caching."""
+        length = state.row_len[slot]
+        if not self.enable_caching:
+            return target - length
+        if target <= known and row_known(state, slot) == length:
+            return request.all_token_ids[length:target]
+        return Placeholders(target - length)
+
+    def _to_cache(self, request: Any, through: int) -> None:
+        """The blocks before ``through`` whose ids (and the lookahead ids after them) are known, queued to be
+        cached in this call's place in the event stream."""
+        rid = request.request_id
+        full = self._full_blocks(request, through)
+        if full > self._hashed[rid]:
+            self._queue.append((request, through, request.num_tokens))
+            self._queued.add(rid)
+            self._stream.hold_place()
+            self._hashed[rid] = full
+
+    def _full_blocks(self, request: Any, through: int) -> int:
+        """The request's blocks before ``through`` whose ids (and the lookahead ids after them) are known."""
+        full: int = min(through, request.num_tokens - self.config.hash_lookahead) // self.block_size
+        return full
+
+    def _flush(self) -> None:
+        """The queued blocks cached, as one batch: the rows brought to vLLM's lengths (placeholders), the ids
+        each call knew filled in, the blocks cached, each call's events in the place it held."""
+        if not self._queue:
+            return
+        items, self._queue = self._queue, []
+        self._queued.clear()
+        state = self._state
+        txn = Transaction(state)
+        rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
+        slots = {rid: state.requests[rid].slots[0] for rid in rids}
+        try:
+            first = {request.request_id: (request, upto) for request, _, upto in reversed(items)}  # (its first call)
+            behind = [
+                (rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])])
+                for rid in rids
+                if self._len[rid] > state.row_len[slots[rid]]
+            ]
+            if behind:
+                txn.apply(append_many(state, behind), "append")
+            known = {rid: row_known(txn.state, slots[rid]) for rid in rids}
+            fills = []
+            for request, _, upto in items:
+                rid = request.request_id
+                start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
+                fills.append((rid, [request.all_token_ids[start:upto] if upto > start else []]))
+                known[rid] = max(start, upto)
+            if any(ids for _, (ids,) in fills):
+                txn.apply(fill_many(txn.state, fills), "fill")
+            txn.apply(
+                cache_ahead_many(
+                    txn.state,
+                    [(r.request_id, [through]) for r, through, _ in items],
+                    hashes={r.request_id: r.block_hashes for r, _, _ in items},
+                ),
+                "cache_ahead",
+            )
+        except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
+            self._queue = items + self._queue
+            self._queued.update(r.request_id for r, _, _ in items)
+            raise r.manager_error() from None
+        self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
+        for rid in rids:
+            self._hashed[rid] = self._state.rows[slots[rid]].num_hashed
+
+    def _mirror(self, request: Any) -> None:
+        """The manager's view of a request's row, after a call the core applied."""
+        rid, state = request.request_id, self._state
+        slot = state.requests[rid].slots[0]
+        self._len[rid] = state.row_len[slot]
+        self._hashed[rid] = state.rows[slot].num_hashed
+        self._requests[rid] = request
+
+    def _grow(self, txn: Transaction, request: Any, need_slot: int) -> bool:
+        """The row grown to ``need_slot`` positions, by the request's tokens while they are known and
+        then by placeholders, in one growth (every group's new blocks in turn, as vLLM allocates them); False
+        when the pool cannot hold them."""
+        rid = request.request_id
+        growth = self._growth(request, request.num_tokens, txn.state, txn.state.requests[rid].slots[0], need_slot)
+        grown = append(txn.state, rid, [growth])
+        if isinstance(grown, Failure) and grown.failure().code is ErrorCode.NO_CAPACITY:
+            return False
+        txn.apply(grown, "append")
+        if type(growth) is Placeholders:  # (the known ones among them filled in next)
+            self._fill(txn, request, txn.state.requests[rid].slots[0])
+        return True
+
+    def _fill(self, txn: Transaction, request: Any, slot: int) -> None:
+        """The row's ids that came back since it grew past them (sampled tokens, accepted drafts), in order."""
+        if not self.enable_caching:
+            return
+        state = txn.state
+        known, upto = row_known(state, slot), min(request.num_tokens, state.row_len[slot])
+        if known < upto:
+            txn.apply(fill(state, request.request_id, [request.all_token_ids[known:upto]]), "fill")
+
+    def _catch_up(self, txn: Transaction, request: Any, slot: int) -> None:
+        """The core's row brought to the length vLLM sees: the ids that came back filled in, then the growth
+        inside its open block the manager kept (no block taken)."""
+        self._fill(txn, request, slot)
+        length = txn.state.row_len[slot]
+        target = self._len.get(request.request_id, length)
+        if target > length:
+            self._grow(txn, request, target)
+
+    # -- the Mamba states cached in this step (vLLM's align mode) -------------------------------------------------
+    # The manager's part of vLLM's ``mamba_cache_mode="align"`` that is a step's, not the core's: the Mamba states
+    # cached in the current scheduler step (vLLM's ``MambaManager.cached_blocks_this_step``). A new request whose hit
+    # ends on one of them waits a step: its state is written by this step's forward, which has not run.
+
+    def new_step_starts(self) -> None:
+        self._cached_now.clear()
+
+    def _cache_ahead(self, txn: Transaction, request: Any, slot: int, through: int) -> None:
+        """``cache_ahead`` through ``through`` tokens (vLLM's block hashes taken); the Mamba states it caches noted
+        as cached this step."""
+        hashed = txn.state.rows[slot].num_hashed
+        rid = request.request_id
+        cached = cache_ahead_many(txn.state, [(rid, [through])], hashes={rid: request.block_hashes})
+        txn.apply(cached.map(lambda step: Step(step.state, step.effect[0])), "cache_ahead")
+        if self._aligned:
+            record = txn.state.rows[slot]
+            self._cached_now.update(
+                (g, record.hash_at(j))
+                for j in range(hashed, record.num_hashed)
+                for g in self._aligned
+                if record.blocks[g][j]
+            )
+
+    def _state_cached_now(self, state: KVState, spec: RequestSpec) -> bool:
+        """Does the hit of ``spec`` end on a Mamba state cached this step? (A lookup of its own: the admission that
+        follows finds the same hit, but the wait must come before anything is taken.)"""
+        hit = find_hit(state, spec, drop_last_block=self.use_eagle)
+        return bool(hit.num_blocks) and any((g, hit.hashes[0][-1]) in self._cached_now for g in self._aligned)

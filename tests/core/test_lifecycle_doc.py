@@ -28,11 +28,11 @@ def test_the_doc_draws_the_table() -> None:
     assert documented() == diagram(), f"the doc's diagram is not the table's; regenerate it: {regenerate}"
 
 
-def test_the_diagram_names_every_event_and_phase_once_per_move() -> None:
+def test_the_diagram_names_every_move_and_phase_once_per_move() -> None:
     text = diagram()
     moves = sum(len(sources) for _, sources, _ in TABLE)
     assert len(text.splitlines()) == 1 + moves
-    assert {e.value for e in Event} <= {line.rsplit(": ", 1)[1] for line in text.splitlines()[1:]}
+    assert {m.value for m in Move} <= {line.rsplit(": ", 1)[1] for line in text.splitlines()[1:]}
     assert all(p.value in text for p in Stage)
 
 

@@ -73,7 +73,6 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     if cfg.enable_prefix_caching:
         txn.prefix_queries += sum(row.num_tokens for row in rows)
         txn.prefix_hits += cached * len(rows)
-    gen = txn.next_generation()
     layouts = tuple(RowLayout(r.prefix_len, r.target_len, r.spans) for r in rows)
     # the commit and growth loops do the common row of a one-row request that may grow
     decode_slot = slots[0] if len(slots) == 1 and not layouts[0].is_diffusion else -1
@@ -86,7 +85,7 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
         state.cache_epoch,
         BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash),
     )
-    txn.row_generation[slots[0]] = gen
+    gen = txn.new_layout(slots[0])
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
     return Success(Step(txn.done(), effect))
 

@@ -213,8 +213,7 @@ def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated
         return Truncated(rid, None, 0)
     before = txn.free_blocks
     pool.unref_many(txn, gone)  # (positions descending, rows in order: the last cut block reused last)
-    gen = txn.next_generation()
-    txn.row_generation[req.slots[0]] = gen
+    gen = txn.new_layout(req.slots[0])
     return Truncated(rid, gen, txn.free_blocks - before)
 
 

@@ -254,8 +254,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
         else:
             dropped.sort(key=lambda d: (-d[0], d[1], d[2]))  # tail first, as release does
             pool.unref_many(txn, [b for _, _, _, b in dropped])
-        gen = txn.next_generation()
-        txn.row_generation[req.slots[0]] = gen
+        gen = txn.new_layout(req.slots[0])
     return Committed(request_id, gen, txn.free_blocks - before_free, tuple(txn.events[first_event:]))
 
 

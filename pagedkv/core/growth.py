@@ -151,7 +151,7 @@ def grow_each(
                 if paged <= txn.free_blocks:  # it opens a block: the row rule, and the request's generation
                     growth = _AHEAD_GROWTH if token is _AHEAD else 1 if token is None else [token]
                     _grow_row(txn, slot, n + 1, 1, growth)
-                    generations.append((k, _new_layout(txn, slot)))
+                    generations.append((k, txn.new_layout(slot)))
                     continue
         if rows is not None:
             if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
@@ -240,14 +240,7 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
         )
     for slot, new_len, extra, item in grown:
         _grow_row(txn, slot, new_len, extra, item)
-    return _new_layout(txn, req.slots[0]) if need else 0
-
-
-def _new_layout(txn: Txn, first_slot: int) -> int:
-    """A request took blocks: it takes the next generation (kept at its first row's slot)."""
-    gen = txn.next_generation()
-    txn.row_generation[first_slot] = gen
-    return gen
+    return txn.new_layout(req.slots[0]) if need else 0
 
 
 def _plan_growth(

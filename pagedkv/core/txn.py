@@ -181,8 +181,16 @@ class Txn:
         )
 
     def next_generation(self) -> int:
+        """The next generation: never reused (a release takes one; a layout that changes, ``new_layout``)."""
         self.generation += 1
         return self.generation
+
+    def new_layout(self, first_slot: int) -> int:
+        """A request's block layout changed (admitted, grown into new blocks, a window let blocks go, cut back):
+        it takes the next generation, kept at its first row's slot. The one writer of a request's generation."""
+        gen = self.next_generation()
+        self.row_generation[first_slot] = gen
+        return gen
 
     # -- row slots ----------------------------------------------------------
     def new_slot(self, seq_len: int, computed: int, row: Row, tail: bytes | None, generation: int = 0) -> int:

@@ -27,17 +27,18 @@ from pagedkv.core.scheduler import (
     cancel,
     new_scheduler,
     on_output,
+    on_tokens,
     schedule,
     submit,
 )
 from pagedkv.shell.detok import TextSoFar
+from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.errors import EngineBusy, ShellError, refuse
 from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
-from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.kv_scales import calibration_ids
-from pagedkv.shell.rank import Rank
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.overlap import Overlap
+from pagedkv.shell.rank import Rank
 from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import (
     NO_HISTORY,
@@ -256,7 +257,7 @@ class Engine:
             self.outcomes.note_prefills(plan, self.requests)
             stop: list[RequestId]
             if self.overlap is not None:  # the last step's ids read while this one runs; this one's come next
-                sampled, stop = self.overlap.resolve(self, plan, bound, ids, lps, on_token), []
+                sampled, stop = self._overlapped(self.overlap, plan, bound, ids, lps, on_token), []
             else:
                 tokens: list[int] = [] if ids is None else ids.tolist()  # the step's one device-to-host copy
                 rows = None if lps is None else lps.tolist()  # (asked by a request: read behind the ids)
@@ -287,6 +288,50 @@ class Engine:
         self.outcomes.record(lambda r: r.output(sampled, stop, self.state, ended))
         self._kv_events(scheduled_events + self.state.kv_events)
         return self.outcomes.hand_out()
+
+    def _overlapped(
+        self,
+        overlap: Overlap,
+        plan: StepPlan,
+        bound: list[Live],
+        ids: torch.Tensor | None,
+        lps: torch.Tensor | None,
+        on_token: Callable[[RequestId, int], None] | None,
+    ) -> dict[RequestId, None]:
+        """Overlapped: the last step's ids read (this step is queued behind it) and taken; this step's ids left
+        in flight, and its samples as ``on_output`` takes them ahead of their ids (those still live)."""
+        read = overlap.land()
+        if read is not None:
+            self._take_read(*read, on_token)
+        requests = self.requests
+        live = {rid: None for rid, x in zip(plan.samples, bound) if not x.handed_out and requests.get(rid) is x}
+        if live and ids is not None:
+            overlap.launch(plan, bound, ids, lps)
+        return live
+
+    def _take_read(
+        self,
+        plan: StepPlan,
+        bound: tuple[Live, ...],
+        tokens: list[int],
+        rows: list[Any] | None,
+        on_token: Callable[[RequestId, int], None] | None,
+    ) -> None:
+        """A step's ids, read a step late: taken by the requests still live, told to the scheduler
+        (``on_tokens``, which ends those that stopped on them); the completions of those that stopped, and
+        of those that ended while these ids were on the device, handed out."""
+        sampled, stop = self.outcomes.take(plan, bound, tokens, on_token, self.stats, rows)
+        requests = self.requests
+        live = {rid: x for rid, x in zip(plan.samples, bound) if requests.get(rid) is x}  # (not ended since)
+        running = {rid: tok for rid, tok in sampled.items() if rid in live}
+        stops = [rid for rid in stop if rid in live]
+        self.state, ended = on_tokens(self.state, running, stops).unwrap()
+        after = self.state  # (the recorder may write later: the state this event led to, bound now)
+        self.outcomes.record(lambda r: r.tokens(running, stops, after, ended))
+        self.worker.remove([rid for rid, _ in ended])
+        for rid, _ in ended:
+            del requests[rid]
+        self.outcomes.finished(x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x)
 
     def _ended_by_plan(self, plan: StepPlan) -> None:
         """The requests ``schedule`` ended: refused before they ran (the refusal's code and numbers), or, having

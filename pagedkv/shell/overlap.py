@@ -3,7 +3,7 @@ before it reads step N's sampled ids, so the host's work for a step runs while t
 
 Step N+1's decode rows take step N's ids on the device (``gather``), and the scheduler is told of step N's tokens
 as ``None`` (``on_output``: they count, the rows grow by placeholders) until the ids are read, one step later,
-while step N+1 runs (``resolve``: ``on_tokens``, which also ends the requests that stopped on them).
+while step N+1 runs (``land``; the engine tells ``on_tokens``, which also ends the requests that stopped on them).
 
 The step in flight holds the ``Live`` records it sampled for, never their ids: a request that ends while its last
 id is on the device (``max_tokens`` at its output, the length the pool or the model allows) has left the engine's
@@ -19,63 +19,35 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import RequestId
-from pagedkv.core.scheduler import StepPlan, on_tokens
+from pagedkv.core.scheduler import StepPlan
 from pagedkv.shell.outcomes import Live
 from pagedkv.shell.transfer import Readback, to_device
 
 
 class Overlap:
     """An engine's step in flight: its plan, the requests it sampled for (``Live``, in ``plan.samples``' order) and
-    its ids on the device, read one step later."""
+    its ids on the device, read one step later. It holds that step only; the engine applies what it reads
+    (``Engine._take_read``)."""
 
     def __init__(self) -> None:
         self.pending: tuple[StepPlan, tuple[Live, ...], Readback, Readback | None] | None = None
 
-    def resolve(
-        self,
-        engine: Any,
-        plan: StepPlan,
-        bound: Sequence[Live],
-        ids: torch.Tensor | None,
-        logprobs: torch.Tensor | None,
-        on_token: Any,
-    ) -> dict[RequestId, None]:
-        """The last step's ids (and logprob rows, where asked) read (this step is queued behind it), taken by their
-        requests and told to the scheduler; this step's samples, as ``on_output`` takes them ahead of their ids
-        (those still live)."""
+    def land(self) -> tuple[StepPlan, tuple[Live, ...], list[int], list[Any] | None] | None:
+        """The step in flight read (waits for its copy, not for the step queued behind it): its plan, the requests
+        it sampled for, its ids and its logprob rows (where asked); None when no step is in flight."""
         prev, self.pending = self.pending, None
-        if prev is not None:
-            self._take(engine, *prev, on_token)
-        live = {rid: None for rid, x in zip(plan.samples, bound) if not x.handed_out and engine.requests.get(rid) is x}
-        if live and ids is not None:  # (copied behind it)
-            self.pending = (plan, tuple(bound), Readback(ids), None if logprobs is None else Readback(logprobs))
-        return live
+        if prev is None:
+            return None
+        plan, bound, ids, logprobs = prev
+        return plan, bound, ids.tolist(), None if logprobs is None else logprobs.tolist()
+
+    def launch(self, plan: StepPlan, bound: Sequence[Live], ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+        """This step's ids (and logprob rows) copied to the host behind it, read by the next ``land``."""
+        self.pending = (plan, tuple(bound), Readback(ids), None if logprobs is None else Readback(logprobs))
 
     def holds(self, live: Live) -> bool:
         """Is a token of ``live`` on the device, in the step in flight?"""
         return self.pending is not None and any(x is live for x in self.pending[1])
-
-    @staticmethod
-    def _take(
-        engine: Any, plan: StepPlan, bound: tuple[Live, ...], ids: Readback, logprobs: Readback | None, on_token: Any
-    ) -> None:
-        tokens: list[int] = ids.tolist()  # (waits for that step's copy, not this step)
-        rows = None if logprobs is None else logprobs.tolist()
-        sampled, stop = engine.outcomes.take(plan, bound, tokens, on_token, engine.stats, rows)
-        requests = engine.requests
-        live = {rid: x for rid, x in zip(plan.samples, bound) if requests.get(rid) is x}  # (not ended since)
-        running = {rid: tok for rid, tok in sampled.items() if rid in live}
-        stops = [rid for rid in stop if rid in live]
-        engine.state, ended = on_tokens(engine.state, running, stops).unwrap()
-        after = engine.state  # (the recorder may write later: the state this event led to, bound now)
-        engine.outcomes.record(lambda r: r.tokens(running, stops, after, ended))
-        engine.worker.remove([rid for rid, _ in ended])
-        for rid, _ in ended:
-            del requests[rid]
-        # those that stopped on these ids, and those that ended while these ids were on the device
-        engine.outcomes.finished(
-            x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x
-        )
 
     def abandon(self) -> list[Live]:
         """A step failed with the last one's ids unread: they are lost. The requests they were sampled for and

@@ -7,7 +7,6 @@ release, destination); this package re-exports the public names.
 """
 
 from pagedkv.core.admission import admit
-from pagedkv.core.ahead import fill, fill_many, truncate, truncate_many
 from pagedkv.core.commit import cache_ahead, cache_ahead_many, commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.decode import commit_decode, decode_step
@@ -32,6 +31,7 @@ from pagedkv.core.growth import Placeholders, append, append_decode, append_many
 from pagedkv.core.hashing import hash_block, root_hash
 from pagedkv.core.kinds import GroupKind
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
+from pagedkv.core.placeholders import fill, fill_many, truncate, truncate_many
 from pagedkv.core.release import release, release_many, reset, reset_prefix_cache
 from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec

@@ -104,7 +104,9 @@ def hash_full_blocks(
         if j < taken:
             h = given[j]  # type: ignore[index]
         else:
-            extra = (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
+            extra = (
+                (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
+            )
             h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
             if given is not None and j < len(given) and given[j] != h:
                 raise GivenHashError(j, h)

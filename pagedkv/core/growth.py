@@ -38,7 +38,7 @@ from pagedkv.core.txn import Txn
 
 class Placeholders(NamedTuple):
     """Growth by ``n`` positions whose token ids are not known yet (a step planned before the last one's
-    tokens came back, draft slots): the row's known ids stay a prefix, and ``ahead.fill`` gives the rest, in
+    tokens came back, draft slots): the row's known ids stay a prefix, and ``placeholders.fill`` gives the rest, in
     order. No block is hashed over a position without its id."""
 
     n: int
@@ -143,13 +143,13 @@ def grow_each(
             if n < limit and (tail is None or (token is not None and type(tail) is bytes)):
                 if n % bs:  # the token goes into the open block
                     leaf[o] = n + 1
-                    if tail is not None and token is _AHEAD:  # a placeholder: the row now awaits an id
+                    if tail is not None and token is _PLACEHOLDER:  # a placeholder: the row now awaits an id
                         tail_leaf[o] = Awaiting(tail)
                     elif tail is not None:
                         tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
                     continue
                 if paged <= txn.free_blocks:  # it opens a block: the row rule, and the request's generation
-                    growth = _AHEAD_GROWTH if token is _AHEAD else 1 if token is None else [token]
+                    growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
                     _grow_row(txn, slot, n + 1, 1, growth)
                     generations.append((k, txn.new_layout(slot)))
                     continue
@@ -167,19 +167,19 @@ def grow_each(
 
 
 _MANY = object()  # a growth other than one token for a single row
-_AHEAD = object()  # a growth of one placeholder for a single row (the step planned before its id is known)
-_AHEAD_GROWTH = Placeholders(1)
+_PLACEHOLDER = object()  # a growth of one placeholder for a single row (the step planned before its id is known)
+_ONE_PLACEHOLDER = Placeholders(1)
 
 
 def _one_token(rows: Sequence[Growth]) -> object:
-    """A growth of one token for a single row: its id, None for a count of 1, ``_AHEAD`` for one placeholder;
+    """A growth of one token for a single row: its id, None for a count of 1, ``_PLACEHOLDER`` for one placeholder;
     else ``_MANY``."""
     if (type(rows) is list or type(rows) is tuple) and len(rows) == 1:
         g = rows[0]
         if type(g) is int:
             return None if g == 1 else _MANY
         if type(g) is Placeholders:
-            return _AHEAD if g.n == 1 else _MANY
+            return _PLACEHOLDER if g.n == 1 else _MANY
         if (type(g) is list or type(g) is tuple) and len(g) == 1 and is_token_id(g[0]):
             return g[0]
     return _MANY

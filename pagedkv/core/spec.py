@@ -19,8 +19,8 @@ from pagedkv.core.errors import (
     is_int,
     is_request_id,
     is_token_id,
+    shown,
 )
-from pagedkv.core.errors import shown
 from pagedkv.core.hashing import Content, Key
 
 Span = tuple[int, int]
@@ -57,7 +57,7 @@ class RowSpec:
         pending_tokens: int = 0,
         placeholders: int = 0,
     ) -> RowSpec:
-        """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``ahead.fill``: a step
+        """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``placeholders.fill``: a step
         planned before the last one's tokens are back, draft and lookahead slots)."""
         return RowSpec(
             len(tokens) + placeholders,

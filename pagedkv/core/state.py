@@ -37,8 +37,8 @@ from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.spec import Span
-from pagedkv.core.vec import Vec
 from pagedkv.core.tails import known_ids, unpack_ids
+from pagedkv.core.vec import Vec
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
 Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)

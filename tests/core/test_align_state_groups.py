@@ -19,9 +19,9 @@ from pagedkv.core import (
     initial_state,
     release,
 )
-from pagedkv.core.ahead import truncate
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.kinds import MambaAlign, SlidingWindow
+from pagedkv.core.placeholders import truncate
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
 from pagedkv.core.verify.invariants import check_invariants

@@ -269,10 +269,14 @@ def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a c
 
 
 def _boundary_without_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    def same_generation(txn: Txn, first_slot: int) -> int:  # the new block is installed under the old generation
-        return txn.row_generation[first_slot]
+    real = Txn.new_layout
 
-    monkeypatch.setattr(growth, "_new_layout", same_generation)
+    def same_generation(txn: Txn, first_slot: int) -> int:  # growth's new block installed under the old generation
+        if sys._getframe(1).f_code.co_filename == growth.__file__:
+            return txn.row_generation[first_slot]  # type: ignore[no-any-return]
+        return real(txn, first_slot)
+
+    monkeypatch.setattr(Txn, "new_layout", same_generation)
 
 
 @pytest.mark.parametrize("plant", [_open_block_id_dropped, _completed_block_not_hashed, _boundary_without_a_generation])
@@ -355,9 +359,11 @@ def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedkv.core.ahead as ahead_mod
+    import pagedkv.core.placeholders as placeholders_mod
 
-    monkeypatch.setattr(ahead_mod, "cut_floor", lambda txn, slot: txn.row_computed[slot])  # blocks cached ahead too
+    monkeypatch.setattr(
+        placeholders_mod, "cut_floor", lambda txn, slot: txn.row_computed[slot]
+    )  # blocks cached ahead too
 
 
 @pytest.mark.parametrize("plant", [_hash_over_a_placeholder, _cut_frees_a_cached_block])

@@ -23,14 +23,14 @@ from returns.result import Failure, Success
 from pagedkv.core import (
     Admitted,
     Appended,
+    CacheConfig,
     Committed,
     Decoded,
-    Placeholders,
-    Released,
-    CacheConfig,
     GroupKind,
     GroupSpec,
     KVState,
+    Placeholders,
+    Released,
     RequestSpec,
     RowSpec,
     Truncated,
@@ -48,7 +48,7 @@ from pagedkv.core import (
     reset_prefix_cache,
     truncate,
 )
-from pagedkv.core.ahead import cut_floor
+from pagedkv.core.placeholders import cut_floor
 from pagedkv.core.tails import known_ids
 from pagedkv.core.txn import Txn
 from pagedkv.core.verify.invariants import admission_violations, check_invariants

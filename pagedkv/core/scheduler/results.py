@@ -9,12 +9,12 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.ahead import fill_many, truncate_many
 from pagedkv.core.commit import commit_many
 from pagedkv.core.decode import commit_decode
 from pagedkv.core.effects import events_of
 from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
 from pagedkv.core.events import KVEvent
+from pagedkv.core.placeholders import fill_many, truncate_many
 from pagedkv.core.release import release_many
 from pagedkv.core.scheduler.inputs import ended
 from pagedkv.core.scheduler.lifecycle import FinishReason, Move, advance, moved

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest
+from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.verify.trace import LIVE_DIGEST, SCHEDULER_KEYS, TRACE_VERSION
 
 

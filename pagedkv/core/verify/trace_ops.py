@@ -13,9 +13,9 @@ from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
 from pagedkv.core.errors import KVError, invalid, is_int, shown
-from pagedkv.core.ahead import fill, truncate
 from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.placeholders import fill, truncate
 from pagedkv.core.release import release, reset, reset_prefix_cache
 from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, on_tokens, schedule, submit
 from pagedkv.core.snapshot import publish

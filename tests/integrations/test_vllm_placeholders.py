@@ -10,7 +10,7 @@ step's scheduled requests and token counts, draft ids, block ids, hits, preempti
 and stats are identical, and every block is free at the end. Skipped where vLLM is not installed (CI);
 run in ../shared/peers' venv:
 
-    /work/peers-venv/bin/python -m pytest -q tests/integrations/test_vllm_ahead.py
+    /work/peers-venv/bin/python -m pytest -q tests/integrations/test_vllm_placeholders.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rows that run ahead of their tokens: the ids of positions a row grew by without them arrive
+"""Placeholders: the ids of positions a row grew by without them arrive
 (``fill``), and a row's unverified tail is cut back to what was accepted (``truncate``).
 
 A row grows by ``growth.Placeholders`` when a step is planned before the last one's tokens are known

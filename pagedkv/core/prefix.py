@@ -160,7 +160,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
             cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
         chain: list[BlockHash] = []
         parent = cache.root
-XX
+        given = spec.block_hashes if len(spec.rows) == 1 else ()  # (one row's, the caller's: taken or checked)
         packed = pack_ids(row.tokens[: cap * bs + ahead]) if len(given) < cap or cfg.check_given_hashes else b""
         for j in range(cap):
             if j < len(given) and not cfg.check_given_hashes:

@@ -9,7 +9,7 @@ does. Each class answers, for one group of one row:
 - what a growth takes (``growth_blocks``, ``grown``);
 - what a commit lets go (``let_go``);
 - what a prefix hit needs (``holds``) and which blocks it gives (``hit_ids``);
-- what enters the prefix cache (``caches_filled``: a block that fills; a live state does not).
+- what enters the prefix cache (a block that fills; a live state, ``holds_state``, only where a row ends).
 
 The rules are arithmetic over a group's block list (a tuple of block ids, 0 the null block); a rule that
 takes blocks is handed the pool's ``pop`` by its caller, so this module imports nothing of the pool.
@@ -55,7 +55,6 @@ class KindRules:
     stops_at_block_end: ClassVar[bool] = False  # a forward that starts inside a block ends at its end, at most
     full_hit: ClassVar[bool] = True  # the hit is scanned left to right over these groups (the others cut it back)
     eagle_margin: ClassVar[bool] = False  # under vLLM's EAGLE drop the hit search holds one block more
-    caches_filled: ClassVar[bool] = True  # a block that fills enters the prefix cache
     event_covers_run: ClassVar[bool] = False  # its BlockStored carries the ids since its last store (vLLM's align)
     __slots__ = ("window", "chunk")
 
@@ -230,7 +229,6 @@ class MambaState(KindRules):
     holds_state = True
     recurrent = True
     full_hit = False
-    caches_filled = False
 
     def most_held(self, nb: int) -> int:
         return 1

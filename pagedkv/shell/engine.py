@@ -28,6 +28,7 @@ from pagedkv.core.scheduler import (
     new_scheduler,
     on_output,
     on_tokens,
+    query_ids,
     schedule,
     submit,
 )
@@ -49,7 +50,7 @@ from pagedkv.shell.sampling import (
     sample_batch,
     token_logprobs,
 )
-from pagedkv.shell.speculative import Speculation, SpeculativeConfig, query_ids
+from pagedkv.shell.speculative import Speculation, SpeculativeConfig
 from pagedkv.shell.transfer import to_device
 
 __all__ = ["Engine"]

@@ -249,20 +249,3 @@ class Speculation:
         for rid, _ in verify:
             if rid in kv.requests:
                 worker.cut(rid, request_blocks(kv, rid)[0], request_generation(kv, rid))
-
-
-def query_ids(rows: Sequence[Any], state: Any, verify: Mapping[Any, tuple[int, ...]] | None) -> list[int]:
-    """The ids at a varlen forward's query positions (``RowMetadata`` rows of the scheduler ``state``): each
-    request's prompt, then what it generated, then the drafts it verifies."""
-    ids: list[int] = []
-    seqs, log = state.seqs, state.log
-    for row in rows:
-        rid = row.request_id
-        prompt = seqs[rid].prompt
-        start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
-        ids.extend(prompt[start:end])
-        if end > p:
-            known = p + log.count(rid)
-            ids.extend(log.ids(rid, max(start - p, 0), min(end, known) - p))
-            ids.extend(verify[rid][: end - known] if verify and end > known else ())
-    return ids

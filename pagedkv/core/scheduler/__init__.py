@@ -19,6 +19,7 @@ from pagedkv.core.scheduler.records import (
     SeqRequest,
     StepPlan,
     new_scheduler,
+    query_ids,
 )
 from pagedkv.core.scheduler.results import on_output, on_tokens
 
@@ -37,6 +38,7 @@ __all__ = [
     "new_scheduler",
     "on_output",
     "on_tokens",
+    "query_ids",
     "sched_canonical",
     "sched_digest",
     "schedule",

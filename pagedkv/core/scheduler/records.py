@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from immutables import Map
 from pyrsistent import PDeque, pdeque
@@ -208,3 +208,20 @@ class LiveRequests(Mapping[RequestId, SeqRequest]):
 
 def new_scheduler(cache: CacheConfig, config: SchedulerConfig = SchedulerConfig()) -> SchedState:
     return SchedState(config, initial_state(cache), pdeque(), (), Map(), Map(), TokenLog.empty(), (), (), (), 0, 0)
+
+
+def query_ids(rows: Sequence[Any], state: SchedState, verify: Mapping[RequestId, tuple[int, ...]] | None) -> list[int]:
+    """The ids at a varlen forward's query positions (``RowMetadata`` rows of the scheduler ``state``): each
+    request's prompt, then what it generated, then the drafts it verifies."""
+    ids: list[int] = []
+    seqs, log = state.seqs, state.log
+    for row in rows:
+        rid = row.request_id
+        prompt = seqs[rid].prompt
+        start, end, p = row.kv_start_pos, row.seq_len, len(prompt)
+        ids.extend(prompt[start:end])
+        if end > p:
+            known = p + log.count(rid)
+            ids.extend(log.ids(rid, max(start - p, 0), min(end, known) - p))
+            ids.extend(verify[rid][: end - known] if verify and end > known else ())
+    return ids

@@ -164,3 +164,60 @@ def test_an_undo_an_interrupt_skips_is_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(decode_mod, "commit_each", in_place)
     with pytest.raises(AssertionError, match="a held state changed after an interrupt"):
         test_an_interrupt_anywhere_leaves_every_held_state_as_it_was("full")
+
+
+def test_an_interrupt_anywhere_in_the_scheduler_leaves_every_held_state_as_it_was() -> None:
+    """The scheduler's transitions keep the promise too: submissions, steps that admit, chunk a prompt, decode
+    and preempt (a pool too small for all three: the third request is preempted at step 2), outputs that end
+    requests, a cancel; an interrupt at every line event of the core each of them runs."""
+    from pagedkv.core.scheduler import (
+        SchedulerConfig,
+        SeqRequest,
+        cancel,
+        new_scheduler,
+        on_output,
+        sched_digest,
+        schedule,
+        submit,
+    )
+
+    cache = CacheConfig(block_size=2, num_blocks=9, enable_prefix_caching=True)
+    state = new_scheduler(cache, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=6))
+    planned: dict[str, Any] = {}
+
+    def step(s: Any) -> Any:
+        got = schedule(s)
+        if isinstance(got, Success):
+            planned["plan"] = got.unwrap()[1]
+        return got
+
+    def output(s: Any) -> Any:
+        plan = planned["plan"]
+        return on_output(s, {rid: 7 for rid in plan.samples})
+
+    script: list[tuple[str, Call]] = [
+        ("submit a", lambda s: submit(s, SeqRequest("a", (1, 2, 3, 4, 5), max_tokens=3))),
+        ("submit b", lambda s: submit(s, SeqRequest("b", (1, 2, 3, 4, 6), max_tokens=4))),
+        ("submit c", lambda s: submit(s, SeqRequest("c", (9, 8, 7), max_tokens=6))),
+    ]
+    for k in range(6):
+        script += [(f"schedule {k}", step), (f"output {k}", output)]
+    script.append(("cancel c", lambda s: cancel(s, "c")))
+    held: list[tuple[Any, str]] = []
+    injected = 0
+    for name, call in script:
+        held.append((state, sched_digest(state)))
+        expected, count = _traced(call, state, 0)
+        assert isinstance(expected, Success), (name, expected)
+        after = expected.unwrap()
+        after = after[0] if isinstance(after, tuple) else after
+        for at in range(1, count.lines + 1):
+            _, trap = _traced(call, state, at)
+            assert trap.fired, (name, at)
+            injected += 1
+            for old, was in held:
+                assert sched_digest(old) == was, f"{name}: a held state changed after an interrupt at {at}"
+            again = call(state).unwrap()
+            assert sched_digest(again[0] if isinstance(again, tuple) else again) == sched_digest(after), (name, at)
+        state = after
+    assert injected > 1000

@@ -103,6 +103,8 @@ def hash_full_blocks(
             following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
         if j < taken:
             h = given[j]  # type: ignore[index]
+            if type(h) is not bytes or len(h) != hw:  # (a hash the row's record cannot hold)
+                raise GivenHashError(j, None, hw)
         else:
             extra = (
                 (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain

@@ -45,12 +45,15 @@ def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Re
     return commit_many(state, ((request_id, computed),)).map(lambda step: Step(step.state, step.effect[0]))
 
 
-def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -> Result[Step[Committed], KVError]:
+def cache_ahead(
+    state: KVState, request_id: RequestId, through: Sequence[int], *, hashes: Sequence[bytes] | None = None
+) -> Result[Step[Committed], KVError]:
     """vLLM's caching point (``CacheConfig.caching_point="schedule"``): each row's full blocks before
     ``through[i]`` (with known token ids) enter the prefix cache now, when the step that computes them is
     planned, so a request admitted later in the same step can hit them (its forward reads them as the same
     forward writes them). Nothing is computed; ``commit`` later hashes nothing twice. A request that ends
-    with reason ``error`` takes these entries out again (their KV may never have been written).
+    with reason ``error`` takes these entries out again (their KV may never have been written). ``hashes``:
+    the row's block hashes as the caller computed them (``cache_ahead_many``).
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True,
@@ -59,7 +62,8 @@ def cache_ahead(state: KVState, request_id: RequestId, through: Sequence[int]) -
     >>> len(cache_ahead(s, "a", [10]).unwrap().state.cache)
     2
     """
-    result = cache_ahead_many(state, ((request_id, through),))
+    given = None if hashes is None else {request_id: hashes}
+    result = cache_ahead_many(state, ((request_id, through),), hashes=given)
     return result.map(lambda step: Step(step.state, step.effect[0]))
 
 
@@ -104,14 +108,13 @@ def _ahead_one(
                 request=request_id,
                 field="through",
             )
-    if given is not None:
-        hw = txn.config.hash_width
-        if len(req.slots) != 1 or not is_seq(given) or any(type(h) is not bytes or len(h) != hw for h in given):
-            return invalid(
-                f"cache_ahead of request {shown(request_id)}: hashes must be one row's {hw}-byte block hashes",
-                request=request_id,
-                field="hashes",
-            )
+    if given is not None and (len(req.slots) != 1 or not is_seq(given)):  # (each hash is checked as it is taken)
+        return invalid(
+            f"cache_ahead of request {shown(request_id)}: hashes must be one row's {txn.config.hash_width}-byte "
+            "block hashes",
+            request=request_id,
+            field="hashes",
+        )
     first = len(txn.events)
     try:
         for i, (slot, t) in enumerate(zip(req.slots, through)):
@@ -166,7 +169,7 @@ def commit_each(
     cfg = txn.config
     bs, mask = cfg.block_size, (1 << SLOT_SHIFT) - 1
     quick = not cfg.hash_lookahead  # (a lookahead block waits for later ids, not a count)
-    moving = tuple(r for r in cfg.rules if r.lets_go)  # the groups whose first visible block a commit may move
+    moving = cfg.letting_go  # the groups whose first visible block a commit may move
     get = txn.base.requests.get
     lens = txn.row_len.leaves  # (read only)
     done = txn.row_computed.own_for(len(ids))

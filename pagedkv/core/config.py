@@ -87,7 +87,7 @@ class CacheConfig:
     rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/kinds.py)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # groups whose block is a live state
     opening_blocks: int = field(init=False, repr=False, compare=False)  # blocks a row's growth takes a block it opens
-    has_windows: bool = field(init=False, repr=False, compare=False)  # a group lets blocks go as its window moves
+    letting_go: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # rules whose window moves
     recurrent: bool = field(init=False, repr=False, compare=False)  # a group carries a state from token to token
     stops_at_block_end: bool = field(init=False, repr=False, compare=False)  # a forward ends at its block's end
     hash_width: int = field(init=False, repr=False, compare=False)  # bytes a block hash (block_hash's)
@@ -125,7 +125,7 @@ class CacheConfig:
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "state_group_set", frozenset(i for i, r in enumerate(rules) if r.holds_state))
         object.__setattr__(self, "opening_blocks", sum(r.growth_blocks(1) for r in rules))
-        object.__setattr__(self, "has_windows", any(r.lets_go for r in rules))
+        object.__setattr__(self, "letting_go", tuple(r for r in rules if r.lets_go))
         object.__setattr__(self, "recurrent", any(r.recurrent for r in rules))
         object.__setattr__(self, "stops_at_block_end", any(r.stops_at_block_end for r in rules))
         if rules[0].recurrent:
@@ -164,6 +164,11 @@ class CacheConfig:
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):
                 raise InvalidConfig(f"{key} must be a positive integer or null, got {shown(value)}")
+
+    @property
+    def has_windows(self) -> bool:
+        """Does a group let blocks go as its window moves?"""
+        return bool(self.letting_go)
 
     @property
     def usable_blocks(self) -> int:

@@ -28,8 +28,12 @@ class GivenHashError(Exception):
     """A block hash a caller gave (``RequestSpec.block_hashes``, ``cache_ahead_many``'s ``hashes``) is not the
     core's own hash of that block (found under ``CacheConfig(check_given_hashes=True)``)."""
 
-    def __init__(self, block: int, expected: bytes) -> None:
-        super().__init__(f"block_hashes[{block}] is not the hash of block {block} (expected {expected.hex()})")
+    def __init__(self, block: int, expected: bytes | None, width: int = 0) -> None:
+        super().__init__(
+            f"block_hashes[{block}] is not the hash of block {block} (expected {expected.hex()})"
+            if expected is not None
+            else f"block_hashes[{block}] is not a {width}-byte hash"
+        )
         self.block = block
 
     def refusal(self, request: RequestId) -> KVError:

@@ -92,18 +92,18 @@ class KindRules:
     def most_held_growing(self, nb: int, chunk: int, block_size: int) -> int:
         """The most blocks a row of ``nb`` positions holds at once when its blocks come ``chunk`` tokens at a
         time (a window lets the ones behind it go)."""
-        return nb
+        return self.most_held(nb)
 
     # admission
 
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
         """Admitting a row of ``nb`` positions whose hit gave ``hit`` here, first visible block ``first``: the
-        fresh blocks it pops, and the hit blocks it shares."""
-        return nb - max(len(hit), min(first, nb)), tuple(b for b in hit[first:] if b)
+        fresh blocks it pops, and the hit blocks it shares (``hit_taken``)."""
+        return nb - max(len(hit), min(first, nb)), self.hit_taken(hit, first)
 
-    def hit_taken(self, hit: tuple[int, ...], first: int) -> Sequence[int]:
+    def hit_taken(self, hit: tuple[int, ...], first: int) -> tuple[int, ...]:
         """The hit blocks a row shares (a reference each), taken before any fresh block is popped."""
-        return [b for b in hit[first:] if b]
+        return tuple(b for b in hit[first:] if b)
 
     def taken_over(self, hit: tuple[int, ...]) -> int | None:
         """The hit block a row takes over (out of the cache: it will be rewritten), if any."""
@@ -136,8 +136,10 @@ class KindRules:
     # prefix hits
 
     def holds(self, cached: Cached, chains: Sequence[Sequence[bytes]], n: int, peek: bool, block_size: int) -> bool:
-        """Does this group hold a hit of ``n`` blocks for every row (the block after it too, under ``peek``)?"""
-        return all(cached(chain[j]) is not None for chain in chains for j in range(n + peek))
+        """Does this group hold a hit of ``n`` blocks for every row: each block a query at the boundary can see
+        (the block after it too, under ``peek``)?"""
+        first = self.first_visible_block(n * block_size, block_size)
+        return all(cached(chain[j]) is not None for chain in chains for j in range(first, n + peek))
 
     def hit_ids(self, cached: Cached, chain: Sequence[bytes], n: int, block_size: int) -> tuple[int, ...]:
         """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look)."""
@@ -187,10 +189,6 @@ class _Windowed(KindRules):
             j -= 1
         return range(first - 1, j, -1)
 
-    def holds(self, cached: Cached, chains: Sequence[Sequence[bytes]], n: int, peek: bool, block_size: int) -> bool:
-        first = self.first_visible_block(n * block_size, block_size)
-        return all(cached(chain[j]) is not None for chain in chains for j in range(first, n + peek))
-
 
 class SlidingWindow(_Windowed):
     """Sliding window W: a token sees itself and the W - 1 tokens before it."""
@@ -233,13 +231,10 @@ class MambaState(KindRules):
     def most_held(self, nb: int) -> int:
         return 1
 
-    def most_held_growing(self, nb: int, chunk: int, block_size: int) -> int:
-        return 1
-
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
         return 1, ()  # fresh, or the saved state taken over out of the free queue
 
-    def hit_taken(self, hit: tuple[int, ...], first: int) -> Sequence[int]:
+    def hit_taken(self, hit: tuple[int, ...], first: int) -> tuple[int, ...]:
         return ()
 
     def taken_over(self, hit: tuple[int, ...]) -> int | None:
@@ -286,11 +281,8 @@ class MambaAlign(KindRules):
     def most_held(self, nb: int) -> int:
         return min(nb, 2)  # the state it reads, the one it writes
 
-    def most_held_growing(self, nb: int, chunk: int, block_size: int) -> int:
-        return min(nb, 2)
-
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
-        return int(nb > len(hit)), tuple(b for b in hit[first:] if b)
+        return int(nb > len(hit)), self.hit_taken(hit, first)  # one fresh block, at the last position
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
         # the hit's state block (the null block before it), then one fresh block at the last position
@@ -307,10 +299,6 @@ class MambaAlign(KindRules):
         first = self.first_visible_block(future, block_size)
         since = self.first_visible_block(previous, block_size)
         return [k for k in range(since, min(first, len(ids))) if ids[k]]
-
-    def holds(self, cached: Cached, chains: Sequence[Sequence[bytes]], n: int, peek: bool, block_size: int) -> bool:
-        first = self.first_visible_block(n * block_size, block_size)
-        return all(cached(chain[j]) is not None for chain in chains for j in range(first, n + peek))
 
 
 def _aligned(opened: int, pop: Pop) -> tuple[int, ...]:

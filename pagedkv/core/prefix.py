@@ -161,9 +161,10 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         chain: list[BlockHash] = []
         parent = cache.root
         given = spec.block_hashes if len(spec.rows) == 1 else ()  # (one row's, the caller's: taken or checked)
-        packed = pack_ids(row.tokens[: cap * bs + ahead]) if len(given) < cap or cfg.check_given_hashes else b""
+        taken = 0 if cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
+        packed = pack_ids(row.tokens[: cap * bs + ahead]) if taken < cap else b""
         for j in range(cap):
-            if j < len(given) and not cfg.check_given_hashes:
+            if j < taken:
                 h = given[j]
             elif ahead:
                 h = hash_packed(
@@ -173,7 +174,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
                 )
             else:
                 h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
-            if j < len(given) and given[j] != h:  # (check_given_hashes)
+            if taken <= j < len(given) and given[j] != h:  # (a given hash checked: check_given_hashes)
                 raise GivenHashError(j, h)
             if any((g, h) not in cache for g in full):
                 break

@@ -24,10 +24,10 @@ from pagedkv.core import (
     Placeholders,
     RequestSpec,
     RowSpec,
-    Step,
     admit,
     append,
     append_many,
+    cache_ahead,
     cache_ahead_many,
     commit,
     fill,
@@ -692,8 +692,7 @@ class PagedKVCacheManager:
         as cached this step."""
         hashed = txn.state.rows[slot].num_hashed
         rid = request.request_id
-        cached = cache_ahead_many(txn.state, [(rid, [through])], hashes={rid: request.block_hashes})
-        txn.apply(cached.map(lambda step: Step(step.state, step.effect[0])), "cache_ahead")
+        txn.apply(cache_ahead(txn.state, rid, [through], hashes=request.block_hashes), "cache_ahead")
         if self._aligned:
             record = txn.state.rows[slot]
             self._cached_now.update(

@@ -85,11 +85,10 @@ def main() -> None:
 def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> tuple[float, float]:
     """Median decode step (ms) of the engine at ``rows`` running requests, graphs on (full batches only), and
     the median step that prefills (prompts of 480 tokens, chunks of at most 512 tokens a step)."""
-    from bench.generate import NoStop
 
     eng = Engine(
         model,
-        NoStop(tok),
+        tok,
         backend=backend,
         kv_cache_memory_bytes=1 << 30,
         max_num_seqs=rows,
@@ -99,9 +98,11 @@ def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> tuple
         enable_prefix_caching=False,
     )
     ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(500)))[:480]
-    eng.generate([("", ids[:8], SamplingParams(max_tokens=4)) for _ in range(2)])  # warm the eager prefill path
+    eng.generate(
+        [("", ids[:8], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(2)]
+    )  # warm the eager prefill path
     eng.step_times = []
-    eng.generate([("", ids, SamplingParams(max_tokens=64)) for _ in range(rows)])
+    eng.generate([("", ids, SamplingParams(max_tokens=64, ignore_eos=True)) for _ in range(rows)])
     full = [sec for n, p, sec in eng.step_times if n == rows and p == 0]
     pre = [sec for n, p, sec in eng.step_times if p > 0]
     med = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731

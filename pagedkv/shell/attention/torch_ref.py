@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from pagedkv.core.kinds import GroupKind
 from pagedkv.shell.attention.base import LayerAttention, lowest_visible_key
@@ -18,35 +21,60 @@ class TorchBackend:
     fp8_pages = True  # reads fp8 pages (their scales applied)
 
     def __init__(self) -> None:
-        self._made: tuple[ForwardBatch, tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
+        self._made: tuple[ForwardBatch, tuple[object, ...], Any, Any] | None = None  # a plan of this forward's
 
     def forward(
         self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
     ) -> torch.Tensor:
         bs = k_pages.shape[1]
-        heads, kv_heads = q.shape[1], k_pages.shape[2]
+        kv_heads = k_pages.shape[2]
         rows = batch.metadata.rows
         if all(r.query_len == 1 and len(r.segments) == 1 for r in rows):
             return self._decode(q, k_pages, v_pages, batch, layer)
         out = torch.empty_like(q)
-        tables = batch.block_tables[layer.group]
         qsl = batch.query_start_loc.tolist()
-        for r, row in enumerate(batch.metadata.rows):
-            start, seq_len = row.kv_start_pos, row.seq_len
-            lo = lowest_visible_key(layer.spec, start)  # keys before it: no query of this row reads them
-            first_block, last_block = lo // bs, -(-seq_len // bs)
-            ids = tables[r, first_block:last_block].long()
+        for r, (ids, n_keys, mask) in enumerate(self._rows_plan(batch, layer, bs)):
             # (n_blocks * bs, kv_heads, head_dim) -> the row's keys [first_block * bs, seq_len)
-            k = k_pages.index_select(0, ids).reshape(-1, kv_heads, k_pages.shape[3])[: seq_len - first_block * bs]
-            v = v_pages.index_select(0, ids).reshape(-1, kv_heads, v_pages.shape[3])[: seq_len - first_block * bs]
+            k = k_pages.index_select(0, ids).reshape(-1, kv_heads, k_pages.shape[3])[:n_keys]
+            v = v_pages.index_select(0, ids).reshape(-1, kv_heads, v_pages.shape[3])[:n_keys]
             k, v = _dequantized(k, v, layer)
             if layer.kv_index is not None:  # an explicit head map (a tensor-parallel shard)
                 idx = torch.tensor(layer.kv_index, device=k.device)
                 k, v = k.index_select(1, idx), v.index_select(1, idx)
-            elif heads != kv_heads:  # GQA: each KV head serves heads // kv_heads query heads
-                k = k.repeat_interleave(heads // kv_heads, dim=1)
-                v = v.repeat_interleave(heads // kv_heads, dim=1)
             qr = q[qsl[r] : qsl[r + 1]].float()  # (query, heads, head_dim)
+            n_q, heads, d = qr.shape
+            read = k.shape[1]  # GQA: each KV head serves heads // read query heads
+            qh = qr.view(n_q, read, heads // read, d).permute(1, 2, 0, 3)  # (KV heads, group, queries, head_dim)
+            kh, vh = k.transpose(0, 1)[:, None], v.transpose(0, 1)[:, None]  # (KV heads, 1, keys, head_dim)
+            if layer.softcap or not _FUSED.get(qr.device.type, False):
+                scores = torch.matmul(qh, kh.transpose(-1, -2)) * layer.scale
+                if layer.softcap:
+                    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+                got = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), vh)
+            else:  # (K and V expanded over the group, not copied: the CPU's fused kernel takes them so)
+                shape = (read, heads // read, n_keys, d)
+                got = F.scaled_dot_product_attention(
+                    qh, kh.expand(shape), vh.expand(shape), attn_mask=mask, scale=layer.scale
+                )
+            got = got.permute(2, 0, 1, 3).reshape(n_q, heads, d)
+            out[qsl[r] : qsl[r + 1]] = got.to(q.dtype)
+        return out
+
+    def _rows_plan(
+        self, batch: ForwardBatch, layer: LayerAttention, bs: int
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """Each row's blocks to read, its keys' count and its exact mask (queries x keys) from its segments: the
+        same for every layer of a group, so made once a forward (kept for the batch and group it was made for)."""
+        made = self._made
+        key = ("rows", layer.group, layer.spec, bs)
+        if made is not None and made[0] is batch and made[1] == key:
+            return made[2]  # type: ignore[return-value]
+        tables = batch.block_tables[layer.group]
+        plan = []
+        for r, row in enumerate(batch.metadata.rows):
+            start, seq_len = row.kv_start_pos, row.seq_len
+            lo = lowest_visible_key(layer.spec, start)  # keys before it: no query of this row reads them
+            first_block, last_block = lo // bs, -(-seq_len // bs)
             keys = torch.arange(first_block * bs, seq_len)
             mask = torch.zeros(row.query_len, keys.numel(), dtype=torch.bool)
             for seg in row.segments:
@@ -58,23 +86,25 @@ class TorchBackend:
                     lows = torch.tensor([lowest_visible_key(layer.spec, int(p)) for p in pos])
                     allowed &= keys[None, :] >= lows[:, None]
                 mask[rows_] = allowed
-            scores = torch.einsum("qhd,khd->hqk", qr, k) * layer.scale
-            if layer.softcap:
-                scores = torch.tanh(scores / layer.softcap) * layer.softcap
-            scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))  # masks are built on the host
-            probs = torch.softmax(scores, dim=-1)
-            out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
-        return out
+            ids = tables[r, first_block:last_block].long()
+            plan.append((ids, keys.numel(), mask.to(tables.device)))  # (masks are built on the host)
+        self._made = (batch, key, plan, None)  # type: ignore[assignment]
+        return plan
 
     def _decode_plan(
-        self, batch: ForwardBatch, layer: LayerAttention, bs: int, n: int
+        self, batch: ForwardBatch, layer: LayerAttention, shape: tuple[int, ...], n: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' block tables and visible keys for a decode batch: the same for every layer of a group,
-        so made once a forward (kept for the batch and group it was made for)."""
+        """A decode batch's gather: for every row, head and key, the row of the pages (viewed as
+        ``(blocks * block_size * kv_heads, head_dim)``) it reads, and the keys each row sees. A key the row
+        does not see (past ``seq_len``, before a window) reads the row's last key instead (written, so finite;
+        its weight is zero), so nothing unwritten ever enters the sums. The same for every layer of a group:
+        made once a forward (kept for the batch and the group it was made for)."""
         made = self._made
-        if made is not None and made[0] is batch and made[1] == (layer.group, layer.spec, bs, n):
+        key = (layer.group, layer.spec, shape, n, layer.kv_index)
+        if made is not None and made[0] is batch and made[1] == key:
             return made[2], made[3]
-        seq_lens = batch.seq_lens.long()
+        bs, kv_heads = shape[1], shape[2]
+        seq_lens = batch.seq_lens[:n].long()
         nb = -(-int(seq_lens.max()) // bs)
         tables = batch.block_tables[layer.group, :n, :nb].long()  # (rows, blocks)
         keys = torch.arange(nb * bs, device=tables.device)
@@ -84,32 +114,51 @@ class TorchBackend:
                 [lowest_visible_key(layer.spec, r.kv_start_pos) for r in batch.metadata.rows], device=tables.device
             )
             visible &= keys[None, :] >= lows[:, None]
-        self._made = (batch, (layer.group, layer.spec, bs, n), tables, visible)
-        return tables, visible
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).reshape(n, nb * bs)
+        last = slots.gather(1, (seq_lens - 1)[:, None])  # (the query's own key: always seen, always written)
+        slots = torch.where(visible, slots, last)
+        heads = (
+            torch.tensor(layer.kv_index, device=tables.device)
+            if layer.kv_index is not None
+            else torch.arange(kv_heads, device=tables.device)
+        )
+        index = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)  # (rows, heads read, keys)
+        self._made = (batch, key, index, visible[:, None, None, :])
+        return index, visible[:, None, None, :]
 
     def _decode(
         self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
     ) -> torch.Tensor:
-        """Every row has one query token: all rows at once over their gathered pages."""
-        bs, kv_heads, d = k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
+        """Every row has one query token: all rows at once over their gathered keys, read in one
+        ``index_select`` a side into (rows, KV heads, keys, head_dim)."""
+        d = k_pages.shape[3]
         n, heads = q.shape[0], q.shape[1]
-        tables, visible = self._decode_plan(batch, layer, bs, n)
-        nb = tables.shape[1]
-        k, v = _dequantized(
-            k_pages[tables].reshape(n, nb * bs, kv_heads, d), v_pages[tables].reshape(n, nb * bs, kv_heads, d), layer
-        )  # (rows, keys, kv_heads, d)
-        v = v.masked_fill(~visible[:, :, None, None], 0.0)  # never let unread slots into the sums (K's are masked
-        # in the scores below)
-        if layer.kv_index is not None:  # a shard's explicit head map: one KV head per query head
-            idx = torch.tensor(layer.kv_index, device=k.device)
-            k, v, kv_heads = k.index_select(2, idx), v.index_select(2, idx), heads
-        qg = q.float().view(n, kv_heads, heads // kv_heads, d)  # GQA: query heads grouped by their KV head
-        scores = torch.einsum("nvgd,nkvd->nvgk", qg, k) * layer.scale
-        if layer.softcap:
-            scores = torch.tanh(scores / layer.softcap) * layer.softcap
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # also what an unread K made
-        out = torch.einsum("nvgk,nkvd->nvgd", torch.softmax(scores, dim=-1), v)
+        index, visible = self._decode_plan(batch, layer, tuple(k_pages.shape), n)
+        k, v = _dequantized(_rows(k_pages, d, index), _rows(v_pages, d, index), layer)
+        read = index.numel() // (n * visible.shape[-1])  # KV heads read: the pages' own, or one a query head
+        k, v = k.view(n, read, -1, d), v.view(n, read, -1, d)
+        qg = q.float().view(n, read, heads // read, d)  # GQA: query heads grouped by their KV head
+        if layer.softcap or not _FUSED.get(q.device.type, False):
+            scores = torch.matmul(qg, k.transpose(-1, -2)) * layer.scale
+            if layer.softcap:
+                scores = torch.tanh(scores / layer.softcap) * layer.softcap
+            scores.masked_fill_(~visible, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        else:
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible, scale=layer.scale)
         return out.reshape(n, heads, d).to(q.dtype)
+
+
+_FUSED = {"cpu": True}  # devices whose fused attention (SDPA) the reference uses: the CPU's flash kernel, fp32
+# throughout; elsewhere the products and the softmax are written out (CUDA's fused kernels are the backends' business)
+
+
+def _rows(pages: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
+    """``pages`` viewed as rows of ``head_dim``, the rows ``index`` names (fp8 pages gathered as bytes)."""
+    flat = pages.reshape(-1, d)
+    if flat.element_size() == 1 and flat.dtype != torch.uint8:  # (index_select has no float8 kernel everywhere)
+        return flat.view(torch.uint8).index_select(0, index).view(flat.dtype)
+    return flat.index_select(0, index)
 
 
 def _dequantized(k: torch.Tensor, v: torch.Tensor, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:

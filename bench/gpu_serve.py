@@ -27,7 +27,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
-from bench.generate import NoStop  # noqa: E402  the tokenizer with no stop tokens, as bench/generate.py has it
 from tests.gpu.prompts import PROMPTS, prompt_text  # noqa: E402
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
@@ -147,13 +146,13 @@ def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) ->
     ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
     eng = Engine(
         model,
-        NoStop(tok),
+        tok,
         kv_cache_memory_bytes=4 << 30,
         max_num_seqs=b,
         max_num_batched_tokens=max(2048, 128 * min(b, 64)),
         **kw,
     )
-    eng.generate([("", i[:8], SamplingParams(max_tokens=4)) for i in ids[:2]])
+    eng.generate([("", i[:8], SamplingParams(max_tokens=4, ignore_eos=True)) for i in ids[:2]])
     return ids, eng
 
 
@@ -170,7 +169,7 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
         parts = Breakdown(eng) if breakdown else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        done = eng.generate([("", i, SamplingParams(max_tokens=new)) for i in ids])
+        done = eng.generate([("", i, SamplingParams(max_tokens=new, ignore_eos=True)) for i in ids])
         torch.cuda.synchronize()
         ours = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
         full = [s for n, p, s in eng.step_times if n == b and p == 0]
@@ -204,7 +203,7 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
             def run(n: int) -> float:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                done = eng.generate([("", i, SamplingParams(max_tokens=n)) for i in ids])
+                done = eng.generate([("", i, SamplingParams(max_tokens=n, ignore_eos=True)) for i in ids])
                 torch.cuda.synchronize()
                 outs[ahead] = [c.token_ids for c in done]
                 return time.perf_counter() - t0
@@ -220,7 +219,7 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
     return rows
 
 
-def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
+def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> list[str]:
     """The ShareGPT-like workload, arriving over time (Poisson, ``rate`` requests a second)."""
     rng = random.Random(1)
     systems = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
@@ -234,14 +233,9 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         reqs.append((t, shared + body, olen))
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     eng = Engine(
-        model,
-        NoStop(tok),
-        kv_cache_memory_bytes=8 << 30,
-        max_num_seqs=256,
-        max_num_batched_tokens=4096,
-        time_steps=True,
+        model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=budget, time_steps=True
     )
-    eng.generate([("", reqs[0][1][:16], SamplingParams(max_tokens=4))])  # warm
+    eng.generate([("", reqs[0][1][:16], SamplingParams(max_tokens=4, ignore_eos=True))])  # warm
     eng.step_times = []
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -263,7 +257,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         while k < len(reqs) and reqs[k][0] <= now:
             rid = f"mix-{k}"
             arrive[rid] = t0 + reqs[k][0]
-            eng.add_request(rid, "", reqs[k][1], SamplingParams(max_tokens=reqs[k][2]))
+            eng.add_request(rid, "", reqs[k][1], SamplingParams(max_tokens=reqs[k][2], ignore_eos=True))
             k += 1
         if eng.has_unfinished():
             done += eng.step(on_token)
@@ -279,7 +273,8 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         return xs[min(int(q * len(xs)), len(xs) - 1)] * 1e3
 
     hf_secs = 0.0
-    for s in range(0, n, 64):  # transformers: arrival-order static batches of 64, all at once (no arrival waits)
+    # transformers: arrival-order static batches of 64, all at once (no arrival waits)
+    for s in range(0, n if hf is not None else 0, 64):
         part = reqs[s : s + 64]
         _, secs = hf_generate(hf, [r[1] for r in part], [r[2] for r in part], tok.eos_token_id)
         hf_secs += secs
@@ -288,7 +283,11 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any) -> list[str]:
         f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
         f"prefix cache hits {sum(c.cached_tokens for c in done)} tokens",
         f"pagedkv: {made / wall:.0f} tok/s over the run (wall {wall:.1f} s, arrivals included); "
-        f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens",
+        + (
+            f"transformers, static batches of 64 with no waiting: {made / hf_secs:.0f} tok/s of requested tokens"
+            if hf is not None
+            else "transformers not run"
+        ),
         f"TTFT ms p50 {pct(ttft, 0.5):.1f}  p90 {pct(ttft, 0.9):.1f}  p99 {pct(ttft, 0.99):.1f};  "
         f"ITL ms p50 {pct(gaps, 0.5):.2f}  p90 {pct(gaps, 0.9):.2f}  p99 {pct(gaps, 0.99):.2f}",
     ]
@@ -300,6 +299,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--mix", type=int, default=400, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--rate", type=float, default=40.0)
+    ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens of the mixed workload's engine")
+    ap.add_argument("--skip-hf-mix", action="store_true", help="the mixed workload without transformers beside it")
     ap.add_argument("--skip-equality", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="host ms a step by part, under each batch's row")
     ap.add_argument(
@@ -324,7 +325,9 @@ def main() -> None:
     out += ["", f"bf16, triton, CUDA graphs; 128-token prompts, {args.new} new tokens; transformers bf16 generate"]
     out += batches(tok, args.batches, args.new, hf, args.breakdown)
     if args.mix:
-        out += ["", "mixed workload (bf16, max_num_seqs 256)"] + mix(tok, args.mix, args.rate, hf)
+        out += ["", f"mixed workload (bf16, max_num_seqs 256, max_num_batched_tokens {args.budget})"] + mix(
+            tok, args.mix, args.rate, None if args.skip_hf_mix else hf, args.budget
+        )
     print("\n".join(out))
 
 

@@ -8,6 +8,7 @@ prefill, prefix caching and preemption by recompute come from the scheduler.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,6 +53,8 @@ from pagedkv.shell.sampling import (
 )
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig
 from pagedkv.shell.transfer import to_device
+
+FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (Engine._token_rows)
 
 __all__ = ["Engine"]
 
@@ -120,12 +123,7 @@ class Engine:
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any a live request holds
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self.graphs: GraphDecoder | None = None
-        if (
-            args.cuda_graphs
-            and model.device.type == "cuda"
-            and getattr(self.backend, "capturable", False)
-            and getattr(model, "capturable", True)
-        ):
+        if args.graphs_for(model, self.backend):
             rows = max(args.max_num_seqs, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
             self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
@@ -390,8 +388,10 @@ class Engine:
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
-        for meta in plan.metadata:
-            outs.append(self._forward(meta, verify, where, sum(len(o) for o in outs)))
+        for k, meta in enumerate(plan.metadata):
+            out = self._forward(meta, verify, where, sum(len(o) for o in outs))
+            # (a replay's logits live in its graph's buffer, which a later forward of the step may replay again)
+            outs.append(out.clone() if k + 1 < len(plan.metadata) and self.graphs is not None else out)
         if not samples:  # no forward, or every row mid-way through its prompt: nothing to sample
             return None, None
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -438,17 +438,19 @@ class Engine:
         self, meta: KVMetadata, verify: dict[RequestId, tuple[int, ...]], where: dict[RequestId, int], base: int
     ) -> torch.Tensor:
         """One snapshot's forward queued: its logits, each request's first logits row in ``where`` (after ``base``).
-        Decodes replay a graph where captured; a verify step goes one query token a row where it fits (the decode
-        kernel and its graphs compute each position as a decode of it would: ``Worker.install``)."""
+        Decodes replay a graph where captured; a verify step, and a prefill forward a graph holds, go one query token
+        a row (``_token_rows``: the decode kernel and its graphs compute each position as a decode of it would)."""
         verifying = bool(verify) and meta.phase is Phase.PREFILL  # (the engine's rows are causal: the worker checks)
-        batch = self.worker.install(meta, token_rows=verifying and meta.num_query_tokens <= self.worker.token_rows)
+        flat = self._token_rows(meta, verifying)
+        batch = self.worker.install(meta, token_rows=flat)
         rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
         tokens = self._tokens(meta, rows, verify)
-        at, places = (
-            Speculation.logits_rows(meta.rows, verify, base)
-            if verifying
-            else (None, zip(rows, range(base, base + len(rows))))
-        )  # (where its logits land)
+        if verifying:  # (where its logits land)
+            at, places = Speculation.logits_rows(meta.rows, verify, base)
+        else:
+            # laid out a token a row, each row's last token's logits; else the forward's own (each row's last)
+            at = [end - 1 for end in itertools.accumulate(r.query_len for r in meta.rows)] if flat else None
+            places = zip(rows, range(base, base + len(rows)))
         where.update(places)
         at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
@@ -458,6 +460,26 @@ class Engine:
             tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,))
         )
         return out  # type: ignore[no-any-return]
+
+    def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
+        """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A
+        verify step where its tokens fit the buffers; a prefill forward of causal rows whose tokens a captured
+        graph holds and whose reads stay small (a token row reads its whole prefix: at most ``FLAT_READS`` keys in
+        all), so that a step carrying a prompt's chunk replays graphs instead of launching every layer's kernels
+        from the host (bench/gpu_mixed.py: 33-41 ms a mixed step on an H200, the device busy 6-8 of them)."""
+        if meta.phase is not Phase.PREFILL or meta.num_query_tokens > self.worker.token_rows:
+            return False
+        if verifying:
+            return True
+        if self.graphs is None or not self.graphs.fits(meta.num_query_tokens):
+            return False
+        reads = 0
+        for r in meta.rows:
+            segs = r.segments
+            if len(segs) != 1 or not segs[0].causal:
+                return False
+            reads += r.query_len * r.seq_len
+        return reads <= FLAT_READS
 
     def _tokens(
         self, meta: KVMetadata, rows: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]] | None = None

@@ -12,6 +12,7 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.graphs import GRAPH_ROWS
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
 from pagedkv.shell.rank import Rank, measured_budget, plan_for, rank_for
 from pagedkv.shell.speculative import SpeculativeConfig
@@ -81,11 +82,30 @@ class EngineArgs:
             else max(self.max_num_batched_tokens, self.model_len(model))
         )
 
-    def token_rows(self) -> int:
-        """Query tokens a step may lay out one a forward row (``Worker``): with speculation, every request and all
-        its drafts (a verify step through the decode kernel and its graphs); 0 without."""
+    def token_rows(self, model: Any = None, backend: AttentionBackend | None = None) -> int:
+        """Query tokens a step may lay out one a forward row (``Worker``), for the decode kernel and its CUDA
+        graphs: with speculation, every request and all its drafts (a verify step); where decode steps replay
+        graphs (a CUDA ``model``, a capturable ``backend``), a prefill chunk of up to ``GRAPH_ROWS`` tokens too
+        (``Engine._forward``: a step that carries one runs as graph replays, not layer by layer), unless the model
+        keeps Mamba states (a state steps through a row's tokens in order: they are never rows of their own); 0
+        else."""
         spec = SpeculativeConfig.of(self.speculative_config)
-        return 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
+        rows = 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
+        if model is not None and self.graphs_for(model, backend) and getattr(model, "state_shape", None) is None:
+            rows = max(rows, min(self.step_tokens(model), GRAPH_ROWS))
+        return rows
+
+    def graphs_for(self, model: Any, backend: AttentionBackend | None) -> bool:
+        """Do decode forwards of ``model`` through ``backend`` replay CUDA graphs (``cuda_graphs``, a CUDA device,
+        a backend and a model that can be captured)?"""
+        device = getattr(model, "device", None)
+        return (
+            self.cuda_graphs
+            and isinstance(device, torch.device)
+            and device.type == "cuda"
+            and getattr(backend, "capturable", False)
+            and getattr(model, "capturable", True)
+        )
 
     def attention(self, model: Any) -> AttentionBackend:
         """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
@@ -126,7 +146,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             max_rows=self.max_num_seqs,
             max_tokens=self.step_tokens(model),
-            token_rows=self.token_rows(),
+            token_rows=self.token_rows(model, backend),
             backend=backend,
             caching_point=self.caching_point,
             free_queue=self.free_queue,

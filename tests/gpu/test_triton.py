@@ -77,6 +77,32 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
     assert [c.token_ids for c in alone.generate(prompts[1:2])] == runs[True][1:2]
 
 
+def test_prefill_forwards_replay_graphs_and_give_the_eager_tokens() -> None:
+    """A prefill forward whose tokens a captured bucket holds is laid out one token a row and replayed (a step
+    that carries prompt tokens is not launched layer by layer); one over the budget of keys, or of more tokens
+    than any bucket, runs eagerly; greedy tokens equal the engine's with graphs off in both."""
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    short = [
+        (f"s{i}", [(3 * i + j) % 49152 for j in range(20 + 7 * i)], SamplingParams(max_tokens=1)) for i in range(4)
+    ]
+    long = [("l", [(11 + j) % 49152 for j in range(1200)], SamplingParams(max_tokens=4))]
+    runs = {}
+    for graphs in (True, False):
+        eng = Engine(
+            model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
+        )
+        assert eng.worker.token_rows == (min(eng.args.max_num_batched_tokens, 512) if graphs else 0)
+        before = 0 if eng.graphs is None else eng.graphs.replays
+        runs[graphs, "short"] = [c.token_ids for c in eng.generate(short)]  # one prefill forward, one token each
+        if graphs:
+            assert eng.graphs.replays == before + 1  # the prompts' forward: replayed
+            before = eng.graphs.replays
+        runs[graphs, "long"] = [c.token_ids for c in eng.generate(long)]  # 1,200 tokens: eager, then 3 decodes
+        if graphs:
+            assert eng.graphs.replays == before + 3
+    assert runs[True, "short"] == runs[False, "short"] and runs[True, "long"] == runs[False, "long"]
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dtype) -> None:
     """The decode and varlen kernels over fp8 pages equal fp32 math over the pages' values times their scales."""

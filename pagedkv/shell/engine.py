@@ -445,13 +445,14 @@ class Engine:
         batch = self.worker.install(meta, token_rows=flat)
         rows = meta.rows.request_ids if isinstance(meta.rows, DecodeRows) else [r.request_id for r in meta.rows]
         tokens = self._tokens(meta, rows, verify)
+        at: list[int] | None
         if verifying:  # (where its logits land)
             at, places = Speculation.logits_rows(meta.rows, verify, base)
+            where.update(places)
         else:
             # laid out a token a row, each row's last token's logits; else the forward's own (each row's last)
             at = [end - 1 for end in itertools.accumulate(r.query_len for r in meta.rows)] if flat else None
-            places = zip(rows, range(base, base + len(rows)))
-        where.update(places)
+            where.update(zip(rows, range(base, base + len(rows))))
         at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
             out = self.graphs.decode(tokens, batch)  # (every row's logits: a verify step's positions picked here)

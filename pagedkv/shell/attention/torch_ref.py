@@ -68,7 +68,7 @@ class TorchBackend:
         made = self._made
         key = ("rows", layer.group, layer.spec, bs)
         if made is not None and made[0] is batch and made[1] == key:
-            return made[2]  # type: ignore[return-value]
+            return made[2]  # type: ignore[no-any-return]
         tables = batch.block_tables[layer.group]
         plan = []
         for r, row in enumerate(batch.metadata.rows):
@@ -88,7 +88,7 @@ class TorchBackend:
                 mask[rows_] = allowed
             ids = tables[r, first_block:last_block].long()
             plan.append((ids, keys.numel(), mask.to(tables.device)))  # (masks are built on the host)
-        self._made = (batch, key, plan, None)  # type: ignore[assignment]
+        self._made = (batch, key, plan, None)
         return plan
 
     def _decode_plan(

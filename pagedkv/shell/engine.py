@@ -114,6 +114,7 @@ class Engine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             chunked_prefill=args.chunked_prefill,
             grow_prefill=args.grow_prefill,
+            long_prefill_token_threshold=args.prefill_chunk_cap(model, self.backend),
         )
         self.state = new_scheduler(self.cache, sched)
         spec = SpeculativeConfig.of(args.speculative_config)

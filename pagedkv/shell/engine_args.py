@@ -34,6 +34,9 @@ class EngineArgs:
     free_queue: str = "tail"  # CacheConfig.free_queue: "vllm" reuses freed blocks without a hash first
     grow_prefill: bool = False  # SchedulerConfig.grow_prefill: a prompt's blocks chunk by chunk (window groups
     # then hold a window and a chunk, not the whole prompt)
+    # SchedulerConfig.long_prefill_token_threshold (vLLM's): the most prompt tokens one request's chunk takes a step;
+    # None: the prefill tokens a captured graph holds where decode steps replay graphs (prefill_chunk_cap), else 0
+    long_prefill_token_threshold: int | None = None
     # vLLM's speculative_config (a mapping, its JSON text or a SpeculativeConfig): n-gram prompt lookup drafts,
     # verified in one forward ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}); None: one token a request a step
@@ -91,9 +94,23 @@ class EngineArgs:
         else."""
         spec = SpeculativeConfig.of(self.speculative_config)
         rows = 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
-        if model is not None and self.graphs_for(model, backend) and getattr(model, "state_shape", None) is None:
-            rows = max(rows, min(self.step_tokens(model), GRAPH_ROWS))
-        return rows
+        return rows if model is None else max(rows, self.graph_prefill_rows(model, backend))
+
+    def prefill_chunk_cap(self, model: Any, backend: AttentionBackend | None) -> int:
+        """``long_prefill_token_threshold`` as the scheduler takes it: the one given, or where prefill forwards replay
+        graphs (``token_rows``) the tokens a captured bucket holds, so that a long prompt's chunks replay them too
+        instead of launching each layer from the host (a step of the decoding rows waits for each chunk); else 0."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return self.graph_prefill_rows(model, backend)
+
+    def graph_prefill_rows(self, model: Any, backend: AttentionBackend | None) -> int:
+        """Prompt tokens a prefill forward may lay out one a row for the decode graphs: where decode steps replay
+        graphs and the model keeps no Mamba states (a state steps through a row's tokens in order), the step's
+        tokens up to ``GRAPH_ROWS``; else 0."""
+        if self.graphs_for(model, backend) and getattr(model, "state_shape", None) is None:
+            return min(self.step_tokens(model), GRAPH_ROWS)
+        return 0
 
     def graphs_for(self, model: Any, backend: AttentionBackend | None) -> bool:
         """Do decode forwards of ``model`` through ``backend`` replay CUDA graphs (``cuda_graphs``, a CUDA device,

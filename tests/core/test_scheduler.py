@@ -196,3 +196,39 @@ def test_refusals_change_nothing() -> None:
     assert schedule(s).failure().code.value == "INVALID"  # the last plan awaits its on_output
     assert on_output(s, {}).failure().field == "sampled"
     assert digest(s.kv) == before
+
+
+def test_a_long_prefill_threshold_caps_each_requests_chunk_and_rides_the_trace_header() -> None:
+    """vLLM's ``long_prefill_token_threshold``: one request's chunk takes at most that many prompt tokens a step,
+    whatever the budget leaves (the next request's chunk takes the rest); the outputs are those without the cap.
+    A trace header carries it only when set, and reads back to the same config."""
+    import json
+
+    from pagedkv.core.config import InvalidConfig
+    from pagedkv.core.verify.record import scheduler_header
+    from pagedkv.core.verify.trace import parse_trace_header
+
+    cache = CacheConfig(block_size=4, num_blocks=65)
+    capped = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    s = new_scheduler(cache, capped)
+    s = submit(s, llm("a", 50)).unwrap()
+    s = submit(s, llm("b", 10, base=60)).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.prefill == (("a", 16), ("b", 10))  # (64 tokens of budget: a's chunk capped, b's whole)
+    s, _ = on_output(s, {"b": 1}).unwrap()
+    s, plan = schedule(s).unwrap()
+    assert plan.decode == ("b",) and plan.prefill == (("a", 16),)
+    free = new_scheduler(cache, SchedulerConfig(max_num_batched_tokens=64))
+    outs = {}
+    for name, state in (("capped", new_scheduler(cache, capped)), ("free", free)):
+        for r in (llm("a", 50), llm("b", 10, base=60)):
+            state = submit(state, r).unwrap()
+        outs[name] = run(state)[1]
+    assert outs["capped"] == outs["free"]
+    header = scheduler_header(cache, capped)
+    assert header["config"]["scheduler"]["long_prefill_token_threshold"] == 16
+    assert parse_trace_header(json.dumps(header))[1] == capped
+    assert "long_prefill_token_threshold" not in scheduler_header(cache, SchedulerConfig())["config"]["scheduler"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidConfig, match="long_prefill_token_threshold"):
+            SchedulerConfig(long_prefill_token_threshold=bad)  # type: ignore[arg-type]

@@ -79,28 +79,37 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
 
 def test_prefill_forwards_replay_graphs_and_give_the_eager_tokens() -> None:
     """A prefill forward whose tokens a captured bucket holds is laid out one token a row and replayed (a step
-    that carries prompt tokens is not launched layer by layer); one over the budget of keys, or of more tokens
-    than any bucket, runs eagerly; greedy tokens equal the engine's with graphs off in both."""
+    that carries prompt tokens is not launched layer by layer); a long prompt runs in chunks of at most 512 tokens
+    (the engine's default ``long_prefill_token_threshold`` with graphs) that replay too, or with the cap off in one
+    eager forward; greedy tokens equal the engine's with graphs off in every case."""
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
     short = [
         (f"s{i}", [(3 * i + j) % 49152 for j in range(20 + 7 * i)], SamplingParams(max_tokens=1)) for i in range(4)
     ]
     long = [("l", [(11 + j) % 49152 for j in range(1200)], SamplingParams(max_tokens=4))]
     runs = {}
-    for graphs in (True, False):
+    for graphs, cap in ((True, None), (True, 0), (False, None)):
         eng = Engine(
-            model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
+            model,
+            IdTokenizer(),
+            backend="triton",
+            kv_cache_memory_bytes=64 << 20,
+            max_num_seqs=8,
+            cuda_graphs=graphs,
+            long_prefill_token_threshold=cap,
         )
         assert eng.worker.token_rows == (min(eng.args.max_num_batched_tokens, 512) if graphs else 0)
+        assert eng.state.config.long_prefill_token_threshold == (512 if graphs and cap is None else 0)
         before = 0 if eng.graphs is None else eng.graphs.replays
-        runs[graphs, "short"] = [c.token_ids for c in eng.generate(short)]  # one prefill forward, one token each
+        runs[graphs, cap, "short"] = [c.token_ids for c in eng.generate(short)]  # one prefill forward, a token each
         if graphs:
             assert eng.graphs.replays == before + 1  # the prompts' forward: replayed
             before = eng.graphs.replays
-        runs[graphs, "long"] = [c.token_ids for c in eng.generate(long)]  # 1,200 tokens: eager, then 3 decodes
-        if graphs:
-            assert eng.graphs.replays == before + 3
-    assert runs[True, "short"] == runs[False, "short"] and runs[True, "long"] == runs[False, "long"]
+        runs[graphs, cap, "long"] = [c.token_ids for c in eng.generate(long)]
+        if graphs:  # chunks of 512, 512, 176 replayed, then 3 decodes; or one eager chunk of 1,200, then 3 decodes
+            assert eng.graphs.replays == before + (6 if cap is None else 3)
+    for part in ("short", "long"):
+        assert runs[True, None, part] == runs[False, None, part] == runs[True, 0, part]
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

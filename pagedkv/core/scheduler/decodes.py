@@ -156,5 +156,7 @@ def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec) -> KVError | 
     (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
     cfg = d.state.config
     if cfg.grow_prefill and spec.rows[0].prefix_len is None:
-        return growing_refusal(kv, spec, cfg.max_num_batched_tokens if cfg.chunked_prefill else 1 << 62)
+        return growing_refusal(
+            kv, spec, min(cfg.max_num_batched_tokens, cfg.chunk_cap) if cfg.chunked_prefill else 1 << 62
+        )
     return refusal(kv, spec)

@@ -69,7 +69,11 @@ def _prefill_chunks(d: Planning) -> None:
             computed = d.kv.row_computed[slot]
             total = _sequence_len(d, rid) if cfg.grow_prefill else d.kv.row_len[slot]
             remaining = total - computed
-            q = min(remaining, d.budget) if cfg.chunked_prefill else (remaining if remaining <= d.budget else 0)
+            q = (
+                min(remaining, d.budget, cfg.chunk_cap)
+                if cfg.chunked_prefill
+                else (remaining if remaining <= d.budget else 0)
+            )
             if q and cfg.grow_prefill and not _grow_chunk(d, rid, computed + q):
                 continue  # preempted itself: it waits, its blocks back
             if q:
@@ -129,7 +133,7 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
             return "done"
         hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
         total = len(req.prompt) + len(output)
-        chunk = min(total - hit, d.budget) if cfg.chunked_prefill else total - hit
+        chunk = min(total - hit, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else total - hit
         row = spec.rows[0]
         spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(chunk, 1)]),))  # type: ignore[index]
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
@@ -155,7 +159,7 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         d.budget -= tokens
         return "done"
     remaining = len(req.prompt) + len(output) - cached
-    q = min(remaining, d.budget) if cfg.chunked_prefill else remaining  # (under grow_prefill: what it holds)
+    q = min(remaining, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else remaining  # (grow_prefill: what it holds)
     if q > d.budget and not nothing_yet:
         return "stop"
     d.apply(step)

@@ -29,11 +29,22 @@ class SchedulerConfig:
     # blocks for a prompt as its chunks are planned (vLLM's way), not all at admission: a window group then
     # holds its window and a chunk, never the whole prompt; a chunk that cannot grow preempts the newest
     grow_prefill: bool = False
+    # vLLM's: the most prompt tokens one request's chunk takes in a step (0: no cap but the budget; chunked prefill
+    # only). A long prompt then runs in chunks a captured graph holds (the engine's default on a GPU)
+    long_prefill_token_threshold: int = 0
+
+    @property
+    def chunk_cap(self) -> int:
+        """The most prompt tokens one request's chunk takes in a step besides the budget (``1 << 62``: no cap)."""
+        return self.long_prefill_token_threshold or 1 << 62
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise InvalidConfig(f"{key} must be a positive integer, got {shown(getattr(self, key))}")
+        t = self.long_prefill_token_threshold
+        if not is_int(t) or t < 0:
+            raise InvalidConfig(f"long_prefill_token_threshold must be a non-negative integer, got {shown(t)}")
         if not is_int(self.watermark_blocks) or self.watermark_blocks < 0:
             raise InvalidConfig(f"watermark_blocks must be a non-negative integer, got {shown(self.watermark_blocks)}")
         for key in ("chunked_prefill", "allow_overtaking", "grow_prefill"):

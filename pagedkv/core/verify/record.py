@@ -39,6 +39,11 @@ def scheduler_header(cache: CacheConfig, sched: SchedulerConfig) -> dict[str, An
             "scheduler": {
                 **{k: getattr(sched, k) for k in SCHEDULER_KEYS},
                 **({"grow_prefill": True} if sched.grow_prefill else {}),
+                **(
+                    {"long_prefill_token_threshold": sched.long_prefill_token_threshold}
+                    if sched.long_prefill_token_threshold
+                    else {}
+                ),
                 "digest": LIVE_DIGEST,
             },
         },

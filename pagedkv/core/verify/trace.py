@@ -71,7 +71,8 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
                 raise InvalidConfig(
                     f'the scheduler\'s "digest" must be "{LIVE_DIGEST}" (or absent), got {shown(sched_raw["digest"])}'
                 )
-            known = {k: sched_raw[k] for k in (*SCHEDULER_KEYS, "grow_prefill") if k in sched_raw}
+            optional = ("grow_prefill", "long_prefill_token_threshold")  # (written only when not default)
+            known = {k: sched_raw[k] for k in (*SCHEDULER_KEYS, *optional) if k in sched_raw}
             sched = SchedulerConfig(**known)
         blocks = cfg.get("num_blocks")
         if type(blocks) is int and blocks > REPLAY_MAX_BLOCKS:

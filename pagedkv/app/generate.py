@@ -209,6 +209,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="query tokens a step at most (chunked prefill cuts a prompt into chunks of it)",
     )
     g.add_argument(
+        "--long-prefill-token-threshold",
+        metavar="N",
+        type=bounded_int(0, 1 << 20),
+        help="prompt tokens one request's chunk takes a step at most (0: no cap but the step's; default: on a GPU "
+        "with CUDA graphs the tokens a captured graph holds, else 0; vLLM's name)",
+    )
+    g.add_argument(
         "--max-model-len",
         metavar="N",
         type=bounded_int(1, 1 << 31),
@@ -402,6 +409,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
             max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
             backend=args.backend,

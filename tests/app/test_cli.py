@@ -106,6 +106,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--page-map", "{tmp}/map.txt"], "must end in .png"),
     (["generate", "hi", "--page-map", "{tmp}/no/such/dir/map.png"], "no such directory"),
     (["generate", "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["generate", "hi", "--long-prefill-token-threshold", "-1"], "--long-prefill-token-threshold"),
     (
         ["generate", "hi", "--speculative-config", '{{"method": "eagle"}}'],
         "method 'eagle' is not served",
@@ -369,10 +370,28 @@ def test_generate_trace_replays_and_a_changed_digest_is_caught(
     i = next(i for i, r in enumerate(rows) if r.get("op") == "output" and i > 3)
     d = rows[i]["expect"]["digest"]
     rows[i]["expect"]["digest"] = ("0" if d[0] != "0" else "1") + d[1:]
+    assert "long_prefill_token_threshold" not in rows[0]["config"]["scheduler"]  # (the default on the CPU: no cap)
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["replay", str(trace)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"pagedkv replay: first divergence at line {i + 1} (event {i - 1}, output): digest: expected")
+
+
+def test_a_chunk_cap_from_the_command_line_rides_the_trace_and_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    argv = ["generate", "--chat", "What is 2+2?", "--max-tokens", "3", "--long-prefill-token-threshold", "8"]
+    assert main([*argv, "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert rows[0]["config"]["scheduler"]["long_prefill_token_threshold"] == 8
+    prefills = [
+        q for r in rows if r.get("op") == "schedule" for _, q in r.get("expect", {}).get("plan", {}).get("prefill", [])
+    ]
+    assert prefills and max(prefills) == 8  # (the prompt, in chunks of 8)
+    assert main(["replay", str(trace)]) == 0
+    assert "0 diverged from expect" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -91,15 +91,9 @@ def cache_ahead_many(
 def _ahead_one(
     txn: Txn, request_id: RequestId, through: Sequence[int], given: Sequence[bytes] | None = None
 ) -> KVError | Committed:
-    req = txn.base.requests.get(request_id) if is_request_id(request_id) else None
-    if req is None:
-        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not admitted", request=request_id)
-    if not is_seq(through) or len(through) != len(req.slots):
-        return invalid(
-            f"cache_ahead of request {shown(request_id)} must give one count per row ({len(req.slots)})",
-            request=request_id,
-            field="through",
-        )
+    req = txn.admitted(request_id, through, "cache_ahead", "one count", "through")
+    if isinstance(req, KVError):
+        return req
     for i, (slot, t) in enumerate(zip(req.slots, through)):
         if not is_int(t) or not txn.row_computed[slot] <= t <= txn.row_len[slot]:
             return invalid(

@@ -19,20 +19,17 @@ import pagedkv.core.pool as pool
 from pagedkv.core.caching import caches, hash_full_blocks
 from pagedkv.core.effects import Filled, Truncated
 from pagedkv.core.errors import (
-    ErrorCode,
     InvariantError,
     KVError,
     RequestId,
     are_token_ids,
     invalid,
     is_int,
-    is_request_id,
-    is_seq,
     is_token_id,
     pairs_of,
     shown,
 )
-from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Row, Step
+from pagedkv.core.state import SLOT_SHIFT, KVState, Row, Step
 from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
 from pagedkv.core.txn import Txn, each
 
@@ -104,7 +101,7 @@ def fill_many(
 
 
 def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVError | Filled:
-    req = _request(txn, rid, rows, "fill")
+    req = txn.admitted(rid, rows, "fill", "one entry", "tokens")
     if isinstance(req, KVError):
         return req
     cfg = txn.config
@@ -174,7 +171,7 @@ def truncate_many(
 
 
 def _truncate_one(txn: Txn, rid: RequestId, lengths: Sequence[int]) -> Truncated | KVError:
-    req = _request(txn, rid, lengths, "truncate")
+    req = txn.admitted(rid, lengths, "truncate", "one entry", "lengths")
     if isinstance(req, KVError):
         return req
     cfg = txn.config
@@ -242,16 +239,3 @@ def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None
             record, tail = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw), b""
         known = n
     return record, as_tail(tail, known < n)
-
-
-def _request(txn: Txn, rid: RequestId, rows: object, op: str) -> Request | KVError:
-    req = txn.base.requests.get(rid) if is_request_id(rid) else None
-    if req is None:
-        return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
-    if not is_seq(rows) or len(rows) != len(req.slots):
-        return invalid(
-            f"{op} of request {shown(rid)} must give one entry per row ({len(req.slots)})",
-            request=rid,
-            field="tokens" if op == "fill" else "lengths",
-        )
-    return req

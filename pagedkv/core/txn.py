@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from immutables import MapMutation
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.errors import KVError, RequestId, pairs_of
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, pairs_of, shown
 from pagedkv.core.events import KVEvent
 from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
 from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row, Step
@@ -179,6 +179,18 @@ class Txn:
             self.prefix_queries,
             self.prefix_hits,
         )
+
+    def admitted(self, rid: RequestId, rows: object, op: str, unit: str, field: str) -> Request | KVError:
+        """The admitted request ``rid`` whose rows ``rows`` name one ``unit`` each (``op``: the call, for the
+        message), or why not: ``UNKNOWN_REQUEST``, or ``INVALID`` on ``field``."""
+        req = self.base.requests.get(rid) if is_request_id(rid) else None
+        if req is None:
+            return KVError(ErrorCode.UNKNOWN_REQUEST, f"request {shown(rid)} is not admitted", request=rid)
+        if not is_seq(rows) or len(rows) != len(req.slots):
+            return invalid(
+                f"{op} of request {shown(rid)} must give {unit} per row ({len(req.slots)})", request=rid, field=field
+            )
+        return req
 
     def next_generation(self) -> int:
         """The next generation: never reused (a release takes one; a layout that changes, ``new_layout``)."""

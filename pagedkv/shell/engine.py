@@ -37,6 +37,7 @@ from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.errors import EngineBusy, ShellError, refuse
 from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
+from pagedkv.shell.install_rules import one_causal_segment
 from pagedkv.shell.kv_scales import calibration_ids
 from pagedkv.shell.outcomes import Completion, Live, Outcomes, one_line
 from pagedkv.shell.overlap import Overlap
@@ -477,8 +478,7 @@ class Engine:
             return False
         reads = 0
         for r in meta.rows:
-            segs = r.segments
-            if len(segs) != 1 or not segs[0].causal:
+            if not one_causal_segment(r):
                 return False
             reads += r.query_len * r.seq_len
         return reads <= FLAT_READS

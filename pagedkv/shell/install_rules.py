@@ -109,8 +109,7 @@ class InstallRules:
             return
         tokens = 0
         for r in meta.rows:
-            segs = getattr(r, "segments", None)
-            if not isinstance(segs, tuple) or len(segs) != 1 or not getattr(segs[0], "causal", False):
+            if not one_causal_segment(r):
                 raise refuse(
                     ErrorCode.INVALID,
                     f"request {shown(r.request_id)}: only causal rows are laid out one "
@@ -206,3 +205,9 @@ class InstallRules:
                 if x != y and not (y == 0 and self.w.windowed[g]):
                     return False
         return True
+
+
+def one_causal_segment(row: object) -> bool:
+    """Is ``row`` (a snapshot's ``RowMetadata``) one causal segment: what may be laid out one query token a row?"""
+    segs = getattr(row, "segments", None)
+    return isinstance(segs, tuple) and len(segs) == 1 and bool(getattr(segs[0], "causal", False))

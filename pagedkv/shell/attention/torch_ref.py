@@ -14,7 +14,9 @@ from pagedkv.shell.worker import ForwardBatch
 
 class TorchBackend:
     """The reference: gathers each row's pages, slices to ``seq_len`` (never reads unfilled
-    slots, nor window blocks let go), exact masks from the segments, GQA, fp32 math."""
+    slots, nor window blocks let go), exact masks from the segments, GQA, fp32 math: on the CPU through
+    torch's fused attention (its flash kernel, fp32 throughout), elsewhere the products and the softmax
+    written out (CUDA's fused kernels are the backends' business)."""
 
     name = "torch"
     kv_write = None  # two index_copy_ (the page pool's own write)
@@ -46,7 +48,7 @@ class TorchBackend:
             read = k.shape[1]  # GQA: each KV head serves heads // read query heads
             qh = qr.view(n_q, read, heads // read, d).permute(1, 2, 0, 3)  # (KV heads, group, queries, head_dim)
             kh, vh = k.transpose(0, 1)[:, None], v.transpose(0, 1)[:, None]  # (KV heads, 1, keys, head_dim)
-            if layer.softcap or not _FUSED.get(qr.device.type, False):
+            if layer.softcap or qr.device.type != "cpu":
                 scores = torch.matmul(qh, kh.transpose(-1, -2)) * layer.scale
                 if layer.softcap:
                     scores = torch.tanh(scores / layer.softcap) * layer.softcap
@@ -138,7 +140,7 @@ class TorchBackend:
         read = index.numel() // (n * visible.shape[-1])  # KV heads read: the pages' own, or one a query head
         k, v = k.view(n, read, -1, d), v.view(n, read, -1, d)
         qg = q.float().view(n, read, heads // read, d)  # GQA: query heads grouped by their KV head
-        if layer.softcap or not _FUSED.get(q.device.type, False):
+        if layer.softcap or q.device.type != "cpu":
             scores = torch.matmul(qg, k.transpose(-1, -2)) * layer.scale
             if layer.softcap:
                 scores = torch.tanh(scores / layer.softcap) * layer.softcap
@@ -147,10 +149,6 @@ class TorchBackend:
         else:
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible, scale=layer.scale)
         return out.reshape(n, heads, d).to(q.dtype)
-
-
-_FUSED = {"cpu": True}  # devices whose fused attention (SDPA) the reference uses: the CPU's flash kernel, fp32
-# throughout; elsewhere the products and the softmax are written out (CUDA's fused kernels are the backends' business)
 
 
 def _rows(pages: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:

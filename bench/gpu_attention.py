@@ -36,7 +36,7 @@ def case(B: int, L: int, H: int, KVH: int, D: int, bs: int, dtype: torch.dtype, 
     ref = F.scaled_dot_product_attention(
         q.float()[:, :, None], kc.float().transpose(1, 2), vc.float().transpose(1, 2), scale=scale, enable_gqa=True
     )[:, :, 0]
-    out = paged_decode(q, k_pages, v_pages, table, lens, scale)  # its own tile and split count (auto_splits)
+    out = paged_decode(q, k_pages, v_pages, table, lens, scale)  # its own tile and programs a row (auto_programs)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     t_ours = bench(lambda: paged_decode(q, k_pages, v_pages, table, lens, scale))
     kd, vd = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()  # dense caches (B, KVH, L, D)

@@ -268,6 +268,8 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
     made = sum(r[2] for r in reqs)
     ttft = sorted(first[r] - arrive[r] for r in first)
     gaps.sort()
+    steps = list(eng.step_times or [])
+    secs = sorted(t for *_, t in steps)
 
     def pct(xs: list[float], q: float) -> float:
         return xs[min(int(q * len(xs)), len(xs) - 1)] * 1e3
@@ -290,6 +292,9 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
         ),
         f"TTFT ms p50 {pct(ttft, 0.5):.1f}  p90 {pct(ttft, 0.9):.1f}  p99 {pct(ttft, 0.99):.1f};  "
         f"ITL ms p50 {pct(gaps, 0.5):.2f}  p90 {pct(gaps, 0.9):.2f}  p99 {pct(gaps, 0.99):.2f}",
+        f"steps: {len(steps)}, ms p50 {pct(secs, 0.5):.2f}  p90 {pct(secs, 0.9):.2f}  p99 {pct(secs, 0.99):.2f}; "
+        f"with prompt tokens {sum(p > 0 for _, p, _ in steps)}; the slowest (decode rows, prompt tokens, ms): "
+        + ", ".join(f"({r}, {p}, {t * 1e3:.1f})" for r, p, t in sorted(steps, key=lambda x: -x[2])[:8]),
     ]
 
 

@@ -83,7 +83,7 @@ def speed() -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
     from bench.gpu_attention import copy_bandwidth, flashinfer_times, in_graph  # the bf16 table's timing and floor
-    from pagedkv.shell.attention.triton_decode import auto_splits, paged_decode
+    from pagedkv.shell.attention.triton_decode import auto_programs, paged_decode
     from pagedkv.shell.pool import quantize
 
     bw = copy_bandwidth()
@@ -93,7 +93,7 @@ def speed() -> None:
     )
     print(
         "| seqs | ctx | bf16 ms | fp8 ms | fp8 / bf16 | fp8 floor ms | fp8 of its floor | FlashInfer bf16 ms | "
-        "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | splits |"
+        "FlashInfer fp8 ms | FlashInfer fp8 of floor | rel err bf16 | rel err fp8 | programs a row |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     H, KVH, D, bs = 32, 8, 128, 16
@@ -123,10 +123,10 @@ def speed() -> None:
         e_8 = err(
             paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)), ref(k8.float() * ks, v8.float() * vs)
         )
-        # the kernel as the engine runs it: its own tile and split count (auto_splits)
+        # the kernel as the engine runs it: its own tile and programs a row (auto_programs)
         t_b = in_graph(lambda: paged_decode(q, kb, vb, table, lens, D**-0.5))
         t_8 = in_graph(lambda: paged_decode(q, k8, v8, table, lens, D**-0.5, kv_scales=(ks, vs)))
-        floor, splits = 2 * B * L * KVH * D / bw * 1e3, auto_splits(B, KVH, q.device)
+        floor, splits = 2 * B * L * KVH * D / bw * 1e3, auto_programs(B, KVH, q.device)
         # FlashInfer's decode on the same pages and tables (its graph path, the better of its two kernels)
         fi_b = flashinfer_times(q, kb, vb, table, ref(kb, vb), B, L, bs, H, KVH, D, D**-0.5)["g_fi"]
         fi_8 = flashinfer_times(

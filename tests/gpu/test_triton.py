@@ -144,17 +144,43 @@ def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() ->
     assert runs["triton"] == runs["torch"]
 
 
+@pytest.mark.parametrize("drafts", [2, 4])
+def test_verified_tokens_are_the_decoded_tokens_in_bf16(drafts: int) -> None:
+    """Eight greedy requests in bf16 with graphs: with n-gram drafts verified beside them (each position a token
+    row of the decode kernel, more rows than the batch) the tokens are those decoding makes (issue 48: they
+    parted at batch 8 with two drafts while the decode kernel's splits followed the number of rows)."""
+    model = random_llama(SMOLLM2_SHAPES, device="cuda", dtype=torch.bfloat16)
+    prompts = [
+        (f"p{i}", [(5 * i + j % 7) % 49152 for j in range(30 + 11 * i)] * 2, SamplingParams(max_tokens=24))
+        for i in range(8)
+    ]
+    runs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 2}):
+        eng = Engine(
+            model,
+            IdTokenizer(),
+            backend="triton",
+            block_size=16,
+            kv_cache_memory_bytes=64 << 20,
+            speculative_config=spec,
+        )
+        runs[spec is None] = [c.token_ids for c in eng.generate(prompts)]
+        assert eng.graphs is not None and eng.graphs.replays > 0
+        assert (eng.stats.verifies > 0) == (spec is not None)
+    assert runs[False] == runs[True]
+
+
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("pages", ["bf16", "fp8", "fp32"])
 def test_the_decode_kernel_over_group_sizes_tails_and_windows(G: int, pages: str) -> None:
     """paged_decode against fp32 math for every query-row padding (1, 3 -> 4, 4, 8 query heads a KV head), rows
-    whose keys end inside a tile, splits left empty (1 key over 8 splits, or the automatic count) and a sliding
-    window."""
+    whose keys end inside a tile or a split, more programs than a row has splits, and a sliding window; and each
+    row's bits the same whatever the programs a row and whatever rows sit beside it (tables cut narrower too)."""
     from pagedkv.shell.attention.triton_decode import paged_decode
     from pagedkv.shell.pool import quantize
 
     gen = torch.Generator(device="cuda").manual_seed(G)
-    KVH, D, bs, lens = 2, 64, 16, [1, 17, 64, 65, 300]
+    KVH, D, bs, lens = 2, 64, 16, [1, 17, 64, 65, 300, 700]
     nb = -(-max(lens) // bs)
     k = torch.randn(len(lens) * nb + 1, bs, KVH, D, device="cuda", generator=gen)
     v = torch.randn(len(lens) * nb + 1, bs, KVH, D, device="cuda", generator=gen)
@@ -171,8 +197,16 @@ def test_the_decode_kernel_over_group_sizes_tails_and_windows(G: int, pages: str
         kp, vp = k, v
     table = (torch.randperm(len(lens) * nb, device="cuda", generator=gen) + 1).view(len(lens), nb).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    for window, splits in ((0, 8), (40, 8), (0, None)):  # None: auto_splits (here 1 key over many splits)
-        got = paged_decode(q, kp, vp, table, seq, D**-0.5, splits=splits, window=window, kv_scales=scales).float()
+    for window, programs in ((0, 1), (0, 2), (300, 2), (40, 8), (0, None)):  # None: auto_programs
+        out = paged_decode(q, kp, vp, table, seq, D**-0.5, programs=programs, window=window, kv_scales=scales)
+        alone = paged_decode(q[4:5], kp, vp, table[4:5, :20], seq[4:5], D**-0.5, window=window, kv_scales=scales)
+        assert torch.equal(out[4:5], alone), (
+            G,
+            pages,
+            window,
+            programs,
+        )  # (300 keys: two splits; its table cut to 20 blocks)
+        got = out.float()
         for r, L in enumerate(lens):
             lo = max(0, L - window) if window else 0
             idx = torch.arange(lo, L, device="cuda")

@@ -24,7 +24,7 @@ class TritonBackend:
     capturable = True  # its decode path has no host sync: a CUDA graph captures it (shell.graphs)
     fp8_pages = True  # its kernels read fp8 pages and apply the layer's scales in registers
 
-    def __init__(self, splits: int | None = None) -> None:  # None: triton_decode.auto_splits
+    def __init__(self, programs: int | None = None) -> None:  # programs a row: None, triton_decode.auto_programs
         try:
             import triton  # noqa: F401
         except ImportError as e:
@@ -33,7 +33,7 @@ class TritonBackend:
             raise BackendUnavailable(self.name, "a CUDA device", "no CUDA device is available")
         from pagedkv.shell.attention.triton_decode import kv_write, paged_decode, paged_varlen
 
-        self._decode, self._varlen, self.splits = paged_decode, paged_varlen, splits
+        self._decode, self._varlen, self.programs = paged_decode, paged_varlen, programs
         self.kv_write = kv_write  # the slot-mapping write as one kernel (K and V together)
 
     def forward(
@@ -59,7 +59,7 @@ class TritonBackend:
                 table,
                 batch.seq_lens,
                 layer.scale,
-                splits=self.splits,
+                programs=self.programs,
                 window=window,
                 kv_scales=layer.kv_scales,
             )

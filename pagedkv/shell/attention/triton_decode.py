@@ -1,8 +1,10 @@
 """Paged decode attention in Triton (CUDA), split-KV, GQA, over the shell's page layout.
 
-Grid (sequence, KV head, split): each program streams its split's keys tile by tile through the
-block table, for all the query heads of its KV head at once (so each K/V byte is read once), with
-an online softmax; a second kernel merges the splits by their log-sum-exp. Pages are
+Grid (sequence, KV head, program): a row's keys are cut into splits of a fixed size (``SPLIT_KEYS``), each
+program streams its share of the splits tile by tile through the block table, for all the query heads of
+its KV head at once (so each K/V byte is read once), with an online softmax; a second kernel merges the
+splits by their log-sum-exp in a fixed order. A row's result depends on its own keys alone: the batch
+sets how many programs share the work, never how a row's sums are cut. Pages are
 ``(num_blocks, block_size, kv_heads, head_dim)``; a tile gathers its keys through the block table
 token by token, so any block size from 16 works (tested: 16 and 128). With 16-bit math a program is one
 warp (``paged_decode``'s comment says why); a split's last tile alone is masked.
@@ -18,6 +20,8 @@ import torch
 from pagedkv.shell.pool import FP8
 
 LOG2E = 1.4426950408889634  # the decode kernel's softmax runs in base 2
+SPLIT_KEYS = 256  # keys a split of a row covers (fixed: a row's sums never follow the batch)
+MAX_SPLITS = 64  # splits a row at most (past 64 x 256 keys, the splits grow instead)
 
 try:
     import triton
@@ -100,22 +104,24 @@ if triton is not None:
         D: tl.constexpr,
         BS: tl.constexpr,
         TILE: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
+        CAP: tl.constexpr,
+        WIDTH: tl.constexpr,
+        PROGRAMS: tl.constexpr,
         WINDOW: tl.constexpr,
         PRECISION: tl.constexpr,
         FP8_PAGES: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        s = tl.program_id(2)
+        p = tl.program_id(2)
         seq_len = tl.load(LENS + b)
         lo = 0
         if WINDOW > 0:
             lo = tl.maximum(seq_len - WINDOW, 0)
         span = seq_len - lo
-        per = tl.cdiv(tl.cdiv(span, SPLITS), TILE) * TILE
-        start = lo + s * per
-        end = tl.minimum(start + per, seq_len)
+        per = tl.maximum(SPLIT_KEYS, tl.cdiv(tl.cdiv(span, CAP), TILE) * TILE)  # the row's own span decides
+        n = tl.cdiv(span, per)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         hmask = g < G
@@ -123,77 +129,101 @@ if triton is not None:
         q = tl.load(Q + (b * KVH * G + kvh * G + g)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
         if FP8_PAGES and Q.dtype.element_ty == tl.bfloat16:  # fp8 widens to fp16 in one instruction (to bf16: via fp32)
             q = q.to(tl.float16)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        full = start + tl.maximum(end - start, 0) // TILE * TILE
-        for off in range(start, full, TILE):
-            m_i, l_i, acc = _decode_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                K,
-                V,
-                TABLE,
-                b,
-                kvh,
-                off,
-                end,
-                scale,
-                stride_tb,
-                stride_kb,
-                KVH,
-                D,
-                BS,
-                TILE,
-                False,
-                FP8_PAGES,
-                PRECISION,
-            )
-        if full < end:
-            m_i, l_i, acc = _decode_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                K,
-                V,
-                TABLE,
-                b,
-                kvh,
-                full,
-                end,
-                scale,
-                stride_tb,
-                stride_kb,
-                KVH,
-                D,
-                BS,
-                TILE,
-                True,
-                FP8_PAGES,
-                PRECISION,
-            )
         heads = b * KVH * G + kvh * G + g
-        tl.store(
-            OUT + (heads[:, None] * SPLITS + s) * D + d[None, :],
-            acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
-            mask=hmask[:, None],
-        )
-        lse = m_i * 0.6931471805599453 + tl.log(tl.maximum(l_i, 1e-30))  # back from base 2
-        tl.store(LSE + heads * SPLITS + s, tl.where(l_i > 0, lse, float("-inf")), mask=hmask)
+        for s in range(p, n, PROGRAMS):  # this program's splits: every PROGRAMS-th of the row's
+            start = lo + s * per
+            end = tl.minimum(start + per, seq_len)
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
+            acc = tl.zeros([GP, D], tl.float32)
+            full = start + (end - start) // TILE * TILE
+            for off in range(start, full, TILE):
+                m_i, l_i, acc = _decode_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    K,
+                    V,
+                    TABLE,
+                    b,
+                    kvh,
+                    off,
+                    end,
+                    scale,
+                    stride_tb,
+                    stride_kb,
+                    KVH,
+                    D,
+                    BS,
+                    TILE,
+                    False,
+                    FP8_PAGES,
+                    PRECISION,
+                )
+            if full < end:
+                m_i, l_i, acc = _decode_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    K,
+                    V,
+                    TABLE,
+                    b,
+                    kvh,
+                    full,
+                    end,
+                    scale,
+                    stride_tb,
+                    stride_kb,
+                    KVH,
+                    D,
+                    BS,
+                    TILE,
+                    True,
+                    FP8_PAGES,
+                    PRECISION,
+                )
+            tl.store(
+                OUT + (heads[:, None] * WIDTH + s) * D + d[None, :],
+                acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale,
+                mask=hmask[:, None],
+            )
+            lse = m_i * 0.6931471805599453 + tl.log(tl.maximum(l_i, 1e-30))  # back from base 2
+            tl.store(LSE + heads * WIDTH + s, lse, mask=hmask)
 
     @triton.jit
-    def _merge_kernel(OUT, LSE, RES, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+    def _merge_kernel(
+        OUT,
+        LSE,
+        LENS,
+        RES,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        TILE: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
+        CAP: tl.constexpr,
+        WIDTH: tl.constexpr,
+        WINDOW: tl.constexpr,
+    ):
         h = tl.program_id(0)
-        s = tl.arange(0, SP)
+        seq_len = tl.load(LENS + h // H)
+        span = seq_len
+        if WINDOW > 0:
+            span = seq_len - tl.maximum(seq_len - WINDOW, 0)
+        n = tl.cdiv(span, tl.maximum(SPLIT_KEYS, tl.cdiv(tl.cdiv(span, CAP), TILE) * TILE))  # the split kernel's
         d = tl.arange(0, D)
-        lse = tl.load(LSE + h * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))
-        w = tl.where(s < SPLITS, w, 0.0)
-        part = tl.load(OUT + (h * SPLITS + s)[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
-        tl.store(RES + h * D + d, tl.sum(part * w[:, None], 0) / tl.sum(w, 0))
+        m = tl.load(LSE + h * WIDTH, mask=n > 0, other=0.0)
+        for s in range(1, n):  # in split order, the row's splits alone: a fixed order whatever the batch
+            m = tl.maximum(m, tl.load(LSE + h * WIDTH + s))
+        acc = tl.zeros([D], tl.float32)
+        total = tl.sum(acc, 0)  # (0.0, a scalar of the loop's type)
+        for s in range(0, n):
+            w = tl.exp(tl.load(LSE + h * WIDTH + s) - m)
+            acc += w * tl.load(OUT + (h * WIDTH + s) * D + d)
+            total += w
+        tl.store(RES + h * D + d, acc / tl.maximum(total, 1e-30))
 
 
 def paged_decode(
@@ -204,26 +234,34 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     *,
-    splits: int | None = None,
+    programs: int | None = None,
     tile: int | None = None,
     window: int = 0,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence.
 
-    ``splits`` (key ranges a sequence's keys are cut into, merged by their log-sum-exp): by default enough for
-    about eight programs a multiprocessor (``auto_splits``: a function of the shapes alone, so a CUDA graph
-    captures it). ``tile`` (keys a loop step): by default ``_program``'s."""
+    A row's keys are cut into splits of ``SPLIT_KEYS`` (more where a row has more than ``MAX_SPLITS`` of them:
+    then ``MAX_SPLITS`` equal ones, a tile's multiple), merged by their log-sum-exp in a fixed order: what a row
+    gets depends on its own keys alone, never on the batch around it, so a position verified beside its drafts
+    gets the bits a decode of it gets (docs/gpu.md). ``programs`` (how many programs share a row's splits, each
+    taking every ``programs``-th): the occupancy knob, changing no result; by default about eight programs a
+    multiprocessor (``auto_programs``: a function of the shapes alone, so a CUDA graph captures it). ``tile``
+    (keys a loop step, dividing ``SPLIT_KEYS``): by default ``_program``'s."""
     if triton is None:
         raise RuntimeError("the Triton decode kernel needs triton and a CUDA device")
     B, H, D = q.shape
     _, bs, kvh, _ = k_pages.shape
     G = H // kvh
-    splits = splits or auto_splits(B, kvh, q.device)
+    prog = _program(q.dtype, k_pages.element_size(), G, D, tile)
+    if SPLIT_KEYS % prog["TILE"]:
+        raise ValueError(f"a tile of {prog['TILE']} keys does not divide a split's {SPLIT_KEYS}")
+    width = split_width(block_table.shape[1] * bs)
+    programs = min(width, programs or auto_programs(B, kvh, q.device))
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
-    lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-    _split_kernel[(B, kvh, splits)](
+    out = torch.empty((B, H, width, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, width), dtype=torch.float32, device=q.device)
+    _split_kernel[(B, kvh, programs)](
         q.contiguous(),
         k_pages,
         v_pages,
@@ -239,14 +277,34 @@ def paged_decode(
         G=G,
         D=D,
         BS=bs,
-        SPLITS=splits,
+        SPLIT_KEYS=SPLIT_KEYS,
+        CAP=MAX_SPLITS,
+        WIDTH=width,
+        PROGRAMS=programs,
         WINDOW=window,
         FP8_PAGES=k_pages.dtype in FP8,
-        **_program(q.dtype, k_pages.element_size(), G, D, tile),
+        **prog,
     )
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * H,)](out, lse, res, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=D)
+    _merge_kernel[(B * H,)](
+        out,
+        lse,
+        seq_lens,
+        res,
+        H=H,
+        D=D,
+        TILE=prog["TILE"],
+        SPLIT_KEYS=SPLIT_KEYS,
+        CAP=MAX_SPLITS,
+        WIDTH=width,
+        WINDOW=window,
+    )
     return res.to(q.dtype)
+
+
+def split_width(keys: int) -> int:
+    """The most splits a row of at most ``keys`` keys is cut into (the partials' buffer width)."""
+    return max(1, min(MAX_SPLITS, -(-keys // SPLIT_KEYS)))
 
 
 @functools.cache
@@ -273,10 +331,10 @@ def _program(q_dtype: torch.dtype, page_bytes: int, G: int, D: int, tile: int | 
     }
 
 
-def auto_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Splits for about eight one-warp programs a multiprocessor (the measured sweet spot on the H200 at 8 x 32k
-    and 64 x 4096: bench/RESULTS.md), from 1 to 128."""
-    return max(1, min(128, 8 * _multiprocessors(device.index) // (batch * kv_heads)))
+def auto_programs(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Programs a row for about eight one-warp programs a multiprocessor (the measured sweet spot on the H200 at
+    8 x 32k and 64 x 4096: bench/RESULTS.md), from 1 to ``MAX_SPLITS``."""
+    return max(1, min(MAX_SPLITS, 8 * _multiprocessors(device.index) // (batch * kv_heads)))
 
 
 @functools.cache

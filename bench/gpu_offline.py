@@ -1,0 +1,196 @@
+"""Offline throughput of a large checkpoint against its compute floor: a Llama of the given shapes (random init,
+built on the GPU with transformers in bf16; its config read by pagedkv's checkpoint reader, the weights handed
+over in memory instead of a 16 GB write and read), ShareGPT-like prompts (lognormal lengths, median ~150
+tokens) x ``--new`` tokens each, no early stop, served by one ``generate`` call, without and with overlapped
+scheduling. The floor: the matrix products' FLOPs (every token through every layer, the LM head once a
+sampled token) at ``--tflops`` (the H200's dense bf16, ~790). Then a breakdown of the same run with each
+step timed (the device synchronised a step): decode-only and mixed steps, their count and time.
+
+    python bench/gpu_offline.py --shape llama-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+from bench.gpu_serve import WORDS  # noqa: E402
+from pagedkv.models.gguf import load_tokenizer_meta  # noqa: E402
+from pagedkv.models.hf import hf_config  # noqa: E402
+from pagedkv.models.llama import Llama  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.engine_args import freeze_startup  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams  # noqa: E402
+
+SHAPES = {  # transformers LlamaConfig fields
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "llama-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
+    ),
+    "llama-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
+}
+
+
+def build(shape: str, device: str) -> tuple[Llama, int, int]:
+    """The model, its matrix parameters a token (the layers') and the LM head's."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, **SHAPES[shape]
+    )
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.config.architectures = ["LlamaForCausalLM"]  # (as the model's save_pretrained names it)
+        hf.config.save_pretrained(d)  # (the config alone: read as `--model DIR` reads it)
+        _, ours, _ = hf_config(d)
+    sd = {k: v for k, v in hf.state_dict().items()}
+    model = Llama(ours, sd, dtype=torch.bfloat16, device=device)  # type: ignore[arg-type]
+    del hf, sd
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    layer = sum(
+        p.numel()
+        for L in model.layers
+        for k, p in L.items()
+        if k in ("qkv", "o", "gate_up", "down")  # (q, k, v, gate and up are views into qkv and gate_up)
+    )
+    return model, layer, model.lm_head.numel()
+
+
+def prompts(tok: Tokenizer, n: int, new: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        plen = min(max(int(rng.lognormvariate(5.0, 0.8)), 8), 1500)
+        ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(plen)))[:plen]
+        out.append(("", ids, SamplingParams(max_tokens=new, ignore_eos=True)))
+    return out
+
+
+def profile(model: Llama, tok: Tokenizer, reqs: list, args: argparse.Namespace) -> None:
+    """The device's kernels and the host's time over ten decode-only steps at ``--max-num-seqs`` rows."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    eng = Engine(
+        model,
+        tok,
+        kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.budget,
+        enable_prefix_caching=False,
+    )
+    for i, (text, ids, p) in enumerate(reqs[: args.max_num_seqs]):
+        eng.add_request(f"r{i}", text, ids, p)
+    while eng.state.waiting or eng.state.prefilling:  # (until every row decodes)
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        eng.step()
+    torch.cuda.synchronize()
+    print(f"decode-only steps at {len(eng.state.running)} rows: {(time.perf_counter() - t) * 100:.2f} ms a step\n")
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--tflops", type=float, default=790.0)
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape tiny)")
+    ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--profile", action="store_true", help="only: torch.profiler over decode-only steps at full batch")
+    args = ap.parse_args()
+    tok = Tokenizer(load_tokenizer_meta())
+    t0 = time.perf_counter()
+    model, layer_params, head = build(args.shape, args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    print(
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, torch {torch.__version__}; {args.shape} shapes, random init, bf16 "
+        f"({layer_params / 1e9:.2f} B matrix parameters a token + LM head {head / 1e6:.0f} M), built in "
+        f"{time.perf_counter() - t0:.0f} s; max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.budget}\n"
+    )
+    reqs = prompts(tok, args.prompts, args.new)
+    ptoks, new = sum(len(r[1]) for r in reqs), args.prompts * args.new
+    flops = 2 * layer_params * (ptoks + new) + 2 * head * new
+    floor = flops / (args.tflops * 1e12)
+    freeze_startup()
+    if args.profile:
+        profile(model, tok, reqs, args)
+        return
+    print(
+        f"{args.prompts} prompts ({ptoks} tokens) x {args.new} new tokens; matrix products' floor {floor:.2f} s\n\n"
+        "| scheduling | seconds | tokens/s (new) | / floor | steps |\n|---|---:|---:|---:|---:|"
+    )
+    timed = None
+    for overlap in (False, True):
+        eng = Engine(
+            model,
+            tok,
+            kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.budget,
+            async_scheduling=overlap,
+            enable_prefix_caching=False,  # (every run computes every prompt token: the floor counts them all)
+        )
+        eng.generate(reqs[:4])  # warm (first calls' set-up)
+        steps0 = eng.stats.steps
+        sync()
+        t = time.perf_counter()
+        out = eng.generate(reqs)
+        sync()
+        dt = time.perf_counter() - t
+        assert all(len(c.token_ids) == args.new for c in out)
+        print(
+            f"| {'overlapped' if overlap else 'plain'} | {dt:.2f} | {new / dt:,.0f} | {dt / floor:.2f}x | "
+            f"{eng.stats.steps - steps0} |",
+            flush=True,
+        )
+        if not overlap:
+            timed = eng
+        del eng
+    if args.no_breakdown or timed is None:
+        return
+    timed.step_times = []
+    timed.generate(reqs)
+    decode = [s for r, p, s in timed.step_times if p == 0]
+    mixed = [(r, p, s) for r, p, s in timed.step_times if p > 0]
+    print(
+        "\nthe plain run again, each step timed (synchronised):\n\n| steps | count | seconds | ms a step (median) | "
+        "tokens |\n|---|---:|---:|---:|---:|"
+    )
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3 if xs else 0.0  # noqa: E731
+    rows = sum(r for r, p, _ in timed.step_times if p == 0)
+    print(f"| decode only | {len(decode)} | {sum(decode):.2f} | {med(decode):.2f} | {rows} decode |")
+    print(
+        f"| with prefill | {len(mixed)} | {sum(s for *_, s in mixed):.2f} | {med([s for *_, s in mixed]):.2f} | "
+        f"{sum(p for _, p, _ in mixed)} prompt + {sum(r for r, _, _ in mixed)} decode |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -57,7 +57,30 @@ from pagedkv.shell.transfer import to_device
 
 FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (Engine._token_rows)
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "graph_pieces"]
+
+
+def graph_pieces(meta: KVMetadata, most: int) -> list[KVMetadata]:
+    """A prefill forward as the engine runs it with graphs whose largest bucket holds ``most`` token rows: itself;
+    or, where several requests' tokens are over ``most`` though each request's chunk is not (nor its reads over
+    ``FLAT_READS``), consecutive pieces cut between requests, each within ``most`` tokens and ``FLAT_READS`` reads,
+    each then replayed one token a row (``Engine._token_rows``). A row's sums are its own whatever rows share its
+    forward (docs/gpu.md), so the tokens are those of one forward; a step that takes in several prompts at once is
+    then not launched layer by layer (bench/gpu_serve.py's mix: its slowest steps, forwards of 555-1,375 prompt
+    tokens of several requests, ran eagerly at 60-73 ms on an H200)."""
+    if len(meta.rows) < 2 or meta.num_query_tokens <= most:
+        return [meta]
+    pieces, start, tokens, reads = [], 0, 0, 0
+    for i, r in enumerate(meta.rows):
+        q, cost = r.query_len, r.query_len * r.seq_len
+        if q > most or cost > FLAT_READS or not one_causal_segment(r):
+            return [meta]  # (a row no bucket takes: the forward runs whole, eagerly)
+        if tokens + q > most or reads + cost > FLAT_READS:
+            pieces.append(replace(meta, rows=tuple(meta.rows[start:i])))
+            start, tokens, reads = i, 0, 0
+        tokens, reads = tokens + q, reads + cost
+    pieces.append(replace(meta, rows=tuple(meta.rows[start:])))
+    return pieces
 
 
 class Engine:
@@ -390,10 +413,11 @@ class Engine:
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
-        for k, meta in enumerate(plan.metadata):
+        forwards = [piece for meta in plan.metadata for piece in self._pieces(meta, bool(verify))]
+        for k, meta in enumerate(forwards):
             out = self._forward(meta, verify, where, sum(len(o) for o in outs))
             # (a replay's logits live in its graph's buffer, which a later forward of the step may replay again)
-            outs.append(out.clone() if k + 1 < len(plan.metadata) and self.graphs is not None else out)
+            outs.append(out.clone() if k + 1 < len(forwards) and self.graphs is not None else out)
         if not samples:  # no forward, or every row mid-way through its prompt: nothing to sample
             return None, None
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -463,6 +487,13 @@ class Engine:
             tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,))
         )
         return out  # type: ignore[no-any-return]
+
+    def _pieces(self, meta: KVMetadata, verify: bool) -> list[KVMetadata]:
+        """The forwards ``meta`` runs as: itself, or (a prefill forward with graphs captured) ``graph_pieces``."""
+        graphs = self.graphs
+        if verify or graphs is None or meta.phase is not Phase.PREFILL:
+            return [meta]
+        return graph_pieces(meta, min(graphs.buckets[-1], self.worker.token_rows))
 
     def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
         """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A

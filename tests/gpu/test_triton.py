@@ -112,6 +112,27 @@ def test_prefill_forwards_replay_graphs_and_give_the_eager_tokens() -> None:
         assert runs[True, None, part] == runs[False, None, part] == runs[True, 0, part]
 
 
+def test_a_prefill_forward_over_the_bucket_replays_in_pieces_between_requests() -> None:
+    """Eight prompts of 100-135 tokens admitted in one step (925 tokens: over the 512-row bucket, each under it):
+    the forward is cut between requests into two pieces, each replayed; greedy tokens equal the engine's with
+    graphs off."""
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    prompts = [
+        (f"p{i}", [(13 * i + j) % 49152 for j in range(100 + 5 * i)], SamplingParams(max_tokens=6)) for i in range(8)
+    ]
+    runs = {}
+    for graphs in (True, False):
+        eng = Engine(
+            model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
+        )
+        before = 0 if eng.graphs is None else eng.graphs.replays
+        runs[graphs] = [c.token_ids for c in eng.generate(prompts)]
+        assert eng.stats.steps == 6  # (the prompts in one step, then five decodes)
+        if graphs:
+            assert eng.graphs.replays == before + 2 + 5
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dtype) -> None:
     """The decode and varlen kernels over fp8 pages equal fp32 math over the pages' values times their scales."""

@@ -1,0 +1,63 @@
+"""``graph_pieces``: how the engine cuts a prefill forward that no captured bucket holds into pieces that one does
+(issue 48: such forwards ran eagerly, 60-73 ms a step on an H200). Checked on the scheduler's own snapshots; the
+GPU test (tests/gpu/test_triton.py) replays the pieces and compares tokens."""
+
+from __future__ import annotations
+
+from pagedkv.core import CacheConfig
+from pagedkv.core.metadata import KVMetadata, Phase
+from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, schedule, submit
+from pagedkv.shell.engine import FLAT_READS, graph_pieces
+
+
+def prefill(lengths: list[int], cached: int = 0) -> KVMetadata:
+    """The one prefill snapshot of a step that takes in prompts of ``lengths`` (after a first request of ``cached``
+    tokens ran, where given, so later rows read its blocks too)."""
+    s = new_scheduler(
+        CacheConfig(block_size=16, num_blocks=2048), SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192)
+    )
+    for i, n in enumerate(lengths):
+        s = submit(s, SeqRequest(f"r{i}", tuple(range(7 * i, 7 * i + n)), max_tokens=4)).unwrap()
+    _, plan = schedule(s).unwrap()
+    (meta,) = [m for m in plan.metadata if m.phase is Phase.PREFILL]
+    assert [r.query_len for r in meta.rows] == lengths
+    return meta
+
+
+def rows_of(pieces: list[KVMetadata]) -> list[object]:
+    return [r for p in pieces for r in p.rows]
+
+
+def test_a_forward_a_bucket_holds_is_one_piece() -> None:
+    meta = prefill([100, 200, 212])
+    assert graph_pieces(meta, 512) == [meta]
+
+
+def test_requests_over_the_bucket_are_cut_between_them_in_order() -> None:
+    lengths = [100, 105, 110, 115, 120, 125, 130, 135]  # 940 tokens
+    meta = prefill(lengths)
+    pieces = graph_pieces(meta, 512)
+    assert rows_of(pieces) == list(meta.rows)  # every row once, in order: cut between requests only
+    assert [[r.query_len for r in p.rows] for p in pieces] == [lengths[:4], lengths[4:]]  # 430 + 510
+    assert all(p.num_query_tokens <= 512 for p in pieces)
+    assert all(
+        (p.generation, p.epoch, p.block_size, p.phase) == (meta.generation, meta.epoch, 16, Phase.PREFILL)
+        for p in pieces
+    )
+    for a, b in zip(pieces, pieces[1:]):  # greedy: a piece ends only where the next row would not fit
+        assert a.num_query_tokens + b.rows[0].query_len > 512
+
+
+def test_a_row_no_bucket_takes_keeps_the_forward_whole() -> None:
+    meta = prefill([100, 600, 50])
+    assert graph_pieces(meta, 512) == [meta]
+
+
+def test_reads_bound_a_piece_too() -> None:
+    meta = prefill([300, 300, 300])  # each row reads 300 x 300 keys
+    most = 4096
+    pieces = graph_pieces(meta, most)
+    assert all(sum(r.query_len * r.seq_len for r in p.rows) <= FLAT_READS for p in pieces)
+    assert len(pieces) == (1 if 3 * 300 * 300 <= FLAT_READS else 2)
+    big = prefill([1100, 1100])  # 1,210,000 reads a row: over FLAT_READS alone
+    assert graph_pieces(big, most) == [big]

@@ -254,8 +254,9 @@ def paged_decode(
     _, bs, kvh, _ = k_pages.shape
     G = H // kvh
     prog = _program(q.dtype, k_pages.element_size(), G, D, tile)
-    if SPLIT_KEYS % prog["TILE"]:
-        raise ValueError(f"a tile of {prog['TILE']} keys does not divide a split's {SPLIT_KEYS}")
+    keys = int(prog["TILE"])  # type: ignore[call-overload]
+    if SPLIT_KEYS % keys:
+        raise ValueError(f"a tile of {keys} keys does not divide a split's {SPLIT_KEYS}")
     width = split_width(block_table.shape[1] * bs)
     programs = min(width, programs or auto_programs(B, kvh, q.device))
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
@@ -293,7 +294,7 @@ def paged_decode(
         res,
         H=H,
         D=D,
-        TILE=prog["TILE"],
+        TILE=keys,
         SPLIT_KEYS=SPLIT_KEYS,
         CAP=MAX_SPLITS,
         WIDTH=width,

@@ -245,7 +245,7 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
     gen = None
     before_free = txn.free_blocks
     if dropped:
-        if base.config.free_queue == "vllm":  # group by group, as vLLM's coordinator lets them go
+        if base.config.free_queue != "tail":  # group by group, as vLLM's coordinator lets them go
             for g in sorted({d[2] for d in dropped}):
                 pool.unref_many(txn, [d[3] for d in sorted(dropped, key=lambda d: (-d[0], d[1])) if d[2] == g])
         else:

@@ -22,7 +22,7 @@ class InvalidConfig(ValueError):
 
 
 MAX_NUM_BLOCKS = 1 << 31  # a worker's block tables hold int32 ids
-FREE_QUEUE_POLICIES = ("tail", "vllm")  # where a freed block goes (docs/prefix-and-groups.md)
+FREE_QUEUE_POLICIES = ("tail", "vllm", "vllm-omni")  # where a freed block goes (docs/prefix-and-groups.md)
 RESET_POLICIES = ("always", "when_idle")  # when reset_prefix_cache may drop the hashes
 CACHING_POINTS = ("commit", "schedule")  # when a full block's hash enters the prefix cache
 
@@ -76,7 +76,8 @@ class CacheConfig:
     max_rows_per_request: int | None = None
     max_model_len: int | None = None
     hash_namespace: str = "pagedkv"  # the root of every block-hash chain
-    free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head
+    free_queue: str = "tail"  # "tail": every freed block to the tail (LRU); "vllm": one without a hash to the head;
+    # "vllm-omni": as "vllm", a request's rows let go one by one, the last first (vLLM-Omni's diffusion KV manager)
     reset_prefix_cache: str = "always"  # "always": works while requests run; "when_idle": refused then (vLLM)
     caching_point: str = "commit"  # "commit": full blocks cached once computed; "schedule": once planned (vLLM)
     block_hash: str = "blake2b"  # "blake2b": pagedkv's 16-byte hashes; vLLM's: "sha256", "sha256_cbor", "xxhash"...

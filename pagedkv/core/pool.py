@@ -63,7 +63,7 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     refcount = txn.refcount
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     counts = refcount.own_many({b >> sh for b in blocks})
-    vllm = txn.config.free_queue == "vllm"
+    vllm = txn.config.free_queue != "tail"  # ("vllm", "vllm-omni": vLLM's block pool either way)
     cached = txn.cache_view().is_cached if vllm and txn.config.enable_prefix_caching else None
     tail: list[int] = []
     head: list[int] = []
@@ -133,10 +133,20 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     last reference goes joins the tail of the free queue. Under the ``vllm``
     policy group by group as vLLM's coordinator frees (each group's blocks,
     positions descending, one ``unref_many``: its blocks without a hash then go
-    to the head, before those of the groups freed earlier)."""
+    to the head, before those of the groups freed earlier). Under ``vllm-omni``
+    row by row, the last row first, as vLLM-Omni's diffusion KV manager frees a
+    CFG request's rows (docs/vllm-omni.md)."""
     records = txn.rows
     rows = [records[s].blocks for s in req.slots]
-    if txn.config.free_queue == "vllm":  # group by group: each group's blocks without a hash to the head
+    policy = txn.config.free_queue
+    if policy == "vllm-omni":  # row by row, the last row first, each as vLLM-Omni's manager lets a row go:
+        for r in reversed(rows):
+            if txn.config.enable_prefix_caching:  # as vLLM frees a request: group by group, positions descending
+                for g in r:
+                    unref_many(txn, g[::-1])
+            else:  # free_kv_blocks_in_physical_order: all of the row's blocks, ascending ids, to the head
+                unref_many(txn, sorted(b for g in r for b in g))
+    elif policy == "vllm":  # group by group: each group's blocks without a hash to the head
         for g in range(len(rows[0])):
             unref_many(txn, [b for r in rows for b in r[g][::-1]])
     else:

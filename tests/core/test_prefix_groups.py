@@ -152,3 +152,23 @@ def test_every_successful_prefix_cache_reset_says_so_as_vllm_does() -> None:
     counting batches over ZMQ sees the same stream from pagedkv (issue 28: 818 batches against 525)."""
     step = reset_prefix_cache(caching()).unwrap()
     assert step.effect.dropped == 0 and step.effect.events == (AllBlocksCleared(),)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_vllm_omni_policy_lets_a_cfg_requests_rows_go_as_vllm_omnis_manager(caching: bool) -> None:
+    """Two CFG rows (prefixes of 40 and 20 tokens, targets of 20; blocks of 16) admitted, computed, released under
+    ``free_queue="vllm-omni"``: the free queue as vLLM-Omni 0.30's DiffusionKVCacheManager leaves it (its rows freed
+    the last first; with caching each as vLLM frees a request, hashless blocks to the head and the prefix's cached
+    blocks to the tail; without, each row's blocks in ascending ids to the head). The differential against the
+    manager itself is tests/integrations_omni."""
+    s = initial_state(CacheConfig(block_size=16, num_blocks=20, enable_prefix_caching=caching, free_queue="vllm-omni"))
+    rows = (
+        RowSpec.of_tokens(list(range(40)) + [0] * 20, prefix_len=40, target_len=20),
+        RowSpec.of_tokens(list(range(100, 120)) + [0] * 20, prefix_len=20, target_len=20),
+    )
+    step = admit(s, RequestSpec("a", rows)).unwrap()
+    assert step.effect.blocks == (((1, 2, 3, 4),), ((5, 6, 7),))
+    s = commit(step.state, "a", [60, 40]).unwrap().state
+    s = release(s, "a", "finished").unwrap().state
+    rest = list(range(8, 20))
+    assert free_queue(s) == ([4, 3, 7, 6, *rest, 5, 2, 1] if caching else [1, 2, 3, 4, 5, 6, 7, *rest])

@@ -6,7 +6,7 @@ lives in the module that owns its decision (admission, growth, commit, decode,
 release, destination); this package re-exports the public names.
 """
 
-from pagedkv.core.admission import admit
+from pagedkv.core.admission import admit, turn_away
 from pagedkv.core.commit import cache_ahead, cache_ahead_many, commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.decode import commit_decode, decode_step
@@ -22,6 +22,7 @@ from pagedkv.core.effects import (
     Released,
     ReleaseReason,
     Truncated,
+    TurnedAway,
     WasReset,
     takes_generation,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "Filled",
     "Placeholders",
     "Truncated",
+    "TurnedAway",
     "GroupKind",
     "GroupSpec",
     "InvalidConfig",
@@ -108,4 +110,5 @@ __all__ = [
     "takes_generation",
     "truncate",
     "truncate_many",
+    "turn_away",
 ]

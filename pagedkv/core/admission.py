@@ -14,7 +14,7 @@ from typing import Any
 from returns.result import Failure, Result, Success
 
 import pagedkv.core.pool as pool
-from pagedkv.core.effects import Admitted
+from pagedkv.core.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.prefix import Hit, find_hit
@@ -110,6 +110,57 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     if isinstance(hit, KVError):
         return hit
     return _over_limits(state, spec, _cost(state, spec, hit, _firsts(state.config, spec, hit))[0])
+
+
+def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVError]:
+    """What vLLM-Omni 0.30's diffusion KV manager leaves in its pool when a CFG request does not fit now (where
+    ``admit`` refuses with ``NO_CAPACITY`` and changes nothing): its lookup's hits pinned (out of the free queue);
+    its rows given blocks one after another while the next fits (fresh blocks popped from the head, a cached one
+    evicted); those rows freed again, the last first, as ``free_queue="vllm-omni"`` frees rows (fresh blocks to
+    the head); then the pins, the last hit first (cached: to the tail). For a caller that must leave the pool as
+    vLLM-Omni's does, block for block (``integrations.vllm_omni``: docs/vllm-omni.md); refused (``INVALID``,
+    nothing changed) but under ``free_queue="vllm-omni"`` with full-attention groups, and for a request that fits.
+
+    >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, free_queue, initial_state
+    >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, free_queue="vllm-omni"))
+    >>> step = turn_away(s, RequestSpec("img", (RowSpec(12, prefix_len=8, target_len=4),) * 3))
+    >>> step.unwrap().effect.rows_tried, free_queue(step.unwrap().state)
+    (2, [1, 2, 3, 4, 5, 6, 7, 8])
+    """
+    cfg = state.config
+    err = _shape(state, spec)
+    if err is None and (cfg.free_queue != "vllm-omni" or any(g.kind.value != "full" for g in cfg.groups)):
+        err = invalid(
+            f"turn_away is vLLM-Omni's refusal: it needs free_queue='vllm-omni' and full-attention groups",
+            request=spec.request_id,
+        )
+    if err is not None:
+        return Failure(err)
+    hit = _hit(state, spec)
+    if isinstance(hit, KVError):
+        return Failure(hit)
+    firsts = _firsts(cfg, spec, hit)
+    need = _cost(state, spec, hit, firsts)[1]
+    if need <= state.free_blocks:
+        return Failure(invalid(f"request {shown(spec.request_id)} fits: admit it", request=spec.request_id))
+    txn = Txn(state)
+    pinned = list(dict.fromkeys(b for row_ids in hit.ids for ids in row_ids for b in ids if b))
+    for b in pinned:  # (vLLM's touch: no allocation below evicts a hit)
+        pool.take_hit(txn, b)
+    taken: list[list[tuple[int, ...]]] = []
+    for row in spec.rows:
+        fresh = cfg.blocks_for(row.num_tokens) - hit.num_blocks
+        if fresh * len(cfg.groups) > txn.free_blocks:
+            break
+        taken.append([pool.pop_blocks(txn, fresh) for _ in cfg.groups])
+    for groups in reversed(taken):  # the rollback: the last row first
+        if cfg.enable_prefix_caching:  # as vLLM frees a request: group by group, positions descending
+            for blocks in groups:
+                pool.unref_many(txn, blocks[::-1])
+        else:  # in ascending ids, to the head
+            pool.unref_many(txn, sorted(b for blocks in groups for b in blocks))
+    pool.unref_many(txn, pinned[::-1])
+    return Success(Step(txn.done(), TurnedAway(spec.request_id, len(taken), tuple(txn.events))))
 
 
 def _shape(state: KVState, spec: RequestSpec) -> KVError | None:

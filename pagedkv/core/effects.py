@@ -57,6 +57,13 @@ class Decoded:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnedAway:
+    request_id: RequestId
+    rows_tried: int  # the leading rows that took blocks, and gave them back
+    events: tuple[KVEvent, ...] = ()  # the cached blocks their pops evicted
+
+
+@dataclass(frozen=True, slots=True)
 class Released:
     request_id: RequestId
     reason: ReleaseReason

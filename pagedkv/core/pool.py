@@ -142,10 +142,10 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     if policy == "vllm-omni":  # row by row, the last row first, each as vLLM-Omni's manager lets a row go:
         for r in reversed(rows):
             if txn.config.enable_prefix_caching:  # as vLLM frees a request: group by group, positions descending
-                for g in r:
-                    unref_many(txn, g[::-1])
+                for blocks in r:
+                    unref_many(txn, blocks[::-1])
             else:  # free_kv_blocks_in_physical_order: all of the row's blocks, ascending ids, to the head
-                unref_many(txn, sorted(b for g in r for b in g))
+                unref_many(txn, sorted(b for blocks in r for b in blocks))
     elif policy == "vllm":  # group by group: each group's blocks without a hash to the head
         for g in range(len(rows[0])):
             unref_many(txn, [b for r in rows for b in r[g][::-1]])

@@ -1,15 +1,18 @@
 """Prefix caching and hybrid groups: the rules of issue 3 pinned with exact numbers."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pagedkv.app.cli import main
+from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     CacheConfig,
+    ErrorCode,
     GroupKind,
     GroupSpec,
     RequestSpec,
@@ -26,6 +29,7 @@ from pagedkv.core import (
     reset,
     reset_prefix_cache,
     root_hash,
+    turn_away,
 )
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
@@ -172,3 +176,31 @@ def test_the_vllm_omni_policy_lets_a_cfg_requests_rows_go_as_vllm_omnis_manager(
     s = release(s, "a", "finished").unwrap().state
     rest = list(range(8, 20))
     assert free_queue(s) == ([4, 3, 7, 6, *rest, 5, 2, 1] if caching else [1, 2, 3, 4, 5, 6, 7, *rest])
+
+
+def test_turn_away_leaves_the_pool_as_a_refused_vllm_omni_reservation() -> None:
+    """``turn_away``: a CFG request that does not fit now, under ``free_queue="vllm-omni"``: the leading rows that fit
+    took fresh blocks (evicting a cached one) and gave them back, the hits went to the tail the last first; the same
+    blocks free, every invariant kept. Refused, the state unchanged, under another policy or for a request that
+    fits. (tests/integrations_omni compares it, queue for queue, with vLLM-Omni's own manager.)"""
+    cfg = CacheConfig(block_size=4, num_blocks=13, enable_prefix_caching=True, free_queue="vllm-omni")
+    s = initial_state(cfg)
+    a = RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0], prefix_len=8, target_len=1)
+    s = admit(s, RequestSpec("a", (a,))).unwrap().state
+    s = release(commit(s, "a", [9]).unwrap().state, "a", "finished").unwrap().state
+    assert free_queue(s) == [3, *range(4, 13), 2, 1]  # a's prefix cached at the tail
+    s = admit(s, RequestSpec("x", (RowSpec(8),))).unwrap().state  # holds 3 and 4: 10 free
+    row = RowSpec.of_tokens([1, 2, 3, 4, 5, 6, 7, 8] + [0] * 12, prefix_len=8, target_len=12)  # 5 blocks, 2 hit
+    spec = RequestSpec("b", (row, row, row))  # 2 + 3 x 3 = 11 blocks: 10 free
+    assert admit(s, spec).failure().code is ErrorCode.NO_CAPACITY
+    step = turn_away(s, spec).unwrap()
+    assert step.effect.rows_tried == 2  # 3 + 3 fresh blocks of the 8 others; the third row's 3 did not fit
+    # the second row's blocks back at the head, then the first's (each reversed), the hits last first at the tail
+    assert free_queue(step.state) == [7, 6, 5, 10, 9, 8, 11, 12, 2, 1]
+    assert step.state.free_blocks == s.free_blocks and check_invariants(step.state) == []
+    for bad, other in ((spec, replace(cfg, free_queue="vllm")), (RequestSpec("c", (row,)), cfg)):
+        t = initial_state(other)
+        t = admit(t, RequestSpec("a", (a,))).unwrap().state
+        t = release(commit(t, "a", [9]).unwrap().state, "a", "finished").unwrap().state
+        t = admit(t, RequestSpec("x", (RowSpec(8),))).unwrap().state
+        assert turn_away(t, bad).failure().code is ErrorCode.INVALID  # (another policy; a request that fits)

@@ -10,6 +10,8 @@ none, the smallest prefix hit shared by the rows, the prefix cached once publish
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,13 +31,24 @@ from pagedkv.core import (
     turn_away,
 )
 
-try:
-    from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVAdmissionError
-    from vllm_omni.diffusion.diffusion_kv.metadata import DiffusionKVMetadata, DiffusionKVSequenceMetadata
-except ImportError as e:  # pragma: no cover - the extra is not installed
-    raise ImportError(
-        f"pagedkv.integrations.vllm_omni needs vLLM-Omni 0.30 (pip install 'pagedkv[vllm-omni]'): {e}"
-    ) from None
+
+@functools.cache
+def omni() -> Any:
+    """vLLM-Omni's diffusion KV module (its error and metadata classes), imported when a manager is made: this
+    module imports without it."""
+    try:
+        import vllm_omni.diffusion.diffusion_kv.manager as manager
+        import vllm_omni.diffusion.diffusion_kv.metadata as metadata
+    except ImportError as e:
+        raise ImportError(
+            f"pagedkv.integrations.vllm_omni needs vLLM-Omni 0.30 (pip install 'pagedkv[vllm-omni]'): {e}"
+        ) from None
+    return types.SimpleNamespace(
+        AdmissionError=manager.DiffusionKVAdmissionError,
+        Metadata=metadata.DiffusionKVMetadata,
+        Sequence=metadata.DiffusionKVSequenceMetadata,
+    )
+
 
 __all__ = ["PagedKVDiffusionManager"]
 
@@ -62,6 +75,7 @@ class PagedKVDiffusionManager:
         prefix_caching_hash_algo: str = "sha256",
         max_rows_per_request: int | None = None,
     ) -> None:
+        self._omni = omni()
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
@@ -102,20 +116,20 @@ class PagedKVDiffusionManager:
         self.hash_block_size = hash_block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._requests: dict[str, tuple[Any, ...]] = {}
-        self._metadata: dict[str, DiffusionKVMetadata] = {}
+        self._metadata: dict[str, Any] = {}
         self._internal_request_ids: set[str] = set()
 
     # -- what vLLM-Omni's scheduler calls ------------------------------------------------------
     def has_request(self, public_request_id: str) -> bool:
         return public_request_id in self._requests
 
-    def get_metadata(self, public_request_id: str) -> DiffusionKVMetadata:
+    def get_metadata(self, public_request_id: str) -> Any:
         try:
             return self._metadata[public_request_id]
         except KeyError as exc:
             raise KeyError(f"Diffusion KV request {public_request_id!r} is not allocated") from exc
 
-    def reserve_request(self, public_request_id: str, kv_requests: Sequence[Any]) -> DiffusionKVMetadata | None:
+    def reserve_request(self, public_request_id: str, kv_requests: Sequence[Any]) -> Any:
         """Every CFG row's blocks, or none: the rows' metadata; ``None`` while the pool cannot hold them now;
         ``DiffusionKVAdmissionError`` for a request it never can (longer than ``max_model_len``, more blocks than
         the empty pool, more rows than ``max_rows_per_request``, independent contexts); ``ValueError`` for a
@@ -129,16 +143,16 @@ class PagedKVDiffusionManager:
                 self.state = turn_away(self.state, spec).unwrap().state
                 return None
             if err.code is ErrorCode.UNSCHEDULABLE:
-                raise DiffusionKVAdmissionError(f"Diffusion KV request {public_request_id!r}: {err.message}")
+                raise self._omni.AdmissionError(f"Diffusion KV request {public_request_id!r}: {err.message}")
             raise ValueError(err.message)
         step = admitted.unwrap()
         effect = step.effect
         cached = min(effect.cached_tokens)
-        metadata = DiffusionKVMetadata(
+        metadata = self._omni.Metadata(
             request_id=public_request_id,
             allocation_generation=effect.generation,
             sequences=tuple(
-                DiffusionKVSequenceMetadata(
+                self._omni.Sequence(
                     sequence_id=r.sequence_id,
                     prefix_len=r.prefix_len,
                     target_len=r.target_len,
@@ -210,14 +224,14 @@ class PagedKVDiffusionManager:
             raise ValueError(f"Diffusion KV internal request IDs are already allocated: {sorted(conflicts)}")
         for r in requests:
             if r.kv_contexts:
-                raise DiffusionKVAdmissionError("independent DiffusionKVContext allocation is not implemented yet")
+                raise self._omni.AdmissionError("independent DiffusionKVContext allocation is not implemented yet")
             if r.seq_len > self.max_model_len:
-                raise DiffusionKVAdmissionError(
+                raise self._omni.AdmissionError(
                     f"Diffusion KV sequence {r.request_id!r} exceeds max_model_len: "
                     f"seq_len={r.seq_len}, max_model_len={self.max_model_len}"
                 )
             if self.enable_prefix_caching and (r.mm_features or (r.block_hashes and not r.cache_token_ids)):
-                raise DiffusionKVAdmissionError(
+                raise self._omni.AdmissionError(
                     f"Diffusion KV sequence {r.request_id!r}: pagedkv's manager keys a prefix by its cache_token_ids "
                     "and namespace; multimodal features and caller-given block hashes are not keyed yet"
                 )

@@ -42,12 +42,14 @@ if _OmniRequestScheduler is not None:
     class PagedKVRequestScheduler(_OmniRequestScheduler):  # type: ignore[misc]
         """vLLM-Omni's ``RequestScheduler`` whose diffusion KV manager is pagedkv's core."""
 
+        _diffusion_kv_manager: Any
+
         def initialize(self, od_config: Any, **kw: Any) -> None:
             refused = refusals(od_config)
             if refused:
                 raise Unsupported("pagedkv's diffusion KV manager does not serve " + "; ".join(refused))
             super().initialize(od_config, **kw)
-            theirs = self._diffusion_kv_manager
+            theirs: Any = self._diffusion_kv_manager
             if theirs is None:  # (dense_legacy: no paged KV to manage)
                 return
             config = kw["kv_vllm_config"]

@@ -1,6 +1,6 @@
 """Issue 46: docs that run. Every Python block of README.md and docs/*.md is executed here, a page's blocks in
 order in one namespace (as a reader runs them), in a scratch folder; a snippet can no longer drift from the
-library. A block whose first line says ``# needs cuda: ...`` or ``# needs vllm: ...`` runs where that is at hand
+library. A block whose first line says ``# needs cuda: ...``, ``# needs vllm: ...`` or ``# needs vllm-omni: ...`` runs where that is at hand
 and is skipped, with its reason, where it is not (the blocks after it on its page too: they may use its names)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-NEEDS = re.compile(r"# needs (cuda|vllm): (.+)")
+NEEDS = re.compile(r"# needs (cuda|vllm-omni|vllm): (.+)")
 PAGES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if BLOCK.search(p.read_text())]
 
 
@@ -28,7 +28,10 @@ def missing(need: str) -> bool:
 
         return not torch.cuda.is_available()
     try:
-        import vllm  # noqa: F401
+        if need == "vllm-omni":
+            import vllm_omni.diffusion.diffusion_kv.manager  # noqa: F401
+        else:
+            import vllm  # noqa: F401
     except ImportError:
         return True
     return False

@@ -215,3 +215,25 @@ def fuzz(seed: int, ticks: int = 150) -> None:
 @pytest.mark.parametrize("seed", range(120))
 def test_fuzzed_request_streams_leave_both_pools_alike(seed: int) -> None:
     fuzz(seed)
+
+
+def test_pagedkv_refuses_at_admission_the_rows_the_worker_cannot_hold() -> None:
+    """With the adapter's row limit (``diffusion_kv_max_rows_per_request``, which vLLM-Omni checks only when the worker
+    installs the rows), a request of more CFG rows is refused at admission ("never", nothing changed), where
+    vLLM-Omni's manager reserves its blocks for an install that will fail."""
+    kw = dict(max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True)
+    theirs = DiffusionKVCacheManager(kv_config(40, 8), **kw)
+    ours = PagedKVDiffusionManager(kv_config(40, 8), max_rows_per_request=2, **kw)
+    rows = [DiffusionKVRequest(f"a-{i}", sequence_id=i, prefix_len=8, target_len=8, seq_len=16) for i in range(3)]
+    assert theirs.reserve_request("a", rows) is not None
+    before = ours.state
+    with pytest.raises(DiffusionKVAdmissionError, match="rows"):
+        ours.reserve_request(
+            "a",
+            [
+                DiffusionKVRequest(r.request_id, sequence_id=r.sequence_id, prefix_len=8, target_len=8, seq_len=16)
+                for r in rows
+            ],
+        )
+    assert ours.state is before and not ours.has_request("a")
+    assert ours.reserve_request("a", rows[:2]) is not None

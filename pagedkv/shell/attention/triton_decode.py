@@ -288,17 +288,7 @@ def paged_decode(
     )
     res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _merge_kernel[(B * H,)](
-        out,
-        lse,
-        seq_lens,
-        res,
-        H=H,
-        D=D,
-        TILE=keys,
-        SPLIT_KEYS=SPLIT_KEYS,
-        CAP=MAX_SPLITS,
-        WIDTH=width,
-        WINDOW=window,
+        out, lse, seq_lens, res, H=H, D=D, TILE=keys, SPLIT_KEYS=SPLIT_KEYS, CAP=MAX_SPLITS, WIDTH=width, WINDOW=window
     )
     return res.to(q.dtype)
 

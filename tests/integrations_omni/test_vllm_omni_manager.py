@@ -3,7 +3,7 @@
 ``DiffusionKVAdmissionError``), every row's block ids and cached prefix length, the whole free queue in order, the
 allocation generations (each manager's, in the order they were handed out), and pagedkv's invariants. Named
 scenarios, then fuzzed request streams (CFG rows, shared prefixes, caching on and off, tight pools that evict and
-turn requests away, requests past ``max_model_len`` or the pool, frees in any order)."""
+turn requests away, requests past ``max_model_len`` or the pool, frees in any order, one or two groups)."""
 
 from __future__ import annotations
 
@@ -191,6 +191,7 @@ def fuzz(seed: int, ticks: int = 150) -> None:
         block_size=bs,
         caching=rng.random() < 0.7,
         max_model_len=rng.choice([64, 128, 256]),
+        groups=rng.choice([1, 1, 2]),  # (two full-attention groups: a block id a group, freed group by group)
     )
     prompts = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 60))) for _ in range(5)]
     live: list[str] = []

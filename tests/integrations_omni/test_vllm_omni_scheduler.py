@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import types
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -145,3 +146,42 @@ def run(seed: int, ticks: int = 150) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_the_real_request_scheduler_schedules_alike_on_both_managers(seed: int) -> None:
     run(seed)
+
+
+def test_one_configuration_line_selects_pagedkvs_engine_and_its_scheduler() -> None:
+    """``engine_backend: pagedkv.integrations.vllm_omni.PagedKVDiffusionEngine`` resolves, through vLLM-Omni's own
+    resolution, to pagedkv's engine, whose request-batch scheduler is ``PagedKVRequestScheduler`` on pagedkv's
+    manager; step-batch execution keeps vLLM-Omni's ``StepScheduler``; a KV connector is refused before anything
+    runs. (The engine's constructor starts workers and loads a model: only its scheduler choice runs here.)"""
+    from vllm_omni.diffusion.diffusion_engine import DiffusionEngine, DiffusionExecutionMode
+    from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
+
+    from pagedkv.integrations.vllm_omni import PagedKVDiffusionEngine, Unsupported
+
+    od = OmniDiffusionConfig(
+        model="one-line",
+        diffusion_kv_mode="paged_scheduler",
+        max_num_seqs=2,
+        diffusion_kv_max_rows_per_request=2,
+        engine_backend="pagedkv.integrations.vllm_omni.PagedKVDiffusionEngine",
+    )
+    engine_class = DiffusionEngine.resolve_engine_class(od)
+    assert engine_class is PagedKVDiffusionEngine
+    spec = FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    vllm_config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(max_model_len=128),
+        max_in_flight_tokens=None,
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True, prefix_caching_hash_algo="sha256"),
+    )
+    kw = dict(kv_cache_config=kv, scheduler_block_size=8, hash_block_size=8, kv_vllm_config=vllm_config)
+    engine = engine_class.__new__(engine_class)
+    engine.execution_mode = DiffusionExecutionMode.REQUEST_BATCH
+    engine._init_scheduler(od, None, **kw)
+    assert isinstance(engine.scheduler, PagedKVRequestScheduler)
+    assert isinstance(engine.scheduler._diffusion_kv_manager, PagedKVDiffusionManager)
+    engine.execution_mode = DiffusionExecutionMode.STEP_BATCH
+    engine._init_scheduler(replace(od, diffusion_kv_mode="dense_legacy"), None)
+    assert type(engine.scheduler) is StepScheduler
+    with pytest.raises(Unsupported, match="KV prefetch"):
+        PagedKVRequestScheduler().initialize(replace(od, omni_kv_config={"enable_kv_async_prefetch": True}), **kw)

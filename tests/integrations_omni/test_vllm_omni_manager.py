@@ -205,7 +205,8 @@ def fuzz(seed: int, ticks: int = 150) -> None:
                 fresh = tuple(rng.randrange(1000) for _ in range(rng.randint(0, 20)))
                 toks = rng.choice(prompts) if i == 0 or rng.random() < 0.5 else fresh
                 rows.append((len(toks), target, toks))
-            if lk.reserve(pid, rows) not in (None, "never"):
+            got = lk.reserve(pid, rows)
+            if isinstance(got, list):
                 live.append(pid)
         elif op < 0.75 and live:
             lk.publish(rng.choice(live))
@@ -238,3 +239,28 @@ def test_pagedkv_refuses_at_admission_the_rows_the_worker_cannot_hold() -> None:
         )
     assert ours.state is before and not ours.has_request("a")
     assert ours.reserve_request("a", rows[:2]) is not None
+
+
+def test_a_row_whose_identity_is_more_than_its_ids_is_never_shared() -> None:
+    """A row whose caller gave block hashes (or multimodal features: its identity is more than its token ids) is
+    computed and never cached nor hit by pagedkv, which does not key those yet: two requests of the same ids
+    and different given hashes must not share KV (vLLM-Omni keys them by the given hashes)."""
+    m = PagedKVDiffusionManager(
+        kv_config(40, 8), max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True
+    )
+    for k, pid in enumerate(("a", "b")):
+        given = [bytes([k]) * 32, bytes([k + 1]) * 32]
+        row = DiffusionKVRequest(
+            f"{pid}-0",
+            sequence_id=0,
+            prefix_len=16,
+            target_len=8,
+            seq_len=24,
+            cache_token_ids=list(range(16)),
+            block_hashes=given,
+        )
+        md = m.reserve_request(pid, [row])
+        assert md.sequences[0].cached_prefix_len == 0
+        m.publish_request(pid)
+        m.free_request(pid)
+    assert len(m.state.cache) == 0

@@ -230,25 +230,30 @@ class PagedKVDiffusionManager:
                     f"Diffusion KV sequence {r.request_id!r} exceeds max_model_len: "
                     f"seq_len={r.seq_len}, max_model_len={self.max_model_len}"
                 )
-            if self.enable_prefix_caching and (r.mm_features or (r.block_hashes and not r.cache_token_ids)):
-                raise self._omni.AdmissionError(
-                    f"Diffusion KV sequence {r.request_id!r}: pagedkv's manager keys a prefix by its cache_token_ids "
-                    "and namespace; multimodal features and caller-given block hashes are not keyed yet"
-                )
         if self.enable_prefix_caching and len({r.cache_namespace for r in requests}) > 1:
             raise ValueError("the rows of one Diffusion KV request must share one cache_namespace")
         return requests
 
-    def _row(self, r: Any) -> RowSpec:
-        """A CFG sequence as a row: its stable prefix (causal, its cache identity the prefix's token ids) and its
-        target span, rewritten each step. A sequence without token ids is never cached nor hit."""
-        known = self.enable_prefix_caching and len(r.cache_token_ids) >= r.prefix_len > 0
-        if not known:
-            return RowSpec(r.seq_len, prefix_len=r.prefix_len, target_len=r.target_len)
-        ids = list(r.cache_token_ids[: r.prefix_len])
-        return RowSpec.of_tokens(
-            ids + [0] * (r.seq_len - r.prefix_len), prefix_len=r.prefix_len, target_len=r.target_len
+    def _keyed(self, r: Any) -> bool:
+        """Is ``r``'s prefix cached and hit by its token ids? Where prefix caching is on and it has ids for a full
+        block; not where its identity is more than its ids (multimodal features, or block hashes its caller gave):
+        pagedkv does not key those yet, so such a row is computed, never shared (docs/vllm-omni.md)."""
+        return (
+            self.enable_prefix_caching
+            and r.prefix_len >= self.block_size
+            and bool(r.cache_token_ids)
+            and not r.mm_features
+            and not r.block_hashes
         )
+
+    def _row(self, r: Any) -> RowSpec:
+        """A CFG sequence as a row: its stable prefix (causal; its cache identity the ids of its full blocks and the
+        namespace) and its target span, rewritten each step. A row not keyed is never cached nor hit."""
+        if not self._keyed(r):
+            return RowSpec(r.seq_len, prefix_len=r.prefix_len, target_len=r.target_len)
+        cacheable = r.prefix_len // self.block_size * self.block_size
+        ids = list(r.cache_token_ids[:cacheable])
+        return RowSpec.of_tokens(ids + [0] * (r.seq_len - cacheable), prefix_len=r.prefix_len, target_len=r.target_len)
 
     def _keys(self, requests: Sequence[Any]) -> dict[str, Any]:
         """What keys every block's hash beside the tokens: vLLM-Omni's root and the rows' namespace."""

@@ -84,6 +84,7 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
         decode_slot,
         state.cache_epoch,
         BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash),
+        tuple(row.block_hashes for row in rows) if any(row.block_hashes for row in rows) else (),
     )
     gen = txn.new_layout(slots[0])
     effect = Admitted(rid, gen, (cached,) * len(rows), tuple(blocks), tuple(txn.events))
@@ -167,7 +168,7 @@ def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
     """What is wrong with ``spec`` before any count: its form, the block hashes it brings, and rows a state
     group cannot serve."""
     err = check_request_spec(spec) or _state_rows(state, spec)
-    if err is None and any(len(h) != state.config.hash_width for h in spec.block_hashes):
+    if err is None and any(len(h) != state.config.hash_width for h in (*spec.block_hashes, *_row_hashes(spec))):
         width = state.config.hash_width
         return invalid(
             f"request {shown(spec.request_id)}: block_hashes must be {width}-byte hashes ({state.config.block_hash})",
@@ -175,6 +176,10 @@ def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
             field="block_hashes",
         )
     return err
+
+
+def _row_hashes(spec: RequestSpec) -> tuple[bytes, ...]:
+    return tuple(h for row in spec.rows for h in row.block_hashes)
 
 
 def _hit(state: KVState, spec: RequestSpec) -> Hit | KVError:

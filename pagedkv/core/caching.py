@@ -42,6 +42,8 @@ def cache_full_blocks(
     ``given``: the row's chain hashes as the caller computed them (``hash_full_blocks``)."""
     if not caches(txn, req):
         return
+    if given is None and req.given:  # (the row's caller's hashes, given at its admission)
+        given = req.given[i] or None
     record = txn.rows[slot]
     new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot], given)
     if new is not record:
@@ -96,7 +98,8 @@ def hash_full_blocks(
         if len(cfg.rules) > 1 and events is not None
         else {}
     )  # (nothing built on the step loop otherwise)
-    taken = 0 if given is None or cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
+    # blocks whose hash is the caller's (a row's own given at admission: another scheme, never checked)
+    taken = 0 if given is None or (cfg.check_given_hashes and not req.given) else len(given)
     for j in range(done, full):
         k = j - done  # (block j's place in the span)
         if ahead:

@@ -162,6 +162,8 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         parent = cache.root
         given = spec.block_hashes if len(spec.rows) == 1 else ()  # (one row's, the caller's: taken or checked)
         taken = 0 if cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
+        if row.block_hashes:  # (another scheme than the core's: taken, never checked)
+            given, taken = row.block_hashes, len(row.block_hashes)
         packed = pack_ids(row.tokens[: cap * bs + ahead]) if taken < cap else b""
         for j in range(cap):
             if j < taken:

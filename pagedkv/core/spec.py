@@ -46,6 +46,10 @@ class RowSpec:
     spans: tuple[Span, ...] = ()
     pending_tokens: int = 0  # KV of tokens [0, n) arrives from elsewhere (an AR stage): destination blocks
     placeholders: int = 0  # the last positions' ids are not known yet (``tokens`` are the ones before them)
+    # the chain hashes of the row's leading full blocks as its caller computed them, where its identity is more than
+    # its ids (vLLM-Omni's DiffusionKVRequest.block_hashes: multimodal features, a namespace): its hit is looked up,
+    # and those blocks are cached, under them (never checked against the core's own: they are another scheme)
+    block_hashes: tuple[bytes, ...] = ()
 
     @staticmethod
     def of_tokens(
@@ -56,6 +60,7 @@ class RowSpec:
         spans: Sequence[Span] = (),
         pending_tokens: int = 0,
         placeholders: int = 0,
+        block_hashes: Sequence[bytes] = (),
     ) -> RowSpec:
         """A row of ``tokens``, then ``placeholders`` positions whose ids arrive later (``placeholders.fill``: a step
         planned before the last one's tokens are back, draft and lookahead slots)."""
@@ -67,6 +72,7 @@ class RowSpec:
             tuple((start, end) for start, end in spans),
             pending_tokens,
             placeholders,
+            tuple(block_hashes),
         )
 
     @property
@@ -230,4 +236,9 @@ def _check_row(row: object, where: str) -> KVError | None:
         if a < end_prev:
             return invalid(f"{where}: span [{a}, {b}) is unsorted or overlaps the span before it", field="spans")
         end_prev = b
+    given = row.block_hashes
+    if not isinstance(given, tuple) or any(type(h) is not bytes for h in given):
+        return invalid(f"{where}: block_hashes must be a tuple of bytes", field="block_hashes")
+    if given and row.tokens is None:
+        return invalid(f"{where}: block_hashes key a row of token ids", field="block_hashes")
     return None

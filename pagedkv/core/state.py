@@ -71,6 +71,7 @@ class Request:
     decode_slot: int  # the slot of a one-row request that may grow, else -1 (the loops' common row)
     cache_epoch: int  # the prefix-cache epoch it was admitted in; it caches blocks only in that one
     keys: BlockKeys = NO_KEYS  # every block's extra keys, encoded for the pool's hash kind (hashing.BlockKeys)
+    given: tuple[tuple[bytes, ...], ...] = ()  # per row, its caller's leading block hashes (RowSpec.block_hashes)
 
 
 @dataclass(frozen=True, slots=True)

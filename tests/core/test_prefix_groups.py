@@ -204,3 +204,40 @@ def test_turn_away_leaves_the_pool_as_a_refused_vllm_omni_reservation() -> None:
         t = release(commit(t, "a", [9]).unwrap().state, "a", "finished").unwrap().state
         t = admit(t, RequestSpec("x", (RowSpec(8),))).unwrap().state
         assert turn_away(t, bad).failure().code is ErrorCode.INVALID  # (another policy; a request that fits)
+
+
+def test_rows_keyed_by_their_callers_hashes() -> None:
+    """``RowSpec.block_hashes``: a row's leading full blocks keyed by hashes its caller computed (an identity that is
+    more than the ids: vLLM-Omni's multimodal rows). Two CFG rows of the same ids under other hashes miss; under the
+    same hashes they hit, and their blocks were cached under them at commit; the trace carries them and replays; a
+    malformed or misplaced one is INVALID."""
+    from pagedkv.core.verify.record import row_json
+    from pagedkv.core.verify.trace_ops import admit_spec
+
+    cfg = CacheConfig(block_size=4, num_blocks=20, enable_prefix_caching=True, block_hash="sha256")
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    cat, dog = (bytes([1]) * 32, bytes([2]) * 32), (bytes([3]) * 32, bytes([4]) * 32)
+
+    def rows(given: tuple[bytes, ...]) -> tuple[RowSpec, ...]:
+        return (
+            RowSpec.of_tokens(ids + [0, 0], prefix_len=8, target_len=2, block_hashes=given),
+            RowSpec.of_tokens(ids + [0, 0, 0], prefix_len=8, target_len=3, block_hashes=given),
+        )
+
+    s = initial_state(cfg)
+    s = admit(s, RequestSpec("a", rows(cat))).unwrap().state
+    s = release(commit(s, "a", [10, 11]).unwrap().state, "a", "finished").unwrap().state
+    assert sorted(h for (_, h) in s.cache.keys()) == sorted(cat)  # cached under the caller's hashes
+    assert admit(s, RequestSpec("b", rows(dog))).unwrap().effect.cached_tokens == (0, 0)
+    hit = admit(s, RequestSpec("c", rows(cat))).unwrap()
+    assert hit.effect.cached_tokens == (8, 8) and digest(hit.state) != digest(
+        admit(s, RequestSpec("c", rows(()))).unwrap().state
+    )
+    line = {"op": "admit", "request": "c", "rows": [row_json(r) for r in rows(cat)]}
+    assert admit_spec(line) == RequestSpec("c", rows(cat))  # (the trace's row carries them, hex)
+    for bad in (
+        (RowSpec.of_tokens(ids + [0], prefix_len=8, target_len=1, block_hashes=("x",)),),  # type: ignore[arg-type]
+        (RowSpec(9, prefix_len=8, target_len=1, block_hashes=cat),),  # no ids to key
+        (RowSpec.of_tokens(ids + [0], prefix_len=8, target_len=1, block_hashes=(b"short",)),),  # not sha256's width
+    ):
+        assert admit(s, RequestSpec("d", bad)).failure().code is ErrorCode.INVALID

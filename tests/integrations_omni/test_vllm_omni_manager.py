@@ -241,26 +241,28 @@ def test_pagedkv_refuses_at_admission_the_rows_the_worker_cannot_hold() -> None:
     assert ours.reserve_request("a", rows[:2]) is not None
 
 
-def test_a_row_whose_identity_is_more_than_its_ids_is_never_shared() -> None:
-    """A row whose caller gave block hashes (or multimodal features: its identity is more than its token ids) is
-    computed and never cached nor hit by pagedkv, which does not key those yet: two requests of the same ids
-    and different given hashes must not share KV (vLLM-Omni keys them by the given hashes)."""
-    m = PagedKVDiffusionManager(
-        kv_config(40, 8), max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True
-    )
-    for k, pid in enumerate(("a", "b")):
-        given = [bytes([k]) * 32, bytes([k + 1]) * 32]
-        row = DiffusionKVRequest(
-            f"{pid}-0",
-            sequence_id=0,
-            prefix_len=16,
-            target_len=8,
-            seq_len=24,
-            cache_token_ids=list(range(16)),
-            block_hashes=given,
-        )
-        md = m.reserve_request(pid, [row])
-        assert md.sequences[0].cached_prefix_len == 0
-        m.publish_request(pid)
-        m.free_request(pid)
-    assert len(m.state.cache) == 0
+def test_rows_keyed_by_their_callers_hashes_hit_as_vllm_omnis() -> None:
+    """A row whose identity is more than its ids (here its caller gives its block hashes, as a multimodal row's
+    are built) is keyed by those hashes on both managers: the same ids under other hashes miss, under the same
+    hashes hit."""
+    kw = dict(max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True)
+    managers = (DiffusionKVCacheManager(kv_config(40, 8), **kw), PagedKVDiffusionManager(kv_config(40, 8), **kw))
+    image = [bytes([1]) * 32, bytes([2]) * 32]
+    other = [bytes([3]) * 32, bytes([4]) * 32]
+    for pid, given, cached in (("a", image, 0), ("b", other, 0), ("c", image, 16)):
+        for m in managers:
+            row = DiffusionKVRequest(
+                f"{pid}-0",
+                sequence_id=0,
+                prefix_len=16,
+                target_len=8,
+                seq_len=24,
+                cache_token_ids=list(range(16)),
+                block_hashes=given,
+            )
+            md = m.reserve_request(pid, [row])
+            assert md.sequences[0].cached_prefix_len == cached, (type(m).__name__, pid)
+            m.publish_request(pid)
+            m.free_request(pid)
+    pool = managers[0].native_manager.block_pool
+    assert list(free_queue(managers[1].state)) == [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]

@@ -43,7 +43,10 @@ def canonical(state: KVState) -> tuple[object, ...]:
         )
         generation = state.row_generation[req.slots[0]]
         keys = req.extra_keys if not req.keys.varies else (req.extra_keys, req.keys.first, req.keys.content)
-        requests.append((type(rid).__name__, rid, keys, generation, req.cache_epoch, rows))
+        entry: tuple[object, ...] = (type(rid).__name__, rid, keys, generation, req.cache_epoch, rows)
+        if req.given:  # (rows keyed by their caller's hashes; absent otherwise, so other states name as before)
+            entry += (tuple(tuple(h.hex() for h in row) for row in req.given),)
+        requests.append(entry)
     cache = tuple(sorted((g, h.hex(), b) for (g, h), b in state.cache.items()))
     return (
         "pagedkv-state/1",

@@ -81,6 +81,8 @@ def row_json(r: RowSpec) -> dict[str, Any]:
         row["placeholders"] = r.placeholders
     if r.spans:
         row["spans"] = [list(sp) for sp in r.spans]
+    if r.block_hashes:
+        row["block_hashes"] = [h.hex() for h in r.block_hashes]
     return row
 
 

@@ -221,6 +221,11 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
         waiting = r.get("placeholders", 0)
         if not is_int(waiting) or waiting < 0:
             return invalid(f'row {i}: "placeholders" must be a non-negative integer', field="placeholders")
+        given = r.get("block_hashes", [])
+        try:
+            hashes = tuple(bytes.fromhex(h) for h in given)
+        except (TypeError, ValueError):
+            return invalid(f'row {i}: "block_hashes" must be a list of hex strings', field="block_hashes")
         rows.append(
             RowSpec(
                 num_tokens=len(r["tokens"]) + waiting if has_t else r["num_tokens"],
@@ -230,6 +235,7 @@ def admit_spec(ev: Mapping[str, Any]) -> RequestSpec | KVError:
                 spans=tuple(tuple(s) for s in spans),
                 pending_tokens=r.get("pending_tokens", 0),
                 placeholders=waiting,
+                block_hashes=hashes,
             )
         )
     return RequestSpec(

@@ -39,6 +39,7 @@ def omni() -> Any:
     try:
         import vllm_omni.diffusion.diffusion_kv.manager as manager
         import vllm_omni.diffusion.diffusion_kv.metadata as metadata
+        from vllm.utils.hashing import get_hash_fn_by_name
     except ImportError as e:
         raise ImportError(
             f"pagedkv.integrations.vllm_omni needs vLLM-Omni 0.30 (pip install 'pagedkv[vllm-omni]'): {e}"
@@ -47,12 +48,11 @@ def omni() -> Any:
         AdmissionError=manager.DiffusionKVAdmissionError,
         Metadata=metadata.DiffusionKVMetadata,
         Sequence=metadata.DiffusionKVSequenceMetadata,
+        hash_fn=get_hash_fn_by_name,
     )
 
 
 __all__ = ["PagedKVDiffusionManager"]
-
-ROOT = "diffusion-prefix-root-v1"  # what vLLM-Omni's prefix hashes start from, with the request's namespace
 
 
 class PagedKVDiffusionManager:
@@ -111,6 +111,7 @@ class PagedKVDiffusionManager:
             cache_duplicates=True,  # (vLLM caches every block that fills, a hash twice too)
             block_hash="sha256" if prefix_caching_hash_algo == "sha256" else prefix_caching_hash_algo,
         )
+        self._hash_function = self._omni.hash_fn(prefix_caching_hash_algo)
         self.state: KVState = initial_state(self.config)
         self.max_model_len = max_model_len
         self.hash_block_size = hash_block_size
@@ -135,7 +136,7 @@ class PagedKVDiffusionManager:
         the empty pool, more rows than ``max_rows_per_request``, independent contexts); ``ValueError`` for a
         malformed call. Nothing changes unless it returns metadata."""
         requests = self._checked(public_request_id, kv_requests)
-        spec = RequestSpec(public_request_id, tuple(self._row(r) for r in requests), **self._keys(requests))
+        spec = RequestSpec(public_request_id, tuple(self._row(r) for r in requests))
         admitted = admit(self.state, spec)
         if isinstance(admitted, Failure):
             err = admitted.failure()
@@ -230,33 +231,20 @@ class PagedKVDiffusionManager:
                     f"Diffusion KV sequence {r.request_id!r} exceeds max_model_len: "
                     f"seq_len={r.seq_len}, max_model_len={self.max_model_len}"
                 )
-        if self.enable_prefix_caching and len({r.cache_namespace for r in requests}) > 1:
-            raise ValueError("the rows of one Diffusion KV request must share one cache_namespace")
         return requests
 
-    def _keyed(self, r: Any) -> bool:
-        """Is ``r``'s prefix cached and hit by its token ids? Where prefix caching is on and it has ids for a full
-        block; not where its identity is more than its ids (multimodal features, or block hashes its caller gave):
-        pagedkv does not key those yet, so such a row is computed, never shared (docs/vllm-omni.md)."""
-        return (
-            self.enable_prefix_caching
-            and r.prefix_len >= self.block_size
-            and bool(r.cache_token_ids)
-            and not r.mm_features
-            and not r.block_hashes
-        )
-
     def _row(self, r: Any) -> RowSpec:
-        """A CFG sequence as a row: its stable prefix (causal; its cache identity the ids of its full blocks and the
-        namespace) and its target span, rewritten each step. A row not keyed is never cached nor hit."""
-        if not self._keyed(r):
+        """A CFG sequence as a row: its stable prefix (causal) and its target span, rewritten each step. With prefix
+        caching on, a prefix of known ids is keyed by vLLM-Omni's own chain hashes of its full blocks (its
+        ``build_block_hashes``: the namespace, the ids, multimodal features at their positions; or the hashes the
+        caller gave), given to the core as the row's; a row without ids is never cached nor hit."""
+        if not (self.enable_prefix_caching and r.cache_token_ids):
             return RowSpec(r.seq_len, prefix_len=r.prefix_len, target_len=r.target_len)
-        cacheable = r.prefix_len // self.block_size * self.block_size
-        ids = list(r.cache_token_ids[:cacheable])
-        return RowSpec.of_tokens(ids + [0] * (r.seq_len - cacheable), prefix_len=r.prefix_len, target_len=r.target_len)
-
-    def _keys(self, requests: Sequence[Any]) -> dict[str, Any]:
-        """What keys every block's hash beside the tokens: vLLM-Omni's root and the rows' namespace."""
-        if not self.enable_prefix_caching:
-            return {}
-        return {"first_block_keys": ((ROOT, requests[0].cache_namespace),)}
+        r.build_block_hashes(self.hash_block_size, self._hash_function)  # (theirs: it checks the ids and features)
+        ids = list(r.cache_token_ids[: r.prefix_len])
+        return RowSpec.of_tokens(
+            ids + [0] * (r.seq_len - len(ids)),
+            prefix_len=r.prefix_len,
+            target_len=r.target_len,
+            block_hashes=tuple(bytes(h) for h in r.block_hashes),
+        )

@@ -266,3 +266,33 @@ def test_rows_keyed_by_their_callers_hashes_hit_as_vllm_omnis() -> None:
             m.free_request(pid)
     pool = managers[0].native_manager.block_pool
     assert list(free_queue(managers[1].state)) == [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+def test_multimodal_rows_hit_as_vllm_omnis_by_their_images() -> None:
+    """CFG rows whose prefixes carry an image's tokens (a multimodal feature: an identifier at an offset): the same
+    ids with another image miss, with the same image hit, on both managers, block for block."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    kw = dict(max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True)
+    managers = (DiffusionKVCacheManager(kv_config(48, 8), **kw), PagedKVDiffusionManager(kv_config(48, 8), **kw))
+    ids = list(range(24))
+    for pid, image, cached in (("a", "cat", 0), ("b", "dog", 8), ("c", "cat", 24)):
+        for m in managers:
+            rows = [
+                DiffusionKVRequest(
+                    f"{pid}-{i}",
+                    sequence_id=i,
+                    prefix_len=24,
+                    target_len=8,
+                    seq_len=32,
+                    cache_token_ids=ids,
+                    mm_features=[MultiModalFeatureSpec(None, "image", image, PlaceholderRange(offset=8, length=16))],
+                )
+                for i in range(2)
+            ]
+            md = m.reserve_request(pid, rows)
+            assert [q.cached_prefix_len for q in md.sequences] == [cached] * 2, (type(m).__name__, pid)
+            m.publish_request(pid)
+            m.free_request(pid)
+    pool = managers[0].native_manager.block_pool
+    assert list(free_queue(managers[1].state)) == [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]

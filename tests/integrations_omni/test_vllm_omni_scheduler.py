@@ -29,7 +29,9 @@ from pagedkv.core import free_queue  # noqa: E402
 from pagedkv.integrations.vllm_omni import PagedKVDiffusionManager, PagedKVRequestScheduler  # noqa: E402
 
 
-def schedulers(num_blocks: int, block_size: int, caching: bool, max_model_len: int, max_num_seqs: int) -> list[Any]:
+def schedulers(
+    num_blocks: int, block_size: int, caching: bool, max_model_len: int, max_num_seqs: int, groups: int = 1
+) -> list[Any]:
     od = OmniDiffusionConfig(
         model="lockstep",
         diffusion_kv_mode="paged_scheduler",
@@ -45,7 +47,8 @@ def schedulers(num_blocks: int, block_size: int, caching: bool, max_model_len: i
     out = []
     for cls in (RequestScheduler, PagedKVRequestScheduler):
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
-        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+        layers = [KVCacheGroupSpec([f"l{g}"], spec) for g in range(groups)]
+        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=layers)
         s = cls()
         s.initialize(
             od,
@@ -84,6 +87,7 @@ def run(seed: int, ticks: int = 150) -> None:
         caching=rng.random() < 0.7,
         max_model_len=rng.choice([64, 128, 256]),
         max_num_seqs=rng.choice([1, 2, 4]),
+        groups=rng.choice([1, 1, 2]),
     )
     prompts = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 60))) for _ in range(4)]
     gens: list[list[int]] = [[], []]

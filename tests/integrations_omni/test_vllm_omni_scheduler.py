@@ -22,15 +22,26 @@ from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVRequest  # noqa:
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.sched.interface import DiffusionRequestStatus  # noqa: E402
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler  # noqa: E402
+from vllm_omni.diffusion.sched.step_scheduler import StepScheduler  # noqa: E402
 from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 
 from pagedkv.core import free_queue  # noqa: E402
-from pagedkv.integrations.vllm_omni import PagedKVDiffusionManager, PagedKVRequestScheduler  # noqa: E402
+from pagedkv.integrations.vllm_omni import (  # noqa: E402
+    PagedKVDiffusionManager,
+    PagedKVRequestScheduler,
+    PagedKVStepScheduler,
+)
 
 
 def schedulers(
-    num_blocks: int, block_size: int, caching: bool, max_model_len: int, max_num_seqs: int, groups: int = 1
+    num_blocks: int,
+    block_size: int,
+    caching: bool,
+    max_model_len: int,
+    max_num_seqs: int,
+    groups: int = 1,
+    step: bool = False,
 ) -> list[Any]:
     od = OmniDiffusionConfig(
         model="lockstep",
@@ -45,7 +56,7 @@ def schedulers(
         cache_config=types.SimpleNamespace(enable_prefix_caching=caching, prefix_caching_hash_algo="sha256"),
     )
     out = []
-    for cls in (RequestScheduler, PagedKVRequestScheduler):
+    for cls in (StepScheduler, PagedKVStepScheduler) if step else (RequestScheduler, PagedKVRequestScheduler):
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
         layers = [KVCacheGroupSpec([f"l{g}"], spec) for g in range(groups)]
         kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=layers)
@@ -62,8 +73,9 @@ def schedulers(
     return out
 
 
-def request(pid: str, rows: list[tuple[int, int, tuple[int, ...]]]) -> OmniDiffusionRequest:
-    r = OmniDiffusionRequest(prompt="p", sampling_params=OmniDiffusionSamplingParams(seed=0), request_id=pid)
+def request(pid: str, rows: list[tuple[int, int, tuple[int, ...]]], steps: int = 1) -> OmniDiffusionRequest:
+    params = OmniDiffusionSamplingParams(seed=0, num_inference_steps=steps)
+    r = OmniDiffusionRequest(prompt="p", sampling_params=params, request_id=pid)
     r.diffusion_kv_requests = tuple(
         DiffusionKVRequest(f"{pid}-{i}", sequence_id=i, prefix_len=p, target_len=t, seq_len=p + t, cache_token_ids=tk)
         for i, (p, t, tk) in enumerate(rows)
@@ -78,7 +90,9 @@ def queues(pair: list[Any]) -> tuple[list[int], list[int]]:
     )
 
 
-def run(seed: int, ticks: int = 150) -> None:
+def run(seed: int, ticks: int = 150, step: bool = False) -> None:
+    """One fuzzed stream on both schedulers; ``step``: vLLM-Omni's StepScheduler pair, each request taking 1-4
+    denoising steps (a step a tick, requests joining and leaving between steps)."""
     rng = random.Random(seed)
     bs = rng.choice([4, 8, 16])
     pair = schedulers(
@@ -88,7 +102,10 @@ def run(seed: int, ticks: int = 150) -> None:
         max_model_len=rng.choice([64, 128, 256]),
         max_num_seqs=rng.choice([1, 2, 4]),
         groups=rng.choice([1, 1, 2]),
+        step=step,
     )
+    total: dict[str, int] = {}
+    done: dict[str, int] = {}
     prompts = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 60))) for _ in range(4)]
     gens: list[list[int]] = [[], []]
     waiting: list[str] = []
@@ -103,8 +120,9 @@ def run(seed: int, ticks: int = 150) -> None:
                     else tuple(rng.randrange(1000) for _ in range(rng.randint(0, 12)))
                 )
                 rows.append((len(toks), target, toks))
+            total[pid], done[pid] = (rng.randint(1, 4) if step else 1), 0
             for s in pair:
-                s.add_request(request(pid, rows))
+                s.add_request(request(pid, rows, total[pid]))
             waiting.append(pid)
         if waiting and rng.random() < 0.05:  # a waiting request cancelled
             pid = waiting.pop(rng.randrange(len(waiting)))
@@ -127,14 +145,19 @@ def run(seed: int, ticks: int = 150) -> None:
         q = queues(pair)
         assert q[0] == q[1], f"seed {seed} tick {t}: free queues differ"
         ran = [pid for pid, _ in seen[0][0]] + list(outs[0].scheduled_cached_reqs.request_ids)
-        results = {pid: rng.choice(["done", "done", "done", "error", "aborted"]) for pid in ran}
+        results = {pid: rng.choice(["done", "done", "done", "done", "error", "aborted"]) for pid in ran}
+        for pid in ran:
+            done[pid] += 1
         for s, out in zip(pair, outs):
             runner = BatchRunnerOutput(
                 [
                     RunnerOutput(
                         pid,
-                        finished=True,
-                        result=DiffusionOutput(error="failed" if how == "error" else None, aborted=how == "aborted"),
+                        step_index=done[pid],
+                        finished=done[pid] >= total[pid],
+                        result=None
+                        if how == "done" and done[pid] < total[pid]
+                        else DiffusionOutput(error="failed" if how == "error" else None, aborted=how == "aborted"),
                     )
                     for pid, how in results.items()
                 ]
@@ -152,13 +175,17 @@ def test_the_real_request_scheduler_schedules_alike_on_both_managers(seed: int) 
     run(seed)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_the_real_step_scheduler_schedules_alike_on_both_managers(seed: int) -> None:
+    run(seed, step=True)
+
+
 def test_one_configuration_line_selects_pagedkvs_engine_and_its_scheduler() -> None:
     """``engine_backend: pagedkv.integrations.vllm_omni.PagedKVDiffusionEngine`` resolves, through vLLM-Omni's own
-    resolution, to pagedkv's engine, whose request-batch scheduler is ``PagedKVRequestScheduler`` on pagedkv's
-    manager; step-batch execution keeps vLLM-Omni's ``StepScheduler``; a KV connector is refused before anything
+    resolution, to pagedkv's engine, whose schedulers (``PagedKVRequestScheduler`` for request batches,
+    ``PagedKVStepScheduler`` under step execution) run on pagedkv's manager; KV prefetch is refused before anything
     runs. (The engine's constructor starts workers and loads a model: only its scheduler choice runs here.)"""
     from vllm_omni.diffusion.diffusion_engine import DiffusionEngine, DiffusionExecutionMode
-    from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
 
     from pagedkv.integrations.vllm_omni import PagedKVDiffusionEngine, Unsupported
 
@@ -185,7 +212,8 @@ def test_one_configuration_line_selects_pagedkvs_engine_and_its_scheduler() -> N
     assert isinstance(engine.scheduler, PagedKVRequestScheduler)
     assert isinstance(engine.scheduler._diffusion_kv_manager, PagedKVDiffusionManager)
     engine.execution_mode = DiffusionExecutionMode.STEP_BATCH
-    engine._init_scheduler(replace(od, diffusion_kv_mode="dense_legacy"), None)
-    assert type(engine.scheduler) is StepScheduler
+    engine._init_scheduler(od, None, **kw)
+    assert isinstance(engine.scheduler, PagedKVStepScheduler)
+    assert isinstance(engine.scheduler._diffusion_kv_manager, PagedKVDiffusionManager)
     with pytest.raises(Unsupported, match="KV prefetch"):
         PagedKVRequestScheduler().initialize(replace(od, omni_kv_config={"enable_kv_async_prefetch": True}), **kw)

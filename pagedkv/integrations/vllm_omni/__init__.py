@@ -3,6 +3,17 @@ diffusion KV manager's interface over pagedkv's core, the request scheduler that
 deploy config selects with ``engine_backend: pagedkv.integrations.vllm_omni.PagedKVDiffusionEngine``."""
 
 from pagedkv.integrations.vllm_omni.manager import PagedKVDiffusionManager
-from pagedkv.integrations.vllm_omni.scheduler import PagedKVDiffusionEngine, PagedKVRequestScheduler, Unsupported
+from pagedkv.integrations.vllm_omni.scheduler import (
+    PagedKVDiffusionEngine,
+    PagedKVRequestScheduler,
+    PagedKVStepScheduler,
+    Unsupported,
+)
 
-__all__ = ["PagedKVDiffusionEngine", "PagedKVDiffusionManager", "PagedKVRequestScheduler", "Unsupported"]
+__all__ = [
+    "PagedKVDiffusionEngine",
+    "PagedKVDiffusionManager",
+    "PagedKVRequestScheduler",
+    "PagedKVStepScheduler",
+    "Unsupported",
+]

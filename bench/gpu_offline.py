@@ -80,19 +80,26 @@ def prompts(tok: Tokenizer, n: int, new: int) -> list[tuple[str, list[int], Samp
     return out
 
 
-def profile(model: Llama, tok: Tokenizer, reqs: list, args: argparse.Namespace) -> None:
-    """The device's kernels and the host's time over ten decode-only steps at ``--max-num-seqs`` rows."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as prof
-
-    eng = Engine(
+def engine(model: Llama, tok: Tokenizer, args: argparse.Namespace, **kw: object) -> Engine:
+    """The engine every run of this bench serves with: prefix caching off (every run computes every prompt token:
+    the floor counts them all)."""
+    return Engine(
         model,
         tok,
         kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.budget,
         enable_prefix_caching=False,
+        **kw,
     )
+
+
+def profile(model: Llama, tok: Tokenizer, reqs: list, args: argparse.Namespace) -> None:
+    """The device's kernels and the host's time over ten decode-only steps at ``--max-num-seqs`` rows."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    eng = engine(model, tok, args)
     for i, (text, ids, p) in enumerate(reqs[: args.max_num_seqs]):
         eng.add_request(f"r{i}", text, ids, p)
     while eng.state.waiting or eng.state.prefilling:  # (until every row decodes)
@@ -148,15 +155,7 @@ def main() -> None:
     )
     timed = None
     for overlap in (False, True):
-        eng = Engine(
-            model,
-            tok,
-            kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.budget,
-            async_scheduling=overlap,
-            enable_prefix_caching=False,  # (every run computes every prompt token: the floor counts them all)
-        )
+        eng = engine(model, tok, args, async_scheduling=overlap)
         eng.generate(reqs[:4])  # warm (first calls' set-up)
         steps0 = eng.stats.steps
         sync()

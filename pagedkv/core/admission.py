@@ -17,6 +17,7 @@ import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.hashing import BlockKeys
+from pagedkv.core.kinds import GroupKind
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
@@ -130,9 +131,9 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
     """
     cfg = state.config
     err = _shape(state, spec)
-    if err is None and (cfg.free_queue != "vllm-omni" or any(g.kind.value != "full" for g in cfg.groups)):
+    if err is None and (cfg.free_queue != "vllm-omni" or any(g.kind is not GroupKind.FULL for g in cfg.groups)):
         err = invalid(
-            f"turn_away is vLLM-Omni's refusal: it needs free_queue='vllm-omni' and full-attention groups",
+            "turn_away is vLLM-Omni's refusal: it needs free_queue='vllm-omni' and full-attention groups",
             request=spec.request_id,
         )
     if err is not None:
@@ -154,12 +155,7 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
         if fresh * len(cfg.groups) > txn.free_blocks:
             break
         taken.append([pool.pop_blocks(txn, fresh) for _ in cfg.groups])
-    for groups in reversed(taken):  # the rollback: the last row first
-        if cfg.enable_prefix_caching:  # as vLLM frees a request: group by group, positions descending
-            for blocks in groups:
-                pool.unref_many(txn, blocks[::-1])
-        else:  # in ascending ids, to the head
-            pool.unref_many(txn, sorted(b for blocks in groups for b in blocks))
+    pool.free_rows_as_vllm_omni(txn, taken)  # the rollback: the rows' fresh blocks back, the last row first
     pool.unref_many(txn, pinned[::-1])
     return Success(Step(txn.done(), TurnedAway(spec.request_id, len(taken), tuple(txn.events))))
 

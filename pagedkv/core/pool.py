@@ -139,13 +139,8 @@ def free_tail_first(txn: Txn, req: Request) -> None:
     records = txn.rows
     rows = [records[s].blocks for s in req.slots]
     policy = txn.config.free_queue
-    if policy == "vllm-omni":  # row by row, the last row first, each as vLLM-Omni's manager lets a row go:
-        for r in reversed(rows):
-            if txn.config.enable_prefix_caching:  # as vLLM frees a request: group by group, positions descending
-                for blocks in r:
-                    unref_many(txn, blocks[::-1])
-            else:  # free_kv_blocks_in_physical_order: all of the row's blocks, ascending ids, to the head
-                unref_many(txn, sorted(b for blocks in r for b in blocks))
+    if policy == "vllm-omni":
+        free_rows_as_vllm_omni(txn, rows)
     elif policy == "vllm":  # group by group: each group's blocks without a hash to the head
         for g in range(len(rows[0])):
             unref_many(txn, [b for r in rows for b in r[g][::-1]])
@@ -158,3 +153,16 @@ def free_tail_first(txn: Txn, req: Request) -> None:
         unref_many(txn, order)
     for s in req.slots:
         txn.free_slot(s)
+
+
+def free_rows_as_vllm_omni(txn: Txn, rows: Sequence[Sequence[Sequence[int]]]) -> None:
+    """Drop one reference to each block of ``rows`` (per row, per group) as vLLM-Omni's diffusion KV manager lets a
+    request's rows go: the last row first; each, with prefix caching on, as vLLM frees a request (group by group,
+    positions descending), else all of its blocks in ascending ids to the head (its
+    ``free_kv_blocks_in_physical_order``)."""
+    for r in reversed(rows):
+        if txn.config.enable_prefix_caching:
+            for blocks in r:
+                unref_many(txn, blocks[::-1])
+        else:
+            unref_many(txn, sorted(b for blocks in r for b in blocks))

@@ -5,35 +5,12 @@ that breaks vLLM parity cannot land unseen."""
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
-from typing import Any
 
-import pytest
+from tests.required import required_hooks
 
 collect_ignore = ["data/make_vllm_events_golden.py"]  # a script that writes the golden file where vLLM is
 
-REQUIRED = os.environ.get("PAGEDKV_REQUIRE_VLLM") == "1"
 # the manager takes vLLM's request.block_hashes as the core's; here the core checks each against its own
 os.environ.setdefault("PAGEDKV_CHECK_HASHES", "1")
 
-
-def _failed(report: Any) -> None:
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    report.outcome = "failed"
-    report.longrepr = f"skipped where the vLLM tests must run (PAGEDKV_REQUIRE_VLLM=1): {reason}"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[None, Any, None]:
-    outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped and "xfail" not in report.keywords:
-        _failed(report)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
-    outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped:
-        _failed(report)
+pytest_runtest_makereport, pytest_make_collect_report = required_hooks("PAGEDKV_REQUIRE_VLLM", "vLLM")

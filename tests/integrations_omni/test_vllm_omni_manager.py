@@ -39,6 +39,16 @@ def kv_config(num_blocks: int, block_size: int, groups: int = 1) -> KVCacheConfi
     )
 
 
+def kv_requests(pid: str, rows: list[Row], **kw: Any) -> list[DiffusionKVRequest]:
+    """A public request's CFG sequences, one a row (``kw``: more of ``DiffusionKVRequest``'s fields, each row's)."""
+    return [
+        DiffusionKVRequest(
+            f"{pid}-{i}", sequence_id=i, prefix_len=p, target_len=t, seq_len=p + t, cache_token_ids=toks, **kw
+        )
+        for i, (p, t, toks) in enumerate(rows)
+    ]
+
+
 @dataclass
 class Lockstep:
     """Both managers over one configuration, every call made on both and compared."""
@@ -66,18 +76,7 @@ class Lockstep:
         """Both reservations; their outcome ("never", None, or each row's (block ids, cached prefix length))."""
         outs = []
         for name, m in (("theirs", self.theirs), ("ours", self.ours)):
-            reqs = [
-                DiffusionKVRequest(
-                    f"{pid}-{i}",
-                    sequence_id=i,
-                    prefix_len=p,
-                    target_len=t,
-                    seq_len=p + t,
-                    cache_token_ids=toks,
-                    kv_contexts=(DiffusionKVContext("ctx", "cross", 4),) if contexts else (),
-                )
-                for i, (p, t, toks) in enumerate(rows)
-            ]
+            reqs = kv_requests(pid, rows, kv_contexts=(DiffusionKVContext("ctx", "cross", 4),) if contexts else ())
             try:
                 md = m.reserve_request(pid, reqs)
             except DiffusionKVAdmissionError:

@@ -16,9 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm_omni.diffusion.sched.request_scheduler", reason="vLLM-Omni 0.30 is not installed here")
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig  # noqa: E402
-from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVRequest  # noqa: E402
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.sched.interface import DiffusionRequestStatus  # noqa: E402
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler  # noqa: E402
@@ -27,6 +25,7 @@ from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput  # 
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 
 from pagedkv.core import free_queue  # noqa: E402
+from tests.integrations_omni.test_vllm_omni_manager import kv_config, kv_requests  # noqa: E402
 from pagedkv.integrations.vllm_omni import (  # noqa: E402
     PagedKVDiffusionManager,
     PagedKVRequestScheduler,
@@ -57,9 +56,7 @@ def schedulers(
     )
     out = []
     for cls in (StepScheduler, PagedKVStepScheduler) if step else (RequestScheduler, PagedKVRequestScheduler):
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
-        layers = [KVCacheGroupSpec([f"l{g}"], spec) for g in range(groups)]
-        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=layers)
+        kv = kv_config(num_blocks, block_size, groups)
         s = cls()
         s.initialize(
             od,
@@ -76,10 +73,7 @@ def schedulers(
 def request(pid: str, rows: list[tuple[int, int, tuple[int, ...]]], steps: int = 1) -> OmniDiffusionRequest:
     params = OmniDiffusionSamplingParams(seed=0, num_inference_steps=steps)
     r = OmniDiffusionRequest(prompt="p", sampling_params=params, request_id=pid)
-    r.diffusion_kv_requests = tuple(
-        DiffusionKVRequest(f"{pid}-{i}", sequence_id=i, prefix_len=p, target_len=t, seq_len=p + t, cache_token_ids=tk)
-        for i, (p, t, tk) in enumerate(rows)
-    )
+    r.diffusion_kv_requests = tuple(kv_requests(pid, rows))
     return r
 
 
@@ -198,8 +192,7 @@ def test_one_configuration_line_selects_pagedkvs_engine_and_its_scheduler() -> N
     )
     engine_class = DiffusionEngine.resolve_engine_class(od)
     assert engine_class is PagedKVDiffusionEngine
-    spec = FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    kv = kv_config(32, 8)
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(max_model_len=128),
         max_in_flight_tokens=None,

@@ -17,7 +17,6 @@ import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.hashing import BlockKeys
-from pagedkv.core.kinds import GroupKind
 from pagedkv.core.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
@@ -121,7 +120,8 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
     evicted); those rows freed again, the last first, as ``free_queue="vllm-omni"`` frees rows (fresh blocks to
     the head); then the pins, the last hit first (cached: to the tail). For a caller that must leave the pool as
     vLLM-Omni's does, block for block (``integrations.vllm_omni``: docs/vllm-omni.md); refused (``INVALID``,
-    nothing changed) but under ``free_queue="vllm-omni"`` with full-attention groups, and for a request that fits.
+    nothing changed) but under ``free_queue="vllm-omni"`` with groups that hold a block for every position (full
+    attention, MLA: no window or state group), and for a request that fits.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, free_queue, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9, free_queue="vllm-omni"))
@@ -131,9 +131,10 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
     """
     cfg = state.config
     err = _shape(state, spec)
-    if err is None and (cfg.free_queue != "vllm-omni" or any(g.kind is not GroupKind.FULL for g in cfg.groups)):
+    if err is None and (cfg.free_queue != "vllm-omni" or any(r.nulls_positions for r in cfg.rules)):
         err = invalid(
-            "turn_away is vLLM-Omni's refusal: it needs free_queue='vllm-omni' and full-attention groups",
+            "turn_away is vLLM-Omni's refusal: it needs free_queue='vllm-omni' and groups that hold a block "
+            "for every position (full attention, MLA)",
             request=spec.request_id,
         )
     if err is not None:

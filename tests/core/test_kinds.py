@@ -113,6 +113,10 @@ def test_no_transition_asks_a_groups_kind(path: Path) -> None:
         if (
             isinstance(node, ast.Compare)
             and any(isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) for op in node.ops)
-            and any(isinstance(x, ast.Attribute) and x.attr == "kind" for x in (node.left, *node.comparators))
+            and any(  # (``g.kind``, ``g.kind.value`` alike)
+                isinstance(a, ast.Attribute) and a.attr == "kind"
+                for x in (node.left, *node.comparators)
+                for a in ast.walk(x)
+            )
         ):
             raise AssertionError(f"{path.name}:{node.lineno} compares a group's kind")

@@ -204,6 +204,9 @@ def test_turn_away_leaves_the_pool_as_a_refused_vllm_omni_reservation() -> None:
         t = release(commit(t, "a", [9]).unwrap().state, "a", "finished").unwrap().state
         t = admit(t, RequestSpec("x", (RowSpec(8),))).unwrap().state
         assert turn_away(t, bad).failure().code is ErrorCode.INVALID  # (another policy; a request that fits)
+    windowed = replace(cfg, groups=(GroupSpec("full"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8)))
+    err = turn_away(initial_state(windowed), RequestSpec("w", (RowSpec(80),))).failure()
+    assert err.code is ErrorCode.INVALID and "every position" in err.message  # (a window nulls positions)
 
 
 def test_rows_keyed_by_their_callers_hashes() -> None:

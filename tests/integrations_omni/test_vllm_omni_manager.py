@@ -16,16 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm_omni.diffusion.diffusion_kv.manager", reason="vLLM-Omni 0.30 is not installed here")
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm_omni.diffusion.diffusion_kv.manager import (  # noqa: E402
-    DiffusionKVAdmissionError,
-    DiffusionKVCacheManager,
-)
-from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVContext, DiffusionKVRequest  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVAdmissionError, DiffusionKVCacheManager
+from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVContext, DiffusionKVRequest
 
-from pagedkv.core import free_queue  # noqa: E402
-from pagedkv.core.verify.invariants import check_invariants  # noqa: E402
-from pagedkv.integrations.vllm_omni.manager import PagedKVDiffusionManager  # noqa: E402
+from pagedkv.core import free_queue
+from pagedkv.core.verify.invariants import check_invariants
+from pagedkv.integrations.vllm_omni.manager import PagedKVDiffusionManager
 
 Row = tuple[int, int, tuple[int, ...]]  # (prefix_len, target_len, cache token ids)
 
@@ -182,7 +179,20 @@ def test_malformed_calls_are_value_errors_on_both_and_change_nothing() -> None:
     lk.check()
 
 
-def fuzz(seed: int, ticks: int = 150) -> None:
+class Hooks:
+    """What a fuzzed stream does beside the managers (test_vllm_omni_worker.py: a worker for each)."""
+
+    again = 0.0  # how often a reservation takes the id of a request freed before (its old snapshot: stale)
+
+    def start(self, lk: Lockstep) -> None: ...
+
+    def reserved(self, lk: Lockstep, pid: str) -> None: ...
+
+    def freeing(self, lk: Lockstep, pid: str) -> None: ...
+
+
+def fuzz(seed: int, ticks: int = 150, hooks: Hooks | None = None) -> Lockstep:
+    hooks = hooks or Hooks()
     rng = random.Random(seed)
     bs = rng.choice([4, 8, 16])
     lk = Lockstep(
@@ -192,12 +202,15 @@ def fuzz(seed: int, ticks: int = 150) -> None:
         max_model_len=rng.choice([64, 128, 256]),
         groups=rng.choice([1, 1, 2]),  # (two full-attention groups: a block id a group, freed group by group)
     )
+    hooks.start(lk)
     prompts = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 60))) for _ in range(5)]
     live: list[str] = []
+    freed: list[str] = []
     for t in range(ticks):
         op = rng.random()
         if op < 0.55:
-            pid = f"p{t}"
+            again = [p for p in freed if p not in live] if hooks.again else []
+            pid = rng.choice(again) if again and rng.random() < hooks.again else f"p{t}"
             target = rng.randint(1, 40)
             rows = []
             for i in range(rng.choice([1, 2, 2, 3])):
@@ -207,10 +220,15 @@ def fuzz(seed: int, ticks: int = 150) -> None:
             got = lk.reserve(pid, rows)
             if isinstance(got, list):
                 live.append(pid)
+                hooks.reserved(lk, pid)
         elif op < 0.75 and live:
             lk.publish(rng.choice(live))
         elif live:
-            lk.free(live.pop(rng.randrange(len(live))))
+            pid = live.pop(rng.randrange(len(live)))
+            hooks.freeing(lk, pid)
+            lk.free(pid)
+            freed.append(pid)
+    return lk
 
 
 @pytest.mark.parametrize("seed", range(120))

@@ -16,21 +16,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm_omni.diffusion.sched.request_scheduler", reason="vLLM-Omni 0.30 is not installed here")
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig  # noqa: E402
-from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
-from vllm_omni.diffusion.sched.interface import DiffusionRequestStatus  # noqa: E402
-from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler  # noqa: E402
-from vllm_omni.diffusion.sched.step_scheduler import StepScheduler  # noqa: E402
-from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput  # noqa: E402
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.interface import DiffusionRequestStatus
+from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
+from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
+from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-from pagedkv.core import free_queue  # noqa: E402
-from tests.integrations_omni.test_vllm_omni_manager import kv_config, kv_requests  # noqa: E402
-from pagedkv.integrations.vllm_omni import (  # noqa: E402
-    PagedKVDiffusionManager,
-    PagedKVRequestScheduler,
-    PagedKVStepScheduler,
-)
+from pagedkv.core import free_queue
+from pagedkv.integrations.vllm_omni import PagedKVDiffusionManager, PagedKVRequestScheduler, PagedKVStepScheduler
+from tests.integrations_omni.test_vllm_omni_manager import kv_config, kv_requests
 
 
 def schedulers(

@@ -64,13 +64,17 @@ def hash_full_blocks(
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them. ``given[j]`` is
     block j's chain hash as the caller computed it (vLLM's ``request.block_hashes``): taken as it is, or
-    checked against the core's (``check_given_hashes``: ``GivenHashError``)."""
-    if record.ids is None:
-        return record
+    checked against the core's (``check_given_hashes``: ``GivenHashError``). A row of a count is cached only
+    where its own caller's hashes reach (``RowSpec.block_hashes``)."""
     cfg = txn.config
     bs = cfg.block_size
+    if record.ids is not None:
+        known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
+    elif given and req.given and req.given[i]:
+        known = len(given) * bs
+    else:
+        return record
     ahead = cfg.hash_lookahead
-    known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
     full = min(computed, cacheable, known - ahead) // bs
@@ -87,7 +91,8 @@ def hash_full_blocks(
     events = txn.events if cfg.kv_events else None
     keys = req.keys
     plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
-    span = token_span(record, tail, done * bs, full * bs + ahead)  # the packed ids of every block to hash
+    # the packed ids of every block to hash (a row of a count hashes none: its caller's hashes are taken)
+    span = token_span(record, tail, done * bs, full * bs + ahead) if record.ids is not None else b""
     unpacked = unpack_ids(span) if events is not None or ahead else ()  # (the events carry them as ints)
     width = bs << 3
     following = None

@@ -46,7 +46,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
     cfg = state.config
     rows = spec.rows
     ngroups = len(cfg.groups)
-    if not cfg.enable_prefix_caching or any(r.tokens is None for r in rows) or spec.max_hit == 0:
+    if not cfg.enable_prefix_caching or any(r.tokens is None and not r.block_hashes for r in rows) or spec.max_hit == 0:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     try:
         chains = _full_chains(state, spec, drop_last_block)
@@ -148,9 +148,10 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
     width = bs << 3  # bytes of one block's packed ids
     ahead = cfg.hash_lookahead  # a block's hash covers the ids after it: a block before them only
     for row in spec.rows:
-        if row.tokens is None:
-            raise InvariantError("a row hashed for a hit has token ids")
-        known = row.known  # (placeholders have no ids to hash)
+        if row.tokens is None and not row.block_hashes:
+            raise InvariantError("a row hashed for a hit has token ids or its caller's hashes")
+        # (placeholders have no ids to hash; a row of a count is keyed only where its caller's hashes reach)
+        known = row.known if row.tokens is not None else len(row.block_hashes) * bs
         cap = min((row.prefix_len if row.prefix_len is not None else row.num_tokens - 1), known) // bs
         if drop:  # the block the hit gives back, where the row's ids fill it
             cap = min(cap + 1, known // bs)

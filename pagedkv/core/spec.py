@@ -48,7 +48,8 @@ class RowSpec:
     placeholders: int = 0  # the last positions' ids are not known yet (``tokens`` are the ones before them)
     # the chain hashes of the row's leading full blocks as its caller computed them, where its identity is more than
     # its ids (vLLM-Omni's DiffusionKVRequest.block_hashes: multimodal features, a namespace): its hit is looked up,
-    # and those blocks are cached, under them (never checked against the core's own: they are another scheme)
+    # and those blocks are cached, under them (never checked against the core's own: they are another scheme); a
+    # row of a count (no ids: an embedding's prefix) is keyed by them as far as they reach, and no further
     block_hashes: tuple[bytes, ...] = ()
 
     @staticmethod
@@ -239,6 +240,4 @@ def _check_row(row: object, where: str) -> KVError | None:
     given = row.block_hashes
     if not isinstance(given, tuple) or any(type(h) is not bytes for h in given):
         return invalid(f"{where}: block_hashes must be a tuple of bytes", field="block_hashes")
-    if given and row.tokens is None:
-        return invalid(f"{where}: block_hashes key a row of token ids", field="block_hashes")
     return None

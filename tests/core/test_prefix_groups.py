@@ -213,7 +213,8 @@ def test_rows_keyed_by_their_callers_hashes() -> None:
     """``RowSpec.block_hashes``: a row's leading full blocks keyed by hashes its caller computed (an identity that is
     more than the ids: vLLM-Omni's multimodal rows). Two CFG rows of the same ids under other hashes miss; under the
     same hashes they hit, and their blocks were cached under them at commit; the trace carries them and replays; a
-    malformed or misplaced one is INVALID."""
+    row of a count (no ids: an embedding's prefix) is keyed by them as far as they reach; a malformed one is
+    INVALID."""
     from pagedkv.core.verify.record import row_json
     from pagedkv.core.verify.trace_ops import admit_spec
 
@@ -238,9 +239,15 @@ def test_rows_keyed_by_their_callers_hashes() -> None:
     )
     line = {"op": "admit", "request": "c", "rows": [row_json(r) for r in rows(cat)]}
     assert admit_spec(line) == RequestSpec("c", rows(cat))  # (the trace's row carries them, hex)
+    count = RowSpec(9, prefix_len=8, target_len=1, block_hashes=cat[:1])  # no ids: one block keyed
+    assert admit(s, RequestSpec("e", (count,))).unwrap().effect.cached_tokens == (4,)
+    line = {"op": "admit", "request": "e", "rows": [row_json(count)]}
+    assert admit_spec(line) == RequestSpec("e", (count,))
+    t = admit(initial_state(cfg), RequestSpec("e", (replace(count, block_hashes=dog),))).unwrap().state
+    t = release(commit(t, "e", [9]).unwrap().state, "e", "finished").unwrap().state
+    assert sorted(h for (_, h) in t.cache.keys()) == sorted(dog) and check_invariants(t) == []  # (its two blocks)
     for bad in (
         (RowSpec.of_tokens(ids + [0], prefix_len=8, target_len=1, block_hashes=("x",)),),  # type: ignore[arg-type]
-        (RowSpec(9, prefix_len=8, target_len=1, block_hashes=cat),),  # no ids to key
         (RowSpec.of_tokens(ids + [0], prefix_len=8, target_len=1, block_hashes=(b"short",)),),  # not sha256's width
     ):
         assert admit(s, RequestSpec("d", bad)).failure().code is ErrorCode.INVALID

@@ -24,7 +24,8 @@ from pagedkv.core import free_queue
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.integrations.vllm_omni.manager import PagedKVDiffusionManager
 
-Row = tuple[int, int, tuple[int, ...]]  # (prefix_len, target_len, cache token ids)
+# (prefix_len, target_len, cache token ids; or, for a row its caller keys by hashes and gives no ids, its hashes)
+Row = tuple[int, int, tuple[int, ...] | tuple[bytes, ...]]
 
 
 def kv_config(num_blocks: int, block_size: int, groups: int = 1) -> KVCacheConfig:
@@ -40,7 +41,13 @@ def kv_requests(pid: str, rows: list[Row], **kw: Any) -> list[DiffusionKVRequest
     """A public request's CFG sequences, one a row (``kw``: more of ``DiffusionKVRequest``'s fields, each row's)."""
     return [
         DiffusionKVRequest(
-            f"{pid}-{i}", sequence_id=i, prefix_len=p, target_len=t, seq_len=p + t, cache_token_ids=toks, **kw
+            f"{pid}-{i}",
+            sequence_id=i,
+            prefix_len=p,
+            target_len=t,
+            seq_len=p + t,
+            **({"block_hashes": list(toks)} if toks and type(toks[0]) is bytes else {"cache_token_ids": toks}),
+            **kw,
         )
         for i, (p, t, toks) in enumerate(rows)
     ]
@@ -214,6 +221,10 @@ def fuzz(seed: int, ticks: int = 150, hooks: Hooks | None = None) -> Lockstep:
             target = rng.randint(1, 40)
             rows = []
             for i in range(rng.choice([1, 2, 2, 3])):
+                if rng.random() < 0.15:  # keyed by its caller's hashes, no ids (an embedding's prefix): a chain
+                    p, k = rng.randint(0, 48), rng.randrange(3)  # (as far as the prefix: test_vllm_omni_worker.py)
+                    rows.append((p, target, tuple(bytes([k, j]) * 16 for j in range(rng.randint(0, p // bs)))))
+                    continue
                 fresh = tuple(rng.randrange(1000) for _ in range(rng.randint(0, 20)))
                 toks = rng.choice(prompts) if i == 0 or rng.random() < 0.5 else fresh
                 rows.append((len(toks), target, toks))
@@ -258,15 +269,16 @@ def test_pagedkv_refuses_at_admission_the_rows_the_worker_cannot_hold() -> None:
     assert ours.reserve_request("a", rows[:2]) is not None
 
 
-def test_rows_keyed_by_their_callers_hashes_hit_as_vllm_omnis() -> None:
+@pytest.mark.parametrize("ids", [list(range(16)), []], ids=["with ids", "without ids"])
+def test_rows_keyed_by_their_callers_hashes_hit_as_vllm_omnis(ids: list[int]) -> None:
     """A row whose identity is more than its ids (here its caller gives its block hashes, as a multimodal row's
-    are built) is keyed by those hashes on both managers: the same ids under other hashes miss, under the same
-    hashes hit."""
+    are built, or an embedding's prefix that has no ids) is keyed by those hashes on both managers: under other
+    hashes it misses, under the same hashes it hits; one hash keys one block."""
     kw = dict(max_model_len=256, scheduler_block_size=8, hash_block_size=8, enable_prefix_caching=True)
     managers = (DiffusionKVCacheManager(kv_config(40, 8), **kw), PagedKVDiffusionManager(kv_config(40, 8), **kw))
     image = [bytes([1]) * 32, bytes([2]) * 32]
     other = [bytes([3]) * 32, bytes([4]) * 32]
-    for pid, given, cached in (("a", image, 0), ("b", other, 0), ("c", image, 16)):
+    for pid, given, cached in (("a", image, 0), ("b", other, 0), ("c", image, 16), ("d", other[:1], 8)):
         for m in managers:
             row = DiffusionKVRequest(
                 f"{pid}-0",
@@ -274,7 +286,7 @@ def test_rows_keyed_by_their_callers_hashes_hit_as_vllm_omnis() -> None:
                 prefix_len=16,
                 target_len=8,
                 seq_len=24,
-                cache_token_ids=list(range(16)),
+                cache_token_ids=ids,
                 block_hashes=given,
             )
             md = m.reserve_request(pid, [row])

@@ -214,3 +214,24 @@ def test_rows_the_worker_cannot_hold_are_refused_at_admission_not_at_install(
         ours.reserve_request("a", kv_requests("a", rows))
     assert not ours.has_request("a")
     install(w, ours.reserve_request("a", kv_requests("a", rows[:MAX_ROWS])))
+
+
+def test_a_callers_hashes_past_the_stable_prefix_key_nothing_there(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where a caller's hashes reach past a row's stable prefix, vLLM-Omni 0.30's manager looks them up too and can
+    hand out a cached prefix longer than the prefix, which its own worker refuses; pagedkv's keys the prefix's
+    blocks alone (the only ones either manager publishes) and its snapshot installs."""
+    kw = {"max_model_len": 256, "scheduler_block_size": 8, "hash_block_size": 8, "enable_prefix_caching": True}
+    given = (bytes([1]) * 32, bytes([2]) * 32)
+    snapshots = []
+    for m in (DiffusionKVCacheManager(kv_config(40, 8), **kw), PagedKVDiffusionManager(kv_config(40, 8), **kw)):
+        m.reserve_request("a", kv_requests("a", [(16, 8, given)]))
+        m.publish_request("a")  # (both blocks of a's prefix cached under the caller's hashes)
+        m.free_request("a")
+        snapshots.append(m.reserve_request("b", kv_requests("b", [(12, 8, given)])))  # a prefix of 1.5 blocks
+    theirs, ours = snapshots
+    assert [s.cached_prefix_len for s in theirs.sequences] == [16]  # past b's prefix of 12
+    assert [s.cached_prefix_len for s in ours.sequences] == [8]
+    w = worker(tmp_path_factory.getbasetemp(), kv_config(40, 8), 256)
+    with pytest.raises(ValueError, match="within the stable prefix"):
+        w.install_diffusion_kv_metadata(theirs)
+    install(w, ours)

@@ -84,11 +84,17 @@ def _hashed(s: KVState, req: Request, i: int, slot: int, where: str, bad: list[s
     """Every full block a caching row has computed, with its ids known (and the lookahead's), is hashed (a row
     whose KV arrives from elsewhere, ``pending_tokens``, caches on its own terms: not judged here)."""
     cfg, record = s.config, s.rows[slot]
-    if not cfg.enable_prefix_caching or req.cache_epoch != s.cache_epoch or record.ids is None or record.pending[0]:
+    given = req.given[i] if req.given else ()
+    if not cfg.enable_prefix_caching or req.cache_epoch != s.cache_epoch or record.pending[0]:
         return
+    if record.ids is None and not given:
+        return
+    if record.ids is None and record.num_hashed > len(given):
+        bad.append(f"{where}: {record.num_hashed} blocks hashed, past the {len(given)} its caller's hashes key")
     layout = req.layouts[i]
     cacheable = layout.prefix_len if layout.prefix_len is not None else s.row_len[slot]
-    known = known_ids(record, s.row_tail[slot])
+    # (a row of a count: where its caller's hashes reach)
+    known = known_ids(record, s.row_tail[slot]) if record.ids is not None else len(given) * cfg.block_size
     ahead = cfg.hash_lookahead  # (a block hashes once its lookahead ids are known, at the next commit or fill)
     full = min(s.row_computed[slot] - ahead, cacheable, known - ahead) // cfg.block_size
     if record.num_hashed < full:

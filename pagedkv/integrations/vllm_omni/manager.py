@@ -37,9 +37,8 @@ def omni() -> Any:
     """vLLM-Omni's diffusion KV module (its error and metadata classes), imported when a manager is made: this
     module imports without it."""
     try:
-        import vllm_omni.diffusion.diffusion_kv.manager as manager
-        import vllm_omni.diffusion.diffusion_kv.metadata as metadata
         from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm_omni.diffusion.diffusion_kv import manager, metadata
     except ImportError as e:
         raise ImportError(
             f"pagedkv.integrations.vllm_omni needs vLLM-Omni 0.30 (pip install 'pagedkv[vllm-omni]'): {e}"
@@ -235,16 +234,11 @@ class PagedKVDiffusionManager:
 
     def _row(self, r: Any) -> RowSpec:
         """A CFG sequence as a row: its stable prefix (causal) and its target span, rewritten each step. With prefix
-        caching on, a prefix of known ids is keyed by vLLM-Omni's own chain hashes of its full blocks (its
-        ``build_block_hashes``: the namespace, the ids, multimodal features at their positions; or the hashes the
-        caller gave), given to the core as the row's; a row without ids is never cached nor hit."""
-        if not (self.enable_prefix_caching and r.cache_token_ids):
-            return RowSpec(r.seq_len, prefix_len=r.prefix_len, target_len=r.target_len)
-        r.build_block_hashes(self.hash_block_size, self._hash_function)  # (theirs: it checks the ids and features)
-        ids = list(r.cache_token_ids[: r.prefix_len])
-        return RowSpec.of_tokens(
-            ids + [0] * (r.seq_len - len(ids)),
-            prefix_len=r.prefix_len,
-            target_len=r.target_len,
-            block_hashes=tuple(bytes(h) for h in r.block_hashes),
-        )
+        caching on, its prefix is keyed by vLLM-Omni's own chain hashes (its ``build_block_hashes``: the hashes the
+        caller gave, else those of the full blocks of known ids: the namespace, the ids, multimodal features at
+        their positions), given to the core as the row's: it hits, and is cached, as far as they reach, and no
+        further (a row of a count: the ids are in the hashes). A row of neither is never cached nor hit."""
+        if self.enable_prefix_caching:
+            r.build_block_hashes(self.hash_block_size, self._hash_function)  # (theirs: it checks ids and features)
+        given = tuple(bytes(h) for h in r.block_hashes) if self.enable_prefix_caching else ()
+        return RowSpec(r.seq_len, prefix_len=r.prefix_len, target_len=r.target_len, block_hashes=given)

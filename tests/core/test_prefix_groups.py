@@ -251,3 +251,24 @@ def test_rows_keyed_by_their_callers_hashes() -> None:
         (RowSpec.of_tokens(ids + [0], prefix_len=8, target_len=1, block_hashes=(b"short",)),),  # not sha256's width
     ):
         assert admit(s, RequestSpec("d", bad)).failure().code is ErrorCode.INVALID
+
+
+def test_the_trace_contract_carries_turn_away(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``turn_away`` is a trace op (an admit line's fields; result ``rows_tried``): it replays, checked, and leaves
+    the queue as the core's call does; refused (``INVALID``, nothing changed) for a request that fits."""
+    import json
+
+    config = {"block_size": 4, "num_blocks": 9, "enable_prefix_caching": True, "free_queue": "vllm-omni"}
+    header = {"pagedkv_trace": 1, "config": config}
+    rows = [{"tokens": [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0], "prefix_len": 8, "target_len": 4}] * 3
+    events = [
+        {"op": "admit", "request": "x", "rows": [{"num_tokens": 12}]},
+        {"op": "turn_away", "request": "b", "rows": rows, "expect": {"ok": True, "rows_tried": 1}},
+        {"op": "turn_away", "request": "c", "rows": rows[:1]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in [header, *events]) + "\n")
+    assert main(["replay", "--check", "--json", str(path)]) == 0
+    rs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["ok"] for r in rs] == [True, True, False] and rs[2]["error"]["code"] == "INVALID"
+    assert rs[1]["generation"] == rs[0]["generation"] and rs[1]["free_blocks"] == rs[0]["free_blocks"] == 5

@@ -13,7 +13,7 @@ from typing import Any
 
 from returns.result import Result
 
-from pagedkv.core.admission import admit
+from pagedkv.core.admission import admit, turn_away
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.config import CacheConfig, GroupSpec
 from pagedkv.core.decode import decode_step
@@ -112,6 +112,10 @@ def default_alphabet(cfg: CheckConfig) -> list[Event]:
         for k, (spec_rows, extra) in enumerate(rows):
             spec = RequestSpec(rid, spec_rows, extra)
             events.append(Event(f"admit {rid} #{k}", _admit(spec), _const(_admit_json(spec)), spec))
+            if cfg.free_queue == "vllm-omni" and cfg.window is None and not (cfg.mamba or cfg.mamba_align):
+                # vLLM-Omni's refusal of a request that does not fit now (its rows tried and given back)
+                turned = _const({**_admit_json(spec), "op": "turn_away"})
+                events.append(Event(f"turn_away {rid} #{k}", _turn_away(spec), turned))
         for tok in (1, 2, None):  # None: a count, the token id unknown
             events.append(Event(f"append {rid} {tok}", _append(rid, tok), _append_json(rid, tok)))
         events.append(Event(f"commit {rid} all", _commit(rid, None), _commit_json(rid, None)))
@@ -196,6 +200,10 @@ def _cut(rid: str) -> Callable[[KVState], Any]:
 def _admit(spec: RequestSpec) -> Callable[[KVState], Any]:
     # admitting an id that is present is refused (DUPLICATE_REQUEST): skip it without the work
     return lambda s: None if spec.request_id in s.requests else admit(s, spec)
+
+
+def _turn_away(spec: RequestSpec) -> Callable[[KVState], Any]:
+    return lambda s: None if spec.request_id in s.requests else turn_away(s, spec)
 
 
 def _const(obj: dict[str, Any]) -> Callable[[KVState], dict[str, Any]]:

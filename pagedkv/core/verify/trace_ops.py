@@ -8,7 +8,7 @@ from typing import Any
 
 from returns.result import Failure, Result
 
-from pagedkv.core.admission import admit
+from pagedkv.core.admission import admit, turn_away
 from pagedkv.core.commit import cache_ahead, commit
 from pagedkv.core.destination import mark_ready
 from pagedkv.core.effects import Admitted
@@ -34,12 +34,14 @@ OPS = (
     "cache_ahead",
     "fill",
     "truncate",
+    "turn_away",
 )
 SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error")
 STEP_OPS = ("submit", "tick", "done", "fail", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {
     "admit": ("cached_tokens", "blocks"),
+    "turn_away": ("rows_tried",),
     "append": ("blocks",),
     "commit": ("blocks",),
     "truncate": ("blocks",),
@@ -57,10 +59,12 @@ EXTRA_FIELDS = {
 def apply_core(
     state: KVState, op: str, ev: Mapping[str, Any]
 ) -> Result[tuple[KVState, dict[str, Any], object], KVError]:
-    if op == "admit":
+    if op in ("admit", "turn_away"):
         spec = admit_spec(ev)
         if isinstance(spec, KVError):
             return Failure(spec)
+        if op == "turn_away":  # vLLM-Omni's refusal of a request that does not fit now
+            return turn_away(state, spec).map(lambda s: (s.state, {"rows_tried": s.effect.rows_tried}, s.effect))
         return admit(state, spec).map(lambda s: (s.state, _admitted(s.effect), s.effect))
     if op in ("append", "commit", "release", "mark_ready", "cache_ahead", "fill", "truncate") and "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))

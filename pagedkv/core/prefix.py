@@ -151,6 +151,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         if row.tokens is None and not row.block_hashes:
             raise InvariantError("a row hashed for a hit has token ids or its caller's hashes")
         # (placeholders have no ids to hash; a row of a count is keyed only where its caller's hashes reach)
+        tokens = row.tokens if row.tokens is not None else ()
         known = row.known if row.tokens is not None else len(row.block_hashes) * bs
         cap = min((row.prefix_len if row.prefix_len is not None else row.num_tokens - 1), known) // bs
         if drop:  # the block the hit gives back, where the row's ids fill it
@@ -165,7 +166,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         taken = 0 if cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
         if row.block_hashes:  # (another scheme than the core's: taken, never checked)
             given, taken = row.block_hashes, len(row.block_hashes)
-        packed = pack_ids(row.tokens[: cap * bs + ahead]) if taken < cap else b""
+        packed = pack_ids(tokens[: cap * bs + ahead]) if taken < cap else b""
         for j in range(cap):
             if j < taken:
                 h = given[j]
@@ -173,7 +174,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
                 h = hash_packed(
                     parent,
                     packed[j * width : (j + 1) * width],
-                    keys.ahead(j, bs, row.tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
+                    keys.ahead(j, bs, tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
                 )
             else:
                 h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)

@@ -248,6 +248,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "tokens are read (overlapped scheduling; the same completions)",
     )
     g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each request's tokens the same whatever else is in the batch (vLLM's VLLM_BATCH_INVARIANT): every "
+        "query token read with fixed key splits, products and norms over fixed row counts; the triton backend "
+        "on CUDA, torch on the CPU (docs/determinism.md)",
+    )
+    g.add_argument(
         "--speculative-config",
         metavar="JSON",
         type=speculative_config,
@@ -417,6 +424,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
             speculative_config=args.speculative_config,
             kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
+            batch_invariant=args.batch_invariant,
         )
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:

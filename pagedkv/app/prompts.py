@@ -90,6 +90,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise UsageError("--async-scheduling with --speculative-config is not served yet: use one of them")
     if args.ranks > 1 and getattr(args, "async_scheduling", False):
         raise UsageError("--async-scheduling is served by one engine: use it with --ranks 1")
+    if args.ranks > 1 and getattr(args, "batch_invariant", False):
+        raise UsageError("--batch-invariant is served by one engine: use it with --ranks 1")
     if args.ranks > 1 and getattr(args, "model", None):
         raise UsageError("--ranks splits SmolLM2 only: use --model with --ranks 1")
     for flag in ("model", "tokenizer"):

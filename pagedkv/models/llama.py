@@ -16,6 +16,7 @@ from pagedkv.core.config import GroupSpec, InvalidConfig
 from pagedkv.core.grouping import LayerKind, LayerSpec
 from pagedkv.models.gguf import LlamaConfig, load_gguf, smollm2_path
 from pagedkv.shell.attention import AttentionBackend, LayerAttention
+from pagedkv.shell.invariant import Product, plain_product
 from pagedkv.shell.pool import PagePool
 from pagedkv.shell.rank import LayerPlace, Layout, attention_layers
 from pagedkv.shell.worker import ForwardBatch
@@ -23,6 +24,8 @@ from pagedkv.shell.worker import ForwardBatch
 
 class Llama:
     """Weights as plain tensors; ``forward`` runs one installed batch."""
+
+    batch_invariant = True  # its forward takes its products and norms from the backend (shell.invariant)
 
     def __init__(
         self,
@@ -184,9 +187,13 @@ class Llama:
         """``tokens``: (query tokens,) in the batch's order -> logits of each row's last token (rows, vocab),
         or of the query tokens ``logits_at`` names (indices into ``tokens``: a row verifying drafts needs
         every position's). ``layout``: the rank's (``Rank.layout``: each layer's group and page tensor), or
-        one ``GroupSpec`` for a model whose layers are all in one full-attention group."""
+        one ``GroupSpec`` for a model whose layers are all in one full-attention group. The backend may give the
+        forward's products and norms too (``shell.invariant``: a batch-invariant engine's)."""
         c = self.config
         hd = c.head_dim
+        mm: Product = getattr(backend, "product", plain_product)
+        norm = getattr(backend, "norm", None)
+        rms = self._rms if norm is None else (lambda t, w: norm(lambda part: self._rms(part, w), t))
         pos = batch.positions.to(self.device)
         x = self.embed[tokens.to(self.device)]  # (tokens, hidden)
         if c.embed_scale:  # (Gemma: by sqrt(hidden), in the weights' dtype)
@@ -197,26 +204,26 @@ class Llama:
         split = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
         for i, (L, (slot, group, attn)) in enumerate(zip(self.layers, places)):
             cos, sin = local if c.window_of(i) else tables
-            h = self._rms(x, L["ln1"])
-            qkv = h @ L["qkv"].T if "qkv_bias" not in L else torch.addmm(L["qkv_bias"], h, L["qkv"].T)
+            h = rms(x, L["ln1"])
+            qkv = mm(h, L["qkv"], L.get("qkv_bias"))
             q, k, v = torch.split(qkv, split, dim=-1)  # one product for the three projections
             q, k = q.reshape(-1, self.n_heads, hd), k.reshape(-1, self.n_kv_heads, hd)
             if "q_norm" in L:  # Qwen3: each head normalised before the rotation
-                q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
+                q, k = rms(q, L["q_norm"]), rms(k, L["k_norm"])
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = v.reshape(-1, self.n_kv_heads, hd)
             pool.write(slot, k, v, batch.slot_mappings[group], attn.kv_scales)  # this step's K/V, once, before reads
             a = backend.forward(q, pool.k[slot], pool.v[slot], batch, attn)
-            a = self.reduce(a.reshape(x.shape[0], -1) @ L["o"].T)  # row-parallel when sharded
+            a = self.reduce(mm(a.reshape(x.shape[0], -1), L["o"]))  # row-parallel when sharded
             if "o_bias" in L:
                 a = a + L["o_bias"]  # once, after the partial sums
-            x = x + (self._rms(a, L["post_attn"]) if "post_attn" in L else a)
-            h = self._rms(x, L["ln2"])
-            gate, up = (h @ L["gate_up"].T).chunk(2, dim=-1)
-            m = self.reduce((self.act(gate) * up) @ L["down"].T)
-            x = x + (self._rms(m, L["post_ffn"]) if "post_ffn" in L else m)
+            x = x + (rms(a, L["post_attn"]) if "post_attn" in L else a)
+            h = rms(x, L["ln2"])
+            gate, up = mm(h, L["gate_up"]).chunk(2, dim=-1)
+            m = self.reduce(mm(self.act(gate) * up, L["down"]))
+            x = x + (rms(m, L["post_ffn"]) if "post_ffn" in L else m)
         last = (batch.query_start_loc[1:] - 1).long().to(self.device) if logits_at is None else logits_at
-        logits = (self._rms(x[last], self.norm) @ self.lm_head.T).float()
+        logits = mm(rms(x[last], self.norm), self.lm_head).float()
         return logits if c.final_softcap is None else torch.tanh(logits / c.final_softcap) * c.final_softcap
 
 

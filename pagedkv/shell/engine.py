@@ -125,6 +125,11 @@ class Engine:
                 f"tokens; the scheduler may batch {args.max_num_seqs} and "
                 f"{args.step_tokens(model)}"
             )
+        elif args.batch_invariant and rank.worker.token_rows < args.step_tokens(model):
+            raise InvalidConfig(
+                f"batch_invariant lays every query token out as a row: the rank's buffers hold "
+                f"{rank.worker.token_rows} such rows, a step may carry {args.step_tokens(model)} tokens"
+            )
         self.rank, self.cache, self.pool, self.worker, self.layout = (
             rank,
             rank.cache,
@@ -503,7 +508,7 @@ class Engine:
         from the host (bench/gpu_mixed.py: 33-41 ms a mixed step on an H200, the device busy 6-8 of them)."""
         if meta.phase is not Phase.PREFILL or meta.num_query_tokens > self.worker.token_rows:
             return False
-        if verifying:
+        if verifying or self.args.batch_invariant:  # (batch-invariant: every forward; shell.invariant)
             return True
         if self.graphs is None or not self.graphs.fits(meta.num_query_tokens):
             return False

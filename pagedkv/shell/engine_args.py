@@ -12,7 +12,9 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
+from pagedkv.shell.attention.torch_ref import TorchBackend
 from pagedkv.shell.graphs import GRAPH_ROWS
+from pagedkv.shell.invariant import InvariantBackend
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
 from pagedkv.shell.rank import Rank, measured_budget, plan_for, rank_for
 from pagedkv.shell.speculative import SpeculativeConfig
@@ -51,6 +53,10 @@ class EngineArgs:
     # vLLM's: on CUDA, the fraction of the device the weights, a forward of the largest step and the KV pages may
     # take; the pages get what is left (measured at start-up: shell.rank.measured_budget). None: the byte budget
     gpu_memory_utilization: float | None = None
+    # vLLM's VLLM_BATCH_INVARIANT: a request's tokens the same whatever else is in the batch (shell.invariant):
+    # every query token read as a decode row with fixed key splits, products and norms over row counts the device
+    # keeps a row's bits for; the triton backend on CUDA, the torch backend elsewhere
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
@@ -94,6 +100,8 @@ class EngineArgs:
         else."""
         spec = SpeculativeConfig.of(self.speculative_config)
         rows = 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
+        if self.batch_invariant and model is not None:  # (every query token a row: shell.invariant)
+            return max(rows, self.step_tokens(model))
         return rows if model is None else max(rows, self.graph_prefill_rows(model, backend))
 
     def prefill_chunk_cap(self, model: Any, backend: AttentionBackend | None) -> int:
@@ -125,8 +133,23 @@ class EngineArgs:
         )
 
     def attention(self, model: Any) -> AttentionBackend:
-        """The attention backend these arguments name, for ``model``'s device (``auto`` resolved)."""
-        return get_backend(backend_for(self.backend, model.device))
+        """The attention backend these arguments name, for ``model``'s device (``auto`` resolved); with
+        ``batch_invariant`` the invariant one over it (``shell.invariant.InvariantBackend``)."""
+        name = backend_for(self.backend, model.device)
+        if not self.batch_invariant:
+            return get_backend(name)
+        want = "triton" if model.device.type == "cuda" else "torch"
+        if name != want:
+            raise InvalidConfig(
+                f"batch_invariant reads attention through the {want} backend on a {model.device.type} device (its "
+                f"fixed key splits), not {name}"
+            )
+        if not getattr(model, "batch_invariant", False):
+            raise InvalidConfig(
+                f"batch_invariant is served for the Llama-family decoder (models.llama), not {type(model).__name__}"
+            )
+        inner = get_backend("triton") if want == "triton" else TorchBackend(invariant=True)
+        return InvariantBackend(inner, model.device)
 
     def rank_for(
         self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None, kv_scales: Any = None

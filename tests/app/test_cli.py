@@ -117,6 +117,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--ranks", "2", "--speculative-config", "{{}}"], "use it with --ranks 1"),
     (["generate", "hi", "--async-scheduling", "--speculative-config", "{{}}"], "not served yet: use one of them"),
     (["generate", "hi", "--ranks", "2", "--async-scheduling"], "--async-scheduling is served by one engine"),
+    (["generate", "hi", "--ranks", "2", "--batch-invariant"], "--batch-invariant is served by one engine"),
     (["denoise", "--steps", "0"], "--steps"),
     (["denoise", "--image-tokens", "-5"], "--image-tokens"),
     (["denoise", "--blocks", "0"], "--blocks"),
@@ -350,6 +351,8 @@ def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: p
     assert "speculation " in spec and "drafts accepted" in spec and "speculation " not in plain
     assert main([*argv, "--async-scheduling"]) == 0
     assert capsys.readouterr().out.split("--- summary")[0] == plain.split("--- summary")[0]  # overlapped: the same
+    assert main([*argv, "--batch-invariant"]) == 0  # (its own numerics: its tokens may differ from the default's)
+    assert "--- summary" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -22,8 +22,11 @@ class TorchBackend:
     kv_write = None  # two index_copy_ (the page pool's own write)
     fp8_pages = True  # reads fp8 pages (their scales applied)
 
-    def __init__(self) -> None:
+    def __init__(self, *, invariant: bool = False) -> None:
         self._made: tuple[ForwardBatch, tuple[object, ...], Any, Any] | None = None  # a plan of this forward's
+        # batch-invariant decode reads (shell.invariant): fixed key splits merged in order (``split_attention``),
+        # rows gathered SPLIT_ROWS at a time (a prompt laid out a token a row reads its whole prefix per token)
+        self.invariant = invariant
 
     def forward(
         self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: ForwardBatch, layer: LayerAttention
@@ -119,6 +122,10 @@ class TorchBackend:
         slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).reshape(n, nb * bs)
         last = slots.gather(1, (seq_lens - 1)[:, None])  # (the query's own key: always seen, always written)
         slots = torch.where(visible, slots, last)
+        pad = (-slots.shape[1]) % SPLIT_KEYS if self.invariant else 0  # (whole splits: split_attention's)
+        if pad:
+            slots = torch.cat([slots, last.expand(n, pad)], 1)
+            visible = torch.cat([visible, visible.new_zeros((n, pad))], 1)
         heads = (
             torch.tensor(layer.kv_index, device=tables.device)
             if layer.kv_index is not None
@@ -136,6 +143,25 @@ class TorchBackend:
         d = k_pages.shape[3]
         n, heads = q.shape[0], q.shape[1]
         index, visible = self._decode_plan(batch, layer, tuple(k_pages.shape), n)
+        if self.invariant:
+            keys = visible.shape[-1]
+            read = index.numel() // (n * keys)
+            out = torch.empty((n, heads, d), dtype=torch.float32, device=q.device)
+            for a in range(0, n, SPLIT_ROWS):
+                b = min(n, a + SPLIT_ROWS)
+                part = index[a * read * keys : b * read * keys]
+                k, v = _dequantized(_rows(k_pages, d, part), _rows(v_pages, d, part), layer)
+                qg = q[a:b].float().view(b - a, read, heads // read, d)
+                got = split_attention(
+                    qg,
+                    k.view(b - a, read, keys, d),
+                    v.view(b - a, read, keys, d),
+                    visible[a:b],
+                    layer.scale,
+                    layer.softcap,
+                )
+                out[a:b] = got.reshape(b - a, heads, d)
+            return out.to(q.dtype)
         k, v = _dequantized(_rows(k_pages, d, index), _rows(v_pages, d, index), layer)
         read = index.numel() // (n * visible.shape[-1])  # KV heads read: the pages' own, or one a query head
         k, v = k.view(n, read, -1, d), v.view(n, read, -1, d)
@@ -149,6 +175,47 @@ class TorchBackend:
         else:
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible, scale=layer.scale)
         return out.reshape(n, heads, d).to(q.dtype)
+
+
+SPLIT_KEYS = 256  # keys a split of ``split_attention`` covers (fixed: a row's sums never follow the batch)
+SPLIT_ROWS = 64  # decode rows ``split_attention`` reads at a time
+
+
+def split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
+    """One query a row over its keys, the keys cut into splits of ``SPLIT_KEYS`` merged in order by their running
+    maximum and sum (the Triton decode kernel's scheme): every product a batched one of one fixed shape a row and
+    KV head (group x head_dim x ``SPLIT_KEYS``), every sum over a split's fixed length, so what a row gets never
+    follows the batch (tests/shell/test_invariant.py). A split past a row's keys (the batch's longest row has
+    more) changes nothing, bit for bit: its weights are exactly 0, its scale exactly 1.
+
+    ``q`` (rows, KV heads, group, head_dim), ``k``/``v`` (rows, KV heads, keys, head_dim), ``visible``
+    (rows, 1, 1, keys) -> (rows, KV heads, group, head_dim), float32."""
+    n, kvh, keys, d = k.shape
+    g = q.shape[2]
+    m = torch.full((n, kvh, g, 1), float("-inf"), device=q.device)
+    total = torch.zeros((n, kvh, g, 1), device=q.device)
+    acc = torch.zeros((n, kvh, g, d), device=q.device)
+    for s in range(0, keys, SPLIT_KEYS):
+        ks, vs, seen = k[:, :, s : s + SPLIT_KEYS], v[:, :, s : s + SPLIT_KEYS], visible[..., s : s + SPLIT_KEYS]
+        width = ks.shape[2]
+        if width < SPLIT_KEYS:  # (the last split at its fixed length: the missing keys unseen)
+            pad = (0, 0, 0, SPLIT_KEYS - width)
+            ks, vs = torch.nn.functional.pad(ks, pad), torch.nn.functional.pad(vs, pad)
+            seen = torch.nn.functional.pad(seen, (0, SPLIT_KEYS - width), value=False)
+        scores = torch.matmul(q, ks.transpose(-1, -2)) * scale  # (rows, KV heads, group, split)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~seen, float("-inf"))
+        top = torch.maximum(m, scores.amax(-1, keepdim=True))
+        base = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # (a row that has seen nothing yet)
+        p = torch.exp(scores - base)
+        keep = torch.exp(m - base)
+        total = total * keep + p.sum(-1, keepdim=True)
+        acc = acc * keep + torch.matmul(p, vs)
+        m = top
+    return acc / total
 
 
 def _rows(pages: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:

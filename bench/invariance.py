@@ -48,19 +48,19 @@ def main() -> None:
         f"{args.tokens} greedy tokens (each with its logprob), the preempting pool {pool >> 10} KiB"
     )
     runs = {mode: table(model, tok, prompts, params, pool, batch_invariant=mode) for mode in (False, True)}
-    print("\n| served as | identical to alone, default | first divergence | identical, batch-invariant | first "
-          "divergence | seconds default | seconds invariant | invariant / default | steps | preempted |")  # fmt: skip
-    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    n = len(prompts)
+    print("\n| served as | default: same tokens | same bits | first divergence | batch-invariant: same tokens | same "
+          "bits | first divergence | seconds default | seconds invariant | invariant / default | steps | preempted |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for d, i in zip(runs[False], runs[True]):
         first = {k: "-" if r["first"] is None else f"token {r['first']} (median {r['median first']})" for k, r in
                  (("d", d), ("i", i))}  # fmt: skip
         print(
-            f"| {d['served as']} | {d['identical']} / {len(prompts)} | {first['d']} | {i['identical']} / "
-            f"{len(prompts)} | {first['i']} | {d['seconds']:.1f} | {i['seconds']:.1f} | "
+            f"| {d['served as']} | {d['tokens']} / {n} | {d['identical']} / {n} | {first['d']} | {i['tokens']} / {n} | "
+            f"{i['identical']} / {n} | {first['i']} | {d['seconds']:.1f} | {i['seconds']:.1f} | "
             f"{i['seconds'] / d['seconds']:.2f}x | {i['steps']} | {i['preempted']} |",
             flush=True,
         )
-
     chosen = args.step_batches or ("64,256" if args.device.startswith("cuda") else "8")
     batches = [int(b) for b in chosen.split(",") if int(b)]
     if batches:

@@ -69,17 +69,18 @@ def serve(
 
 
 def first_divergence(alone: tuple[Any, ...], together: tuple[Any, ...]) -> int | None:
-    """The first token index where the two differ (ids, or the logprobs of the same ids), or None."""
-    if alone == together:
-        return None
+    """The first token index where the two runs' token ids differ, or None."""
     a, b = alone[0], together[0]
+    if a == b:
+        return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def table(
     model: Any, tok: Any, prompts: list[list[int]], params: SamplingParams, preempting_pool: int, **engine: Any
 ) -> list[dict[str, Any]]:
-    """One line a company: requests identical to alone, the first divergences, the run's figures."""
+    """One line a company: requests whose token ids are the ones they got alone (``tokens``), those whose logprobs'
+    bits are too (``identical``), the first divergences of token ids, the run's figures."""
     alone, _ = serve(model, tok, prompts, 1, params, max_num_seqs=1, **engine)
     lines = []
     for company in companies(len(prompts), preempting_pool):
@@ -89,7 +90,8 @@ def table(
         lines.append(
             {
                 "served as": company.name,
-                "identical": len(prompts) - len(diverged),
+                "tokens": len(prompts) - len(diverged),
+                "identical": sum(a == g for a, g in zip(alone, got)),
                 "first": min(diverged) if diverged else None,
                 "median first": statistics.median(diverged) if diverged else None,
                 **figures,

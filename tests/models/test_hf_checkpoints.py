@@ -155,19 +155,23 @@ def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[An
 
 def test_batch_invariant_tokens_and_logprobs_are_a_requests_own(checkpoint: tuple[Any, Path]) -> None:
     """Issue 50 for every family (windows, biases, per-head norms, soft caps): with ``batch_invariant`` a request
-    served alone and beside others, its prompt chunked, gets the same token ids and the same logprob bits."""
+    served alone and beside others, its prompt chunked, gets the same token ids and the same logprob bits, greedy
+    and seeded."""
     _, path = checkpoint
     model, tok, _ = load_model(str(path))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 60, 9, 23)]
-    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
     kw = {"block_size": 4, "kv_cache_memory_bytes": 8 << 20, "batch_invariant": True}
-    together = Engine(model, tok, max_num_seqs=4, max_num_batched_tokens=32, **kw).generate(
-        [("", p, params) for p in prompts]
-    )
-    for p, c in zip(prompts, together):
-        (alone,) = Engine(model, tok, **kw).generate([("", p, params)])
-        assert (alone.token_ids, alone.logprobs) == (c.token_ids, c.logprobs)
+    for params in (  # greedy; seeded sampling (its noise is the request's seed and counter's alone)
+        SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0, temperature=0.9, top_p=0.9, seed=7),
+    ):
+        together = Engine(model, tok, max_num_seqs=4, max_num_batched_tokens=32, **kw).generate(
+            [("", p, params) for p in prompts]
+        )
+        for p, c in zip(prompts, together):
+            (alone,) = Engine(model, tok, **kw).generate([("", p, params)])
+            assert (alone.token_ids, alone.logprobs) == (c.token_ids, c.logprobs)
 
 
 def test_the_tokenizer_and_its_template_come_from_the_directory(checkpoint: tuple[Any, Path]) -> None:

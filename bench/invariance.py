@@ -50,15 +50,16 @@ def main() -> None:
     runs = {mode: table(model, tok, prompts, params, pool, batch_invariant=mode) for mode in (False, True)}
     n = len(prompts)
     print("\n| served as | default: same tokens | same bits | first divergence | batch-invariant: same tokens | same "
-          "bits | first divergence | seconds default | seconds invariant | invariant / default | steps | preempted |")  # fmt: skip
-    print("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|")
+          "bits | first divergence | seconds default | seconds invariant | invariant / default | steps | preempted | GC a "
+          "step default / invariant |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for d, i in zip(runs[False], runs[True]):
         first = {k: "-" if r["first"] is None else f"token {r['first']} (median {r['median first']})" for k, r in
                  (("d", d), ("i", i))}  # fmt: skip
         print(
             f"| {d['served as']} | {d['tokens']} / {n} | {d['identical']} / {n} | {first['d']} | {i['tokens']} / {n} | "
             f"{i['identical']} / {n} | {first['i']} | {d['seconds']:.1f} | {i['seconds']:.1f} | "
-            f"{i['seconds'] / d['seconds']:.2f}x | {i['steps']} | {i['preempted']} |",
+            f"{i['seconds'] / d['seconds']:.2f}x | {i['steps']} | {i['preempted']} | {d['gc']:.2f} / {i['gc']:.2f} |",
             flush=True,
         )
     chosen = args.step_batches or ("64,256" if args.device.startswith("cuda") else "8")

@@ -6,6 +6,7 @@ tests/shell/test_invariant.py asserts it on the CPU."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ def serve(
     model: Any, tok: Any, prompts: list[list[int]], batch: int, params: SamplingParams, **engine: Any
 ) -> tuple[list[tuple[Any, ...]], dict[str, float]]:
     """Each prompt's (token ids, logprobs), served ``batch`` at a time on one engine, and the run's figures
-    (seconds, steps, preemptions)."""
+    (seconds, steps, preemptions, CPython's collections a step: GC on, as engines run)."""
     eng = Engine(model, tok, **{"kv_cache_memory_bytes": 64 << 20, **engine})
+    gc0 = sum(g["collections"] for g in gc.get_stats())
     t0 = time.perf_counter()
     out = []
     for k in range(0, len(prompts), batch):
@@ -65,7 +67,10 @@ def serve(
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     got = [(tuple(c.token_ids), repr(c.logprobs)) for c in out]
-    return got, {"seconds": time.perf_counter() - t0, "steps": eng.stats.steps, "preempted": eng.stats.preemptions}
+    seconds = time.perf_counter() - t0
+    collections = sum(g["collections"] for g in gc.get_stats()) - gc0
+    steps = eng.stats.steps
+    return got, {"seconds": seconds, "steps": steps, "preempted": eng.stats.preemptions, "gc": collections / steps}
 
 
 def first_divergence(alone: tuple[Any, ...], together: tuple[Any, ...]) -> int | None:

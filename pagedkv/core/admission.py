@@ -13,6 +13,7 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
+import pagedkv.core.host as host
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
@@ -309,10 +310,19 @@ def _reserve(
                 take_state(txn, saved)
             for b in r.hit_taken(group_ids, first):
                 pool.take_hit(txn, b)
+    loads = [range(d, hit.num_blocks) for d in hit.on_device] if hit.on_device else [range(0)] * len(spec.rows)
+    # the host tier's hits pinned (no pop below drops them), with their slots
+    slots_of = [[[txn.host.touch((g, hashes[j])) for g in range(len(rules))] for j in places]
+                for hashes, places in zip(hit.hashes, loads)]  # fmt: skip
     pop = partial(pool.pop_blocks, txn)
     slots, blocks = [], []
-    for row, nb, row_ids, hashes, c, row_firsts in zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts):
+    for row, nb, row_ids, hashes, c, row_firsts, places, row_slots in zip(
+        spec.rows, per_row, hit.ids, hit.hashes, computed, firsts, loads, slots_of
+    ):
         rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
+        for j, at in zip(places, row_slots):  # the host tier's blocks into the fresh ones at their positions
+            for g, ids in enumerate(rb):
+                host.onload(txn, g, hashes[j], at[g], ids[j])
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING

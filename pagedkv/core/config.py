@@ -85,6 +85,9 @@ class CacheConfig:
     hash_lookahead: int = 0  # ids after each block that its hash also covers (vLLM's EAGLE lookahead hashes)
     kv_events: bool = True  # False: transitions report no KV cache events (vLLM's enable_kv_cache_events off)
     check_given_hashes: bool = False  # True: block hashes a caller gives (RequestSpec.block_hashes) are checked
+    # a second tier of the prefix cache (vLLM's --kv-offloading-size): a cached block the pool evicts is kept in one
+    # of this many host blocks (its own LRU), and a hit there loads it back (core/host.py); 0: off
+    host_blocks: int = 0
     rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/kinds.py)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # groups whose block is a live state
     opening_blocks: int = field(init=False, repr=False, compare=False)  # blocks a row's growth takes a block it opens
@@ -165,6 +168,13 @@ class CacheConfig:
             value = getattr(self, key)
             if value is not None and (not is_int(value) or value < 1):
                 raise InvalidConfig(f"{key} must be a positive integer or null, got {shown(value)}")
+        if not is_int(self.host_blocks) or not 0 <= self.host_blocks < 1 << 31:
+            raise InvalidConfig(f"host_blocks must be an integer in [0, 2**31), got {shown(self.host_blocks)}")
+        if self.host_blocks and not (self.enable_prefix_caching and all(r.full_hit for r in rules)):
+            raise InvalidConfig(
+                "host_blocks (a host tier for the prefix cache) needs prefix caching and groups that hold a block "
+                "for every position (full attention, MLA): window and state groups are not served with it yet"
+            )
 
     @property
     def has_windows(self) -> bool:

@@ -34,7 +34,35 @@ class BlockRemoved(NamedTuple):
 
 
 class AllBlocksCleared(NamedTuple):
-    """``reset_prefix_cache`` (or ``reset``) dropped every hash."""
+    """``reset_prefix_cache`` (or ``reset``) dropped every hash (the host tier's too)."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class BlockOffloaded(NamedTuple):
+    """The host tier keeps an evicted block (core/host.py): copy device ``block_id`` to host ``host_slot`` before
+    the step's forward. Recorded whenever the tier is on (an instruction to the shell, not only a report)."""
+
+    block_hash: BlockHash
+    group: int
+    block_id: int
+    host_slot: int
+
+
+class BlockOnloaded(NamedTuple):
+    """A hit on the host tier: copy host ``host_slot`` into the fresh device ``block_id`` before the step's
+    forward (after the copies recorded before it)."""
+
+    block_hash: BlockHash
+    group: int
+    host_slot: int
+    block_id: int
+
+
+class HostBlockRemoved(NamedTuple):
+    """The host tier dropped its least recently used entry to keep another in its slot."""
+
+    block_hash: BlockHash
+    group: int
+    host_slot: int
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockOffloaded | BlockOnloaded | HostBlockRemoved

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pagedkv.core.host as host
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.events import BlockRemoved
 from pagedkv.core.state import Request
@@ -39,9 +40,13 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     txn.free_blocks -= k
     own = txn.refcount.own
     cached = txn.cache_view().is_cached
+    tier = txn.config.host_blocks
     for x in out:
         own(x >> sh)[x & m] = 1
         if cached(x):
+            if tier:  # (its bytes kept in the host tier before anything overwrites them: core/host.py)
+                g, h = txn.index.key_of(x)  # type: ignore[misc]
+                host.offload(txn, g, h, x)
             evict(txn, x)
     return tuple(out)
 

@@ -33,6 +33,9 @@ class Hit:
     hashes: tuple[tuple[BlockHash, ...], ...]  # per row: chain hashes of the hit blocks
     ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
     full_blocks: int = 0  # the full-attention groups' hit alone, before window and state groups cut it back
+    # per row, how many of its hit blocks are on the device (the rest are in the host tier, loaded into fresh
+    # blocks at admission: core/host.py); empty: all of them
+    on_device: tuple[int, ...] = ()
 
 
 def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False) -> Hit:
@@ -49,7 +52,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
     if not cfg.enable_prefix_caching or any(r.tokens is None and not r.block_hashes for r in rows) or spec.max_hit == 0:
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     try:
-        chains = _full_chains(state, spec, drop_last_block)
+        chains, on_device = _full_chains(state, spec, drop_last_block)
     except (OverflowError, TypeError, ValueError):  # ids, keys or lengths no admission takes: no hit
         return Hit(0, ((),) * len(rows), (((),) * ngroups,) * len(rows))
     hit = len(chains[-1])  # each row's chain stops at the shortest before it
@@ -71,12 +74,13 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
         while hit and len({structure(r, hit) for r in range(len(rows))}) > 1:
             hit -= 1
     ids = []
-    for chain in chains:
+    for chain, device in zip(chains, on_device):
         per_group = []
         for g, rules in enumerate(cfg.rules):
-            per_group.append(rules.hit_ids(_cached_in(cache, g), chain, hit, bs))
+            per_group.append(rules.hit_ids(_cached_in(cache, g), chain, min(hit, device), bs))
         ids.append(tuple(per_group))
-    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks)
+    hosted = tuple(min(hit, d) for d in on_device) if any(d < hit for d in on_device) else ()
+    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks, hosted)
 
 
 def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: RequestSpec, drop: bool) -> int:
@@ -133,11 +137,14 @@ def _cached_in(cache: PrefixIndex, g: int) -> Cached:
     return lambda h: cache.get((g, h))
 
 
-def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[list[BlockHash]]:
+def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple[list[list[BlockHash]], list[int]]:
     """Per row, the hashes of its leading blocks that every full-attention group has cached (under ``drop``,
     one block past the limit when the row's ids fill it); a row's chain is never longer than the one before
-    it (the hit is common to all rows)."""
+    it (the hit is common to all rows). With a host tier a chain runs on through blocks the tier holds for every
+    group, once the device's end; per row, how many of its chain's blocks are on the device."""
     cfg, cache = state.config, state.cache
+    tier = state.host.entries if cfg.host_blocks else None
+    on_device: list[int] = []
     bs = cfg.block_size
     full = [g for g, rules in enumerate(cfg.rules) if rules.full_hit]  # full attention, MLA
     chains: list[list[BlockHash]] = []
@@ -161,6 +168,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
         if limit is not None:
             cap = min(cap, limit)  # the common boundary is never past the shortest row's hit
         chain: list[BlockHash] = []
+        device: int | None = None  # the first position the host tier holds, once the device's end
         parent = cache.root
         given = spec.block_hashes if len(spec.rows) == 1 else ()  # (one row's, the caller's: taken or checked)
         taken = 0 if cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
@@ -180,10 +188,15 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> list[
                 h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
             if taken <= j < len(given) and given[j] != h:  # (a given hash checked: check_given_hashes)
                 raise GivenHashError(j, h)
-            if any((g, h) not in cache for g in full):
+            if device is None and all((g, h) in cache for g in full):
+                pass
+            elif tier is not None and all((g, h) in tier for g in full):  # (in the host tier: loaded at admission)
+                device = len(chain) if device is None else device
+            else:
                 break
             chain.append(h)
             parent = h
         chains.append(chain)
+        on_device.append(len(chain) if device is None else device)
         limit = len(chain)
-    return chains
+    return chains, on_device

@@ -18,6 +18,7 @@ from pagedkv.core.caching import save_states
 from pagedkv.core.commit import forget_ahead
 from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_request_id, shown
+from pagedkv.core.host import EMPTY_HOST
 from pagedkv.core.events import AllBlocksCleared, KVEvent
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.state import KVState, Request, Step, initial_state
@@ -152,7 +153,7 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
         )
     dropped = len(state.cache)
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
-    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1)
+    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1, host=EMPTY_HOST)  # (the host tier's too)
     # every successful reset says so, an empty cache's too: vLLM's block pool does, and a router counts on it
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if state.config.kv_events else ())))
 

@@ -32,6 +32,7 @@ from typing import Generic, TypeVar
 
 from immutables import Map
 
+from pagedkv.core.host import EMPTY_HOST, HostTier
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
@@ -147,6 +148,7 @@ class KVState:
     cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of which came from the cache
+    host: HostTier = EMPTY_HOST  # the prefix cache's host tier (empty unless config.host_blocks: core/host.py)
 
     @property
     def usage(self) -> float:

@@ -16,6 +16,7 @@ from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, pairs_of, shown
 from pagedkv.core.events import KVEvent
+from pagedkv.core.host import HostEdit
 from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
 from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row, Step
 from pagedkv.core.vec import VecEdit
@@ -53,6 +54,7 @@ class Txn:
         "_slot_stack",
         "_requests",
         "_index",
+        "_host",
     )
 
     def __init__(self, s: KVState) -> None:
@@ -75,8 +77,16 @@ class Txn:
         self._slot_stack: VecEdit[int] | None = None
         self._requests: MapMutation[RequestId, Request] | None = None
         self._index: PrefixIndexEdit | None = None
+        self._host: HostEdit | None = None
 
     # -- the working copies, each opened on its first use ------------------------
+    @property
+    def host(self) -> HostEdit:
+        """The host tier's working copy (core/host.py)."""
+        if self._host is None:
+            self._host = HostEdit(self.base.host)
+        return self._host
+
     @property
     def refcount(self) -> VecEdit[int]:
         e = self._refcount
@@ -178,6 +188,7 @@ class Txn:
             b.cache_epoch,
             self.prefix_queries,
             self.prefix_hits,
+            b.host if self._host is None else self._host.done(),
         )
 
     def admitted(self, rid: RequestId, rows: object, op: str, unit: str, field: str) -> Request | KVError:

@@ -53,6 +53,7 @@ class CheckConfig:
     long_prompts: bool = False  # also admit a prompt whose hit leaves window positions null (grown to from a chunk)
     ahead: bool = False  # rows that run ahead of their tokens: placeholders, their ids filling in, tail cuts
     hash_lookahead: int = 0  # CacheConfig.hash_lookahead: each block's hash covers the ids after it
+    host_blocks: int = 0  # CacheConfig.host_blocks: evicted blocks kept in a host tier, hits there loaded back
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -74,6 +75,7 @@ class CheckConfig:
             caching_point="schedule" if self.cache_at_schedule else "commit",
             cache_duplicates=self.duplicates,
             hash_lookahead=self.hash_lookahead,
+            host_blocks=self.host_blocks,
         )
 
 

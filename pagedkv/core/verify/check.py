@@ -21,7 +21,7 @@ from typing import Any
 
 from returns.result import Failure
 
-from pagedkv.core.verify.invariants import admission_violations, check_invariants
+from pagedkv.core.verify.invariants import admission_violations, check_invariants, copy_violations
 from pagedkv.core.state import KVState, free_queue, initial_state
 from pagedkv.core.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
@@ -63,7 +63,18 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
         tuple(requests),
         tuple(sorted((k, rename[b]) for k, b in cache.items())) if len(cache) else (),
         tuple(map(refcount.__getitem__, rename)),  # in renamed order: a dict keeps insertion order
+        _host_key(s),
     )
+
+
+def _host_key(s: KVState) -> tuple[Any, ...]:
+    """The host tier up to a renaming of slots and ticks: its entries in LRU order (the order decides which goes
+    next) and how many slots are still unused."""
+    tier = s.host
+    if not len(tier):
+        return ()
+    order = sorted(tier.entries.items(), key=lambda kv: kv[1][1])
+    return tuple(k for k, _ in order), s.config.host_blocks - tier.next_slot
 
 
 def _id_key(r: Any) -> tuple[str, Any]:
@@ -155,6 +166,7 @@ def _expand(
         parents[k2] = (key, ev.to_json(state))
         result.states += 1
         broken = invariants(new) + _judged(ev, state, outcome) + _generation_rule(ev, state, step)
+        broken += copy_violations(state, step.effect)
         if broken:
             result.depth += 1
             result.violation, result.trace = broken, _trace(cfg, parents, k2)

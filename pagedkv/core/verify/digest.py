@@ -48,6 +48,12 @@ def canonical(state: KVState) -> tuple[object, ...]:
             entry += (tuple(tuple(h.hex() for h in row) for row in req.given),)
         requests.append(entry)
     cache = tuple(sorted((g, h.hex(), b) for (g, h), b in state.cache.items()))
+    tier = state.host  # (absent without a host tier, so other states name as before)
+    host = (
+        (tuple(sorted((g, h.hex(), slot, tick) for (g, h), (slot, tick) in tier.entries.items())), tier.next_slot)
+        if state.config.host_blocks
+        else ()
+    )
     return (
         "pagedkv-state/1",
         config,
@@ -60,7 +66,7 @@ def canonical(state: KVState) -> tuple[object, ...]:
         state.cache_epoch,
         state.prefix_queries,
         state.prefix_hits,
-    )
+    ) + ((host,) if host else ())
 
 
 def digest(state: KVState) -> str:

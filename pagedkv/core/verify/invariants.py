@@ -7,7 +7,11 @@ raises on a broken state, so a checker can report it with its trace.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedkv.core.config import GroupSpec
+from pagedkv.core.effects import events_of
+from pagedkv.core.events import BlockOffloaded, BlockOnloaded
 from pagedkv.core.errors import shown
 from pagedkv.core.kinds import GroupKind
 from pagedkv.core.prefix import find_hit
@@ -50,7 +54,22 @@ def check_invariants(state: KVState) -> list[str]:
             _row_blocks(state, slot, where, future, held, bad)
     _free_queue(state, held, bad)
     _cache_index(state, bad)
+    _host_tier(state, bad)
     return bad
+
+
+def _host_tier(s: KVState, bad: list[str]) -> None:
+    """The host tier: within its capacity, each entry its own slot among those handed out, its LRU order the
+    entries' ticks one for one, no tick below ``oldest`` nor from the future; empty without a tier."""
+    tier, cap = s.host, s.config.host_blocks
+    slots = [slot for slot, _ in tier.entries.values()]
+    ticks = {tick: key for key, (_, tick) in tier.entries.items()}
+    if len(tier) > cap or not 0 <= tier.next_slot <= cap:
+        bad.append(f"host tier: {len(tier)} entries, {tier.next_slot} slots handed out, capacity {cap}")
+    if len(set(slots)) != len(slots) or any(not 0 <= x < tier.next_slot for x in slots):
+        bad.append("host tier: two entries share a slot, or one holds a slot never handed out")
+    if dict(tier.by_tick.items()) != ticks or any(not tier.oldest <= t < tier.next_tick for t in ticks):
+        bad.append("host tier: its LRU order is not its entries' ticks")
 
 
 def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
@@ -197,7 +216,8 @@ def _cache_index(s: KVState, bad: list[str]) -> None:
 def admission_violations(before: KVState, spec: RequestSpec, after: KVState | None, refused: str | None) -> list[str]:
     """An admission's outcome judged by a count written out here, apart from admission's own: the blocks
     the request holds alone (every group of every row, from the first position it computes on: its hit or
-    the KV that arrives from elsewhere; a hit block shared by rows once) and those it takes from the free
+    the KV that arrives from elsewhere; a hit block shared by rows once, one of the host tier's a fresh block)
+    and those it takes from the free
     queue. A refusal for good (``UNSCHEDULABLE``) must mean it cannot run alone in the pool; a refusal for
     capacity, that the free blocks are too few; a success, that it took exactly those blocks.
 
@@ -213,7 +233,8 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
     hit = find_hit(before, spec)  # (the lookup itself is judged by the cache invariants)
     cached = hit.num_blocks * bs
     own, shared = 0, set()
-    for row, ids in zip(spec.rows, hit.ids):
+    on_device = hit.on_device or (hit.num_blocks,) * len(spec.rows)  # (the rest of the hit: the host tier's)
+    for row, ids, device in zip(spec.rows, hit.ids, on_device):
         start = max(cached, row.pending_tokens)
         start = min(start, row.prefix_len) if row.prefix_len is not None else start
         for g, group in enumerate(cfg.groups):
@@ -226,7 +247,7 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
                 if group.kind is GroupKind.MAMBA_ALIGN and hit.num_blocks <= j < nb - 1:
                     continue  # (an align-mode state group takes a block at the last position only)
                 if (j + 1) * bs - 1 >= lowest:  # a query from ``start`` on sees a position of block j
-                    if j < hit.num_blocks:
+                    if j < device:  # (a block the host tier holds is loaded into a fresh one)
                         shared.add(ids[g][j])
                     else:
                         own += 1
@@ -251,3 +272,25 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
         if len(held) != alone or took != taken:
             return [f"{who} holds {len(held)} blocks, {took} from the free queue; the count says {alone} and {taken}"]
     return []
+
+
+def copy_violations(state: KVState, effect: Any) -> list[str]:
+    """A transition's host-tier copies (core/host.py) done in the order recorded, over what ``state`` held: each
+    store reads a device block that holds the content it names (cached under it, not loaded over earlier in the
+    list), each load a slot that holds the content it names (the tier's entry, not written over earlier)."""
+    device: dict[int, Any] = {}  # block -> content, as the copies so far left it
+    slots: dict[int, Any] = {}  # slot -> content
+    bad = []
+    for e in events_of(effect):
+        if isinstance(e, BlockOffloaded):
+            held = device.get(e.block_id, state.cache.key_of(e.block_id))
+            if held != (e.group, e.block_hash):
+                bad.append(f"a store of block {e.block_id} to slot {e.host_slot}: the block holds {held}")
+            slots[e.host_slot] = (e.group, e.block_hash)
+        elif isinstance(e, BlockOnloaded):
+            was = state.host.entries.get((e.group, e.block_hash))
+            held = slots.get(e.host_slot, (e.group, e.block_hash) if was and was[0] == e.host_slot else None)
+            if held != (e.group, e.block_hash):
+                bad.append(f"a load of slot {e.host_slot} into block {e.block_id}: the slot holds {held}")
+            device[e.block_id] = (e.group, e.block_hash)
+    return bad

@@ -66,6 +66,7 @@ def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:
         "cache_duplicates": (False, cache.cache_duplicates),
         "hash_lookahead": (0, cache.hash_lookahead),
         "kv_events": (True, cache.kv_events),
+        "host_blocks": (0, cache.host_blocks),
     }
     return {k: v for k, (default, v) in keys.items() if v != default}
 

@@ -21,7 +21,7 @@ from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, sched_digest
 from pagedkv.core.state import KVState, initial_state
 from pagedkv.core.verify.digest import digest
-from pagedkv.core.verify.invariants import admission_violations, check_invariants
+from pagedkv.core.verify.invariants import admission_violations, check_invariants, copy_violations
 from pagedkv.core.scheduler import steps as dit_steps
 from pagedkv.core.verify.trace_ops import EXTRA_FIELDS, OPS, SCHEDULER_OPS, STEP_OPS, apply_core, apply_scheduler
 from pagedkv.core.verify.trace_ops import admit_spec, apply_steps
@@ -95,6 +95,7 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             cache_duplicates=cfg.get("cache_duplicates", False),
             hash_lookahead=cfg.get("hash_lookahead", 0),
             kv_events=cfg.get("kv_events", True),
+            host_blocks=cfg.get("host_blocks", 0),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None
@@ -182,6 +183,8 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
                 violations += (f"a successful {ordered['op']} must take a new generation",)
             elif rule is False and ordered["generation"] != previous_generation:
                 violations += (f"a successful {ordered['op']} took a generation without changing a block layout",)
+            if effect is not None and isinstance(before, KVState):
+                violations += tuple(copy_violations(before, effect))  # (the host tier's copies, in order)
         if check and ordered["op"] == "admit" and isinstance(before, KVState):
             violations += tuple(_judge_admission(before, line, state if ordered["ok"] else None, ordered["error"]))
         previous_generation = kv_of(state).generation

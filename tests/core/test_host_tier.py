@@ -1,0 +1,133 @@
+"""The prefix cache's host tier (issue 51, core/host.py): what the core decides, pinned with exact numbers, and
+the model checker over it (a planted bug in a load's ordering caught)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.app.cli import main
+from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, commit, digest, initial_state
+from pagedkv.core import release, reset_prefix_cache
+from pagedkv.core.config import InvalidConfig
+from pagedkv.core.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.host import HostEdit
+from pagedkv.core.state import KVState
+from pagedkv.core.verify.alphabet import CheckConfig
+from pagedkv.core.verify.check import check
+from pagedkv.core.verify.invariants import check_invariants, copy_violations
+
+A, B, C = list(range(1, 14)), list(range(100, 113)), list(range(200, 213))  # 13 tokens: 3 full blocks of 4
+
+
+def served(s: KVState, rid: str, toks: list[int]) -> tuple[KVState, object]:
+    """``toks`` admitted, computed, finished; the admission's effect."""
+    step = admit(s, RequestSpec(rid, (RowSpec.of_tokens(toks),))).unwrap()
+    assert copy_violations(s, step.effect) == [] and check_invariants(step.state) == []
+    s = release(commit(step.state, rid, [len(toks)]).unwrap().state, rid, "finished").unwrap().state
+    assert check_invariants(s) == []
+    return s, step.effect
+
+
+def test_an_evicted_block_is_kept_in_the_tier_and_a_hit_there_loads_it_back() -> None:
+    """A pool of 6 blocks: b's admission evicts a's third cached block, which goes to host slot 0 (stored before it
+    is overwritten); c, a's prompt again, hits two blocks on the device and the third in the tier: a fresh block,
+    loaded from slot 0 (after the store its own pops needed), and 12 tokens count as computed."""
+    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=4))
+    s, _ = served(s, "a", A)
+    s, b = served(s, "b", B)
+    assert [type(e) for e in b.events] == [BlockOffloaded, BlockRemoved] and b.events[0][2:] == (3, 0)
+    assert len(s.host) == 1
+    s, c = served(s, "c", A)
+    assert c.cached_tokens == (12,) and c.blocks == (((1, 2, 3, 4),),)
+    assert [type(e) for e in c.events] == [BlockOffloaded, BlockRemoved, BlockOnloaded]
+    assert c.events[0][2:] == (4, 1) and c.events[2][2:] == (0, 3)  # block 4 saved to slot 1; slot 0 into block 3
+    assert len(s.host) == 2
+
+
+def test_a_full_tier_drops_its_least_recently_used_entry_but_never_one_it_loads() -> None:
+    """One host block: each eviction drops the entry before (``HostBlockRemoved``); a transition that loads the
+    entry and evicts another block keeps the entry (pinned) and does not keep the evicted one."""
+    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=1))
+    s, _ = served(s, "a", A)
+    s, _ = served(s, "b", B)  # a's third block in the tier
+    s, c = served(s, "c", C)  # its pops evict three cached blocks: each stored in the one slot, the one before dropped
+    assert [type(e) for e in c.events if type(e) is not BlockRemoved] == [HostBlockRemoved, BlockOffloaded] * 3
+    s, d = served(s, "d", B)  # loads b's block from the tier; the block its pops evict is not kept
+    assert [type(e) for e in d.events if type(e) is not BlockRemoved] == [BlockOnloaded]
+    assert d.cached_tokens == (12,)
+
+
+def test_reset_prefix_cache_empties_the_tier_and_the_digest_names_it() -> None:
+    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=4))
+    s, _ = served(s, "a", A)
+    before = digest(s)
+    s, _ = served(s, "b", B)
+    assert len(s.host) == 1 and digest(s) != before
+    assert len(reset_prefix_cache(s).unwrap().state.host) == 0
+    plain = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True))
+    assert digest(plain) != digest(initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True,
+                                                             host_blocks=4)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"host_blocks": 4}, "needs prefix caching"),
+        ({"host_blocks": -1, "enable_prefix_caching": True}, "host_blocks must be"),
+        (
+            {
+                "host_blocks": 4,
+                "enable_prefix_caching": True,
+                "groups": (GroupSpec("f"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8)),
+            },
+            "window and state groups",
+        ),
+    ],
+)
+def test_a_tier_the_core_cannot_keep_is_refused(kw: dict[str, object], says: str) -> None:
+    with pytest.raises(InvalidConfig, match=says):
+        CacheConfig(block_size=4, num_blocks=7, **kw)  # type: ignore[arg-type]
+
+
+def test_the_trace_header_carries_the_tier_and_replay_checks_its_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {"block_size": 4, "num_blocks": 7, "enable_prefix_caching": True, "host_blocks": 4}
+    events = []
+    for rid, toks in (("a", A), ("b", B), ("c", A)):
+        events += [
+            {"op": "admit", "request": rid, "rows": [{"tokens": toks}]},
+            {"op": "commit", "request": rid, "computed": [13]},
+            {"op": "release", "request": rid, "reason": "finished"},
+        ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in [{"pagedkv_trace": 1, "config": config}, *events]) + "\n")
+    assert main(["replay", "--check", "--json", str(path)]) == 0
+    rs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rs[6]["cached_tokens"] == [12]  # (c's third block loaded from the tier)
+
+
+@pytest.mark.slow
+def test_the_model_checker_covers_the_tier() -> None:
+    """One host block, two request ids, three usable blocks: exhaustive (76,578 states), every transition's copies
+    checked in order (``copy_violations``), no violation."""
+    result = check(CheckConfig(window=None, host_blocks=1, requests=2, usable_blocks=3, max_model_len=6))
+    assert result.violation == [] and result.exhaustive and result.states > 50_000
+
+
+def test_a_load_whose_slot_a_store_reuses_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: a hit's entry not pinned, so the pops of the same admission may drop it and store another
+    block in its slot before the load reads it. The checker finds it, with a trace."""
+    real = HostEdit.touch
+
+    def unpinned(self: HostEdit, key: object) -> int:
+        slot = real(self, key)  # type: ignore[arg-type]
+        self.pinned.discard(key)  # type: ignore[arg-type]
+        return slot
+
+    monkeypatch.setattr(HostEdit, "touch", unpinned)
+    result = check(CheckConfig(window=None, host_blocks=1, requests=2, usable_blocks=3, max_model_len=6))
+    assert any("a load of slot 0" in v for v in result.violation) and result.trace

@@ -186,6 +186,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="BYTES",
         help="the same in bytes, vLLM's name (an integer, or with k, m, g, K, M, G: 512M, 2G)",
     )
+    g.add_argument(
+        "--kv-offloading-size",
+        type=positive_float,
+        metavar="GIB",
+        help="vLLM's: a host tier for the prefix cache of this many GiB (a cached block the pool evicts is kept in "
+        "host memory; a hit there is loaded back)",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        choices=("native",),
+        default="native",
+        help="vLLM's: the tier's implementation (native: pagedkv's own)",
+    )
     budget.add_argument(
         "--gpu-memory-utilization",
         type=unit_interval,
@@ -425,6 +438,8 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
             kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
             batch_invariant=args.batch_invariant,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_backend=args.kv_offloading_backend,
         )
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:

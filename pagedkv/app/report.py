@@ -150,6 +150,12 @@ def summary(
     else:
         print(f"tokens per second   - (nothing was generated) {where}; model load {load_s:.1f} s")
     print(f"prefix hit rate     {kv.prefix_hit_rate:.1%} of prompt tokens")
+    tier = engine.host_pages
+    if tier is not None:  # (hits by tier: the host tier's, in blocks loaded back; its blocks stored)
+        print(
+            f"host tier           {kv.config.host_blocks} blocks; {tier.loaded} loaded back on hits "
+            f"({tier.loaded * kv.config.block_size} tokens), {tier.stored} stored from the pool"
+        )
     print(
         f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "
         f"of the pool: {engine.sizing})"

@@ -33,6 +33,7 @@ from pagedkv.core.scheduler import (
     schedule,
     submit,
 )
+from pagedkv.shell.host_pages import HostPages
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.engine_args import EngineArgs, EngineStats
 from pagedkv.shell.errors import EngineBusy, ShellError, refuse
@@ -138,6 +139,8 @@ class Engine:
             rank.layout,
         )
         self.sizing = rank.sizing
+        tier = self.cache.host_blocks  # (the prefix cache's host tier: its pages and copies, shell/host_pages.py)
+        self.host_pages = HostPages(self.pool, tier) if tier else None
         sched = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -271,6 +274,8 @@ class Engine:
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
         self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
+        if self.host_pages is not None:  # the host tier's copies, in order, before the forward reads a block
+            self.host_pages.apply(scheduled_events)
         self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
@@ -302,6 +307,8 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.cache.usable_blocks - self.state.kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
+        if self.host_pages is not None:  # (blocks its growth evicted: saved before the next forward writes them)
+            self.host_pages.apply(self.state.kv_events)
         Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
         if ended:
             self.worker.remove([rid for rid, _ in ended])
@@ -355,6 +362,8 @@ class Engine:
         running = {rid: tok for rid, tok in sampled.items() if rid in live}
         stops = [rid for rid in stop if rid in live]
         self.state, ended = on_tokens(self.state, running, stops).unwrap()
+        if self.host_pages is not None:
+            self.host_pages.apply(self.state.kv_events)
         after = self.state  # (the recorder may write later: the state this event led to, bound now)
         self.outcomes.record(lambda r: r.tokens(running, stops, after, ended))
         self.worker.remove([rid for rid, _ in ended])

@@ -57,6 +57,10 @@ class EngineArgs:
     # every query token read as a decode row with fixed key splits, products and norms over row counts the device
     # keeps a row's bits for; the triton backend on CUDA, the torch backend elsewhere
     batch_invariant: bool = False
+    # vLLM's --kv-offloading-size (GiB) and --kv-offloading-backend ("native"): the prefix cache's host tier; a
+    # cached block the pool evicts is kept in host memory, a hit there loaded back (core/host.py, shell/host_pages.py)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
@@ -67,6 +71,16 @@ class EngineArgs:
             )
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 1):
             raise InvalidConfig(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        size = self.kv_offloading_size
+        if size is not None and (type(size) not in (int, float) or not size > 0):
+            raise InvalidConfig(f"kv_offloading_size must be a positive number of GiB or None, got {size!r}")
+        if self.kv_offloading_backend != "native":
+            raise InvalidConfig(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not served: pagedkv's tier is 'native' "
+                "(LMCache and other connectors are vLLM's)"
+            )
+        if size is not None and not self.enable_prefix_caching:
+            raise InvalidConfig("kv_offloading_size keeps the prefix cache's evicted blocks: it needs prefix caching")
         fraction = self.gpu_memory_utilization
         if fraction is not None and (type(fraction) not in (int, float) or not 0 < fraction <= 1):
             raise InvalidConfig(f"gpu_memory_utilization must be a number in (0, 1] or None, got {fraction!r}")
@@ -192,6 +206,7 @@ class EngineArgs:
             free_queue=self.free_queue,
             kv_dtype=kv_dtype,
             kv_scales=kv_scales if kv_scales is not None else scales_for(model, kv_dtype, calibration, backend),
+            host_bytes=int(self.kv_offloading_size * 2**30) if self.kv_offloading_size else 0,
         )
 
 

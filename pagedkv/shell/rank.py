@@ -311,15 +311,24 @@ def rank_for(
     backend: AttentionBackend | None = None,
     kv_dtype: torch.dtype | None = None,
     kv_scales: Mapping[str, tuple[float, float]] | None = None,
+    host_bytes: int = 0,
     **policies: str,
 ) -> Rank:
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
-    ``kv_scales``). ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
+    ``kv_scales``). ``host_bytes``: the prefix cache's host tier (core/host.py), in blocks of the pages' size.
+    ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
     plan = plan_for(model, block_size=block_size, kv_dtype=kv_dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    host_blocks = host_bytes // sizing.page_bytes if host_bytes else 0
+    if host_bytes and not host_blocks:
+        raise InvalidConfig(f"a host tier of {host_bytes} bytes holds no block of {sizing.page_bytes} bytes")
     cache = plan.cache_config(
-        sizing.num_blocks, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **policies
+        sizing.num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+        max_model_len=max_model_len,
+        host_blocks=host_blocks,
+        **policies,
     )
     return build_rank(
         plan,

@@ -118,6 +118,9 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--async-scheduling", "--speculative-config", "{{}}"], "not served yet: use one of them"),
     (["generate", "hi", "--ranks", "2", "--async-scheduling"], "--async-scheduling is served by one engine"),
     (["generate", "hi", "--ranks", "2", "--batch-invariant"], "--batch-invariant is served by one engine"),
+    (["generate", "hi", "--kv-offloading-size", "0"], "--kv-offloading-size"),
+    (["generate", "hi", "--kv-offloading-backend", "lmcache"], "--kv-offloading-backend"),
+    (["generate", "hi", "--kv-offloading-size", "1", "--no-prefix-caching"], "it needs prefix caching"),
     (["denoise", "--steps", "0"], "--steps"),
     (["denoise", "--image-tokens", "-5"], "--image-tokens"),
     (["denoise", "--blocks", "0"], "--blocks"),
@@ -353,6 +356,9 @@ def test_generate_with_speculation_says_the_same_and_counts_its_drafts(capsys: p
     assert capsys.readouterr().out.split("--- summary")[0] == plain.split("--- summary")[0]  # overlapped: the same
     assert main([*argv, "--batch-invariant"]) == 0  # (its own numerics: its tokens may differ from the default's)
     assert "--- summary" in capsys.readouterr().out
+    assert main([*argv, "--kv-offloading-size", "0.01"]) == 0  # (a host tier: the same completions)
+    tiered = capsys.readouterr().out
+    assert tiered.split("--- summary")[0] == plain.split("--- summary")[0] and "host tier " in tiered
 
 
 @pytest.mark.slow

@@ -274,8 +274,6 @@ class Engine:
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
         self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
-        if self.host_pages is not None:  # the host tier's copies, in order, before the forward reads a block
-            self.host_pages.apply(scheduled_events)
         self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
         if plan.preempted or plan.finished:  # their buffer rows go back before this step's installs
             self.worker.remove([*plan.preempted, *(rid for rid, _ in plan.finished)])
@@ -284,6 +282,8 @@ class Engine:
         bound = [self.requests[rid] for rid in plan.samples]  # (the requests this step samples for, not their ids)
         self.outcomes.before, recorded = {}, False
         try:
+            if self.host_pages is not None:  # the host tier's copies, in order, before the forward reads a block
+                self.host_pages.apply(scheduled_events)  # (one that fails fails the step: its requests end)
             ids, lps = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
             self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))

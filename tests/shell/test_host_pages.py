@@ -43,3 +43,43 @@ def test_the_same_tokens_with_the_tier_and_more_of_each_prompt_hit(smollm2: tupl
     small, preempting = conversations(model, tok, 0.05, kv_cache_memory_bytes=6 << 20)  # (a pool that preempts)
     assert preempting.stats.preemptions and preempting.host_pages and preempting.host_pages.loaded
     assert small == conversations(model, tok, None, kv_cache_memory_bytes=6 << 20)[0]
+
+
+def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
+    smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that raises fails its step's requests (``error``), the engine goes on; the blocks it was loading
+    were never in the device index, so the next turn computes or loads them anew: the same tokens as without the
+    tier."""
+    from pagedkv.core.events import BlockOnloaded
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.host_pages import HostPages
+
+    model, meta = smollm2
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    plain, _ = conversations(model, tok, None)
+    real = HostPages._copy
+    failed: list[int] = []
+
+    def flaky(self: HostPages, kind: Any, run: Any) -> None:
+        if kind is BlockOnloaded and not failed:
+            failed.append(len(run))
+            raise RuntimeError("a host-to-device copy failed")
+        real(self, kind, run)
+
+    monkeypatch.setattr(HostPages, "_copy", flaky)
+    eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05)
+    history: list[list[dict[str, str]]] = [[] for _ in range(3)]
+    errors, out = 0, []
+    for turn in range(3):
+        asks = []
+        for c in range(3):
+            history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
+            asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
+        for c, done in enumerate(eng.generate(asks)):
+            if done.finish_reason == "error":
+                errors += 1
+                done = eng.generate([asks[c]])[0]  # (served again)
+            history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
+            out.append(done.token_ids)
+    assert failed and errors and out == plain

@@ -13,7 +13,6 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.host as host
 import pagedkv.core.pool as pool
 from pagedkv.core.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
@@ -322,7 +321,7 @@ def _reserve(
         rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
         for j, at in zip(places, row_slots):  # the host tier's blocks into the fresh ones at their positions
             for g, ids in enumerate(rb):
-                host.onload(txn, g, hashes[j], at[g], ids[j])
+                pool.onload(txn, g, hashes[j], at[g], ids[j])
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING

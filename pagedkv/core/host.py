@@ -1,5 +1,6 @@
 """The prefix cache's host tier (``CacheConfig(host_blocks=n)``, vLLM's native KV offloading): the core decides,
-the shell copies.
+the shell copies. Its value and working copy are here; the pool keeps a block in it (``pool.offload``) and loads
+one back (``pool.onload``).
 
 A cached block the device pool evicts to reuse is kept in the tier: it takes a host slot (when the tier is full,
 the slot of its least recently used entry, which is dropped), and the transition records ``BlockOffloaded``: copy
@@ -19,15 +20,9 @@ slot. Every operation is O(1) amortized.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from immutables import Map, MapMutation
 
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded, HostBlockRemoved
 from pagedkv.core.hashing import BlockHash
-
-if TYPE_CHECKING:
-    from pagedkv.core.txn import Txn
 
 Key = tuple[int, BlockHash]  # (group, chain hash)
 
@@ -105,25 +100,3 @@ class HostEdit:
                 return key
             tick += 1
         return None
-
-
-def offload(txn: Txn, g: int, h: BlockHash, block: int) -> None:
-    """A cached block the pool evicts, kept in the tier (when it is not there already): ``BlockOffloaded``, and
-    ``HostBlockRemoved`` for an entry it drops."""
-    tier = txn.host
-    key = (g, h)
-    if key in tier.entries:
-        return
-    got = tier.put(key, txn.config.host_blocks)
-    if got is None:
-        return
-    slot, dropped = got
-    if dropped is not None:
-        txn.events.append(HostBlockRemoved(dropped[1], dropped[0], slot))
-    txn.events.append(BlockOffloaded(h, g, block, slot))
-
-
-def onload(txn: Txn, g: int, h: BlockHash, slot: int, block: int) -> None:
-    """A hit on the tier: the bytes of its entry's ``slot`` (pinned when the hit was taken) into the fresh device
-    ``block`` (``BlockOnloaded``)."""
-    txn.events.append(BlockOnloaded(h, g, slot, block))

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pagedkv.core.host as host
 from pagedkv.core.errors import InvariantError
-from pagedkv.core.events import BlockRemoved
+from pagedkv.core.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.hashing import BlockHash
 from pagedkv.core.state import Request
 from pagedkv.core.txn import Txn
 
@@ -46,7 +46,7 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
         if cached(x):
             if tier:  # (its bytes kept in the host tier before anything overwrites them: core/host.py)
                 g, h = txn.index.key_of(x)  # type: ignore[misc]
-                host.offload(txn, g, h, x)
+                offload(txn, g, h, x)
             evict(txn, x)
     return tuple(out)
 
@@ -171,3 +171,25 @@ def free_rows_as_vllm_omni(txn: Txn, rows: Sequence[Sequence[Sequence[int]]]) ->
                 unref_many(txn, blocks[::-1])
         else:
             unref_many(txn, sorted(b for blocks in r for b in blocks))
+
+
+def offload(txn: Txn, g: int, h: BlockHash, block: int) -> None:
+    """A cached block the pool evicts, kept in the tier (when it is not there already): ``BlockOffloaded``, and
+    ``HostBlockRemoved`` for an entry it drops."""
+    tier = txn.host
+    key = (g, h)
+    if key in tier.entries:
+        return
+    got = tier.put(key, txn.config.host_blocks)
+    if got is None:
+        return
+    slot, dropped = got
+    if dropped is not None:
+        txn.events.append(HostBlockRemoved(dropped[1], dropped[0], slot))
+    txn.events.append(BlockOffloaded(h, g, block, slot))
+
+
+def onload(txn: Txn, g: int, h: BlockHash, slot: int, block: int) -> None:
+    """A hit on the tier: the bytes of its entry's ``slot`` (pinned when the hit was taken) into the fresh device
+    ``block`` (``BlockOnloaded``)."""
+    txn.events.append(BlockOnloaded(h, g, slot, block))

@@ -33,6 +33,7 @@ class HostPages:
         kind: type | None = None
         reads: set[int] = set()
         writes: set[int] = set()
+        k: type
         for e in events:
             if isinstance(e, BlockOffloaded):
                 pair, k = (e.block_id, e.host_slot), BlockOffloaded

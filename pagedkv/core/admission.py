@@ -309,17 +309,18 @@ def _reserve(
                 take_state(txn, saved)
             for b in r.hit_taken(group_ids, first):
                 pool.take_hit(txn, b)
-    loads = [range(d, hit.num_blocks) for d in hit.on_device] if hit.on_device else [range(0)] * len(spec.rows)
-    # the host tier's hits pinned (no pop below drops them), with their slots
-    slots_of = [[[txn.host.touch((g, hashes[j])) for g in range(len(rules))] for j in places]
-                for hashes, places in zip(hit.hashes, loads)]  # fmt: skip
+    # the host tier's hits (positions past a row's device hit) pinned, with their slots: no pop below drops them
+    loads = [
+        {j: [txn.host.touch((g, hashes[j])) for g in range(len(rules))] for j in range(d, hit.num_blocks)}
+        for hashes, d in zip(hit.hashes, hit.on_device)
+    ]
     pop = partial(pool.pop_blocks, txn)
     slots, blocks = [], []
-    for row, nb, row_ids, hashes, c, row_firsts, places, row_slots in zip(
-        spec.rows, per_row, hit.ids, hit.hashes, computed, firsts, loads, slots_of
+    for r_i, (row, nb, row_ids, hashes, c, row_firsts) in enumerate(
+        zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts)
     ):
         rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
-        for j, at in zip(places, row_slots):  # the host tier's blocks into the fresh ones at their positions
+        for j, at in loads[r_i].items() if loads else ():  # those blocks into the fresh ones at their positions
             for g, ids in enumerate(rb):
                 pool.onload(txn, g, hashes[j], at[g], ids[j])
         p = row.pending_tokens

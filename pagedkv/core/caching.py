@@ -42,8 +42,6 @@ def cache_full_blocks(
     ``given``: the row's chain hashes as the caller computed them (``hash_full_blocks``)."""
     if not caches(txn, req):
         return
-    if given is None and req.given:  # (the row's caller's hashes, given at its admission)
-        given = req.given[i] or None
     record = txn.rows[slot]
     new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot], given)
     if new is not record:
@@ -64,8 +62,10 @@ def hash_full_blocks(
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them. ``given[j]`` is
     block j's chain hash as the caller computed it (vLLM's ``request.block_hashes``): taken as it is, or
-    checked against the core's (``check_given_hashes``: ``GivenHashError``). A row of a count is cached only
-    where its own caller's hashes reach (``RowSpec.block_hashes``)."""
+    checked against the core's (``check_given_hashes``: ``GivenHashError``); by default the row's own, given at its
+    admission (``RowSpec.block_hashes``). A row of a count is cached only where those reach."""
+    if given is None and req.given:
+        given = req.given[i] or None
     cfg = txn.config
     bs = cfg.block_size
     if record.ids is not None:

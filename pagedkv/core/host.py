@@ -38,10 +38,6 @@ class HostTier:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def slot_of(self, g: int, h: BlockHash) -> int | None:
-        got = self.entries.get((g, h))
-        return None if got is None else got[0]
-
 
 EMPTY_HOST = HostTier()
 

@@ -137,8 +137,7 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
             record = Row(record.blocks, more, record.hashes, record.pending, record.hw)
         txn.row_tail[slot] = tail
         if caches(txn, req):
-            given = (req.given[i] or None) if req.given else None  # (the row's caller's hashes)
-            record = hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail, given)
+            record = hash_full_blocks(txn, req, i, slot, txn.row_computed[slot], record, tail)
         txn.rows[slot] = record
     return Filled(rid, tuple(txn.events[first:]))
 

@@ -2,7 +2,7 @@
 shaped like the device pages (pinned where the pages are on CUDA), and the copies a step's transitions recorded
 (``BlockOffloaded``: a device block to a host slot; ``BlockOnloaded``: a slot to a device block), carried out in
 the order recorded, before the step's forward: consecutive copies of one direction go as one batched
-``index_copy_`` a layer and side, a run cut where a copy would read or write what the run already writes."""
+``index_copy_`` a layer and side (a run cut where a copy writes what the run already writes)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ class HostPages:
 
     def apply(self, events: Iterable[Any]) -> None:
         """The copies among ``events`` (a step's core events, in order)."""
-        run: list[tuple[int, int]] = []  # (from, to) of one direction
+        run: list[tuple[int, int]] = []  # (from, to) of one direction: device blocks and host slots never alias
         kind: type | None = None
-        reads: set[int] = set()
         writes: set[int] = set()
         k: type
         for e in events:
@@ -41,12 +40,11 @@ class HostPages:
                 pair, k = (e.host_slot, e.block_id), BlockOnloaded
             else:
                 continue
-            if run and (k is not kind or pair[1] in writes or pair[0] in writes or pair[1] in reads):
+            if run and (k is not kind or pair[1] in writes):
                 self._copy(kind, run)
-                run, reads, writes = [], set(), set()
+                run, writes = [], set()
             kind = k
             run.append(pair)
-            reads.add(pair[0])
             writes.add(pair[1])
         if run:
             self._copy(kind, run)

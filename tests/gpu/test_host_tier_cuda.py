@@ -1,0 +1,57 @@
+"""The host tier on CUDA (issue 51): its copies on their own stream, pinned host pages. Bytes stored and loaded back
+through the engine's own pool exactly, a slot stored and loaded in one step included; SmolLM2 conversations whose
+histories outgrow the pool give the same tokens with the tier as without it (batch-invariant, bf16: a block loaded
+back holds the bits a recompute would give) while the tier is stored to and loaded from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+from pagedkv.core.events import BlockOffloaded, BlockOnloaded  # noqa: E402
+from pagedkv.models.llama import Llama  # noqa: E402
+from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from tests.shell.test_host_pages import conversations  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16() -> tuple[Llama, Tokenizer]:
+    model, meta = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+    return model, Tokenizer(meta)
+
+
+def test_bytes_go_to_the_host_and_back_on_the_copy_stream(smollm2_bf16: tuple[Llama, Tokenizer]) -> None:
+    model, tok = smollm2_bf16
+    eng = Engine(model, tok, kv_cache_memory_bytes=64 << 20, kv_offloading_size=0.01)
+    pages, pool = eng.host_pages, eng.pool
+    assert pages is not None and pages.stream is not None and pages.k[0].is_pinned()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for t in [*pool.k, *pool.v]:
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+    want = [t[[3, 4, 5]].clone() for t in [*pool.k, *pool.v]]
+    h = bytes(16)
+    # blocks 3, 4, 5 to slots 0, 1, 2; then, in the same step, slot 1 back into block 7 (a store, then its load)
+    pages.apply(
+        [BlockOffloaded(h, 0, 3, 0), BlockOffloaded(h, 0, 4, 1), BlockOffloaded(h, 0, 5, 2), BlockOnloaded(h, 0, 1, 7)]
+    )
+    for t in [*pool.k, *pool.v]:  # (the forward's stream overwrites the stored blocks after the copies)
+        t[[3, 4, 5]] = 0
+    pages.apply([BlockOnloaded(h, 0, 0, 9), BlockOnloaded(h, 0, 2, 10)])
+    torch.cuda.synchronize()
+    for t, w in zip([*pool.k, *pool.v], want):
+        assert torch.equal(t[7], w[1]) and torch.equal(t[9], w[0]) and torch.equal(t[10], w[2])
+    pages.settle()
+    assert (pages.stored, pages.loaded, pages.stores) == (3, 3, [])
+
+
+def test_the_same_tokens_with_the_tier_on_cuda(smollm2_bf16: tuple[Llama, Tokenizer]) -> None:
+    model, tok = smollm2_bf16
+    kw = {"batch_invariant": True, "kv_cache_memory_bytes": 6 << 20}
+    plain, without = conversations(model, tok, None, turns=4, **kw)
+    tiered, tier = conversations(model, tok, 0.05, turns=4, **kw)
+    assert tier.host_pages is not None and tier.host_pages.stored and tier.host_pages.loaded
+    assert tier.state.kv.prefix_hit_rate > without.state.kv.prefix_hit_rate
+    assert tiered == plain

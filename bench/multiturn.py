@@ -43,7 +43,10 @@ def serve(
         if not reuse:  # (no reuse: every prompt a new conversation of one turn)
             history[c] = []
         history[c].append(
-            {"role": "user", "content": f"Tell me something about {TOPICS[c % len(TOPICS)]} ({turn[c]})."}
+            {
+                "role": "user",
+                "content": f"Reader {c} asks: tell me something about {TOPICS[c % len(TOPICS)]} ({turn[c]}).",
+            }
         )
         rid = f"c{c}-t{turn[c]}"
         owner[rid] = c

@@ -60,7 +60,8 @@ class GraphDecoder:
             rank.layout,
         )
         self.config = rank.cache
-        self.buckets = tuple(b for b in buckets if b <= self.worker.forward_rows)
+        # (a bucket's rows are its tokens too: none past the tokens a step may carry, max_num_batched_tokens)
+        self.buckets = tuple(b for b in buckets if b <= min(self.worker.forward_rows, self.worker.max_tokens))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardBatch]] = {}
         self.epoch: int | None = None  # the epoch the graphs were captured in (None: before any install)
         self.captures = 0  # how many times every bucket was captured (start-up, then each new epoch)

@@ -61,3 +61,17 @@ def test_reads_bound_a_piece_too() -> None:
     assert len(pieces) == (1 if 3 * 300 * 300 <= FLAT_READS else 2)
     big = prefill([1100, 1100])  # 1,210,000 reads a row: over FLAT_READS alone
     assert graph_pieces(big, most) == [big]
+
+
+def test_no_graph_bucket_holds_more_rows_than_a_step_carries_tokens(smollm2: tuple[object, dict[str, object]]) -> None:
+    """A decode bucket's rows are its tokens: with ``max_num_seqs`` 48 and 16 tokens a step, buckets stop at 16 (the
+    48-row bucket's capture read 16 positions: a batch-invariant engine on the H200 failed at start-up)."""
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.graphs import GraphDecoder, buckets_for
+
+    model, meta = smollm2
+    eng = Engine(model, Tokenizer(meta), kv_cache_memory_bytes=8 << 20, max_num_seqs=48, max_num_batched_tokens=16)  # type: ignore[arg-type]
+    assert GraphDecoder(model, eng.rank, eng.backend, buckets_for(48)).buckets == (1, 2, 4, 8, 16)
+    wide = Engine(model, Tokenizer(meta), kv_cache_memory_bytes=8 << 20, max_num_seqs=48)  # type: ignore[arg-type]
+    assert GraphDecoder(model, wide.rank, wide.backend, buckets_for(48)).buckets == buckets_for(48)

@@ -1,15 +1,19 @@
-"""The host tier's pages (``EngineArgs(kv_offloading_size=GiB)``): the shell's side of core/host.py. Host tensors
-shaped like the device pages (pinned where the pages are on CUDA), and the copies a step's transitions recorded
-(``BlockOffloaded``: a device block to a host slot; ``BlockOnloaded``: a slot to a device block), carried out in
-the order recorded, before the step's forward: consecutive copies of one direction go as one batched copy a layer
-and side (a run cut where a copy writes what the run already writes).
+"""The host tier's pages (``EngineArgs(kv_offloading_size=GiB)``): the shell's side of core/host.py. One host
+tensor a side, every layer's slots in it (``(layers, slots, *page)``, pinned where the pages are on CUDA), and the
+copies a step's transitions recorded (``BlockOffloaded``: a device block to a host slot; ``BlockOnloaded``: a slot
+to a device block), carried out before the step's forward as few batched copies as their order allows: the stores
+of a batch first, then its loads. That keeps the recorded order's meaning (a store reads its block before a load
+overwrites it; a load reads a slot after the store that wrote it) as long as no store writes a slot, or reads a
+block, that a load before it in the batch read or wrote, and no two copies write one place: a copy that would
+break this closes the batch (the core makes such orders rare: a transition's loads pin their slots, and a loaded
+block is its row's alone).
 
-On CUDA the copies run on a stream of their own, and the host never waits for them: a run of stores gathers its
-blocks on the device and copies them into pinned staging, scattered into the host slots once its event has passed
-(at the next ``apply``, or before a load reads a slot); a run of loads gathers its slots into pinned staging on the
-host and copies them in. The copy stream starts behind the work queued before it (a store reads a block a forward
-wrote), and the compute stream waits for the copy stream before the forward (it reads the loaded blocks and may
-overwrite the stored ones). Elsewhere the copies are plain synchronous ``index_copy_``."""
+On CUDA the copies run on a stream of their own and the host does not wait for them: a batch's stores gather their
+blocks on the device and copy them into pinned staging, scattered into the host slots once their event has passed
+(checked at each ``apply``; waited for only where a load reads a slot still on its way); a batch's loads gather
+their slots into pinned staging on the host and copy them in. The copy stream starts behind the work queued before
+it (a store reads what a forward wrote), and the compute stream waits for it before the forward (that reads the
+loaded blocks and may overwrite the stored ones). Elsewhere the copies are plain synchronous index copies."""
 
 from __future__ import annotations
 
@@ -21,8 +25,6 @@ import torch
 from pagedkv.core.events import BlockOffloaded, BlockOnloaded
 from pagedkv.shell.pool import PagePool
 
-Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (host pages, pinned staging of a run) a layer and side
-
 
 class HostPages:
     """``blocks`` host slots for every layer's K and V pages of ``pool``."""
@@ -30,88 +32,108 @@ class HostPages:
     def __init__(self, pool: PagePool, blocks: int) -> None:
         self.pool = pool
         cuda = pool.device.type == "cuda"
-        shape = (blocks, *pool.k[0].shape[1:]) if pool.k else (blocks,)
-        self.k = [torch.zeros(shape, dtype=t.dtype, pin_memory=cuda) for t in pool.k]
-        self.v = [torch.zeros(shape, dtype=t.dtype, pin_memory=cuda) for t in pool.v]
+        self.sides = [(dev, torch.zeros((len(dev), blocks, *dev[0].shape[1:]), dtype=dev[0].dtype, pin_memory=cuda))
+                      for dev in (pool.k, pool.v) if dev]  # fmt: skip
         self.stream = torch.cuda.Stream(pool.device) if cuda else None  # the copies' own stream (CUDA)
-        self.stores: list[tuple[torch.cuda.Event, torch.Tensor, Staged]] = []  # runs of stores not yet scattered
-        self.loads: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # runs of loads whose staging is in use
+        # store batches on their way to the host: (event, slots, pinned staging a side), oldest first
+        self.pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
+        self.in_flight: set[int] = set()  # the slots they write
+        self.staging: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # load staging the copy stream reads
         self.stored = 0  # blocks copied to the host, and back, since start-up
         self.loaded = 0
 
     def apply(self, events: Iterable[Any]) -> None:
         """The copies among ``events`` (a step's core events, in order)."""
-        self.settle()
-        run: list[tuple[int, int]] = []  # (from, to) of one direction: device blocks and host slots never alias
-        kind: type | None = None
-        writes: set[int] = set()
-        copied = False
-        k: type
+        self.settle(wait=False)
+        stores: list[tuple[int, int]] = []  # (device block, slot)
+        loads: list[tuple[int, int]] = []  # (slot, device block)
+        slots_written: set[int] = set()
+        loaded_slots: set[int] = set()
+        loaded_blocks: set[int] = set()
         for e in events:
             if isinstance(e, BlockOffloaded):
-                pair, k = (e.block_id, e.host_slot), BlockOffloaded
+                block, slot = e.block_id, e.host_slot
+                if slot in slots_written or slot in loaded_slots or block in loaded_blocks:
+                    self._batch(stores, loads)
+                    stores, loads, slots_written, loaded_slots, loaded_blocks = [], [], set(), set(), set()
+                stores.append((block, slot))
+                slots_written.add(slot)
             elif isinstance(e, BlockOnloaded):
-                pair, k = (e.host_slot, e.block_id), BlockOnloaded
-            else:
-                continue
-            if run and (k is not kind or pair[1] in writes):
-                self._copy(kind, run)
-                run, writes = [], set()
-            kind, copied = k, True
-            run.append(pair)
-            writes.add(pair[1])
-        if run:
-            self._copy(kind, run)
-        if copied and self.stream is not None:  # (the forward reads loaded blocks and overwrites stored ones)
+                slot, block = e.host_slot, e.block_id
+                if block in loaded_blocks:
+                    self._batch(stores, loads)
+                    stores, loads, slots_written, loaded_slots, loaded_blocks = [], [], set(), set(), set()
+                loads.append((slot, block))
+                loaded_slots.add(slot)
+                loaded_blocks.add(block)
+        self._batch(stores, loads)
+
+    def settle(self, wait: bool = True) -> None:
+        """Store batches whose copies have landed scattered into their slots, in order (``wait``: every one, each
+        waited for); load staging no longer read let go."""
+        while self.pending:
+            event, slots, staged = self.pending[0]
+            if not wait and not event.query():
+                break
+            event.synchronize()
+            for (_, host), pinned in zip(self.sides, staged):
+                host.index_copy_(1, slots, pinned)
+            self.pending.pop(0)
+        self.in_flight = {int(s) for _, slots, _ in self.pending for s in slots}
+        self.staging = [x for x in self.staging if not x[0].query()]
+
+    def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        if stores:
+            self._store([b for b, _ in stores], [s for _, s in stores])
+        if loads:
+            self._load([s for s, _ in loads], [b for _, b in loads])
+        if self.stream is not None and (stores or loads):  # (the forward reads loaded blocks, overwrites stored ones)
             torch.cuda.current_stream(self.pool.device).wait_stream(self.stream)
 
-    def settle(self) -> None:
-        """Every store run's bytes in its host slots (each waits for its event); load staging no longer in use let go."""
-        for event, dst, staged in self.stores:
-            event.synchronize()
-            for host, pinned in staged:
-                host.index_copy_(0, dst, pinned)
-        self.stores = []
-        self.loads = [x for x in self.loads if not x[0].query()]
-
-    def _copy(self, kind: type | None, run: list[tuple[int, int]]) -> None:
-        src = torch.tensor([a for a, _ in run], dtype=torch.long)
-        dst = torch.tensor([b for _, b in run], dtype=torch.long)
-        sides = [*zip(self.pool.k, self.k), *zip(self.pool.v, self.v)]
-        if kind is BlockOffloaded:  # device pages -> host slots
-            self.stored += len(run)
-            if self.stream is None:
-                for d, h in sides:
-                    h.index_copy_(0, dst, d.index_select(0, src.to(d.device)).to("cpu"))
-                return
-            staged: Staged = []
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (not the copy stream's)
-                at = src.to(self.pool.device, non_blocking=True)
-                for d, h in sides:
-                    pinned = torch.empty((len(run), *d.shape[1:]), dtype=d.dtype, pin_memory=True)
-                    pinned.copy_(d.index_select(0, at), non_blocking=True)
-                    staged.append((h, pinned))
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.stores.append((event, dst, staged))
-            return
-        self.loaded += len(run)  # host slots -> device pages
+    def _store(self, blocks: list[int], slots: list[int]) -> None:
+        self.stored += len(blocks)
+        dst = torch.tensor(slots, dtype=torch.long)
         if self.stream is None:
-            for d, h in sides:
-                d.index_copy_(0, dst.to(d.device), h.index_select(0, src).to(d.device))
+            for dev, host in self.sides:
+                at = torch.tensor(blocks, dtype=torch.long, device=dev[0].device)
+                host.index_copy_(1, dst, torch.stack([d.index_select(0, at) for d in dev]).to("cpu"))
             return
-        self.settle()  # (a slot a store of this step wrote: its bytes in place first)
-        held: list[torch.Tensor] = []
-        main = torch.cuda.current_stream(self.pool.device)
+        staged = []
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(main)  # (a forward queued before may still read the blocks loaded into)
-            at = dst.to(self.pool.device, non_blocking=True)
-            for d, h in sides:
-                pinned = torch.empty((len(run), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
-                torch.index_select(h, 0, src, out=pinned)
-                d.index_copy_(0, at, pinned.to(self.pool.device, non_blocking=True))
+            self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (the compute stream's work)
+            at = torch.tensor(blocks, dtype=torch.long).to(self.pool.device, non_blocking=True)
+            for dev, host in self.sides:
+                pinned = torch.empty((len(dev), len(blocks), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
+                pinned.copy_(torch.stack([d.index_select(0, at) for d in dev]), non_blocking=True)
+                staged.append(pinned)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending.append((event, dst, staged))
+        self.in_flight.update(slots)
+
+    def _load(self, slots: list[int], blocks: list[int]) -> None:
+        self.loaded += len(blocks)
+        src = torch.tensor(slots, dtype=torch.long)
+        if self.stream is None:
+            for dev, host in self.sides:
+                at = torch.tensor(blocks, dtype=torch.long, device=dev[0].device)
+                rows = host.index_select(1, src).to(dev[0].device)
+                for d, r in zip(dev, rows):
+                    d.index_copy_(0, at, r)
+            return
+        if self.in_flight.intersection(slots):  # (a slot a store batch is still bringing to the host)
+            self.settle()
+        held = []
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (forwards may read these blocks)
+            at = torch.tensor(blocks, dtype=torch.long).to(self.pool.device, non_blocking=True)
+            for dev, host in self.sides:
+                pinned = torch.empty((len(dev), len(slots), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
+                torch.index_select(host, 1, src, out=pinned)
+                rows = pinned.to(self.pool.device, non_blocking=True)
+                for d, r in zip(dev, rows):
+                    d.index_copy_(0, at, r)
                 held.append(pinned)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.loads.append((event, held))
+        self.staging.append((event, held))

@@ -27,7 +27,7 @@ def test_bytes_go_to_the_host_and_back_on_the_copy_stream(smollm2_bf16: tuple[Ll
     model, tok = smollm2_bf16
     eng = Engine(model, tok, kv_cache_memory_bytes=64 << 20, kv_offloading_size=0.01)
     pages, pool = eng.host_pages, eng.pool
-    assert pages is not None and pages.stream is not None and pages.k[0].is_pinned()
+    assert pages is not None and pages.stream is not None and pages.sides[0][1].is_pinned()
     g = torch.Generator(device="cuda").manual_seed(0)
     for t in [*pool.k, *pool.v]:
         t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
@@ -44,7 +44,7 @@ def test_bytes_go_to_the_host_and_back_on_the_copy_stream(smollm2_bf16: tuple[Ll
     for t, w in zip([*pool.k, *pool.v], want):
         assert torch.equal(t[7], w[1]) and torch.equal(t[9], w[0]) and torch.equal(t[10], w[2])
     pages.settle()
-    assert (pages.stored, pages.loaded, pages.stores) == (3, 3, [])
+    assert (pages.stored, pages.loaded, pages.pending) == (3, 3, [])
 
 
 def test_the_same_tokens_with_the_tier_on_cuda(smollm2_bf16: tuple[Llama, Tokenizer]) -> None:

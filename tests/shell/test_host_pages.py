@@ -51,23 +51,22 @@ def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
     """A load that raises fails its step's requests (``error``), the engine goes on; the blocks it was loading
     were never in the device index, so the next turn computes or loads them anew: the same tokens as without the
     tier."""
-    from pagedkv.core.events import BlockOnloaded
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.shell.host_pages import HostPages
 
     model, meta = smollm2
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     plain, _ = conversations(model, tok, None)
-    real = HostPages._copy
+    real = HostPages._load
     failed: list[int] = []
 
-    def flaky(self: HostPages, kind: Any, run: Any) -> None:
-        if kind is BlockOnloaded and not failed:
-            failed.append(len(run))
+    def flaky(self: HostPages, slots: list[int], blocks: list[int]) -> None:
+        if not failed:
+            failed.append(len(blocks))
             raise RuntimeError("a host-to-device copy failed")
-        real(self, kind, run)
+        real(self, slots, blocks)
 
-    monkeypatch.setattr(HostPages, "_copy", flaky)
+    monkeypatch.setattr(HostPages, "_load", flaky)
     eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05)
     history: list[list[dict[str, str]]] = [[] for _ in range(3)]
     errors, out = 0, []
@@ -83,3 +82,42 @@ def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
             history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
             out.append(done.token_ids)
     assert failed and errors and out == plain
+
+
+def test_batched_copies_mean_what_the_recorded_order_means() -> None:
+    """Stores first, then loads, a batch closed where that would change what a copy reads or writes: over random
+    copy sequences (orders the core never records included), pages and slots end as the copies done one by one
+    leave them."""
+    import random
+
+    import torch
+
+    from pagedkv.core import CacheConfig
+    from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+    from pagedkv.shell.host_pages import HostPages
+    from pagedkv.shell.pool import PagePool
+
+    h = bytes(16)
+    for seed in range(200):
+        rng = random.Random(seed)
+        pool = PagePool(CacheConfig(block_size=2, num_blocks=6), num_layers=2, kv_heads=1, head_dim=2)
+        for t in [*pool.k, *pool.v]:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+        pages = HostPages(pool, 4)
+        want_dev = [t.clone() for t in [*pool.k, *pool.v]]
+        want_host = torch.zeros((4, 4, *pool.k[0].shape[1:]))  # (page tensor, slot, ...)
+        events = []
+        for _ in range(rng.randrange(1, 9)):
+            block, slot = rng.randrange(1, 6), rng.randrange(4)
+            if rng.random() < 0.5:
+                events.append(BlockOffloaded(h, 0, block, slot))
+                for i, d in enumerate(want_dev):
+                    want_host[i, slot] = d[block]
+            else:
+                events.append(BlockOnloaded(h, 0, slot, block))
+                for i, d in enumerate(want_dev):
+                    d[block] = want_host[i, slot]
+        pages.apply(events)
+        got_host = torch.cat([host for _, host in pages.sides])
+        assert torch.equal(got_host, want_host), (seed, events)
+        assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], want_dev)), (seed, events)

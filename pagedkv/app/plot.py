@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.app.args import UsageError
@@ -56,18 +56,21 @@ def check_target(path: str, flag: str = "--page-map") -> None:
 class PageMap:
     """What a page map shows, cell by cell: ``holders[t][b]`` the requests holding block ``b`` after state
     ``t``; ``cached[t]`` the blocks in the prefix cache that no request holds; ``evicted[t]`` the blocks
-    whose cached content state ``t`` dropped (reused for other tokens, or the cache reset)."""
+    whose cached content state ``t`` dropped (reused for other tokens, or the cache reset), ``kept[t]`` those of them
+    whose content the host tier kept (core/host.py), ``host[t]`` the tier's entries."""
 
     holders: list[dict[int, tuple[Any, ...]]]
     cached: list[frozenset[int]]
     evicted: list[frozenset[int]]
     usable: int
+    kept: list[frozenset[int]] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
 
     @staticmethod
     def of(states: Sequence[KVState]) -> PageMap:
         if not states:
             raise ValueError("no states to draw")
-        holders, cached, evicted = [], [], []
+        holders, cached, evicted, kept, host = [], [], [], [], []
         before: dict[int, Any] = {}
         for s in states:
             held: dict[int, list[Any]] = {}
@@ -81,9 +84,12 @@ class PageMap:
             now = {b: k for b, k in keys.items() if k is not None}
             holders.append({b: tuple(r) for b, r in held.items()})
             cached.append(frozenset(b for b in now if b not in held))
-            evicted.append(frozenset(b for b, k in before.items() if now.get(b) != k))
+            gone = frozenset(b for b, k in before.items() if now.get(b) != k)
+            evicted.append(gone)
+            kept.append(frozenset(b for b in gone if before[b] in s.host.entries))
+            host.append(len(s.host))
             before = now
-        return PageMap(holders, cached, evicted, states[0].config.usable_blocks)
+        return PageMap(holders, cached, evicted, states[0].config.usable_blocks, kept, host)
 
     def requests(self) -> list[Any]:
         """Every request that held a block, in the order it first did (ties by id)."""
@@ -142,12 +148,17 @@ def draw(states: Sequence[KVState], title: str = "pagedkv: blocks held", xlabel:
         extent=(-0.5, steps - 0.5, -0.5, top + 0.5),
     )
     shared = [(t, b) for t, h in enumerate(pm.holders) for b, owners in h.items() if len(owners) > 1]
-    gone = [(t, b) for t, e in enumerate(pm.evicted) for b in e]
+    gone = [(t, b) for t, e in enumerate(pm.evicted) for b in e if b not in pm.kept[t]]
+    kept = [(t, b) for t, e in enumerate(pm.kept) for b in e]
     marker = max(2.0, min(30.0, 3000.0 / max(steps, top)))
     if shared:
         ax.scatter(*zip(*shared), s=marker, c="black", marker="o", label="shared by 2+ requests", zorder=3)
     if gone:
         ax.scatter(*zip(*gone), s=marker * 2, c="red", marker="x", label="cached content evicted", zorder=4)
+    if kept:
+        ax.scatter(
+            *zip(*kept), s=marker * 2, c="tab:purple", marker="v", label="evicted, kept in the host tier", zorder=4
+        )
     handles = [Patch(color=PALETTE[colour[r]], label=str(r)) for r in rids[:MAX_LEGEND_REQUESTS]]
     if len(rids) > MAX_LEGEND_REQUESTS:
         handles.append(Patch(color="white", label=f"... {len(rids) - MAX_LEGEND_REQUESTS} more (colours repeat)"))
@@ -184,6 +195,12 @@ def _fill(ax: Any, pm: PageMap, steps: int, xlabel: str) -> None:
         colors=("tab:blue", "black", CACHED_GREY),
         labels=("held by one request", "shared", "cached, free"),
     )
+    if any(pm.host):  # (the host tier's entries, on an axis of their own)
+        tier = ax.twinx()
+        tier.plot(list(range(steps)), pm.host, color="tab:purple", drawstyle="steps-mid", label="host tier entries")
+        tier.set_ylabel("host tier blocks")
+        tier.set_ylim(0, max(pm.host) * 1.1)
+        tier.legend(loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize=8)
     ax.set_ylim(0, pm.usable)
     ax.set_ylabel("blocks")
     ax.set_xlabel(xlabel)

@@ -13,7 +13,11 @@ blocks on the device and copy them into pinned staging, scattered into the host 
 (checked at each ``apply``; waited for only where a load reads a slot still on its way); a batch's loads gather
 their slots into pinned staging on the host and copy them in. The copy stream starts behind the work queued before
 it (a store reads what a forward wrote), and the compute stream waits for it before the forward (that reads the
-loaded blocks and may overwrite the stored ones). Elsewhere the copies are plain synchronous index copies."""
+loaded blocks and may overwrite the stored ones). Elsewhere the copies are plain synchronous index copies.
+
+A store that fails fails its step (the engine's fault rule); its slots stay entries of the core's tier, unwritten,
+and a load that would read one fails its own step instead (``ShellError``), until a store writes the slot again:
+nothing unwritten is ever read."""
 
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.errors import ErrorCode
 from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
 
 
@@ -38,6 +44,7 @@ class HostPages:
         # store batches on their way to the host: (event, slots, pinned staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
         self.in_flight: set[int] = set()  # the slots they write
+        self.unwritten: set[int] = set()  # slots whose store failed (a later store to them writes them again)
         self.staging: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # load staging the copy stream reads
         self.stored = 0  # blocks copied to the host, and back, since start-up
         self.loaded = 0
@@ -84,9 +91,23 @@ class HostPages:
 
     def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         if stores:
-            self._store([b for b, _ in stores], [s for _, s in stores])
+            slots = [s for _, s in stores]
+            try:
+                self._store([b for b, _ in stores], slots)
+            except BaseException:
+                self.unwritten.update(slots)  # (their entries stay in the core's tier: never read from here on)
+                raise
+            self.unwritten.difference_update(slots)
         if loads:
-            self._load([s for s, _ in loads], [b for _, b in loads])
+            slots = [s for s, _ in loads]
+            bad = self.unwritten.intersection(slots)
+            if bad:
+                raise refuse(
+                    ErrorCode.INVALID,
+                    f"host slots {sorted(bad)} were never written (their store failed): the loads that read them "
+                    "fail their step's requests",
+                )
+            self._load(slots, [b for _, b in loads])
         if self.stream is not None and (stores or loads):  # (the forward reads loaded blocks, overwrites stored ones)
             torch.cuda.current_stream(self.pool.device).wait_stream(self.stream)
 

@@ -309,6 +309,34 @@ def test_the_page_map_shows_owners_sharing_cached_blocks_and_evictions() -> None
     plt.close(fig)
 
 
+def test_the_page_map_shows_the_host_tier() -> None:
+    """With a host tier (issue 51): evictions whose content the tier kept are marked apart from those lost, and the
+    tier's entries are drawn beside the pool's fill."""
+    pytest.importorskip("matplotlib", reason="the page map needs matplotlib (pip install 'pagedkv[plot]')")
+    from pagedkv.app.plot import PageMap, draw
+    from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state, release
+
+    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=2))
+    states = [s]
+    for rid, first in (("a", 1), ("b", 100), ("c", 200)):
+        s = admit(s, RequestSpec(rid, (RowSpec.of_tokens(list(range(first, first + 13))),))).unwrap().state
+        states.append(s)
+        s = release(commit(s, rid, [13]).unwrap().state, rid, "finished").unwrap().state
+        states.append(s)
+    pm = PageMap.of(states)
+    # b's admission evicts a's third block into the tier; c's evicts three, the tier keeps the last two of them
+    assert pm.host == [0, 0, 0, 1, 1, 2, 2] and [sorted(k) for k in pm.kept] == [[], [], [], [3], [], [1, 4], []]
+    assert all(k <= e for k, e in zip(pm.kept, pm.evicted)) and sum(map(len, pm.evicted)) == 4
+    fig = draw(states)
+    blocks_ax, fill_ax, tier_ax = fig.axes
+    marks = {c.get_label(): len(c.get_offsets()) for c in blocks_ax.collections}
+    assert marks["evicted, kept in the host tier"] == 3 and marks["cached content evicted"] == 1
+    assert tier_ax.get_ylabel() == "host tier blocks"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_a_page_map_that_cannot_be_written_keeps_the_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

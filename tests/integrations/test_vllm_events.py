@@ -227,3 +227,52 @@ def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
     assert [s for s, _ in pub._buffer] == list(range(len(steps)))  # noqa: SLF001
     assert all(decode(p).events for _, p in pub._buffer)  # noqa: SLF001
     pub.shutdown()
+
+
+TIER = CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=1)
+
+
+def tier_events() -> list[object]:
+    """A host tier of one block (core/host.py): a's third block evicted to it, then dropped for b's, then loaded
+    back for c (b's prompt again): offloads, a removal from the tier, a load."""
+    from pagedkv.core import release
+
+    s = initial_state(TIER)
+    out: list[object] = []
+    for rid, toks in (("a", range(1, 14)), ("b", range(100, 113)), ("c", range(200, 213)), ("d", range(100, 113))):
+        step = admit(s, RequestSpec(rid, (RowSpec.of_tokens(list(toks)),))).unwrap()
+        out += step.effect.events
+        s = release(commit(step.state, rid, [13]).unwrap().state, rid, "finished").unwrap().state
+    return out
+
+
+def test_the_host_tiers_events_go_out_as_vllms_cpu_tier_sends_them() -> None:
+    """Against vLLM's own offloading connector events tracker where vLLM is installed: the same ``BlockStored`` and
+    ``BlockRemoved`` (``medium="CPU"``, the hash and group alone), field for field; a load is announced by nobody."""
+    from pagedkv.core.events import BlockOffloaded, BlockOnloaded, HostBlockRemoved
+
+    core = tier_events()
+    host = [e for e in core if isinstance(e, (BlockOffloaded, HostBlockRemoved))]
+    assert any(isinstance(e, BlockOnloaded) for e in core) and {type(e) for e in host} == {
+        BlockOffloaded,
+        HostBlockRemoved,
+    }
+    ours = [e for e in to_vllm(core, TIER) if getattr(e, "medium", None) == "CPU"]
+    assert len(ours) == len(host)  # (each alone: no two removals of the tier in a row here)
+    assert all(e.block_size == 0 and e.token_ids == [] for e in ours if isinstance(e, BlockStored))
+    base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed here")
+    tracking = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.events")
+    import msgspec
+
+    tracker = tracking.OffloadingEventsTracker(base.OffloadingKVEventsConfig(True, False))
+    raw = [
+        base.OffloadingEvent(
+            keys=[base.make_offload_key(e.block_hash, e.group)],
+            medium=base.Medium.CPU,
+            removed=isinstance(e, HostBlockRemoved),
+        )
+        for e in host
+    ]
+    theirs = list(tracker.take_events(raw))
+    assert [type(e).__name__ for e in theirs] == [type(e).__name__ for e in ours]
+    assert [msgspec.structs.asdict(e) for e in theirs] == [msgspec.structs.asdict(e) for e in ours]

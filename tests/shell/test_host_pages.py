@@ -121,3 +121,38 @@ def test_batched_copies_mean_what_the_recorded_order_means() -> None:
         got_host = torch.cat([host for _, host in pages.sides])
         assert torch.equal(got_host, want_host), (seed, events)
         assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], want_dev)), (seed, events)
+
+
+def test_a_slot_whose_store_failed_is_never_read() -> None:
+    """A store that raises leaves its slots unwritten: a load of one raises (``ShellError``: its step's requests
+    fail) and writes nothing; a store that writes the slot again makes it readable."""
+    import torch
+
+    from pagedkv.core import CacheConfig
+    from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+    from pagedkv.shell.errors import ShellError
+    from pagedkv.shell.host_pages import HostPages
+    from pagedkv.shell.pool import PagePool
+
+    h = bytes(16)
+    pool = PagePool(CacheConfig(block_size=2, num_blocks=6), num_layers=2, kv_heads=1, head_dim=2)
+    for t in [*pool.k, *pool.v]:
+        t.copy_(torch.randn(t.shape))
+    pages = HostPages(pool, 4)
+    real = HostPages._store
+
+    def broken(self: HostPages, blocks: list[int], slots: list[int]) -> None:
+        raise RuntimeError("a device-to-host copy failed")
+
+    HostPages._store = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError):
+            pages.apply([BlockOffloaded(h, 0, 1, 2)])
+    finally:
+        HostPages._store = real  # type: ignore[method-assign]
+    before = [t.clone() for t in [*pool.k, *pool.v]]
+    with pytest.raises(ShellError, match=r"host slots \[2\] were never written"):
+        pages.apply([BlockOnloaded(h, 0, 2, 3)])
+    assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], before))
+    pages.apply([BlockOffloaded(h, 0, 4, 2), BlockOnloaded(h, 0, 2, 3)])
+    assert all(torch.equal(t[3], t[4]) for t in [*pool.k, *pool.v])

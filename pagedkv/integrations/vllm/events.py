@@ -21,10 +21,12 @@ from pagedkv.core.config import CacheConfig
 from pagedkv.core.events import AllBlocksCleared as CoreCleared
 from pagedkv.core.events import BlockRemoved as CoreRemoved
 from pagedkv.core.events import BlockStored as CoreStored
+from pagedkv.core.events import BlockOffloaded, HostBlockRemoved
 from pagedkv.core.events import KVEvent
 from pagedkv.core.kinds import GroupKind
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host tier's (core/host.py): as vLLM's offloading connector publishes its CPU tier
 SPEC_KIND = {
     GroupKind.FULL: "full_attention",
     GroupKind.SLIDING_WINDOW: "sliding_window",
@@ -138,7 +140,9 @@ def to_vllm(
     external: Callable[[bytes], int | bytes] = int64_hash,
 ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
-    chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks.
+    chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks. The host
+    tier's (``BlockOffloaded``, ``HostBlockRemoved``) go out with ``medium="CPU"`` as vLLM's offloading connector
+    sends its CPU tier's; a load back (``BlockOnloaded``) is announced by nobody, as there.
     ``request``: the stores carry its adapter and session and each block's extra keys, as vLLM's manager
     sends them; ``external``: a hash as the events carry it (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``:
     the int64 form, or the bytes)."""
@@ -178,11 +182,34 @@ def to_vllm(
             last = (ev.group, ev.block_hash)
             continue
         last = None
-        if isinstance(ev, CoreRemoved):
+        if isinstance(ev, BlockOffloaded):  # (vLLM's offloading connector's store: the hash and group alone)
+            out.append(_host_stored(external(ev.block_hash), ev.group))
+        elif isinstance(ev, HostBlockRemoved):  # (one removal a run of a group's, as the connector batches them)
+            prev = out[-1] if out else None
+            if isinstance(prev, BlockRemoved) and prev.medium == MEDIUM_CPU and prev.group_idx == ev.group:
+                prev.block_hashes.append(external(ev.block_hash))
+            else:
+                out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=MEDIUM_CPU, group_idx=ev.group))
+        elif isinstance(ev, CoreRemoved):
             out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=medium, group_idx=ev.group))
         elif isinstance(ev, CoreCleared):
             out.append(AllBlocksCleared())
     return out
+
+
+def _host_stored(block_hash: int | bytes, group: int) -> BlockStored:
+    """A block the host tier keeps, as vLLM's offloading connector announces a block its CPU tier stored (its
+    events tracker's payload without self-describing events: the hash and the group, ``block_size`` 0)."""
+    return BlockStored(
+        block_hashes=[block_hash],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium=MEDIUM_CPU,
+        lora_name=None,
+        group_idx=group,
+    )
 
 
 def to_vllm_batch(

@@ -53,9 +53,10 @@ def _quiet_stdout() -> None:
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from pagedkv.app.denoise import add_parser as add_denoise
     from pagedkv.app.generate import add_parser as add_generate
+    from pagedkv.app.serve import add_parser as add_serve
 
     parser = Parser(prog="pagedkv", description="A scheduler-managed paged KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,replay,check,denoise}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,replay,check,denoise}")
     p = sub.add_parser(
         "replay",
         help="re-run a trace (contract version 1) through the core",
@@ -159,6 +160,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--json", action="store_true", help='end with {"states", "depth", "violations", "seconds", "exhaustive"}'
     )
     generate = add_generate(sub)
+    add_serve(sub)
     add_denoise(sub)
     return parser, generate
 
@@ -172,6 +174,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from pagedkv.app.generate import run
 
         return run(args)
+    if args.command == "serve":
+        from pagedkv.app.serve import run as run_serve
+
+        return run_serve(args)
     if args.command == "replay":
         return _replay(args.file, args.json, args.check, args.page_map)
     return _check(args)

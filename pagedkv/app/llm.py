@@ -12,7 +12,7 @@ Usage (loads SmolLM2, so it is shown here and run in tests/models/test_smollm2.p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pagedkv.app.args import auto_threads
@@ -22,7 +22,7 @@ from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.outcomes import Completion
-from pagedkv.shell.sampling import Logprob, SamplingParams
+from pagedkv.shell.sampling import Logprob, SamplingParams, fan_out
 
 Prompt = str | Mapping[str, Any]  # text, or vLLM's {"prompt": text} / {"prompt_token_ids": [ids]}
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
@@ -166,11 +166,7 @@ class LLM:
         """Every prompt's ``n`` sequences as requests of one sequence each, served together; grouped back."""
         from pagedkv.app.report import progress_bar
 
-        requests = [
-            (text, ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i))
-            for (text, ids), p in zip(prompts, params)
-            for i in range(p.n)
-        ]
+        requests = [(text, ids, q) for (text, ids), p in zip(prompts, params) for q in fan_out(p)]
         bar = progress_bar(len(requests), disable=not use_tqdm)
         try:
             done = self.engine.generate(requests, on_finish=lambda _: bar.update(1))

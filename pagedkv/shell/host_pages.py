@@ -40,7 +40,7 @@ class HostPages:
         cuda = pool.device.type == "cuda"
         self.sides = [(dev, torch.zeros((len(dev), blocks, *dev[0].shape[1:]), dtype=dev[0].dtype, pin_memory=cuda))
                       for dev in (pool.k, pool.v) if dev]  # fmt: skip
-        self.stream = torch.cuda.Stream(pool.device) if cuda else None  # the copies' own stream (CUDA)
+        self.stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # the copies' own stream (CUDA)
         # store batches on their way to the host: (event, slots, pinned staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
         self.in_flight: set[int] = set()  # the slots they write
@@ -80,14 +80,14 @@ class HostPages:
         waited for); load staging no longer read let go."""
         while self.pending:
             event, slots, staged = self.pending[0]
-            if not wait and not event.query():
+            if not wait and not event.query():  # type: ignore[no-untyped-call]
                 break
             event.synchronize()
             for (_, host), pinned in zip(self.sides, staged):
                 host.index_copy_(1, slots, pinned)
             self.pending.pop(0)
         self.in_flight = {int(s) for _, slots, _ in self.pending for s in slots}
-        self.staging = [x for x in self.staging if not x[0].query()]
+        self.staging = [x for x in self.staging if not x[0].query()]  # type: ignore[no-untyped-call]
 
     def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         if stores:
@@ -127,7 +127,7 @@ class HostPages:
                 pinned = torch.empty((len(dev), len(blocks), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
                 pinned.copy_(torch.stack([d.index_select(0, at) for d in dev]), non_blocking=True)
                 staged.append(pinned)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         self.pending.append((event, dst, staged))
         self.in_flight.update(slots)
@@ -155,6 +155,6 @@ class HostPages:
                 for d, r in zip(dev, rows):
                     d.index_copy_(0, at, r)
                 held.append(pinned)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         self.staging.append((event, held))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -70,6 +70,15 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Does sampling need this request's ids (a penalty on)?"""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """A prompt's ``n`` sequences as requests of one sequence each, the i-th seeded ``seed + i`` (vLLM's rule).
+
+    >>> [p.seed for p in fan_out(SamplingParams(n=3, seed=5))], fan_out(SamplingParams(n=2))[1].seed
+    ([5, 6, 7], None)
+    """
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
 
 
 def params_problem(params: object) -> str | None:

@@ -185,9 +185,9 @@ def to_vllm(
         if isinstance(ev, BlockOffloaded):  # (vLLM's offloading connector's store: the hash and group alone)
             out.append(_host_stored(external(ev.block_hash), ev.group))
         elif isinstance(ev, HostBlockRemoved):  # (one removal a run of a group's, as the connector batches them)
-            prev = out[-1] if out else None
-            if isinstance(prev, BlockRemoved) and prev.medium == MEDIUM_CPU and prev.group_idx == ev.group:
-                prev.block_hashes.append(external(ev.block_hash))
+            tail = out[-1] if out else None
+            if isinstance(tail, BlockRemoved) and tail.medium == MEDIUM_CPU and tail.group_idx == ev.group:
+                tail.block_hashes.append(external(ev.block_hash))
             else:
                 out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=MEDIUM_CPU, group_idx=ev.group))
         elif isinstance(ev, CoreRemoved):

@@ -1,0 +1,95 @@
+"""``pagedkv serve [MODEL]``: the engine behind OpenAI's HTTP API (app/openai_api.py) on uvicorn, its engine in a
+thread of its own (app/engine_loop.py). The model, engine and sampling flags are ``generate``'s (vLLM's names);
+``--host``, ``--port``, ``--api-key``, ``--served-model-name`` and ``--max-waiting`` are the server's."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import socket
+import sys
+from dataclasses import replace
+from typing import Any
+
+from pagedkv.app.args import USAGE_EXIT, UsageError, bounded_int
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedkv.app.generate import add_parser as add_engine_flags
+
+    s = add_engine_flags(sub, "serve")
+    s.add_argument("model_path", nargs="?", metavar="MODEL", help="the model to serve (as --model)")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=bounded_int(0, 65535), default=DEFAULT_PORT, help="default 8000; 0: any free port")
+    s.add_argument("--api-key", metavar="KEY", help="requests must carry 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: its file's)")
+    s.add_argument(
+        "--max-waiting",
+        type=bounded_int(1, 1 << 20),
+        default=1024,
+        metavar="N",
+        help="requests waiting beyond which the server answers 503 with Retry-After (default 1024)",
+    )
+    return s
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.app.args import resolve_device
+    from pagedkv.app.devices import check_backend, check_device
+    from pagedkv.app.generate import _auto_threads, _engine, sampling_defaults
+
+    try:
+        if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+            raise UsageError("serving needs Starlette and uvicorn: pip install 'pagedkv[serve]'")
+        if args.model_path and args.model and args.model_path != args.model:
+            raise UsageError(f"two models given: {args.model_path} and --model {args.model}")
+        args.model = args.model or args.model_path
+        args.device = resolve_device(args.device)
+        check_device(args.device, 1)
+        check_backend(args.backend, args.device)
+        sock = listen(args.host, args.port)
+    except UsageError as e:
+        print(f"pagedkv serve: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    import torch
+    import uvicorn
+
+    from pagedkv.app.engine_loop import EngineLoop
+    from pagedkv.app.openai_api import OpenAIServer
+
+    torch.set_num_threads(args.threads or _auto_threads(args.device))
+    args.page_map = None
+    built = _engine(args, None)
+    if isinstance(built, int):
+        sock.close()
+        return built
+    engine, tok = built
+    name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+    loop = EngineLoop(engine, tok, max_waiting=args.max_waiting).start()
+    max_tokens = args.max_tokens or args.sampling_defaults.get("max_tokens") or 64
+    defaults = replace(sampling_defaults(args), max_tokens=max_tokens)
+    server = OpenAIServer(loop, name, defaults=defaults, api_key=args.api_key)
+    host, port = sock.getsockname()[:2]
+    print(f"pagedkv serve: {name} on http://{host}:{port}/v1 (engine on {args.device})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(server.app(), log_level="warning", access_log=False)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        loop.close()
+    return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound and listening (a port taken, an address not here: a ``UsageError``, before the model loads)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock

@@ -1,0 +1,246 @@
+"""``pagedkv serve`` (issue 52): OpenAI's API over the engine, with the real ``openai`` client against a server on
+loopback (SmolLM2 on the CPU): greedy text equals the engine's own (``pagedkv generate``'s path), streamed equals
+not streamed, ``n`` and stop strings, a client gone frees its request's blocks, bad requests answer 400 with
+OpenAI's error object, a full queue 503, an engine fault ends only its requests, ``/metrics`` parses."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette", reason="pagedkv serve needs Starlette and uvicorn (pip install 'pagedkv[serve]')")
+pytest.importorskip("uvicorn", reason="pagedkv serve needs Starlette and uvicorn (pip install 'pagedkv[serve]')")
+openai = pytest.importorskip("openai", reason="the tests talk to the server with the openai client")
+httpx = pytest.importorskip("httpx", reason="the tests talk to the server with httpx too")
+
+import uvicorn  # noqa: E402
+
+from pagedkv.app.engine_loop import EngineLoop, Sequence  # noqa: E402
+from pagedkv.app.openai_api import OpenAIServer  # noqa: E402
+from pagedkv.shell.engine import Engine  # noqa: E402
+from pagedkv.shell.sampling import SamplingParams  # noqa: E402
+
+NAME = "SmolLM2-135M-Instruct"
+
+
+class Served:
+    """A server on loopback over a fresh engine; ``url`` its base."""
+
+    def __init__(self, model: Any, tok: Any, **kw: Any) -> None:
+        self.engine = Engine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+        self.loop = EngineLoop(self.engine, tok, max_waiting=kw.pop("max_waiting", 64)).start()
+        self.api = OpenAIServer(self.loop, NAME, defaults=SamplingParams(max_tokens=16), **kw)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.api.app(), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+
+    def client(self, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+    def held(self) -> int:
+        kv = self.engine.state.kv
+        return kv.config.usable_blocks - kv.free_blocks
+
+
+@pytest.fixture(scope="module")
+def served(smollm2: tuple[Any, dict[str, Any]]) -> Iterator[Served]:
+    from pagedkv.models.tokenizer import Tokenizer
+
+    model, meta = smollm2
+    s = Served(model, Tokenizer(meta))  # type: ignore[arg-type]
+    yield s
+    s.close()
+    assert s.loop.live == {} and s.engine.requests == {}  # (nothing held once every test's requests ended)
+
+
+def engine_text(served: Served, ids: list[int], params: SamplingParams) -> list[str]:
+    """What the engine alone gives (``pagedkv generate``'s path): a fresh engine on the same weights."""
+    eng = Engine(served.engine.model, served.engine.tokenizer, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+    from pagedkv.shell.sampling import fan_out
+
+    return [c.text for c in eng.generate([("", ids, p) for p in fan_out(params)])]
+
+
+def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
+    tok = served.engine.tokenizer
+    client = served.client()
+    prompt = "The three primary colors are"
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+    want = engine_text(served, tok.encode(prompt), SamplingParams(max_tokens=20))
+    assert [c.text for c in got.choices] == want and got.usage.prompt_tokens == len(tok.encode(prompt))
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == want[0] and len([p for p in pieces if p]) > 3  # (incremental, not one piece)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    ids = tok.encode(tok.apply_chat_template(messages))
+    assert chat.choices[0].message.content == engine_text(served, ids, SamplingParams(max_tokens=24))[0]
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, stream=True, temperature=0)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens  # (the final usage chunk)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+
+
+def test_n_seeded_sequences_and_stop_strings(served: Served) -> None:
+    tok = served.engine.tokenizer
+    client = served.client()
+    prompt = "Once upon a time"
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0.9, seed=7, n=3)
+    want = engine_text(served, tok.encode(prompt), SamplingParams(max_tokens=16, temperature=0.9, seed=7, n=3))
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want and len(set(want)) > 1
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=16, temperature=0.9, seed=7, n=3, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+    stopped = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
+    plain = engine_text(served, tok.encode("1, 2, 3, 4,"), SamplingParams(max_tokens=30))[0]
+    assert stopped.choices[0].finish_reason == "stop" and " 7" in plain
+    assert stopped.choices[0].text == plain[: plain.index(" 7")]
+    pieces = client.completions.create(
+        model=NAME, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"], stream=True
+    )
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == stopped.choices[0].text
+
+
+def test_a_client_gone_cancels_its_request_and_its_blocks_go_back(served: Served) -> None:
+    before = served.loop.metrics.finished.get("cancelled", 0)
+    body = {"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(3)]  # (a few chunks arrived: the request runs)
+        assert served.held() > 0
+    deadline = time.time() + 20
+    while (served.held() or served.loop.live) and time.time() < deadline:
+        time.sleep(0.05)
+    assert served.held() == 0 and served.loop.live == {}
+    assert served.loop.metrics.finished.get("cancelled", 0) == before + 1
+    body["stream"] = False  # (not streamed: the server sees the client gone while it waits)
+    try:
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=1.0)
+    except httpx.ReadTimeout:
+        pass
+    deadline = time.time() + 20
+    while (served.held() or served.loop.live) and time.time() < deadline:
+        time.sleep(0.05)
+    assert served.held() == 0 and served.loop.metrics.finished.get("cancelled", 0) == before + 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "model": "gpt-4"}, "model"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": [1, 2, 10**9]}, None),  # (an id outside the vocabulary: the engine's refusal)
+    ],
+)
+def test_a_bad_request_is_a_400_with_openais_error_object(
+    served: Served, body: dict[str, Any], param: str | None
+) -> None:
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["param"] == param and err["message"]
+
+
+def test_malformed_json_and_a_missing_key(served: Served, smollm2: tuple[Any, dict[str, Any]]) -> None:
+    for raw in (b"{bad", b"[1, 2]", b'{"messages": []}'):
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        r = httpx.post(f"{served.url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    with pytest.raises(openai.BadRequestError, match="temperature must be a finite number >= 0"):
+        served.client().completions.create(model=NAME, prompt="x", temperature=-1)
+    from pagedkv.models.tokenizer import Tokenizer
+
+    locked = Served(smollm2[0], Tokenizer(smollm2[1]), api_key="sesame")  # type: ignore[arg-type]
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            locked.client(api_key="wrong").models.list()
+        assert [m.id for m in locked.client(api_key="sesame").models.list()] == [NAME]
+        assert httpx.get(f"{locked.url}/health").status_code == 200  # (health needs no key)
+    finally:
+        locked.close()
+
+
+def test_a_full_queue_answers_503_with_a_retry_hint(smollm2: tuple[Any, dict[str, Any]]) -> None:
+    """An engine loop not started: what is submitted stays queued; past ``max_waiting`` the answer is 503."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from pagedkv.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2[1])  # type: ignore[arg-type]
+    engine = Engine(smollm2[0], tok, kv_cache_memory_bytes=8 << 20)  # type: ignore[arg-type]
+    loop = EngineLoop(engine, tok, max_waiting=2)
+    loop.submit([Sequence(f"q{i}", [1, 2], SamplingParams(), asyncio.new_event_loop()) for i in range(2)])
+    with TestClient(OpenAIServer(loop, NAME).app()) as http:
+        r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "full" in r.json()["error"]["message"]
+    assert loop.queued == 2  # (the refused request took no place)
+
+
+def test_an_engine_fault_ends_its_requests_and_the_server_serves_on(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, calls = Engine._launch, []
+
+    def once(self: Engine, *a: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("a device fault")
+        return real(self, *a)
+
+    monkeypatch.setattr(Engine, "_launch", once)
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and "a device fault" in r.json()["error"]["message"]
+    ok = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and served.held() == 0
+
+
+def test_metrics_parse_under_vllms_names(served: Served) -> None:
+    parser = pytest.importorskip("prometheus_client.parser", reason="the metrics are read with prometheus_client")
+    served.client().completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0)
+    text = httpx.get(f"{served.url}/metrics").text
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):  # fmt: skip
+        assert name in families, (name, sorted(families))
+    ttft = {s.name: s.value for s in families["vllm:time_to_first_token_seconds"].samples}
+    assert ttft["vllm:time_to_first_token_seconds_count"] >= 1
+    generated = families["vllm:generation_tokens"].samples[0].value
+    assert generated >= 3 and json.loads(httpx.get(f"{served.url}/v1/models").text)["data"][0]["id"] == NAME

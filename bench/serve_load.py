@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import random
 import resource
 import socket
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -140,6 +142,12 @@ def measured(url: str, *args: Any) -> dict[str, Any]:
     return result
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -157,22 +165,34 @@ def main() -> None:
     )
     ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the server's process (the engine and HTTP threads share one interpreter)",
+    )
+    ap.add_argument("--skip-offline", action="store_true", help="the server alone")
+    ap.add_argument("--soak", type=int, default=0, help="N tiny requests: the server's memory after ten and after N")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
     tok = Tokenizer(meta)
     work = mix(args.requests, 0, args.longest)
     seqs = args.concurrency or args.max_num_seqs
     kw = {"max_num_seqs": seqs, "kv_cache_memory_bytes": args.kv_cache_memory << 20}
 
-    offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
-    offline.generate([("", tok.encode(p), SamplingParams(max_tokens=4)) for p, _ in work[:4]])
-    t0 = time.perf_counter()
-    done = offline.generate([("", tok.encode(p), SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in work])
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    off_s = time.perf_counter() - t0
-    off_tokens = sum(len(c.token_ids) for c in done)
+    off_s, off_tokens = float("nan"), 0
+    if not args.skip_offline and not args.soak:
+        offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
+        offline.generate([("", tok.encode(p), SamplingParams(max_tokens=4)) for p, _ in work[:4]])
+        t0 = time.perf_counter()
+        done = offline.generate([("", tok.encode(p), SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in work])
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        off_s = time.perf_counter() - t0
+        off_tokens = sum(len(c.token_ids) for c in done)
 
     engine = Engine(model, tok, **kw)
     loop = EngineLoop(engine, tok, max_waiting=1 << 16).start()
@@ -187,6 +207,23 @@ def main() -> None:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     measured(url, work[:4], 100.0, 1)  # (warm)
+    if args.soak:  # (tiny requests, many: what the server holds after ten, and after all of them)
+        tiny = [(" ".join(WORDS[i % len(WORDS)] for i in range(k % 7, k % 7 + 8)), 2) for k in range(args.soak)]
+        measured(url, tiny[:10], 100.0, 2, 8)
+        gc.collect()
+        after_ten = rss_mib()
+        t0 = time.perf_counter()
+        r = measured(url, tiny, 100.0, 3, args.concurrency or 32)
+        gc.collect()
+        print(
+            f"soak: {args.soak} requests in {time.perf_counter() - t0:.0f} s ({r['lost']} short of their tokens); "
+            f"server RSS {after_ten:.0f} MiB after ten, {rss_mib():.0f} MiB after all; live after: engine "
+            f"{len(engine.requests)}, loop {len(loop.live)}; finished {dict(loop.metrics.finished)}"
+        )
+        server.should_exit = True
+        thread.join(timeout=10)
+        loop.close()
+        return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     r = measured(url, work, args.rate, 0, args.concurrency)
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

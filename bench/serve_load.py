@@ -193,6 +193,8 @@ def main() -> None:
             torch.cuda.synchronize()
         off_s = time.perf_counter() - t0
         off_tokens = sum(len(c.token_ids) for c in done)
+        del offline, done  # (its objects would make every collection of the server's run longer)
+        gc.collect()
 
     engine = Engine(model, tok, **kw)
     loop = EngineLoop(engine, tok, max_waiting=1 << 16).start()

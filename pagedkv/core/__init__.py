@@ -33,7 +33,7 @@ from pagedkv.core.hashing import hash_block, root_hash
 from pagedkv.core.kinds import GroupKind
 from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
 from pagedkv.core.placeholders import fill, fill_many, truncate, truncate_many
-from pagedkv.core.release import release, release_many, reset, reset_prefix_cache
+from pagedkv.core.release import forget_host, release, release_many, reset, reset_prefix_cache
 from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import (
@@ -105,6 +105,7 @@ __all__ = [
     "request_generation",
     "reset",
     "reset_prefix_cache",
+    "forget_host",
     "root_hash",
     "row_token_ids",
     "takes_generation",

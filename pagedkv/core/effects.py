@@ -86,6 +86,15 @@ class PrefixCacheReset:
 
 
 @dataclass(frozen=True, slots=True)
+class HostForgotten:
+    """``forget_host``: the host tier's entries in these slots dropped (their bytes were never written)."""
+
+    slots: tuple[int, ...]  # the slots asked
+    forgotten: int  # entries dropped
+    events: tuple[KVEvent, ...] = ()  # a HostBlockRemoved each
+
+
+@dataclass(frozen=True, slots=True)
 class Filled:
     """Token ids arrived for positions a row grew by without them (placeholders)."""
 

@@ -34,6 +34,7 @@ class HostTier:
     oldest: int = 0  # no entry has a smaller tick
     next_tick: int = 0
     next_slot: int = 0  # slots [0, next_slot) have been handed out (a full tier reuses a dropped entry's)
+    spare: tuple[int, ...] = ()  # handed-out slots no entry holds (``forget_host``'s), taken again first
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -45,16 +46,19 @@ EMPTY_HOST = HostTier()
 class HostEdit:
     """A transition's working copy of the tier (``Txn.host``)."""
 
-    __slots__ = ("entries", "by_tick", "oldest", "next_tick", "next_slot", "pinned")
+    __slots__ = ("entries", "by_tick", "oldest", "next_tick", "next_slot", "spare", "pinned")
 
     def __init__(self, tier: HostTier) -> None:
         self.entries: MapMutation[Key, tuple[int, int]] = tier.entries.mutate()
         self.by_tick: MapMutation[int, Key] = tier.by_tick.mutate()
         self.oldest, self.next_tick, self.next_slot = tier.oldest, tier.next_tick, tier.next_slot
+        self.spare = tier.spare
         self.pinned: set[Key] = set()  # entries this transition loads: never dropped by it
 
     def done(self) -> HostTier:
-        return HostTier(self.entries.finish(), self.by_tick.finish(), self.oldest, self.next_tick, self.next_slot)
+        return HostTier(
+            self.entries.finish(), self.by_tick.finish(), self.oldest, self.next_tick, self.next_slot, self.spare
+        )
 
     def touch(self, key: Key) -> int:
         """``key``'s slot, the entry now the most recently used, pinned for this transition."""
@@ -70,7 +74,9 @@ class HostEdit:
         """A slot for ``key`` (not in the tier), the most recently used, and the entry dropped for it; None when
         every entry is pinned (the block is not kept)."""
         dropped: Key | None = None
-        if self.next_slot < capacity:
+        if self.spare:
+            slot, self.spare = self.spare[0], self.spare[1:]
+        elif self.next_slot < capacity:
             slot = self.next_slot
             self.next_slot += 1
         else:
@@ -84,6 +90,12 @@ class HostEdit:
         self.by_tick[self.next_tick] = key
         self.next_tick += 1
         return slot, dropped
+
+    def forget(self, gone: list[tuple[int, Key]]) -> None:
+        """Drop these entries, (slot, key) each (their slots spare)."""
+        for _, key in gone:
+            del self.by_tick[self.entries.pop(key)[1]]
+        self.spare = tuple(sorted({*self.spare, *(slot for slot, _ in gone)}))
 
     def _least_recent(self) -> Key | None:
         """The least recently used entry not pinned (the pointer moves past ticks taken away)."""

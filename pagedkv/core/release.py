@@ -16,10 +16,10 @@ from returns.result import Failure, Result, Success
 import pagedkv.core.pool as pool
 from pagedkv.core.caching import save_states
 from pagedkv.core.commit import forget_ahead
-from pagedkv.core.effects import PrefixCacheReset, Released, ReleaseReason, WasReset
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_request_id, shown
+from pagedkv.core.effects import HostForgotten, PrefixCacheReset, Released, ReleaseReason, WasReset
+from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_int, is_request_id, shown
 from pagedkv.core.host import EMPTY_HOST
-from pagedkv.core.events import AllBlocksCleared, KVEvent
+from pagedkv.core.events import AllBlocksCleared, HostBlockRemoved, KVEvent
 from pagedkv.core.index import PrefixIndex
 from pagedkv.core.state import KVState, Request, Step, initial_state
 from pagedkv.core.txn import Txn
@@ -156,6 +156,33 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1, host=EMPTY_HOST)  # (the host tier's too)
     # every successful reset says so, an empty cache's too: vLLM's block pool does, and a router counts on it
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if state.config.kv_events else ())))
+
+
+def forget_host(state: KVState, slots: Iterable[int]) -> Result[Step[HostForgotten], KVError]:
+    """Drop the host tier's entries in ``slots``: the shell could not write them (a store that failed), so no
+    hit may load them. Each dropped entry's ``HostBlockRemoved``; its slot is taken again first. A slot no entry
+    holds is passed over; one outside the tier is ``INVALID`` (nothing changed).
+
+    >>> from pagedkv.core import CacheConfig, initial_state
+    >>> forget_host(initial_state(CacheConfig(block_size=4, num_blocks=9, host_blocks=2)), [1]).unwrap().effect.forgotten
+    0
+    """
+    cap = state.config.host_blocks
+    asked = tuple(slots) if isinstance(slots, (list, tuple)) else None
+    if asked is None or any(not is_int(x) or not 0 <= x < cap for x in asked):
+        return Failure(
+            invalid(
+                f"forget_host takes a list of host slots in [0, {cap}) (host_blocks), got {shown(slots):.80}",
+                field="slots",
+            )
+        )
+    wanted = set(asked)
+    gone = sorted((slot, key) for key, (slot, _) in state.host.entries.items() if slot in wanted)
+    txn = Txn(state)
+    txn.host.forget(gone)
+    for slot, (group, block_hash) in gone:
+        txn.events.append(HostBlockRemoved(block_hash, group, slot))
+    return Success(Step(txn.done(), HostForgotten(asked, len(txn.events), tuple(txn.events))))
 
 
 def _id_order(rid: RequestId) -> tuple[str, str | int]:

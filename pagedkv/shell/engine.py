@@ -26,6 +26,7 @@ from pagedkv.core.scheduler import (
     SeqRequest,
     StepPlan,
     cancel,
+    forget_host,
     new_scheduler,
     on_output,
     on_tokens,
@@ -297,7 +298,7 @@ class Engine:
                 rows = None if lps is None else lps.tolist()  # (asked by a request: read behind the ids)
                 sampled, stop = self.outcomes.take(plan, bound, tokens, on_token, self.stats, rows)
         except BaseException as e:  # noqa: BLE001 - any fault of the step ends the step's requests, not the engine
-            events = self._fail(plan, e, recorded, drafts)
+            events = self._fail(plan, e, recorded, drafts) + self._forget_unwritten()
             if not isinstance(e, Exception):  # (KeyboardInterrupt, SystemExit: the caller must see them)
                 with contextlib.suppress(Exception):
                     self._kv_events(scheduled_events + events)
@@ -418,6 +419,19 @@ class Engine:
 
         self.outcomes.record(errors)
         return tuple(events)
+
+    def _forget_unwritten(self) -> tuple[Any, ...]:
+        """The host tier's entries whose store failed, dropped by the core (``forget_host``: no hit loads them);
+        their events. Nothing without such slots."""
+        pages = self.host_pages
+        if pages is None or not pages.unwritten:
+            return ()
+        slots = sorted(pages.unwritten)
+        self.state = forget_host(self.state, slots).unwrap()  # (slots the tier handed out: always taken)
+        pages.unwritten.clear()
+        after = self.state
+        self.outcomes.record(lambda r: r.forget_host(slots, after))
+        return self.state.kv_events
 
     def _launch(self, plan: StepPlan, bound: list[Live]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each of the plan's forwards (``_forward``) and a sample of every row the plan samples (``bound``: their

@@ -15,9 +15,9 @@ their slots into pinned staging on the host and copy them in. The copy stream st
 it (a store reads what a forward wrote), and the compute stream waits for it before the forward (that reads the
 loaded blocks and may overwrite the stored ones). Elsewhere the copies are plain synchronous index copies.
 
-A store that fails fails its step (the engine's fault rule); its slots stay entries of the core's tier, unwritten,
-and a load that would read one fails its own step instead (``ShellError``), until a store writes the slot again:
-nothing unwritten is ever read."""
+A store that fails fails its step (the engine's fault rule) and leaves its slots in ``unwritten``: the engine has
+the core forget their entries (``forget_host``) once the step's requests have ended, so no hit loads them; until
+then a load that would read one fails its own step (``ShellError``): nothing unwritten is ever read."""
 
 from __future__ import annotations
 

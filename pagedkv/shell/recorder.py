@@ -49,6 +49,10 @@ class Recorder:
     def cancel(self, rid: RequestId, after: SchedState | None = None) -> None:
         self._line({"op": "cancel", "request": rid}, after)
 
+    def forget_host(self, slots: list[int], after: SchedState | None = None) -> None:
+        """Host-tier entries the engine could not write (a store that failed), dropped by the core."""
+        self._line({"op": "forget_host", "slots": slots}, after, forgotten=len(after.kv_events) if after else 0)
+
     def error(self, rid: RequestId, after: SchedState | None = None) -> None:
         """A request the engine ended with reason ``error`` (a failed step): the scheduler's cancel with that reason."""
         self._line({"op": "error", "request": rid}, after)

@@ -131,3 +131,34 @@ def test_a_load_whose_slot_a_store_reuses_is_caught(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(HostEdit, "touch", unpinned)
     result = check(CheckConfig(window=None, host_blocks=1, requests=2, usable_blocks=3, max_model_len=6))
     assert any("a load of slot 0" in v for v in result.violation) and result.trace
+
+
+def test_forget_host_drops_the_entries_of_slots_never_written_and_their_slots_go_first() -> None:
+    """A store the shell could not carry out: ``forget_host`` drops the entry in that slot (``HostBlockRemoved``),
+    a hit no longer reaches it, and the next block the tier keeps takes that slot; slots outside the tier are
+    refused with nothing changed; the trace op replays it."""
+    from pagedkv.core import forget_host
+    from pagedkv.core.verify.trace import replay
+
+    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=2))
+    s, _ = served(s, "a", A)
+    s, _ = served(s, "b", B)  # a's third block in slot 0
+    assert [slot for slot, _ in s.host.entries.values()] == [0]
+    before = digest(s)
+    bad = forget_host(s, [2])
+    assert bad.failure().field == "slots" and digest(s) == before  # type: ignore[union-attr]
+    step = forget_host(s, [0, 1]).unwrap()
+    assert step.effect.forgotten == 1 and [type(e) for e in step.effect.events] == [HostBlockRemoved]
+    s = step.state
+    assert len(s.host) == 0 and s.host.spare == (0,) and check_invariants(s) == []
+    s, c = served(s, "c", A)  # a's prompt again: two blocks hit on the device, the third not in the tier any more
+    assert c.cached_tokens == (8,) and not any(isinstance(e, BlockOnloaded) for e in c.events)
+    stores = [e for e in c.events if isinstance(e, BlockOffloaded)]
+    assert stores and stores[0].host_slot == 0 and s.host.spare == ()  # (the spare slot taken first)
+    header = {
+        "pagedkv_trace": 1,
+        "config": {"block_size": 4, "num_blocks": 7, "enable_prefix_caching": True, "host_blocks": 2},
+    }
+    lines = [json.dumps(header), json.dumps({"op": "forget_host", "slots": [0], "expect": {"ok": True, "forgotten": 0}}),
+             json.dumps({"op": "forget_host", "slots": "0", "expect": {"ok": False}})]  # fmt: skip
+    assert [ev.divergence for ev in replay(lines)] == [None, None]

@@ -156,3 +156,51 @@ def test_a_slot_whose_store_failed_is_never_read() -> None:
     assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], before))
     pages.apply([BlockOffloaded(h, 0, 4, 2), BlockOnloaded(h, 0, 2, 3)])
     assert all(torch.equal(t[3], t[4]) for t in [*pool.k, *pool.v])
+
+
+def test_a_failed_store_is_forgotten_by_the_core_and_the_trace_replays(
+    smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that raises fails its step; the engine has the core drop the tier's entries it could not write
+    (``forget_host``, recorded in the trace), so the next turns hit only what was written: the same tokens as
+    without the tier, and the recorded trace replays digest for digest."""
+    import io
+    import json
+
+    from pagedkv.core.verify.trace import replay
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.host_pages import HostPages
+
+    model, meta = smollm2
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    plain, _ = conversations(model, tok, None)
+    real, failed = HostPages._store, []
+
+    def flaky(self: HostPages, blocks: list[int], slots: list[int]) -> None:
+        if not failed:
+            failed.append(list(slots))
+            raise RuntimeError("a device-to-host copy failed")
+        real(self, blocks, slots)
+
+    monkeypatch.setattr(HostPages, "_store", flaky)
+    trace = io.StringIO()
+    eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05, trace=trace)
+    history: list[list[dict[str, str]]] = [[] for _ in range(3)]
+    errors, out = 0, []
+    for turn in range(3):
+        asks = []
+        for c in range(3):
+            history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
+            asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
+        for c, done in enumerate(eng.generate(asks)):
+            if done.finish_reason == "error":
+                errors += 1
+                done = eng.generate([asks[c]])[0]
+            history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
+            out.append(done.token_ids)
+    eng.finish_trace()
+    assert failed and errors and out == plain
+    lines = trace.getvalue().splitlines()
+    (forget,) = [json.loads(line) for line in lines if '"op": "forget_host"' in line]
+    assert forget["slots"] == sorted(failed[0]) and forget["expect"]["forgotten"] >= 1
+    assert all(ev.divergence is None for ev in replay(lines))

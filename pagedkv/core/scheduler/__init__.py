@@ -7,7 +7,7 @@ requests, state, plans), ``inputs`` (submit, cancel), ``policy`` (schedule), ``r
 """
 
 from pagedkv.core.scheduler.digest import sched_canonical, sched_digest
-from pagedkv.core.scheduler.inputs import cancel, submit
+from pagedkv.core.scheduler.inputs import cancel, forget_host, submit
 from pagedkv.core.scheduler.lifecycle import FinishReason, Move, Stage
 from pagedkv.core.scheduler.policy import schedule
 from pagedkv.core.scheduler.records import (
@@ -24,6 +24,7 @@ from pagedkv.core.scheduler.records import (
 from pagedkv.core.scheduler.results import on_output, on_tokens
 
 __all__ = [
+    "forget_host",
     "DiffusionRun",
     "Move",
     "FinishReason",

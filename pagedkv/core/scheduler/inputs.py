@@ -19,6 +19,7 @@ from pagedkv.core.errors import (
     is_seq,
     shown,
 )
+from pagedkv.core.release import forget_host as core_forget_host
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Move, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
@@ -87,6 +88,14 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
     if not is_request_id(request_id) or request_id not in state.seqs:
         return fail(ErrorCode.UNKNOWN_REQUEST, f"request {shown(request_id)} is not waiting or running", None)
     return Success(ended(state, request_id, reason))
+
+
+def forget_host(state: SchedState, slots: object) -> Result[SchedState, KVError]:
+    """The core's ``forget_host`` under the scheduler: host-tier entries the shell could not write dropped (a store
+    that failed); their ``HostBlockRemoved`` in ``kv_events``."""
+    return core_forget_host(state.kv, slots).map(  # type: ignore[arg-type]
+        lambda s: replace(state, kv=s.state, kv_events=s.effect.events)
+    )
 
 
 def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:

@@ -74,7 +74,7 @@ def _host_key(s: KVState) -> tuple[Any, ...]:
     if not len(tier):
         return ()
     order = sorted(tier.entries.items(), key=lambda kv: kv[1][1])
-    return tuple(k for k, _ in order), s.config.host_blocks - tier.next_slot
+    return tuple(k for k, _ in order), s.config.host_blocks - tier.next_slot + len(tier.spare)
 
 
 def _id_key(r: Any) -> tuple[str, Any]:

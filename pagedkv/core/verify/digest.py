@@ -51,6 +51,7 @@ def canonical(state: KVState) -> tuple[object, ...]:
     tier = state.host  # (absent without a host tier, so other states name as before)
     host = (
         (tuple(sorted((g, h.hex(), slot, tick) for (g, h), (slot, tick) in tier.entries.items())), tier.next_slot)
+        + ((tier.spare,) if tier.spare else ())  # (spare slots: forget_host's; absent otherwise, as before)
         if state.config.host_blocks
         else ()
     )

@@ -66,8 +66,9 @@ def _host_tier(s: KVState, bad: list[str]) -> None:
     ticks = {tick: key for key, (_, tick) in tier.entries.items()}
     if len(tier) > cap or not 0 <= tier.next_slot <= cap:
         bad.append(f"host tier: {len(tier)} entries, {tier.next_slot} slots handed out, capacity {cap}")
-    if len(set(slots)) != len(slots) or any(not 0 <= x < tier.next_slot for x in slots):
-        bad.append("host tier: two entries share a slot, or one holds a slot never handed out")
+    held = [*slots, *tier.spare]
+    if len(set(held)) != len(held) or any(not 0 <= x < tier.next_slot for x in held):
+        bad.append("host tier: two entries (or an entry and a spare slot) share a slot, or one was never handed out")
     if dict(tier.by_tick.items()) != ticks or any(not tier.oldest <= t < tier.next_tick for t in ticks):
         bad.append("host tier: its LRU order is not its entries' ticks")
 

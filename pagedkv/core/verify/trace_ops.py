@@ -16,8 +16,9 @@ from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.growth import Placeholders, append
 from pagedkv.core.metadata import KVMetadata
 from pagedkv.core.placeholders import fill, truncate
-from pagedkv.core.release import release, reset, reset_prefix_cache
+from pagedkv.core.release import forget_host, release, reset, reset_prefix_cache
 from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, on_tokens, schedule, submit
+from pagedkv.core.scheduler import forget_host as sched_forget_host
 from pagedkv.core.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
 from pagedkv.core.state import KVState, request_blocks
@@ -35,13 +36,15 @@ OPS = (
     "fill",
     "truncate",
     "turn_away",
+    "forget_host",
 )
-SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error")
+SCHEDULER_OPS = ("submit", "schedule", "output", "tokens", "cancel", "error", "forget_host")
 STEP_OPS = ("submit", "tick", "done", "fail", "cancel")  # a trace of DiT step batching (header "dit_steps": true)
 # fields a failed event of each op shows as null
 EXTRA_FIELDS = {
     "admit": ("cached_tokens", "blocks"),
     "turn_away": ("rows_tried",),
+    "forget_host": ("forgotten",),
     "append": ("blocks",),
     "commit": ("blocks",),
     "truncate": ("blocks",),
@@ -92,6 +95,8 @@ def apply_core(
         return mark_ready(state, ev["request"], ev.get("row", 0), ev.get("start"), ev.get("end")).map(  # type: ignore[arg-type]
             lambda s: (s.state, {"ready": list(s.effect.ready), "pending": list(s.effect.pending)}, s.effect)
         )
+    if op == "forget_host":  # host-tier entries the shell could not write (a store that failed)
+        return forget_host(state, ev.get("slots")).map(lambda s: (s.state, {"forgotten": s.effect.forgotten}, s.effect))
     if op == "reset":
         return reset(state).map(lambda s: (s.state, {}, s.effect))
     return reset_prefix_cache(state).map(lambda s: (s.state, {}, s.effect))
@@ -130,6 +135,10 @@ def apply_scheduler(
         step = on_output if op == "output" else on_tokens
         return step(state, pairs, stop).map(
             lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None)
+        )
+    if op == "forget_host":
+        return sched_forget_host(state, ev.get("slots")).map(
+            lambda s: (s, {"forgotten": sum(1 for _ in s.kv_events)}, None)
         )
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))

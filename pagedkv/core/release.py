@@ -158,7 +158,7 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if state.config.kv_events else ())))
 
 
-def forget_host(state: KVState, slots: Iterable[int]) -> Result[Step[HostForgotten], KVError]:
+def forget_host(state: KVState, slots: object) -> Result[Step[HostForgotten], KVError]:
     """Drop the host tier's entries in ``slots``: the shell could not write them (a store that failed), so no
     hit may load them. Each dropped entry's ``HostBlockRemoved``; its slot is taken again first. A slot no entry
     holds is passed over; one outside the tier is ``INVALID`` (nothing changed).

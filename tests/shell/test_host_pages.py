@@ -14,18 +14,30 @@ from pagedkv.shell.sampling import SamplingParams
 
 
 def conversations(model: Any, tok: Any, gib: float | None, turns: int = 3, **kw: Any) -> tuple[list[Any], Engine]:
+    """Three conversations of ``turns`` turns, each turn's prompt its whole history: every answer, and the engine."""
     eng = Engine(model, tok, **{"kv_cache_memory_bytes": 10 << 20, "max_num_seqs": 3, "kv_offloading_size": gib, **kw})
+    out, errors = through_faults(eng, tok, turns)
+    assert errors == 0
+    return out, eng
+
+
+def through_faults(eng: Engine, tok: Any, turns: int = 3) -> tuple[list[Any], int]:
+    """``conversations``' turns on ``eng``, a request a fault ended served again: every answer, and how many
+    requests a fault ended."""
     history: list[list[dict[str, str]]] = [[] for _ in range(3)]
-    out = []
+    errors, out = 0, []
     for turn in range(turns):
         asks = []
         for c in range(3):
             history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
             asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
         for c, done in enumerate(eng.generate(asks)):
+            if done.finish_reason == "error":
+                errors += 1
+                done = eng.generate([asks[c]])[0]  # (served again)
             history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
             out.append(done.token_ids)
-    return out, eng
+    return out, errors
 
 
 @pytest.mark.slow
@@ -68,19 +80,7 @@ def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
 
     monkeypatch.setattr(HostPages, "_load", flaky)
     eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05)
-    history: list[list[dict[str, str]]] = [[] for _ in range(3)]
-    errors, out = 0, []
-    for turn in range(3):
-        asks = []
-        for c in range(3):
-            history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
-            asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
-        for c, done in enumerate(eng.generate(asks)):
-            if done.finish_reason == "error":
-                errors += 1
-                done = eng.generate([asks[c]])[0]  # (served again)
-            history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
-            out.append(done.token_ids)
+    out, errors = through_faults(eng, tok)
     assert failed and errors and out == plain
 
 
@@ -185,19 +185,7 @@ def test_a_failed_store_is_forgotten_by_the_core_and_the_trace_replays(
     monkeypatch.setattr(HostPages, "_store", flaky)
     trace = io.StringIO()
     eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05, trace=trace)
-    history: list[list[dict[str, str]]] = [[] for _ in range(3)]
-    errors, out = 0, []
-    for turn in range(3):
-        asks = []
-        for c in range(3):
-            history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
-            asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
-        for c, done in enumerate(eng.generate(asks)):
-            if done.finish_reason == "error":
-                errors += 1
-                done = eng.generate([asks[c]])[0]
-            history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
-            out.append(done.token_ids)
+    out, errors = through_faults(eng, tok)
     eng.finish_trace()
     assert failed and errors and out == plain
     lines = trace.getvalue().splitlines()

@@ -93,9 +93,7 @@ def cancel(state: SchedState, request_id: RequestId, reason: str = "cancelled") 
 def forget_host(state: SchedState, slots: object) -> Result[SchedState, KVError]:
     """The core's ``forget_host`` under the scheduler: host-tier entries the shell could not write dropped (a store
     that failed); their ``HostBlockRemoved`` in ``kv_events``."""
-    return core_forget_host(state.kv, slots).map(  # type: ignore[arg-type]
-        lambda s: replace(state, kv=s.state, kv_events=s.effect.events)
-    )
+    return core_forget_host(state.kv, slots).map(lambda s: replace(state, kv=s.state, kv_events=s.effect.events))
 
 
 def ended(state: SchedState, request_id: RequestId, reason: str) -> SchedState:

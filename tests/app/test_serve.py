@@ -244,3 +244,20 @@ def test_metrics_parse_under_vllms_names(served: Served) -> None:
     assert ttft["vllm:time_to_first_token_seconds_count"] >= 1
     generated = families["vllm:generation_tokens"].samples[0].value
     assert generated >= 3 and json.loads(httpx.get(f"{served.url}/v1/models").text)["data"][0]["id"] == NAME
+
+
+def test_the_command_says_a_port_it_cannot_take_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.app.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    finally:
+        taken.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pagedkv serve: cannot listen on 127.0.0.1:{port}")
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two models given" in capsys.readouterr().err

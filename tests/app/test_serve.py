@@ -261,3 +261,76 @@ def test_the_command_says_a_port_it_cannot_take_in_one_line(capsys: pytest.Captu
     assert len(err) == 1 and err[0].startswith(f"pagedkv serve: cannot listen on 127.0.0.1:{port}")
     assert main(["serve", "a", "--model", "b"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_queue(
+    smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thirty clients at once on a server that takes eight waiting: some turned away (503, then tried again), some
+    gone mid-stream, one step failed under some. Every request the server took ends exactly once (its finish counted once: served,
+    cancelled or failed), every one served got all its tokens, and nothing is held or live after."""
+    import asyncio
+
+    from pagedkv.models.tokenizer import Tokenizer
+
+    real, calls = Engine._launch, []
+
+    def sometimes(self: Engine, *a: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("a device fault")
+        return real(self, *a)
+
+    monkeypatch.setattr(Engine, "_launch", sometimes)
+    s = Served(smollm2[0], Tokenizer(smollm2[1]), max_waiting=8)  # type: ignore[arg-type]
+    outcomes: list[str] = []
+
+    async def one(http: Any, k: int) -> None:
+        for _ in range(40):  # (turned away: tried again after the hint, as a client would)
+            if not await attempt(http, k):
+                return
+            await asyncio.sleep(0.25)
+
+    async def attempt(http: Any, k: int) -> bool:
+        """One try; whether it was turned away."""
+        body = {"prompt": f"Count to {k}:", "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            if r.status_code == 503:
+                outcomes.append("turned away")
+                return True
+            got, tokens = 0, None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    outcomes.append("failed")
+                    return False
+                got += 1
+                if k % 5 == 0 and got == 2:  # (this client goes away mid-stream)
+                    outcomes.append("gone")
+                    return False
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+            outcomes.append("served" if tokens == 6 else f"short {tokens}")
+            return False
+
+    async def all_of_them() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(one(http, k) for k in range(30)))
+
+    try:
+        asyncio.run(all_of_them())
+        deadline = time.time() + 20
+        while (s.loop.live or s.held()) and time.time() < deadline:
+            time.sleep(0.05)
+        taken = sum(o != "turned away" for o in outcomes)
+        finished = s.loop.metrics.finished
+        assert len(outcomes) - outcomes.count("turned away") == 30, outcomes  # (each client's last try was taken)
+        assert not [o for o in outcomes if o.startswith("short")], outcomes
+        assert {"turned away", "served", "gone", "failed"} <= set(outcomes), outcomes
+        assert sum(finished.values()) == taken, (finished, outcomes)  # (each request the server took ended once)
+        assert finished.get("length", 0) == outcomes.count("served")
+        assert s.loop.live == {} and s.engine.requests == {} and s.held() == 0
+    finally:
+        s.close()

@@ -209,19 +209,23 @@ def main() -> None:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     measured(url, work[:4], 100.0, 1)  # (warm)
-    if args.soak:  # (tiny requests, many: what the server holds after ten, and after all of them)
+    if args.soak:  # (tiny requests, many: what the server holds after ten, and after each fifth of them)
         tiny = [(" ".join(WORDS[i % len(WORDS)] for i in range(k % 7, k % 7 + 8)), 2) for k in range(args.soak)]
         measured(url, tiny[:10], 100.0, 2, 8)
         gc.collect()
-        after_ten = rss_mib()
-        t0 = time.perf_counter()
-        r = measured(url, tiny, 100.0, 3, args.concurrency or 32)
-        gc.collect()
-        print(
-            f"soak: {args.soak} requests in {time.perf_counter() - t0:.0f} s ({r['lost']} short of their tokens); "
-            f"server RSS {after_ten:.0f} MiB after ten, {rss_mib():.0f} MiB after all; live after: engine "
-            f"{len(engine.requests)}, loop {len(loop.live)}; finished {dict(loop.metrics.finished)}"
-        )
+        print(f"soak: after 10 requests the server holds {rss_mib():.0f} MiB", flush=True)
+        t0, done, lost = time.perf_counter(), 10, 0
+        for part in range(5):
+            chunk = tiny[part * len(tiny) // 5 : (part + 1) * len(tiny) // 5]
+            lost += measured(url, chunk, 100.0, 3 + part, args.concurrency or 32)["lost"]
+            done += len(chunk)
+            gc.collect()
+            print(
+                f"soak: after {done} requests ({time.perf_counter() - t0:.0f} s) the server holds {rss_mib():.0f} MiB; "
+                f"live: engine {len(engine.requests)}, loop {len(loop.live)}; short of their tokens {lost}",
+                flush=True,
+            )
+        print(f"soak: finished {dict(loop.metrics.finished)}")
         server.should_exit = True
         thread.join(timeout=10)
         loop.close()

@@ -121,11 +121,17 @@ class OpenAIServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest("each message must be an object with a string role and string content", "messages")
+        turns = [
+            {"role": m.get("role"), "content": _content(m.get("content"))} for m in messages if isinstance(m, dict)
+        ]
+        if len(turns) != len(messages) or any(not isinstance(t["role"], str) or t["content"] is None for t in turns):
+            raise BadRequest(
+                "each message must be an object with a string role and content: a string, or text parts "
+                '([{"type": "text", "text": ...}])',
+                "messages",
+            )
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+            text = self.tokenizer.apply_chat_template(turns)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
         return await self._serve(request, body, [list(self.tokenizer.encode(text))], chat=True)
@@ -310,6 +316,16 @@ class Awaited(Response):
             tg.start_soon(listen)
         if result:
             await result[0](scope, receive, send)
+
+
+def _content(content: Any) -> str | None:
+    """A message's text: a string, or OpenAI's content parts when every one is text (joined); None otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        texts = [p.get("text") for p in content]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+    return None
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -96,6 +96,14 @@ def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     ids = tok.encode(tok.apply_chat_template(messages))
     assert chat.choices[0].message.content == engine_text(served, ids, SamplingParams(max_tokens=24))[0]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is the "}, {"type": "text", "text": "capital of France?"}],
+        }
+    ]
+    again = client.chat.completions.create(model=NAME, messages=parts, max_tokens=24, temperature=0)  # (text parts)
+    assert again.choices[0].message.content == chat.choices[0].message.content
     chunks = list(
         client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, stream=True, temperature=0)
     )

@@ -1,5 +1,6 @@
 """The host tier's pages (``EngineArgs(kv_offloading_size=GiB)``): the shell's side of core/host.py. One host
-tensor a side, every layer's slots in it (``(layers, slots, *page)``, pinned where the pages are on CUDA), and the
+tensor a side, every layer's slots in it (``(layers, slots, *page)``, pinned where the pages are on CUDA, shaped
+like the pool's ``k_all`` and ``v_all``: a copy of some blocks in every layer is one index operation), and the
 copies a step's transitions recorded (``BlockOffloaded``: a device block to a host slot; ``BlockOnloaded``: a slot
 to a device block), carried out before the step's forward as few batched copies as their order allows: the stores
 of a batch first, then its loads. That keeps the recorded order's meaning (a store reads its block before a load
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.events import BlockOffloaded, BlockOnloaded
 from pagedkv.shell.errors import refuse
@@ -36,10 +38,12 @@ class HostPages:
     """``blocks`` host slots for every layer's K and V pages of ``pool``."""
 
     def __init__(self, pool: PagePool, blocks: int) -> None:
+        if pool.k_all is None or pool.v_all is None:
+            raise InvalidConfig("the host tier keeps attention pages alone (a pool without Mamba states)")
         self.pool = pool
         cuda = pool.device.type == "cuda"
-        self.sides = [(dev, torch.zeros((len(dev), blocks, *dev[0].shape[1:]), dtype=dev[0].dtype, pin_memory=cuda))
-                      for dev in (pool.k, pool.v) if dev]  # fmt: skip
+        self.sides = [(dev, torch.zeros((dev.shape[0], blocks, *dev.shape[2:]), dtype=dev.dtype, pin_memory=cuda))
+                      for dev in (pool.k_all, pool.v_all)]  # fmt: skip
         self.stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # the copies' own stream (CUDA)
         # store batches on their way to the host: (event, slots, pinned staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
@@ -116,16 +120,16 @@ class HostPages:
         dst = torch.tensor(slots, dtype=torch.long)
         if self.stream is None:
             for dev, host in self.sides:
-                at = torch.tensor(blocks, dtype=torch.long, device=dev[0].device)
-                host.index_copy_(1, dst, torch.stack([d.index_select(0, at) for d in dev]).to("cpu"))
+                at = torch.tensor(blocks, dtype=torch.long, device=dev.device)
+                host.index_copy_(1, dst, dev.index_select(1, at).to("cpu"))
             return
         staged = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (the compute stream's work)
             at = torch.tensor(blocks, dtype=torch.long).to(self.pool.device, non_blocking=True)
             for dev, host in self.sides:
-                pinned = torch.empty((len(dev), len(blocks), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
-                pinned.copy_(torch.stack([d.index_select(0, at) for d in dev]), non_blocking=True)
+                pinned = torch.empty((dev.shape[0], len(blocks), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
+                pinned.copy_(dev.index_select(1, at), non_blocking=True)
                 staged.append(pinned)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
@@ -137,10 +141,11 @@ class HostPages:
         src = torch.tensor(slots, dtype=torch.long)
         if self.stream is None:
             for dev, host in self.sides:
-                at = torch.tensor(blocks, dtype=torch.long, device=dev[0].device)
-                rows = host.index_select(1, src).to(dev[0].device)
-                for d, r in zip(dev, rows):
-                    d.index_copy_(0, at, r)
+                dev.index_copy_(
+                    1,
+                    torch.tensor(blocks, dtype=torch.long, device=dev.device),
+                    host.index_select(1, src).to(dev.device),
+                )
             return
         if self.in_flight.intersection(slots):  # (a slot a store batch is still bringing to the host)
             self.settle()
@@ -149,11 +154,9 @@ class HostPages:
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (forwards may read these blocks)
             at = torch.tensor(blocks, dtype=torch.long).to(self.pool.device, non_blocking=True)
             for dev, host in self.sides:
-                pinned = torch.empty((len(dev), len(slots), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
+                pinned = torch.empty((dev.shape[0], len(slots), *host.shape[2:]), dtype=host.dtype, pin_memory=True)
                 torch.index_select(host, 1, src, out=pinned)
-                rows = pinned.to(self.pool.device, non_blocking=True)
-                for d, r in zip(dev, rows):
-                    d.index_copy_(0, at, r)
+                dev.index_copy_(1, at, pinned.to(self.pool.device, non_blocking=True))
                 held.append(pinned)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)

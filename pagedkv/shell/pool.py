@@ -76,10 +76,15 @@ class PagePool:
         shape = (nb, bs, kv_heads, head_dim)
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []
+        self.k_all: torch.Tensor | None
+        self.v_all: torch.Tensor | None
         if state is None:
             # zeros: block 0 (the null block) and padding slots hold finite values, never garbage
-            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            # every layer's pages one tensor a side (``k_all``: (layers, *shape)), each layer's a view of it: a copy
+            # of some blocks in every layer is one index operation (the host tier's: shell/host_pages.py)
+            self.k_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+            self.v_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+            self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         else:
             page = 2 * bs * kv_heads * head_dim
             if state.elements > page:
@@ -90,6 +95,7 @@ class PagePool:
             raw = [torch.zeros((nb, page), dtype=dtype, device=self.device) for _ in range(num_layers)]
             kv = [r.view(nb, 2, bs, kv_heads, head_dim) for r in raw]
             self.k, self.v = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
+            self.k_all = self.v_all = None  # (a layer's K, V and state share its page: no tensor of every layer)
             c = math.prod(state.conv)
             self.conv = [r[:, :c].view(nb, *state.conv) for r in raw]
             self.ssm = [r[:, c : state.elements].view(nb, *state.ssm) for r in raw]

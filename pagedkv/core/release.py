@@ -164,7 +164,8 @@ def forget_host(state: KVState, slots: object) -> Result[Step[HostForgotten], KV
     holds is passed over; one outside the tier is ``INVALID`` (nothing changed).
 
     >>> from pagedkv.core import CacheConfig, initial_state
-    >>> forget_host(initial_state(CacheConfig(block_size=4, num_blocks=9, host_blocks=2)), [1]).unwrap().effect.forgotten
+    >>> cfg = CacheConfig(block_size=4, num_blocks=9, enable_prefix_caching=True, host_blocks=2)
+    >>> forget_host(initial_state(cfg), [1]).unwrap().effect.forgotten
     0
     """
     cap = state.config.host_blocks

@@ -42,12 +42,11 @@ def serve(
     def submit(c: int) -> None:
         if not reuse:  # (no reuse: every prompt a new conversation of one turn)
             history[c] = []
-        history[c].append(
-            {
-                "role": "user",
-                "content": f"Reader {c} asks: tell me something about {TOPICS[c % len(TOPICS)]} ({turn[c]}).",
-            }
-        )
+        topic = TOPICS[c % len(TOPICS)]
+        ask = f"Reader {c} asks: tell me something about {topic} ({turn[c]})."
+        if not reuse:  # (its own first words: nothing past the template's system prompt is shared)
+            ask = f"Question {c}.{turn[c]}: tell me something about {topic}."
+        history[c].append({"role": "user", "content": ask})
         rid = f"c{c}-t{turn[c]}"
         owner[rid] = c
         submitted[rid] = time.perf_counter()

@@ -12,7 +12,6 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
-from pagedkv.shell.attention.torch_ref import TorchBackend
 from pagedkv.shell.graphs import GRAPH_ROWS
 from pagedkv.shell.invariant import InvariantBackend
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
@@ -162,8 +161,7 @@ class EngineArgs:
             raise InvalidConfig(
                 f"batch_invariant is served for the Llama-family decoder (models.llama), not {type(model).__name__}"
             )
-        inner = get_backend("triton") if want == "triton" else TorchBackend(invariant=True)
-        return InvariantBackend(inner, model.device)
+        return InvariantBackend(get_backend(want, invariant=True), model.device)
 
     def rank_for(
         self, model: Any, backend: AttentionBackend | None = None, calibration: Any = None, kv_scales: Any = None

@@ -86,6 +86,11 @@ def test_batch_invariant_refuses_what_it_cannot_keep(smollm2: tuple[Any, dict[st
     with pytest.raises(InvalidConfig, match="Llama-family decoder"):
         EngineArgs(batch_invariant=True).attention(Other())
     assert EngineArgs(batch_invariant=True).attention(model).name == "invariant/torch"
+    from pagedkv.shell.attention.registry import get_backend
+
+    with pytest.raises(InvalidConfig, match="'flashinfer' has no batch-invariant attention"):
+        get_backend("flashinfer", invariant=True)
+    assert get_backend("torch", invariant=True).invariant and not get_backend("torch").invariant
 
 
 @pytest.mark.slow

@@ -7,15 +7,20 @@ cannot serve a layer raises rather than rerouting it.
 
 from __future__ import annotations
 
+from pagedkv.core.config import InvalidConfig
 from pagedkv.shell.attention.base import AttentionBackend
 from pagedkv.shell.attention.torch_ref import TorchBackend
 from pagedkv.shell.errors import BackendUnavailable
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """The backend called ``name``; raises ``BackendUnavailable`` naming the package when it cannot run."""
+def get_backend(name: str, *, invariant: bool = False) -> AttentionBackend:
+    """The backend called ``name``; raises ``BackendUnavailable`` naming the package when it cannot run.
+    ``invariant``: its attention with a row's result independent of the batch (shell/invariant.py): ``torch``'s
+    fixed-split attention, ``triton``'s kernels as they are (fixed 256-key splits); no other backend has one."""
+    if invariant and name not in ("torch", "triton"):
+        raise InvalidConfig(f"backend {name!r} has no batch-invariant attention (torch and triton have)")
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(invariant=invariant)
     if name == "flash_attn":
         from pagedkv.shell.attention.flash import FlashAttnBackend
 

@@ -290,13 +290,12 @@ def add_parser(sub: Any, command: str = "generate") -> argparse.ArgumentParser:
         'verified in one forward: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}',
     )
-    if command == "generate":
-        g.add_argument(
-            "--trace",
-            metavar="FILE",
-            type=file_name,
-            help="record the scheduler's inputs and results as a trace (contract v1), replayable with pagedkv replay FILE",
-        )
+    g.add_argument(
+        "--trace",
+        metavar="FILE",
+        type=file_name,
+        help="record the scheduler's inputs and results as a trace (contract v1), replayable with pagedkv replay FILE",
+    )
     if command == "generate":
         g.add_argument(
             "--ranks",

@@ -1,6 +1,7 @@
 """``pagedkv serve [MODEL]``: the engine behind OpenAI's HTTP API (app/openai_api.py) on uvicorn, its engine in a
 thread of its own (app/engine_loop.py). The model, engine and sampling flags are ``generate``'s (vLLM's names);
-``--host``, ``--port``, ``--api-key``, ``--served-model-name`` and ``--max-waiting`` are the server's."""
+``--host``, ``--port``, ``--api-key``, ``--served-model-name`` and ``--max-waiting`` are the server's; ``--trace
+FILE`` records what the scheduler was given and answered while serving, replayable with ``pagedkv replay``."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pagedkv.app.args import resolve_device
     from pagedkv.app.devices import check_backend, check_device
-    from pagedkv.app.generate import _auto_threads, _engine, sampling_defaults
+    from pagedkv.app.generate import _auto_threads, _engine, _open_trace, sampling_defaults
 
     try:
         if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         args.device = resolve_device(args.device)
         check_device(args.device, 1)
         check_backend(args.backend, args.device)
+        trace = _open_trace(args.trace)
         sock = listen(args.host, args.port)
     except UsageError as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or _auto_threads(args.device))
     args.page_map = None
-    built = _engine(args, None)
+    built = _engine(args, trace)
     if isinstance(built, int):
         sock.close()
         return built
@@ -77,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        loop.close()
+        loop.close()  # (the engine's thread stopped: the trace's end record is written here)
+        if trace is not None:
+            engine.finish_trace()
+            trace.close()
     return 0
 
 

@@ -33,7 +33,7 @@ class Served:
     """A server on loopback over a fresh engine; ``url`` its base."""
 
     def __init__(self, model: Any, tok: Any, **kw: Any) -> None:
-        self.engine = Engine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+        self.engine = Engine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8, trace=kw.pop("trace", None))
         self.loop = EngineLoop(self.engine, tok, max_waiting=kw.pop("max_waiting", 64)).start()
         self.api = OpenAIServer(self.loop, NAME, defaults=SamplingParams(max_tokens=16), **kw)
         self.sock = socket.socket()
@@ -342,3 +342,35 @@ def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_q
         assert s.loop.live == {} and s.engine.requests == {} and s.held() == 0
     finally:
         s.close()
+
+
+def test_a_served_runs_trace_replays(smollm2: tuple[Any, dict[str, Any]]) -> None:
+    """``pagedkv serve --trace``: what the scheduler was given while serving (requests arriving at once, streamed,
+    one client gone) replays digest for digest once the server has stopped."""
+    import io
+
+    from pagedkv.core.verify.trace import replay
+    from pagedkv.models.tokenizer import Tokenizer
+
+    trace = io.StringIO()
+    s = Served(smollm2[0], Tokenizer(smollm2[1]), trace=trace)  # type: ignore[arg-type]
+    try:
+        client = s.client()
+        threads = [
+            threading.Thread(target=client.completions.create, kwargs={"model": NAME, "prompt": f"Count to {k}:",
+                             "max_tokens": 5, "temperature": 0, "n": 2, "seed": k})
+            for k in range(4)
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={"prompt": "Go on", "max_tokens": 500,
+                          "ignore_eos": True, "stream": True}, timeout=30) as r:  # fmt: skip
+            next(r.iter_lines())  # (then gone)
+        for t in threads:
+            t.join()
+    finally:
+        s.close()
+    s.engine.finish_trace()
+    lines = trace.getvalue().splitlines()
+    assert sum('"op": "submit"' in line for line in lines) == 9 and '"op": "cancel"' in trace.getvalue()
+    assert all(ev.divergence is None for ev in replay(lines))

@@ -43,13 +43,14 @@ class QueueFull(Exception):
 @dataclass
 class Histogram:
     buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), the last one past every bound
+    counts: list[int] = field(init=False)  # per bucket (not cumulative), the last one past every bound
     total: float = 0.0
     count: int = 0
 
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
     def observe(self, v: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
         self.counts[bisect_left(self.buckets, v)] += 1
         self.total += v
         self.count += 1
@@ -89,9 +90,6 @@ class Sequence:
         self.sent = 0  # characters of the text handed out
         self.arrived = time.perf_counter()
         self.last: float | None = None  # when its last token arrived
-
-    def post(self, *event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 def _deliver(batch: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
@@ -159,6 +157,7 @@ class EngineLoop:
                 if what == "stop":
                     for rid in list(self.live):
                         self._cancel(rid)
+                    self._flush()
                     return
                 if what == "add":
                     with self._queued_lock:
@@ -167,6 +166,7 @@ class EngineLoop:
                 else:
                     for rid in arg:
                         self._cancel(rid)
+            self._flush()  # (accepted or refused before the step runs)
             if eng.has_unfinished():
                 try:
                     done = eng.step(self._on_token)
@@ -179,7 +179,8 @@ class EngineLoop:
             self._gauges()
 
     def _flush(self) -> None:
-        """The pass's text and endings handed to their handlers: one call onto each event loop they came from."""
+        """The events gathered since the last flush handed to their handlers, in order: one call onto each event loop
+        they came from."""
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, tuple[Any, ...]]]] = {}
@@ -199,13 +200,13 @@ class EngineLoop:
                     self.engine.cancel(a.rid)
                     del self.live[a.rid]
                 for x in seqs:
-                    x.post("refused", str(e))
+                    self._outbox.append((x, ("refused", str(e))))
                 return
             self.live[s.rid] = s
             added.append(s)
         for s in seqs:
             s.text = TextSoFar(self.tokenizer)
-            s.post("accepted")
+            self._outbox.append((s, ("accepted",)))
 
     def _cancel(self, rid: str) -> None:
         s = self.live.pop(rid, None)
@@ -216,7 +217,7 @@ class EngineLoop:
         except ShellError:  # (it ended meanwhile: its completion went out by step)
             return
         self._count(c)
-        s.post("done", c, "")
+        self._outbox.append((s, ("done", c, "")))
 
     def _on_token(self, rid: Any, token: int) -> None:
         s = self.live.get(rid)

@@ -368,7 +368,7 @@ def prometheus(loop: EngineLoop, model_name: str) -> str:
 
 def _histogram(name: str, h: Histogram, help_: str, label: str) -> list[str]:
     out = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-    counts = h.counts or [0] * (len(h.buckets) + 1)
+    counts = h.counts
     cumulative = 0
     for bound, n in zip([*h.buckets, math.inf], counts):
         cumulative += n

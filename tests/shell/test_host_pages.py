@@ -21,6 +21,23 @@ def conversations(model: Any, tok: Any, gib: float | None, turns: int = 3, **kw:
     return out, eng
 
 
+def fail_once(monkeypatch: pytest.MonkeyPatch, copy: str, message: str) -> list[tuple[Any, ...]]:
+    """``HostPages``' ``copy`` (``_load`` or ``_store``) raising ``message`` the first time; the failed call's
+    arguments once it has."""
+    from pagedkv.shell.host_pages import HostPages
+
+    real, calls = getattr(HostPages, copy), []
+
+    def flaky(self: HostPages, *args: Any) -> None:
+        if not calls:
+            calls.append(args)
+            raise RuntimeError(message)
+        real(self, *args)
+
+    monkeypatch.setattr(HostPages, copy, flaky)
+    return calls
+
+
 def through_faults(eng: Engine, tok: Any, turns: int = 3) -> tuple[list[Any], int]:
     """``conversations``' turns on ``eng``, a request a fault ended served again: every answer, and how many
     requests a fault ended."""
@@ -69,16 +86,7 @@ def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
     model, meta = smollm2
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     plain, _ = conversations(model, tok, None)
-    real = HostPages._load
-    failed: list[int] = []
-
-    def flaky(self: HostPages, slots: list[int], blocks: list[int]) -> None:
-        if not failed:
-            failed.append(len(blocks))
-            raise RuntimeError("a host-to-device copy failed")
-        real(self, slots, blocks)
-
-    monkeypatch.setattr(HostPages, "_load", flaky)
+    failed = fail_once(monkeypatch, "_load", "a host-to-device copy failed")
     eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05)
     out, errors = through_faults(eng, tok)
     assert failed and errors and out == plain
@@ -174,15 +182,7 @@ def test_a_failed_store_is_forgotten_by_the_core_and_the_trace_replays(
     model, meta = smollm2
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     plain, _ = conversations(model, tok, None)
-    real, failed = HostPages._store, []
-
-    def flaky(self: HostPages, blocks: list[int], slots: list[int]) -> None:
-        if not failed:
-            failed.append(list(slots))
-            raise RuntimeError("a device-to-host copy failed")
-        real(self, blocks, slots)
-
-    monkeypatch.setattr(HostPages, "_store", flaky)
+    failed = fail_once(monkeypatch, "_store", "a device-to-host copy failed")  # (blocks, slots) of the failed one
     trace = io.StringIO()
     eng = Engine(model, tok, kv_cache_memory_bytes=10 << 20, max_num_seqs=3, kv_offloading_size=0.05, trace=trace)
     out, errors = through_faults(eng, tok)
@@ -190,5 +190,5 @@ def test_a_failed_store_is_forgotten_by_the_core_and_the_trace_replays(
     assert failed and errors and out == plain
     lines = trace.getvalue().splitlines()
     (forget,) = [json.loads(line) for line in lines if '"op": "forget_host"' in line]
-    assert forget["slots"] == sorted(failed[0]) and forget["expect"]["forgotten"] >= 1
+    assert forget["slots"] == sorted(failed[0][1]) and forget["expect"]["forgotten"] >= 1
     assert all(ev.divergence is None for ev in replay(lines))

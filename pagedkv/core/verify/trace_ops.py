@@ -137,9 +137,7 @@ def apply_scheduler(
             lambda so: (so[0], {"finished": [[rid, str(how)] for rid, how in so[1]]}, None)
         )
     if op == "forget_host":
-        return sched_forget_host(state, ev.get("slots")).map(
-            lambda s: (s, {"forgotten": sum(1 for _ in s.kv_events)}, None)
-        )
+        return sched_forget_host(state, ev.get("slots")).map(lambda s: (s, {"forgotten": len(s.kv_events)}, None))
     if "request" not in ev:
         return Failure(invalid(f'{op} needs a "request" id', field="request"))
     rid = ev["request"]

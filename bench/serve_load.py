@@ -1,8 +1,9 @@
 """``pagedkv serve`` under load (issue 52): a server on loopback over SmolLM2, Poisson arrivals of a ShareGPT-like
 mix (lognormal prompt and output lengths, a share under shared system prompts) from an asynchronous client
-streaming every request (in a process of its own, as vLLM's ``bench serve`` runs); what vLLM's ``bench serve`` reports (request throughput, output tokens/s, time to first
-token and inter-token latency percentiles), beside the offline engine on the same prompts and outputs (one
-``Engine.generate`` of them all, the same ``max_num_seqs``). GC on, as servers run.
+streaming every request (in a process of its own, as vLLM's ``bench serve`` runs); what vLLM's ``bench serve``
+reports (request throughput, output tokens/s, time to first token and inter-token latency percentiles), beside the
+offline engine on the same prompts and outputs (one ``Engine.generate`` of them all, the same ``max_num_seqs``).
+The server is ``pagedkv serve``'s: the API in this process, the engine in one of its own. GC on, as servers run.
 
     python bench/serve_load.py                                   # CPU, fp32: 48 requests at 2/s
     python bench/serve_load.py --device cuda --dtype bfloat16 --requests 400 --rate 40
@@ -19,7 +20,6 @@ import random
 import resource
 import socket
 import statistics
-import sys
 import threading
 import time
 from typing import Any
@@ -142,10 +142,17 @@ def measured(url: str, *args: Any) -> dict[str, Any]:
     return result
 
 
-def rss_mib() -> float:
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as f:
+def rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory now (Linux)."""
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def build(device: str, dtype: str, threads: int, kw: dict[str, Any]) -> Engine:
+    """The server's engine, in the engine's process: the same model and settings as the offline engine's."""
+    torch.set_num_threads(threads)
+    model, meta = Llama.smollm2(device=device, dtype=getattr(torch, dtype))
+    return Engine(model, Tokenizer(meta), **kw)
 
 
 def main() -> None:
@@ -165,18 +172,10 @@ def main() -> None:
     )
     ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
-    ap.add_argument(
-        "--switch-interval",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval for the server's process (the engine and HTTP threads share one interpreter)",
-    )
     ap.add_argument("--skip-offline", action="store_true", help="the server alone")
     ap.add_argument("--soak", type=int, default=0, help="N tiny requests: the server's memory after ten and after N")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
     model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
     tok = Tokenizer(meta)
     work = mix(args.requests, 0, args.longest)
@@ -195,9 +194,12 @@ def main() -> None:
         off_tokens = sum(len(c.token_ids) for c in done)
         del offline, done  # (its objects would make every collection of the server's run longer)
         gc.collect()
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()  # (its pages back for the server's engine, in its own process)
 
-    engine = Engine(model, tok, **kw)
-    loop = EngineLoop(engine, tok, max_waiting=1 << 16).start()
+    del model
+    loop = EngineLoop(build, args.device, args.dtype, args.threads, kw, max_waiting=1 << 16).start()
+    engine_pid = loop._proc.pid
     app = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams()).app()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -213,7 +215,10 @@ def main() -> None:
         tiny = [(" ".join(WORDS[i % len(WORDS)] for i in range(k % 7, k % 7 + 8)), 2) for k in range(args.soak)]
         measured(url, tiny[:10], 100.0, 2, 8)
         gc.collect()
-        print(f"soak: after 10 requests the server holds {rss_mib():.0f} MiB", flush=True)
+        print(
+            f"soak: after 10 requests the server holds {rss_mib():.0f} MiB, its engine {rss_mib(engine_pid):.0f} MiB",
+            flush=True,
+        )
         t0, done, lost = time.perf_counter(), 10, 0
         for part in range(5):
             chunk = tiny[part * len(tiny) // 5 : (part + 1) * len(tiny) // 5]
@@ -221,8 +226,9 @@ def main() -> None:
             done += len(chunk)
             gc.collect()
             print(
-                f"soak: after {done} requests ({time.perf_counter() - t0:.0f} s) the server holds {rss_mib():.0f} MiB; "
-                f"live: engine {len(engine.requests)}, loop {len(loop.live)}; short of their tokens {lost}",
+                f"soak: after {done} requests ({time.perf_counter() - t0:.0f} s) the server holds {rss_mib():.0f} MiB, "
+                f"its engine {rss_mib(engine_pid):.0f} MiB; live: engine {loop.metrics.requests}, loop "
+                f"{len(loop.live)}; short of their tokens {lost}",
                 flush=True,
             )
         print(f"soak: finished {dict(loop.metrics.finished)}")
@@ -230,9 +236,9 @@ def main() -> None:
         thread.join(timeout=10)
         loop.close()
         return
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = rss_mib(), rss_mib(engine_pid)
     r = measured(url, work, args.rate, 0, args.concurrency)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss1 = rss_mib(), rss_mib(engine_pid)
     server.should_exit = True
     thread.join(timeout=10)
     loop.close()
@@ -256,8 +262,9 @@ def main() -> None:
     )
     print(f"\nserver / offline output tok/s: {r['tokens'] / r['wall'] / (off_tokens / off_s):.2f}")
     print(
-        f"requests that did not get every token: {r['lost']}; engine requests live after: {len(engine.requests)}; "
-        f"peak RSS {rss0 >> 10} -> {rss1 >> 10} MiB over the run; engine faults {loop.faults}"
+        f"requests that did not get every token: {r['lost']}; engine requests live after: {loop.metrics.requests}; "
+        f"RSS server {rss0[0]:.0f} -> {rss1[0]:.0f} MiB, engine {rss0[1]:.0f} -> {rss1[1]:.0f} MiB over the run; "
+        f"engine faults {loop.faults}"
     )
 
 

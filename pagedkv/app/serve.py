@@ -1,5 +1,5 @@
 """``pagedkv serve [MODEL]``: the engine behind OpenAI's HTTP API (app/openai_api.py) on uvicorn, its engine in a
-thread of its own (app/engine_loop.py). The model, engine and sampling flags are ``generate``'s (vLLM's names);
+process of its own (app/engine_loop.py). The model, engine and sampling flags are ``generate``'s (vLLM's names);
 ``--host``, ``--port``, ``--api-key``, ``--served-model-name`` and ``--max-waiting`` are the server's; ``--trace
 FILE`` records what the scheduler was given and answered while serving, replayable with ``pagedkv replay``."""
 
@@ -39,7 +39,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pagedkv.app.args import resolve_device
     from pagedkv.app.devices import check_backend, check_device
-    from pagedkv.app.generate import _auto_threads, _engine, _open_trace, sampling_defaults
+    from pagedkv.app.generate import open_trace, read_generation_defaults, sampling_defaults
+    from pagedkv.models.files import CheckpointError
 
     try:
         if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
@@ -50,40 +51,59 @@ def run(args: argparse.Namespace) -> int:
         args.device = resolve_device(args.device)
         check_device(args.device, 1)
         check_backend(args.backend, args.device)
-        trace = _open_trace(args.trace)
+        trace = open_trace(args.trace)  # (a path that cannot be written is said now; the engine's process writes it)
+        if trace is not None:
+            trace.close()
+        args.sampling_defaults = read_generation_defaults(args)
         sock = listen(args.host, args.port)
     except UsageError as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return USAGE_EXIT
-    import torch
+    except CheckpointError as e:  # (a generation config that cannot be read)
+        print(f"pagedkv serve: {e}", file=sys.stderr)
+        return USAGE_EXIT
     import uvicorn
 
-    from pagedkv.app.engine_loop import EngineLoop
+    from pagedkv.app.engine_loop import EngineDead, EngineLoop
     from pagedkv.app.openai_api import OpenAIServer
 
-    torch.set_num_threads(args.threads or _auto_threads(args.device))
     args.page_map = None
-    built = _engine(args, trace)
-    if isinstance(built, int):
+    loop = EngineLoop(build, args, max_waiting=args.max_waiting)
+    try:
+        loop.start()
+    except EngineDead as e:
         sock.close()
-        return built
-    engine, tok = built
+        print(f"pagedkv serve: {e}", file=sys.stderr)
+        return USAGE_EXIT
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    loop = EngineLoop(engine, tok, max_waiting=args.max_waiting).start()
     max_tokens = args.max_tokens or args.sampling_defaults.get("max_tokens") or 64
     defaults = replace(sampling_defaults(args), max_tokens=max_tokens)
     server = OpenAIServer(loop, name, defaults=defaults, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
     print(f"pagedkv serve: {name} on http://{host}:{port}/v1 (engine on {args.device})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(server.app(), log_level="warning", access_log=False)
+    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", access_log=False))
+
+    def died(why: str) -> None:  # (a server without its engine stops, so that whatever supervises it restarts it)
+        print(f"pagedkv serve: {why}; stopping", file=sys.stderr, flush=True)
+        http.should_exit = True
+
+    loop.on_dead = died
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        http.run(sockets=[sock])
     finally:
-        loop.close()  # (the engine's thread stopped: the trace's end record is written here)
-        if trace is not None:
-            engine.finish_trace()
-            trace.close()
-    return 0
+        loop.close()  # (the engine's process stopped: a trace's end record is written there)
+    return 1 if loop.dead is not None else 0
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The engine, in the engine's process (``EngineLoop``'s ``build``): generate's model and engine flags."""
+    import torch
+
+    from pagedkv.app.generate import build_engine, engine_threads, open_trace
+
+    torch.set_num_threads(args.threads or engine_threads(args.device))
+    engine, _ = build_engine(args, open_trace(args.trace))
+    return engine
 
 
 def listen(host: str, port: int) -> socket.socket:

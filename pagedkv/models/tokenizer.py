@@ -40,8 +40,8 @@ class Tokenizer:
         self.eos_token_id: int = int(meta["tokenizer.ggml.eos_token_id"])
         self.bos_token_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_token: str | None = tokens[self.eos_token_id]
-        template = meta.get("tokenizer.chat_template")
-        self._template = jinja2.Environment().from_string(template) if template else None
+        self._template_source, self._sandboxed = meta.get("tokenizer.chat_template") or None, False
+        self._template = jinja2.Environment().from_string(self._template_source) if self._template_source else None
         stop = {self.eos_token_id}
         if "<|im_end|>" in tokens:
             stop.add(tokens.index("<|im_end|>"))
@@ -80,9 +80,21 @@ class Tokenizer:
             template = read_text(jinja_file, "the chat template")
         if isinstance(template, list):  # (named templates: the default one)
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self._template_source, self._sandboxed = (template if isinstance(template, str) else None), True
         self._template = _environment().from_string(template) if isinstance(template, str) else None
         self.stop_token_ids = frozenset(stop_ids) | ({eos} if eos is not None else set())
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the compiled chat template (made again from its source): a server's process receives
+        the tokenizer its engine's process loaded."""
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        source = self._template_source
+        env = _environment() if self._sandboxed else jinja2.Environment()
+        self._template = env.from_string(source) if source else None
 
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` holds it (the ``tokenizers`` library's own format)."""

@@ -42,6 +42,7 @@ class Recorder:
     def end(self) -> None:
         """The trace's end record; nothing may be written after it."""
         self.out.write(json.dumps(end_event(self.events)) + "\n")
+        self.out.flush()
 
     def submit(self, req: SeqRequest, after: SchedState | None = None) -> None:
         self._line(submit_event(req), after)

@@ -29,12 +29,40 @@ from pagedkv.shell.sampling import SamplingParams  # noqa: E402
 NAME = "SmolLM2-135M-Instruct"
 
 
-class Served:
-    """A server on loopback over a fresh engine; ``url`` its base."""
+def build_engine(fail_at: frozenset[int] = frozenset(), trace: str | None = None) -> Engine:
+    """The served engine, made in the engine's process (``EngineLoop``'s build): SmolLM2 on the CPU; the launches
+    numbered in ``fail_at`` raise (a device fault), ``trace`` records the scheduler's inputs."""
+    import torch
 
-    def __init__(self, model: Any, tok: Any, **kw: Any) -> None:
-        self.engine = Engine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8, trace=kw.pop("trace", None))
-        self.loop = EngineLoop(self.engine, tok, max_waiting=kw.pop("max_waiting", 64)).start()
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+
+    torch.set_num_threads(1)
+    model, meta = Llama.smollm2()
+    out = open(trace, "w", encoding="utf-8") if trace else None
+    engine = Engine(model, Tokenizer(meta), kv_cache_memory_bytes=32 << 20, max_num_seqs=8, trace=out)
+    if fail_at:
+        real, launches = engine._launch, [0]
+
+        def launch(*a: Any) -> Any:
+            launches[0] += 1
+            if launches[0] in fail_at:
+                raise RuntimeError("a device fault")
+            return real(*a)
+
+        engine._launch = launch  # type: ignore[method-assign]
+    return engine
+
+
+class Served:
+    """A server on loopback over an engine in its own process (``build_engine(**build)``); ``url`` its base."""
+
+    def __init__(self, model: Any, tok: Any, *, loop: EngineLoop | None = None, **kw: Any) -> None:
+        self.model, self.tok = model, tok
+        self.own = loop is None  # (a second server over another's engine leaves it running)
+        self.loop = loop or EngineLoop(build_engine, *kw.pop("build", ()), max_waiting=kw.pop("max_waiting", 64))
+        if self.own:
+            self.loop.start()
         self.api = OpenAIServer(self.loop, NAME, defaults=SamplingParams(max_tokens=16), **kw)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -53,11 +81,19 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
-        self.loop.close()
+        if self.own:
+            self.loop.close()
 
     def held(self) -> int:
-        kv = self.engine.state.kv
-        return kv.config.usable_blocks - kv.free_blocks
+        """Blocks the engine's requests hold, as its last pass left them."""
+        return self.loop.metrics.held_blocks
+
+    def settled(self) -> bool:
+        """Nothing live here, nothing held there (polled until so, or 20 s)."""
+        deadline = time.time() + 20
+        while (self.held() or self.loop.live or self.loop.metrics.requests) and time.time() < deadline:
+            time.sleep(0.05)
+        return self.held() == 0 and self.loop.live == {} and self.loop.metrics.requests == 0
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +103,20 @@ def served(smollm2: tuple[Any, dict[str, Any]]) -> Iterator[Served]:
     model, meta = smollm2
     s = Served(model, Tokenizer(meta))  # type: ignore[arg-type]
     yield s
+    assert s.settled()  # (nothing held once every test's requests ended)
     s.close()
-    assert s.loop.live == {} and s.engine.requests == {}  # (nothing held once every test's requests ended)
 
 
 def engine_text(served: Served, ids: list[int], params: SamplingParams) -> list[str]:
-    """What the engine alone gives (``pagedkv generate``'s path): a fresh engine on the same weights."""
-    eng = Engine(served.engine.model, served.engine.tokenizer, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+    """What the engine alone gives (``pagedkv generate``'s path): a fresh engine on the same weights, here."""
+    eng = Engine(served.model, served.tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
     from pagedkv.shell.sampling import fan_out
 
     return [c.text for c in eng.generate([("", ids, p) for p in fan_out(params)])]
 
 
 def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
-    tok = served.engine.tokenizer
+    tok = served.tok
     client = served.client()
     prompt = "The three primary colors are"
     got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
@@ -114,7 +150,7 @@ def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
 
 
 def test_n_seeded_sequences_and_stop_strings(served: Served) -> None:
-    tok = served.engine.tokenizer
+    tok = served.tok
     client = served.client()
     prompt = "Once upon a time"
     got = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0.9, seed=7, n=3)
@@ -144,20 +180,14 @@ def test_a_client_gone_cancels_its_request_and_its_blocks_go_back(served: Served
         lines = r.iter_lines()
         assert [next(lines) for _ in range(3)]  # (a few chunks arrived: the request runs)
         assert served.held() > 0
-    deadline = time.time() + 20
-    while (served.held() or served.loop.live) and time.time() < deadline:
-        time.sleep(0.05)
-    assert served.held() == 0 and served.loop.live == {}
+    assert served.settled()
     assert served.loop.metrics.finished.get("cancelled", 0) == before + 1
     body["stream"] = False  # (not streamed: the server sees the client gone while it waits)
     try:
         httpx.post(f"{served.url}/v1/completions", json=body, timeout=1.0)
     except httpx.ReadTimeout:
         pass
-    deadline = time.time() + 20
-    while (served.held() or served.loop.live) and time.time() < deadline:
-        time.sleep(0.05)
-    assert served.held() == 0 and served.loop.metrics.finished.get("cancelled", 0) == before + 2
+    assert served.settled() and served.loop.metrics.finished.get("cancelled", 0) == before + 2
 
 
 @pytest.mark.parametrize(
@@ -184,16 +214,14 @@ def test_a_bad_request_is_a_400_with_openais_error_object(
     assert err["code"] == 400 and err["param"] == param and err["message"]
 
 
-def test_malformed_json_and_a_missing_key(served: Served, smollm2: tuple[Any, dict[str, Any]]) -> None:
+def test_malformed_json_and_a_missing_key(served: Served) -> None:
     for raw in (b"{bad", b"[1, 2]", b'{"messages": []}'):
         path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
         r = httpx.post(f"{served.url}{path}", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     with pytest.raises(openai.BadRequestError, match="temperature must be a finite number >= 0"):
         served.client().completions.create(model=NAME, prompt="x", temperature=-1)
-    from pagedkv.models.tokenizer import Tokenizer
-
-    locked = Served(smollm2[0], Tokenizer(smollm2[1]), api_key="sesame")  # type: ignore[arg-type]
+    locked = Served(served.model, served.tok, loop=served.loop, api_key="sesame")  # (the same engine)
     try:
         with pytest.raises(openai.AuthenticationError):
             locked.client(api_key="wrong").models.list()
@@ -211,32 +239,32 @@ def test_a_full_queue_answers_503_with_a_retry_hint(smollm2: tuple[Any, dict[str
 
     from pagedkv.models.tokenizer import Tokenizer
 
-    tok = Tokenizer(smollm2[1])  # type: ignore[arg-type]
-    engine = Engine(smollm2[0], tok, kv_cache_memory_bytes=8 << 20)  # type: ignore[arg-type]
-    loop = EngineLoop(engine, tok, max_waiting=2)
-    loop.submit([Sequence(f"q{i}", [1, 2], SamplingParams(), asyncio.new_event_loop()) for i in range(2)])
-    with TestClient(OpenAIServer(loop, NAME).app()) as http:
-        r = http.post("/v1/completions", json={"prompt": "x"})
+    loop = EngineLoop(build_engine, max_waiting=2, tokenizer=Tokenizer(smollm2[1]))  # type: ignore[arg-type]
+    try:
+        loop.submit([Sequence(f"q{i}", [1, 2], SamplingParams(), asyncio.new_event_loop()) for i in range(2)])
+        with TestClient(OpenAIServer(loop, NAME).app()) as http:
+            r = http.post("/v1/completions", json={"prompt": "x"})
+    finally:
+        loop.close()
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and "full" in r.json()["error"]["message"]
     assert loop.queued == 2  # (the refused request took no place)
 
 
-def test_an_engine_fault_ends_its_requests_and_the_server_serves_on(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real, calls = Engine._launch, []
+@pytest.fixture(scope="module")
+def faulty(smollm2: tuple[Any, dict[str, Any]]) -> Iterator[Served]:
+    """A server whose engine's 1st and 12th launches raise, taking eight waiting requests at most."""
+    from pagedkv.models.tokenizer import Tokenizer
 
-    def once(self: Engine, *a: Any) -> Any:
-        if not calls:
-            calls.append(1)
-            raise RuntimeError("a device fault")
-        return real(self, *a)
+    s = Served(smollm2[0], Tokenizer(smollm2[1]), build=(frozenset({1, 12}),), max_waiting=8)  # type: ignore[arg-type]
+    yield s
+    s.close()
 
-    monkeypatch.setattr(Engine, "_launch", once)
-    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+
+def test_an_engine_fault_ends_its_requests_and_the_server_serves_on(faulty: Served) -> None:
+    r = httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
     assert r.status_code == 500 and "a device fault" in r.json()["error"]["message"]
-    ok = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0)
-    assert ok.choices[0].finish_reason == "length" and served.held() == 0
+    ok = faulty.client().completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and faulty.settled()
 
 
 def test_metrics_parse_under_vllms_names(served: Served) -> None:
@@ -271,26 +299,14 @@ def test_the_command_says_a_port_it_cannot_take_in_one_line(capsys: pytest.Captu
     assert "two models given" in capsys.readouterr().err
 
 
-def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_queue(
-    smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_queue(faulty: Served) -> None:
     """Thirty clients at once on a server that takes eight waiting: some turned away (503, then tried again), some
-    gone mid-stream, one step failed under some. Every request the server took ends exactly once (its finish counted once: served,
-    cancelled or failed), every one served got all its tokens, and nothing is held or live after."""
+    gone mid-stream, one step failed under some. Every request the server took ends exactly once (its finish counted
+    once: served, cancelled or failed), every one served got all its tokens, and nothing is held or live after."""
     import asyncio
 
-    from pagedkv.models.tokenizer import Tokenizer
-
-    real, calls = Engine._launch, []
-
-    def sometimes(self: Engine, *a: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("a device fault")
-        return real(self, *a)
-
-    monkeypatch.setattr(Engine, "_launch", sometimes)
-    s = Served(smollm2[0], Tokenizer(smollm2[1]), max_waiting=8)  # type: ignore[arg-type]
+    s = faulty
+    before = dict(s.loop.metrics.finished)
     outcomes: list[str] = []
 
     async def one(http: Any, k: int) -> None:
@@ -327,33 +343,44 @@ def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_q
         async with httpx.AsyncClient(timeout=60) as http:
             await asyncio.gather(*(one(http, k) for k in range(30)))
 
-    try:
-        asyncio.run(all_of_them())
-        deadline = time.time() + 20
-        while (s.loop.live or s.held()) and time.time() < deadline:
-            time.sleep(0.05)
-        taken = sum(o != "turned away" for o in outcomes)
-        finished = s.loop.metrics.finished
-        assert len(outcomes) - outcomes.count("turned away") == 30, outcomes  # (each client's last try was taken)
-        assert not [o for o in outcomes if o.startswith("short")], outcomes
-        assert {"turned away", "served", "gone", "failed"} <= set(outcomes), outcomes
-        assert sum(finished.values()) == taken, (finished, outcomes)  # (each request the server took ended once)
-        assert finished.get("length", 0) == outcomes.count("served")
-        assert s.loop.live == {} and s.engine.requests == {} and s.held() == 0
-    finally:
-        s.close()
+    asyncio.run(all_of_them())
+    assert s.settled()
+    taken = sum(o != "turned away" for o in outcomes)
+    finished = {k: v - before.get(k, 0) for k, v in s.loop.metrics.finished.items()}
+    assert len(outcomes) - outcomes.count("turned away") == 30, outcomes  # (each client's last try was taken)
+    assert not [o for o in outcomes if o.startswith("short")], outcomes
+    assert {"turned away", "served", "gone", "failed"} <= set(outcomes), outcomes
+    assert sum(finished.values()) == taken, (finished, outcomes)  # (each request the server took ended once)
+    assert finished.get("length", 0) == outcomes.count("served")
 
 
-def test_a_served_runs_trace_replays(smollm2: tuple[Any, dict[str, Any]]) -> None:
+def test_an_engine_process_gone_ends_its_requests_and_the_server_says_so(faulty: Served) -> None:
+    """The engine's process killed mid-request (out of memory, say): the request ends with a 500, ``/health``
+    answers 503, a new request 500; nothing is left live."""
+    import os
+    import signal
+
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{faulty.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # (it runs)
+        os.kill(faulty.loop._proc.pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert any('"error"' in line and "engine's process ended" in line for line in rest), rest
+    assert httpx.get(f"{faulty.url}/health").status_code == 503
+    r = httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and "engine's process ended" in r.json()["error"]["message"]
+    assert faulty.loop.live == {} and faulty.loop.dead is not None
+
+
+def test_a_served_runs_trace_replays(smollm2: tuple[Any, dict[str, Any]], tmp_path: Any) -> None:
     """``pagedkv serve --trace``: what the scheduler was given while serving (requests arriving at once, streamed,
-    one client gone) replays digest for digest once the server has stopped."""
-    import io
-
+    one client gone) replays digest for digest once the server has stopped (its end record written then)."""
     from pagedkv.core.verify.trace import replay
     from pagedkv.models.tokenizer import Tokenizer
 
-    trace = io.StringIO()
-    s = Served(smollm2[0], Tokenizer(smollm2[1]), trace=trace)  # type: ignore[arg-type]
+    path = str(tmp_path / "served.jsonl")
+    s = Served(smollm2[0], Tokenizer(smollm2[1]), build=(frozenset(), path))  # type: ignore[arg-type]
     try:
         client = s.client()
         threads = [
@@ -370,7 +397,8 @@ def test_a_served_runs_trace_replays(smollm2: tuple[Any, dict[str, Any]]) -> Non
             t.join()
     finally:
         s.close()
-    s.engine.finish_trace()
-    lines = trace.getvalue().splitlines()
-    assert sum('"op": "submit"' in line for line in lines) == 9 and '"op": "cancel"' in trace.getvalue()
-    assert all(ev.divergence is None for ev in replay(lines))
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert sum('"op": "submit"' in line for line in lines) == 9 and any('"op": "cancel"' in line for line in lines)
+    events = list(replay(lines))
+    assert all(ev.divergence is None for ev in events) and '"op": "end"' in lines[-1]

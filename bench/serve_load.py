@@ -74,10 +74,10 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def client(
-    url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None = None
+    url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None, start_at: float
 ) -> dict[str, Any]:
-    """Every request of ``work`` streamed: Poisson arrivals at ``rate``, or (``concurrency``) that many in flight
-    at all times, the next sent as one ends."""
+    """Every request of ``work`` streamed, from ``start_at`` (``time.time()``): Poisson arrivals at ``rate``, or
+    (``concurrency``) that many in flight at all times, the next sent as one ends."""
     rng = random.Random(seed + 1)
     ttft: list[float] = []
     itl: list[float] = []
@@ -108,8 +108,8 @@ async def client(
                     itl.append(now - last)
                 last = now
 
-    t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         if concurrency is not None:
             gate = asyncio.Semaphore(concurrency)
 
@@ -124,22 +124,38 @@ async def client(
                 tasks.append(asyncio.create_task(one(http, prompt, out)))
                 await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
-    return {"wall": time.perf_counter() - t0, "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
+    return {"end": time.time(), "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
 
 
 def _client_process(conn: Any, *args: Any) -> None:
     conn.send(asyncio.run(client(*args)))
 
 
-def measured(url: str, *args: Any) -> dict[str, Any]:
-    """``client(url, *args)`` in a process of its own (spawned): its parsing never takes the server's interpreter."""
+def measured(
+    url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None = None, procs: int = 1
+) -> dict[str, Any]:
+    """``work`` sent by ``procs`` clients, each in a process of its own (spawned: their parsing never takes the
+    server's interpreter, nor each other's), each a share of the requests, the rate and the concurrency, all
+    starting at one moment; their figures together."""
+    procs = max(1, min(procs, len(work), concurrency or procs))
     ctx = multiprocessing.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_client_process, args=(there, url, *args))
-    proc.start()
-    result: dict[str, Any] = here.recv()
-    proc.join()
-    return result
+    start_at = time.time() + 1.0 + 0.5 * procs  # (every client up before then)
+    conns, ps = [], []
+    for k in range(procs):
+        share = concurrency // procs + (k < concurrency % procs) if concurrency is not None else None
+        here, there = ctx.Pipe()
+        args = (url, work[k::procs], rate / procs, seed + 7919 * k, share, start_at)
+        ps.append(ctx.Process(target=_client_process, args=(there, *args)))
+        ps[-1].start()
+        conns.append(here)
+    parts = [c.recv() for c in conns]
+    for p in ps:
+        p.join()
+    return {
+        "wall": max(r["end"] for r in parts) - start_at,
+        **{k: [x for r in parts for x in r[k]] for k in ("ttft", "itl")},
+        **{k: sum(r[k] for r in parts) for k in ("tokens", "lost")},
+    }
 
 
 def rss_mib(pid: int | str = "self") -> float:
@@ -172,6 +188,9 @@ def main() -> None:
     )
     ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
+    ap.add_argument(
+        "--client-processes", type=int, default=1, help="clients sending the load, each in a process of its own"
+    )
     ap.add_argument("--skip-offline", action="store_true", help="the server alone")
     ap.add_argument("--soak", type=int, default=0, help="N tiny requests: the server's memory after ten and after N")
     args = ap.parse_args()
@@ -222,7 +241,7 @@ def main() -> None:
         t0, done, lost = time.perf_counter(), 10, 0
         for part in range(5):
             chunk = tiny[part * len(tiny) // 5 : (part + 1) * len(tiny) // 5]
-            lost += measured(url, chunk, 100.0, 3 + part, args.concurrency or 32)["lost"]
+            lost += measured(url, chunk, 100.0, 3 + part, args.concurrency or 32, args.client_processes)["lost"]
             done += len(chunk)
             gc.collect()
             print(
@@ -237,7 +256,7 @@ def main() -> None:
         loop.close()
         return
     rss0 = rss_mib(), rss_mib(engine_pid)
-    r = measured(url, work, args.rate, 0, args.concurrency)
+    r = measured(url, work, args.rate, 0, args.concurrency, args.client_processes)
     rss1 = rss_mib(), rss_mib(engine_pid)
     server.should_exit = True
     thread.join(timeout=10)
@@ -260,7 +279,8 @@ def main() -> None:
         f"| server, arrivals | {r['wall']:.1f} | {len(work) / r['wall']:.2f} | {r['tokens'] / r['wall']:.1f} | "
         f"{ms[0]:.0f} / {ms[1]:.0f} / {ms[2]:.0f} | {it[0]:.1f} / {it[1]:.1f} / {it[2]:.1f} |"
     )
-    print(f"\nserver / offline output tok/s: {r['tokens'] / r['wall'] / (off_tokens / off_s):.2f}")
+    print(f"\nclients: {args.client_processes} process(es)")
+    print(f"server / offline output tok/s: {r['tokens'] / r['wall'] / (off_tokens / off_s):.2f}")
     print(
         f"requests that did not get every token: {r['lost']}; engine requests live after: {loop.metrics.requests}; "
         f"RSS server {rss0[0]:.0f} -> {rss1[0]:.0f} MiB, engine {rss0[1]:.0f} -> {rss1[1]:.0f} MiB over the run; "

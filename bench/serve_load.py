@@ -15,16 +15,17 @@ import argparse
 import asyncio
 import gc
 import json
-import multiprocessing
 import random
+import os
 import resource
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
-import httpx
 import torch
 import uvicorn
 
@@ -35,6 +36,7 @@ from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_client.py")
 SYSTEMS = ["You are a helpful assistant who answers briefly.", "You are a careful tutor. Explain step by step."]
 WORDS = [
     "the",
@@ -73,86 +75,36 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
-async def client(
-    url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None, start_at: float
-) -> dict[str, Any]:
-    """Every request of ``work`` streamed, from ``start_at`` (``time.time()``): Poisson arrivals at ``rate``, or
-    (``concurrency``) that many in flight at all times, the next sent as one ends."""
-    rng = random.Random(seed + 1)
-    ttft: list[float] = []
-    itl: list[float] = []
-    tokens = 0
-    lost = 0
-
-    async def one(http: httpx.AsyncClient, prompt: str, out: int) -> None:
-        nonlocal tokens, lost
-        body = {"prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0, "stream": True}
-        t0 = time.perf_counter()
-        last = None
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens += chunk["usage"]["completion_tokens"]
-                    if chunk["usage"]["completion_tokens"] != out:
-                        lost += 1
-                    continue
-                if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    ttft.append(now - t0)
-                else:
-                    itl.append(now - last)
-                last = now
-
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        if concurrency is not None:
-            gate = asyncio.Semaphore(concurrency)
-
-            async def gated(prompt: str, out: int) -> None:
-                async with gate:
-                    await one(http, prompt, out)
-
-            await asyncio.gather(*(gated(p, o) for p, o in work))
-        else:
-            tasks = []
-            for prompt, out in work:
-                tasks.append(asyncio.create_task(one(http, prompt, out)))
-                await asyncio.sleep(rng.expovariate(rate))
-            await asyncio.gather(*tasks)
-    return {"end": time.time(), "ttft": ttft, "itl": itl, "tokens": tokens, "lost": lost}
-
-
-def _client_process(conn: Any, *args: Any) -> None:
-    conn.send(asyncio.run(client(*args)))
-
-
 def measured(
     url: str, work: list[tuple[str, int]], rate: float, seed: int, concurrency: int | None = None, procs: int = 1
 ) -> dict[str, Any]:
-    """``work`` sent by ``procs`` clients, each in a process of its own (spawned: their parsing never takes the
-    server's interpreter, nor each other's), each a share of the requests, the rate and the concurrency, all
-    starting at one moment; their figures together."""
+    """``work`` sent by ``procs`` clients (bench/serve_client.py), each a process of its own that imports nothing of
+    the server's (their parsing never takes the server's interpreter, nor each other's), each a share of the
+    requests, the rate and the concurrency; started together once all are up; their figures together, the wall
+    from the first request sent to the last one ended."""
     procs = max(1, min(procs, len(work), concurrency or procs))
-    ctx = multiprocessing.get_context("spawn")
-    start_at = time.time() + 1.0 + 0.5 * procs  # (every client up before then)
-    conns, ps = [], []
+    ps = []
     for k in range(procs):
         share = concurrency // procs + (k < concurrency % procs) if concurrency is not None else None
-        here, there = ctx.Pipe()
-        args = (url, work[k::procs], rate / procs, seed + 7919 * k, share, start_at)
-        ps.append(ctx.Process(target=_client_process, args=(there, *args)))
-        ps[-1].start()
-        conns.append(here)
-    parts = [c.recv() for c in conns]
+        job = {"url": url, "work": work[k::procs], "rate": rate / procs, "seed": seed + 7919 * k, "concurrency": share}
+        p = subprocess.Popen([sys.executable, CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write(json.dumps(job) + "\n")
+        p.stdin.flush()
+        ps.append(p)
+    for p in ps:  # (every client up: its imports done)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     for p in ps:
-        p.join()
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.close()
+    parts = []
+    for p in ps:
+        assert p.stdout is not None
+        parts.append(json.loads(p.stdout.read()))
+        p.wait()
     return {
-        "wall": max(r["end"] for r in parts) - start_at,
+        "wall": max(r["end"] for r in parts) - min(r["first"] for r in parts),
         **{k: [x for r in parts for x in r[k]] for k in ("ttft", "itl")},
         **{k: sum(r[k] for r in parts) for k in ("tokens", "lost")},
     }

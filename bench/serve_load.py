@@ -140,6 +140,8 @@ def main() -> None:
     )
     ap.add_argument("--longest", type=int, default=400, help="the most prompt words")
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engines' token budget a step")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None, help="the most of one prompt a step")
     ap.add_argument(
         "--client-processes", type=int, default=1, help="clients sending the load, each in a process of its own"
     )
@@ -151,7 +153,10 @@ def main() -> None:
     tok = Tokenizer(meta)
     work = mix(args.requests, 0, args.longest)
     seqs = args.concurrency or args.max_num_seqs
-    kw = {"max_num_seqs": seqs, "kv_cache_memory_bytes": args.kv_cache_memory << 20}
+    kw: dict[str, Any] = {"max_num_seqs": seqs, "kv_cache_memory_bytes": args.kv_cache_memory << 20}
+    for name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
 
     off_s, off_tokens = float("nan"), 0
     if not args.skip_offline and not args.soak:
@@ -215,7 +220,8 @@ def main() -> None:
     loop.close()
     print(
         f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s); {args.requests} requests, "
-        f"{f'{args.concurrency} in flight' if args.concurrency else f'Poisson at {args.rate}/s'}, max_num_seqs {seqs}; "
+        f"{f'{args.concurrency} in flight' if args.concurrency else f'Poisson at {args.rate}/s'}, max_num_seqs {seqs}"
+        f"{''.join(f', {k} {v}' for k, v in kw.items() if k in ('max_num_batched_tokens', 'long_prefill_token_threshold'))}; "
         f"prompts median "
         f"{statistics.median(len(tok.encode(p)) for p, _ in work):.0f} tokens, outputs median "
         f"{statistics.median(o for _, o in work):.0f}"

@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=512, help="MiB of KV pages")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engines' token budget a step")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=None, help="the most of one prompt a step")
+    ap.add_argument("--async-scheduling", action="store_true", help="the engines plan a step while the last runs")
     ap.add_argument(
         "--client-processes", type=int, default=1, help="clients sending the load, each in a process of its own"
     )
@@ -154,8 +155,8 @@ def main() -> None:
     work = mix(args.requests, 0, args.longest)
     seqs = args.concurrency or args.max_num_seqs
     kw: dict[str, Any] = {"max_num_seqs": seqs, "kv_cache_memory_bytes": args.kv_cache_memory << 20}
-    for name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
-        if getattr(args, name) is not None:
+    for name in ("max_num_batched_tokens", "long_prefill_token_threshold", "async_scheduling"):
+        if getattr(args, name) not in (None, False):
             kw[name] = getattr(args, name)
 
     off_s, off_tokens = float("nan"), 0
@@ -221,7 +222,7 @@ def main() -> None:
     print(
         f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s); {args.requests} requests, "
         f"{f'{args.concurrency} in flight' if args.concurrency else f'Poisson at {args.rate}/s'}, max_num_seqs {seqs}"
-        f"{''.join(f', {k} {v}' for k, v in kw.items() if k in ('max_num_batched_tokens', 'long_prefill_token_threshold'))}; "
+        f"{''.join(f', {k} {v}' for k, v in kw.items() if k not in ('max_num_seqs', 'kv_cache_memory_bytes'))}; "
         f"prompts median "
         f"{statistics.median(len(tok.encode(p)) for p, _ in work):.0f} tokens, outputs median "
         f"{statistics.median(o for _, o in work):.0f}"

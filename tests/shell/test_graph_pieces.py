@@ -75,3 +75,36 @@ def test_no_graph_bucket_holds_more_rows_than_a_step_carries_tokens(smollm2: tup
     assert GraphDecoder(model, eng.rank, eng.backend, buckets_for(48)).buckets == (1, 2, 4, 8, 16)
     wide = Engine(model, Tokenizer(meta), kv_cache_memory_bytes=8 << 20, max_num_seqs=48)  # type: ignore[arg-type]
     assert GraphDecoder(model, wide.rank, wide.backend, buckets_for(48)).buckets == buckets_for(48)
+
+
+def decodes(meta: KVMetadata, n: int, seq_len: int) -> KVMetadata:
+    """A decode snapshot of ``n`` rows of ``seq_len`` keys beside ``meta`` (its generation and epoch)."""
+    from array import array
+
+    from pagedkv.core.metadata import DecodeRows
+
+    rows = DecodeRows(tuple(f"d{i}" for i in range(n)), ((1,),) * n, array("q", [seq_len] * n), array("q", range(n)))
+    return KVMetadata(meta.generation, meta.epoch, meta.block_size, Phase.DECODE, rows)
+
+
+def test_a_steps_decodes_ride_in_its_first_prefill_forward_that_holds_them() -> None:
+    """``ride_along``: the decode rows lead the first prefill piece with room for them (every row once, in order),
+    the decode forward gone; over the bucket or the reads, or of another generation, nothing rides."""
+    from dataclasses import replace
+
+    from pagedkv.shell.engine import ride_along
+
+    lengths = [100, 105, 110, 115, 120, 125, 130, 135]
+    pieces = graph_pieces(prefill(lengths), 512)  # 430 + 510 tokens
+    d = decodes(pieces[0], 30, 200)
+    out = ride_along([d, *pieces], 512)
+    assert [lead for _, lead in out] == [d, None] and len(out) == 2
+    assert list(out[0][0].rows) == [*d.rows, *pieces[0].rows] and out[1][0] == pieces[1]
+    assert out[0][0].phase is Phase.PREFILL and out[0][0].num_query_tokens == 460
+    full = decodes(pieces[0], 90, 200)  # (90 + 430 > 512, 90 + 510 too)
+    assert ride_along([full, *pieces], 512) == [(full, None), *((p, None) for p in pieces)]
+    long = decodes(pieces[0], 30, FLAT_READS // 30)  # (their reads fill the bound alone)
+    assert all(lead is None for _, lead in ride_along([long, *pieces], 512))
+    stale = replace(d, generation=d.generation + 1)
+    assert all(lead is None for _, lead in ride_along([stale, *pieces], 512))
+    assert ride_along([d], 512) == [(d, None)]

@@ -94,11 +94,23 @@ def test_batch_invariant_refuses_what_it_cannot_keep(smollm2: tuple[Any, dict[st
 
 
 @pytest.mark.slow
-def test_a_requests_tokens_are_its_own_in_every_company(smollm2: tuple[Any, dict[str, Any]]) -> None:
+def test_a_requests_tokens_are_its_own_in_every_company(
+    smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 50's table on the CPU with ``batch_invariant``: 8 chat prompts x 12 greedy tokens, each with its
     logprob; every company (a full batch, batch 7, overlap, drafts alone and batched, a pool that preempts, prompts
-    chunked) gives every request the token ids and the logprob bits it got alone."""
+    chunked) gives every request the token ids and the logprob bits it got alone. Steps that take in a prompt while
+    others decode run one forward, the decode rows riding in the prompt's (``ride_along``): the same bits."""
     from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine
+
+    real, rode = Engine._forward, []
+
+    def forward(self: Engine, *a: Any) -> Any:
+        rode.append(len(a) > 4 and a[4] is not None)
+        return real(self, *a)
+
+    monkeypatch.setattr(Engine, "_forward", forward)
 
     model, meta = smollm2
     tok = Tokenizer(meta)  # type: ignore[arg-type]
@@ -110,3 +122,4 @@ def test_a_requests_tokens_are_its_own_in_every_company(smollm2: tuple[Any, dict
     )
     assert [line["identical"] for line in lines] == [8] * len(lines), lines
     assert any(line["preempted"] for line in lines)  # (the preempting pool did preempt)
+    assert sum(rode) > 10, sum(rode)  # (decode rows rode in prompts' forwards)

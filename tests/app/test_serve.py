@@ -297,6 +297,9 @@ def test_the_command_says_a_port_it_cannot_take_in_one_line(capsys: pytest.Captu
     assert len(err) == 1 and err[0].startswith(f"pagedkv serve: cannot listen on 127.0.0.1:{port}")
     assert main(["serve", "a", "--model", "b"]) == 2
     assert "two models given" in capsys.readouterr().err
+    assert main(["serve", "/nowhere/model.gguf", "--port", "0"]) == 2  # (the engine's process cannot load it)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pagedkv serve: ") and "/nowhere/model.gguf" in err[0], err
 
 
 def test_no_request_lost_or_counted_twice_across_disconnects_faults_and_a_full_queue(faulty: Served) -> None:

@@ -183,6 +183,8 @@ class EngineLoop:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
+        else:
+            self._child.close()  # (never started: the child's end is still ours)
         self._conn.close()
 
     def submit(self, seqs: list[Sequence]) -> None:

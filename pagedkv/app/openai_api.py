@@ -11,8 +11,8 @@ uvicorn, as vLLM's server stands on). What a client of vLLM's server sends is re
 
 A bad request answers 400 with OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``); a
 missing or wrong key (``--api-key``) 401; a full queue 503 with ``Retry-After``; an engine fault that ended a
-request 500 (the server serves on); an engine whose process has ended 500, and ``/health`` 503 (vLLM's answer). A client that goes away cancels its request: its blocks go back at the next
-pass between steps."""
+request 500 (the server serves on); an engine whose process has ended 500, and ``/health`` 503 (vLLM's answer). A
+client that goes away cancels its request: its blocks go back at the next pass between steps."""
 
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ class EngineLoop:
                 for rid, token in ev[1]:
                     s = self.live.get(rid)
                     if s is not None and s.text is not None:
-                        self._token(s, token, now, out)
+                        self._token(s, s.text, token, now, out)
             elif kind == "done":
                 self._done(ev[1], ev[2], now, out)
             elif kind == "accepted":
@@ -250,16 +250,17 @@ class EngineLoop:
         self.faults = gauges[-1]
         _post(out)
 
-    def _token(self, s: Sequence, token: int, now: float, out: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+    def _token(
+        self, s: Sequence, so_far: TextSoFar, token: int, now: float, out: list[tuple[Sequence, tuple[Any, ...]]]
+    ) -> None:
         with self.metrics.lock:
             if s.last is None:
                 self.metrics.ttft.observe(now - s.arrived)
             else:
                 self.metrics.itl.observe(now - s.last)
         s.last = now
-        assert s.text is not None
-        s.text.push(token)
-        text = s.text.text
+        so_far.push(token)
+        text = so_far.text
         ready = len(text) - s.holdback
         for stop in s.stops:  # (a stop string this token completed: nothing from its start is sent)
             at = text.find(stop, max(0, s.sent - len(stop) + 1))

@@ -176,7 +176,7 @@ def main() -> None:
 
     del model
     loop = EngineLoop(build, args.device, args.dtype, args.threads, kw, max_waiting=1 << 16).start()
-    engine_pid = loop._proc.pid
+    engine_pid = loop.pid
     app = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams()).app()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -167,6 +167,11 @@ class EngineLoop:
         self._reader.start()
         return self
 
+    @property
+    def pid(self) -> int | None:
+        """The engine's process id (None before ``start``)."""
+        return self._proc.pid
+
     def close(self) -> None:
         """Stop the engine after its current step (what was live is cancelled) and wait for its process to end."""
         if self._closed:

@@ -367,7 +367,9 @@ def test_an_engine_process_gone_ends_its_requests_and_the_server_says_so(faulty:
     with httpx.stream("POST", f"{faulty.url}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # (it runs)
-        os.kill(faulty.loop._proc.pid, signal.SIGKILL)
+        pid = faulty.loop.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
     assert any('"error"' in line and "engine's process ended" in line for line in rest), rest
     assert httpx.get(f"{faulty.url}/health").status_code == 503

@@ -204,12 +204,22 @@ class EngineLoop:
             self.queued += len(seqs)
         for s in seqs:
             self.live[s.rid] = s
-        self._send(("add", [(s.rid, s.prompt_ids, s.params) for s in seqs]))
+        try:
+            self._send(("add", [(s.rid, s.prompt_ids, s.params) for s in seqs]))
+        except OSError:  # (the engine's process went between the check and the send: nothing taken)
+            for s in seqs:
+                self.live.pop(s.rid, None)
+            with self._lock:
+                self.queued -= len(seqs)
+            raise EngineDead(self.dead or "the engine's process has ended") from None
 
     def cancel(self, rids: list[str]) -> None:
         """End these requests at the next pass (a client gone); unknown or ended ones are passed over."""
         if self.dead is None and not self._closed:
-            self._send(("cancel", rids))
+            try:
+                self._send(("cancel", rids))
+            except OSError:  # (the engine's process gone: its requests end with it)
+                pass
 
     def _send(self, msg: tuple[str, Any]) -> None:
         with self._send_lock:

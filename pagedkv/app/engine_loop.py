@@ -96,11 +96,6 @@ class Metrics:
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock)  # (the histograms are read from another thread)
 
-    def gauges(self, g: tuple[Any, ...]) -> None:
-        """The engine's side's figures (``_Core.gauges``' order)."""
-        (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits, self.preemptions,
-         self.prompt_tokens, self.generation_tokens, self.requests, self.held_blocks) = g  # fmt: skip
-
 
 class Sequence:
     """One engine request of a client's request: its prompt ids and parameters, and the events its handler reads
@@ -237,7 +232,7 @@ class EngineLoop:
                 return
             self._apply(msg[1], msg[2])
 
-    def _apply(self, events: list[tuple[Any, ...]], gauges: tuple[Any, ...]) -> None:
+    def _apply(self, events: list[tuple[Any, ...]], gauges: dict[str, Any]) -> None:
         out: list[tuple[Sequence, tuple[Any, ...]]] = []
         now = time.perf_counter()
         for ev in events:
@@ -261,8 +256,9 @@ class EngineLoop:
                     out.append((self.live.pop(rid), ("refused", ev[2])))
                 with self._lock:
                     self.queued -= len(ev[1])
-        self.metrics.gauges(gauges[:-1])
-        self.faults = gauges[-1]
+        self.faults = gauges.pop("faults")
+        for name, value in gauges.items():  # (``_Core.gauges``: the engine's figures, under Metrics' names)
+            setattr(self.metrics, name, value)
         _post(out)
 
     def _token(
@@ -446,10 +442,21 @@ class _Core:
         except OSError:  # (the server's process gone: the listener stops the loop)
             pass
 
-    def gauges(self) -> tuple[Any, ...]:
+    def gauges(self) -> dict[str, Any]:
+        """The engine's figures for ``/metrics`` (``Metrics``' names), and the steps that raised."""
         eng = self.engine
         st, kv, stats = eng.state, eng.state.kv, eng.stats
         usable = kv.config.usable_blocks
-        return (len(st.running), len(st.waiting), (usable - kv.free_blocks) / usable, kv.prefix_queries,
-                kv.prefix_hits, stats.preemptions, stats.prompt_tokens, stats.generated_tokens, len(eng.requests),
-                usable - kv.free_blocks, self.faults)  # fmt: skip
+        return {
+            "running": len(st.running),
+            "waiting": len(st.waiting),
+            "kv_usage": (usable - kv.free_blocks) / usable,
+            "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits,
+            "preemptions": stats.preemptions,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generated_tokens,
+            "requests": len(eng.requests),
+            "held_blocks": usable - kv.free_blocks,
+            "faults": self.faults,
+        }

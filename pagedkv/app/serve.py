@@ -56,10 +56,7 @@ def run(args: argparse.Namespace) -> int:
             trace.close()
         args.sampling_defaults = read_generation_defaults(args)
         sock = listen(args.host, args.port)
-    except UsageError as e:
-        print(f"pagedkv serve: {e}", file=sys.stderr)
-        return USAGE_EXIT
-    except CheckpointError as e:  # (a generation config that cannot be read)
+    except (UsageError, CheckpointError) as e:  # (CheckpointError: a generation config that cannot be read)
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return USAGE_EXIT
     import uvicorn

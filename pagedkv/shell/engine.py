@@ -20,7 +20,7 @@ from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase
+from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import (
     SchedulerConfig,
     SeqRequest,
@@ -85,6 +85,19 @@ def graph_pieces(meta: KVMetadata, most: int) -> list[KVMetadata]:
     return pieces
 
 
+def flat_reads(rows: Sequence[RowMetadata]) -> int | None:
+    """The keys ``rows`` read laid out one query token a row (each token row reads its whole prefix); None where a
+    row is not one causal segment (it cannot be so laid out)."""
+    if isinstance(rows, DecodeRows):
+        return sum(rows.seq_lens)
+    reads = 0
+    for r in rows:
+        if not one_causal_segment(r):
+            return None
+        reads += r.query_len * r.seq_len
+    return reads
+
+
 def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, KVMetadata | None]]:
     """A step's forwards (``graph_pieces``), each with the decode snapshot riding in it: the step's decode rows moved
     into its first prefill forward that holds them too (every row causal, within ``most`` token rows and
@@ -92,7 +105,8 @@ def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, 
     computes). The step then runs one forward laid out a token a row (one graph replay) instead of one for the
     decodes and one for the prompts' chunk: bench/gpu_serve.py's mix on an H200, a step that took in a prompt
     replayed two or three graphs, 9-17 ms against 4.6 for a decode step, the inter-token latency's p99. Nothing
-    rides where nothing holds the decodes: the forwards as they were, each with ``None``.
+    rides where nothing holds the decodes: the forwards as they were, each with ``None``. (A decode row is one query
+    token by its phase, and every one causal.)
 
     >>> from pagedkv.core.metadata import DecodeRows, RowMetadata, Segment
     >>> from array import array
@@ -106,21 +120,17 @@ def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, 
     """
     alone: list[tuple[KVMetadata, KVMetadata | None]] = [(f, None) for f in forwards]
     decodes = [k for k, f in enumerate(forwards) if f.phase is Phase.DECODE]
-    if len(forwards) < 2 or len(decodes) != 1:
-        return alone
-    d = forwards[decodes[0]]
-    lead = tuple(d.rows)
-    reads = sum(r.seq_len for r in lead)
-    if any(r.query_len != 1 for r in lead):
+    d = forwards[decodes[0]] if len(forwards) > 1 and len(decodes) == 1 else None
+    reads = None if d is None else flat_reads(d.rows)
+    if d is None or reads is None:
         return alone
     for k, f in enumerate(forwards):
         if f.phase is not Phase.PREFILL or (f.generation, f.epoch) != (d.generation, d.epoch):
             continue
-        if f.num_query_tokens + len(lead) > most or not all(one_causal_segment(r) for r in f.rows):
+        own = flat_reads(f.rows) if f.num_query_tokens + len(d.rows) <= most else None
+        if own is None or reads + own > FLAT_READS:
             continue
-        if reads + sum(r.query_len * r.seq_len for r in f.rows) > FLAT_READS:
-            continue
-        merged = replace(f, rows=(*lead, *f.rows))
+        merged = replace(f, rows=(*d.rows, *f.rows))
         return [((merged, d) if j == k else (g, None)) for j, g in enumerate(forwards) if j != decodes[0]]
     return alone
 
@@ -482,7 +492,7 @@ class Engine:
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
         forwards = [piece for meta in plan.metadata for piece in self._pieces(meta, bool(verify))]
-        flat = self.worker.token_rows if self.args.batch_invariant else self._graph_rows()
+        flat = self._flat_rows()
         riding = ride_along(forwards, flat) if flat and not verify else [(f, None) for f in forwards]
         for k, (meta, lead) in enumerate(riding):
             out = self._forward(meta, verify, where, sum(len(o) for o in outs), lead)
@@ -581,24 +591,27 @@ class Engine:
         graphs = self.graphs
         return 0 if graphs is None or not graphs.buckets else min(graphs.buckets[-1], self.worker.token_rows)
 
+    def _flat_rows(self) -> int:
+        """The most query tokens a prefill forward laid out one a row takes (verify steps aside): the buffers' token
+        rows in batch-invariant mode (every such forward is), else a graph replay's."""
+        return self.worker.token_rows if self.args.batch_invariant else self._graph_rows()
+
     def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
         """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A
         verify step where its tokens fit the buffers; a prefill forward of causal rows whose tokens a captured
         graph holds and whose reads stay small (a token row reads its whole prefix: at most ``FLAT_READS`` keys in
         all), so that a step carrying a prompt's chunk replays graphs instead of launching every layer's kernels
         from the host (bench/gpu_mixed.py: 33-41 ms a mixed step on an H200, the device busy 6-8 of them)."""
-        if meta.phase is not Phase.PREFILL or meta.num_query_tokens > self.worker.token_rows:
+        if meta.phase is not Phase.PREFILL:
             return False
-        if verifying or self.args.batch_invariant:  # (batch-invariant: every forward; shell.invariant)
+        if verifying:
+            return meta.num_query_tokens <= self.worker.token_rows
+        if meta.num_query_tokens > self._flat_rows():
+            return False
+        if self.args.batch_invariant:  # (batch-invariant: every forward; shell.invariant)
             return True
-        if self.graphs is None or not self.graphs.fits(meta.num_query_tokens):
-            return False
-        reads = 0
-        for r in meta.rows:
-            if not one_causal_segment(r):
-                return False
-            reads += r.query_len * r.seq_len
-        return reads <= FLAT_READS
+        reads = flat_reads(meta.rows)
+        return reads is not None and reads <= FLAT_READS
 
     def _tokens(
         self, meta: KVMetadata, rows: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]] | None = None

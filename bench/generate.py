@@ -21,6 +21,7 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -77,10 +78,24 @@ def mixed(tok: Tokenizer, n: int) -> Workload:
     return out
 
 
+GC_RUNS = [0, 0, 0]  # CPython's collections by generation during pagedkv's runs (the GC on, as engines run)
+STEPS = [0]  # pagedkv's engine steps over those runs
+
+
+def _count_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        GC_RUNS[info["generation"]] += 1
+
+
 def run_pagedkv(model: Llama, tok: Tokenizer, work: Workload, rows: int) -> int:
     eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=rows)
     params = [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in work]
-    done = eng.generate([(tok.decode(ids), ids, p) for (ids, _), p in zip(work, params)])
+    gc.callbacks.append(_count_gc)
+    try:
+        done = eng.generate([(tok.decode(ids), ids, p) for (ids, _), p in zip(work, params)])
+    finally:
+        gc.callbacks.remove(_count_gc)
+    STEPS[0] += eng.stats.steps
     made = [len(c.token_ids) for c in done]
     if made != [new for _, new in work]:
         raise SystemExit(f"pagedkv made {made}, not the tokens asked for")
@@ -145,11 +160,14 @@ def main() -> None:
         theirs_fn = lambda: run_transformers(hf, pad, work, width)  # noqa: E731
         ours_fn(), theirs_fn()  # warm-up
         ours, theirs = [], []
+        GC_RUNS[:], STEPS[0] = [0, 0, 0], 0
         for _ in range(args.runs):
             ours.append(timed(ours_fn))
             theirs.append(timed(theirs_fn))
         rows.append((name, len(work), sum(n for _, n in work), statistics.median(ours), statistics.median(theirs)))
         print(f"  {name}: pagedkv {[round(x, 1) for x in ours]}, transformers {[round(x, 1) for x in theirs]}")
+        per = [round(g / max(STEPS[0], 1), 3) for g in GC_RUNS]
+        print(f"  {name}: pagedkv's GC collections a step (gen 0 / 1 / 2, {STEPS[0]} steps): {per}")
     print(
         f"greedy, no early stop, fp32, CPU ({torch.get_num_threads()} threads); baseline: transformers "
         f"{__import__('transformers').__version__} generate, same run; median of {args.runs} alternating runs"

@@ -300,7 +300,14 @@ class Engine:
         return self.outcomes.trace_error
 
     def has_unfinished(self) -> bool:
-        return bool(self.state.live) or (self.overlap is not None and self.overlap.pending is not None)
+        """Is there anything left for ``step()`` to do: a live request, ids in flight, or a completion a step that
+        raised kept back (the next ``step()`` hands it out), so that ``while has_unfinished(): step()`` loses
+        nothing."""
+        return (
+            bool(self.state.live)
+            or (self.overlap is not None and self.overlap.pending is not None)
+            or bool(self.outcomes.outbox)
+        )
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
         """One engine step; the completions that finished in it (and any a hook's fault kept back before).
@@ -312,14 +319,17 @@ class Engine:
         ``Exception`` is raised again once the engine is consistent, an ``Exception`` is kept in the
         requests' ``Completion.error`` and the engine serves on. Hooks run once the engine is consistent
         and the step's completions are kept (the trace writer, then ``on_kv_events``): a hook that raises
-        makes ``step`` raise, and those completions come with the next call; a failed trace write stops
-        the recording (``trace_error``).
+        makes ``step`` raise, and those completions come with the next call (``has_unfinished()`` is true until
+        then); so does a fault after the output (the host tier's copies). A failed trace write stops the recording
+        (``trace_error``).
 
         Every completion is handed out once: here (finished, refused, failed), or by ``cancel``."""
         with self._entered("step"):
             return self._step(on_token)
 
     def _step(self, on_token: Callable[[RequestId, int], None] | None) -> list[Completion]:
+        if not self.state.live and (self.overlap is None or self.overlap.pending is None):
+            return self.outcomes.hand_out()  # (only completions kept back: handed out, no step planned)
         t0 = time.perf_counter()
         st, spec = self.state, self.speculation
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
@@ -358,22 +368,29 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.cache.usable_blocks - self.state.kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
-        if self.host_pages is not None:  # (blocks its growth evicted: saved before the next forward writes them)
-            self.host_pages.apply(self.state.kv_events)
+        output_events = self.state.kv_events
         Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
-        if ended:
+        if ended:  # the engine consistent and the completions kept before anything that may raise
             self.worker.remove([rid for rid, _ in ended])
             gone = [self.requests.pop(rid) for rid, _ in ended]
-            if self.overlap is None:  # kept before anything that may raise (overlapped: their last id is read with
-                self.outcomes.finished(gone)  # the next step, which hands them out)
+            if self.overlap is None:  # (overlapped: their last id is read with the next step, which hands them out)
+                self.outcomes.finished(gone)
         if self.kv_history is not None:  # (the core's snapshot after every step)
             self.kv_history.append(self.state.kv)
+        after = self.state
+        self.outcomes.record(lambda r: r.output(sampled, stop, after, ended))
+        try:
+            if self.host_pages is not None:  # (blocks its growth evicted: saved before the next forward writes them)
+                self.host_pages.apply(output_events)
+        except BaseException:  # a store that failed after the output: no hit may load what it did not write
+            with contextlib.suppress(Exception):
+                self._kv_events(scheduled_events + output_events + self._forget_unwritten())
+            raise  # (the step's completions kept: has_unfinished() says so until a step hands them out)
         if self.step_times is not None:
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
-        self.outcomes.record(lambda r: r.output(sampled, stop, self.state, ended))
-        self._kv_events(scheduled_events + self.state.kv_events)
+        self._kv_events(scheduled_events + output_events)
         return self.outcomes.hand_out()
 
     def _overlapped(
@@ -413,14 +430,14 @@ class Engine:
         running = {rid: tok for rid, tok in sampled.items() if rid in live}
         stops = [rid for rid in stop if rid in live]
         self.state, ended = on_tokens(self.state, running, stops).unwrap()
-        if self.host_pages is not None:
-            self.host_pages.apply(self.state.kv_events)
         after = self.state  # (the recorder may write later: the state this event led to, bound now)
         self.outcomes.record(lambda r: r.tokens(running, stops, after, ended))
         self.worker.remove([rid for rid, _ in ended])
         for rid, _ in ended:
             del requests[rid]
         self.outcomes.finished(x for x in bound if not x.handed_out and requests.get(x.completion.request_id) is not x)
+        if self.host_pages is not None:  # (after the ended are out: a store that fails fails this step's requests)
+            self.host_pages.apply(after.kv_events)
 
     def _ended_by_plan(self, plan: StepPlan) -> None:
         """The requests ``schedule`` ended: refused before they ran (the refusal's code and numbers), or, having

@@ -201,17 +201,17 @@ def test_a_callback_may_cancel_and_take_the_id_again_on_the_engine_thread(model:
 
 
 class FailingAt:
-    """A model whose ``at``-th forward raises (0: never); ``calls`` counts them."""
+    """A model whose ``at``-th forward raises ``error`` (0: never); ``calls`` counts them."""
 
-    def __init__(self, model: Any, at: int) -> None:
-        self.model, self.at, self.calls = model, at, 0
+    def __init__(self, model: Any, at: int, error: type[BaseException] = RuntimeError) -> None:
+        self.model, self.at, self.calls, self.error = model, at, 0, error
         for name in ("config", "device", "dtype", "kv_layers"):
             setattr(self, name, getattr(model, name))
 
     def forward(self, *a: Any) -> Any:
         self.calls += 1
         if self.calls == self.at:
-            raise RuntimeError(f"injected at forward {self.at}")
+            raise self.error(f"injected at forward {self.at}")
         return self.model.forward(*a)
 
 

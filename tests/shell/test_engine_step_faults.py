@@ -18,6 +18,7 @@ from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
 from tests.shell.handed import keep_handed
+from tests.shell.test_engine_edges import FailingAt
 
 CFG = replace(
     SMOLLM2_SHAPES,
@@ -109,21 +110,9 @@ def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_s
     prompt hit them and gave other tokens. Now the step's requests end with error, the blocks cached ahead are
     taken back, the interrupt is raised again, and the engine serves on."""
 
-    class Interrupting:
-        def __init__(self, model: Any, at: int) -> None:
-            self.model, self.at, self.calls = model, at, 0
-            for name in ("config", "device", "dtype", "kv_layers"):
-                setattr(self, name, getattr(model, name))
-
-        def forward(self, *a: Any) -> Any:
-            self.calls += 1
-            if self.calls == self.at:
-                raise KeyboardInterrupt
-            return self.model.forward(*a)
-
     stale = 0
     for at in range(1, 12):
-        eng = engine(Interrupting(tiny, at))
+        eng = engine(FailingAt(tiny, at, KeyboardInterrupt))
         for rid, ids, p in PROMPTS:
             eng.add_request(rid, "", ids, p)
         with pytest.raises(KeyboardInterrupt):
@@ -131,7 +120,7 @@ def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_s
                 eng.step()
         eng.step()  # (the interrupted step's completions come out with the next)
         failed = [rid for rid, _, _ in PROMPTS if rid in eng.handed and eng.handed[rid].finish_reason == "error"]
-        assert failed and all(eng.handed[r].error == "KeyboardInterrupt" for r in failed)
+        assert failed and all(eng.handed[r].error.startswith("KeyboardInterrupt") for r in failed)
         prompt = dict((rid, ids) for rid, ids, _ in PROMPTS)[failed[-1]]
         # at once, the interrupted request's prompt again: what the clean engine gives it
         (mine,) = eng.generate([("same", prompt, SamplingParams(max_tokens=6))])
@@ -291,3 +280,90 @@ def test_sampling_parameters_it_cannot_sample_with_are_refused_at_the_door(tiny:
         with pytest.raises(ShellError, match="INVALID"):
             eng.generate([("ok", [1, 2], SamplingParams()), ("bad", [3], bad)])
         assert sched_digest(eng.state) == before and not eng.requests
+
+
+def plain_loop(eng: Engine, handed: list[Any]) -> list[BaseException]:
+    """vLLM's loop, ``while has_unfinished(): step()``, going on after whatever a step raises: what it raised."""
+    raised: list[BaseException] = []
+    while eng.has_unfinished():
+        try:
+            handed += eng.step()
+        except BaseException as e:  # noqa: BLE001
+            raised.append(e)
+    return raised
+
+
+LAST = [
+    ("a", list(range(1, 10)), SamplingParams(max_tokens=8)),
+    ("b", list(range(20, 25)), SamplingParams(max_tokens=8)),
+]
+# (both end on the same step, which fills a's fourth block: that step has KV events)
+
+
+def kept_back_case(tiny: Any, cause: str, overlap: bool) -> tuple[Engine, type[BaseException]]:
+    """Issue 60: the three ways a step raises once the engine has made itself consistent, each on the step that
+    ends the last live requests (where ``has_unfinished()`` once said False with their completions kept back): an
+    interrupt in the forward, a KV-event listener that raises, a fault after the output (the host tier's copies)."""
+    if cause == "interrupt":
+        counting = FailingAt(tiny, 0)
+        engine(counting, async_scheduling=overlap).generate(LAST)
+        return engine(
+            FailingAt(tiny, counting.calls, KeyboardInterrupt), async_scheduling=overlap
+        ), KeyboardInterrupt  # (the last)
+    if cause == "listener":
+        eng = engine(tiny, async_scheduling=overlap)
+
+        def listener(events: Any) -> None:
+            if not eng.state.live:
+                raise Boom("listener")
+
+        eng.on_kv_events = listener
+        return eng, Boom
+    eng = engine(tiny, enable_prefix_caching=True, kv_offloading_size=1e-5, async_scheduling=overlap)
+    pages = eng.host_pages
+    assert pages is not None
+    real = pages.apply
+
+    def apply(events: Any) -> None:
+        if not eng.state.live:  # (the last step's copies after its output)
+            raise Boom("a copy after the output")
+        real(events)
+
+    pages.apply = apply  # type: ignore[method-assign]
+    return eng, Boom
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("cause", ["interrupt", "listener", "after-output"])
+def test_a_completion_kept_back_is_handed_out_by_the_plain_loop(tiny: Any, cause: str, overlap: bool) -> None:
+    """Issue 60: a step that raised after the engine made itself consistent kept its completions "for the next
+    call", but ``has_unfinished()`` was already False, so ``while has_unfinished(): step()`` ended without them.
+    Now what a step keeps back keeps ``has_unfinished()`` true until a step hands it out: every request is handed
+    out exactly once by that loop."""
+    eng, error = kept_back_case(tiny, cause, overlap)
+    for rid, ids, p in LAST:
+        eng.add_request(rid, "", ids, p)
+    handed: list[Any] = []
+    raised = plain_loop(eng, handed)
+    assert [type(e) for e in raised] == [error]
+    assert sorted(c.request_id for c in handed) == ["a", "b"]
+    assert not eng.has_unfinished() and not eng.outcomes.outbox and not eng.requests
+    assert eng.state.kv.free_blocks == eng.cache.usable_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("cause", ["interrupt", "listener", "after-output"])
+def test_a_completion_kept_back_from_generate_is_handed_out_by_the_next_call(
+    tiny: Any, cause: str, overlap: bool
+) -> None:
+    """``generate`` raises what its step raised; the completions that step kept back keep ``has_unfinished()`` true,
+    and the next ``generate`` (or ``step``) hands them to its ``on_finish``."""
+    eng, error = kept_back_case(tiny, cause, overlap)
+    with pytest.raises(error):
+        eng.generate(LAST)
+    got: list[Any] = []
+    assert eng.has_unfinished()
+    eng.generate([], on_finish=got.append)
+    assert sorted(c.request_id for c in got) == ["req-0", "req-1"]
+    assert all(c.finish_reason is not None for c in got)
+    assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.requests

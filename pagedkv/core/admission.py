@@ -204,21 +204,20 @@ def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     return None
 
 
-def growing_refusal(state: KVState, spec: RequestSpec, chunk: int) -> KVError | None:
-    """``refusal`` for a request whose rows are admitted a chunk at a time (at most ``chunk`` tokens past
-    what is computed), judged without a hit: a windowed group holds only its window and a chunk, so the pool
-    must hold the full groups' blocks and those; what a scheduler checks before it admits a prefix.
+def growing_refusal(state: KVState, spec: RequestSpec) -> KVError | None:
+    """``refusal`` for a request whose rows are admitted a chunk at a time, judged without a hit: a windowed
+    group holds only its window and a chunk, and a row near the pool's size is computed in chunks small enough
+    (``CacheConfig.growing_chunk``), so the pool must hold what a row holds computed a token at a time
+    (``held_growing``); what a scheduler checks before it admits a prefix.
 
     >>> from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, initial_state
     >>> groups = (GroupSpec("full"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8))
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=40, groups=groups))
-    >>> refusal(s, RequestSpec("a", (RowSpec(100),))).code.value, growing_refusal(s, RequestSpec("a", (RowSpec(100),)), 8)
+    >>> refusal(s, RequestSpec("a", (RowSpec(100),))).code.value, growing_refusal(s, RequestSpec("a", (RowSpec(100),)))
     ('UNSCHEDULABLE', None)
     """
     cfg = state.config
-    return _shape(state, spec) or _over_limits(
-        state, spec, sum(_growing_blocks(cfg, r.num_tokens, chunk) for r in spec.rows)
-    )
+    return _shape(state, spec) or _over_limits(state, spec, sum(cfg.held_growing(r.num_tokens, 1) for r in spec.rows))
 
 
 def _over_limits(state: KVState, spec: RequestSpec, held: int) -> KVError | None:
@@ -285,12 +284,6 @@ def _cost(state: KVState, spec: RequestSpec, hit: Hit, firsts: list[list[int]]) 
             fresh += popped
             hits.update(shared)
     return fresh + len(hits), fresh + sum(1 for b in hits if refcount[b] == 0)
-
-
-def _growing_blocks(cfg: Any, num_tokens: int, chunk: int) -> int:
-    """The most blocks one row holds at once when its blocks come a chunk at a time."""
-    nb = cfg.blocks_for(num_tokens)
-    return sum(r.most_held_growing(nb, chunk, cfg.block_size) for r in cfg.rules)
 
 
 def _reserve(

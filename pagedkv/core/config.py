@@ -7,6 +7,7 @@ blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,40 @@ class CacheConfig:
         """Blocks one row of ``num_tokens`` holds over all groups at most (each kind's ``most_held``)."""
         nb = self.blocks_for(num_tokens)
         return sum(r.most_held(nb) for r in self.rules)
+
+    def held_growing(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one row of ``num_tokens`` holds over all groups while it is computed ``chunk`` tokens at
+        a time, from whatever point (a forward from p holds what p's queries see through p + chunk: each kind's
+        ``held_computing``): what the pool must hold for a row whose blocks come chunk by chunk. A chunk of 1 is
+        a decode's: what the row holds running to that length.
+
+        >>> w = GroupSpec("w", GroupKind.SLIDING_WINDOW, window=4)
+        >>> cfg = CacheConfig(block_size=4, num_blocks=40, groups=(GroupSpec("full"), w))
+        >>> cfg.held_growing(41, 4), cfg.held_growing(41, 1)
+        (14, 13)
+        """
+        bs, rules = self.block_size, self.rules
+        last = max(0, num_tokens - chunk)  # (a forward from past it ends at the row's end: it holds less)
+        span = math.lcm(*(r.period(bs) for r in rules))  # (before it, a start's count is one of these less)
+        return max(
+            sum(r.held_computing(p, min(p + chunk, num_tokens), bs) for r in rules)
+            for p in range(max(0, last - span), last + 1)
+        )
+
+    def growing_chunk(self, num_tokens: int, chunk: int) -> int:
+        """The largest chunk up to ``chunk`` in which a row of ``num_tokens`` fits the pool grown chunk by chunk
+        (``held_growing``), 0 where not even a token at a time does: a long row near the pool's size is computed in
+        smaller chunks rather than refused (its windows then hold less at once)."""
+        usable = self.usable_blocks
+        if self.row_blocks(num_tokens) <= usable or self.held_growing(num_tokens, chunk) <= usable:
+            return chunk
+        if self.held_growing(num_tokens, 1) > usable:
+            return 0
+        fits, over = 1, chunk  # (held_growing grows with the chunk)
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if self.held_growing(num_tokens, mid) <= usable else (fits, mid)
+        return fits
 
     def growth_blocks(self, opened: int) -> int:
         """Blocks a row's growth that opens ``opened`` positions takes over all groups (each kind's

@@ -4,7 +4,8 @@ A transition never asks what kind a group is: it asks the group's rules (``Group
 does. Each class answers, for one group of one row:
 
 - which keys a query sees (``first_visible_position``, ``first_visible_block``): what a window lets go;
-- what a row holds at most (``most_held``, ``most_held_growing``): admission's counts;
+- what a row holds at most (``most_held``) and while a stretch of it is computed (``held_computing``, ``period``):
+  admission's counts;
 - what admission takes (``admission_cost``, ``hit_taken``, ``taken_over``, ``admitted``);
 - what a growth takes (``growth_blocks``, ``grown``);
 - what a commit lets go (``let_go``);
@@ -22,6 +23,7 @@ takes blocks is handed the pool's ``pop`` by its caller, so this module imports 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import ClassVar
@@ -89,10 +91,15 @@ class KindRules:
         """The most blocks a row of ``nb`` positions holds in this group."""
         return nb
 
-    def most_held_growing(self, nb: int, chunk: int, block_size: int) -> int:
-        """The most blocks a row of ``nb`` positions holds at once when its blocks come ``chunk`` tokens at a
-        time (a window lets the ones behind it go)."""
-        return self.most_held(nb)
+    def held_computing(self, start: int, end: int, block_size: int) -> int:
+        """The blocks a row holds here while its positions ``[start, end)`` are computed, ``start`` of them already
+        (its blocks come a chunk at a time: a window has let go of what no query from ``start`` on sees)."""
+        return -(-end // block_size)
+
+    def period(self, block_size: int) -> int:
+        """Past its first stretch, ``held_computing`` less the full groups' count repeats every ``period``
+        positions (a full group's grows with the row): the span admission scans for a row's worst chunk."""
+        return 1
 
     # admission
 
@@ -177,9 +184,11 @@ class _Windowed(KindRules):
     full_hit = False
     eagle_margin = True
 
-    def most_held_growing(self, nb: int, chunk: int, block_size: int) -> int:
-        span = (self.window - 1) if self.window else self.chunk or 0
-        return min(nb, -(-(span + chunk) // block_size) + 1)
+    def held_computing(self, start: int, end: int, block_size: int) -> int:
+        return -(-end // block_size) - self.first_visible_block(start, block_size)
+
+    def period(self, block_size: int) -> int:
+        return math.lcm(block_size, self.chunk or 1)  # (a window: a block; a local chunk: its boundaries too)
 
     def let_go(self, ids: tuple[int, ...], future: int, previous: int, block_size: int) -> Sequence[int]:
         # the null positions of a window are a prefix of its list: back from the boundary over the blocks held
@@ -231,6 +240,9 @@ class MambaState(KindRules):
     def most_held(self, nb: int) -> int:
         return 1
 
+    def held_computing(self, start: int, end: int, block_size: int) -> int:
+        return 1
+
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
         return 1, ()  # fresh, or the saved state taken over out of the free queue
 
@@ -280,6 +292,12 @@ class MambaAlign(KindRules):
 
     def most_held(self, nb: int) -> int:
         return min(nb, 2)  # the state it reads, the one it writes
+
+    def held_computing(self, start: int, end: int, block_size: int) -> int:
+        return min(2, -(-end // block_size) - self.first_visible_block(start, block_size))
+
+    def period(self, block_size: int) -> int:
+        return block_size
 
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
         return int(nb > len(hit)), self.hit_taken(hit, first)  # one fresh block, at the last position

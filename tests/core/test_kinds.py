@@ -55,9 +55,11 @@ def test_what_a_query_sees() -> None:
 
 def test_what_a_row_holds_and_what_admission_and_growth_take() -> None:
     assert [k.most_held(5) for k in (FullAttention(), SlidingWindow(4), MambaState(), MambaAlign())] == [5, 5, 1, 2]
-    assert (
-        SlidingWindow(window=32).most_held_growing(100, 16, 16) == 4
-    )  # the window's 31 tokens and a chunk: 3 blocks, + 1
+    # computing [96, 112) of a row: the window's 31 tokens before 96 from block 4 on, and the chunk's, in blocks 4-6
+    assert SlidingWindow(window=32).held_computing(96, 112, 16) == 3
+    assert SlidingWindow(window=32).held_computing(97, 113, 16) == 4  # (out of line: one block more)
+    assert ChunkedLocal(chunk=32).held_computing(97, 113, 16) == 2  # (the local chunk from 96: blocks 6 and 7)
+    assert [k.held_computing(97, 113, 16) for k in (FullAttention(), MambaState(), MambaAlign())] == [8, 1, 2]
     assert FullAttention().admission_cost(nb=4, hit=(7, 8), first=0) == (2, (7, 8))
     assert SlidingWindow(window=5).admission_cost(nb=4, hit=(7, 8), first=1) == (2, (8,))
     assert MambaState().admission_cost(nb=4, hit=(0, 9), first=0) == (1, ())

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from returns.result import Failure
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RowSpec, digest
+from pagedkv.core.config import InvalidConfig
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.scheduler import (
     SchedState,
@@ -232,3 +236,70 @@ def test_a_long_prefill_threshold_caps_each_requests_chunk_and_rides_the_trace_h
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidConfig, match="long_prefill_token_threshold"):
             SchedulerConfig(long_prefill_token_threshold=bad)  # type: ignore[arg-type]
+
+
+LAYOUTS = {
+    "full": (GroupSpec("full"),),
+    "windows": WINDOWS,
+    "window8": (GroupSpec("full"), GroupSpec("w", GroupKind.SLIDING_WINDOW, window=8)),
+    "chunked": (GroupSpec("full"), GroupSpec("c", GroupKind.CHUNKED_LOCAL, chunk=8)),
+    "mamba": (GroupSpec("mamba", GroupKind.MAMBA), GroupSpec("full")),
+    "mamba_align": (GroupSpec("full"), GroupSpec("mamba", GroupKind.MAMBA_ALIGN)),
+}
+
+
+def served(cache: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], later: int) -> dict[object, object]:
+    """How each of ``reqs`` ended through the scheduler (the second half submitted ``later`` steps in), and what
+    each generated: ``{id: (reason, output)}``."""
+    s = new_scheduler(cache, sched)
+    first, rest = reqs[: max(1, len(reqs) // 2)], reqs[max(1, len(reqs) // 2) :]
+    for r in first:
+        s = submit(s, r).unwrap()
+    ends: dict[object, object] = {}
+    outputs: dict[object, tuple[int, ...]] = {}
+    for step in range(3000):
+        if step == later:
+            for r in rest:
+                s = submit(s, r).unwrap()
+        s, plan = schedule(s).unwrap()
+        ends.update(plan.finished)
+        sampled = {rid: model(s.live[rid].prompt + s.live[rid].output) for rid in plan.samples}
+        for rid, tok in sampled.items():
+            outputs[rid] = s.live[rid].output + (tok,)
+        s, ended = on_output(s, sampled).unwrap()
+        ends.update(ended)
+        assert check_invariants(s.kv) == []
+        if step >= later and not s.live:
+            break
+    else:
+        raise AssertionError(f"not done after 3000 steps: {sorted(map(str, s.live))} live")
+    return {rid: (ends[rid], outputs.get(rid, ())) for rid in ends}
+
+
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    usable=st.integers(4, 28),
+    grow_prefill=st.booleans(),
+    caching=st.booleans(),
+    budget=st.sampled_from([4, 8, 16, 64]),
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2)), min_size=2, max_size=4),
+    later=st.integers(0, 12),
+)
+def test_a_request_served_alone_in_the_empty_pool_is_served_in_company(
+    layout: str, usable: int, grow_prefill: bool, caching: bool, budget: int, lengths: list[Any], later: int
+) -> None:
+    """Issue 60: under ``grow_prefill`` with window groups, a 36-token prompt that ran alone in a pool of 16 blocks
+    was ended ``UNSCHEDULABLE`` in company: issue 45's rule ended it when it ran short instead of preempting a newer
+    request. Whatever the pool, the groups and the company, a request that is served alone is served, with the same
+    tokens."""
+    try:
+        cache = CacheConfig(block_size=4, num_blocks=usable + 1, groups=LAYOUTS[layout], enable_prefix_caching=caching)
+    except InvalidConfig:
+        assume(False)
+    sched = SchedulerConfig(max_num_batched_tokens=budget, grow_prefill=grow_prefill)
+    reqs = [llm(f"r{i}", n, max_tokens=m, base=100 * b) for i, (n, m, b) in enumerate(lengths)]
+    together = served(cache, sched, reqs, later)
+    for r in reqs:
+        alone = served(cache, sched, [r], 0)[r.request_id]
+        if alone[0] == "finished":
+            assert together[r.request_id] == alone, (r.request_id, together)

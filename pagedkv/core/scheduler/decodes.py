@@ -16,7 +16,7 @@ from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Move
 from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState
+from pagedkv.core.state import KVState, request_blocks
 
 
 def drafts_problem(drafts: object) -> KVError | None:
@@ -120,11 +120,15 @@ def _decode_one(d: Planning, rid: RequestId, token: int, draft: tuple[int, ...] 
 
 
 def grow(d: Planning, rid: RequestId, tokens: list[int] | Placeholders) -> bool | KVError:
-    """``rid``'s row grows by ``tokens``, preempting the newest running request while the blocks are short:
-    True when it grew, False when ``rid`` itself was the one preempted (it waits, its blocks back), or the
-    refusal that is not about blocks: its length past ``max_model_len``, or (``UNSCHEDULABLE``) more than the
-    empty pool holds, when even a recompute could never admit it again (no one is preempted for it)."""
-    never: KVError | None | bool = False  # (judged at the first shortage: only a request that runs short pays)
+    """``rid``'s row grows by ``tokens``, preempting while the blocks are short: True when it grew, False when
+    ``rid`` itself was the one preempted (it waits, its blocks back), or the refusal that is not about blocks: its
+    length past ``max_model_len``, or (``UNSCHEDULABLE``) more than the pool holds with ``rid`` alone in it.
+
+    The one preempted is the newest running request that could be admitted again (``readmission_refusal``): a
+    request in company is never ended for want of blocks it would have alone, and none is preempted into a
+    recompute that could never be admitted (one whose windows would hold a whole chunk again, say). Where none
+    could come back, the newest goes as before; ``rid`` itself then ends, refused."""
+    alone: bool = False  # (judged at the first shortage: only a request that runs short pays)
     while True:
         grown = append(d.kv, rid, [tokens])
         if isinstance(grown, Success):
@@ -133,14 +137,35 @@ def grow(d: Planning, rid: RequestId, tokens: list[int] | Placeholders) -> bool 
         err = grown.failure()
         if err.code is not ErrorCode.NO_CAPACITY:
             return err
-        if never is False:
-            never = readmission_refusal(d, rid)
-            if never is not None:
-                return never
-        victim = d.running[-1]
+        if not alone:
+            too_big = alone_refusal(d.kv, rid, err)
+            if too_big is not None:
+                return too_big
+            alone = True
+        victim = next((v for v in reversed(d.running) if readmission_refusal(d, v) is None), d.running[-1])
+        never = readmission_refusal(d, rid) if victim == rid else None
+        if never is not None:
+            return never
         d.preempt(victim)
         if victim == rid:
             return False
+
+
+def alone_refusal(kv: KVState, rid: RequestId, short: KVError) -> KVError | None:
+    """Why ``rid``'s growth, refused with ``short`` (``NO_CAPACITY``: the blocks it needs), could not be served
+    even with ``rid`` alone in the pool (every other request's blocks back): ``UNSCHEDULABLE``, or None."""
+    held = len({b for row in request_blocks(kv, rid) for blocks in row for b in blocks if b})
+    usable = kv.config.usable_blocks
+    need = short.requested or 0
+    if held + need <= usable:
+        return None
+    return KVError(
+        ErrorCode.UNSCHEDULABLE,
+        f"request {shown(rid)} needs {held + need} blocks to grow; the pool has {usable} usable blocks in all",
+        request=rid,
+        requested=held + need,
+        available=usable,
+    )
 
 
 def readmission_refusal(d: Planning, rid: RequestId) -> KVError | None:
@@ -154,9 +179,6 @@ def readmission_refusal(d: Planning, rid: RequestId) -> KVError | None:
 def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec) -> KVError | None:
     """Why the scheduler can never admit ``spec`` into ``kv``'s pool, whatever the pool holds then: ``refusal``
     (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
-    cfg = d.state.config
-    if cfg.grow_prefill and spec.rows[0].prefix_len is None:
-        return growing_refusal(
-            kv, spec, min(cfg.max_num_batched_tokens, cfg.chunk_cap) if cfg.chunked_prefill else 1 << 62
-        )
+    if d.state.config.grow_prefill and spec.rows[0].prefix_len is None:
+        return growing_refusal(kv, spec)
     return refusal(kv, spec)

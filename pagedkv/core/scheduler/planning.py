@@ -106,3 +106,4 @@ class Planning:
         if victim in self.decode:
             self.decode.remove(victim)
         self.verify = [v for v in self.verify if v[0] != victim]
+        self.prefill = [p for p in self.prefill if p[0] != victim]  # (an older request's chunk planned this step)

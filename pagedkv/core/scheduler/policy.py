@@ -74,6 +74,12 @@ def _prefill_chunks(d: Planning) -> None:
                 if cfg.chunked_prefill
                 else (remaining if remaining <= d.budget else 0)
             )
+            kv_cfg = d.kv.config
+            if q and cfg.grow_prefill:  # (a row near the pool's size: chunks its windows hold at once)
+                q = max(1, kv_cfg.growing_chunk(total, q))
+            bs = kv_cfg.block_size
+            if kv_cfg.stops_at_block_end and computed % bs:  # (an align-mode state group: vLLM's aligned split)
+                q = min(q, bs - computed % bs)
             if q and cfg.grow_prefill and not _grow_chunk(d, rid, computed + q):
                 continue  # preempted itself: it waits, its blocks back
             if q:
@@ -134,8 +140,9 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
         total = len(req.prompt) + len(output)
         chunk = min(total - hit, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else total - hit
+        held = hit + max(d.kv.config.growing_chunk(total, chunk), 1)  # (a row near the pool's size: smaller chunks)
         row = spec.rows[0]
-        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[: hit + max(chunk, 1)]),))  # type: ignore[index]
+        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[:held]),))  # type: ignore[index]
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     keep = cfg.watermark_blocks if d.running or not nothing_yet else 0  # the watermark, for decode growth
     admitted = admit(d.kv, spec, reserve=keep)
@@ -158,7 +165,7 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         d.move(rid, Move.ADMIT_DIFFUSION)
         d.budget -= tokens
         return "done"
-    remaining = len(req.prompt) + len(output) - cached
+    remaining = (spec.rows[0].num_tokens if cfg.grow_prefill else len(req.prompt) + len(output)) - cached
     q = min(remaining, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else remaining  # (grow_prefill: what it holds)
     if q > d.budget and not nothing_yet:
         return "stop"

@@ -262,10 +262,13 @@ class Engine:
         bad = next(
             (t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None
         )  # the core checks types
+        where = "token id"
+        if bad is None and params.logit_bias:
+            bad, where = next((t for t in params.logit_bias if t >= vocab), None), "logit_bias' token id"
         if bad is not None:
             raise refuse(
                 ErrorCode.INVALID,
-                f"request {req.request_id!r}: token id {bad} is outside the model's vocabulary [0, {vocab})",
+                f"request {req.request_id!r}: {where} {bad} is outside the model's vocabulary [0, {vocab})",
                 request=req.request_id,
             )
         submitted = submit(state, req)

@@ -109,7 +109,9 @@ class Outcomes:
                     self._logprob(live, tok, logprobs[first + n - 1])
                 if on_token is not None:
                     on_token(rid, tok)
-                if (tok in stop_ids or live.text is not None) and self._stopped(live, tok, tok in stop_ids, eos):
+                extra = cast("tuple[int, ...]", live.params.stop_token_ids)  # (a tuple once made)
+                stop_id = tok in stop_ids or (bool(extra) and tok in extra)
+                if (stop_id or live.text is not None) and self._stopped(live, tok, stop_id, eos):
                     live.completion.finish_reason = "stop"
                     stop.append(rid)
                     break
@@ -131,7 +133,7 @@ class Outcomes:
         if len(comp.token_ids) < p.min_tokens:
             live.stop_from = len(text.text) if text is not None else 0
             return False
-        if stop_id and not p.ignore_eos:
+        if stop_id and (not p.ignore_eos or tok in cast("tuple[int, ...]", p.stop_token_ids)):
             comp.stop_reason = None if tok == eos else tok
             return True
         if hit and text is not None:
@@ -199,8 +201,12 @@ class Outcomes:
         ``error`` (its tokens stand)."""
         comp = live.completion
         try:
+            p = live.params
             comp.text = cut_at_stop(
-                self.tokenizer.decode(comp.token_ids), cast("tuple[str, ...]", live.params.stop), live.stop_from
+                self.tokenizer.decode(comp.token_ids),
+                cast("tuple[str, ...]", p.stop),
+                live.stop_from,
+                p.include_stop_str_in_output,
             )
         except Exception as e:  # noqa: BLE001 - the tokens are the result; the text is a courtesy
             comp.text, comp.error = "", f"the detokenizer failed: {one_line(e)}"

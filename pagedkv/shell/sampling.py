@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +41,11 @@ class SamplingParams:
     present id and once an occurrence of the output's ids; ``min_tokens``: no stop (token or string) before that
     many tokens; ``ignore_eos``: the end-of-sequence tokens do not end it (stop strings still do); ``logprobs``:
     each generated token's logprob and those of the ``logprobs`` most likely ids, from the model's logits
-    (before penalties and temperature, vLLM's raw logprobs), on the completion."""
+    (before penalties and temperature, vLLM's raw logprobs), on the completion; ``stop_token_ids``: ids that end
+    it besides the model's (kept in its tokens, ``stop_reason`` the id; held back before ``min_tokens``, and
+    ``ignore_eos`` leaves them stopping); ``include_stop_str_in_output``: the stop string that ended it stays
+    in its text; ``logit_bias``: ``{token id: bias}`` added to those ids' logits before anything else (OpenAI's
+    range, [-100, 100])."""
 
     max_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
@@ -56,6 +60,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop_token_ids: Sequence[int] | None = ()
+    include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -65,6 +72,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (stop,))
         elif isinstance(stop, Sequence) and not isinstance(stop, tuple):
             object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(ids, Sequence) and not isinstance(ids, (tuple, str)):
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def penalized(self) -> bool:
@@ -126,6 +138,22 @@ def params_problem(params: object) -> str | None:
             "logprobs",
             p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS),
             f"an integer in [0, {MAX_LOGPROBS}] or None",
+        ),
+        (
+            "stop_token_ids",
+            isinstance(p.stop_token_ids, tuple) and all(type(t) is int and 0 <= t < 1 << 31 for t in p.stop_token_ids),
+            "a sequence of token ids",
+        ),
+        ("include_stop_str_in_output", type(p.include_stop_str_in_output) is bool, "true or false"),
+        (
+            "logit_bias",
+            p.logit_bias is None
+            or (
+                isinstance(p.logit_bias, Mapping)
+                and all(type(t) is int and 0 <= t < 1 << 31 for t in p.logit_bias)
+                and all(_number(b) and -100 <= b <= 100 for b in p.logit_bias.values())
+            ),
+            "a mapping of token ids to numbers in [-100, 100]",
         ),
     )
     for name, ok, what in checks:
@@ -195,7 +223,7 @@ def sample_batch(
     """Every row's token at once, on ``logits``' device: (rows,) int64. Row ``i`` samples with ``params[i]``,
     drawing the race noise of (``seeds[i]``, ``counters[i]``: the tokens its request drew before), after its
     penalties and ``min_tokens`` (``history``). No host sync."""
-    logits = _held_back(_penalized(logits, params, history), params, counters, history.stop_ids)
+    logits = _held_back(_penalized(_biased(logits, params), params, history), params, counters, history.stop_ids)
     out = torch.argmax(logits, dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if not drawn:
@@ -224,6 +252,24 @@ def sample_batch(
     else:
         chosen = torch.argmax(probs / noise, dim=1)
     return out.index_copy(0, rows, chosen)
+
+
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added (float32 then; the rows without one as they are; an id past
+    the vocabulary is none of its logits)."""
+    vocab = logits.shape[1]
+    where = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if t < vocab]
+    if not where:
+        return logits
+    dev = logits.device
+    out = logits.float().clone()
+    rows, ids, bias = zip(*where)
+    out.index_put_(
+        (to_device(list(rows), torch.int64, dev), to_device(list(ids), torch.int64, dev)),
+        to_device(list(bias), torch.float32, dev),
+        accumulate=True,
+    )
+    return out
 
 
 def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], history: History) -> torch.Tensor:
@@ -270,14 +316,20 @@ def _counts(id_lists: Sequence[Sequence[int]], vocab: int, dev: torch.device) ->
 def _held_back(
     logits: torch.Tensor, params: Sequence[SamplingParams], counters: Sequence[int], stop_ids: frozenset[int]
 ) -> torch.Tensor:
-    """The stop ids out of reach of every row still short of its ``min_tokens``."""
+    """The stop ids (the model's and the row's own ``stop_token_ids``) out of reach of every row still short of its
+    ``min_tokens``."""
     rows = [i for i, (p, c) in enumerate(zip(params, counters)) if c < p.min_tokens]
-    if not rows or not stop_ids:
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    ban = [(i, s) for i in rows for s in sorted(stop_ids.union(params[i].stop_token_ids or ())) if s < vocab]
+    if not ban:
         return logits
     dev = logits.device
-    ban = [s for s in sorted(stop_ids) if s < logits.shape[1]]
     out = logits.clone()
-    out[to_device(rows, torch.int64, dev)[:, None], to_device(ban, torch.int64, dev)[None, :]] = float("-inf")
+    out[to_device([i for i, _ in ban], torch.int64, dev), to_device([s for _, s in ban], torch.int64, dev)] = float(
+        "-inf"
+    )
     return out
 
 
@@ -313,15 +365,16 @@ class Logprob:
         return out
 
 
-def cut_at_stop(text: str, stop: tuple[str, ...], start: int = 0) -> str:
+def cut_at_stop(text: str, stop: tuple[str, ...], start: int = 0, keep: bool = False) -> str:
     """``text`` up to the first of the request's stop strings that it holds from ``start`` on (each checked in
-    order; before ``start``: what came before ``min_tokens``, exempt).
+    order; before ``start``: what came before ``min_tokens``, exempt); ``keep``: through it
+    (``include_stop_str_in_output``).
 
-    >>> cut_at_stop("a. b. c.", (".",)), cut_at_stop("a. b. c.", (".",), 2)
-    ('a', 'a. b')
+    >>> cut_at_stop("a. b. c.", (".",)), cut_at_stop("a. b. c.", (".",), 2), cut_at_stop("a. b.", (".",), keep=True)
+    ('a', 'a. b', 'a.')
     """
     for s in stop:
         at = text.find(s, start)
         if at >= 0:
-            text = text[:at]
+            text = text[: at + len(s) if keep else at]
     return text

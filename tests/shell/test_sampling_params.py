@@ -147,3 +147,36 @@ def test_stop_takes_a_string_or_any_sequence_and_the_rest_is_checked(model: Any)
     with pytest.raises(ShellError, match="n=2: a request here is one sequence"):
         eng.add_request("x", "", [1, 2], SamplingParams(n=2))
     assert not eng.requests and not eng.state.live
+
+
+def test_logit_bias_stop_token_ids_and_the_stop_string_kept_in_every_mode(model: Any) -> None:
+    """Issue 60: ``logit_bias``, ``stop_token_ids`` and ``include_stop_str_in_output`` were taken by the server and
+    ignored. A +100 bias makes greedy pick its id; a request's own stop id ends it (``stop_reason`` the id, not
+    before ``min_tokens``, whatever ``ignore_eos``); a stop string kept stays in the text; in every mode."""
+    plains = served(model, [SamplingParams(max_tokens=8)] * 5, "waiting")  # (each row's prompt: its tokens plain)
+    other = next(t for t in range(5, 50) if all(t not in c.token_ids for c in plains))
+    text = IdTokenizer().decode(plains[3].token_ids[:3])
+    params = [
+        SamplingParams(max_tokens=8, logit_bias={other: 100.0}),
+        SamplingParams(max_tokens=8, logit_bias={other: 100.0}, stop_token_ids=[other]),
+        SamplingParams(max_tokens=8, logit_bias={other: 100.0}, stop_token_ids=[other], min_tokens=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, stop=text[-2:], include_stop_str_in_output=True),
+        SamplingParams(max_tokens=8, logit_bias={other: 99.0, plains[4].token_ids[0]: 100.0}),
+    ]
+    for mode in MODES:
+        biased, stopped, held, kept, two = served(model, params, mode)
+        assert biased.token_ids == [other] * 8, mode
+        assert stopped.token_ids == [other] and (stopped.finish_reason, stopped.stop_reason) == ("stop", other)
+        assert len(held.token_ids) == 4 and other not in held.token_ids[:3] and held.token_ids[3] == other, mode
+        assert kept.finish_reason == "stop" and kept.text.endswith(text[-2:]) and kept.stop_reason == text[-2:]
+        assert two.token_ids == [plains[4].token_ids[0]] * 8, mode  # (the larger bias wins)
+    for bad, says in (
+        (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
+        (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
+        (SamplingParams(include_stop_str_in_output=1), "include_stop_str_in_output"),  # type: ignore[arg-type]
+    ):
+        assert (params_problem(bad) or "").startswith(says)
+    eng = Engine(model, IdTokenizer(), block_size=4, kv_cache_memory_bytes=1 << 20)
+    with pytest.raises(ShellError, match="logit_bias' token id"):
+        eng.add_request("x", "", [1, 2], SamplingParams(logit_bias={CFG.vocab_size: 1.0}))

@@ -49,11 +49,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISHED_LABELS = {"stop": "stop", "length": "length", "error": "error"}  # vLLM's finished_reason; the rest abort
 STOP_WAIT_S = 60  # how long ``close`` waits for the engine's process to end its step and stop
 
 
 class QueueFull(Exception):
     """More requests are waiting than the server takes (``max_waiting``): answered 503 with a retry hint."""
+
+
+class NeverTaken(Exception):
+    """A request of more sequences than may ever wait (``max_waiting``): answered 400, never worth a retry."""
 
 
 class EngineDead(Exception):
@@ -108,7 +113,7 @@ class Sequence:
         self.events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self.stops = cast("tuple[str, ...]", params.stop)  # (a tuple once made)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
-        self.text: TextSoFar | None = None  # (made once the engine has taken it)
+        self.text: TextSoFar | None = None  # (made once the engine has taken it; its ids: the tokens that came)
         self.sent = 0  # characters of the text handed out
         self.arrived = time.perf_counter()
         self.last: float | None = None  # when its last token arrived
@@ -122,9 +127,11 @@ def _deliver(batch: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
 
 class EngineLoop:
     """The engine that ``build(*args)`` makes (a picklable callable: it runs in the engine's process), served
-    from a process of its own once ``start``ed; ``max_waiting``: requests queued or waiting in the scheduler
-    beyond which ``submit`` raises ``QueueFull``; ``tokenizer``: the one the server encodes and decodes with
-    (default: the engine's, sent back when it is ready)."""
+    from a process of its own once ``start``ed; ``max_waiting``: sequences that would wait in the scheduler (those
+    waiting there, and those sent beyond its free seats) past which ``submit`` raises ``QueueFull``;
+    ``tokenizer``: the one the server encodes and decodes with (default: the engine's, sent back when it is
+    ready). ``max_model_len``: the most tokens a request may hold, what the engine's pool holds for one alone
+    (``Engine.longest_request``)."""
 
     def __init__(self, build: Callable[..., Any], *args: Any, max_waiting: int = 1024, tokenizer: Any = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # (never fork: CUDA and OpenMP do not survive it)
@@ -133,6 +140,7 @@ class EngineLoop:
         self._proc.daemon = True  # (ended with this process, whatever happens to it)
         self.tokenizer, self.max_waiting = tokenizer, max_waiting
         self.max_model_len: int | None = None
+        self.max_num_seqs = 0  # (the scheduler's seats, told when the engine is ready: none before)
         self.live: dict[str, Sequence] = {}  # submitted and not yet ended
         self.queued = 0  # sequences submitted and not yet taken or refused by the engine
         self._lock = threading.Lock()  # (``queued``: counted up by handlers, down by the reader)
@@ -158,7 +166,7 @@ class EngineLoop:
             raise EngineDead(msg[1])
         _, tokenizer, info = msg
         self.tokenizer = self.tokenizer if self.tokenizer is not None else tokenizer
-        self.max_model_len = info["max_model_len"]
+        self.max_model_len, self.max_num_seqs = info["max_model_len"], info["max_num_seqs"]
         self._reader.start()
         return self
 
@@ -188,14 +196,19 @@ class EngineLoop:
         self._conn.close()
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue ``seqs`` (one client request) for the engine; ``QueueFull`` when the server holds its most,
-        ``EngineDead`` once the engine's process has ended."""
+        """Queue ``seqs`` (one client request) for the engine; ``QueueFull`` when more would wait than the server
+        takes, ``NeverTaken`` for more sequences than may ever wait, ``EngineDead`` once the engine's process has
+        ended."""
         if self.dead is not None:
             raise EngineDead(self.dead)
+        if len(seqs) > self.max_waiting:
+            raise NeverTaken(f"{len(seqs)} sequences are more than the server ever lets wait ({self.max_waiting})")
         with self._lock:
-            waiting = self.queued + self.metrics.waiting
-            if waiting + len(seqs) > self.max_waiting:
-                raise QueueFull(f"{waiting} requests are waiting (the most: {self.max_waiting})")
+            m = self.metrics  # (as the engine's last pass left them: those sent since take its free seats first)
+            seats = max(0, self.max_num_seqs - m.running - m.waiting)
+            waiting = m.waiting + max(0, self.queued - seats)
+            if m.waiting + max(0, self.queued + len(seqs) - seats) > self.max_waiting:
+                raise QueueFull(f"{waiting} requests would wait (the most: {self.max_waiting})")
             self.queued += len(seqs)
         for s in seqs:
             self.live[s.rid] = s
@@ -273,10 +286,11 @@ class EngineLoop:
         so_far.push(token)
         text = so_far.text
         ready = len(text) - s.holdback
-        for stop in s.stops:  # (a stop string this token completed: nothing from its start is sent)
+        keep = s.params.include_stop_str_in_output
+        for stop in s.stops:  # (a stop string this token completed: nothing from its start, or past its end, is sent)
             at = text.find(stop, max(0, s.sent - len(stop) + 1))
             if at >= 0:
-                ready = min(ready, at)
+                ready = min(ready, at + len(stop) if keep else at)
         if ready > s.sent:
             out.append((s, ("text", text[s.sent : ready])))
             s.sent = ready
@@ -286,7 +300,7 @@ class EngineLoop:
         if s is None:
             return
         m = self.metrics
-        reason = c.finish_reason or "unknown"
+        reason = FINISHED_LABELS.get(c.finish_reason or "", "abort")  # (vLLM's label: a refusal, a cancel: abort)
         with m.lock:
             m.finished[reason] = m.finished.get(reason, 0) + 1
             if stepped:
@@ -304,7 +318,8 @@ class EngineLoop:
             if s.text is None:  # (not taken yet: its handler waits to hear it was)
                 s.text = TextSoFar(self.tokenizer)
                 out.append((s, ("accepted",)))
-            c = Completion(rid, "", s.prompt_ids, finish_reason="error", error=self.dead)
+            # what it generated is what came before the end: its tokens and the text sent of them
+            c = Completion(rid, "", s.prompt_ids, list(s.text.ids), s.text.text[: s.sent], "error", error=self.dead)
             self._done(c, False, now, out)
         with self._lock:
             self.queued = 0
@@ -335,7 +350,8 @@ def _engine_main(conn: Any, build: Callable[..., Any], args: tuple[Any, ...]) ->
         conn.send(("failed", str(e) if isinstance(e, UsageError) else one_line(e)))
         return
     freeze_startup()  # (as vLLM's engine core: start-up's objects out of every collection)
-    conn.send(("ready", engine.tokenizer, {"max_model_len": engine.cache.max_model_len}))
+    info = {"max_model_len": engine.longest_request(), "max_num_seqs": engine.args.max_num_seqs}
+    conn.send(("ready", engine.tokenizer, info))
     _Core(engine, conn).run()
 
 

@@ -3,20 +3,31 @@ uvicorn, as vLLM's server stands on). What a client of vLLM's server sends is re
 
 - ``POST /v1/completions`` (``prompt``: a string, token ids, or a list of either) and ``POST /v1/chat/completions``
   (``messages`` through the model's chat template), streamed as server-sent events (``stream``: incremental text,
-  then a chunk with the finish reason, a usage chunk, ``data: [DONE]``) or not; ``n``, ``stop``, ``seed``,
-  ``temperature``, ``top_p``, ``max_tokens`` (``max_completion_tokens``), ``presence_penalty`` and
-  ``frequency_penalty``, and vLLM's extra ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``;
-  a field the request leaves out takes the server's default (its flags, its generation config).
-- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's metric names).
+  then a chunk with the finish reason, a usage chunk where ``stream_options.include_usage`` asks it (in every
+  chunk with ``continuous_usage_stats``), ``data: [DONE]``) or not; ``n``, ``stop``, ``stop_token_ids``,
+  ``include_stop_str_in_output``, ``seed``, ``temperature``, ``top_p``, ``max_tokens`` (``max_completion_tokens``),
+  ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's extra ``top_k``, ``min_tokens``,
+  ``repetition_penalty``, ``ignore_eos``, ``request_id``, ``add_generation_prompt``; a field the request leaves
+  out takes the server's default (its flags, its generation config). Every other field of vLLM's requests is
+  refused (400, naming it) unless it holds the value that means it is not used (``NOT_SERVED``); a field vLLM
+  does not know is passed over, as vLLM does.
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's metric names and labels).
 
-A bad request answers 400 with OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``); a
-missing or wrong key (``--api-key``) 401; a full queue 503 with ``Retry-After``; an engine fault that ended a
-request 500 (the server serves on); an engine whose process has ended 500, and ``/health`` 503 (vLLM's answer). A
-client that goes away cancels its request: its blocks go back at the next pass between steps."""
+A bad request answers 400 with OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``), a model
+not served 404 (vLLM's), a body over ``max_request_bytes`` 413 and one not sent within ``read_timeout`` 408; a
+missing or wrong key (``--api-key``: ``Authorization: Bearer KEY``, the scheme in any case, compared in constant
+time) 401; a queue too full 503 with ``Retry-After``, and a request that could never be queued 400; an engine
+fault that ended a request 500 (the server serves on); an engine whose process has ended 500, and ``/health`` 503
+(vLLM's answer). A prompt is checked against the longest request before it is tokenized (vLLM's bound: characters
+over ``max_model_len`` times the longest token's), bodies are parsed and prompts tokenized off the event loop where
+they are large, so that one client's request never stalls the others. A client that goes away cancels its request:
+its blocks go back at the next pass between steps."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import math
 import time
@@ -31,11 +42,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedkv.app.engine_loop import EngineDead, EngineLoop, Histogram, QueueFull, Sequence
+from pagedkv.app.serve import MAX_REQUEST_BYTES, READ_TIMEOUT_S
+from pagedkv.app.engine_loop import EngineDead, EngineLoop, Histogram, NeverTaken, QueueFull, Sequence
 from pagedkv.shell.outcomes import Completion
 from pagedkv.shell.sampling import SamplingParams, fan_out, params_problem
 
 RETRY_AFTER_S = 1
+OFF_LOOP_BYTES = 64 << 10  # a body, a prompt or a conversation this large is parsed or tokenized off the event loop
 FIELDS = {  # the request's field -> SamplingParams' (vLLM's names; max_completion_tokens is the chat API's newer)
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -50,13 +63,72 @@ FIELDS = {  # the request's field -> SamplingParams' (vLLM's names; max_completi
     "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "logit_bias": "logit_bias",
+}
+# vLLM's request fields (its CompletionRequest and ChatCompletionRequest) that pagedkv serve does not serve, each with
+# the values that mean it is not used (a request may send those: clients send their defaults); any other value is a
+# 400 naming the field, never a field taken and ignored. (logprobs and structured outputs: issues 64 and 65.)
+NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "reasoning_effort": (None,),
+    "thinking_token_budget": (None,),
+    "include_reasoning": (None, True, False),
+    "use_beam_search": (None, False),
+    "min_p": (None, 0, 0.0),
+    "watermarking": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (None, "left", "right"),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_embeds": (None,),
+    "priority": (None, 0),
+    "session_id": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_weight_versions": (None, False),
+    "routed_experts_prompt_start": (None, 0),
+    "return_token_offsets": (None, False),
+    "return_prompt_text": (None, False),
+    "mm_payload": (None,),
+    "return_mm_kwargs": (None, False),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "repetition_detection": (None,),
+    "stream_interval": (None, 1),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "continue_final_message": (None, False),
 }
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
+    """A request answered with an error (400 unless ``status`` says otherwise) naming ``param``."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError"
+    ) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.kind = param, status, kind
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> JSONResponse:
@@ -69,12 +141,23 @@ class OpenAIServer:
     """The routes over ``loop``; ``defaults``: the sampling fields a request leaves out."""
 
     def __init__(
-        self, loop: EngineLoop, model_name: str, *, defaults: SamplingParams | None = None, api_key: str | None = None
+        self,
+        loop: EngineLoop,
+        model_name: str,
+        *,
+        defaults: SamplingParams | None = None,
+        api_key: str | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        read_timeout: float = READ_TIMEOUT_S,
     ) -> None:
-        self.loop, self.model_name, self.api_key = loop, model_name, api_key
+        self.loop, self.model_name = loop, model_name
+        self.key = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
+        self.max_request_bytes, self.read_timeout = max_request_bytes, read_timeout
         self.defaults = defaults if defaults is not None else SamplingParams(max_tokens=16, temperature=1.0)
         self.tokenizer = loop.tokenizer
         self.created = int(time.time())
+        self.max_model_len = loop.max_model_len or 1 << 62
+        self.max_token_chars = longest_token(self.tokenizer)  # (vLLM's bound on a prompt's characters)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -89,12 +172,17 @@ class OpenAIServer:
 
     def _guarded(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def guarded(request: Request) -> Response:
-            if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            if self.key is not None and not self._authorized(request.headers.get("authorization") or ""):
                 return error(401, "a missing or wrong API key", kind="AuthenticationError")
             try:
                 return await handler(request)  # type: ignore[no-any-return]
             except BadRequest as e:
-                return error(400, str(e), e.param)
+                response = error(e.status, str(e), e.param, e.kind)
+                if e.status in (408, 413):  # (the rest of the body is not read: the connection goes)
+                    response.headers["Connection"] = "close"
+                return response
+            except NeverTaken as e:
+                return error(400, str(e), "n")
             except QueueFull as e:
                 response = error(503, f"the server is full: {e}; retry later", kind="ServiceUnavailableError")
                 response.headers["Retry-After"] = str(RETRY_AFTER_S)
@@ -103,6 +191,12 @@ class OpenAIServer:
                 return error(500, str(e), kind="InternalServerError")
 
         return guarded
+
+    def _authorized(self, header: str) -> bool:
+        """``Bearer KEY``, the scheme in any case (vLLM's rule), the key compared in constant time (its digest)."""
+        scheme, _, key = header.partition(" ")
+        given = hashlib.sha256(key.strip().encode("utf-8", "replace")).digest()
+        return hmac.compare_digest(given, self.key or b"") and scheme.lower() == "bearer"
 
     # -- the routes -----------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -114,12 +208,12 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
-        prompts = self._prompts(body.get("prompt"))
+        body = await self._body(request, chat=False)
+        prompts = await self._prompts(body.get("prompt"))
         return await self._serve(request, body, prompts, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+        body = await self._body(request, chat=True)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
@@ -132,47 +226,126 @@ class OpenAIServer:
                 '([{"type": "text", "text": ...}])',
                 "messages",
             )
+        generation = body.get("add_generation_prompt", True)
+        if type(generation) is not bool:
+            raise BadRequest("add_generation_prompt must be true or false", "add_generation_prompt")
+        size = sum(len(str(t["content"])) + len(str(t["role"])) for t in turns)
+        self._check_chars(size, "messages")
+
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=generation)
+            return list(self.tokenizer.encode(text))
+
         try:
-            text = self.tokenizer.apply_chat_template(turns)
+            ids = await _off_loop(render, size)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
-        return await self._serve(request, body, [list(self.tokenizer.encode(text))], chat=True)
+        return await self._serve(request, body, [self._check_tokens(ids)], chat=True)
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(prometheus(self.loop, self.model_name), media_type="text/plain; version=0.0.4")
 
     # -- reading a request ----------------------------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request, chat: bool) -> dict[str, Any]:
+        """The request's JSON object, read within ``read_timeout`` (408) and ``max_request_bytes`` (413), parsed off
+        the event loop where large; a text that is not Unicode, a model not served (404), a field vLLM takes that
+        is not served: refused before anything else is done."""
+        limit = self.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _too_large(int(length), limit)
+        raw = bytearray()
         try:
-            body = json.loads(await request.body())
+            with anyio.fail_after(self.read_timeout):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > limit:
+                        raise _too_large(len(raw), limit)
+        except TimeoutError:
+            raise BadRequest(
+                f"the request was not sent within {self.read_timeout:g} s", status=408, kind="RequestTimeout"
+            ) from None
+        try:
+            body = await _off_loop(lambda: json.loads(raw), len(raw))
         except (ValueError, RecursionError) as e:
             raise BadRequest(f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        for name, value in body.items():  # (JSON's \ud800 escapes make text no encoder takes)
+            if not _unicode(value):
+                raise BadRequest(f"{name} holds text that is not valid Unicode (a lone surrogate)", name)
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise BadRequest(
-                f"the model {model!r} is not served here (this server serves {self.model_name!r})", "model"
-            )
+            raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
         if "stream" in body and type(body["stream"]) is not bool:
             raise BadRequest("stream must be true or false", "stream")
-        for name, off in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
-                          ("best_of", (None, 1, body.get("n", 1))), ("tools", (None, [])), ("suffix", (None, ""))):  # fmt: skip
-            if body.get(name) not in off:
+        options = body.get("stream_options")
+        if options is not None:
+            if not body.get("stream"):
+                raise BadRequest("stream_options can only be given with stream true", "stream_options")
+            if not isinstance(options, dict) or any(
+                k not in ("include_usage", "continuous_usage_stats") or type(v) is not bool for k, v in options.items()
+            ):
+                raise BadRequest(
+                    "stream_options takes include_usage and continuous_usage_stats, true or false", "stream_options"
+                )
+        off = dict(NOT_SERVED, best_of=(None, 1, body.get("n", 1)), add_special_tokens=(None, not chat))
+        for name, value in body.items():
+            allowed = off.get(name)
+            if allowed is not None and not any(value is v or (type(value) is type(v) and value == v) for v in allowed):
                 raise BadRequest(f"{name} is not served by pagedkv serve", name)
         return body
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    def _check_chars(self, chars: int, param: str) -> None:
+        """vLLM's bound before tokenizing: a text of more characters than ``max_model_len`` tokens of the longest
+        token's cannot fit."""
+        most = self.max_model_len * self.max_token_chars
+        if chars > most:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{chars} characters (more than {most} characters, which is the upper bound for "
+                f"{self.max_model_len} input tokens). Please reduce the length of the input prompt.",
+                param,
+            )
+
+    def _check_tokens(self, ids: list[int], param: str = "prompt") -> list[int]:
+        if len(ids) > self.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{len(ids)} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                "the length of the input prompt.",
+                param,
+            )
+        return ids
+
+    async def _prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [list(self.tokenizer.encode(prompt))]
+            self._check_chars(len(prompt), "prompt")
+            return [self._check_tokens(list(await _off_loop(lambda: self.tokenizer.encode(prompt), len(prompt))))]
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return [list(prompt)]
+            return [self._check_tokens(list(prompt))]
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            return [q for p in prompt for q in self._prompts(p)]
+            return [q for p in prompt for q in await self._prompts(p)]
         raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
     def _params(self, body: dict[str, Any]) -> SamplingParams:
         given = {FIELDS[k]: v for k, v in body.items() if k in FIELDS and v is not None}
+        if (
+            "logit_bias" in given
+        ):  # (JSON's keys are strings: vLLM reads them as ids, the bias clamped to OpenAI's range)
+            bias = given["logit_bias"]
+            if not isinstance(bias, dict) or not all(
+                isinstance(k, str) and k.isdigit() and _finite(v) for k, v in bias.items()
+            ):
+                raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
+            given["logit_bias"] = {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
+        most = given.get("max_tokens")
+        if type(most) is int and most > self.max_model_len:
+            raise BadRequest(
+                f"max_tokens={most} cannot be greater than max_model_len={self.max_model_len}. "
+                "Please request fewer output tokens.",
+                "max_tokens" if "max_tokens" in body else "max_completion_tokens",
+            )
         try:
             params = replace(self.defaults, **given)
         except (TypeError, ValueError) as e:
@@ -187,7 +360,10 @@ class OpenAIServer:
     async def _serve(self, request: Request, body: dict[str, Any], prompts: list[list[int]], chat: bool) -> Response:
         params = self._params(body)
         loop = asyncio.get_running_loop()
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        given = body.get("request_id")  # (vLLM's: the response's id then carries it)
+        if given is not None and (not isinstance(given, str) or not given.isprintable() or len(given) > 256):
+            raise BadRequest("request_id must be a printable string of at most 256 characters", "request_id")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
         per_prompt = fan_out(params)
         seqs = [
             Sequence(f"{rid}-{i}-{j}", ids, p, loop) for i, ids in enumerate(prompts) for j, p in enumerate(per_prompt)
@@ -203,7 +379,9 @@ class OpenAIServer:
             raise BadRequest(refused[1])
         usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0, "total_tokens": 0}
         if body.get("stream"):
-            stream = self._stream(request, rid, seqs, chat, usage)
+            options = body.get("stream_options") or {}
+            every = options.get("continuous_usage_stats", False) if options.get("include_usage") else None
+            stream = self._stream(request, rid, seqs, chat, usage, every)
             return StreamingResponse(stream, media_type="text/event-stream")
         return Awaited(self._whole(rid, seqs, chat, usage), lambda: self.loop.cancel([s.rid for s in seqs]))
 
@@ -233,10 +411,23 @@ class OpenAIServer:
                              "choices": choices, "usage": usage})  # fmt: skip
 
     async def _stream(
-        self, request: Request, rid: str, seqs: list[Sequence], chat: bool, usage: dict[str, int]
+        self,
+        request: Request,
+        rid: str,
+        seqs: list[Sequence],
+        chat: bool,
+        usage: dict[str, int],
+        every: bool | None = None,
     ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request; ``every``: None without usage chunks (OpenAI's default),
+        False for a usage chunk at the end (``include_usage``), True for usage in every chunk too. The usage counts
+        the tokens whose text was sent (a stream an engine's death ended: what came before)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
+
+        def counted() -> dict[str, int]:
+            done = sum(len(s.text.ids) if s.text is not None else 0 for s in seqs)
+            return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}
 
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
             if chat:
@@ -246,7 +437,10 @@ class OpenAIServer:
                 choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]})
+            out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if every:
+                out["usage"] = counted()
+            return sse(out)
 
         finished: set[int] = set()
         pending: dict[asyncio.Future[tuple[Any, ...]], int] = {}
@@ -273,16 +467,15 @@ class OpenAIServer:
                         continue
                     c: Completion = event[1]
                     finished.add(i)
-                    usage["completion_tokens"] += len(c.token_ids)
                     if c.finish_reason not in ("stop", "length"):
                         yield sse({"error": {"message": f"the request ended with {c.finish_reason}: {c.error or ''}",
                                              "type": "InternalServerError", "param": None, "code": 500}})  # fmt: skip
                     if event[2]:
                         yield chunk(i, event[2])
                     yield chunk(i, None, c.finish_reason if c.finish_reason in ("stop", "length") else "abort")
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                       "usage": usage})  # fmt: skip
+            if every is not None:  # (stream_options.include_usage: OpenAI's last chunk, its choices empty)
+                yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                           "usage": counted()})  # fmt: skip
             yield "data: [DONE]\n\n"
         finally:  # (the client gone: the generator closed before its end; what did not finish is cancelled)
             for task in pending:
@@ -332,6 +525,50 @@ def _content(content: Any) -> str | None:
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _too_large(size: int, limit: int) -> BadRequest:
+    return BadRequest(
+        f"the request's body is {size} bytes or more, over the {limit} this server takes (--max-request-bytes)",
+        status=413,
+        kind="RequestEntityTooLarge",
+    )
+
+
+async def _off_loop(work: Callable[[], Any], size: int) -> Any:
+    """``work()``, in a worker thread where ``size`` (bytes, characters) says it is large (parsing, tokenizing: the
+    event loop serves other clients meanwhile), else here (a thread's hop costs more than a small one)."""
+    if size < OFF_LOOP_BYTES:
+        return work()
+    return await anyio.to_thread.run_sync(work)
+
+
+def _unicode(value: Any) -> bool:
+    """Does ``value`` (parsed JSON) hold only text UTF-8 can encode (no lone surrogate)?"""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(_unicode(v) for v in value)
+    if isinstance(value, dict):
+        return all(_unicode(k) and _unicode(v) for k, v in value.items())
+    return True
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token's text holds (vLLM's ``max_chars_per_token``): a text of more characters than
+    ``n`` times it holds more than ``n`` tokens."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(size, int) or size <= 0:
+        return 1 << 20  # (a tokenizer that does not say: no bound before tokenizing)
+    return max(1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(size)))
 
 
 def prometheus(loop: EngineLoop, model_name: str) -> str:

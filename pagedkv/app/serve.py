@@ -12,9 +12,12 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from pagedkv.app.args import USAGE_EXIT, UsageError, bounded_int
+from pagedkv.app.args import USAGE_EXIT, UsageError, bounded_int, positive_float
 
 DEFAULT_PORT = 8000
+MAX_REQUEST_BYTES = 16 << 20  # (openai_api's and connections' defaults, said here so --help needs neither module)
+READ_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 5
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -22,8 +25,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     s = add_engine_flags(sub, "serve")
     s.add_argument("model_path", nargs="?", metavar="MODEL", help="the model to serve (as --model)")
-    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=bounded_int(0, 65535), default=DEFAULT_PORT, help="default 8000; 0: any free port")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    s.add_argument("--port", type=bounded_int(0, 65535), default=DEFAULT_PORT, help="0: any free port")
     s.add_argument("--api-key", metavar="KEY", help="requests must carry 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: its file's)")
     s.add_argument(
@@ -31,7 +34,36 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=bounded_int(1, 1 << 20),
         default=1024,
         metavar="N",
-        help="requests waiting beyond which the server answers 503 with Retry-After (default 1024)",
+        help="sequences that would wait in the scheduler beyond which the server answers 503 with Retry-After",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=bounded_int(1024, 1 << 40),
+        default=MAX_REQUEST_BYTES,
+        metavar="N",
+        help="a request's body at most; a larger one is answered 413 unread",
+    )
+    s.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        default=READ_TIMEOUT_S,
+        metavar="S",
+        help="seconds a client may take to send its request (head, then body: 408); a connection idle that long "
+        "before a request is closed",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=bounded_int(16, 1 << 20),
+        metavar="N",
+        help="connections held at once; past it the longest idle one makes room (default: the descriptors this "
+        "process may open, less 256, at most 32768)",
+    )
+    s.add_argument(
+        "--timeout-keep-alive",
+        type=bounded_int(1, 3600),
+        default=KEEP_ALIVE_S,
+        metavar="S",
+        help="seconds an idle connection is kept after a response (uvicorn's)",
     )
     return s
 
@@ -61,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return USAGE_EXIT
     import uvicorn
 
+    from pagedkv.app.connections import http_config
     from pagedkv.app.engine_loop import EngineDead, EngineLoop
     from pagedkv.app.openai_api import OpenAIServer
 
@@ -75,10 +108,28 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     max_tokens = args.max_tokens or args.sampling_defaults.get("max_tokens") or 64
     defaults = replace(sampling_defaults(args), max_tokens=max_tokens)
-    server = OpenAIServer(loop, name, defaults=defaults, api_key=args.api_key)
+    server = OpenAIServer(
+        loop,
+        name,
+        defaults=defaults,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+    )
     host, port = sock.getsockname()[:2]
-    print(f"pagedkv serve: {name} on http://{host}:{port}/v1 (engine on {args.device})", file=sys.stderr, flush=True)
-    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", access_log=False))
+    print(
+        f"pagedkv serve: {name} on http://{host}:{port}/v1 (engine on {args.device}; requests of up to "
+        f"{loop.max_model_len} tokens)",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = http_config(
+        server.app(),
+        read_timeout=args.read_timeout,
+        max_connections=args.max_connections,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
+    http = uvicorn.Server(config)
 
     def died(why: str) -> None:  # (a server without its engine stops, so that whatever supervises it restarts it)
         print(f"pagedkv serve: {why}; stopping", file=sys.stderr, flush=True)
@@ -100,6 +151,13 @@ def build(args: argparse.Namespace) -> Any:
 
     torch.set_num_threads(args.threads or engine_threads(args.device))
     engine, _ = build_engine(args, open_trace(args.trace))
+    fits = engine.longest_request()
+    if args.max_model_len is not None and args.max_model_len > fits:  # (as vLLM: asked for, and not held)
+        raise UsageError(
+            f"--max-model-len {args.max_model_len} is more than the KV cache holds for one request ({fits} tokens in "
+            f"{engine.cache.usable_blocks} blocks of {engine.cache.block_size}): lower it, or give the cache more "
+            "memory (--kv-cache-memory-bytes, --gpu-memory-utilization)"
+        )
     return engine
 
 

@@ -302,6 +302,20 @@ class Engine:
     def trace_error(self) -> Exception | None:  # why the trace stopped being written, if it did (the run went on)
         return self.outcomes.trace_error
 
+    def longest_request(self) -> int:
+        """The most tokens (prompt and generated) one request may hold: ``max_model_len``, or less where the pool
+        cannot hold that many for one request alone (its prompt taken whole, or under ``grow_prefill`` a token at a
+        time: ``CacheConfig.held_growing``). What a server advertises and checks prompts against (vLLM refuses to
+        start where its pool cannot hold ``max_model_len``; pagedkv serve does where it was asked for)."""
+        cfg, usable = self.cache, self.cache.usable_blocks
+        holds = (lambda n: cfg.held_growing(n, 1) <= usable) if self.state.config.grow_prefill else None
+        fits, over = 0, cfg.length_limit + 1  # (fits holds; over does not)
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            ok = holds(mid) if holds is not None else cfg.row_blocks(mid) <= usable
+            fits, over = (mid, over) if ok else (fits, mid)
+        return fits
+
     def has_unfinished(self) -> bool:
         """Is there anything left for ``step()`` to do: a live request, ids in flight, or a completion a step that
         raised kept back (the next ``step()`` hands it out), so that ``while has_unfinished(): step()`` loses

@@ -28,7 +28,8 @@ async def client(
 
     async def one(http: httpx.AsyncClient, prompt: str, out: int) -> None:
         nonlocal tokens, lost
-        body = {"prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {"prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
         t0 = time.perf_counter()
         last = None
         async with http.stream("POST", f"{url}/v1/completions", json=body) as r:

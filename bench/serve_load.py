@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import uvicorn
 
+from pagedkv.app.connections import http_config
 from pagedkv.app.engine_loop import EngineLoop
 from pagedkv.app.openai_api import OpenAIServer
 from pagedkv.models.llama import Llama
@@ -181,7 +182,7 @@ def main() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4096)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(http_config(app))  # (pagedkv serve's: its read timeout and connection cap)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

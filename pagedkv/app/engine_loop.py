@@ -128,7 +128,7 @@ def _deliver(batch: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
 class EngineLoop:
     """The engine that ``build(*args)`` makes (a picklable callable: it runs in the engine's process), served
     from a process of its own once ``start``ed; ``max_waiting``: sequences that would wait in the scheduler (those
-    waiting there, and those sent beyond its free seats) past which ``submit`` raises ``QueueFull``;
+    it holds or is sent beyond its ``max_num_seqs`` seats) past which ``submit`` raises ``QueueFull``;
     ``tokenizer``: the one the server encodes and decodes with (default: the engine's, sent back when it is
     ready). ``max_model_len``: the most tokens a request may hold, what the engine's pool holds for one alone
     (``Engine.longest_request``)."""
@@ -204,10 +204,9 @@ class EngineLoop:
         if len(seqs) > self.max_waiting:
             raise NeverTaken(f"{len(seqs)} sequences are more than the server ever lets wait ({self.max_waiting})")
         with self._lock:
-            m = self.metrics  # (as the engine's last pass left them: those sent since take its free seats first)
-            seats = max(0, self.max_num_seqs - m.running - m.waiting)
-            waiting = m.waiting + max(0, self.queued - seats)
-            if m.waiting + max(0, self.queued + len(seqs) - seats) > self.max_waiting:
+            m = self.metrics  # (as the engine's last pass left them; those sent since count as they will be)
+            waiting = max(0, m.running + m.waiting + self.queued - self.max_num_seqs)  # (past the seats: they wait)
+            if waiting + len(seqs) > self.max_waiting:
                 raise QueueFull(f"{waiting} requests would wait (the most: {self.max_waiting})")
             self.queued += len(seqs)
         for s in seqs:

@@ -427,3 +427,192 @@ def test_a_served_runs_trace_replays(smollm2: tuple[Any, dict[str, Any]], tmp_pa
     assert sum('"op": "submit"' in line for line in lines) == 9 and any('"op": "cancel"' in line for line in lines)
     events = list(replay(lines))
     assert all(ev.divergence is None for ev in events) and '"op": "end"' in lines[-1]
+
+
+# -- issue 60: what hostile users and outside clients found ----------------------------------------------------------
+def test_a_huge_body_is_a_413_unread_and_a_long_prompt_a_400_before_it_is_tokenized(served: Served) -> None:
+    """A 50 MB prompt once stalled every client for ~157 s (parsed and tokenized on the event loop, no limit): now
+    a body over the limit is a 413 unread (with a length or sent in chunks), a prompt longer than the longest request
+    can be (vLLM's bound: characters over max_model_len times the longest token's) a 400 before it is tokenized."""
+    huge = b'{"prompt": "' + b"a" * (50 << 20) + b'"}'
+    t0 = time.perf_counter()
+    r = httpx.post(f"{served.url}/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and time.perf_counter() - t0 < 10
+
+    def chunks() -> Iterator[bytes]:  # (no Content-Length: read until it passes the limit)
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+
+    assert httpx.post(f"{served.url}/v1/completions", content=chunks()).status_code == 413
+    limit = served.loop.max_model_len
+    assert limit is not None and served.api.max_token_chars > 1
+    long = "word " * (limit * served.api.max_token_chars // 5 + 10)  # (under the body limit, over the bound)
+    t0 = time.perf_counter()
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": long}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and time.perf_counter() - t0 < 2
+    assert "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": [1] * (limit + 1)}, timeout=30)
+    assert r.status_code == 400 and "exceeds this limit" in r.json()["error"]["message"]
+    card = httpx.get(f"{served.url}/v1/models").json()["data"][0]
+    assert card["max_model_len"] == limit < 2048  # (what the 32 MiB pool holds for one request, not the model's 8192)
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_large_prompt_is_tokenized_off_the_event_loop(served: Served) -> None:
+    """While one client's long prompt is tokenized (and refused as too many tokens), the others are answered."""
+    import asyncio
+
+    text = "the quick brown fox jumps over the lazy dog " * 2000  # (88,000 characters: tokenized in a thread)
+    gaps: list[float] = []
+
+    async def both() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            big = asyncio.ensure_future(http.post(f"{served.url}/v1/completions", json={"prompt": [text] * 12}))
+            while not big.done():
+                t0 = time.perf_counter()
+                assert (await http.get(f"{served.url}/health")).status_code == 200
+                gaps.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.01)
+            assert (await big).status_code == 400
+
+    asyncio.run(both())
+    assert gaps and max(gaps) < 1.0, max(gaps)
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "param"),
+    [
+        (b'{"prompt": "abc\\ud800def"}', "/v1/completions", "prompt"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "/v1/chat/completions", "messages"),
+        (b'{"prompt": "x", "stop": ["\\ud83d"]}', "/v1/completions", "stop"),
+    ],
+)
+def test_text_that_is_not_unicode_is_a_400(served: Served, raw: bytes, path: str, param: str) -> None:
+    r = httpx.post(f"{served.url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_every_field_of_vllms_requests_is_served_or_refused_by_name(served: Served) -> None:
+    """vLLM's fields were accepted and ignored (a +100 logit bias changed nothing). Now each is served with vLLM's
+    meaning or, unless it holds the value meaning it is not used, refused with a 400 naming it."""
+    from pagedkv.app.openai_api import NOT_SERVED
+
+    url = f"{served.url}/v1/completions"
+    for name, off in NOT_SERVED.items():
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1, name: {"not": "off"}}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1, name: off[-1]}, timeout=30)
+        assert r.status_code == 200, (name, r.text)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = httpx.post(url, json={"prompt": "x", "response_format": schema}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    client = served.client()
+    plain = client.completions.create(model=NAME, prompt="The sky is", max_tokens=6, temperature=0)
+    biased = client.completions.create(
+        model=NAME, prompt="The sky is", max_tokens=6, temperature=0, logit_bias={"1000": 100}
+    )
+    assert biased.choices[0].text != plain.choices[0].text
+    assert biased.choices[0].text == served.tok.decode([1000] * 6)
+    first = served.tok.encode(plain.choices[0].text)[0]
+    stopped = client.completions.create(
+        model=NAME, prompt="The sky is", max_tokens=6, temperature=0, extra_body={"stop_token_ids": [first]}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == first
+    word = plain.choices[0].text.split()[1]
+    kept = client.completions.create(
+        model=NAME,
+        prompt="The sky is",
+        max_tokens=6,
+        temperature=0,
+        stop=[word],
+        extra_body={"include_stop_str_in_output": True, "request_id": "mine"},
+    )
+    assert kept.choices[0].text.endswith(word) and kept.id == "cmpl-mine"
+    r = httpx.post(url, json={"prompt": "x", "model": "gpt-4"}, timeout=30)  # (vLLM's answer for a model not here)
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "The model `gpt-4` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+
+
+def test_the_bearer_scheme_in_any_case(served: Served) -> None:
+    locked = Served(served.model, served.tok, loop=served.loop, api_key="sesame")
+    try:
+        for header, status in (("bearer sesame", 200), ("BEARER sesame", 200), ("Bearer sesam", 401),
+                               ("Basic sesame", 401), ("sesame", 401), ("", 401)):  # fmt: skip
+            r = httpx.get(f"{locked.url}/v1/models", headers={"Authorization": header} if header else {})
+            assert r.status_code == status, header
+    finally:
+        locked.close()
+
+
+def test_max_waiting_counts_what_would_wait_and_refuses_what_never_fits(served: Served) -> None:
+    """``--max-waiting 4``: a burst into an idle server with free rows was refused (requests not yet handed to the
+    engine counted as waiting); a request larger than the limit itself got 503 + Retry-After, retried forever. Now
+    a burst that the free rows take is taken, and a request of more sequences than may ever wait is a 400."""
+    import asyncio
+
+    seats = served.loop.max_num_seqs
+    assert served.settled() and seats == 8
+    served.loop.max_waiting = 4
+    try:
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                body = {"prompt": "Hi", "max_tokens": 2}
+                rs = await asyncio.gather(*(http.post(f"{served.url}/v1/completions", json=body) for _ in range(12)))
+                return [r.status_code for r in rs]
+
+        assert asyncio.run(burst()) == [200] * 12  # (8 rows free, 4 may wait)
+        r = httpx.post(f"{served.url}/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "retry-after" not in r.headers
+    finally:
+        served.loop.max_waiting = 64
+    assert served.settled()
+
+
+def test_slow_clients_are_closed_and_idle_connections_make_room(served: Served) -> None:
+    """Connections that never finished their request were never timed out (21,000 of them exhausted the descriptors
+    and /health stopped answering). Now a request head not sent within the read timeout closes its connection, a
+    body not sent within it is a 408, and past the connection cap the longest idle connection makes room."""
+    guarded = Served(served.model, served.tok, loop=served.loop, read_timeout=1.0, max_connections=20)
+    host, port = "127.0.0.1", int(guarded.url.rsplit(":", 1)[1])
+    try:
+        half = socket.create_connection((host, port))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (its head never ends)
+        half.settimeout(5)
+        t0 = time.perf_counter()
+        assert half.recv(100) == b"" and 0.8 < time.perf_counter() - t0 < 4  # (closed by the server)
+        slow = socket.create_connection((host, port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        slow.settimeout(5)
+        assert b" 408 " in slow.recv(200).split(b"\r\n")[0]
+        idle = [socket.create_connection((host, port)) for _ in range(40)]  # (past the cap of 20)
+        time.sleep(0.3)
+        assert httpx.get(f"{guarded.url}/health", timeout=5).status_code == 200
+        closed = 0
+        for s in idle:
+            s.settimeout(3)
+            try:
+                closed += s.recv(1) == b""
+            except (TimeoutError, ConnectionResetError):
+                closed += 0
+        assert closed >= 20, closed  # (the idle ones made room: at most 20 held)
+        for s in (half, slow, *idle):
+            s.close()
+    finally:
+        guarded.close()
+
+
+def test_serve_refuses_to_start_when_the_pool_cannot_hold_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
+    """/v1/models advertised 8,192 tokens where the pool held 5,808. Asked for more than the pool holds, the
+    command refuses to start (vLLM's rule), in one line; not asked, it advertises what fits (above)."""
+    from pagedkv.app.cli import main
+
+    args = ["serve", "--port", "0", "--max-model-len", "8192", "--kv-cache-memory-bytes", str(32 << 20)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-model-len 8192 is more than the KV cache holds" in err[0], err

@@ -103,7 +103,9 @@ def main() -> None:
     async def run() -> dict[str, Any]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+        threading.Thread(
+            target=lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(stop.set)), daemon=True
+        ).start()
         mode, url = job["mode"], job["url"]
         if mode == "health":
             return await health(url, job.get("every", 0.1), stop)

@@ -13,12 +13,12 @@ vLLM's default). Collections of CPython's GC per step, all generations, from ``g
 
 Modes (``--modes``): ``sync`` (no async scheduling, no speculation); ``async`` (vLLM's AsyncScheduler, two
 batches in flight); ``ngram2``, ``ngram4``, ``eagle2``, ``eagle4`` (speculative decoding with k drafts a step,
-EAGLE with vLLM 0.33's lookahead hashes and k lookahead slots; the fake target accepts a deterministic
+EAGLE with vLLM's lookahead hashes and k lookahead slots; the fake target accepts a deterministic
 share); ``async-eagle4``, ``async-ngram4`` (both; n-gram under async needs vLLM's V2 model runner).
 
-Needs vLLM (../shared/peers' venv, with pagedkv installed there):
+Needs vLLM 0.33 or 0.34 (.ci/vllm_env.sh VENV 0.34.0 builds an environment with pagedkv installed there):
 
-    /work/peers-venv/bin/python bench/vllm_step.py --n 64,256,1024 --steps 300
+    VENV/bin/python bench/vllm_step.py --n 64,256,1024 --steps 300
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """pagedkv's core as vLLM's KV cache manager, against vLLM's own, under vLLM's real v1 Scheduler.
 
 The same workload (200 requests: shared system prompts, decode growth, preemption in a small pool,
-finished and aborted requests, resets of the prefix cache) runs through vLLM 0.33's ``Scheduler`` with
+finished and aborted requests, resets of the prefix cache) runs through vLLM's ``Scheduler`` (0.33 or 0.34, the
+release installed; CI runs both) with
 its own ``KVCacheManager`` and through ``PagedKVScheduler`` (the same scheduler, pagedkv's manager), step
 by step: identical scheduled requests and token counts, identical block ids, identical prefix hits,
 identical preemptions and endings, identical KV events after vLLM's own msgspec types encode and decode
-them, identical usage and prefix-cache stats. Skipped where vLLM is not installed (CI); run in
-../shared/peers' venv (``pip install pytest hypothesis`` there):
+them, identical usage and prefix-cache stats. Skipped where vLLM is not installed; CI runs them in
+environments of their own (``.ci/vllm_env.sh VENV 0.33.0`` and ``0.34.0``) where a skip is a failure:
 
-    /work/peers-venv/bin/python -m pytest -q tests/integrations/test_vllm_manager.py
+    PAGEDKV_REQUIRE_VLLM=1 VENV/bin/python -m pytest -q tests/integrations
 """
 
 from __future__ import annotations
@@ -102,6 +103,17 @@ CASES = {  # name: (pool blocks, layout, workload options, scheduler options)
         {"seed": 20, "lora_every": 3, "salt_every": 4, "report_every": 3, "repeats": 0.3},
         {},
     ),
+    # issue 61: vLLM 0.34's prefix-cache hit limit (a prompt scored from row 32 reads 32 cached tokens at most;
+    # 0.33 reads it whole) and its cache-aware admission (the scheduler probes the manager's cache every step)
+    "prompts scored from row 32, 60 blocks": (60, Layout(), {"seed": 30, "scored_every": 4, "repeats": 0.5}, {}),
+    "prompts scored, window 32": (60, Layout(windows=(32,)), {"seed": 31, "scored_every": 4, "repeats": 0.5}, {}),
+    "cache-aware admission, 60 blocks": (60, Layout(), {"seed": 32, "repeats": 0.4}, {"cache_aware": 8}),
+    "cache-aware admission, window 32 and Mamba, scored prompts": (
+        60,
+        Layout(windows=(32,), mamba=1),
+        {"seed": 33, "repeats": 0.4, "scored_every": 5},
+        {"cache_aware": 8},
+    ),
 }
 
 
@@ -156,6 +168,59 @@ def test_pagedkv_manager_decides_as_vllms_own_step_by_step(name: str, monkeypatc
     state = ours_sched.kv_cache_manager.state
     assert check_invariants(state) == [] and not state.requests
     assert state.free_blocks == blocks - 1
+
+
+def test_the_hit_limit_and_the_cache_probe_do_what_the_release_says() -> None:
+    """vLLM 0.34: a request scoring its prompt from row 32 hits 32 tokens at most, and cache-aware admission probes
+    the manager (``get_num_cached_tokens``), which takes no reference and makes no event; vLLM 0.33: the scored
+    prompt is read whole and nothing probes. The same through vLLM's manager and pagedkv's (the cases above)."""
+    from pagedkv.integrations.vllm import PagedKVScheduler, version
+    from pagedkv.integrations.vllm.manager import PagedKVCacheManager
+
+    newer = version.at_least("0.34")
+    work = Workload(seed=30, scored_every=4, repeats=0.5)
+    scored = {rid for rid, *_ in work.requests if int(rid[1:]) % 4 == 3}
+    records = drive(make_scheduler(PagedKVScheduler, 60, Layout()), work)
+    hits = [hit for rec in records for rid, hit in rec.hits.items() if rid in scored]
+    assert hits and (max(hits) == 32 if newer else max(hits) > 32), sorted(set(hits))
+    probes: list[int] = []
+    real = PagedKVCacheManager.get_num_cached_tokens
+
+    def probe(self: Any, request: Any) -> int:
+        self._flush()  # (the queued blocks cached first: what the probe itself may do, so it changes nothing then)
+        state, events = self._state, list(self._stream._events)
+        got = real(self, request)
+        assert self._state is state and self._stream._events == events  # (no transition: no reference, no event)
+        probes.append(got)
+        return got
+
+    PagedKVCacheManager.get_num_cached_tokens = probe  # type: ignore[method-assign]
+    try:
+        drive(make_scheduler(PagedKVScheduler, 60, Layout(), cache_aware=8), Workload(seed=32, repeats=0.4))
+    finally:
+        PagedKVCacheManager.get_num_cached_tokens = real  # type: ignore[method-assign]
+    assert (len(probes) > 100 and any(got > 0 for got in probes)) if newer else not probes
+
+
+def test_a_vllm_release_outside_the_supported_ones_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    from pagedkv.integrations.vllm import version
+    from pagedkv.integrations.vllm.manager import PagedKVCacheManager, Unsupported
+
+    one = Layout().kv_cache_config(32)
+    for other in ("0.35.0", "0.32.1", "1.0.0"):
+        monkeypatch.setattr(vllm, "__version__", other)
+        version.release.cache_clear()
+        with pytest.raises(Unsupported) as refused:
+            PagedKVCacheManager(one, max_model_len=512, scheduler_block_size=16, hash_block_size=16)
+        assert str(refused.value) == (
+            "pagedkv's KV cache manager serves vLLM 0.33 and 0.34 (the two latest minor releases); "
+            f"vLLM {other} is installed"
+        )
+    monkeypatch.undo()
+    version.release.cache_clear()
+    assert version.release() in version.SUPPORTED
 
 
 @pytest.mark.parametrize("plant", ["no deferral", "no junction", "every position allocated"])

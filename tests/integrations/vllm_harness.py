@@ -1,19 +1,24 @@
 """vLLM's real v1 ``Scheduler`` on the CPU, driven step by step without a model: the differential test of
 pagedkv's KV cache manager (tests/integrations/test_vllm_manager.py) and bench/vllm_step.py share it.
 
-Needs vLLM 0.33 importable (../shared/peers' venv: ``VLLM_TARGET_DEVICE=cpu``; ``pip install einops``
-there). A folder holding a tiny Llama ``config.json`` stands for the model (no hub, no weights, no
-tokenizer); the "model" samples token ``(request, step)``-determined ids, so both managers see the same
-tokens. Each step records what the scheduler decided: the requests scheduled and their token counts, the
-block ids each was given, each new request's prefix hit, the preempted and finished ids, and the KV events
-(encoded and decoded with vLLM's own msgspec types).
+Needs vLLM 0.33 or 0.34 importable (.ci/vllm_env.sh: ``VLLM_TARGET_DEVICE=cpu``). A folder holding a tiny Llama
+``config.json`` stands for the model (no hub, no weights, no tokenizer; one folder a process, removed at exit);
+the "model" samples token ``(request, step)``-determined ids, so both managers see the same tokens. Each step
+records what the scheduler decided: the requests scheduled and their token counts, the block ids each was given,
+each new (or resumed) request's prefix hit, the preempted and finished ids, and the KV events (encoded and decoded
+with vLLM's own msgspec types). What differs between the releases the harness drives (0.34: resumed requests among
+the new ones, no ``req_id_to_index``, no V1 model runner, a CPU platform that asks for triton-cpu on x86) is read
+here by what the installed vLLM has.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +41,28 @@ TINY_LLAMA = {
     "max_position_embeddings": 4096,
     "torch_dtype": "float32",
 }
+
+
+_FOLDER: list[str] = []
+
+
+def model_folder() -> str:
+    """The tiny Llama's folder, made once a process (every config of a run reads it) and removed at exit."""
+    if not _FOLDER:
+        folder = tempfile.mkdtemp(prefix="pagedkv-tinyllama-")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(TINY_LLAMA, f)
+        atexit.register(shutil.rmtree, folder, True)
+        _FOLDER.append(folder)
+    return _FOLDER[0]
+
+
+def release() -> tuple[int, int]:
+    """The installed vLLM's (major, minor)."""
+    import vllm
+
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def vllm_available() -> str | None:
@@ -123,16 +150,20 @@ def make_scheduler(
     async_scheduling: bool = False,
     speculation: Speculation | None = None,
     v2_runner: bool = False,
+    cache_aware: int = 0,
 ) -> Any:
     """vLLM's ``Scheduler`` (or a subclass) over a ``num_blocks`` pool, as its engine core builds it;
     ``hash_algo`` its ``--prefix-caching-hash-algo``, ``metrics`` its KV cache residency metrics (every block
     sampled, so the counts are deterministic); ``async_scheduling`` on (``scheduler_cls`` is then an
     ``AsyncScheduler``: vLLM's CPU platform turns it off, it is turned on again here), ``speculation``,
-    ``v2_runner`` vLLM's V2 model runner (what the scheduler sends it and how it resumes requests)."""
+    ``v2_runner`` vLLM's V2 model runner (what the scheduler sends it and how it resumes requests; 0.34 has no
+    other), ``cache_aware`` vLLM 0.34's ``--cache-aware-admission-window`` (its threshold 0: every step; the
+    scheduler then probes its manager's cache, ``get_num_cached_tokens``; 0.33 has none)."""
     env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = (
-        "1" if v2_runner else "0"
-    )  # (read while the config and scheduler are built)
+    if release() < (0, 34):  # (0.34 has the V2 model runner alone)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = (
+            "1" if v2_runner else "0"
+        )  # (read while the config and scheduler are built)
     try:
         return _make_scheduler(
             scheduler_cls,
@@ -149,10 +180,11 @@ def make_scheduler(
             metrics,
             async_scheduling,
             speculation,
+            cache_aware,
         )
     finally:
         if env is None:
-            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
 
@@ -172,6 +204,7 @@ def _make_scheduler(
     metrics: bool,
     async_scheduling: bool,
     speculation: Speculation | None,
+    cache_aware: int,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -188,9 +221,7 @@ def _make_scheduler(
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.structured_output import StructuredOutputManager
 
-    folder = tempfile.mkdtemp(prefix="pagedkv-tinyllama-")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+    folder = model_folder()
     model = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
     cache = CacheConfig(
         block_size=BLOCK_SIZE,
@@ -198,12 +229,14 @@ def _make_scheduler(
         prefix_caching_hash_algo=hash_algo,
         mamba_cache_mode="align" if layout.mamba else "none",
     )
+    aware = {"cache_aware_admission_window": cache_aware, "cache_aware_admission_threshold": 0.0}
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         is_encoder_decoder=False,
         watermark=watermark,
+        **(aware if cache_aware and release() >= (0, 34) else {}),
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     observe = ObservabilityConfig(kv_cache_metrics=metrics, kv_cache_metrics_sample=1.0)
@@ -223,16 +256,23 @@ def _make_scheduler(
             **how,
         )
     sched.async_scheduling = async_scheduling  # (validated as vLLM does on a GPU)
-    config = VllmConfig(
-        model_config=model,
-        cache_config=cache,
-        scheduler_config=sched,
-        device_config=DeviceConfig("cpu"),
-        kv_events_config=kv_events,
-        observability_config=observe,
-        parallel_config=parallel,
-        speculative_config=spec,
-    )
+    import vllm.triton_utils as triton_utils
+
+    had = triton_utils.HAS_TRITON  # (vLLM 0.34's CPU platform refuses x86 without triton-cpu: its model runner
+    triton_utils.HAS_TRITON = True  # needs it; no model runs here, and a GPU user never meets the check)
+    try:
+        config = VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=sched,
+            device_config=DeviceConfig("cpu"),
+            kv_events_config=kv_events,
+            observability_config=observe,
+            parallel_config=parallel,
+            speculative_config=spec,
+        )
+    finally:
+        triton_utils.HAS_TRITON = had
     config.scheduler_config.async_scheduling = async_scheduling  # (the CPU platform turned it off)
     config.cache_config.num_gpu_blocks = num_blocks
     init_none_hash(get_hash_fn_by_name(hash_algo))
@@ -262,6 +302,9 @@ class Workload:
     lora_every: int = 0  # every n-th request runs one of two LoRA adapters (0: none)
     salt_every: int = 0  # every n-th request carries one of two cache salts (0: none)
     report_every: int = 0  # every n-th request asks kv_cache_report_mode="full" (0: none)
+    # every n-th request scores its prompt (prompt logprobs) and reads the prefix cache all the same: vLLM 0.34 from
+    # row 32 on (its hit limit: 32 tokens at most), 0.33 whole (0: none)
+    scored_every: int = 0
     max_prompt: int = 2000  # no prompt is longer (so every request fits the pool alone)
     requests: list[tuple[str, list[int], int, int | None]] = field(default_factory=list)  # id, prompt, max, abort
 
@@ -293,6 +336,10 @@ class Workload:
             out["cache_salt"] = f"tenant-{i // self.salt_every % 2}"
         if self.report_every and i % self.report_every == self.report_every - 1:
             out["extra_args"] = {"kv_cache_report_mode": "full"}
+        if self.scored_every and i % self.scored_every == 3:
+            out["scored"] = {"prompt_logprobs": 1, "skip_reading_prefix_cache": False}
+            if release() >= (0, 34):
+                out["scored"]["prompt_logprob_start"] = 32
         return out
 
 
@@ -337,7 +384,8 @@ def model_output(scheduler: Any, out: Any, step: int) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     async_ = scheduler.scheduler_config.async_scheduling
-    fresh = {new.req_id for new in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.resumed_req_ids)
+    resumed = getattr(out.scheduled_cached_reqs, "resumed_req_ids", ())  # (0.34: resumed among the new ones)
+    fresh = {new.req_id for new in out.scheduled_new_reqs} | set(resumed)
     req_ids = list(out.num_scheduled_tokens)
     tokens = []
     for rid in req_ids:
@@ -353,9 +401,9 @@ def model_output(scheduler: Any, out: Any, step: int) -> Any:
                 break
             good.append(t)
         tokens.append(good + [sampled(rid, step)])
-    return ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=tokens
-    )
+    index = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    extra = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if "req_id_to_index" in index else {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens, **extra)  # (0.34: no req_id_to_index)
 
 
 class EngineLoop:
@@ -427,11 +475,14 @@ def drive(
         for rid, prompt, max_tokens, _ in arriving:
             skip = workload.skip_cache_every and int(rid[1:]) % workload.skip_cache_every == 7
             extra = workload.extras(rid)
+            scored = extra.pop("scored", {})
+            reads = scored.pop("skip_reading_prefix_cache", None)
             params = SamplingParams(
                 max_tokens=max_tokens,
                 ignore_eos=True,
-                skip_reading_prefix_cache=bool(skip) or None,
+                skip_reading_prefix_cache=bool(skip) or reads,
                 extra_args=extra.pop("extra_args", None),
+                **scored,
             )
             scheduler.add_request(Request(rid, prompt, params, pooling_params=None, block_hasher=hasher, **extra))
         del pending[: len(arriving)]
@@ -447,9 +498,10 @@ def drive(
                 record.hits[new.req_id] = new.num_computed_tokens
                 started.setdefault(new.req_id, step)
             cached = out.scheduled_cached_reqs
+            resumed = set(getattr(cached, "resumed_req_ids", ()))  # (0.34: resumed among the new ones)
             for rid, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
                 record.new_blocks[rid] = tuple(tuple(g) for g in ids) if ids is not None else ()
-                if rid in cached.resumed_req_ids:
+                if rid in resumed:
                     record.hits[rid] = computed
             record.scheduled = dict(out.num_scheduled_tokens)
             record.preempted = tuple(sorted(out.preempted_req_ids or ()))
@@ -549,6 +601,10 @@ def fuzzed(seed: int) -> tuple[int, Layout, dict[str, Any], dict[str, Any]]:
     # issue 34 (drawn last again): a Mamba group in align mode, without speculation (its blocks for drafts are
     # refused)
     mamba = int(method is None and rng.random() < 0.4)
+    # issue 61 (drawn last again): vLLM 0.34's hit limit for requests scoring their prompt, and its cache-aware
+    # admission (0.33: the prompt read whole, admission in order)
+    work["scored_every"] = rng.choice((0, 0, 5))
+    options["cache_aware"] = rng.choice((0, 0, 4, 16))
     return blocks, Layout(windows=windows, mamba=mamba), work, options
 
 

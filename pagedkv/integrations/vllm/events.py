@@ -1,4 +1,4 @@
-"""pagedkv's KV events in vLLM's wire format (vLLM 0.33's ``vllm.distributed.kv_events``): msgspec
+"""pagedkv's KV events in vLLM's wire format (vLLM 0.33 and 0.34: ``vllm.distributed.kv_events``, unchanged between them): msgspec
 structs of the same names, fields, order, defaults and tags, so the msgpack bytes are the ones vLLM's
 own types produce (tests/integrations/test_vllm_events.py holds them byte for byte against bytes vLLM encoded) and
 vLLM's decoder reads them. Block hashes go out as int64, vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``

@@ -19,12 +19,16 @@ class Unsupported(ValueError):
 
 
 def vllm_modules() -> Any:
-    """vLLM's modules the manager uses, or ``Unsupported`` where vLLM is not installed."""
+    """vLLM's modules the manager uses, or ``Unsupported`` where vLLM is not installed, or is a release the manager
+    does not answer (``version.SUPPORTED``)."""
+    from pagedkv.integrations.vllm.version import SUPPORTED, release  # (it raises Unsupported for another release)
+
     try:
+        release()
         from vllm.v1.core import kv_cache_manager, kv_cache_utils
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     except ImportError as exc:  # the extra is vLLM itself
-        raise Unsupported(f"pagedkv's vLLM manager needs vLLM 0.33 installed: {exc}") from None
+        raise Unsupported(f"pagedkv's vLLM manager needs vLLM {' or '.join(SUPPORTED)} installed: {exc}") from None
     return kv_cache_manager, kv_cache_utils, FullAttentionSpec, SlidingWindowSpec, MambaSpec
 
 

@@ -1,4 +1,5 @@
-"""pagedkv's pure core as vLLM 0.33's KV cache manager (``vllm.v1.core.kv_cache_manager.KVCacheManager``).
+"""pagedkv's pure core as vLLM's KV cache manager (``vllm.v1.core.kv_cache_manager.KVCacheManager``), for vLLM 0.33 and
+0.34 alike (``version``: each call with the installed release's meaning).
 
 ``PagedKVCacheManager`` answers every call vLLM's v1 ``Scheduler`` makes of its manager, each decision a
 transition of the core (docs/vllm.md has the table): a lookup is ``find_hit``; a new request's allocation
@@ -41,7 +42,15 @@ from pagedkv.core.errors import ErrorCode, InvariantError, KVError
 from pagedkv.core.prefix import find_hit
 from pagedkv.core.state import KVState, row_known
 from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
-from pagedkv.integrations.vllm.requests import RefusedRequest, block_keys, event_fields, is_waiting, release_reason
+from pagedkv.integrations.vllm.requests import (
+    RefusedRequest,
+    block_keys,
+    event_fields,
+    hit_limit,
+    is_waiting,
+    reads_cache,
+    release_reason,
+)
 from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
 
@@ -146,7 +155,7 @@ class PagedKVCacheManager:
         ``kv_cache_report_mode="full"`` the hit's blocks are announced again (``BlockStored``), as vLLM does."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        cap = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        cap = hit_limit(request, max_cache_hit_length)  # (vLLM 0.34's limit, prompt logprobs' start, or 0.33's)
         if cap < self.block_size:
             return self.empty_kv_cache_blocks, 0, 0
         self._flush()
@@ -441,7 +450,16 @@ class PagedKVCacheManager:
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        return self.enable_caching and reads_cache(request)
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        """vLLM 0.34's cache-aware admission probe: the request's tokens a hit would hold now (the last one always
+        recomputed, as vLLM's probe: its hit limit is not applied), taking no reference and making no event."""
+        if not self.prefix_cache_lookup_enabled(request) or request.num_tokens - 1 < self.block_size:
+            return 0
+        self._flush()  # (the blocks queued to be cached: they are in the cache a lookup reads)
+        spec = self._spec(request, request.all_token_ids, request.num_tokens - 1)
+        return find_hit(self._state, spec, drop_last_block=self.use_eagle).num_blocks * self.block_size
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -476,7 +494,7 @@ class PagedKVCacheManager:
             return 0
         return self._state.rows[req.slots[0]].num_hashed * self.block_size
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:  # (vLLM 0.33's scheduler only)
         return [0] * self.num_kv_cache_groups
 
     def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:

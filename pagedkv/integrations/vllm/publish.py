@@ -1,5 +1,5 @@
 """KV event batches over ZMQ with vLLM's socket semantics (``vllm.distributed.kv_events.ZmqEventPublisher``,
-vLLM 0.33), so a subscriber written for vLLM's ``--kv-events-config`` (a PUB endpoint and a replay
+vLLM 0.33 and 0.34), so a subscriber written for vLLM's ``--kv-events-config`` (a PUB endpoint and a replay
 ROUTER) reads pagedkv's without a change (``pip install 'pagedkv[vllm]'``: msgspec, pyzmq):
 
 - PUB: each batch is the multipart ``(topic, seq, payload)``: ``seq`` counts batches from 0 as an 8-byte

@@ -1,7 +1,8 @@
 """What pagedkv's vLLM manager reads of a vLLM ``Request``: the extra keys its blocks hash, as vLLM's
 ``generate_block_hash_extra_keys`` builds them (a LoRA adapter on every block, each multimodal input on the
 blocks it touches, the cache salt on the first block), the fields its KV events carry (the adapter's id and
-name, the session), and why it is freed."""
+name, the session), how much of the prefix cache it may read (each release's field: ``version``), and why it is
+freed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from functools import cache
 from typing import Any
 
 from pagedkv.core.hashing import Content, Key
+from pagedkv.integrations.vllm import version
 from pagedkv.integrations.vllm.events import RequestFields
 
 
@@ -40,6 +42,23 @@ def event_fields(request: Any) -> RequestFields:
     return RequestFields(
         lora.adapter_id if lora else None, lora.name if lora else None, getattr(request, "session_id", None)
     )
+
+
+def reads_cache(request: Any) -> bool:
+    """May the request read the prefix cache at all? vLLM 0.34: its ``prefix_cache_hit_limit`` is not 0; 0.33: it
+    does not ``skip_reading_prefix_cache`` (prompt logprobs set it, unless the request says otherwise)."""
+    if version.at_least("0.34"):
+        return bool(request.prefix_cache_hit_limit != 0)
+    return not request.skip_reading_prefix_cache
+
+
+def hit_limit(request: Any, bound: int | None = None) -> int:
+    """The most tokens a prefix hit may hold for the request, ``bound`` (the scheduler's) tightening it: vLLM
+    0.34's ``get_max_cache_hit_length`` (the last token always recomputed, and a request scoring its prompt from
+    ``prompt_logprob_start`` reads no further), 0.33's ``num_tokens - 1`` or the bound given."""
+    if version.at_least("0.34"):
+        return int(request.get_max_cache_hit_length(bound))
+    return int(request.num_tokens - 1 if bound is None else bound)
 
 
 def is_waiting(request: Any) -> bool:

@@ -1,0 +1,260 @@
+"""The core on production traffic: a published trace replayed through three schedulers with no model, on a virtual
+clock, GC on (issue 62).
+
+A trace in Mooncake's FAST'25 format (github: kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``: one request a
+line, ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``: a prompt's 512-token chunks, identical
+where their hash ids are) is turned into token ids (a chunk's ids a function of its hash id, so equal hash ids share
+prefixes exactly; a last chunk shorter than 512 is that function's first ids) and replayed: each request arrives at
+its timestamp on a virtual clock that a step advances by 5 ms + 0.05 ms a scheduled token, asks its output length
+(no early stop), and every variant sees the same arrivals. Variants, each in a process of its own, alternated over
+the repeats:
+
+- ``vllm``: vLLM's v1 ``Scheduler`` with its own KV cache manager (vLLM 0.33 or 0.34, whichever is installed);
+- ``vllm+pagedkv``: the same scheduler with pagedkv's manager (``PagedKVScheduler``);
+- ``pagedkv``: pagedkv's own pure scheduler (``core.scheduler``: ``schedule`` and ``on_output``).
+
+Timed, per step: the scheduler's CPU (vLLM: ``schedule`` and ``update_from_output``; pagedkv: ``schedule`` and
+``on_output``), with GC on; apart: taking a request in (vLLM's ``add_request`` of a ``Request`` whose block hashes
+its front end computed; pagedkv's ``submit``). Reported: per-step p50 / p99 and the total, the prefix hit rate (the
+tokens each request's first chunk found cached over its prompt tokens), preemptions, steps, and whether the two vLLM
+variants scheduled identically (a digest of every step's scheduled tokens and preemptions). vLLM's chunked prefill
+and prefix caching on; pagedkv's scheduler with chunked prefill and prefix caching, the same budget, seats and pool.
+Run it where vLLM is installed (``.ci/vllm_env.sh VENV 0.34.0``):
+
+    VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 2000
+    VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 3993 --blocks 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHUNK = 512  # the trace's hash-id granularity, in tokens
+VOCAB = 32_000
+VARIANTS = ("vllm", "vllm+pagedkv", "pagedkv")
+
+
+def prompts(path: str, n: int) -> list[tuple[float, list[int], int]]:
+    """The first ``n`` requests of the trace: (arrival ms, prompt ids, output tokens)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            r = json.loads(line)
+            ids: list[int] = []
+            for h in r["hash_ids"]:
+                take = min(CHUNK, r["input_length"] - len(ids))
+                ids.extend((h * 2_654_435_761 + k * 40_503) % VOCAB + 1 for k in range(take))
+            out.append((float(r["timestamp"]), ids, max(1, int(r["output_length"]))))
+    return out
+
+
+def step_ms(tokens: int) -> float:
+    return 5.0 + 0.05 * tokens
+
+
+class Gc:
+    """Counts CPython's collections (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        self.count += phase == "start"
+
+
+def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace, ours: bool) -> dict[str, Any]:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from tests.integrations.vllm_harness import BLOCK_SIZE, Layout, make_scheduler, model_output, scheduler_classes
+
+    cls = scheduler_classes(False)[1 if ours else 0]
+    sched = make_scheduler(
+        cls,
+        args.blocks,
+        Layout(),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.budget,
+        max_model_len=args.max_model_len,
+        events=False,
+        log_stats=False,
+        hash_algo="sha256",
+    )
+    hasher = get_request_block_hasher(BLOCK_SIZE, get_hash_fn_by_name("sha256"), 0)
+    pending = list(enumerate(work))
+    clock, step, times, intake = 0.0, 0, [], 0.0
+    seen: set[str] = set()
+    hit = total = preempted = 0
+    digest = hashlib.sha256()
+    collections = Gc()
+    gc.collect()
+    gc.freeze()
+    while pending or sched.has_requests():
+        while pending and pending[0][1][0] <= clock:
+            i, (_, ids, out) = pending.pop(0)
+            request = Request(f"r{i}", ids, SamplingParams(max_tokens=out, ignore_eos=True), None, block_hasher=hasher)
+            t0 = time.perf_counter()
+            sched.add_request(request)
+            intake += time.perf_counter() - t0
+        if not sched.has_requests():
+            clock = pending[0][1][0]
+            continue
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        runner = model_output(sched, so, step)
+        t2 = time.perf_counter()
+        sched.update_from_output(so, runner)
+        times.append(t1 - t0 + time.perf_counter() - t2)
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in seen:
+                seen.add(new.req_id)
+                hit += new.num_computed_tokens
+                total += len(work[int(new.req_id[1:])][1])
+        preempted += len(so.preempted_req_ids or ())
+        digest.update(repr((sorted(so.num_scheduled_tokens.items()), sorted(so.preempted_req_ids or ()))).encode())
+        clock += step_ms(so.total_num_scheduled_tokens)
+        step += 1
+    return {"times": times, "intake": intake, "hit": hit, "prompt": total, "preempted": preempted, "steps": step,
+            "gc": collections.count, "digest": digest.hexdigest()[:12], "clock_s": clock / 1e3}  # fmt: skip
+
+
+def run_pagedkv(work: list[tuple[float, list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
+    from pagedkv.core import CacheConfig
+    from pagedkv.core.metadata import Phase
+    from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, on_output, schedule, submit
+    from tests.integrations.vllm_harness import BLOCK_SIZE, sampled
+
+    state = new_scheduler(
+        CacheConfig(
+            block_size=BLOCK_SIZE,
+            num_blocks=args.blocks,
+            enable_prefix_caching=True,
+            max_model_len=args.max_model_len,
+            kv_events=False,
+        ),
+        SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, chunked_prefill=True),
+    )
+    pending = list(enumerate(work))
+    clock, step, times, intake = 0.0, 0, [], 0.0
+    seen: set[str] = set()
+    hit = total = preempted = 0
+    collections = Gc()
+    gc.collect()
+    gc.freeze()
+    while pending or state.live:
+        while pending and pending[0][1][0] <= clock:
+            i, (_, ids, out) = pending.pop(0)
+            t0 = time.perf_counter()
+            state = submit(state, SeqRequest(f"r{i}", tuple(ids), max_tokens=out)).unwrap()
+            intake += time.perf_counter() - t0
+        if not state.live:
+            clock = pending[0][1][0]
+            continue
+        t0 = time.perf_counter()
+        state, plan = schedule(state).unwrap()
+        t1 = time.perf_counter()
+        tokens = {rid: sampled(rid, step) for rid in plan.samples}
+        t2 = time.perf_counter()
+        state, _ = on_output(state, tokens).unwrap()
+        times.append(t1 - t0 + time.perf_counter() - t2)
+        for meta in plan.metadata:
+            if meta.phase is Phase.PREFILL:
+                for row in meta.rows:
+                    if row.request_id not in seen:
+                        seen.add(row.request_id)
+                        hit += row.kv_start_pos
+                        total += len(work[int(str(row.request_id)[1:])][1])
+        preempted += len(plan.preempted)
+        clock += step_ms(plan.num_tokens)
+        step += 1
+    return {"times": times, "intake": intake, "hit": hit, "prompt": total, "preempted": preempted, "steps": step,
+            "gc": collections.count, "digest": "-", "clock_s": clock / 1e3}  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> None:
+    work = prompts(args.trace, args.requests)
+    t0 = time.perf_counter()
+    if args.variant == "pagedkv":
+        out = run_pagedkv(work, args)
+    else:
+        out = run_vllm(work, args, ours=args.variant == "vllm+pagedkv")
+    out["wall"] = time.perf_counter() - t0
+    print(json.dumps(out))
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="a Mooncake FAST'25 trace (JSON Lines)")
+    ap.add_argument("--requests", type=int, default=2000, help="its first N requests")
+    ap.add_argument("--blocks", type=int, default=20_000, help="the pool, in 16-token blocks (the null block included)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--max-model-len", type=int, default=262_144)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # (a child's)
+    args = ap.parse_args()
+    if args.variant:
+        child(args)
+        return
+    variants = args.variants.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for r in range(args.repeats):
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
+        for v in order:
+            cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, *sys.argv[1:]]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+            if done.returncode or not lines:
+                print(f"{v} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+                sys.exit(1)
+            runs[v].append(json.loads(lines[-1]))
+            print(f"  {v}: {runs[v][-1]['wall']:.1f} s", file=sys.stderr, flush=True)
+    import vllm
+
+    base = statistics.median(sum(x["times"]) for x in runs.get("vllm", [])) if "vllm" in runs else None
+    print(
+        f"{os.path.basename(args.trace)}, first {args.requests} requests; pool {args.blocks} blocks of 16, "
+        f"max_num_seqs {args.max_num_seqs}, {args.budget} tokens a step, chunked prefill and prefix caching on; "
+        f"vLLM {vllm.__version__}; GC on; median of {args.repeats} run(s) a variant, each in its own process"
+    )
+    print("\n| variant | scheduler CPU a step p50 / p99 (ms) | total (s) | vs vLLM | intake (s) | hit rate | "
+          "preemptions | steps | GC runs | schedule digest | wall (s) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for v in variants:
+        xs = runs[v]
+        mid = sorted(xs, key=lambda x: sum(x["times"]))[len(xs) // 2]
+        tot = sum(mid["times"])
+        ratio = f"{tot / base:.2f}x" if base else "-"
+        print(
+            f"| {v} | {1e3 * pct(mid['times'], 0.5):.2f} / {1e3 * pct(mid['times'], 0.99):.2f} | {tot:.1f} | "
+            f"{ratio} | {mid['intake']:.1f} | {100 * mid['hit'] / max(mid['prompt'], 1):.2f}% "
+            f"({mid['hit']:,} tokens) | {mid['preempted']} | {mid['steps']} | {mid['gc']} | {mid['digest']} | "
+            f"{mid['wall']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

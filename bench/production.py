@@ -15,7 +15,7 @@ the repeats:
 
 Timed, per step: the scheduler's CPU (vLLM: ``schedule`` and ``update_from_output``; pagedkv: ``schedule`` and
 ``on_output``), with GC on; apart: taking a request in (vLLM's ``add_request`` of a ``Request`` whose block hashes
-its front end computed; pagedkv's ``submit``). Reported: per-step p50 / p99 and the total, the prefix hit rate (the
+its front end computed, the hashing included; pagedkv's ``submit``, which hashes them). Reported: per-step p50 / p99 and the total, the prefix hit rate (the
 tokens each request's first chunk found cached over its prompt tokens), preemptions, steps, and whether the two vLLM
 variants scheduled identically (a digest of every step's scheduled tokens and preemptions). vLLM's chunked prefill
 and prefix caching on; pagedkv's scheduler with chunked prefill and prefix caching, the same budget, seats and pool.
@@ -108,8 +108,8 @@ def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace,
     while pending or sched.has_requests():
         while pending and pending[0][1][0] <= clock:
             i, (_, ids, out) = pending.pop(0)
+            t0 = time.perf_counter()  # (the front end's Request hashes the prompt's blocks: intake, as submit's)
             request = Request(f"r{i}", ids, SamplingParams(max_tokens=out, ignore_eos=True), None, block_hasher=hasher)
-            t0 = time.perf_counter()
             sched.add_request(request)
             intake += time.perf_counter() - t0
         if not sched.has_requests():

@@ -24,10 +24,14 @@ from pagedkv.core.tails import as_tail, pack_ids
 from pagedkv.core.txn import Txn
 
 
-def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step[Admitted], KVError]:
+def admit(
+    state: KVState, spec: RequestSpec, *, reserve: int = 0, checked: bool = False
+) -> Result[Step[Admitted], KVError]:
     """Reserve every block of every row and group of ``spec``, or nothing. ``reserve``: blocks the admission
     must leave free (a watermark kept for decode growth, blocks promised elsewhere); short of them it is
-    ``NO_CAPACITY``.
+    ``NO_CAPACITY``. ``checked``: the spec's form was checked already (``check_request_spec``: a scheduler
+    checks a request when it arrives and builds each try's spec from it), so its O(tokens) check is not run
+    again at each try; what depends on the pool (its hashes' width, its state rows) is.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -36,7 +40,7 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     >>> step.effect.generation, step.effect.blocks, step.state.free_blocks
     (1, (((1, 2),), ((3, 4),)), 4)
     """
-    err = _shape(state, spec)
+    err = _shape(state, spec, checked)
     if err is not None:
         return Failure(err)
     if type(reserve) is not int or reserve < 0:
@@ -91,7 +95,7 @@ def admit(state: KVState, spec: RequestSpec, *, reserve: int = 0) -> Result[Step
     return Success(Step(txn.done(), effect))
 
 
-def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
+def refusal(state: KVState, spec: RequestSpec, *, checked: bool = False) -> KVError | None:
     """Why ``admit`` refuses ``spec`` whatever else the pool holds (``INVALID``, ``UNSCHEDULABLE``, a duplicate
     id), or None. A request is refused for good only when it cannot run alone in the pool: every usable block
     free, its prefix-cache hit (as the cache holds it now) taken, each group holding what it holds of a row
@@ -104,7 +108,7 @@ def refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     >>> refusal(s, RequestSpec("b", (RowSpec(12),)*3)).message
     "request 'b' needs 9 blocks; the pool has 8 usable blocks in all"
     """
-    err = _shape(state, spec)
+    err = _shape(state, spec, checked)
     if err is not None:
         return err
     hit = _hit(state, spec)
@@ -161,11 +165,16 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
     return Success(Step(txn.done(), TurnedAway(spec.request_id, len(taken), tuple(txn.events))))
 
 
-def _shape(state: KVState, spec: RequestSpec) -> KVError | None:
-    """What is wrong with ``spec`` before any count: its form, the block hashes it brings, and rows a state
-    group cannot serve."""
-    err = check_request_spec(spec) or _state_rows(state, spec)
-    if err is None and any(len(h) != state.config.hash_width for h in (*spec.block_hashes, *_row_hashes(spec))):
+def _shape(state: KVState, spec: RequestSpec, checked: bool = False) -> KVError | None:
+    """What is wrong with ``spec`` before any count: its form (unless ``checked`` already), the block hashes it
+    brings, and rows a state group cannot serve."""
+    err = (None if checked else check_request_spec(spec)) or _state_rows(state, spec)
+    width_checked = checked and not spec.rows[0].block_hashes  # (a scheduler's hashes: its own, of the pool's kind)
+    if (
+        err is None
+        and not width_checked
+        and any(len(h) != state.config.hash_width for h in (*spec.block_hashes, *_row_hashes(spec)))
+    ):
         width = state.config.hash_width
         return invalid(
             f"request {shown(spec.request_id)}: block_hashes must be {width}-byte hashes ({state.config.block_hash})",
@@ -204,7 +213,7 @@ def _state_rows(state: KVState, spec: RequestSpec) -> KVError | None:
     return None
 
 
-def growing_refusal(state: KVState, spec: RequestSpec) -> KVError | None:
+def growing_refusal(state: KVState, spec: RequestSpec, *, checked: bool = False) -> KVError | None:
     """``refusal`` for a request whose rows are admitted a chunk at a time, judged without a hit: a windowed
     group holds only its window and a chunk, and a row near the pool's size is computed in chunks small enough
     (``CacheConfig.growing_chunk``), so the pool must hold what a row holds computed a token at a time
@@ -217,7 +226,9 @@ def growing_refusal(state: KVState, spec: RequestSpec) -> KVError | None:
     ('UNSCHEDULABLE', None)
     """
     cfg = state.config
-    return _shape(state, spec) or _over_limits(state, spec, sum(cfg.held_growing(r.num_tokens, 1) for r in spec.rows))
+    return _shape(state, spec, checked) or _over_limits(
+        state, spec, sum(cfg.held_growing(r.num_tokens, 1) for r in spec.rows)
+    )
 
 
 def _over_limits(state: KVState, spec: RequestSpec, held: int) -> KVError | None:

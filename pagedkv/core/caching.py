@@ -8,11 +8,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import GivenHashError, InvariantError
 from pagedkv.core.events import BlockStored
+from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.state import Request, Row
-from pagedkv.core.tails import known_ids, unpack_ids
+from pagedkv.core.tails import known_ids, pack_ids, unpack_ids
 from pagedkv.core.txn import Txn
+
+
+def chain_of(config: CacheConfig, root: bytes, tokens: Sequence[int], keys: BlockKeys) -> tuple[bytes, ...]:
+    """The chain hashes of the full blocks of ``tokens`` (with ``keys``, from ``root``), as admission and the
+    caching rule would hash them: what a scheduler computes once when a request arrives and hands the core with
+    each admission and commit (``RequestSpec.block_hashes``), so that a prompt that waits or is long is hashed
+    once, never at each try. Empty under ``hash_lookahead`` (a block's hash waits for the ids after it).
+
+    >>> from pagedkv.core import CacheConfig
+    >>> from pagedkv.core.hashing import NO_KEYS, hash_block, root_hash
+    >>> r = root_hash("pagedkv")
+    >>> chain_of(CacheConfig(block_size=2, num_blocks=9), r, [5, 6, 7], NO_KEYS) == (hash_block(r, [5, 6], ()),)
+    True
+    """
+    bs = config.block_size
+    n = len(tokens) // bs
+    if not n or config.hash_lookahead:
+        return ()
+    packed, width = pack_ids(tokens[: n * bs]), bs << 3
+    hash_packed, plain = config.hash_fn, None if keys.varies else keys.plain
+    out, parent = [], root
+    for j in range(n):
+        parent = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
+        out.append(parent)
+    return tuple(out)
 
 
 def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:

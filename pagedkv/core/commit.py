@@ -133,27 +133,39 @@ def forget_ahead(txn: Txn, req: Request) -> None:
 
 
 def commit_many(
-    state: KVState, items: Iterable[tuple[RequestId, Sequence[int]]]
+    state: KVState,
+    items: Iterable[tuple[RequestId, Sequence[int]]],
+    *,
+    hashes: Mapping[RequestId, Sequence[bytes]] | None = None,
 ) -> Result[Step[tuple[Committed, ...]], KVError]:
-    """Several commits as one transition (a step's outputs): all of them, in order, or none."""
+    """Several commits as one transition (a step's outputs): all of them, in order, or none. ``hashes``: a one-row
+    request's chain hashes of its leading full blocks as the caller computed them (a scheduler's, at submit:
+    ``caching.chain_of``), taken instead of hashing those blocks again (``cache_ahead_many``'s rule)."""
     pairs = pairs_of(items, "commit_many")
     if isinstance(pairs, KVError):
         return Failure(pairs)
+    if hashes is not None and not isinstance(hashes, Mapping):
+        return Failure(invalid(f"hashes must map request ids to block hashes, got {shown(hashes):.80}", field="hashes"))
     ids, counts = pairs
     txn = Txn(state)
     effects: list[Committed] = []
-    done = commit_each(txn, ids, counts, effects)  # type: ignore[arg-type]
+    done = commit_each(txn, ids, counts, effects, hashes)  # type: ignore[arg-type]
     if isinstance(done, KVError):
         return Failure(done)
     return Success(Step(txn.done(), tuple(effects)))
 
 
 def commit_each(
-    txn: Txn, ids: Sequence[RequestId], counts: Sequence[Sequence[int]] | None, effects: list[Committed] | None = None
+    txn: Txn,
+    ids: Sequence[RequestId],
+    counts: Sequence[Sequence[int]] | None,
+    effects: list[Committed] | None = None,
+    hashes: Mapping[RequestId, Sequence[bytes]] | None = None,
 ) -> tuple[list[tuple[int, int]], int] | KVError:
     """The commit loop every commit runs (``commit``, ``commit_many``, ``commit_decode``, ``decode_step``):
     request ``ids[k]`` committed through ``counts[k]`` (a count a row), or through each row's length
     (``counts`` None), in order on ``txn``. Each request's ``Committed`` goes to ``effects`` when given.
+    ``hashes``: one-row requests' leading block hashes as their caller computed them (``commit_many``).
     Returns (batch index, generation) for each request whose layout changed, and the blocks freed.
 
     A one-row request in a pool without a lookahead is judged here when no group's first visible block
@@ -194,14 +206,22 @@ def commit_each(
                 leaf[o] = c
                 first = len(txn.events)
                 if before // bs != c // bs:  # blocks completed: the caching rule
-                    cache_full_blocks(txn, req, 0, slot, c)
+                    try:
+                        cache_full_blocks(txn, req, 0, slot, c, hashes.get(rid) if hashes else None)
+                    except GivenHashError as e:  # (a hash the core's own differs from: check_given_hashes)
+                        return e.refusal(rid)
                 if effects is not None:
                     effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
                 continue
         if counts is None:
-            got = _commit_one(txn, rid, [txn.row_len[s] for s in req.slots] if req is not None else ())
+            got = _commit_one(
+                txn,
+                rid,
+                [txn.row_len[s] for s in req.slots] if req is not None else (),
+                hashes.get(rid) if hashes else None,
+            )
         else:
-            got = _commit_one(txn, rid, counts[k])
+            got = _commit_one(txn, rid, counts[k], hashes.get(rid) if hashes else None)
         if isinstance(got, KVError):
             return got
         if got.generation is not None:
@@ -212,7 +232,9 @@ def commit_each(
     return generations, freed
 
 
-def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVError | Committed:
+def _commit_one(
+    txn: Txn, request_id: RequestId, computed: Sequence[int], given: Sequence[bytes] | None = None
+) -> KVError | Committed:
     if not is_request_id(request_id):
         return invalid(f"request id must be a string or a 64-bit integer, got {shown(request_id)}", field="request")
     base = txn.base
@@ -233,13 +255,22 @@ def _commit_one(txn: Txn, request_id: RequestId, computed: Sequence[int]) -> KVE
                 request=request_id,
                 field="computed",
             )
+    if given is not None and (len(req.slots) != 1 or not is_seq(given)):  # (each hash is checked as it is taken)
+        return invalid(
+            f"commit of request {shown(request_id)}: hashes must be one row's block hashes",
+            request=request_id,
+            field="hashes",
+        )
     first_event = len(txn.events)
     windowed = base.config.has_windows
     dropped: list[tuple[int, int, int, int]] = []  # (position, row, group, block) a window let go
     for i, (slot, c) in enumerate(zip(req.slots, computed)):
         previous = txn.row_computed[slot]
         txn.row_computed[slot] = c
-        cache_full_blocks(txn, req, i, slot, c)
+        try:
+            cache_full_blocks(txn, req, i, slot, c, given)
+        except GivenHashError as e:  # (a hash the core's own differs from: check_given_hashes)
+            return e.refusal(request_id)
         if windowed:
             _drop_invisible(txn, req, i, slot, c, dropped, previous)
     gen = None

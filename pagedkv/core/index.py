@@ -1,24 +1,31 @@
-"""The prefix-cache index: (group, block hash) -> block id, and back, as a value the GC barely sees.
+"""The prefix-cache index: (group, block hash) -> block id, and back, as a value at the cost of a dict.
 
-A hash map of tens of thousands of entries built from GC-tracked nodes (pyrsistent's
-PMap, or a HAMT) costs every full collection a walk over all of them, and every
-update a path of new nodes the young collections walk again: with 65,536 cached
-blocks a HAMT is 64,000 nodes (measured). Here the index is a ``Vec`` of small
-dicts per group, bucketed by the hash's own first bytes (BLAKE2b output is
-uniform). A bucket holds both directions of its entries, hash -> block and
-block -> hash (bytes and int keys never collide): a dict of bytes and ints is never
-tracked by CPython's GC, and a leaf tuple of such dicts is untracked at its first
-collection. One integer ``Vec`` by block id says which bucket holds the block
-(0: not cached, else ``(bucket << 6 | group) + 1``), so an eviction is two dict
-operations on one bucket.
+A production trace (long prompts: hundreds of blocks cached and evicted a step) makes the index the core's
+busiest structure: every block a prefill fills is cached, every block popped from the free queue may be
+evicted. A copy-on-write map pays a copy of a bucket and a leaf for most of those writes (~7 us each,
+measured); a plain dict, ~1 us. So the index is a *rerooted* persistent map (Baker; Conchon and Filliatre's
+persistent arrays): every version of one lineage shares one store of plain dicts, which holds the contents of
+one version, the current; every other version holds an undo log (``_diff``) toward the version after it
+(``_next``). Reading the current version is a dict lookup; reading another first *reroots* the store to it
+(applying the logs along the way and leaving their inverses behind), so every version stays readable and
+unchanged. An edit writes the store in place and logs each key's first old value on the version it edits.
 
-An edit copies each bucket it writes once (a few entries) and the leaves around
-it once, as it writes, so an insert or an eviction costs O(1) amortised, never a scan.
+What makes that safe where the core is used:
+
+- A refusal, an exception or an interrupt in the middle of an edit leaves the edited version's log holding
+  every write made so far (a key's old value is logged before the key is written): reading that version
+  rolls them back. A reroot first computes the inverse log, reading only, then marks itself pending and
+  writes (idempotent writes of logged values); an interrupt there is finished by the next access.
+- The store's dicts hold bytes and ints (and, for duplicates, tuples of ints), which CPython's GC does not
+  walk; a log is one list a version. Memory is what the live versions' logs hold: a version nobody holds is
+  collected with its log.
+- States are single-thread values: two threads must not read different versions of one lineage at once
+  (``pickle`` materializes one: a copy to cross a thread or a process).
 
 One block per content, unless the edit keeps duplicates (``CacheConfig.cache_duplicates``, vLLM's block
-pool: a block that fills with content another block already holds is cached too). A hash then maps to
-the tuple of its blocks in the order they were cached; a lookup takes the first, an eviction drops one
-(the next then answers lookups); every cached block keeps its reverse entry and counts in ``len``.
+pool: a block that fills with content another block already holds is cached too). A hash then maps to the
+tuple of its blocks in the order they were cached; a lookup takes the first, an eviction drops one (the next
+then answers lookups); every cached block keeps its reverse entry and counts in ``len``.
 """
 
 from __future__ import annotations
@@ -28,22 +35,66 @@ from typing import Any
 
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.hashing import BlockHash, CacheKey
-from pagedkv.core.vec import Vec, VecEdit
 
-_EMPTY: dict[Any, Any] = {}  # the shared empty bucket: never written (edits copy a bucket first)
-_BUCKET_SHIFT = 5  # leaves of 32 buckets
-_BUCKET_MASK = (1 << _BUCKET_SHIFT) - 1
-GROUP_BITS = 6  # a locator keeps the group in its low bits: up to 64 KV cache groups
-GROUP_MASK = (1 << GROUP_BITS) - 1
+GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
+
+# An undo entry: (code, key, old). Code g >= 0: group g's map, hash -> block(s); code ~g < 0: group g's
+# reverse map, block -> hash. ``old`` None: the key was absent.
+Undo = tuple[int, Any, Any]
 
 
-def bucket_count(num_blocks: int) -> int:
-    """A power of two near an eighth of the pool (a full cache holds about eight hashes a bucket).
+class _Store:
+    """The plain dicts one lineage of versions shares, holding the contents of ``current``."""
 
-    >>> bucket_count(65_536), bucket_count(7)
-    (8192, 4)
-    """
-    return 1 << max(2, (max(num_blocks, 1) // 8).bit_length() - 1)
+    __slots__ = ("maps", "revs", "current", "pending")
+
+    def __init__(self, num_groups: int) -> None:
+        self.maps: list[dict[bytes, Any]] = [{} for _ in range(num_groups)]  # hash -> block, or blocks
+        self.revs: list[dict[int, bytes]] = [{} for _ in range(num_groups)]  # block -> hash
+        self.current: PrefixIndex | None = None
+        self.pending: tuple[Any, ...] | None = None  # a reroot whose writes an interrupt may have cut short
+
+    def dict_of(self, code: int) -> dict[Any, Any]:
+        return self.maps[code] if code >= 0 else self.revs[~code]
+
+
+def _finish(store: _Store) -> None:
+    """Complete the pending reroot: its writes (idempotent), then the pointers, the mark cleared last."""
+    node, after, log, inverse = store.pending  # type: ignore[misc]
+    dict_of = store.dict_of
+    for code, key, old in log:
+        d = dict_of(code)
+        if old is None:
+            d.pop(key, None)
+        else:
+            d[key] = old
+    after._diff, after._next = inverse, node
+    node._diff = node._next = None
+    store.current = node
+    store.pending = None
+
+
+def _reroot(target: PrefixIndex) -> None:
+    """Make ``target`` the version its store holds: each log on the way to the current version applied, its
+    inverse left on the version it came from."""
+    store = target._store
+    if store.pending is not None:
+        _finish(store)
+    path = []
+    node = target
+    while store.current is not node:
+        path.append(node)
+        node = node._next  # type: ignore[assignment]
+        if node is None:
+            raise InvariantError("a prefix-index version is not linked to its store's current one")
+    dict_of = store.dict_of
+    for node in reversed(path):  # (node._next is the current version)
+        log = node._diff
+        if log is None:
+            raise InvariantError("a prefix-index version off its store has no log")
+        inverse = [(code, key, dict_of(code).get(key)) for code, key, _ in log]  # (each key once in a log)
+        store.pending = (node, node._next, log, inverse)
+        _finish(store)
 
 
 class PrefixIndex:
@@ -59,58 +110,61 @@ class PrefixIndex:
     (True, True, None, 1)
     """
 
-    __slots__ = ("buckets", "where", "size", "mask", "root")
+    __slots__ = ("_store", "_diff", "_next", "size", "root", "num_blocks")
 
-    def __init__(self, buckets: tuple[Vec[dict[Any, Any]], ...], where: Vec[int], size: int, root: BlockHash) -> None:
-        self.buckets = buckets
-        self.where = where  # by block: 0, or (bucket << GROUP_BITS | group) + 1
+    def __init__(self, store: _Store, size: int, root: BlockHash, num_blocks: int) -> None:
+        self._store = store
+        self._diff: list[Undo] | None = None  # applied to ``_next``'s contents, gives this version's
+        self._next: PrefixIndex | None = None
         self.size = size
-        self.mask = len(buckets[0]) - 1
         self.root = root  # the parent of every first block (root_hash of the pool's namespace)
+        self.num_blocks = num_blocks
 
     @staticmethod
     def empty(num_blocks: int, num_groups: int, root: BlockHash = b"") -> PrefixIndex:
         if num_groups > 1 << GROUP_BITS:  # (CacheConfig refuses more: a bug to reach here)
             raise InvariantError(f"at most {1 << GROUP_BITS} KV cache groups")
-        bucket_vec = Vec.filled(_EMPTY, bucket_count(num_blocks), ints=False, shift=_BUCKET_SHIFT)
-        return PrefixIndex((bucket_vec,) * num_groups, Vec.filled(0, num_blocks, ints=True), 0, root)
+        store = _Store(num_groups)
+        out = PrefixIndex(store, 0, root, num_blocks)
+        store.current = out
+        return out
+
+    def _here(self) -> _Store:
+        """The store, holding this version's contents."""
+        store = self._store
+        if store.current is not self or store.pending is not None:
+            _reroot(self)
+        return store
 
     def __len__(self) -> int:
         return self.size
 
     def __contains__(self, key: CacheKey) -> bool:
-        g, h = key
-        return h in self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask]
+        return key[1] in self._here().maps[key[0]]
 
     def __getitem__(self, key: CacheKey) -> int:
-        g, h = key
-        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask][h]
+        block = self._here().maps[key[0]][key[1]]
         return block if type(block) is int else block[0]
 
     def get(self, key: CacheKey) -> int | None:
-        g, h = key
-        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
+        block = self._here().maps[key[0]].get(key[1])
         return block if type(block) is not tuple else block[0]
 
     def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
         """Every block cached under ``key``, the one lookups take first."""
-        g, h = key
-        block = self.buckets[g][(h[0] | h[1] << 8 | h[2] << 16) & self.mask].get(h)
+        block = self._here().maps[key[0]].get(key[1])
         return () if block is None else (block,) if type(block) is int else block
 
     def items(self) -> Iterator[tuple[CacheKey, int]]:
         """Each cached block with its key (a key with duplicates once for each of its blocks, in order)."""
-        if not self.size:
-            return
-        for g, vec in enumerate(self.buckets):
-            for bucket in vec:
-                for h, b in bucket.items() if bucket else ():
-                    if type(h) is bytes:  # (the block -> hash entries are the same pairs, reversed)
-                        if type(b) is int:
-                            yield (g, h), b
-                        else:
-                            for d in b:
-                                yield (g, h), d
+        pairs = []
+        for g, entries in enumerate(self._here().maps):  # (taken now: a reroot during the loop changes nothing)
+            for h, b in entries.items():
+                if type(b) is int:
+                    pairs.append(((g, h), b))
+                else:
+                    pairs.extend(((g, h), d) for d in b)
+        return iter(pairs)
 
     def keys(self) -> Iterator[CacheKey]:
         return (k for k, _ in self.items())
@@ -119,88 +173,89 @@ class PrefixIndex:
         return (b for _, b in self.items())
 
     def is_cached(self, block: int) -> bool:
-        return self.where[block] != 0
+        return any(block in rev for rev in self._here().revs)
 
     def key_of(self, block: int) -> CacheKey | None:
         """The key block ``block`` is cached under, if any."""
-        w = self.where[block] - 1
-        if w < 0:
-            return None
-        g = w & GROUP_MASK
-        return g, self.buckets[g][w >> GROUP_BITS][block]
+        for g, rev in enumerate(self._here().revs):
+            h = rev.get(block)
+            if h is not None:
+                return g, h
+        return None
+
+    def cached_blocks(self) -> int:
+        """How many blocks carry a key (the reverse entries): ``len`` where the index is whole."""
+        return sum(len(rev) for rev in self._here().revs)
 
     def edit(self, duplicates: bool = False) -> PrefixIndexEdit:
         return PrefixIndexEdit(self, duplicates)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy of this version alone (a state crossing a thread or a process: materialized)."""
+        return _rebuilt, (len(self._here().maps), self.num_blocks, self.root, list(self.items()))
+
+
+def _rebuilt(num_groups: int, num_blocks: int, root: BlockHash, items: list[tuple[CacheKey, int]]) -> PrefixIndex:
+    e = PrefixIndex.empty(num_blocks, num_groups, root).edit(duplicates=True)
+    for (g, h), b in items:
+        e.add(g, h, b)
+    return e.persistent()
+
 
 class PrefixIndexEdit:
-    """A transition's working copy of a ``PrefixIndex``, written through: each bucket it changes is
-    copied once (a few entries) into a copy of its leaf, and the locator vector's leaves likewise;
-    ``persistent`` publishes them. Reads see the edit's own writes.
+    """A transition's working copy of a ``PrefixIndex``: the first write makes a new version the store's current,
+    and each key's first old value is logged on the version edited (``base``), so that reading ``base`` again
+    (a refusal, an exception, or the transition's own reads of its old state) rolls the edit back and reading the
+    edit rolls it forward. ``persistent`` hands the new version out. Reads see the edit's own writes.
     """
 
-    __slots__ = ("base", "buckets", "where", "owned", "size", "mask", "duplicates")
+    __slots__ = ("base", "node", "touched", "size", "duplicates")
 
     def __init__(self, base: PrefixIndex, duplicates: bool = False) -> None:
         self.base = base
-        self.buckets: list[VecEdit[dict[Any, Any]] | None] = [None] * len(base.buckets)  # per group, on first write
-        self.where: VecEdit[int] | None = None
-        self.owned: set[tuple[int, int]] = set()  # (group, bucket) copied by this edit: safe to write
+        self.node: PrefixIndex | None = None  # the version being written, from the first write on
+        self.touched: set[tuple[int, Any]] = set()  # (code, key) whose old value base's log holds
         self.size = base.size
-        self.mask = base.mask
         self.duplicates = duplicates  # a content already cached caches another block too
 
-    def _bucket(self, g: int, h: BlockHash) -> dict[Any, Any]:
-        return self._bucket_at(g, (h[0] | h[1] << 8 | h[2] << 16) & self.mask)
+    def _store(self) -> _Store:
+        """The store, holding the edit's contents (for reading)."""
+        node = self.node
+        return self.base._here() if node is None else node._here()
 
-    def _bucket_at(self, g: int, k: int) -> dict[Any, Any]:
-        """Bucket ``k`` of group ``g`` as this edit sees it (for reading)."""
-        e = self.buckets[g]
-        leaves = self.base.buckets[g].leaves if e is None else e.leaves
-        return leaves[k >> _BUCKET_SHIFT][k & _BUCKET_MASK]  # type: ignore[no-any-return]
-
-    def _own_bucket(self, g: int, k: int) -> dict[Any, Any]:
-        """Bucket ``k`` of group ``g``, writable (copied on its first write in this edit)."""
-        leaf = self.buckets[g]
-        if leaf is None:
-            leaf = self.buckets[g] = VecEdit(self.base.buckets[g])
-        entries = leaf.own(k >> _BUCKET_SHIFT)
-        if (g, k) in self.owned:
-            return entries[k & _BUCKET_MASK]  # type: ignore[no-any-return]
-        bucket = entries[k & _BUCKET_MASK] = dict(entries[k & _BUCKET_MASK])  # (untracked, as its source)
-        self.owned.add((g, k))
-        return bucket
-
-    def _located(self, block: int) -> int:
-        w = self.where
-        vec = self.base.where if w is None else w
-        return vec.leaves[block >> vec.shift][block & ((1 << vec.shift) - 1)]  # type: ignore[no-any-return]
-
-    def _locate(self, block: int, value: int) -> None:
-        if self.where is None:
-            self.where = VecEdit(self.base.where)
-        self.where[block] = value
+    def _writable(self) -> tuple[_Store, list[Undo]]:
+        """The store holding the edit's contents, and the log of its old values (base's)."""
+        node = self.node
+        if node is None:
+            base = self.base
+            store = base._here()
+            node = self.node = PrefixIndex(store, base.size, base.root, base.num_blocks)
+            base._diff, base._next = [], node  # (base leaves the store before anything is written)
+            store.current = node
+            return store, base._diff
+        store = node._here()
+        return store, self.base._diff  # type: ignore[return-value]
 
     def get(self, key: CacheKey) -> int | None:
-        block = self._bucket(*key).get(key[1])
+        block = self._store().maps[key[0]].get(key[1])
         return block if type(block) is not tuple else block[0]
 
     def blocks_of(self, key: CacheKey) -> tuple[int, ...]:
-        block = self._bucket(*key).get(key[1])
+        block = self._store().maps[key[0]].get(key[1])
         return () if block is None else (block,) if type(block) is int else block
 
     def __contains__(self, key: CacheKey) -> bool:
-        return key[1] in self._bucket(*key)
+        return key[1] in self._store().maps[key[0]]
 
     def is_cached(self, block: int) -> bool:
-        return self._located(block) != 0
+        return any(block in rev for rev in self._store().revs)
 
     def key_of(self, block: int) -> CacheKey | None:
-        w = self._located(block) - 1
-        if w < 0:
-            return None
-        g = w & GROUP_MASK
-        return g, self._bucket_at(g, w >> GROUP_BITS)[block]
+        for g, rev in enumerate(self._store().revs):
+            h = rev.get(block)
+            if h is not None:
+                return g, h
+        return None
 
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""
@@ -210,41 +265,60 @@ class PrefixIndexEdit:
 
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
-        k = (h[0] | h[1] << 8 | h[2] << 16) & self.mask
-        old = self._bucket_at(g, k).get(h)
-        if (old is not None and not self.duplicates) or self._located(block):
-            return False  # the same content sits in another block, or this block holds a content
-        bucket = self._own_bucket(g, k)
-        bucket[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
-        bucket[block] = h  # the reverse entry, for eviction
-        self._locate(block, (k << GROUP_BITS | g) + 1)
+        node = self.node
+        store = (self.base if node is None else node)._here()
+        entries, revs = store.maps[g], store.revs
+        old = entries.get(h)
+        if old is not None and not self.duplicates:
+            return False  # the same content sits in another block
+        if block in revs[0] if len(revs) == 1 else any(block in rev for rev in revs):
+            return False  # this block holds a content
+        log = self._writable()[1] if node is None else self.base._diff
+        touched = self.touched  # (a key's first old value logged: what undoes the edit)
+        if (g, h) not in touched:
+            touched.add((g, h))
+            log.append((g, h, old))  # type: ignore[union-attr]
+        if (~g, block) not in touched:
+            touched.add((~g, block))
+            log.append((~g, block, None))  # type: ignore[union-attr]
+        entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
+        revs[g][block] = h  # the reverse entry, for eviction
         self.size += 1
         return True
 
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
-        w = self._located(block) - 1
-        if w < 0:
+        node = self.node
+        store = (self.base if node is None else node)._here()
+        for g, rev in enumerate(store.revs):
+            h = rev.get(block)
+            if h is not None:
+                break
+        else:
             return None
-        g = w & GROUP_MASK
-        bucket = self._own_bucket(g, w >> GROUP_BITS)
-        h = bucket.pop(block)
-        cur = bucket[h]
+        log = self._writable()[1] if node is None else self.base._diff
+        entries = store.maps[g]
+        cur = entries[h]
+        touched = self.touched
+        if (~g, block) not in touched:
+            touched.add((~g, block))
+            log.append((~g, block, h))  # type: ignore[union-attr]
+        if (g, h) not in touched:
+            touched.add((g, h))
+            log.append((g, h, cur))  # type: ignore[union-attr]
+        del rev[block]
         if type(cur) is tuple:  # a key with duplicates keeps the others, in order
             rest = tuple(b for b in cur if b != block)
-            bucket[h] = rest[0] if len(rest) == 1 else rest
+            entries[h] = rest[0] if len(rest) == 1 else rest
         else:
-            del bucket[h]
-        self._locate(block, 0)
+            del entries[h]
         self.size -= 1
         return g, h
 
     def persistent(self) -> PrefixIndex:
-        base = self.base
-        if not self.owned and self.where is None:
-            return base
-        buckets = tuple(v if e is None else e.persistent() for v, e in zip(base.buckets, self.buckets))
-        where = base.where if self.where is None else self.where.persistent()
-        out = PrefixIndex(buckets, where, self.size, base.root)
-        self.base, self.buckets, self.where, self.owned = out, [None] * len(buckets), None, set()
-        return out
+        node = self.node
+        if node is None:
+            return self.base
+        node.size = self.size
+        self.base, self.node, self.touched = node, None, set()  # (the edit goes on from the new version)
+        return node

@@ -10,6 +10,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import chain
 from typing import overload
 
 from pagedkv.core.errors import RequestId, shown
@@ -158,7 +159,18 @@ def slots_of(blocks: Sequence[int], block_size: int, start: int, count: int) -> 
     >>> slots_of([3, 1], 16, 17, 2)
     (17, 18)
     """
-    return tuple(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
+    if count <= 0:
+        return ()
+    end, bs = start + count, block_size
+    first, last = start // bs, (end - 1) // bs
+    if first == last:  # (a decode's, a short chunk's: one block)
+        base = blocks[first] * bs
+        return tuple(range(base + start % bs, base + (end - 1) % bs + 1))
+    # a run of whole blocks: a range a block, joined at C speed
+    runs = [range(blocks[first] * bs + start % bs, blocks[first] * bs + bs)]
+    runs += [range(b * bs, b * bs + bs) for b in blocks[first + 1 : last]]
+    runs.append(range(blocks[last] * bs, blocks[last] * bs + (end - 1) % bs + 1))
+    return tuple(chain.from_iterable(runs))
 
 
 def token_rows_of(meta: KVMetadata) -> KVMetadata:

@@ -39,24 +39,27 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     txn.prv[b] = 0
     txn.free_blocks -= k
     own = txn.refcount.own
-    cached = txn.cache_view().is_cached
+    index = txn.index
     tier = txn.config.host_blocks
+    events = txn.events if txn.config.kv_events else None
     for x in out:
         own(x >> sh)[x & m] = 1
-        if cached(x):
-            if tier:  # (its bytes kept in the host tier before anything overwrites them: core/host.py)
-                g, h = txn.index.key_of(x)  # type: ignore[misc]
-                offload(txn, g, h, x)
-            evict(txn, x)
+        if tier:  # (a cached block's bytes kept in the host tier before anything overwrites them: core/host.py)
+            key = index.key_of(x)
+            if key is not None:
+                offload(txn, key[0], key[1], x)
+        gone = index.evict(x)  # (a cached one leaves the index; others pass)
+        if gone is not None and events is not None:
+            events.append(BlockRemoved(gone[1], gone[0], x))
     return tuple(out)
 
 
 def evict(txn: Txn, b: int) -> None:
     """``b``'s cache entry goes (its content is about to be overwritten, or may never have been written), with
-    a ``BlockRemoved`` where the pool reports events."""
-    g, h = txn.index.evict(b)  # type: ignore[misc]
-    if txn.config.kv_events:
-        txn.events.append(BlockRemoved(h, g, b))
+    a ``BlockRemoved`` where the pool reports events; nothing for a block not cached."""
+    gone = txn.index.evict(b)
+    if gone is not None and txn.config.kv_events:
+        txn.events.append(BlockRemoved(gone[1], gone[0], b))
 
 
 def unref_many(txn: Txn, blocks: Sequence[int]) -> None:

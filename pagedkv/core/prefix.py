@@ -174,18 +174,25 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple
         taken = 0 if cfg.check_given_hashes else len(given)  # blocks whose hash is the caller's
         if row.block_hashes:  # (another scheme than the core's: taken, never checked)
             given, taken = row.block_hashes, len(row.block_hashes)
-        packed = pack_ids(tokens[: cap * bs + ahead]) if taken < cap else b""
+        packed = b""  # (the ids past the caller's hashes, packed as the chain first needs them: a block at a time)
         for j in range(cap):
             if j < taken:
                 h = given[j]
-            elif ahead:
-                h = hash_packed(
-                    parent,
-                    packed[j * width : (j + 1) * width],
-                    keys.ahead(j, bs, tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
-                )
             else:
-                h = hash_packed(parent, packed[j * width : (j + 1) * width], keys.at(j, bs) if plain is None else plain)
+                k = j - min(taken, cap)
+                if (k + 1) * width > len(packed):  # (doubling: a chain that runs on costs its length, once)
+                    start = min(taken, cap) * bs
+                    packed = pack_ids(tokens[start : start + max(2 * (k + 1), 4) * bs + ahead])
+                if ahead:
+                    h = hash_packed(
+                        parent,
+                        packed[k * width : (k + 1) * width],
+                        keys.ahead(j, bs, tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
+                    )
+                else:
+                    h = hash_packed(
+                        parent, packed[k * width : (k + 1) * width], keys.at(j, bs) if plain is None else plain
+                    )
             if taken <= j < len(given) and given[j] != h:  # (a given hash checked: check_given_hashes)
                 raise GivenHashError(j, h)
             if device is None and all((g, h) in cache for g in full):

@@ -156,9 +156,12 @@ class Txn:
             self._requests = self.base.requests.mutate()
         return self._requests
 
-    def cache_view(self) -> PrefixIndex | PrefixIndexEdit:
-        """The prefix index as this transition sees it, for reading (no edit opened)."""
-        return self.base.cache if self._index is None else self._index
+    def cache_view(self) -> PrefixIndexEdit:
+        """The prefix index as this transition sees it, for reading: its edit, whose reads see its writes (an edit
+        that never writes costs nothing: ``persistent`` then gives the old index back). Never the old state's
+        index while this transition writes one: reading the old version in between rolls the store back and forth
+        (core/index.py)."""
+        return self.index
 
     @property
     def index(self) -> PrefixIndexEdit:

@@ -435,9 +435,8 @@ def test_a_huge_body_is_a_413_unread_and_a_long_prompt_a_400_before_it_is_tokeni
     a body over the limit is a 413 unread (with a length or sent in chunks), a prompt longer than the longest request
     can be (vLLM's bound: characters over max_model_len times the longest token's) a 400 before it is tokenized."""
     huge = b'{"prompt": "' + b"a" * (50 << 20) + b'"}'
-    t0 = time.perf_counter()
     r = httpx.post(f"{served.url}/v1/completions", content=huge, headers={"content-type": "application/json"})
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and time.perf_counter() - t0 < 10
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
     def chunks() -> Iterator[bytes]:  # (no Content-Length: read until it passes the limit)
         yield b'{"prompt": "'
@@ -448,9 +447,14 @@ def test_a_huge_body_is_a_413_unread_and_a_long_prompt_a_400_before_it_is_tokeni
     limit = served.loop.max_model_len
     assert limit is not None and served.api.max_token_chars > 1
     long = "word " * (limit * served.api.max_token_chars // 5 + 10)  # (under the body limit, over the bound)
-    t0 = time.perf_counter()
-    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": long}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and time.perf_counter() - t0 < 2
+    encoded: list[int] = []
+    real = served.api.tokenizer.encode
+    served.api.tokenizer.encode = lambda text: encoded.append(len(text)) or real(text)  # type: ignore[method-assign]
+    try:
+        r = httpx.post(f"{served.url}/v1/completions", json={"prompt": long}, timeout=30)
+    finally:
+        served.api.tokenizer.encode = real  # type: ignore[method-assign]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and encoded == []  # (never tokenized)
     assert "maximum context length" in r.json()["error"]["message"]
     r = httpx.post(f"{served.url}/v1/completions", json={"prompt": [1] * (limit + 1)}, timeout=30)
     assert r.status_code == 400 and "exceeds this limit" in r.json()["error"]["message"]
@@ -460,24 +464,30 @@ def test_a_huge_body_is_a_413_unread_and_a_long_prompt_a_400_before_it_is_tokeni
 
 
 def test_a_large_prompt_is_tokenized_off_the_event_loop(served: Served) -> None:
-    """While one client's long prompt is tokenized (and refused as too many tokens), the others are answered."""
+    """While one client's long prompts are tokenized (and refused as too many tokens), the others are answered: the
+    tokenizer runs in a worker thread, never on the server's event loop."""
     import asyncio
 
-    text = "the quick brown fox jumps over the lazy dog " * 2000  # (88,000 characters: tokenized in a thread)
-    gaps: list[float] = []
+    text = "the quick brown fox jumps over the lazy dog " * 900  # (39,600 characters: tokenized in a thread)
+    threads: list[str] = []
+    real = served.api.tokenizer.encode
+    served.api.tokenizer.encode = lambda t: threads.append(threading.current_thread().name) or real(t)  # type: ignore[method-assign]
+    answered = [0]
 
     async def both() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             big = asyncio.ensure_future(http.post(f"{served.url}/v1/completions", json={"prompt": [text] * 12}))
             while not big.done():
-                t0 = time.perf_counter()
                 assert (await http.get(f"{served.url}/health")).status_code == 200
-                gaps.append(time.perf_counter() - t0)
+                answered[0] += 1
                 await asyncio.sleep(0.01)
             assert (await big).status_code == 400
 
-    asyncio.run(both())
-    assert gaps and max(gaps) < 1.0, max(gaps)
+    try:
+        asyncio.run(both())
+    finally:
+        served.api.tokenizer.encode = real  # type: ignore[method-assign]
+    assert threads and served.thread.name not in threads and answered[0] > 0, (threads, answered)
 
 
 @pytest.mark.parametrize(
@@ -583,9 +593,8 @@ def test_slow_clients_are_closed_and_idle_connections_make_room(served: Served) 
     try:
         half = socket.create_connection((host, port))
         half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # (its head never ends)
-        half.settimeout(5)
-        t0 = time.perf_counter()
-        assert half.recv(100) == b"" and 0.8 < time.perf_counter() - t0 < 4  # (closed by the server)
+        half.settimeout(10)
+        assert half.recv(100) == b""  # (closed by the server after its read timeout of 1 s)
         slow = socket.create_connection((host, port))
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
         slow.settimeout(5)

@@ -263,7 +263,7 @@ def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a c
         monkeypatch,
         sys.modules["pagedkv.core.commit"],
         "commit_each",
-        "cache_full_blocks(txn, req, 0, slot, c)",
+        "cache_full_blocks(txn, req, 0, slot, c, hashes.get(rid) if hashes else None)",
         "pass",
     )
 

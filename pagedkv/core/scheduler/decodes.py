@@ -180,5 +180,5 @@ def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec) -> KVError | 
     """Why the scheduler can never admit ``spec`` into ``kv``'s pool, whatever the pool holds then: ``refusal``
     (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
     if d.state.config.grow_prefill and spec.rows[0].prefix_len is None:
-        return growing_refusal(kv, spec)
-    return refusal(kv, spec)
+        return growing_refusal(kv, spec, checked=True)  # (checked when the request arrived)
+    return refusal(kv, spec, checked=True)

@@ -7,11 +7,13 @@ from dataclasses import replace
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
+from pagedkv.core.caching import chain_of
 from pagedkv.core.errors import (
     INT_ID_LIMIT,
     ErrorCode,
     KVError,
     RequestId,
+    are_token_ids,
     fail,
     invalid,
     is_int,
@@ -19,6 +21,7 @@ from pagedkv.core.errors import (
     is_seq,
     shown,
 )
+from pagedkv.core.hashing import BlockKeys
 from pagedkv.core.release import forget_host as core_forget_host
 from pagedkv.core.release import release
 from pagedkv.core.scheduler.lifecycle import Move, advance, moved
@@ -33,6 +36,10 @@ def submit(state: SchedState, request: SeqRequest) -> Result[SchedState, KVError
         return Failure(err)
     rid = request.request_id
     req = replace(_as_tuples(request), arrival=state.arrivals)
+    cfg = state.kv.config
+    if req.rows is None and cfg.enable_prefix_caching:  # (hashed once here, never at each try to admit it)
+        keys = BlockKeys.of(req.extra_keys, kind=cfg.block_hash)
+        req = replace(req, block_hashes=chain_of(cfg, state.kv.cache.root, req.prompt, keys))
     log = state.log.edit()
     log.add(rid)
     return Success(
@@ -53,7 +60,7 @@ def _check(state: SchedState, request: object) -> KVError | None:
         return invalid("submit needs a SeqRequest with a string or integer id", field="request")
     rid = request.request_id
     if request.rows is None:
-        if not is_seq(request.prompt) or not request.prompt or any(not is_int(t) or t < 0 for t in request.prompt):
+        if not is_seq(request.prompt) or not request.prompt or not are_token_ids(request.prompt):
             return invalid(
                 f"request {shown(rid)}: prompt must be a non-empty list of token ids", request=rid, field="prompt"
             )

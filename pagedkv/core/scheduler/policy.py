@@ -145,7 +145,7 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[:held]),))  # type: ignore[index]
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     keep = cfg.watermark_blocks if d.running or not nothing_yet else 0  # the watermark, for decode growth
-    admitted = admit(d.kv, spec, reserve=keep)
+    admitted = admit(d.kv, spec, reserve=keep, checked=True)  # (its form checked when it arrived: submit)
     if isinstance(admitted, Failure):
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:
@@ -182,7 +182,8 @@ def _cache_ahead(d: Planning, rid: RequestId, through: int) -> None:
     """Under vLLM's caching point, a planned prefill chunk's full blocks are cached now: a request admitted
     after it in this step can hit them (the one prefill forward writes them before any row reads them)."""
     if d.kv.config.caching_point == "schedule":
-        d.apply(cache_ahead(d.kv, rid, [through]).unwrap())
+        given = d.seqs[rid].block_hashes or None  # (the prompt's, computed at submit)
+        d.apply(cache_ahead(d.kv, rid, [through], hashes=given).unwrap())
 
 
 def _plan(d: Planning) -> tuple[SchedState, StepPlan]:

@@ -68,16 +68,23 @@ class SeqRequest:
     extra_keys: tuple[str, ...] = ()
     output: tuple[int, ...] = ()
     arrival: int = 0
+    # the chain hashes of the prompt's full blocks, computed once at ``submit`` (with prefix caching): every
+    # admission and commit of the request takes them (``RequestSpec.block_hashes``) instead of hashing again
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def is_diffusion(self) -> bool:
         return self.rows is not None
 
     def spec(self) -> RequestSpec:
-        """What admission sees: for an LLM request its prompt and every token it generated."""
+        """What admission sees: for an LLM request its prompt and every token it generated (the prompt's block
+        hashes given)."""
         if self.rows is not None:
             return RequestSpec(self.request_id, self.rows, self.extra_keys)
-        return RequestSpec(self.request_id, (RowSpec.of_tokens(self.prompt + self.output),), self.extra_keys)
+        tokens = self.prompt + self.output if self.output else self.prompt  # (the same tuple while no output)
+        return RequestSpec(
+            self.request_id, (RowSpec.of_tokens(tokens),), self.extra_keys, block_hashes=self.block_hashes
+        )
 
 
 @dataclass(frozen=True, slots=True)

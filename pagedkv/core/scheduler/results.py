@@ -225,7 +225,9 @@ def _commit(state: SchedState, events: list[KVEvent], verified: Mapping[RequestI
         commits = [(c.request_id, [c.target]) for c in state.sched_prefill]
         commits += [(rid, [kv.row_len[x] for x in kv.requests[rid].slots]) for rid in state.sched_diffusion]
         commits += [(rid, [n]) for rid, n in kept.items()]
-        many = commit_many(kv, commits).unwrap()
+        seqs = state.seqs  # (the prompts' block hashes, computed at submit: never hashed again)
+        given = {rid: seqs[rid].block_hashes for rid, _ in commits if seqs[rid].block_hashes}
+        many = commit_many(kv, commits, hashes=given or None).unwrap()
         kv = many.state
         events.extend(events_of(many.effect))
     return kv

@@ -210,7 +210,7 @@ def _cache_index(s: KVState, bad: list[str]) -> None:
             bad.append(f"cached hash of group {key[0]} maps to block {blk}, which does not carry it")
     if entries != len(s.cache):
         bad.append(f"the cache index counts {len(s.cache)} entries but holds {entries}")
-    if sum(w != 0 for w in s.cache.where) != entries:
+    if s.cache.cached_blocks() != entries:
         bad.append("a block carries a hash the cache index lost")
 
 

@@ -133,6 +133,8 @@ class PagedKVCacheManager:
         self._len: dict[str, int] = {}
         self._hashed: dict[str, int] = {}
         self._requests: dict[str, Any] = {}
+        # each request's ids and vLLM's hashes as tuples, made once while they stay the same: (tokens, ids, hashes)
+        self._seen: dict[str, tuple[int, tuple[int, ...] | None, tuple[bytes, ...] | None]] = {}
         # (a window, or an align-mode Mamba group, lets blocks go at each commit: every call is applied)
         self._lag = not any(geometry.windows) and not any(geometry.aligned)
         self._aligned = [g for g, a in enumerate(geometry.aligned) if a]
@@ -159,7 +161,7 @@ class PagedKVCacheManager:
         if cap < self.block_size:
             return self.empty_kv_cache_blocks, 0, 0
         self._flush()
-        spec = self._spec(request, request.all_token_ids, cap)
+        spec = self._spec(request, self._ids(request), cap)
         hit = find_hit(self._state, spec, drop_last_block=self.use_eagle)
         # (vLLM's shared-prefix boundary: where the full groups' hit ends, when a window or state group cut it)
         junction = hit.full_blocks * self.block_size if hit.full_blocks > hit.num_blocks else 0
@@ -305,7 +307,7 @@ class PagedKVCacheManager:
         lookup = self.prefix_cache_lookup_enabled(request)
         known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
         spec = self._spec(
-            request, request.all_token_ids[:known], num_new_computed_tokens if lookup else 0, need_slot - known
+            request, self._ids(request, known), num_new_computed_tokens if lookup else 0, need_slot - known
         )
         if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
             return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
@@ -392,6 +394,7 @@ class PagedKVCacheManager:
         self._len.pop(rid, None)
         self._hashed.pop(rid, None)
         self._requests.pop(rid, None)
+        self._seen.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
         self._flush()
@@ -426,8 +429,29 @@ class PagedKVCacheManager:
         except RefusedRequest as e:
             raise Unsupported(str(e)) from None
         row = RowSpec.of_tokens(tokens, placeholders=placeholders)
-        given = tuple(request.block_hashes)  # (vLLM hashed the full blocks already: the core takes its hashes)
+        given = self._hashes(request)  # (vLLM hashed the full blocks already: the core takes its hashes)
         return RequestSpec(request.request_id, (row,), every, max_hit, first, content, given)
+
+    def _ids(self, request: Any, upto: int | None = None) -> tuple[int, ...]:
+        """The request's first ``upto`` token ids (all of them by default) as a tuple, made once while its tokens
+        stay the same (a request waiting for blocks is looked up and tried at every step)."""
+        rid, n = request.request_id, request.num_tokens
+        got = self._seen.get(rid)
+        if got is None or got[0] != n or got[1] is None:
+            got = (n, tuple(request.all_token_ids), got[2] if got is not None and got[0] == n else None)
+            self._seen[rid] = got
+        ids: tuple[int, ...] = got[1]  # type: ignore[assignment]
+        return ids if upto is None or upto >= n else ids[:upto]
+
+    def _hashes(self, request: Any) -> tuple[bytes, ...]:
+        """vLLM's block hashes of the request as a tuple, made once while they stay the same."""
+        rid, hashes = request.request_id, request.block_hashes
+        got = self._seen.get(rid)
+        if got is not None and got[2] is not None and len(got[2]) == len(hashes):
+            return got[2]
+        made = tuple(hashes)
+        self._seen[rid] = (got[0], got[1], made) if got is not None else (-1, None, made)
+        return made
 
     # -- what vLLM reads of the manager besides its decisions -----------------------------------------------------
     # What vLLM's scheduler reads of pagedkv's manager besides its decisions: a request's blocks and ids, the
@@ -458,7 +482,7 @@ class PagedKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request) or request.num_tokens - 1 < self.block_size:
             return 0
         self._flush()  # (the blocks queued to be cached: they are in the cache a lookup reads)
-        spec = self._spec(request, request.all_token_ids, request.num_tokens - 1)
+        spec = self._spec(request, self._ids(request), request.num_tokens - 1)
         return find_hit(self._state, spec, drop_last_block=self.use_eagle).num_blocks * self.block_size
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:

@@ -118,8 +118,12 @@ def hash_full_blocks(
     events = txn.events if cfg.kv_events else None
     keys = req.keys
     plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
-    # the packed ids of every block to hash (a row of a count hashes none: its caller's hashes are taken)
-    span = token_span(record, tail, done * bs, full * bs + ahead) if record.ids is not None else b""
+    # blocks whose hash is the caller's (a row's own given at admission: another scheme, never checked)
+    taken = 0 if given is None or (cfg.check_given_hashes and not req.given) else len(given)
+    # the packed ids of every block to hash, from ``lo`` (a row of a count hashes none: its caller's hashes are
+    # taken; those the caller hashed need no ids, unless the events carry them or a lookahead reads them)
+    lo = done if events is not None or ahead else min(max(taken, done), full)
+    span = token_span(record, tail, lo * bs, full * bs + ahead) if record.ids is not None and lo < full else b""
     unpacked = unpack_ids(span) if events is not None or ahead else ()  # (the events carry them as ints)
     width = bs << 3
     following = None
@@ -130,10 +134,8 @@ def hash_full_blocks(
         if len(cfg.rules) > 1 and events is not None
         else {}
     )  # (nothing built on the step loop otherwise)
-    # blocks whose hash is the caller's (a row's own given at admission: another scheme, never checked)
-    taken = 0 if given is None or (cfg.check_given_hashes and not req.given) else len(given)
     for j in range(done, full):
-        k = j - done  # (block j's place in the span)
+        k = j - lo  # (block j's place in the span)
         if ahead:
             following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
         if j < taken:

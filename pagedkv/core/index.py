@@ -132,7 +132,7 @@ class PrefixIndex:
     def _here(self) -> _Store:
         """The store, holding this version's contents."""
         store = self._store
-        if store.current is not self or store.pending is not None:
+        if store.current is not self or store.pending is not None:  # (the common case: one attribute, one compare)
             _reroot(self)
         return store
 
@@ -173,7 +173,8 @@ class PrefixIndex:
         return (b for _, b in self.items())
 
     def is_cached(self, block: int) -> bool:
-        return any(block in rev for rev in self._here().revs)
+        revs = self._here().revs
+        return block in revs[0] if len(revs) == 1 else any(block in rev for rev in revs)
 
     def key_of(self, block: int) -> CacheKey | None:
         """The key block ``block`` is cached under, if any."""
@@ -248,10 +249,13 @@ class PrefixIndexEdit:
         return key[1] in self._store().maps[key[0]]
 
     def is_cached(self, block: int) -> bool:
-        return any(block in rev for rev in self._store().revs)
+        node = self.node
+        revs = (self.base if node is None else node)._here().revs
+        return block in revs[0] if len(revs) == 1 else any(block in rev for rev in revs)
 
     def key_of(self, block: int) -> CacheKey | None:
-        for g, rev in enumerate(self._store().revs):
+        node = self.node
+        for g, rev in enumerate((self.base if node is None else node)._here().revs):
             h = rev.get(block)
             if h is not None:
                 return g, h

@@ -137,7 +137,7 @@ def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace,
 
 def run_pagedkv(work: list[tuple[float, list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.core import CacheConfig
-    from pagedkv.core.metadata import Phase
+    from pagedkv.core.outputs.metadata import Phase
     from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, on_output, schedule, submit
     from tests.integrations.vllm_harness import BLOCK_SIZE, sampled
 

@@ -103,6 +103,12 @@ def bounded_int(low: int, high: int) -> Callable[[str], float]:
     return _number(int, f"{what} up to {high:,}", lambda v: low <= v <= high)
 
 
+# pagedkv serve's limits on what a client may send (flags of its own: app/serve.py; the routes and connections take
+# them: app/openai_api.py, app/connections.py)
+MAX_REQUEST_BYTES = 16 << 20  # a request's body at most: larger is a 413, never read whole
+READ_TIMEOUT_S = 30.0  # the most a client may take to send its request
+KEEP_ALIVE_S = 5  # uvicorn's default: an idle connection after a response
+
 SEED_LIMIT = 1 << 63  # torch's generators take a signed 64-bit seed
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 seed = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < SEED_LIMIT)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from pagedkv.app.args import USAGE_EXIT, Parser, UsageError, bounded_int, file_name, read_lines, writable_target
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.state import KVState
+from pagedkv.core.store.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import CheckResult, check
 from pagedkv.core.verify.trace import TraceHeaderError, kv_of, replay

@@ -18,7 +18,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedkv.app.serve import KEEP_ALIVE_S, READ_TIMEOUT_S
+from pagedkv.app.args import KEEP_ALIVE_S, READ_TIMEOUT_S
 
 
 def default_max_connections() -> int:

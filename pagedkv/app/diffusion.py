@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.outputs.metadata import KVMetadata
 from pagedkv.models.dit import DiT, DiTRow, euler
 from pagedkv.models.ulysses import UlyssesDiT
 from pagedkv.shell.attention import AttentionBackend

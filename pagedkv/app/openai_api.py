@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedkv.app.serve import MAX_REQUEST_BYTES, READ_TIMEOUT_S
+from pagedkv.app.args import MAX_REQUEST_BYTES, READ_TIMEOUT_S
 from pagedkv.app.engine_loop import EngineDead, EngineLoop, Histogram, NeverTaken, QueueFull, Sequence
 from pagedkv.shell.outcomes import Completion
 from pagedkv.shell.sampling import SamplingParams, fan_out, params_problem

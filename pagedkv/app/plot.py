@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.app.args import UsageError
-from pagedkv.core.state import KVState, request_blocks
+from pagedkv.core.store.state import KVState, request_blocks
 
 SUFFIXES = (".png", ".svg", ".pdf")
 PALETTE = (
@@ -57,7 +57,7 @@ class PageMap:
     """What a page map shows, cell by cell: ``holders[t][b]`` the requests holding block ``b`` after state
     ``t``; ``cached[t]`` the blocks in the prefix cache that no request holds; ``evicted[t]`` the blocks
     whose cached content state ``t`` dropped (reused for other tokens, or the cache reset), ``kept[t]`` those of them
-    whose content the host tier kept (core/host.py), ``host[t]`` the tier's entries."""
+    whose content the host tier kept (core/store/host.py), ``host[t]`` the tier's entries."""
 
     holders: list[dict[int, tuple[Any, ...]]]
     cached: list[frozenset[int]]

@@ -12,12 +12,17 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from pagedkv.app.args import USAGE_EXIT, UsageError, bounded_int, positive_float
+from pagedkv.app.args import (
+    KEEP_ALIVE_S,
+    MAX_REQUEST_BYTES,
+    READ_TIMEOUT_S,
+    USAGE_EXIT,
+    UsageError,
+    bounded_int,
+    positive_float,
+)
 
 DEFAULT_PORT = 8000
-MAX_REQUEST_BYTES = 16 << 20  # (openai_api's and connections' defaults, said here so --help needs neither module)
-READ_TIMEOUT_S = 30.0
-KEEP_ALIVE_S = 5
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

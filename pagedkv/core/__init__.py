@@ -6,12 +6,12 @@ lives in the module that owns its decision (admission, growth, commit, decode,
 release, destination); this package re-exports the public names.
 """
 
-from pagedkv.core.admission import admit, turn_away
-from pagedkv.core.commit import cache_ahead, cache_ahead_many, commit, commit_many
+from pagedkv.core.rules.admission import admit, turn_away
+from pagedkv.core.rules.commit import cache_ahead, cache_ahead_many, commit, commit_many
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
-from pagedkv.core.decode import commit_decode, decode_step
-from pagedkv.core.destination import mark_ready
-from pagedkv.core.effects import (
+from pagedkv.core.rules.decode import commit_decode, decode_step
+from pagedkv.core.rules.destination import mark_ready
+from pagedkv.core.outputs.effects import (
     Admitted,
     Appended,
     Committed,
@@ -27,16 +27,16 @@ from pagedkv.core.effects import (
     takes_generation,
 )
 from pagedkv.core.errors import ErrorCode, KVError, RequestId
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pagedkv.core.growth import Placeholders, append, append_decode, append_many
-from pagedkv.core.hashing import hash_block, root_hash
-from pagedkv.core.kinds import GroupKind
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
-from pagedkv.core.placeholders import fill, fill_many, truncate, truncate_many
-from pagedkv.core.release import forget_host, release, release_many, reset, reset_prefix_cache
-from pagedkv.core.snapshot import publish
+from pagedkv.core.outputs.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagedkv.core.rules.growth import Placeholders, append, append_decode, append_many
+from pagedkv.core.rules.hashing import hash_block, root_hash
+from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment
+from pagedkv.core.rules.placeholders import fill, fill_many, truncate, truncate_many
+from pagedkv.core.rules.release import forget_host, release, release_many, reset, reset_prefix_cache
+from pagedkv.core.outputs.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import (
+from pagedkv.core.store.state import (
     KVState,
     Step,
     free_queue,

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.errors import is_int, shown
-from pagedkv.core.hashing import BLOCK_HASHES, HASH_WIDTH, hasher
-from pagedkv.core.index import GROUP_BITS
-from pagedkv.core.kinds import RULES, GroupKind, KindRules
+from pagedkv.core.rules.hashing import BLOCK_HASHES, HASH_WIDTH, hasher
+from pagedkv.core.store.index import GROUP_BITS
+from pagedkv.core.rules.kinds import RULES, GroupKind, KindRules
 
 
 class InvalidConfig(ValueError):
@@ -40,7 +40,7 @@ class GroupSpec:
     kind: GroupKind = GroupKind.FULL
     window: int | None = None  # sliding_window: a token sees itself and window - 1 before it
     chunk: int | None = None  # chunked_local: a token sees its chunk from the chunk's start
-    rules: KindRules = field(init=False, repr=False, compare=False)  # what the kind does (core/kinds.py)
+    rules: KindRules = field(init=False, repr=False, compare=False)  # what the kind does (core/rules/kinds.py)
 
     def __post_init__(self) -> None:
         if type(self.name) is not str or not self.name:
@@ -87,9 +87,9 @@ class CacheConfig:
     kv_events: bool = True  # False: transitions report no KV cache events (vLLM's enable_kv_cache_events off)
     check_given_hashes: bool = False  # True: block hashes a caller gives (RequestSpec.block_hashes) are checked
     # a second tier of the prefix cache (vLLM's --kv-offloading-size): a cached block the pool evicts is kept in one
-    # of this many host blocks (its own LRU), and a hit there loads it back (core/host.py); 0: off
+    # of this many host blocks (its own LRU), and a hit there loads it back (core/store/host.py); 0: off
     host_blocks: int = 0
-    rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/kinds.py)
+    rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/rules/kinds.py)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # groups whose block is a live state
     opening_blocks: int = field(init=False, repr=False, compare=False)  # blocks a row's growth takes a block it opens
     letting_go: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # rules whose window moves

@@ -25,7 +25,7 @@ from enum import StrEnum
 
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
 from pagedkv.core.errors import InvariantError, is_int, shown
-from pagedkv.core.kinds import GroupKind
+from pagedkv.core.rules.kinds import GroupKind
 
 BLOCK_ALIGN = 16  # attention kernels want block sizes in multiples of 16 when the size is raised
 

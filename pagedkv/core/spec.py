@@ -21,7 +21,7 @@ from pagedkv.core.errors import (
     is_token_id,
     shown,
 )
-from pagedkv.core.hashing import Content, Key
+from pagedkv.core.rules.hashing import Content, Key
 
 Span = tuple[int, int]
 

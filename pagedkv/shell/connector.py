@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.core.errors import ErrorCode, RequestId
-from pagedkv.core.state import Blocks, KVState
-from pagedkv.core.destination import mark_ready
+from pagedkv.core.store.state import Blocks, KVState
+from pagedkv.core.rules.destination import mark_ready
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
 

@@ -20,7 +20,7 @@ from returns.result import Failure
 
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode, RequestId, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
+from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import (
     SchedulerConfig,
     SeqRequest,
@@ -108,7 +108,7 @@ def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, 
     rides where nothing holds the decodes: the forwards as they were, each with ``None``. (A decode row is one query
     token by its phase, and every one causal.)
 
-    >>> from pagedkv.core.metadata import DecodeRows, RowMetadata, Segment
+    >>> from pagedkv.core.outputs.metadata import DecodeRows, RowMetadata, Segment
     >>> from array import array
     >>> d = KVMetadata(3, 0, 16, Phase.DECODE, DecodeRows(("a",), ((1,),), array("q", [5]), array("q", [20])))
     >>> p = KVMetadata(3, 0, 16, Phase.PREFILL, (RowMetadata("b", 0, ((2,),), 4, 4, 0, (32, 33, 34, 35),

@@ -57,7 +57,7 @@ class EngineArgs:
     # keeps a row's bits for; the triton backend on CUDA, the torch backend elsewhere
     batch_invariant: bool = False
     # vLLM's --kv-offloading-size (GiB) and --kv-offloading-backend ("native"): the prefix cache's host tier; a
-    # cached block the pool evicts is kept in host memory, a hit there loaded back (core/host.py, shell/host_pages.py)
+    # cached block the pool evicts is kept in host memory, a hit there loaded back (core/store/host.py, shell/host_pages.py)
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
 

@@ -16,7 +16,7 @@ import torch
 from pagedkv.core.errors import InvariantError
 from pagedkv.core import RequestSpec, RowSpec, admit, append_decode, commit_many, initial_state, publish
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.outputs.metadata import KVMetadata
 from pagedkv.shell.attention.base import AttentionBackend
 from pagedkv.shell.rank import Rank
 from pagedkv.shell.worker import ForwardBatch

@@ -1,4 +1,4 @@
-"""The host tier's pages (``EngineArgs(kv_offloading_size=GiB)``): the shell's side of core/host.py. One host
+"""The host tier's pages (``EngineArgs(kv_offloading_size=GiB)``): the shell's side of core/store/host.py. One host
 tensor a side, every layer's slots in it (``(layers, slots, *page)``, pinned where the pages are on CUDA, shaped
 like the pool's ``k_all`` and ``v_all``: a copy of some blocks in every layer is one index operation), and the
 copies a step's transitions recorded (``BlockOffloaded``: a device block to a host slot; ``BlockOnloaded``: a slot
@@ -29,7 +29,7 @@ import torch
 
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
 

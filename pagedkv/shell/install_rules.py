@@ -11,7 +11,7 @@ from typing import Protocol
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import INT_ID_LIMIT, ErrorCode, RequestId, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata, RowMetadata
+from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, RowMetadata
 from pagedkv.shell.errors import refuse
 
 RowKey = tuple[RequestId, int]  # (request, row)

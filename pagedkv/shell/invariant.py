@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.metadata import Phase
+from pagedkv.core.outputs.metadata import Phase
 from pagedkv.shell.attention.base import AttentionBackend, LayerAttention
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import KVWrite

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pagedkv.core.errors import RequestId
-from pagedkv.core.metadata import Phase
+from pagedkv.core.outputs.metadata import Phase
 from pagedkv.core.scheduler import FinishReason, StepPlan
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.recorder import Recorder

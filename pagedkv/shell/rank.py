@@ -316,7 +316,7 @@ def rank_for(
 ) -> Rank:
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
-    ``kv_scales``). ``host_bytes``: the prefix cache's host tier (core/host.py), in blocks of the pages' size.
+    ``kv_scales``). ``host_bytes``: the prefix cache's host tier (core/store/host.py), in blocks of the pages' size.
     ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
     plan = plan_for(model, block_size=block_size, kv_dtype=kv_dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.state import request_blocks, request_generation
+from pagedkv.core.store.state import request_blocks, request_generation
 
 METHODS = ("ngram",)
 MAX_DRAFTS = 64  # num_speculative_tokens at most: a verify row's query is 1 + drafts tokens

@@ -23,7 +23,7 @@ import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import ErrorCode, INT_ID_LIMIT, InvariantError, RequestId, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata, token_rows_of
+from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, token_rows_of
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.install_rules import InstallRules, RowKey
 from pagedkv.shell.transfer import to_device

@@ -20,8 +20,8 @@ from pagedkv.core import (
     release,
 )
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.kinds import MambaAlign, SlidingWindow
-from pagedkv.core.placeholders import truncate
+from pagedkv.core.rules.kinds import MambaAlign, SlidingWindow
+from pagedkv.core.rules.placeholders import truncate
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
 from pagedkv.core.verify.invariants import check_invariants

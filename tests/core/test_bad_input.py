@@ -26,7 +26,7 @@ from pagedkv.core import (
     initial_state,
     publish,
 )
-from pagedkv.core.prefix import find_hit
+from pagedkv.core.rules.prefix import find_hit
 from pagedkv.shell.errors import ShellError
 from pagedkv.shell.worker import Worker
 

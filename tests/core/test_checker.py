@@ -25,10 +25,11 @@ import pagedkv.core.verify.alphabet as check_mod
 import pagedkv.core.verify.trace_ops as trace_mod
 import tests.core.test_state_machine_caching as sm_caching
 from pagedkv.app.cli import main
-from pagedkv.core import Admitted, KVState, Step, admission, free_queue, growth, pool
-from pagedkv.core import admission as admission_mod
-from pagedkv.core.kinds import FullAttention, MambaState, SlidingWindow
-from pagedkv.core.txn import Txn
+from pagedkv.core import Admitted, KVState, Step, free_queue
+from pagedkv.core.rules import admission, growth, pool
+from pagedkv.core.rules import admission as admission_mod
+from pagedkv.core.rules.kinds import FullAttention, MambaState, SlidingWindow
+from pagedkv.core.store.txn import Txn
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
 
@@ -261,7 +262,7 @@ def _open_block_id_dropped(monkeypatch: pytest.MonkeyPatch) -> None:  # the id n
 def _completed_block_not_hashed(monkeypatch: pytest.MonkeyPatch) -> None:  # a commit past a boundary, one write
     _mutated(
         monkeypatch,
-        sys.modules["pagedkv.core.commit"],
+        sys.modules["pagedkv.core.rules.commit"],
         "commit_each",
         "cache_full_blocks(txn, req, 0, slot, c, hashes.get(rid) if hashes else None)",
         "pass",
@@ -353,13 +354,13 @@ def test_placeholders_fills_and_cuts_are_exhaustive_without_a_violation() -> Non
 
 
 def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedkv.core.caching as caching_mod
+    import pagedkv.core.rules.caching as caching_mod
 
     monkeypatch.setattr(caching_mod, "known_ids", lambda record, tail: 1 << 20)  # every position taken as known
 
 
 def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedkv.core.placeholders as placeholders_mod
+    import pagedkv.core.rules.placeholders as placeholders_mod
 
     monkeypatch.setattr(
         placeholders_mod, "cut_floor", lambda txn, slot: txn.row_computed[slot]

@@ -27,9 +27,9 @@ from pagedkv.core import (
     row_token_ids,
     truncate,
 )
-from pagedkv.core.hashing import hash_block
-from pagedkv.core.prefix import find_hit
-from pagedkv.core.state import row_known
+from pagedkv.core.rules.hashing import hash_block
+from pagedkv.core.rules.prefix import find_hit
+from pagedkv.core.store.state import row_known
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.verify.record import row_json
 from pagedkv.core.verify.trace_ops import admit_spec

@@ -18,7 +18,7 @@ from pagedkv.core import (
     initial_state,
     release,
 )
-from pagedkv.core.prefix import find_hit
+from pagedkv.core.rules.prefix import find_hit
 
 PROMPT = list(range(100, 137))  # 9 full blocks of 4, and one token
 

@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (issue 51, core/host.py): what the core decides, pinned with exact numbers, and
+"""The prefix cache's host tier (issue 51, core/store/host.py): what the core decides, pinned with exact numbers, and
 the model checker over it (a planted bug in a load's ordering caught)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pagedkv.app.cli import main
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, commit, digest, initial_state
 from pagedkv.core import release, reset_prefix_cache
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
-from pagedkv.core.host import HostEdit
-from pagedkv.core.state import KVState
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.store.host import HostEdit
+from pagedkv.core.store.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
 from pagedkv.core.verify.check import check
 from pagedkv.core.verify.invariants import check_invariants, copy_violations

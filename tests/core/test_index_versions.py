@@ -1,4 +1,4 @@
-"""The prefix index is a rerooted persistent map (core/index.py): every version of a lineage shares one store of
+"""The prefix index is a rerooted persistent map (core/store/index.py): every version of a lineage shares one store of
 plain dicts. Held beside a model (a plain dict per version, pyrsistent's own tests' way), every version reads as it
 was made, whatever was edited, read, refused or interrupted since: edits of old versions (branches), reads of the
 edited version in the middle of an edit, edits abandoned half way (a refusal, an exception), and an interrupt that
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.core import index as index_module
-from pagedkv.core.index import PrefixIndex
+from pagedkv.core.store import index as index_module
+from pagedkv.core.store.index import PrefixIndex
 
 HASHES = [bytes([i]) * 16 for i in range(12)]
 

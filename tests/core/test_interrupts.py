@@ -149,7 +149,7 @@ def test_an_undo_an_interrupt_skips_is_caught(monkeypatch: pytest.MonkeyPatch) -
     """Planted: a decode step that writes the caller's state in place and puts it back when done (the way a
     rerooting representation works), without putting it back when interrupted: the held state is caught
     changed."""
-    import pagedkv.core.decode as decode_mod
+    import pagedkv.core.rules.decode as decode_mod
 
     real = decode_mod.commit_each
 

@@ -1,5 +1,5 @@
-"""The rules of each group kind (``core.kinds``): the numbers docs/architecture.md's table gives, and the house
-rule that no transition asks a group's kind (only ``core.kinds`` does; the checker's invariants keep their
+"""The rules of each group kind (``core.rules.kinds``): the numbers docs/architecture.md's table gives, and the house
+rule that no transition asks a group's kind (only ``core.rules.kinds`` does; the checker's invariants keep their
 own formula on purpose)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec
-from pagedkv.core.kinds import (
+from pagedkv.core.rules.kinds import (
     RULES,
     ChunkedLocal,
     FullAttention,
@@ -95,7 +95,7 @@ def test_pool_wide_counts_are_the_kinds_summed() -> None:
     assert cfg.has_windows and cfg.recurrent and cfg.stops_at_block_end and cfg.state_group_set == {2}
 
 
-# Only core.kinds names a kind's members; the exceptions: the checker's invariants and alphabet (their own
+# Only core.rules.kinds names a kind's members; the exceptions: the checker's invariants and alphabet (their own
 # formula, so that a bug in the rules cannot hide from them) and the geometry that builds groups from layers.
 TRANSITIONS = sorted(
     p for p in CORE.rglob("*.py") if p.name not in ("kinds.py", "grouping.py") and p.parent.name != "verify"

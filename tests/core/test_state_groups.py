@@ -12,7 +12,7 @@ from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec
 from pagedkv.core import release, request_blocks
 from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.events import BlockRemoved, BlockStored
+from pagedkv.core.outputs.events import BlockRemoved, BlockStored
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.verify.trace import replay
 

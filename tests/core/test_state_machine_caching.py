@@ -48,9 +48,9 @@ from pagedkv.core import (
     reset_prefix_cache,
     truncate,
 )
-from pagedkv.core.placeholders import cut_floor
-from pagedkv.core.tails import known_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.rules.placeholders import cut_floor
+from pagedkv.core.store.tails import known_ids
+from pagedkv.core.store.txn import Txn
 from pagedkv.core.verify.invariants import admission_violations, check_invariants
 from tests.core.sm_decode_rules import IDS, DecodeRules
 from tests.core.test_state_machine import check_history

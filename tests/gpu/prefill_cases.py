@@ -15,7 +15,7 @@ import time
 import torch
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, KVMetadata, Phase, RowMetadata
-from pagedkv.core.metadata import segments_of, slots_of
+from pagedkv.core.outputs.metadata import segments_of, slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend
 from pagedkv.shell.worker import Worker
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 from pagedkv.core import RequestSpec, RowSpec, admit, commit_many, initial_state, publish
-from pagedkv.core.metadata import slots_of
+from pagedkv.core.outputs.metadata import slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend
 from pagedkv.shell.rank import attention_layers, build_rank, plan_rank, size_pool
 

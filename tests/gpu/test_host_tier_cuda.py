@@ -10,7 +10,7 @@ import torch
 
 pytestmark = pytest.mark.cuda
 
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded  # noqa: E402
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded  # noqa: E402
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402

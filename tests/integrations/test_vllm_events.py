@@ -171,9 +171,9 @@ def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
     """A tiny random Llama through the engine with prefix caching: the events it hands on, replayed into an
     index of (group, hash), end with the core's own prefix cache; over ZMQ they arrive as vLLM batches."""
     pytest.importorskip("zmq", reason="publishing needs pyzmq (pip install 'pagedkv[vllm]')")
-    from pagedkv.core.events import AllBlocksCleared as Cleared
-    from pagedkv.core.events import BlockRemoved as Removed
-    from pagedkv.core.events import BlockStored as Stored
+    from pagedkv.core.outputs.events import AllBlocksCleared as Cleared
+    from pagedkv.core.outputs.events import BlockRemoved as Removed
+    from pagedkv.core.outputs.events import BlockStored as Stored
     from pagedkv.models.gguf import LlamaConfig
     from pagedkv.models.llama import IdTokenizer, random_llama
     from pagedkv.shell.engine import Engine
@@ -233,7 +233,7 @@ TIER = CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_
 
 
 def tier_events() -> list[object]:
-    """A host tier of one block (core/host.py): a's third block evicted to it, then dropped for b's, then loaded
+    """A host tier of one block (core/store/host.py): a's third block evicted to it, then dropped for b's, then loaded
     back for c (b's prompt again): offloads, a removal from the tier, a load."""
     from pagedkv.core import release
 
@@ -249,7 +249,7 @@ def tier_events() -> list[object]:
 def test_the_host_tiers_events_go_out_as_vllms_cpu_tier_sends_them() -> None:
     """Against vLLM's own offloading connector events tracker where vLLM is installed: the same ``BlockStored`` and
     ``BlockRemoved`` (``medium="CPU"``, the hash and group alone), field for field; a load is announced by nobody."""
-    from pagedkv.core.events import BlockOffloaded, BlockOnloaded, HostBlockRemoved
+    from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, HostBlockRemoved
 
     core = tier_events()
     host = [e for e in core if isinstance(e, (BlockOffloaded, HostBlockRemoved))]

@@ -229,7 +229,7 @@ def test_each_align_mode_rule_is_needed(plant: str, monkeypatch: pytest.MonkeyPa
     a hit on a state cached this step waits a step; the lookup reports where the full groups' hit ends (the
     scheduler ends a prefill chunk there, so the state at the shared prefix is cached); the group allocates
     its last position only."""
-    from pagedkv.core.kinds import FullAttention, MambaAlign
+    from pagedkv.core.rules.kinds import FullAttention, MambaAlign
     from pagedkv.integrations.vllm import manager
 
     if plant == "no deferral":
@@ -315,7 +315,7 @@ def test_the_sha256_cbor_block_hash_is_vllms_for_any_ids(ids: list[int]) -> None
     import cbor2
     from vllm.utils.hashing import sha256_cbor
 
-    from pagedkv.core.hashing import hash_packed_cbor, root_hash
+    from pagedkv.core.rules.hashing import hash_packed_cbor, root_hash
 
     parent = root_hash("vllm-none-hash", "sha256_cbor")
     for extra in (None, ("lora-1", "salt")):

@@ -200,7 +200,7 @@ def test_ahead_of_tokens_pagedkv_decides_as_vllms_own_step_by_step(name: str) ->
 
 def test_a_scheduler_class_that_does_not_match_async_scheduling_is_refused() -> None:
     from pagedkv.integrations.vllm import PagedKVAsyncScheduler, PagedKVScheduler
-    from pagedkv.integrations.vllm.geometry import Unsupported
+    from pagedkv.integrations.vllm.version import Unsupported
 
     with pytest.raises(Unsupported, match="PagedKVAsyncScheduler"):
         make_scheduler(PagedKVScheduler, 40, Layout(), async_scheduling=True)

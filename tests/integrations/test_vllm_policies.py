@@ -188,7 +188,7 @@ def test_the_checker_explores_each_policy(cfg: CheckConfig) -> None:
 
 def test_the_schedule_caching_point_caches_planned_blocks_and_a_failed_step_takes_them_back() -> None:
     from pagedkv.core import cache_ahead
-    from pagedkv.core.events import BlockRemoved
+    from pagedkv.core.outputs.events import BlockRemoved
 
     cfg = CacheConfig(block_size=2, num_blocks=20, enable_prefix_caching=True, caching_point="schedule")
     toks = [0, 1, 0, 1, 1, 0, 1, 1]
@@ -311,7 +311,7 @@ def test_cache_duplicates_keeps_every_block_of_a_content_as_vllm() -> None:
 def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planted bug: evicting one block of a content with duplicates leaves it listed under the content
     (lookups could then hand out a block whose KV is being overwritten): the model checker finds it."""
-    from pagedkv.core.index import PrefixIndexEdit
+    from pagedkv.core.store.index import PrefixIndexEdit
 
     real = PrefixIndexEdit.evict
 

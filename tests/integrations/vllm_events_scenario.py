@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, commit, initial_state
 from pagedkv.core import release, reset_prefix_cache
-from pagedkv.core.events import KVEvent
+from pagedkv.core.outputs.events import KVEvent
 
 CONFIG = CacheConfig(
     block_size=4,

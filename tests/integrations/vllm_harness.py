@@ -687,7 +687,7 @@ def drive_reading_state(scheduler: Any, workload: Workload) -> tuple[list[StepRe
 def rows_as_vllm_sees_them(scheduler: Any) -> int:
     """``manager.state``: each running request's row holds a slot for every position vLLM gave it, its known ids
     are vLLM's tokens (a prefix of them), and its blocks are the ones vLLM's scheduler holds; how many rows."""
-    from pagedkv.core.state import row_token_ids
+    from pagedkv.core.store.state import row_token_ids
 
     manager = scheduler.kv_cache_manager
     state = manager.state

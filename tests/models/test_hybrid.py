@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
 
-from pagedkv.core.kinds import GroupKind  # noqa: E402
-from pagedkv.core.state import request_blocks  # noqa: E402
+from pagedkv.core.rules.kinds import GroupKind  # noqa: E402
+from pagedkv.core.store.state import request_blocks  # noqa: E402
 from pagedkv.models.gguf import LlamaConfig  # noqa: E402
 from pagedkv.models.llama import IdTokenizer, Llama  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
 
 from pagedkv.core.config import InvalidConfig  # noqa: E402
-from pagedkv.core.kinds import GroupKind
+from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.models.hf import load_model  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pagedkv.shell.engine as engine_module
-from pagedkv.core.metadata import Phase
+from pagedkv.core.outputs.metadata import Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, on_output, sched_digest, schedule, submit
 from pagedkv.core.verify.trace import replay
 from pagedkv.core.verify.trace_ops import plan_json

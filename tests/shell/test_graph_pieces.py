@@ -5,7 +5,7 @@ GPU test (tests/gpu/test_triton.py) replays the pieces and compares tokens."""
 from __future__ import annotations
 
 from pagedkv.core import CacheConfig
-from pagedkv.core.metadata import KVMetadata, Phase
+from pagedkv.core.outputs.metadata import KVMetadata, Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, schedule, submit
 from pagedkv.shell.engine import FLAT_READS, graph_pieces
 
@@ -81,7 +81,7 @@ def decodes(meta: KVMetadata, n: int, seq_len: int) -> KVMetadata:
     """A decode snapshot of ``n`` rows of ``seq_len`` keys beside ``meta`` (its generation and epoch)."""
     from array import array
 
-    from pagedkv.core.metadata import DecodeRows
+    from pagedkv.core.outputs.metadata import DecodeRows
 
     rows = DecodeRows(tuple(f"d{i}" for i in range(n)), ((1,),) * n, array("q", [seq_len] * n), array("q", range(n)))
     return KVMetadata(meta.generation, meta.epoch, meta.block_size, Phase.DECODE, rows)

@@ -101,7 +101,7 @@ def test_batched_copies_mean_what_the_recorded_order_means() -> None:
     import torch
 
     from pagedkv.core import CacheConfig
-    from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+    from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
     from pagedkv.shell.host_pages import HostPages
     from pagedkv.shell.pool import PagePool
 
@@ -137,7 +137,7 @@ def test_a_slot_whose_store_failed_is_never_read() -> None:
     import torch
 
     from pagedkv.core import CacheConfig
-    from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+    from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
     from pagedkv.shell.errors import ShellError
     from pagedkv.shell.host_pages import HostPages
     from pagedkv.shell.pool import PagePool

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, KVMetadata, Phase, RowMetadata
-from pagedkv.core.metadata import segments_of, slots_of
+from pagedkv.core.outputs.metadata import segments_of, slots_of
 from pagedkv.shell.attention import LayerAttention, get_backend, run_segments, segment_calls
 from pagedkv.shell.errors import BackendUnavailable
 from pagedkv.shell.pool import PagePool

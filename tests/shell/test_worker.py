@@ -178,7 +178,7 @@ def test_token_rows_lay_a_causal_snapshot_out_one_query_token_a_row() -> None:
     """``install(meta, token_rows=True)``: each query token a decode row over its request's table (length its
     position + 1, its own slot), the core's snapshot kept as ``source``; over the buffers' token rows, or a row
     that is not one causal segment, is refused with nothing written."""
-    from pagedkv.core.metadata import Phase, Segment
+    from pagedkv.core.outputs.metadata import Phase, Segment
 
     s = admit(state_with_a(), RequestSpec("b", (RowSpec(3),))).unwrap().state
     meta = publish(s, ["a", "b"], "prefill").unwrap().effect

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 from returns.result import Success
 
-from pagedkv.core.admission import growing_refusal, refusal
+from pagedkv.core.rules.admission import growing_refusal, refusal
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, are_token_ids, invalid, is_request_id, shown
-from pagedkv.core.growth import Placeholders, append, append_decode, append_many
-from pagedkv.core.release import release
+from pagedkv.core.rules.growth import Placeholders, append, append_decode, append_many
+from pagedkv.core.rules.release import release
 from pagedkv.core.scheduler.lifecycle import Move
 from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState, request_blocks
+from pagedkv.core.store.state import KVState, request_blocks
 
 
 def drafts_problem(drafts: object) -> KVError | None:

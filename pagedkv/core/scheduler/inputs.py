@@ -7,7 +7,7 @@ from dataclasses import replace
 from pyrsistent import PDeque
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.caching import chain_of
+from pagedkv.core.rules.caching import chain_of
 from pagedkv.core.errors import (
     INT_ID_LIMIT,
     ErrorCode,
@@ -21,9 +21,9 @@ from pagedkv.core.errors import (
     is_seq,
     shown,
 )
-from pagedkv.core.hashing import BlockKeys
-from pagedkv.core.release import forget_host as core_forget_host
-from pagedkv.core.release import release
+from pagedkv.core.rules.hashing import BlockKeys
+from pagedkv.core.rules.release import forget_host as core_forget_host
+from pagedkv.core.rules.release import release
 from pagedkv.core.scheduler.lifecycle import Move, advance, moved
 from pagedkv.core.scheduler.records import SchedState, SeqRequest
 from pagedkv.core.spec import check_request_spec

@@ -9,14 +9,14 @@ from typing import Any
 from immutables import Map, MapMutation
 from pyrsistent import PDeque
 
-from pagedkv.core.effects import events_of
+from pagedkv.core.outputs.effects import events_of
 from pagedkv.core.errors import KVError, RequestId
-from pagedkv.core.events import KVEvent
-from pagedkv.core.release import release
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.rules.release import release
 from pagedkv.core.scheduler.lifecycle import FinishReason, Move, Stage, advance
 from pagedkv.core.scheduler.records import DiffusionRun, SchedState, SeqRequest
 from pagedkv.core.scheduler.tokens import TokenLog, TokenLogEdit
-from pagedkv.core.state import KVState, Step
+from pagedkv.core.store.state import KVState, Step
 
 
 class Planning:

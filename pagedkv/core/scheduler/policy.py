@@ -23,16 +23,16 @@ from dataclasses import replace
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.admission import admit
-from pagedkv.core.commit import cache_ahead
+from pagedkv.core.rules.admission import admit
+from pagedkv.core.rules.commit import cache_ahead
 from pagedkv.core.errors import ErrorCode, InvariantError, KVError, RequestId, invalid
-from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.prefix import find_hit
+from pagedkv.core.outputs.metadata import KVMetadata
+from pagedkv.core.rules.prefix import find_hit
 from pagedkv.core.scheduler.decodes import admission_refusal, decodes, drafts_problem, grow
 from pagedkv.core.scheduler.lifecycle import Move
 from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
-from pagedkv.core.snapshot import publish
+from pagedkv.core.outputs.snapshot import publish
 from pagedkv.core.spec import RowSpec
 
 

@@ -11,12 +11,12 @@ from pyrsistent import PDeque, pdeque
 
 from pagedkv.core.config import CacheConfig, InvalidConfig
 from pagedkv.core.errors import KVError, RequestId, is_int, shown
-from pagedkv.core.events import KVEvent
-from pagedkv.core.metadata import KVMetadata
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.outputs.metadata import KVMetadata
 from pagedkv.core.scheduler.lifecycle import FinishReason, Stage
 from pagedkv.core.scheduler.tokens import TokenLog
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, initial_state
+from pagedkv.core.store.state import KVState, initial_state
 
 
 @dataclass(frozen=True, slots=True)

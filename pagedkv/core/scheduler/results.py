@@ -9,17 +9,17 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.commit import commit_many
-from pagedkv.core.decode import commit_decode
-from pagedkv.core.effects import events_of
+from pagedkv.core.rules.commit import commit_many
+from pagedkv.core.rules.decode import commit_decode
+from pagedkv.core.outputs.effects import events_of
 from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
-from pagedkv.core.events import KVEvent
-from pagedkv.core.placeholders import fill_many, truncate_many
-from pagedkv.core.release import release_many
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.rules.placeholders import fill_many, truncate_many
+from pagedkv.core.rules.release import release_many
 from pagedkv.core.scheduler.inputs import ended
 from pagedkv.core.scheduler.lifecycle import FinishReason, Move, advance, moved
 from pagedkv.core.scheduler.records import SchedState
-from pagedkv.core.state import KVState, row_known
+from pagedkv.core.store.state import KVState, row_known
 
 
 def on_output(

@@ -26,14 +26,14 @@ from dataclasses import dataclass, replace
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.admission import admit, refusal
-from pagedkv.core.commit import commit
+from pagedkv.core.rules.admission import admit, refusal
+from pagedkv.core.rules.commit import commit
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_int, is_request_id, shown
-from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.release import release
-from pagedkv.core.snapshot import publish
+from pagedkv.core.outputs.metadata import KVMetadata
+from pagedkv.core.rules.release import release
+from pagedkv.core.outputs.snapshot import publish
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState
+from pagedkv.core.store.state import KVState
 
 
 @dataclass(frozen=True, slots=True)

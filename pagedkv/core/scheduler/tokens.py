@@ -16,8 +16,8 @@ from typing import Any
 from immutables import Map
 
 from pagedkv.core.errors import RequestId
-from pagedkv.core.tails import unpack_ids
-from pagedkv.core.vec import Vec, VecEdit
+from pagedkv.core.store.tails import unpack_ids
+from pagedkv.core.store.vec import Vec, VecEdit
 
 _SHIFT = 5
 _RECENT = 64 << 3  # bytes in ``recent`` before it moves to ``done``

@@ -13,19 +13,19 @@ from typing import Any
 
 from returns.result import Result
 
-from pagedkv.core.admission import admit, turn_away
-from pagedkv.core.commit import cache_ahead, commit
+from pagedkv.core.rules.admission import admit, turn_away
+from pagedkv.core.rules.commit import cache_ahead, commit
 from pagedkv.core.config import CacheConfig, GroupSpec
-from pagedkv.core.decode import decode_step
-from pagedkv.core.destination import mark_ready
+from pagedkv.core.rules.decode import decode_step
+from pagedkv.core.rules.destination import mark_ready
 from pagedkv.core.errors import KVError
-from pagedkv.core.growth import Placeholders, append
-from pagedkv.core.kinds import GroupKind
-from pagedkv.core.placeholders import fill, truncate
-from pagedkv.core.release import release, reset_prefix_cache
+from pagedkv.core.rules.growth import Placeholders, append
+from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.rules.placeholders import fill, truncate
+from pagedkv.core.rules.release import release, reset_prefix_cache
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, Step
-from pagedkv.core.tails import Awaiting
+from pagedkv.core.store.state import KVState, Step
+from pagedkv.core.store.tails import Awaiting
 from pagedkv.core.verify.record import keys_json, row_json
 
 

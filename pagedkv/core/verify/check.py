@@ -22,8 +22,8 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core.verify.invariants import admission_violations, check_invariants, copy_violations
-from pagedkv.core.state import KVState, free_queue, initial_state
-from pagedkv.core.effects import takes_generation
+from pagedkv.core.store.state import KVState, free_queue, initial_state
+from pagedkv.core.outputs.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
 from pagedkv.core.verify.record import end_event, policy_keys
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pagedkv.core.state import KVState, free_queue, row_token_ids
+from pagedkv.core.store.state import KVState, free_queue, row_token_ids
 
 
 def canonical(state: KVState) -> tuple[object, ...]:

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.core.config import GroupSpec
-from pagedkv.core.effects import events_of
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded
+from pagedkv.core.outputs.effects import events_of
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
 from pagedkv.core.errors import shown
-from pagedkv.core.kinds import GroupKind
-from pagedkv.core.prefix import find_hit
+from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.rules.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import KVState, Request
-from pagedkv.core.tails import Awaiting, known_ids
+from pagedkv.core.store.state import KVState, Request
+from pagedkv.core.store.tails import Awaiting, known_ids
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -276,7 +276,7 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
 
 
 def copy_violations(state: KVState, effect: Any) -> list[str]:
-    """A transition's host-tier copies (core/host.py) done in the order recorded, over what ``state`` held: each
+    """A transition's host-tier copies (core/store/host.py) done in the order recorded, over what ``state`` held: each
     store reads a device block that holds the content it names (cached under it, not loaded over earlier in the
     list), each load a slot that holds the content it names (the tier's entry, not written over earlier)."""
     device: dict[int, Any] = {}  # block -> content, as the copies so far left it

@@ -16,10 +16,10 @@ from typing import Any
 from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig, GroupSpec, InvalidConfig
-from pagedkv.core.effects import takes_generation
+from pagedkv.core.outputs.effects import takes_generation
 from pagedkv.core.errors import KVError, invalid, is_int, shown
 from pagedkv.core.scheduler import SchedState, SchedulerConfig, new_scheduler, sched_digest
-from pagedkv.core.state import KVState, initial_state
+from pagedkv.core.store.state import KVState, initial_state
 from pagedkv.core.verify.digest import digest
 from pagedkv.core.verify.invariants import admission_violations, check_invariants, copy_violations
 from pagedkv.core.scheduler import steps as dit_steps

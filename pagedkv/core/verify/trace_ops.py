@@ -8,20 +8,20 @@ from typing import Any
 
 from returns.result import Failure, Result
 
-from pagedkv.core.admission import admit, turn_away
-from pagedkv.core.commit import cache_ahead, commit
-from pagedkv.core.destination import mark_ready
-from pagedkv.core.effects import Admitted
+from pagedkv.core.rules.admission import admit, turn_away
+from pagedkv.core.rules.commit import cache_ahead, commit
+from pagedkv.core.rules.destination import mark_ready
+from pagedkv.core.outputs.effects import Admitted
 from pagedkv.core.errors import KVError, invalid, is_int, shown
-from pagedkv.core.growth import Placeholders, append
-from pagedkv.core.metadata import KVMetadata
-from pagedkv.core.placeholders import fill, truncate
-from pagedkv.core.release import forget_host, release, reset, reset_prefix_cache
+from pagedkv.core.rules.growth import Placeholders, append
+from pagedkv.core.outputs.metadata import KVMetadata
+from pagedkv.core.rules.placeholders import fill, truncate
+from pagedkv.core.rules.release import forget_host, release, reset, reset_prefix_cache
 from pagedkv.core.scheduler import SchedState, SeqRequest, StepPlan, cancel, on_output, on_tokens, schedule, submit
 from pagedkv.core.scheduler import forget_host as sched_forget_host
-from pagedkv.core.snapshot import publish
+from pagedkv.core.outputs.snapshot import publish
 from pagedkv.core.spec import RequestSpec, RowSpec
-from pagedkv.core.state import KVState, request_blocks
+from pagedkv.core.store.state import KVState, request_blocks
 
 OPS = (
     "admit",

@@ -18,15 +18,15 @@ from typing import Any, NamedTuple
 import msgspec
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.events import AllBlocksCleared as CoreCleared
-from pagedkv.core.events import BlockRemoved as CoreRemoved
-from pagedkv.core.events import BlockStored as CoreStored
-from pagedkv.core.events import BlockOffloaded, HostBlockRemoved
-from pagedkv.core.events import KVEvent
-from pagedkv.core.kinds import GroupKind
+from pagedkv.core.outputs.events import AllBlocksCleared as CoreCleared
+from pagedkv.core.outputs.events import BlockRemoved as CoreRemoved
+from pagedkv.core.outputs.events import BlockStored as CoreStored
+from pagedkv.core.outputs.events import BlockOffloaded, HostBlockRemoved
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.rules.kinds import GroupKind
 
 MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"  # the host tier's (core/host.py): as vLLM's offloading connector publishes its CPU tier
+MEDIUM_CPU = "CPU"  # the host tier's (core/store/host.py): as vLLM's offloading connector publishes its CPU tier
 SPEC_KIND = {
     GroupKind.FULL: "full_attention",
     GroupKind.SLIDING_WINDOW: "sliding_window",

@@ -9,19 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec
-from pagedkv.core.state import KVState
+from pagedkv.core.store.state import KVState
+from pagedkv.integrations.vllm.version import SUPPORTED, Unsupported, release
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for a cryptographic hash when PYTHONHASHSEED is unset
-
-
-class Unsupported(ValueError):
-    """A vLLM configuration pagedkv's manager does not serve (raised at construction, never mid-run)."""
 
 
 def vllm_modules() -> Any:
     """vLLM's modules the manager uses, or ``Unsupported`` where vLLM is not installed, or is a release the manager
     does not answer (``version.SUPPORTED``)."""
-    from pagedkv.integrations.vllm.version import SUPPORTED, release  # (it raises Unsupported for another release)
 
     try:
         release()

@@ -39,9 +39,10 @@ from pagedkv.core import (
     reset_prefix_cache,
 )
 from pagedkv.core.errors import ErrorCode, InvariantError, KVError
-from pagedkv.core.prefix import find_hit
-from pagedkv.core.state import KVState, row_known
-from pagedkv.integrations.vllm.geometry import Unsupported, translate, vllm_modules
+from pagedkv.core.rules.prefix import find_hit
+from pagedkv.core.store.state import KVState, row_known
+from pagedkv.integrations.vllm.geometry import translate, vllm_modules
+from pagedkv.integrations.vllm.version import Unsupported
 from pagedkv.integrations.vllm.requests import (
     RefusedRequest,
     block_keys,

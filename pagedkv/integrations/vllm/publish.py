@@ -28,7 +28,7 @@ import zmq
 
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.events import KVEvent
+from pagedkv.core.outputs.events import KVEvent
 from pagedkv.integrations.vllm.events import KVEventBatch, encode, to_vllm_batch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from pagedkv.core.hashing import Content, Key
+from pagedkv.core.rules.hashing import Content, Key
 from pagedkv.integrations.vllm import version
 from pagedkv.integrations.vllm.events import RequestFields
 

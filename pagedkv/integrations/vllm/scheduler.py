@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.integrations.vllm.geometry import Unsupported, vllm_modules
+from pagedkv.integrations.vllm.geometry import vllm_modules
+from pagedkv.integrations.vllm.version import Unsupported
 from pagedkv.integrations.vllm.manager import PagedKVCacheManager
 
 try:

@@ -16,13 +16,13 @@ import msgspec
 from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.effects import events_of
+from pagedkv.core.outputs.effects import events_of
 from pagedkv.core.errors import InvariantError, KVError
-from pagedkv.core.events import BlockStored
-from pagedkv.core.prefix import Hit
+from pagedkv.core.outputs.events import BlockStored
+from pagedkv.core.rules.prefix import Hit
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.hashing import BlockKeys
-from pagedkv.core.state import KVState
+from pagedkv.core.rules.hashing import BlockKeys
+from pagedkv.core.store.state import KVState
 from pagedkv.integrations.vllm.events import RequestFields, int64_hash, to_vllm
 from pagedkv.integrations.vllm.requests import event_fields
 

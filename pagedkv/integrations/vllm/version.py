@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from functools import cache
 
-from pagedkv.integrations.vllm.geometry import Unsupported
-
 SUPPORTED = ("0.33", "0.34")  # vLLM's minor releases the manager answers, oldest first
+
+
+class Unsupported(ValueError):
+    """A vLLM configuration, or release, pagedkv's manager does not serve (raised at construction, never mid-run)."""
 
 
 @cache

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ErrorCode, InvariantError
-from pagedkv.core.kinds import GroupKind
-from pagedkv.core.metadata import KVMetadata, Phase
+from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.outputs.metadata import KVMetadata, Phase
 from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch

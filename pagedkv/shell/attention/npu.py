@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.kinds import GroupKind
+from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core.metadata import Phase
+from pagedkv.core.outputs.metadata import Phase
 from pagedkv.shell.attention.base import AttentionBackend, LayerAttention
 from pagedkv.shell.pool import KVWrite
 from pagedkv.shell.worker import ForwardBatch

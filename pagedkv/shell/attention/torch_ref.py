@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedkv.core.kinds import GroupKind
+from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.shell.attention.base import LayerAttention, lowest_visible_key
 from pagedkv.shell.worker import ForwardBatch
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv.core.errors import ErrorCode
-from pagedkv.core.kinds import GroupKind
-from pagedkv.core.metadata import Phase
+from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.outputs.metadata import Phase
 from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch

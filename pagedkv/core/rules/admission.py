@@ -13,15 +13,15 @@ from typing import Any
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.pool as pool
-from pagedkv.core.effects import Admitted, TurnedAway
+import pagedkv.core.rules.pool as pool
+from pagedkv.core.outputs.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
-from pagedkv.core.hashing import BlockKeys
-from pagedkv.core.prefix import Hit, find_hit
+from pagedkv.core.rules.hashing import BlockKeys
+from pagedkv.core.rules.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
-from pagedkv.core.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
-from pagedkv.core.tails import as_tail, pack_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.store.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
+from pagedkv.core.store.tails import as_tail, pack_ids
+from pagedkv.core.store.txn import Txn
 
 
 def admit(

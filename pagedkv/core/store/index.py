@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pagedkv.core.errors import InvariantError
-from pagedkv.core.hashing import BlockHash, CacheKey
+from pagedkv.core.rules.hashing import BlockHash, CacheKey
 
 GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
 

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Sequence
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.commit import commit_each
-from pagedkv.core.effects import Decoded
+from pagedkv.core.rules.commit import commit_each
+from pagedkv.core.outputs.effects import Decoded
 from pagedkv.core.errors import KVError, RequestId
-from pagedkv.core.growth import decode_batch, grow_each
-from pagedkv.core.state import KVState, Step
-from pagedkv.core.txn import Txn
+from pagedkv.core.rules.growth import decode_batch, grow_each
+from pagedkv.core.store.state import KVState, Step
+from pagedkv.core.store.txn import Txn
 
 
 def commit_decode(state: KVState, request_ids: Iterable[RequestId]) -> Result[Step[Decoded], KVError]:

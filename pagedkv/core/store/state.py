@@ -32,14 +32,14 @@ from typing import Generic, TypeVar
 
 from immutables import Map
 
-from pagedkv.core.host import EMPTY_HOST, HostTier
+from pagedkv.core.store.host import EMPTY_HOST, HostTier
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import InvariantError, RequestId
-from pagedkv.core.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
-from pagedkv.core.index import PrefixIndex
+from pagedkv.core.rules.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
+from pagedkv.core.store.index import PrefixIndex
 from pagedkv.core.spec import Span
-from pagedkv.core.tails import known_ids, unpack_ids
-from pagedkv.core.vec import Vec
+from pagedkv.core.store.tails import known_ids, unpack_ids
+from pagedkv.core.store.vec import Vec
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
 Pending = tuple[int, frozenset[int]]  # (tokens [0, n) that arrive from elsewhere, block positions not ready)
@@ -148,7 +148,7 @@ class KVState:
     cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of which came from the cache
-    host: HostTier = EMPTY_HOST  # the prefix cache's host tier (empty unless config.host_blocks: core/host.py)
+    host: HostTier = EMPTY_HOST  # the prefix cache's host tier (empty unless config.host_blocks: core/store/host.py)
 
     @property
     def usage(self) -> float:

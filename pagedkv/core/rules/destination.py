@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from returns.result import Failure, Result, Success
 
-from pagedkv.core.effects import MarkedReady
+from pagedkv.core.outputs.effects import MarkedReady
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, invalid, is_int, is_request_id, shown
-from pagedkv.core.state import KVState, Step
-from pagedkv.core.txn import Txn
+from pagedkv.core.store.state import KVState, Step
+from pagedkv.core.store.txn import Txn
 
 
 def mark_ready(

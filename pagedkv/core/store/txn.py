@@ -15,11 +15,11 @@ from immutables import MapMutation
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, pairs_of, shown
-from pagedkv.core.events import KVEvent
-from pagedkv.core.host import HostEdit
-from pagedkv.core.index import PrefixIndex, PrefixIndexEdit
-from pagedkv.core.state import EMPTY_ROW, KVState, Request, Row, Step
-from pagedkv.core.vec import VecEdit
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.store.host import HostEdit
+from pagedkv.core.store.index import PrefixIndex, PrefixIndexEdit
+from pagedkv.core.store.state import EMPTY_ROW, KVState, Request, Row, Step
+from pagedkv.core.store.vec import VecEdit
 
 E = TypeVar("E")
 
@@ -82,7 +82,7 @@ class Txn:
     # -- the working copies, each opened on its first use ------------------------
     @property
     def host(self) -> HostEdit:
-        """The host tier's working copy (core/host.py)."""
+        """The host tier's working copy (core/store/host.py)."""
         if self._host is None:
             self._host = HostEdit(self.base.host)
         return self._host
@@ -160,7 +160,7 @@ class Txn:
         """The prefix index as this transition sees it, for reading: its edit, whose reads see its writes (an edit
         that never writes costs nothing: ``persistent`` then gives the old index back). Never the old state's
         index while this transition writes one: reading the old version in between rolls the store back and forth
-        (core/index.py)."""
+        (core/store/index.py)."""
         return self.index
 
     @property

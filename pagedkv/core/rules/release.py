@@ -13,16 +13,16 @@ from dataclasses import replace
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.pool as pool
-from pagedkv.core.caching import save_states
-from pagedkv.core.commit import forget_ahead
-from pagedkv.core.effects import HostForgotten, PrefixCacheReset, Released, ReleaseReason, WasReset
+import pagedkv.core.rules.pool as pool
+from pagedkv.core.rules.caching import save_states
+from pagedkv.core.rules.commit import forget_ahead
+from pagedkv.core.outputs.effects import HostForgotten, PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_int, is_request_id, shown
-from pagedkv.core.host import EMPTY_HOST
-from pagedkv.core.events import AllBlocksCleared, HostBlockRemoved, KVEvent
-from pagedkv.core.index import PrefixIndex
-from pagedkv.core.state import KVState, Request, Step, initial_state
-from pagedkv.core.txn import Txn
+from pagedkv.core.store.host import EMPTY_HOST
+from pagedkv.core.outputs.events import AllBlocksCleared, HostBlockRemoved, KVEvent
+from pagedkv.core.store.index import PrefixIndex
+from pagedkv.core.store.state import KVState, Request, Step, initial_state
+from pagedkv.core.store.txn import Txn
 
 
 def release(state: KVState, request_id: RequestId, reason: ReleaseReason | str) -> Result[Step[Released], KVError]:

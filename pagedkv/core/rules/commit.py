@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.pool as pool
-from pagedkv.core.effects import Committed
+import pagedkv.core.rules.pool as pool
+from pagedkv.core.outputs.effects import Committed
 from pagedkv.core.errors import (
     ErrorCode,
     GivenHashError,
@@ -26,9 +26,9 @@ from pagedkv.core.errors import (
     pairs_of,
     shown,
 )
-from pagedkv.core.caching import cache_full_blocks
-from pagedkv.core.state import SLOT_SHIFT, KVState, Request, Step
-from pagedkv.core.txn import Txn, each
+from pagedkv.core.rules.caching import cache_full_blocks
+from pagedkv.core.store.state import SLOT_SHIFT, KVState, Request, Step
+from pagedkv.core.store.txn import Txn, each
 
 
 def commit(state: KVState, request_id: RequestId, computed: Sequence[int]) -> Result[Step[Committed], KVError]:

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.pool as pool
-from pagedkv.core.effects import Appended
+import pagedkv.core.rules.pool as pool
+from pagedkv.core.outputs.effects import Appended
 from pagedkv.core.errors import (
     INT_ID_LIMIT,
     ErrorCode,
@@ -31,9 +31,9 @@ from pagedkv.core.errors import (
     pairs_of,
     shown,
 )
-from pagedkv.core.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
-from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.store.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
+from pagedkv.core.store.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
+from pagedkv.core.store.txn import Txn
 
 
 class Placeholders(NamedTuple):

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from returns.result import Failure, Result, Success
 
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, shown
-from pagedkv.core.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, segments_of, slots_of
-from pagedkv.core.state import NO_PENDING, SLOT_SHIFT, KVState, Request, Step
+from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata, Segment, segments_of, slots_of
+from pagedkv.core.store.state import NO_PENDING, SLOT_SHIFT, KVState, Request, Step
 
 
 def publish(

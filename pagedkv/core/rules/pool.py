@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.core.errors import InvariantError
-from pagedkv.core.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
-from pagedkv.core.hashing import BlockHash
-from pagedkv.core.state import Request
-from pagedkv.core.txn import Txn
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.rules.hashing import BlockHash
+from pagedkv.core.store.state import Request
+from pagedkv.core.store.txn import Txn
 
 
 def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
@@ -44,7 +44,7 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     events = txn.events if txn.config.kv_events else None
     for x in out:
         own(x >> sh)[x & m] = 1
-        if tier:  # (a cached block's bytes kept in the host tier before anything overwrites them: core/host.py)
+        if tier:  # (a cached block's bytes kept in the host tier before anything overwrites them: core/store/host.py)
             key = index.key_of(x)
             if key is not None:
                 offload(txn, key[0], key[1], x)

@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.core.errors import GivenHashError, InvariantError
-from pagedkv.core.hashing import BlockHash, BlockKeys
-from pagedkv.core.index import PrefixIndex
-from pagedkv.core.kinds import Cached
-from pagedkv.core.metadata import segments_of
+from pagedkv.core.rules.hashing import BlockHash, BlockKeys
+from pagedkv.core.store.index import PrefixIndex
+from pagedkv.core.rules.kinds import Cached
+from pagedkv.core.outputs.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
-from pagedkv.core.state import KVState
-from pagedkv.core.tails import pack_ids
+from pagedkv.core.store.state import KVState
+from pagedkv.core.store.tails import pack_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class Hit:
     ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
     full_blocks: int = 0  # the full-attention groups' hit alone, before window and state groups cut it back
     # per row, how many of its hit blocks are on the device (the rest are in the host tier, loaded into fresh
-    # blocks at admission: core/host.py); empty: all of them
+    # blocks at admission: core/store/host.py); empty: all of them
     on_device: tuple[int, ...] = ()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from immutables import Map, MapMutation
 
-from pagedkv.core.hashing import BlockHash
+from pagedkv.core.rules.hashing import BlockHash
 
 Key = tuple[int, BlockHash]  # (group, chain hash)
 

@@ -1,6 +1,6 @@
 """The metadata snapshot the core hands the shell for one forward (its contract: docs/core.md, "The metadata snapshot").
 
-Immutable, small, picklable; no tensors. ``core.snapshot.publish`` builds it and takes no
+Immutable, small, picklable; no tensors. ``core.outputs.snapshot.publish`` builds it and takes no
 generation: the snapshot carries the latest one, which is what a worker checks.
 """
 
@@ -15,7 +15,7 @@ from typing import overload
 
 from pagedkv.core.errors import RequestId, shown
 from pagedkv.core.spec import Span
-from pagedkv.core.state import Blocks
+from pagedkv.core.store.state import Blocks
 
 
 class Phase(StrEnum):

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 
 from returns.result import Failure, Result, Success
 
-import pagedkv.core.pool as pool
-from pagedkv.core.caching import caches, hash_full_blocks
-from pagedkv.core.effects import Filled, Truncated
+import pagedkv.core.rules.pool as pool
+from pagedkv.core.rules.caching import caches, hash_full_blocks
+from pagedkv.core.outputs.effects import Filled, Truncated
 from pagedkv.core.errors import (
     InvariantError,
     KVError,
@@ -29,9 +29,9 @@ from pagedkv.core.errors import (
     pairs_of,
     shown,
 )
-from pagedkv.core.state import SLOT_SHIFT, KVState, Row, Step
-from pagedkv.core.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
-from pagedkv.core.txn import Txn, each
+from pagedkv.core.store.state import SLOT_SHIFT, KVState, Row, Step
+from pagedkv.core.store.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
+from pagedkv.core.store.txn import Txn, each
 
 
 def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -> Result[Step[Filled], KVError]:
@@ -39,7 +39,7 @@ def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -
     complete and that are computed enter the prefix cache.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state
-    >>> from pagedkv.core.growth import Placeholders, append
+    >>> from pagedkv.core.rules.growth import Placeholders, append
     >>> s = initial_state(CacheConfig(block_size=2, num_blocks=9, enable_prefix_caching=True))
     >>> s = admit(s, RequestSpec("a", (RowSpec.of_tokens([1]),))).unwrap().state
     >>> s = append(s, "a", [Placeholders(2)]).unwrap().state      # two positions, ids unknown
@@ -148,7 +148,7 @@ def truncate(state: KVState, request_id: RequestId, lengths: Sequence[int]) -> R
     queue (tail first); a new generation when one went back.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
-    >>> from pagedkv.core.growth import append
+    >>> from pagedkv.core.rules.growth import append
     >>> s = initial_state(CacheConfig(block_size=2, num_blocks=9))
     >>> s = admit(s, RequestSpec("a", (RowSpec(2),))).unwrap().state
     >>> s = append(s, "a", [3]).unwrap().state                     # three drafts: positions 2, 3, 4

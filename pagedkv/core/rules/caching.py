@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import GivenHashError, InvariantError
-from pagedkv.core.events import BlockStored
-from pagedkv.core.hashing import BlockKeys
-from pagedkv.core.state import Request, Row
-from pagedkv.core.tails import known_ids, pack_ids, unpack_ids
-from pagedkv.core.txn import Txn
+from pagedkv.core.outputs.events import BlockStored
+from pagedkv.core.rules.hashing import BlockKeys
+from pagedkv.core.store.state import Request, Row
+from pagedkv.core.store.tails import known_ids, pack_ids, unpack_ids
+from pagedkv.core.store.txn import Txn
 
 
 def chain_of(config: CacheConfig, root: bytes, tokens: Sequence[int], keys: BlockKeys) -> tuple[bytes, ...]:
@@ -24,7 +24,7 @@ def chain_of(config: CacheConfig, root: bytes, tokens: Sequence[int], keys: Bloc
     once, never at each try. Empty under ``hash_lookahead`` (a block's hash waits for the ids after it).
 
     >>> from pagedkv.core import CacheConfig
-    >>> from pagedkv.core.hashing import NO_KEYS, hash_block, root_hash
+    >>> from pagedkv.core.rules.hashing import NO_KEYS, hash_block, root_hash
     >>> r = root_hash("pagedkv")
     >>> chain_of(CacheConfig(block_size=2, num_blocks=9), r, [5, 6, 7], NO_KEYS) == (hash_block(r, [5, 6], ()),)
     True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pagedkv.core.hashing import BlockHash
+from pagedkv.core.rules.hashing import BlockHash
 
 
 class BlockStored(NamedTuple):
@@ -38,7 +38,7 @@ class AllBlocksCleared(NamedTuple):
 
 
 class BlockOffloaded(NamedTuple):
-    """The host tier keeps an evicted block (core/host.py): copy device ``block_id`` to host ``host_slot`` before
+    """The host tier keeps an evicted block (core/store/host.py): copy device ``block_id`` to host ``host_slot`` before
     the step's forward. Recorded whenever the tier is on (an instruction to the shell, not only a report)."""
 
     block_hash: BlockHash

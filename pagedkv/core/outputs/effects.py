@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pagedkv.core.errors import RequestId
-from pagedkv.core.events import KVEvent
-from pagedkv.core.state import Blocks
+from pagedkv.core.outputs.events import KVEvent
+from pagedkv.core.store.state import Blocks
 
 
 class ReleaseReason(StrEnum):

@@ -1,0 +1,2 @@
+"""What the core hands out: the metadata snapshot and its types (``metadata``, ``snapshot``), each transition's
+effect (``effects``) and KV events (``events``)."""

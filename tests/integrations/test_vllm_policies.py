@@ -6,6 +6,7 @@ headers; the model checker and the caching state machine explore both."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -313,7 +314,7 @@ def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypa
     (lookups could then hand out a block whose KV is being overwritten): the model checker finds it."""
     from pagedkv.core.store.index import PrefixIndexEdit
 
-    real = PrefixIndexEdit.evict
+    real, real_many = PrefixIndexEdit.evict, PrefixIndexEdit.evict_many
 
     def evict(self: PrefixIndexEdit, block: int) -> object:
         key = self.key_of(block)
@@ -324,8 +325,18 @@ def test_the_checker_catches_an_eviction_that_leaves_a_duplicate_listed(monkeypa
             self.node._here().maps[gone[0]][gone[1]] = listed
         return gone
 
+    def evict_many(self: PrefixIndexEdit, blocks: Any) -> Any:
+        listed = {b: self.blocks_of(k) for b in blocks if (k := self.key_of(b)) is not None}
+        gone = real_many(self, blocks)
+        for b, g, h in gone:  # (the same bug in the batch)
+            if len(listed[b]) > 1:
+                assert self.node is not None
+                self.node._here().maps[g][h] = listed[b]
+        return gone
+
     cfg = CheckConfig(usable_blocks=4, requests=2, window=None, max_model_len=4, duplicates=True)
     monkeypatch.setattr(PrefixIndexEdit, "evict", evict)
+    monkeypatch.setattr(PrefixIndexEdit, "evict_many", evict_many)
     result = check(cfg)
     assert result.violation and "does not carry it" in result.violation[0]
     monkeypatch.undo()

@@ -38,19 +38,23 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     nxt[0] = b
     txn.prv[b] = 0
     txn.free_blocks -= k
-    own = txn.refcount.own
-    index = txn.index
-    tier = txn.config.host_blocks
-    events = txn.events if txn.config.kv_events else None
+    counts = txn.refcount.own_many({x >> sh for x in out})
     for x in out:
-        own(x >> sh)[x & m] = 1
-        if tier:  # (a cached block's bytes kept in the host tier before anything overwrites them: core/store/host.py)
+        counts[x >> sh][x & m] = 1
+    index = txn.index
+    events = txn.events if txn.config.kv_events else None
+    if txn.config.host_blocks:  # (a cached block's bytes kept in the host tier before anything overwrites them:
+        for x in out:  # core/store/host.py; its events and the eviction's, block by block)
             key = index.key_of(x)
             if key is not None:
                 offload(txn, key[0], key[1], x)
-        gone = index.evict(x)  # (a cached one leaves the index; others pass)
-        if gone is not None and events is not None:
-            events.append(BlockRemoved(gone[1], gone[0], x))
+            gone = index.evict(x)
+            if gone is not None and events is not None:
+                events.append(BlockRemoved(gone[1], gone[0], x))
+        return tuple(out)
+    evicted = index.evict_many(out)  # (the cached ones leave the index, in order)
+    if evicted and events is not None:
+        events.extend(BlockRemoved(h, g, x) for x, g, h in evicted)
     return tuple(out)
 
 
@@ -72,7 +76,11 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     counts = refcount.own_many({b >> sh for b in blocks})
     vllm = txn.config.free_queue != "tail"  # ("vllm", "vllm-omni": vLLM's block pool either way)
-    cached = txn.cache_view().is_cached if vllm and txn.config.enable_prefix_caching else None
+    revs = txn.index.reverse_maps() if vllm and txn.config.enable_prefix_caching else None
+    rev0 = revs[0] if revs is not None and len(revs) == 1 else None
+    cached = (
+        None if revs is None else rev0.__contains__ if rev0 is not None else (lambda b: any(b in r for r in revs))
+    )  # (a block cached in any group goes to the tail)
     tail: list[int] = []
     head: list[int] = []
     for b in blocks:

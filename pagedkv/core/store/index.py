@@ -30,7 +30,7 @@ then answers lookups); every cached block keeps its reverse entry and counts in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagedkv.core.errors import InvariantError
@@ -260,6 +260,47 @@ class PrefixIndexEdit:
             if h is not None:
                 return g, h
         return None
+
+    def reverse_maps(self) -> list[dict[int, bytes]]:
+        """Each group's block -> hash map as the edit sees it, for a loop that only reads them (``b in maps[g]``:
+        is block b cached there) while nothing writes the index."""
+        node = self.node
+        return (self.base if node is None else node)._here().revs
+
+    def evict_many(self, blocks: Sequence[int]) -> list[tuple[int, int, BlockHash]]:
+        """``evict`` of each of ``blocks`` in order, in one pass: (block, group, hash) of those that were cached."""
+        node = self.node
+        store = (self.base if node is None else node)._here()
+        revs, maps = store.revs, store.maps
+        gone: list[tuple[int, int, BlockHash]] = []
+        log = None
+        touched = self.touched
+        for block in blocks:
+            for g, rev in enumerate(revs):
+                h = rev.get(block)
+                if h is not None:
+                    break
+            else:
+                continue
+            if log is None:
+                log = self._writable()[1] if self.node is None else self.base._diff
+            entries = maps[g]
+            cur = entries[h]
+            if (~g, block) not in touched:
+                touched.add((~g, block))
+                log.append((~g, block, h))  # type: ignore[union-attr]
+            if (g, h) not in touched:
+                touched.add((g, h))
+                log.append((g, h, cur))  # type: ignore[union-attr]
+            del rev[block]
+            if type(cur) is tuple:  # a key with duplicates keeps the others, in order
+                rest = tuple(b for b in cur if b != block)
+                entries[h] = rest[0] if len(rest) == 1 else rest
+            else:
+                del entries[h]
+            gone.append((block, g, h))
+        self.size -= len(gone)
+        return gone
 
     def set(self, key: CacheKey, block: int) -> None:
         """Cache ``block`` under ``key`` (neither is in the index yet)."""

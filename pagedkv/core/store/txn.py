@@ -17,7 +17,7 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_request_id, is_seq, pairs_of, shown
 from pagedkv.core.outputs.events import KVEvent
 from pagedkv.core.store.host import HostEdit
-from pagedkv.core.store.index import PrefixIndex, PrefixIndexEdit
+from pagedkv.core.store.index import PrefixIndexEdit
 from pagedkv.core.store.state import EMPTY_ROW, KVState, Request, Row, Step
 from pagedkv.core.store.vec import VecEdit
 
@@ -155,13 +155,6 @@ class Txn:
         if self._requests is None:
             self._requests = self.base.requests.mutate()
         return self._requests
-
-    def cache_view(self) -> PrefixIndexEdit:
-        """The prefix index as this transition sees it, for reading: its edit, whose reads see its writes (an edit
-        that never writes costs nothing: ``persistent`` then gives the old index back). Never the old state's
-        index while this transition writes one: reading the old version in between rolls the store back and forth
-        (core/store/index.py)."""
-        return self.index
 
     @property
     def index(self) -> PrefixIndexEdit:

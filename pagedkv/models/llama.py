@@ -109,6 +109,14 @@ class Llama:
         config, sd, tok_meta = load_gguf(smollm2_path())
         return cls(config, sd, **kw), tok_meta  # type: ignore[arg-type]
 
+    @property
+    def matmul_params(self) -> int:
+        """The matrix parameters one token's forward multiplies by (every layer's projections, this shard's; the
+        LM head counted where a token's logits are taken): 2x this is its FLOPs, what decides whether a forward is
+        bound by the device or by the host's launches (``Engine``'s choice of layout)."""
+        names = ("qkv", "o", "gate_up", "down")
+        return sum(t.numel() for L in self.layers for k, t in L.items() if k in names)
+
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         """What this instance's layers keep in pages (a shard: its KV heads), for ``plan_rank``."""
         c = self.config

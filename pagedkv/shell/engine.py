@@ -58,6 +58,17 @@ from pagedkv.shell.speculative import Speculation, SpeculativeConfig
 from pagedkv.shell.transfer import to_device
 
 FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (Engine._token_rows)
+# A prefill forward laid out one token a row replays a captured graph (no launches from the host) but reads every
+# token's whole prefix through the decode kernel: it pays where the forward is bound by the host's launches (a small
+# model), and costs where the device's matrix work is (bench/gpu_real.py, Llama-8B shapes on an H100: 9.13 s overlapped
+# with every prefill forward so laid out, 7.62 eagerly). A forward is laid out so while its tokens' matrix products
+# take less than an eager forward's launches: a layer's ~25 kernels at ~4 us each, at a matrix rate a Hopper reaches.
+# Overlapped, the host launches while the device runs the step before, so a quarter of that is what launches cost
+# (Llama-1B shapes on the H100: 4.88 s overlapped with every prefill forward of 512 tokens so laid out, 4.10 eagerly;
+# plain, 5.37 against 6.57).
+LAUNCH_S_A_LAYER = 100e-6
+OVERLAPPED_LAUNCH_SHARE = 0.25
+MATRIX_FLOPS = 600e12
 
 __all__ = ["Engine", "graph_pieces", "ride_along"]
 
@@ -206,6 +217,8 @@ class Engine:
         self.requests: dict[RequestId, Live] = {}  # live requests (waiting or running in the scheduler)
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any a live request holds
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
+        self.launch_bound = self._launch_bound_tokens(model, args.async_scheduling)  # (the most tokens a forward's
+        # launches outweigh)
         self.graphs: GraphDecoder | None = None
         if args.graphs_for(model, self.backend):
             rows = max(args.max_num_seqs, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
@@ -615,10 +628,31 @@ class Engine:
         return out  # type: ignore[no-any-return]
 
     def _pieces(self, meta: KVMetadata, verify: bool) -> list[KVMetadata]:
-        """The forwards ``meta`` runs as: itself, or (a prefill forward with graphs captured) ``graph_pieces``."""
-        if verify or self.graphs is None or meta.phase is not Phase.PREFILL:
+        """The forwards ``meta`` runs as: itself, or (a prefill forward with graphs captured, a model whose forwards
+        of a graph's tokens are bound by the host's launches) ``graph_pieces``: a model whose matrix work outweighs
+        its launches pays for every piece's reading of its weights."""
+        if verify or self.graphs is None or meta.phase is not Phase.PREFILL or self.launch_bound < self._graph_rows():
             return [meta]
         return graph_pieces(meta, self._graph_rows())
+
+    @staticmethod
+    def _launch_bound_tokens(model: Any, overlapped: bool = False) -> int:
+        """The most tokens whose matrix products take less device time than an eager forward's launches
+        (``LAUNCH_S_A_LAYER``, a share of it ``overlapped``, ``MATRIX_FLOPS``): a prefill forward of at most that many
+        is laid out one token a row and replayed. A model that does not say its parameters: no bound (every forward a
+        graph holds).
+
+        >>> class Shape:  # (Llama-8B's layers: 6.98 G matrix parameters a token)
+        ...     matmul_params, layers = 6_979_321_856, [None] * 32
+        >>> Engine._launch_bound_tokens(Shape()), Engine._launch_bound_tokens(Shape(), overlapped=True)
+        (137, 34)
+        """
+        params = getattr(model, "matmul_params", None)
+        layers = len(getattr(model, "layers", ()))
+        if not isinstance(params, int) or params <= 0 or not layers:
+            return 1 << 62
+        launch = LAUNCH_S_A_LAYER * (OVERLAPPED_LAUNCH_SHARE if overlapped else 1.0)
+        return max(1, int(launch * layers * MATRIX_FLOPS / (2 * params)))
 
     def _graph_rows(self) -> int:
         """The most token rows one graph replay takes (0 without graphs)."""
@@ -627,8 +661,9 @@ class Engine:
 
     def _flat_rows(self) -> int:
         """The most query tokens a prefill forward laid out one a row takes (verify steps aside): the buffers' token
-        rows in batch-invariant mode (every such forward is), else a graph replay's."""
-        return self.worker.token_rows if self.args.batch_invariant else self._graph_rows()
+        rows in batch-invariant mode (every such forward is), else a graph replay's, while the model's matrix work
+        for them stays under an eager forward's launches (``launch_bound``)."""
+        return self.worker.token_rows if self.args.batch_invariant else min(self._graph_rows(), self.launch_bound)
 
     def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
         """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A

@@ -1,0 +1,231 @@
+"""Real-size models offline, beside another tree in the same call (issue 63): a Llama of the given shape (random init,
+built on the GPU with transformers in bf16, its config read by pagedkv's checkpoint reader), the prompts vLLM's side
+serves bit for bit (../shared/vllm_gpu/prompts.py: ``make_prompts(n, 0, vocab)``, median 150 tokens) x ``--new``
+tokens each, greedy, no early stop, one ``generate`` call, without and with overlapped scheduling, against the matrix
+products' floor (``--tflops``). Each tree (``--trees name=PATH``: this one, the last release tag's, a suspect commit's
+checked out beside it) runs in a process of its own with PYTHONPATH at that tree, alternating over ``--repeats``; a
+tree that knows them also runs the variants named by ``--variants``, each with one of the engine's recent choices
+turned off (where the 8B regression of issue 63 hides):
+
+- ``default``: the engine as it ships;
+- ``eager-prefill``: prefill forwards never laid out one token a row through the decode kernel and its graphs (the
+  varlen prefill kernel, launched eagerly, as before c2422c8);
+- ``no-cap``: no 512-token cap on a prompt's chunk a step (``long_prefill_token_threshold`` 0, as before f91b4fe);
+- ``no-ride``: decode rows never ride in a prompt's forward (as before d0d92cc);
+- ``none``: all three off.
+
+    python bench/gpu_real.py --shape llama-8b --trees main=.,dca3de6=.devold/dca3de6 --variants default,none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPES = {  # transformers LlamaConfig fields
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "llama-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
+    ),
+    "llama-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
+}
+VOCAB = 128_256
+
+
+def build(shape: str, device: str) -> tuple[Any, int, int]:
+    """The model (pagedkv's Llama over transformers' random weights), its layers' matrix parameters a token, the LM
+    head's."""
+    import torch
+    import transformers
+
+    from pagedkv.models.hf import hf_config
+    from pagedkv.models.llama import Llama
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, **SHAPES[shape]
+    )
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.config.architectures = ["LlamaForCausalLM"]
+        hf.config.save_pretrained(d)
+        _, ours, _ = hf_config(d)
+    sd = dict(hf.state_dict())
+    model = Llama(ours, sd, dtype=torch.bfloat16, device=device)  # type: ignore[arg-type]
+    del hf, sd
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    layer = sum(p.numel() for L in model.layers for k, p in L.items() if k in ("qkv", "o", "gate_up", "down"))
+    return model, layer, model.lm_head.numel()
+
+
+def variant(name: str) -> Any:
+    """Turn off what ``name`` says (a context of monkeypatches on this tree's engine); what a tree lacks is None."""
+    import contextlib
+
+    import pagedkv.shell.engine as E
+    from pagedkv.shell.engine_args import EngineArgs
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        saved: list[tuple[Any, str, Any]] = []
+
+        def put(obj: Any, attr: str, value: Any) -> None:
+            saved.append((obj, attr, getattr(obj, attr)))
+            setattr(obj, attr, value)
+
+        if name in ("eager-prefill", "none"):
+            real = E.Engine._token_rows
+            put(
+                E.Engine,
+                "_token_rows",
+                lambda self, meta, verifying: real(self, meta, verifying) if verifying else False,
+            )
+            put(E.Engine, "_pieces", lambda self, meta, verify: [meta])
+        if name in ("no-cap", "none"):
+            put(EngineArgs, "prefill_chunk_cap", lambda self, model, backend: 0)
+        if name in ("no-ride", "none"):
+            put(E, "ride_along", lambda forwards, most: [(f, None) for f in forwards])
+        try:
+            yield
+        finally:
+            for obj, attr, value in reversed(saved):
+                setattr(obj, attr, value)
+
+    needs = {"eager-prefill": "_token_rows", "no-cap": "prefill_chunk_cap", "no-ride": "ride_along"}
+    have = {"_token_rows": hasattr(E.Engine, "_token_rows"), "prefill_chunk_cap": hasattr(EngineArgs, "prefill_chunk_cap"),
+            "ride_along": hasattr(E, "ride_along")}  # fmt: skip
+    if name == "default":
+        return contextlib.nullcontext()
+    if name == "none":
+        return patched() if all(have.values()) else None
+    return patched() if have[needs[name]] else None
+
+
+def child(args: argparse.Namespace) -> None:
+    """One tree's runs, in this process: the model built once, each variant plain and overlapped."""
+    import torch
+
+    for where in (args.prompts_dir, os.path.join(HERE, "..", "..", "shared", "vllm_gpu"), ".vw2/tools"):
+        if where and os.path.exists(os.path.join(where, "prompts.py")):
+            sys.path.insert(0, os.path.abspath(where))
+            break
+    from prompts import make_prompts, prompts_digest  # (../shared/vllm_gpu's: the ids vLLM's side serves)
+
+    from pagedkv.models.llama import IdTokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    if args.checkpoint:  # (vLLM's side's checkpoint, ../shared/vllm_gpu/bench_vllm.py: the same weights, its vocab)
+        from pagedkv.models.hf import load_model
+
+        model = load_model(args.checkpoint, dtype="bfloat16", device=args.device)[0]
+        names = ("qkv", "o", "gate_up", "down")
+        layer = sum(p.numel() for L in model.layers for k, p in L.items() if k in names)
+        head = model.lm_head.numel()
+    else:
+        model, layer, head = build(args.shape, args.device)
+    vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    built = time.perf_counter() - t0
+    ids = make_prompts(args.prompts, 0, vocab)
+    params = SamplingParams(max_tokens=args.new)  # (IdTokenizer has no stop ids: every request runs to max_tokens)
+    reqs = [("", p, params) for p in ids]
+    ptoks, new = sum(map(len, ids)), args.prompts * args.new
+    floor = (2 * layer * (ptoks + new) + 2 * head * new) / (args.tflops * 1e12)
+    out: dict[str, Any] = {"built_s": built, "floor_s": floor, "digest": prompts_digest(ids), "prompt_tokens": ptoks,
+                           "new_tokens": new, "runs": {},
+                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "CPU"}  # fmt: skip
+    for name in args.variants.split(","):
+        ctx = variant(name)
+        if ctx is None:
+            continue
+        with ctx:
+            for overlap in (False, True):
+                eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
+                             enable_prefix_caching=False, async_scheduling=overlap)  # fmt: skip
+                eng.generate(reqs[:8])  # (warm: first calls' set-up)
+                sync()
+                t = time.perf_counter()
+                done = eng.generate(reqs)
+                sync()
+                dt = time.perf_counter() - t
+                assert all(len(c.token_ids) == args.new for c in done)
+                out["runs"][f"{name}/{'overlap' if overlap else 'plain'}"] = {"s": dt, "steps": eng.stats.steps}
+                print(f"{name} {'overlap' if overlap else 'plain'}: {dt:.2f} s", file=sys.stderr, flush=True)
+                del eng, done
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--trees", default="main=.", help="name=PATH,... (each tree run with PYTHONPATH=PATH)")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--tflops", type=float, default=790.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (--shape tiny)")
+    ap.add_argument("--checkpoint", help="a checkpoint directory to serve instead of --shape's random model")
+    ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    trees = [t.split("=", 1) for t in args.trees.split(",")]
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for r in range(args.repeats):
+        for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            variants = args.variants if name == trees[0][0] else "default"
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:], "--variants", variants]
+            if args.prompts_dir:
+                cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path))
+            sys.stderr.write(done.stderr[-2000:])
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name} failed:\n{done.stdout[-2000:]}", file=sys.stderr)
+                continue
+            results[name].append(json.loads(line[7:]))
+    first = next(x for xs in results.values() for x in xs)
+    what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"{args.shape} shapes, random init"
+    print(f"\n{first['gpu']}; {what}, bf16; {args.prompts} prompts ({first['prompt_tokens']} "
+          f"tokens, digest {first['digest']}) x {args.new} new; max_num_seqs {args.max_num_seqs}, budget {args.budget}; "
+          f"floor {first['floor_s']:.2f} s\n")  # fmt: skip
+    print(
+        "| tree | variant | plain s | tok/s | overlapped s | tok/s | overlapped / floor |\n|---|---|---:|---:|---:|---:|---:|"
+    )
+    for name, xs in results.items():
+        for v in dict.fromkeys(k.split("/")[0] for x in xs for k in x["runs"]):
+            p = sorted(x["runs"][f"{v}/plain"]["s"] for x in xs if f"{v}/plain" in x["runs"])
+            o = sorted(x["runs"][f"{v}/overlap"]["s"] for x in xs if f"{v}/overlap" in x["runs"])
+            pm, om = p[len(p) // 2], o[len(o) // 2]
+            new = first["new_tokens"]
+            print(f"| {name} | {v} | {pm:.2f} | {new / pm:,.0f} | {om:.2f} | {new / om:,.0f} | "
+                  f"{om / first['floor_s']:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -89,7 +89,7 @@ def _count_gc(phase: str, info: dict[str, int]) -> None:
 
 def run_pagedkv(model: Llama, tok: Tokenizer, work: Workload, rows: int) -> int:
     eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=rows)
-    params = [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True) for _, new in work]
     gc.callbacks.append(_count_gc)
     try:
         done = eng.generate([(tok.decode(ids), ids, p) for (ids, _), p in zip(work, params)])

@@ -56,7 +56,7 @@ def main() -> None:
                 print(f"{name}: not run ({e})")
                 break
             t0 = time.perf_counter()
-            done = eng.generate([(t, i, SamplingParams(max_tokens=NEW)) for t, i in zip(texts, ids)])
+            done = eng.generate([(t, i, SamplingParams(temperature=0.0, max_tokens=NEW)) for t, i in zip(texts, ids)])
             runs[name] = [c.token_ids for c in done]
             print(
                 f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.graphs.replays) if eng.graphs else 'off'}"
@@ -99,10 +99,10 @@ def step_ms_engine(model: Any, tok: Tokenizer, backend: str, rows: int) -> tuple
     )
     ids = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(500)))[:480]
     eng.generate(
-        [("", ids[:8], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(2)]
+        [("", ids[:8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)) for _ in range(2)]
     )  # warm the eager prefill path
     eng.step_times = []
-    eng.generate([("", ids, SamplingParams(max_tokens=64, ignore_eos=True)) for _ in range(rows)])
+    eng.generate([("", ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)) for _ in range(rows)])
     full = [sec for n, p, sec in eng.step_times if n == rows and p == 0]
     pre = [sec for n, p, sec in eng.step_times if p > 0]
     med = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731

@@ -76,7 +76,7 @@ def prompts(tok: Tokenizer, n: int, new: int) -> list[tuple[str, list[int], Samp
     for _ in range(n):
         plen = min(max(int(rng.lognormvariate(5.0, 0.8)), 8), 1500)
         ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(plen)))[:plen]
-        out.append(("", ids, SamplingParams(max_tokens=new, ignore_eos=True)))
+        out.append(("", ids, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)))
     return out
 
 

@@ -81,7 +81,7 @@ def equality(tok: Tokenizer) -> list[str]:
     ):
         model, _ = Llama.smollm2(device="cuda", dtype=dtype)
         eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=4, cuda_graphs=graphs)
-        done = eng.generate([(t, i, SamplingParams(max_tokens=32)) for t, i in zip(texts, ids)])
+        done = eng.generate([(t, i, SamplingParams(temperature=0.0, max_tokens=32)) for t, i in zip(texts, ids)])
         runs[name] = [c.token_ids for c in done]
         lines.append(f"{name}: backend {eng.backend.name}, graphs {'captured' if eng.graphs else 'off'}")
     lines.append(f"fp32 graph path == transformers (4 prompts x 32 tokens): {runs['fp32 graphs'] == theirs}")
@@ -152,7 +152,7 @@ def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) ->
         max_num_batched_tokens=max(2048, 128 * min(b, 64)),
         **kw,
     )
-    eng.generate([("", i[:8], SamplingParams(max_tokens=4, ignore_eos=True)) for i in ids[:2]])
+    eng.generate([("", i[:8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)) for i in ids[:2]])
     return ids, eng
 
 
@@ -169,7 +169,7 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
         parts = Breakdown(eng) if breakdown else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        done = eng.generate([("", i, SamplingParams(max_tokens=new, ignore_eos=True)) for i in ids])
+        done = eng.generate([("", i, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)) for i in ids])
         torch.cuda.synchronize()
         ours = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
         full = [s for n, p, s in eng.step_times if n == b and p == 0]
@@ -203,7 +203,7 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
             def run(n: int) -> float:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                done = eng.generate([("", i, SamplingParams(max_tokens=n, ignore_eos=True)) for i in ids])
+                done = eng.generate([("", i, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for i in ids])
                 torch.cuda.synchronize()
                 outs[ahead] = [c.token_ids for c in done]
                 return time.perf_counter() - t0
@@ -235,7 +235,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
     eng = Engine(
         model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=budget, time_steps=True
     )
-    eng.generate([("", reqs[0][1][:16], SamplingParams(max_tokens=4, ignore_eos=True))])  # warm
+    eng.generate([("", reqs[0][1][:16], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])  # warm
     eng.step_times = []
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -257,7 +257,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
         while k < len(reqs) and reqs[k][0] <= now:
             rid = f"mix-{k}"
             arrive[rid] = t0 + reqs[k][0]
-            eng.add_request(rid, "", reqs[k][1], SamplingParams(max_tokens=reqs[k][2], ignore_eos=True))
+            eng.add_request(rid, "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True))
             k += 1
         if eng.has_unfinished():
             done += eng.step(on_token)

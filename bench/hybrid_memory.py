@@ -211,7 +211,7 @@ def part2(new: int, prompt_len: int) -> None:
             max_num_batched_tokens=64,
         )
         t0 = time.perf_counter()
-        (c,) = eng.generate([("p", prompt, SamplingParams(max_tokens=new))])
+        (c,) = eng.generate([("p", prompt, SamplingParams(temperature=0.0, max_tokens=new))])
         seconds = time.perf_counter() - t0
         usable = eng.cache.usable_blocks
         used = [usable - kv.free_blocks for kv in eng.kv_history or []]

@@ -42,7 +42,7 @@ def main() -> None:
     per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim
     per_token *= torch.finfo(model.dtype).bits // 8
     pool = args.preempting_pool or per_token * sum(len(p) + args.tokens for p in prompts) // 3
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0)
     print(
         f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s), {len(prompts)} chat prompts x "
         f"{args.tokens} greedy tokens (each with its logprob), the preempting pool {pool >> 10} KiB"

@@ -51,7 +51,7 @@ def accuracy(new: int) -> None:
             outs.append(model.forward(torch.tensor(p), batch, eng.pool, eng.backend, eng.layout)[0])
             eng.worker.remove([f"x{i}"])
         logits[dt] = outs
-        runs[dt] = [c.token_ids for c in eng.generate([("", p, SamplingParams(max_tokens=new)) for p in prompts])]
+        runs[dt] = [c.token_ids for c in eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=new)) for p in prompts])]
     print(
         f"SmolLM2-135M-Instruct, CPU, greedy, {new} tokens for each of {len(prompts)} chat questions; fp32 pages "
         "as the reference\n"
@@ -165,12 +165,12 @@ def engine_speed(batch: int = 256, new: int = 48) -> None:
             kv_cache_dtype=dt,
             time_steps=True,
         )
-        eng.generate([("", p[:8], SamplingParams(max_tokens=4)) for p in prompts[:2]])  # warm
+        eng.generate([("", p[:8], SamplingParams(temperature=0.0, max_tokens=4)) for p in prompts[:2]])  # warm
         best = 0.0
         for _ in range(2):
             eng.step_times = []
             t0 = time.perf_counter()
-            eng.generate([("", p, SamplingParams(max_tokens=new)) for p in prompts])
+            eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=new)) for p in prompts])
             best = max(best, batch * new / (time.perf_counter() - t0))
         steps = sorted(t for rows, pre, t in eng.step_times or [] if rows == batch and pre == 0)
         print(

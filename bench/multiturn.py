@@ -32,7 +32,7 @@ def serve(
 ) -> dict[str, float]:
     """``convs`` conversations of ``turns`` turns served together; the run's figures."""
     eng = Engine(model, tok, kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib)
-    params = SamplingParams(max_tokens=answer, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
     history: list[list[dict[str, str]]] = [[] for _ in range(convs)]
     turn = [0] * convs
     submitted: dict[str, float] = {}

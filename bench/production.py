@@ -109,7 +109,7 @@ def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace,
         while pending and pending[0][1][0] <= clock:
             i, (_, ids, out) = pending.pop(0)
             t0 = time.perf_counter()  # (the front end's Request hashes the prompt's blocks: intake, as submit's)
-            request = Request(f"r{i}", ids, SamplingParams(max_tokens=out, ignore_eos=True), None, block_hasher=hasher)
+            request = Request(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), None, block_hasher=hasher)
             sched.add_request(request)
             intake += time.perf_counter() - t0
         if not sched.has_requests():

@@ -63,7 +63,7 @@ def main() -> None:
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     qs = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?", "Count to five."]
     reqs = [
-        (t, tok.encode(t), SamplingParams(max_tokens=16))
+        (t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=16))
         for t in (tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs)
     ]
     print(f"SmolLM2, {len(qs)} requests x 16 tokens, gloo on this CPU (2 cores: ranks share them)")

@@ -100,7 +100,7 @@ def main() -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
     loop = EngineLoop(build, args.device, args.dtype, args.threads, kw, max_waiting=1024).start()
-    api = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams())
+    api = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams(temperature=0.0, max_tokens=64))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)

@@ -163,9 +163,9 @@ def main() -> None:
     off_s, off_tokens = float("nan"), 0
     if not args.skip_offline and not args.soak:
         offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
-        offline.generate([("", tok.encode(p), SamplingParams(max_tokens=4)) for p, _ in work[:4]])
+        offline.generate([("", tok.encode(p), SamplingParams(temperature=0.0, max_tokens=4)) for p, _ in work[:4]])
         t0 = time.perf_counter()
-        done = offline.generate([("", tok.encode(p), SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in work])
+        done = offline.generate([("", tok.encode(p), SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)) for p, o in work])
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         off_s = time.perf_counter() - t0
@@ -178,7 +178,7 @@ def main() -> None:
     del model
     loop = EngineLoop(build, args.device, args.dtype, args.threads, kw, max_waiting=1 << 16).start()
     engine_pid = loop.pid
-    app = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams()).app()
+    app = OpenAIServer(loop, "SmolLM2-135M-Instruct", defaults=SamplingParams(temperature=0.0, max_tokens=64)).app()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4096)

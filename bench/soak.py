@@ -57,7 +57,7 @@ def soak(model: object, requests: int, batch: int, window: int, trace_path: str 
         while served < requests:
             while sent < requests and len(eng.state.live) < batch:
                 prompt = [(sent * 7 + j) % 250 + 1 for j in range(6 + sent % 7)]
-                eng.add_request(f"r{sent}", "", prompt, SamplingParams(max_tokens=2 + sent % 3))
+                eng.add_request(f"r{sent}", "", prompt, SamplingParams(temperature=0.0, max_tokens=2 + sent % 3))
                 sent += 1
             before, t0 = collections[0], time.perf_counter()
             served += len(eng.step())

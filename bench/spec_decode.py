@@ -58,7 +58,7 @@ QUESTIONS = [
 def run(model: Llama, tok: Tokenizer, prompts: list[str], batch: int, spec: dict | None, new: int) -> dict:
     eng = Engine(model, tok, speculative_config=spec, max_num_seqs=max(batch, 1), kv_cache_memory_bytes=256 << 20)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    reqs = [(t, tok.encode(t), SamplingParams(max_tokens=new)) for t in texts]
+    reqs = [(t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=new)) for t in texts]
     gc0 = sum(g["collections"] for g in gc.get_stats())
     t0 = time.perf_counter()
     out = []

@@ -115,7 +115,7 @@ def step_seconds(model: Any, tok: Any, batch: int, prompt_len: int, tokens: int,
         time_steps=True,
     )
     prompts = [[1 + (i * 7 + j) % 500 for j in range(prompt_len)] for i in range(batch)]
-    eng.generate([("", p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts])
+    eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)) for p in prompts])
     times = eng.step_times or []
     decode = [s for rows, prefill, s in times if prefill == 0 and rows == batch]
     prefill = [s for _, prefill, s in times if prefill > 0]

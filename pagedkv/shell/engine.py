@@ -225,6 +225,7 @@ class Engine:
             self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
+        self._longest: int | None = None  # longest_request(), once a max_tokens=None asks it
         self.outcomes = Outcomes(
             tokenizer, None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
         )
@@ -254,7 +255,9 @@ class Engine:
             self._add(rid, prompt, prompt_ids, params)
 
     def _add(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Live:
-        req = SeqRequest(rid, tuple(prompt_ids), max_tokens=getattr(params, "max_tokens", 0))
+        params = self._checked(rid, params)  # (a checked copy: later changes to the caller's params reach nothing)
+        prompt_ids = self._kept(params, prompt_ids)
+        req = SeqRequest(rid, tuple(prompt_ids), max_tokens=self._max_tokens(params, prompt_ids))
         self.state = self._submitted(self.state, req, params)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         live = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
@@ -263,14 +266,43 @@ class Engine:
         self.outcomes.record(lambda r: r.submit(req, self.state))
         return live
 
-    def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
-        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
-        sample with, or a token id the model's vocabulary does not have) and nothing changed."""
+    def _checked(self, rid: RequestId, params: SamplingParams) -> SamplingParams:
+        """A checked copy of ``params``, or ``ShellError`` (``INVALID``): sampling parameters it cannot sample with
+        (``params_problem``: the params may have been changed in place since they were built), or more than one
+        sequence (``n``: ``LLM.generate`` fans them out)."""
         problem = params_problem(params)
         if problem is None and params.n != 1:  # (LLM.generate fans n out into requests of one sequence each)
             problem = f"n={params.n}: a request here is one sequence (LLM.generate serves n of them a prompt)"
         if problem is not None:  # refused here, not by the step that would sample with it
-            raise refuse(ErrorCode.INVALID, f"request {shown(req.request_id)}: {problem}", request=req.request_id)
+            raise refuse(ErrorCode.INVALID, f"request {shown(rid)}: {problem}", request=rid)
+        return params.clone()
+
+    def _kept(self, params: SamplingParams, prompt_ids: list[int]) -> list[int]:
+        """The prompt's ids served: its last ``truncate_prompt_tokens`` (vLLM's; -1: as many as the longest request
+        holds), or all of them."""
+        keep = params.truncate_prompt_tokens
+        if keep is None or not isinstance(prompt_ids, (list, tuple)):
+            return prompt_ids
+        if keep == -1:
+            keep = self._longest_request()
+        return list(prompt_ids[-keep:]) if len(prompt_ids) > keep else prompt_ids
+
+    def _longest_request(self) -> int:
+        if self._longest is None:
+            self._longest = self.longest_request()
+        return self._longest
+
+    def _max_tokens(self, params: SamplingParams, prompt_ids: Sequence[int]) -> int:
+        """``max_tokens``, or (None, vLLM's) as many as the longest request leaves after the prompt (at least one: a
+        prompt of the whole length is refused by its length, not here)."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        return max(1, self._longest_request() - len(prompt_ids))
+
+    def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
+        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
+        sample with, or a token id the model's vocabulary does not have) and nothing changed."""
+        params = self._checked(req.request_id, params)
         vocab = self.model.config.vocab_size
         bad = next(
             (t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None
@@ -278,6 +310,8 @@ class Engine:
         where = "token id"
         if bad is None and params.logit_bias:
             bad, where = next((t for t in params.logit_bias if t >= vocab), None), "logit_bias' token id"
+        if bad is None and params.allowed_token_ids:
+            bad, where = next((t for t in params.allowed_token_ids if t >= vocab), None), "allowed_token_ids' id"
         if bad is not None:
             raise refuse(
                 ErrorCode.INVALID,
@@ -710,21 +744,25 @@ class Engine:
         self,
         prompts: Iterable[tuple[str, list[int], SamplingParams]],
         on_finish: Callable[[Completion], None] | None = None,
+        on_token: Callable[[RequestId, int], None] | None = None,
     ) -> list[Completion]:
         """Serve ``prompts`` (text, ids, params) to the end: their completions, in order (``on_finish`` is called
-        with each as it ends, and with any other request's the steps hand out). The requests are named
+        with each as it ends, and with any other request's the steps hand out; ``on_token`` with each token as
+        ``step``'s is). The requests are named
         ``req-N``, N counting up from the engine's last (a fresh engine: req-0, req-1, ... in order), skipping
         ids live requests hold; all of them are taken, or none (``ShellError``, the engine as it was)."""
         with self._entered("generate"):
             items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
             state = self.state
             for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
+                checked = self._checked(rid, params)
+                kept = self._kept(checked, ids)
                 state = self._submitted(
-                    state, SeqRequest(rid, tuple(ids), max_tokens=getattr(params, "max_tokens", 0)), params
+                    state, SeqRequest(rid, tuple(kept), max_tokens=self._max_tokens(checked, kept)), params
                 )
             lives = [self._add(rid, text, ids, params) for rid, text, ids, params in items]
             while self.has_unfinished():
-                for comp in self._step(None):
+                for comp in self._step(on_token):
                     if on_finish is not None:
                         on_finish(comp)
             return [x.completion for x in lives]

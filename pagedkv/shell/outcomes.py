@@ -202,8 +202,11 @@ class Outcomes:
         comp = live.completion
         try:
             p = live.params
+            if not p.detokenize:  # (vLLM's detokenize=False: the ids alone)
+                comp.text = ""
+                return
             comp.text = cut_at_stop(
-                self.tokenizer.decode(comp.token_ids),
+                self.tokenizer.decode(comp.token_ids, skip_special_tokens=p.skip_special_tokens),
                 cast("tuple[str, ...]", p.stop),
                 live.stop_from,
                 p.include_stop_str_in_output,

@@ -17,6 +17,7 @@ import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -31,52 +32,147 @@ MAX_LOGPROBS = 20  # the most top logprobs a token may ask (vLLM's max_logprobs 
 MAX_N = 256  # the most sequences a prompt may ask
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How a request samples, under vLLM's names and with vLLM's meaning (the defaults are pagedkv's: greedy, 64
-    tokens). ``stop`` takes a string or any sequence of strings (kept as a tuple); ``n`` sequences a prompt
-    (``LLM`` fans them out, the i-th seeded ``seed + i``; ``Engine.add_request`` takes one);
-    ``repetition_penalty`` (1: off) divides a positive logit and multiplies a negative one of every id in the
-    prompt or the output, ``presence_penalty`` and ``frequency_penalty`` (0: off, in [-2, 2]) subtract once a
-    present id and once an occurrence of the output's ids; ``min_tokens``: no stop (token or string) before that
-    many tokens; ``ignore_eos``: the end-of-sequence tokens do not end it (stop strings still do); ``logprobs``:
-    each generated token's logprob and those of the ``logprobs`` most likely ids, from the model's logits
-    (before penalties and temperature, vLLM's raw logprobs), on the completion; ``stop_token_ids``: ids that end
-    it besides the model's (kept in its tokens, ``stop_reason`` the id; held back before ``min_tokens``, and
-    ``ignore_eos`` leaves them stopping); ``include_stop_str_in_output``: the stop string that ended it stays
-    in its text; ``logit_bias``: ``{token id: bias}`` added to those ids' logits before anything else (OpenAI's
-    range, [-100, 100])."""
+class SamplingError(ValueError):
+    """A sampling parameter out of its range, or one pagedkv does not serve, refused when ``SamplingParams`` is built
+    (vLLM's ``VLLMValidationError``, which pagedkv also exports under that name: a ``ValueError``, so handlers written
+    for either of vLLM's error classes catch it). ``parameter`` names the field."""
 
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int | None = None  # per request: the same seed, the same tokens
-    stop: str | Sequence[str] | None = ()
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's: what ``LLM`` and a stream hand out of a request (pagedkv's ``LLM`` hands out the finished whole)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# vLLM's fields that pagedkv does not serve, each with the value that means it is not used: any other value is
+# refused by name when the params are built (docs/vllm-api.md says why each is not served)
+NOT_SERVED: dict[str, Any] = {
+    "prompt_logprobs": None,
+    "prompt_logprob_token_ids": None,
+    "prompt_logprob_start": None,
+    "logprob_token_ids": None,
+    "flat_logprobs": False,
+    "spaces_between_special_tokens": True,
+    "structured_outputs": None,
+    "extra_args": None,
+    "bad_words": None,
+    "skip_reading_prefix_cache": None,
+    "watermarking": None,
+    "thinking_token_budget": None,
+    "repetition_detection": None,
+    "routed_experts_prompt_start": 0,
+    "trace_decode_token_ids": None,
+    "output_text_buffer_length": 0,
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How a request samples: vLLM's ``SamplingParams``, its fields, defaults and meaning (``temperature`` 1.0,
+    ``max_tokens`` 16; ``max_tokens=None``: up to the model's length), checked when built (``SamplingError``) and
+    settable in place as vLLM's are (the engine takes a checked copy of them when a request is added).
+
+    ``stop`` takes a string or any sequence of strings; ``n`` sequences a prompt (``LLM`` fans them out, the i-th
+    seeded ``seed + i``; ``Engine.add_request`` takes one); ``repetition_penalty`` (1: off) divides a positive logit
+    and multiplies a negative one of every id in the prompt or the output, ``presence_penalty`` and
+    ``frequency_penalty`` (0: off, in [-2, 2]) subtract once a present id and once an occurrence of the output's
+    ids; ``top_k`` (0 or -1: off), ``top_p``, ``min_p`` (ids less likely than ``min_p`` times the likeliest are
+    dropped); ``min_tokens``: no stop (token or string) before that many tokens; ``ignore_eos``: the
+    end-of-sequence tokens do not end it (stop strings still do); ``logprobs``: each generated token's logprob and
+    those of the ``logprobs`` most likely ids, from the model's logits (before penalties and temperature, vLLM's raw
+    logprobs; -1: every id, as vLLM: refused past 20 here), on the completion; ``stop_token_ids``: ids that end it
+    besides the model's (kept in its tokens, ``stop_reason`` the id; held back before ``min_tokens``, and
+    ``ignore_eos`` leaves them stopping); ``include_stop_str_in_output``: the stop string that ended it stays in its
+    text; ``logit_bias``: ``{token id: bias}`` added to those ids' logits before anything else (OpenAI's range,
+    [-100, 100]); ``allowed_token_ids``: the only ids it may sample; ``detokenize`` False: no text, ids alone;
+    ``skip_special_tokens`` False: special tokens' text kept; ``truncate_prompt_tokens``: only the prompt's last k
+    tokens are served (-1: as many as the model's length takes; ``LLM``'s); ``output_kind``: vLLM's (``LLM`` hands
+    out finished requests: ``CUMULATIVE`` and ``FINAL_ONLY`` mean that there). The fields in ``NOT_SERVED`` are
+    refused by name unless they hold the value meaning they are not used.
+
+    >>> p = SamplingParams(max_tokens=8)
+    >>> p.temperature, p.max_tokens, p.stop
+    (1.0, 8, ())
+    >>> SamplingParams(top_p=0)
+    Traceback (most recent call last):
+    ...
+    pagedkv.shell.sampling.SamplingError: top_p must be a number in (0, 1], got 0
+    """
+
     n: int = 1
-    repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or vLLM's -1): off
+    min_p: float = 0.0
+    seed: int | None = None  # per request: the same seed, the same tokens
+    stop: str | Sequence[str] | None = ()
     stop_token_ids: Sequence[int] | None = ()
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: Any = None
     logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    extra_args: Mapping[str, Any] | None = None
+    bad_words: Sequence[str] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: Sequence[int] | None = None
+    flat_logprobs: bool = False
+    watermarking: Any = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: Sequence[int] | None = None
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
 
     def __post_init__(self) -> None:
         stop = self.stop
         if stop is None:
-            object.__setattr__(self, "stop", ())
+            self.stop = ()
         elif isinstance(stop, str):
-            object.__setattr__(self, "stop", (stop,))
+            self.stop = (stop,)
         elif isinstance(stop, Sequence) and not isinstance(stop, tuple):
-            object.__setattr__(self, "stop", tuple(stop))
+            self.stop = tuple(stop)
         ids = self.stop_token_ids
         if ids is None:
-            object.__setattr__(self, "stop_token_ids", ())
+            self.stop_token_ids = ()
         elif isinstance(ids, Sequence) and not isinstance(ids, (tuple, str)):
-            object.__setattr__(self, "stop_token_ids", tuple(ids))
+            self.stop_token_ids = tuple(ids)
+        if self.top_k == -1:  # (vLLM's other "off")
+            self.top_k = 0
+        allowed = self.allowed_token_ids
+        if isinstance(allowed, Sequence) and not isinstance(allowed, (tuple, str)):
+            self.allowed_token_ids = tuple(allowed)
+        problem = params_problem(self)
+        if problem is not None:
+            name = problem.split(" ", 1)[0]
+            raise SamplingError(problem, parameter=name, value=getattr(self, name, None))
+
+    def clone(self) -> SamplingParams:
+        """A checked copy (what the engine keeps of a request: later changes to these params do not reach it)."""
+        return replace(self)
 
     @property
     def penalized(self) -> bool:
@@ -94,16 +190,27 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
 
 
 def params_problem(params: object) -> str | None:
-    """What is wrong with ``params`` for the engine (a field it cannot sample with), or None.
+    """What is wrong with ``params`` for the engine (a field it cannot sample with), or None: what building them
+    refuses, and what the engine checks again when a request is added (they may have been set in place since).
 
-    >>> params_problem(SamplingParams(seed=2**70))
+    >>> p = SamplingParams()
+    >>> p.seed = 2**70
+    >>> params_problem(p)
     'seed must be an integer in [0, 2**63) or None, got 1180591620717411303424'
     """
     if not isinstance(params, SamplingParams):
         return f"sampling parameters must be SamplingParams, got {type(params).__name__}"
     p = params
+    for name, off in NOT_SERVED.items():
+        value = getattr(p, name)
+        if (value is not off) if off is None else (type(value) is not type(off) or value != off):
+            return f"{name} is not served by pagedkv (it must be {off!r}; docs/vllm-api.md)"
     checks = (
-        ("max_tokens", type(p.max_tokens) is int and 1 <= p.max_tokens < 1 << 63, "an integer in [1, 2**63)"),
+        (
+            "max_tokens",
+            p.max_tokens is None or (type(p.max_tokens) is int and 1 <= p.max_tokens < 1 << 63),
+            "an integer in [1, 2**63) or None",
+        ),
         (
             "temperature",
             isinstance(p.temperature, (int, float))
@@ -130,9 +237,42 @@ def params_problem(params: object) -> str | None:
         ("frequency_penalty", _number(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2, "a number in [-2, 2]"),
         (
             "min_tokens",
-            type(p.min_tokens) is int and 0 <= p.min_tokens <= p.max_tokens if type(p.max_tokens) is int else False,
+            type(p.min_tokens) is int and 0 <= p.min_tokens <= (p.max_tokens if type(p.max_tokens) is int else 1 << 63),
             "an integer in [0, max_tokens]",
         ),
+        ("min_p", _number(p.min_p) and 0 <= p.min_p <= 1, "a number in [0, 1]"),
+        ("detokenize", type(p.detokenize) is bool, "true or false"),
+        ("skip_special_tokens", type(p.skip_special_tokens) is bool, "true or false"),
+        (
+            "output_kind",
+            p.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
+            "CUMULATIVE or FINAL_ONLY (pagedkv's LLM hands out finished requests)",
+        ),
+        (
+            "truncate_prompt_tokens",
+            p.truncate_prompt_tokens is None
+            or (
+                type(p.truncate_prompt_tokens) is int
+                and p.truncate_prompt_tokens >= -1
+                and p.truncate_prompt_tokens != 0
+            ),
+            "an integer >= 1, -1 or None",
+        ),  # fmt: skip
+        (
+            "allowed_token_ids",
+            p.allowed_token_ids is None
+            or (
+                isinstance(p.allowed_token_ids, tuple)
+                and p.allowed_token_ids
+                and all(type(t) is int and 0 <= t < 1 << 31 for t in p.allowed_token_ids)
+            ),
+            "a non-empty sequence of token ids or None",
+        ),  # fmt: skip
+        (
+            "stream_interval",
+            p.stream_interval is None or (type(p.stream_interval) is int and p.stream_interval >= 1),
+            "an integer >= 1 or None",
+        ),  # fmt: skip
         ("ignore_eos", type(p.ignore_eos) is bool, "true or false"),
         (
             "logprobs",
@@ -223,7 +363,9 @@ def sample_batch(
     """Every row's token at once, on ``logits``' device: (rows,) int64. Row ``i`` samples with ``params[i]``,
     drawing the race noise of (``seeds[i]``, ``counters[i]``: the tokens its request drew before), after its
     penalties and ``min_tokens`` (``history``). No host sync."""
-    logits = _held_back(_penalized(_biased(logits, params), params, history), params, counters, history.stop_ids)
+    logits = _held_back(
+        _penalized(_allowed(_biased(logits, params), params), params, history), params, counters, history.stop_ids
+    )
     out = torch.argmax(logits, dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if not drawn:
@@ -233,6 +375,9 @@ def sample_batch(
     rows = to_device(drawn, torch.int64, dev)
     temps = to_device([p.temperature for p in ps], torch.float32, dev)
     probs = torch.softmax(logits[rows].float() / temps[:, None], dim=-1)
+    if any(p.min_p > 0 for p in ps):  # (vLLM's min_p: ids less likely than min_p times the likeliest dropped)
+        floor = to_device([p.min_p for p in ps], torch.float32, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
     noise = race_noise(
         to_device([seeds[i] for i in drawn], torch.int64, dev),
         to_device([counters[i] for i in drawn], torch.int64, dev),
@@ -269,6 +414,23 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
         to_device(list(bias), torch.float32, dev),
         accumulate=True,
     )
+    return out
+
+
+def _allowed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with every id outside a row's ``allowed_token_ids`` out of reach (the rows without them as they
+    are)."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+    for k, i in enumerate(rows):
+        ids = [t for t in params[i].allowed_token_ids or () if t < vocab]
+        keep[k, to_device(ids, torch.int64, dev)] = True
+    out = logits.clone()
+    where = to_device(rows, torch.int64, dev)
+    out[where] = torch.where(keep, out[where], torch.full_like(out[where], float("-inf")))
     return out
 
 

@@ -5,6 +5,7 @@ digest, and a page map that shows who holds what, what is shared and what was ev
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def prompt_files(tmp: Path) -> dict[str, str]:
         "empty": lines_of(tmp / "empty.jsonl", {"prompt": ""}),
         "binary": str(_write_bytes(tmp / "bin.jsonl", bytes(range(128, 256)) * 4)),
         "noprompt": lines_of(tmp / "noprompt.jsonl", {"text": "a"}),
-        "list": lines_of(tmp / "list.jsonl", ["a"]),
+        "trailing": lines_of(tmp / "trailing.jsonl", '{"prompt": "a"} and more'),  # (a line starting with {: JSON)
         "line3": lines_of(tmp / "line3.jsonl", {"prompt": "a"}, "", {"prompt": "b"}, '{"prompt": "c", oops}'),
         "digits": lines_of(tmp / "digits.jsonl", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
         "huge": lines_of(tmp / "huge.jsonl", {"prompt": "a", "max_tokens": 2**40}),
@@ -78,7 +79,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "--prompts", "{sys}"], '"system" must be a string, got 5'),
     (["generate", "--prompts", "{empty}"], 'line 1: "prompt" is empty'),
     (["generate", "--prompts", "{noprompt}"], '"prompt" must be a string'),
-    (["generate", "--prompts", "{list}"], "expected an object"),
+    (["generate", "--prompts", "{trailing}"], "trailing.jsonl line 1 column 17: Extra data"),
     (["generate", "--prompts", "{line3}"], "line3.jsonl line 4 column 17"),  # the file's line, blank ones counted
     (["generate", "--prompts", "{tmp}/missing.jsonl"], "cannot read"),
     (["generate", "--prompts", "/dev/zero"], "/dev/zero line 1 is longer than 64 MiB"),  # (issue 45: read unbounded)
@@ -194,7 +195,7 @@ def test_help_shows_defaults_and_every_option_has_help(capsys: pytest.CaptureFix
     from pagedkv.app.cli import _parsers
 
     parser, generate = _parsers()
-    for name in ("generate", "replay", "check", "denoise"):
+    for name in ("generate", "replay", "check", "denoise", "serve"):
         assert main([name, "--help"]) == 0
         text = capsys.readouterr().out
         assert "(default: None)" not in text
@@ -202,8 +203,11 @@ def test_help_shows_defaults_and_every_option_has_help(capsys: pytest.CaptureFix
             assert "(default: " in text
     sub = next(a for a in parser._actions if isinstance(a, app_args.argparse._SubParsersAction))
     for name, p in sub.choices.items():
+        formatter = p._get_formatter()
         for action in p._actions:
             assert action.help, f"pagedkv {name} {action.option_strings or action.dest} has no help"
+            said = (formatter._get_help_string(action) or "").replace("%(default)s", "")  # (stated once: issue 64)
+            assert len(re.findall(r"\bdefault\b", said)) <= 1, f"pagedkv {name} {action.option_strings}: {said}"
     assert "--max-tokens N" in generate.format_help() and "generation config's, else 64)" in generate.format_help()
     families = " ".join(generate.format_help().split())  # (every family served: models.hf.ARCHITECTURES)
     assert all(f in families for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma 3", "Bamba", "granite-4.0-h"))
@@ -221,10 +225,14 @@ def test_prompts_come_anywhere_and_from_standard_input(
     args = generate.parse_intermixed_args(["first", "--max-tokens", "3", "second", "--chat", "third"])
     assert args.prompt == ["first", "second", "third"] and args.max_tokens == 3 and args.chat
     args.prompts = "-"
-    stdin = io.TextIOWrapper(io.BytesIO(b'{"prompt": "fourth", "max_tokens": 5, "max_token": 9}\n\n'))  # (bytes below)
+    stdin = io.TextIOWrapper(  # (JSON Lines and plain lines of text mixed: a line a prompt; bytes below)
+        io.BytesIO(b'{"prompt": "fourth", "max_tokens": 5, "max_token": 9}\n\n  a plain line {x}\r\nlast')
+    )
     monkeypatch.setattr(sys, "stdin", stdin)
     items = read_items(args)
-    assert [(i["prompt"], i["max_tokens"]) for i in items] == [("first", 3), ("second", 3), ("third", 3), ("fourth", 5)]
+    assert [(i["prompt"], i["max_tokens"]) for i in items] == [
+        ("first", 3), ("second", 3), ("third", 3), ("fourth", 5), ("  a plain line {x}", 3), ("last", 3)
+    ]  # fmt: skip
     err = capsys.readouterr().err  # a typo is named, not silently dropped
     assert err == (
         "pagedkv generate: standard input line 1: ignoring 'max_token' (known keys: prompt, max_tokens, system)\n"
@@ -540,7 +548,7 @@ def test_a_trace_without_expect_fields_on_request(smollm2: tuple[Any, Any]) -> N
     for expect in (True, False):
         out = io.StringIO()
         eng = Engine(model, tok, trace=out, trace_expect=expect, kv_cache_memory_bytes=16 << 20)
-        eng.generate([("hi", tok.encode("hi"), SamplingParams(max_tokens=3))])
+        eng.generate([("hi", tok.encode("hi"), SamplingParams(temperature=0.0, max_tokens=3))])
         eng.finish_trace()
         rows = [json.loads(x) for x in out.getvalue().splitlines()[1:-1]]  # (the events: not the end record)
         assert all(("expect" in r) is expect for r in rows)
@@ -565,7 +573,7 @@ def test_vllm_policies_in_the_engine_keep_its_tokens(smollm2: tuple[Any, Any]) -
     runs = {}
     for policy in ({}, {"caching_point": "schedule", "free_queue": "vllm"}):
         eng = Engine(model, tok, kv_cache_memory_bytes=32 << 20, **policy)
-        done = eng.generate([(t, tok.encode(t), SamplingParams(max_tokens=8)) for t in texts])
+        done = eng.generate([(t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=8)) for t in texts])
         runs[bool(policy)] = ([c.token_ids for c in done], [c.cached_tokens for c in done])
     (plain_ids, plain_hits), (vllm_ids, vllm_hits) = runs[False], runs[True]
     assert vllm_ids == plain_ids

@@ -66,7 +66,7 @@ class Served:
             self.loop.start()
         http = {k: kw.pop(k) for k in ("max_connections", "timeout_keep_alive") if k in kw}
         http["read_timeout"] = kw.get("read_timeout", 30.0)
-        self.api = OpenAIServer(self.loop, NAME, defaults=SamplingParams(max_tokens=16), **kw)
+        self.api = OpenAIServer(self.loop, NAME, defaults=SamplingParams(temperature=0.0, max_tokens=16), **kw)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
@@ -123,7 +123,7 @@ def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
     client = served.client()
     prompt = "The three primary colors are"
     got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
-    want = engine_text(served, tok.encode(prompt), SamplingParams(max_tokens=20))
+    want = engine_text(served, tok.encode(prompt), SamplingParams(temperature=0.0, max_tokens=20))
     assert [c.text for c in got.choices] == want and got.usage.prompt_tokens == len(tok.encode(prompt))
     pieces = [
         c.choices[0].text
@@ -134,7 +134,9 @@ def test_greedy_text_is_the_engines_streamed_or_not(served: Served) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     ids = tok.encode(tok.apply_chat_template(messages))
-    assert chat.choices[0].message.content == engine_text(served, ids, SamplingParams(max_tokens=24))[0]
+    assert (
+        chat.choices[0].message.content == engine_text(served, ids, SamplingParams(temperature=0.0, max_tokens=24))[0]
+    )
     parts = [
         {
             "role": "user",
@@ -178,7 +180,7 @@ def test_n_seeded_sequences_and_stop_strings(served: Served) -> None:
             streamed[c.index] += c.text
     assert streamed == want
     stopped = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
-    plain = engine_text(served, tok.encode("1, 2, 3, 4,"), SamplingParams(max_tokens=30))[0]
+    plain = engine_text(served, tok.encode("1, 2, 3, 4,"), SamplingParams(temperature=0.0, max_tokens=30))[0]
     assert stopped.choices[0].finish_reason == "stop" and " 7" in plain
     assert stopped.choices[0].text == plain[: plain.index(" 7")]
     pieces = client.completions.create(
@@ -214,7 +216,7 @@ def test_a_client_gone_cancels_its_request_and_its_blocks_go_back(served: Served
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "logprobs": 2, "stream": True}, "logprobs"),  # (served, but not streamed)
         ({"prompt": [1, 2, 10**9]}, None),  # (an id outside the vocabulary: the engine's refusal)
     ],
 )
@@ -254,7 +256,12 @@ def test_a_full_queue_answers_503_with_a_retry_hint(smollm2: tuple[Any, dict[str
 
     loop = EngineLoop(build_engine, max_waiting=2, tokenizer=Tokenizer(smollm2[1]))  # type: ignore[arg-type]
     try:
-        loop.submit([Sequence(f"q{i}", [1, 2], SamplingParams(), asyncio.new_event_loop()) for i in range(2)])
+        loop.submit(
+            [
+                Sequence(f"q{i}", [1, 2], SamplingParams(temperature=0.0, max_tokens=64), asyncio.new_event_loop())
+                for i in range(2)
+            ]
+        )
         with TestClient(OpenAIServer(loop, NAME).app()) as http:
             r = http.post("/v1/completions", json={"prompt": "x"})
     finally:
@@ -625,3 +632,55 @@ def test_serve_refuses_to_start_when_the_pool_cannot_hold_max_model_len(capsys: 
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-model-len 8192 is more than the KV cache holds" in err[0], err
+
+
+def test_logprobs_in_openais_shapes_and_the_chat_template_fields(served: Served) -> None:
+    """Issue 64: the server refused ``logprobs``, which the library serves. Completions take ``logprobs: k``
+    (tokens, token_logprobs, top_logprobs, text_offset), chat ``logprobs: true`` with ``top_logprobs`` (content:
+    token, logprob, bytes, top_logprobs), each the engine's own logprobs; with ``stream`` they are a 400 naming
+    them; ``chat_template``, ``chat_template_kwargs`` and ``continue_final_message`` reach the template."""
+    ids = served.tok.encode("The sky is")
+    eng = Engine(served.model, served.tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+    own = eng.generate([("", ids, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))])[0]
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                         "logprobs": 2}, timeout=60).json()  # fmt: skip
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == [own.logprobs[i][t].decoded_token for i, t in enumerate(own.token_ids)]
+    own_values = [own.logprobs[i][t].logprob for i, t in enumerate(own.token_ids)]
+    assert lp["token_logprobs"] == pytest.approx(own_values, abs=1e-4)  # (another process's threads: float order)
+    assert all(len(top) == 2 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    client = served.client()
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # (greedy: its token is the likeliest)
+    for body, param in (
+        ({"prompt": "x", "logprobs": 2, "stream": True}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r2 = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+        assert r2.status_code == 400 and r2.json()["error"]["param"] == param, r2.text
+    template = "{% for m in messages %}<{{ m['role'] }}|{{ m['content'] }}>{% endfor %}{{ extra }}"
+    kept = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"extra": "!"},
+                    "add_generation_prompt": False},
+    )  # fmt: skip
+    prompt = "<user|Hi><assistant|Hello, I am>!"
+    assert kept.usage.prompt_tokens == len(served.tok.encode(prompt))
+    going = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"chat_template": template, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert going.usage.prompt_tokens == len(served.tok.encode("<user|Hi><assistant|Hello, I am"))

@@ -92,7 +92,7 @@ def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:
         pytest.skip(str(e))
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     texts = [prompt_text(tok, p, sys_) for p, sys_ in PROMPTS]
-    reqs = [(t, tok.encode(t), SamplingParams(max_tokens=24)) for t in texts]
+    reqs = [(t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=24)) for t in texts]
     runs = {}
     for backend, graphs in (("triton", True), ("flashinfer", False), ("flashinfer", True), ("triton+flashinfer", True)):
         eng = Engine(model, tok, backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20, cuda_graphs=graphs)
@@ -146,7 +146,7 @@ def test_an_engine_on_fp8_pages_runs_on_flashinfer_with_graphs() -> None:
 
     model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device="cuda")
     prompts = [
-        (f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(max_tokens=6)) for i in range(4)
+        (f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(temperature=0.0, max_tokens=6)) for i in range(4)
     ]
     eng = Engine(
         model, IdTokenizer(), backend="flashinfer", block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8"

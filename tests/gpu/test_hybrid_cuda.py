@@ -58,7 +58,7 @@ def test_the_defaults_on_cuda_run_the_hybrid_model_as_transformers_does(models: 
     ].window == WINDOW
     for prompt in prompts(1, 100, 1) + prompts(1, 37, 2):
         eng = engine(ours)
-        (c,) = eng.generate([("p", prompt, SamplingParams(max_tokens=40))])
+        (c,) = eng.generate([("p", prompt, SamplingParams(temperature=0.0, max_tokens=40))])
         assert c.token_ids == reference(hf, prompt, 40)
         assert eng.graphs is not None and eng.graphs.replays > 0  # decode ran from the graphs
 
@@ -70,7 +70,7 @@ def test_triton_and_graphs_equal_the_reference_batched_with_preemption_and_hits(
     runs = []
     for kw in ({}, {"backend": "torch", "cuda_graphs": False}):
         eng = engine(ours, kv_cache_memory_bytes=21 * 16384, max_num_batched_tokens=32, **kw)  # 20 blocks of 16
-        done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=30)) for i, p in enumerate(batch)])
+        done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=30)) for i, p in enumerate(batch)])
         runs.append(([c.token_ids for c in done], eng.stats.preemptions, [c.cached_tokens for c in done]))
     (fast, pre, cached), (ref, _, _) = runs
     assert fast == ref

@@ -23,7 +23,7 @@ def test_every_request_is_identical_to_alone_in_every_company(dtype: torch.dtype
     prompts = chat_prompts(tok, 48)
     c = model.config
     pool = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 48 * 100 // 3  # (a third of what 48 x ~100 need)
-    lines = table(model, tok, prompts, SamplingParams(max_tokens=64, ignore_eos=True, logprobs=0), pool,
+    lines = table(model, tok, prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0), pool,
                   batch_invariant=True)  # fmt: skip
     assert [line["identical"] for line in lines] == [48] * len(lines), lines
     assert any(line["preempted"] for line in lines)

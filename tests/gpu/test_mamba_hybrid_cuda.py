@@ -64,7 +64,7 @@ def reference(hf: Any, path: Path, batch: list[list[int]], new: int) -> list[lis
 
 def serve(model: HybridModel, batch: list[list[int]], new: int, **kw: Any) -> tuple[Engine, list[list[int]]]:
     eng = Engine(model, IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **kw)
-    done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=new)) for i, p in enumerate(batch)])
+    done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=new)) for i, p in enumerate(batch)])
     return eng, [c.token_ids for c in done]
 
 

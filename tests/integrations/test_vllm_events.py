@@ -200,7 +200,7 @@ def test_the_engine_hands_each_steps_events_to_a_publisher() -> None:
         on_kv_events=steps.append,
     )
     prompts = [list(range(1, 18)), list(range(1, 14)) + [40, 41], list(range(30, 52))]
-    eng.generate([(f"p{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts)])
+    eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompts)])
     index: dict[tuple[int, bytes], int] = {}
     for evs in steps:
         for e in evs:

@@ -390,7 +390,9 @@ def _managers(max_model_len: int = 32) -> tuple[Any, Any, Any]:
     hasher = get_request_block_hasher(16, sha256_cbor)
 
     def request(rid: str, tokens: list[int]) -> Any:
-        return Request(rid, tokens, SamplingParams(max_tokens=4), pooling_params=None, block_hasher=hasher)
+        return Request(
+            rid, tokens, SamplingParams(temperature=0.0, max_tokens=4), pooling_params=None, block_hasher=hasher
+        )
 
     return KVCacheManager(config, **kw), PagedKVCacheManager(config, hash_algo="sha256_cbor", **kw), request
 
@@ -466,7 +468,7 @@ def test_multimodal_lora_and_salted_requests_hash_as_vllms(algo: str, lookahead:
     request = Request(
         "mm",
         list(range(1, 101)),
-        SamplingParams(max_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=4),
         pooling_params=None,
         block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo), lookahead),
         mm_features=images,

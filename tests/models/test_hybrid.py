@@ -106,7 +106,7 @@ def test_one_request_at_a_time_past_the_window(models: tuple[Any, Llama]) -> Non
     hf, ours = models
     for prompt in prompts(1, 100, 1) + prompts(1, 37, 2) + prompts(1, 60, 3):
         eng = engine(ours)
-        (c,) = eng.generate([("p", prompt, SamplingParams(max_tokens=40))])
+        (c,) = eng.generate([("p", prompt, SamplingParams(temperature=0.0, max_tokens=40))])
         assert c.token_ids == reference(hf, prompt, 40)
         # the window group let blocks go mid-request: at most window / block size + 1 held, the full group all
         held = [_held(kv, 1) for kv in eng.kv_history or []]
@@ -127,7 +127,7 @@ def test_batched_with_preemption_chunked_prefill_and_prefix_hits(models: tuple[A
     shared = prompts(1, 48, 4)[0]
     batch = prompts(3, 20, 5, prefix=shared) + prompts(3, 50, 6)
     eng = engine(ours, kv_cache_memory_bytes=23 * 8192, max_num_batched_tokens=32)  # 22 usable blocks
-    done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=30)) for i, p in enumerate(batch)])
+    done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=30)) for i, p in enumerate(batch)])
     for p, c in zip(batch, done):
         assert c.token_ids == reference(hf, p, 30), c.request_id
     assert eng.stats.preemptions > 0
@@ -188,7 +188,7 @@ def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(
         eng = engine(
             ours, kv_cache_memory_bytes=33 * block_bytes, max_num_batched_tokens=32, grow_prefill=grow, trace=trace
         )
-        done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(batch)])
+        done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=20)) for i, p in enumerate(batch)])
         eng.finish_trace()
         outcome[grow] = [str(c.finish_reason) for c in done]
         if grow:

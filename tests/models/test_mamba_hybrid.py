@@ -127,11 +127,11 @@ def test_greedy_tokens_equal_transformers_batched_and_alone(checkpoint: tuple[An
     hf, model, tok, _ = checkpoint
     batch = prompts((70, 45, 9), 1)
     want = [reference(hf, p, 12) for p in batch]
-    got = engine(model, tok).generate([("", p, SamplingParams(max_tokens=12)) for p in batch])
+    got = engine(model, tok).generate([("", p, SamplingParams(temperature=0.0, max_tokens=12)) for p in batch])
     assert [c.token_ids for c in got] == want
     assert any(len(set(w)) > 4 for w in want)
     for p, w in zip(batch, want):
-        (c,) = engine(model, tok).generate([("", p, SamplingParams(max_tokens=12))])
+        (c,) = engine(model, tok).generate([("", p, SamplingParams(temperature=0.0, max_tokens=12))])
         assert c.token_ids == w
 
 
@@ -139,7 +139,7 @@ def test_chunked_prefill_carries_the_state_across_chunks(checkpoint: tuple[Any, 
     hf, model, tok, _ = checkpoint
     batch = prompts((70, 45), 2)
     eng = engine(model, tok, max_num_batched_tokens=24)  # 70 tokens in chunks of at most 24
-    got = eng.generate([("", p, SamplingParams(max_tokens=8)) for p in batch])
+    got = eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=8)) for p in batch])
     assert [c.token_ids for c in got] == [reference(hf, p, 8) for p in batch]
 
 
@@ -150,14 +150,16 @@ def test_a_prefix_hit_takes_the_saved_state_over(checkpoint: tuple[Any, ...]) ->
     hf, model, tok, _ = checkpoint
     (first,) = prompts((40,), 3)
     eng = engine(model, tok)
-    (a,) = eng.generate([("a", first, SamplingParams(max_tokens=9))])  # computes 40 + 8 = 48 tokens
+    (a,) = eng.generate([("a", first, SamplingParams(temperature=0.0, max_tokens=9))])  # computes 40 + 8 = 48 tokens
     (more,) = prompts((10,), 4)
     longer = first + a.token_ids[:8] + more
-    (b,) = eng.generate([("b", longer, SamplingParams(max_tokens=6))])
+    (b,) = eng.generate([("b", longer, SamplingParams(temperature=0.0, max_tokens=6))])
     assert b.cached_tokens == 48 and b.token_ids == reference(hf, longer, 6)
     eng = engine(model, tok)
-    eng.generate([("a", first, SamplingParams(max_tokens=8))])  # 47 computed: no state at a block's end
-    (c,) = eng.generate([("c", longer, SamplingParams(max_tokens=6))])
+    eng.generate(
+        [("a", first, SamplingParams(temperature=0.0, max_tokens=8))]
+    )  # 47 computed: no state at a block's end
+    (c,) = eng.generate([("c", longer, SamplingParams(temperature=0.0, max_tokens=6))])
     assert c.cached_tokens == 0 and c.token_ids == b.token_ids
 
 
@@ -166,7 +168,7 @@ def test_preemption_by_recompute_in_a_small_pool(checkpoint: tuple[Any, ...]) ->
     batch = prompts((50, 44, 38, 60), 5)
     # 20 usable blocks: each request holds its attention blocks and 3 state blocks, 4 of them do not fit
     eng = engine(model, tok, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=64)
-    got = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(batch)])
+    got = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=24)) for i, p in enumerate(batch)])
     assert eng.stats.preemptions > 0
     assert [c.token_ids for c in got] == [reference(hf, p, 24) for p in batch]
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks

@@ -26,7 +26,7 @@ def requests() -> list[tuple[str, list[int], SamplingParams]]:
     _, meta = Llama.smollm2()
     tok = Tokenizer(meta)  # type: ignore[arg-type]
     texts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    return [(t, tok.encode(t), SamplingParams(max_tokens=12)) for t in texts]
+    return [(t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=12)) for t in texts]
 
 
 @pytest.mark.slow

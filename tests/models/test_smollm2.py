@@ -103,7 +103,8 @@ def test_greedy_tokens_equal_transformers_one_at_a_time_and_batched_with_preempt
 ) -> None:
     _, tok = ours
     requests = [
-        (t, tok.encode(t), SamplingParams(max_tokens=NEW)) for t in (prompt_text(tok, p, s) for p, s in PROMPTS)
+        (t, tok.encode(t), SamplingParams(temperature=0.0, max_tokens=NEW))
+        for t in (prompt_text(tok, p, s) for p, s in PROMPTS)
     ]
     for req, ref in zip(requests, reference):
         (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate([req])
@@ -122,9 +123,9 @@ def test_a_cached_system_prompt_hits_and_gives_the_same_tokens(
     _, tok = ours
     e = engine(ours, kv_cache_memory_bytes=32 << 20)
     first = prompt_text(tok, "How many legs does a spider have?", SYSTEM)
-    e.generate([(first, tok.encode(first), SamplingParams(max_tokens=4))])
+    e.generate([(first, tok.encode(first), SamplingParams(temperature=0.0, max_tokens=4))])
     text = prompt_text(tok, *PROMPTS[1])
-    (c,) = e.generate([(text, tok.encode(text), SamplingParams(max_tokens=NEW))])
+    (c,) = e.generate([(text, tok.encode(text), SamplingParams(temperature=0.0, max_tokens=NEW))])
     assert c.cached_tokens >= 16 and e.state.kv.prefix_hits >= 16  # the shared system prompt's blocks
     assert c.token_ids == reference[1]
 
@@ -159,13 +160,13 @@ def test_llm_api_and_a_hugging_face_state_dict(hf: tuple[object, object], ours: 
 
     model, tok = ours
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    (r,) = LLM(model, tok, threads=1).chat(question, SamplingParams(max_tokens=12))
+    (r,) = LLM(model, tok, threads=1).chat(question, SamplingParams(temperature=0.0, max_tokens=12))
     (c,) = r.outputs
     assert c.text.strip() == "The capital of France is Paris."
     ref_model, _ = hf
     cfg = LlamaConfig.from_hf_config(ref_model.config.to_dict())  # type: ignore[attr-defined]
     from_hf = Llama(cfg, {k: v.detach() for k, v in ref_model.state_dict().items()})  # type: ignore[attr-defined]
-    (r2,) = LLM(from_hf, tok, threads=1).chat(question, SamplingParams(max_tokens=12))
+    (r2,) = LLM(from_hf, tok, threads=1).chat(question, SamplingParams(temperature=0.0, max_tokens=12))
     assert r2.outputs[0].token_ids == c.token_ids
 
 
@@ -177,12 +178,14 @@ def test_a_refused_request_leaves_the_engine_as_it_was(ours: tuple[Llama, Tokeni
     model, tok = ours
     eng = Engine(model, tok, kv_cache_memory_bytes=16 << 20)
     before = digest(eng.state.kv)
+    bad = SamplingParams(temperature=0.0, max_tokens=4)
+    bad.max_tokens = 0  # (refused when built; set in place, refused when added)
     with pytest.raises(ShellError, match="max_tokens"):
-        eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4)), ("b", [4], SamplingParams(max_tokens=0))])
+        eng.generate([("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4)), ("b", [4], bad)])
     assert not eng.requests and not eng.state.live and digest(eng.state.kv) == before
     with pytest.raises(ShellError, match="UNKNOWN_REQUEST|not"):
         eng.cancel("nobody")
-    (done,) = eng.generate([("a", [1, 2, 3], SamplingParams(max_tokens=4))])  # and it still serves
+    (done,) = eng.generate([("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))])  # and it still serves
     assert len(done.token_ids) == 4
 
 
@@ -200,7 +203,7 @@ def test_the_incremental_text_is_the_whole_decode(ours: tuple[Llama, Tokenizer],
         assert text.text == tok.decode(ids)
     eng = engine(ours)
     text = prompt_text(tok, *PROMPTS[0])
-    (c,) = eng.generate([(text, tok.encode(text), SamplingParams(max_tokens=NEW, stop=("Paris",)))])
+    (c,) = eng.generate([(text, tok.encode(text), SamplingParams(temperature=0.0, max_tokens=NEW, stop=("Paris",)))])
     assert c.finish_reason == "stop" and "Paris" not in c.text and "Paris" in tok.decode(c.token_ids)
 
 
@@ -217,13 +220,13 @@ def test_llm_takes_a_vllm_scripts_arguments(ours: tuple[Llama, Tokenizer], monke
     llm = LLM(model, tok)
     assert torch.get_num_threads() == 1  # (threads="auto": the idle CPUs, as `pagedkv generate --threads auto`)
     torch.set_num_threads(threads)
-    (one,) = llm.generate("Hello", SamplingParams(max_tokens=3))
+    (one,) = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=3))
     assert isinstance(one, RequestOutput) and one.prompt == "Hello" and len(one.outputs) == 1
     assert len(one.outputs[0].token_ids) == 3 and one.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="1 sampling params for 3 prompts"):
-        llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=2)])
-    assert len(llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=2)] * 3)) == 3
-    (ids,) = llm.generate({"prompt_token_ids": tok.encode("Hello")}, SamplingParams(max_tokens=3))
+        llm.generate(["a", "b", "c"], [SamplingParams(temperature=0.0, max_tokens=2)])
+    assert len(llm.generate(["a", "b", "c"], [SamplingParams(temperature=0.0, max_tokens=2)] * 3)) == 3
+    (ids,) = llm.generate({"prompt_token_ids": tok.encode("Hello")}, SamplingParams(temperature=0.0, max_tokens=3))
     assert ids.outputs[0].token_ids == one.outputs[0].token_ids
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
     (r,) = llm.generate("Once upon a time", params)
@@ -231,9 +234,13 @@ def test_llm_takes_a_vllm_scripts_arguments(ours: tuple[Llama, Tokenizer], monke
     for i, o in enumerate(r.outputs):  # vLLM's rule: the i-th of n draws with seed + i
         (alone,) = llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8))
         assert alone.outputs[0].token_ids == o.token_ids
-    (s,) = llm.generate("Count from one to ten: one, two, three,", SamplingParams(max_tokens=24, stop="six"))
+    (s,) = llm.generate(
+        "Count from one to ten: one, two, three,", SamplingParams(temperature=0.0, max_tokens=24, stop="six")
+    )
     assert s.outputs[0].finish_reason == "stop" and s.outputs[0].stop_reason == "six" and "six" not in s.outputs[0].text
-    assert llm.get_default_sampling_params() == SamplingParams()  # (the GGUF file has no generation_config.json)
+    assert (
+        llm.get_default_sampling_params() == SamplingParams()
+    )  # (the GGUF file has no generation_config.json: vLLM's)
 
 
 @pytest.mark.slow
@@ -248,11 +255,11 @@ def test_llm_chat_takes_a_system_prompt_and_earlier_turns(ours: tuple[Llama, Tok
         {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "And the capital of Italy?"},
     ]
-    (c,) = llm.chat(conv, SamplingParams(max_tokens=12))
+    (c,) = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=12))
     rendered = tok.apply_chat_template(conv)
     assert all(m["content"] in rendered for m in conv) and c.prompt == rendered
     assert c.prompt_token_ids == tok.encode(rendered) and "Rome" in c.outputs[0].text
-    both = llm.chat([conv, conv[:2]], SamplingParams(max_tokens=12))  # a batch of conversations
+    both = llm.chat([conv, conv[:2]], SamplingParams(temperature=0.0, max_tokens=12))  # a batch of conversations
     assert both[0].outputs[0].token_ids == c.outputs[0].token_ids and "Paris" in both[1].outputs[0].text
 
 
@@ -280,10 +287,12 @@ def test_repetition_penalty_and_logprobs_equal_transformers(
     want = gen.sequences[0, len(ids) :].tolist()
     raw = [torch.log_softmax(x[0].float(), -1) for x in gen.logits]
     (c,) = engine(ours, kv_cache_memory_bytes=16 << 20).generate(
-        [(text, ids, SamplingParams(max_tokens=NEW, repetition_penalty=1.3, logprobs=2))]
+        [(text, ids, SamplingParams(temperature=0.0, max_tokens=NEW, repetition_penalty=1.3, logprobs=2))]
     )
     assert c.token_ids == want
-    plain = engine(ours, kv_cache_memory_bytes=16 << 20).generate([(text, ids, SamplingParams(max_tokens=NEW))])[0]
+    plain = engine(ours, kv_cache_memory_bytes=16 << 20).generate(
+        [(text, ids, SamplingParams(temperature=0.0, max_tokens=NEW))]
+    )[0]
     assert plain.token_ids != want  # (the penalty changed them)
     got = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs or [])]
     assert got == pytest.approx([float(r[t]) for r, t in zip(raw, want)], abs=2e-3)

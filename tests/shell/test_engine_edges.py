@@ -36,7 +36,7 @@ def engine(model: Any, **kw: Any) -> Engine:
 
 def alone(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """The tokens a fresh engine gives ``prompt`` (greedy)."""
-    (c,) = engine(model).generate([("", prompt, SamplingParams(max_tokens=max_tokens))])
+    (c,) = engine(model).generate([("", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))])
     return c.token_ids
 
 
@@ -57,11 +57,11 @@ def test_an_id_cancelled_and_taken_again_at_once_starts_clean(model: Any, mode: 
     the first not the model's; and the cancelled completion was never handed out."""
     old, new = _prompts(2, seed=1)
     eng, out = engine(model, **mode), []
-    eng.add_request("x", "", old, SamplingParams(max_tokens=5))
+    eng.add_request("x", "", old, SamplingParams(temperature=0.0, max_tokens=5))
     for _ in range(3):
         out += eng.step()
     cancelled = eng.cancel("x")
-    eng.add_request("x", "", new, SamplingParams(max_tokens=5))
+    eng.add_request("x", "", new, SamplingParams(temperature=0.0, max_tokens=5))
     drain(eng, out)
     assert (
         cancelled.finish_reason == "cancelled"
@@ -78,12 +78,12 @@ def test_an_id_taken_again_before_its_last_id_is_read_hands_out_both_once(model:
     request's last token at its head."""
     old, new = _prompts(2, seed=3)
     eng, out = engine(model, **mode), []
-    eng.add_request("y", "", old, SamplingParams(max_tokens=2))
+    eng.add_request("y", "", old, SamplingParams(temperature=0.0, max_tokens=2))
     for _ in range(50):  # until the scheduler ended it (overlap: its last id still on the device)
         out += eng.step()
         if "y" not in eng.state.live:
             break
-    eng.add_request("y", "", new, SamplingParams(max_tokens=3))
+    eng.add_request("y", "", new, SamplingParams(temperature=0.0, max_tokens=3))
     drain(eng, out)
     assert [(c.token_ids, c.finish_reason) for c in out] == [
         (alone(model, old, 2), "length"),
@@ -102,10 +102,12 @@ def test_a_prompt_that_fills_the_pool_exactly_gives_its_token_and_ends_as_length
     eng = engine(replace_model(model, 4096), kv_cache_memory_bytes=1 << 16, **mode)
     n = 4 * eng.cache.usable_blocks
     prompt = [(7 * i) % 60 + 1 for i in range(n)]
-    (c,) = eng.generate([("", prompt, SamplingParams(max_tokens=5))])
+    (c,) = eng.generate([("", prompt, SamplingParams(temperature=0.0, max_tokens=5))])
     assert (c.finish_reason, len(c.token_ids), c.error) == ("length", 1, None) and c.text == str(c.token_ids[0])
     assert eng.stats.preemptions == 0
-    (over,) = eng.generate([("", prompt + [1], SamplingParams(max_tokens=5))])  # one more: refused before it runs
+    (over,) = eng.generate(
+        [("", prompt + [1], SamplingParams(temperature=0.0, max_tokens=5))]
+    )  # one more: refused before it runs
     assert over.finish_reason == "UNSCHEDULABLE" and over.token_ids == [] and "usable blocks" in (over.error or "")
     whole(eng)
 
@@ -120,8 +122,8 @@ def test_a_prompt_of_exactly_max_model_len_ends_as_length_with_its_text(model: A
     short = replace_model(model, 32)
     eng = engine(short, **mode)
     prompt = [(3 * i) % 60 + 1 for i in range(32)]
-    (c,) = eng.generate([("", prompt, SamplingParams(max_tokens=5))])
-    (ref,) = engine(short).generate([("", prompt, SamplingParams(max_tokens=5))])
+    (c,) = eng.generate([("", prompt, SamplingParams(temperature=0.0, max_tokens=5))])
+    (ref,) = engine(short).generate([("", prompt, SamplingParams(temperature=0.0, max_tokens=5))])
     assert type(c.finish_reason) is str and c.finish_reason == "length" and c.error is None
     assert c.token_ids == ref.token_ids and len(c.token_ids) == 1 and c.text == str(c.token_ids[0])
     whole(eng)
@@ -136,7 +138,7 @@ def test_an_engine_holds_its_live_requests_only(model: Any, mode: dict[str, Any]
     fresh = repr(sched_canonical(eng.state))
     prompts = _prompts(6, seed=9)
     for wave in range(20):
-        eng.generate([("", p, SamplingParams(max_tokens=3)) for p in prompts])
+        eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=3)) for p in prompts])
         if wave == 0:
             after_one = (len(eng.requests), len(eng.state.seqs), len(eng.state.log.slot_of))
     assert after_one == (0, 0, 0) and (len(eng.requests), len(eng.state.seqs), len(eng.state.log.slot_of)) == (0, 0, 0)
@@ -151,7 +153,7 @@ def test_a_second_thread_is_refused_at_once_and_the_first_finishes(model: Any) -
     in the other's loop. Now the second gets EngineBusy at once (nothing of it done), the first completes."""
     eng = engine(model)
     inside, release, results, errors = threading.Event(), threading.Event(), [], []
-    prompts = [("", p, SamplingParams(max_tokens=4)) for p in _prompts(3, seed=2)]
+    prompts = [("", p, SamplingParams(temperature=0.0, max_tokens=4)) for p in _prompts(3, seed=2)]
 
     def on_finish(_: Any) -> None:
         inside.set()
@@ -166,7 +168,7 @@ def test_a_second_thread_is_refused_at_once_and_the_first_finishes(model: Any) -
     for call in (
         lambda: eng.generate(prompts),
         lambda: eng.step(),
-        lambda: eng.add_request("z", "", [1, 2], SamplingParams()),
+        lambda: eng.add_request("z", "", [1, 2], SamplingParams(temperature=0.0, max_tokens=64)),
         lambda: eng.cancel("req-0"),
     ):
         with pytest.raises(EngineBusy, match="single-threaded"):
@@ -189,9 +191,9 @@ def test_a_callback_may_cancel_and_take_the_id_again_on_the_engine_thread(model:
         def on_token(rid: Any, tok: int) -> None:
             if rid == "x" and not given:
                 given.append(eng.cancel("x"))
-                eng.add_request("x", "", new, SamplingParams(max_tokens=4))
+                eng.add_request("x", "", new, SamplingParams(temperature=0.0, max_tokens=4))
 
-        eng.add_request("x", "", old, SamplingParams(max_tokens=4))
+        eng.add_request("x", "", old, SamplingParams(temperature=0.0, max_tokens=4))
         while eng.has_unfinished():
             out += eng.step(on_token)
         (cancelled,) = given
@@ -221,7 +223,9 @@ def test_a_fault_at_every_forward_hands_out_every_completion_once(model: Any, mo
     """A fault at each forward of a run that preempts and stops (overlap: with ids in flight; speculation: in
     verify steps): every request is handed out exactly once, one the fault did not end with exactly its
     fault-free tokens, one it ended with a prefix of them; nothing is left held."""
-    prompts = [(f"p{i}", p, SamplingParams(max_tokens=6 + i % 5)) for i, p in enumerate(_prompts(7, seed=12))]
+    prompts = [
+        (f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6 + i % 5)) for i, p in enumerate(_prompts(7, seed=12))
+    ]
     kw = dict(
         kv_cache_memory_bytes=28 << 10, max_num_seqs=4, max_num_batched_tokens=32, **mode
     )  # (14 blocks: it preempts)

@@ -35,14 +35,17 @@ def test_requests_that_reach_max_model_len_end_as_length_and_give_their_rows_bac
     """Issue 17, defect 1: the scheduler ends such a request in plan.finished; the engine kept its worker
     row, so after max_num_seqs of them every install failed ("0 buffer rows free")."""
     eng = Engine(random_llama(CFG), IdTokenizer(), kv_cache_memory_bytes=1 << 20, max_num_seqs=2, block_size=4)
-    prompts = [(f"p{i}", [(5 * i + j) % 300 for j in range(20)], SamplingParams(max_tokens=50)) for i in range(5)]
+    prompts = [
+        (f"p{i}", [(5 * i + j) % 300 for j in range(20)], SamplingParams(temperature=0.0, max_tokens=50))
+        for i in range(5)
+    ]
     done = eng.generate(prompts)
     for c in done:
         # 12 positions fit after the prompt; the last one's logits still give a 13th token (kept, never cached)
         assert c.finish_reason == "length" and len(c.token_ids) == 32 - 20 + 1 and c.text, c
     assert not eng.worker.rows and len(eng.worker.free_rows) == eng.worker.max_rows
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks
-    (again,) = eng.generate([("q", [1, 2, 3], SamplingParams(max_tokens=4))])  # and it still serves
+    (again,) = eng.generate([("q", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))])  # and it still serves
     assert len(again.token_ids) == 4
 
 
@@ -68,10 +71,15 @@ def test_generated_ids_never_collide_with_given_ones() -> None:
     ``req-1`` given to ``add_request`` made it raise DUPLICATE_REQUEST, and a finished one had its
     completion replaced."""
     eng = keep_handed(Engine(random_llama(CFG), IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4))
-    eng.add_request("req-1", "", [1, 2, 3], SamplingParams(max_tokens=3))
-    first = eng.generate([("a", [4, 5], SamplingParams(max_tokens=2)), ("b", [6], SamplingParams(max_tokens=2))])
+    eng.add_request("req-1", "", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
+    first = eng.generate(
+        [
+            ("a", [4, 5], SamplingParams(temperature=0.0, max_tokens=2)),
+            ("b", [6], SamplingParams(temperature=0.0, max_tokens=2)),
+        ]
+    )
     assert [c.request_id for c in first] == ["req-0", "req-2"] and len(eng.handed["req-1"].token_ids) == 3
-    (more,) = eng.generate([("c", [7], SamplingParams(max_tokens=2))])
+    (more,) = eng.generate([("c", [7], SamplingParams(temperature=0.0, max_tokens=2))])
     assert more.request_id == "req-3" and eng.handed["req-0"] is first[0]
 
 
@@ -94,7 +102,8 @@ class Faulty:
 
 
 PROMPTS = [
-    (f"p{i}", [(7 * i + j) % 300 for j in range(3 + 4 * i)], SamplingParams(max_tokens=6 + i % 3)) for i in range(6)
+    (f"p{i}", [(7 * i + j) % 300 for j in range(3 + 4 * i)], SamplingParams(temperature=0.0, max_tokens=6 + i % 3))
+    for i in range(6)
 ]
 SMALL = dict(kv_cache_memory_bytes=14 * 1024, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
 
@@ -155,7 +164,7 @@ def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_serves_on(tiny:
         r.result.get("error") is None and r.divergence is None and not r.violations
         for r in replay(trace.getvalue().splitlines(), check=True)
     )
-    (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=4))])
+    (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))])
     assert len(again.token_ids) == 4 and again.finish_reason == "length"
 
 
@@ -186,7 +195,7 @@ def test_two_hundred_injected_faults(tiny: object) -> None:
                     got = eng.handed[rid].token_ids
                     assert got == (want[rid][: len(got)] if rid in ended else want[rid]), (where, at, rid)
                 faulty.at = 0  # no more faults
-                (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(max_tokens=3))])
+                (again,) = eng.generate([("new", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))])
                 assert len(again.token_ids) == 3
     assert faults >= 200, faults
     print(f"{faults} injected faults")
@@ -200,23 +209,33 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tiny: object) -> None:
     from pagedkv.shell.errors import ShellError
 
     eng = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)  # type: ignore[arg-type]
-    eng.add_request("done", "", [1, 2], SamplingParams(max_tokens=2))
+    eng.add_request("done", "", [1, 2], SamplingParams(temperature=0.0, max_tokens=2))
     while eng.has_unfinished():
         eng.step()
-    eng.add_request("live", "", [3, 4], SamplingParams(max_tokens=2))
-    eng.add_request("gone", "", [5], SamplingParams(max_tokens=2))
+    eng.add_request("live", "", [3, 4], SamplingParams(temperature=0.0, max_tokens=2))
+    eng.add_request("gone", "", [5], SamplingParams(temperature=0.0, max_tokens=2))
     eng.cancel("gone")
     before = sched_digest(eng.state)
+    zero_tokens = SamplingParams(temperature=0.0, max_tokens=1)
+    zero_tokens.max_tokens = 0  # (refused when built; set in place, as vLLM's params may be, refused when added)
     cases = [
         (lambda: eng.cancel("nobody"), "UNKNOWN_REQUEST"),
         (lambda: eng.cancel("done"), "UNKNOWN_REQUEST"),
         (lambda: eng.cancel("gone"), "UNKNOWN_REQUEST"),
-        (lambda: eng.add_request("live", "", [1], SamplingParams()), "DUPLICATE_REQUEST"),
-        (lambda: eng.add_request("e", "", [], SamplingParams()), "non-empty"),
-        (lambda: eng.add_request("m", "", [1], SamplingParams(max_tokens=0)), "max_tokens"),
-        (lambda: eng.add_request("n", "", [-1], SamplingParams()), "INVALID"),
-        (lambda: eng.add_request("v", "", [1, 300], SamplingParams()), "vocabulary"),
-        (lambda: eng.generate([("ok", [1], SamplingParams()), ("v", [299, 300], SamplingParams())]), "vocabulary"),
+        (lambda: eng.add_request("live", "", [1], SamplingParams(temperature=0.0, max_tokens=64)), "DUPLICATE_REQUEST"),
+        (lambda: eng.add_request("e", "", [], SamplingParams(temperature=0.0, max_tokens=64)), "non-empty"),
+        (lambda: eng.add_request("m", "", [1], zero_tokens), "max_tokens"),
+        (lambda: eng.add_request("n", "", [-1], SamplingParams(temperature=0.0, max_tokens=64)), "INVALID"),
+        (lambda: eng.add_request("v", "", [1, 300], SamplingParams(temperature=0.0, max_tokens=64)), "vocabulary"),
+        (
+            lambda: eng.generate(
+                [
+                    ("ok", [1], SamplingParams(temperature=0.0, max_tokens=64)),
+                    ("v", [299, 300], SamplingParams(temperature=0.0, max_tokens=64)),
+                ]
+            ),
+            "vocabulary",
+        ),
     ]
     for call, says in cases:
         with pytest.raises(ShellError, match=says):
@@ -288,12 +307,20 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_runs_alone_and_the_buf
     )  # type: ignore[arg-type]
     assert eng.state.config.chunked_prefill is False and eng.worker.max_tokens >= CFG.max_position
     long, short = [(i * 3) % 300 for i in range(20)], [1, 2, 3]
-    done = eng.generate([("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))])
+    done = eng.generate(
+        [
+            ("long", long, SamplingParams(temperature=0.0, max_tokens=3)),
+            ("short", short, SamplingParams(temperature=0.0, max_tokens=3)),
+        ]
+    )
     assert [len(c.token_ids) for c in done] == [3, 3]
     ref = Engine(tiny, IdTokenizer(), kv_cache_memory_bytes=1 << 20, block_size=4)  # type: ignore[arg-type]
     assert [c.token_ids for c in done] == [
         c.token_ids
         for c in ref.generate(
-            [("long", long, SamplingParams(max_tokens=3)), ("short", short, SamplingParams(max_tokens=3))]
+            [
+                ("long", long, SamplingParams(temperature=0.0, max_tokens=3)),
+                ("short", short, SamplingParams(temperature=0.0, max_tokens=3)),
+            ]
         )
     ]

@@ -36,7 +36,7 @@ ARGS = EngineArgs(
 
 def requests() -> list[tuple[str, list[int], SamplingParams]]:
     kinds = [
-        SamplingParams(max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=9),
         SamplingParams(max_tokens=11, temperature=0.8, top_p=0.9, seed=3),
         SamplingParams(max_tokens=7, temperature=1.3, top_k=12),
     ]

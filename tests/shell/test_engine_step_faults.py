@@ -32,7 +32,8 @@ CFG = replace(
 )
 ARGS = dict(kv_cache_memory_bytes=24 * 1024, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
 PROMPTS = [
-    (f"p{i}", [(7 * i + j) % 300 for j in range(5 + 4 * i)], SamplingParams(max_tokens=5 + i % 3)) for i in range(5)
+    (f"p{i}", [(7 * i + j) % 300 for j in range(5 + 4 * i)], SamplingParams(temperature=0.0, max_tokens=5 + i % 3))
+    for i in range(5)
 ]
 AGAIN = [(7 * 4 + j) % 300 for j in range(21)]  # p4's prompt: its blocks were cached ahead when it failed
 
@@ -89,8 +90,8 @@ def check(eng: Engine, clean: Engine, model: Any) -> None:
             assert got.token_ids == want.token_ids[: len(got.token_ids)], rid
         else:
             assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason, rid
-    (mine,) = eng.generate([("again", AGAIN, SamplingParams(max_tokens=6))])
-    (theirs,) = clean.generate([("again", AGAIN, SamplingParams(max_tokens=6))])
+    (mine,) = eng.generate([("again", AGAIN, SamplingParams(temperature=0.0, max_tokens=6))])
+    (theirs,) = clean.generate([("again", AGAIN, SamplingParams(temperature=0.0, max_tokens=6))])
     assert mine.token_ids == theirs.token_ids
     assert mine.cached_tokens <= theirs.cached_tokens
 
@@ -123,8 +124,8 @@ def test_a_keyboard_interrupt_in_the_forward_leaves_a_consistent_engine_and_no_s
         assert failed and all(eng.handed[r].error.startswith("KeyboardInterrupt") for r in failed)
         prompt = dict((rid, ids) for rid, ids, _ in PROMPTS)[failed[-1]]
         # at once, the interrupted request's prompt again: what the clean engine gives it
-        (mine,) = eng.generate([("same", prompt, SamplingParams(max_tokens=6))])
-        (theirs,) = engine(tiny).generate([("same", prompt, SamplingParams(max_tokens=6))])
+        (mine,) = eng.generate([("same", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
+        (theirs,) = engine(tiny).generate([("same", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
         assert mine.token_ids == theirs.token_ids, at
         stale += mine.cached_tokens == 0 and len(prompt) > 8  # (a prompt that had blocks cached ahead)
         assert run(eng) == []  # the rest serve on
@@ -259,26 +260,34 @@ def test_a_trace_that_cannot_be_written_stops_and_the_run_goes_on(tiny: Any, cle
 
 def test_sampling_parameters_it_cannot_sample_with_are_refused_at_the_door(tiny: Any) -> None:
     """A seed of 10**30 once reached the sampler and failed the step ("Overflow when unpacking long long"):
-    the request ended with error and `generate` exited 0. Now it is a ShellError at add_request, and generate
-    takes all of its prompts or none."""
+    the request ended with error and `generate` exited 0. Now such params are refused when built
+    (SamplingError, vLLM's VLLMValidationError, a ValueError); set in place afterwards, as vLLM's params may be,
+    they are a ShellError at add_request, and generate takes all of its prompts or none."""
     from pagedkv.core.scheduler import sched_digest
     from pagedkv.shell.errors import ShellError
+    from pagedkv.shell.sampling import SamplingError
 
     eng = engine(tiny)
     before = sched_digest(eng.state)
-    for bad in (
-        SamplingParams(seed=10**30),
-        SamplingParams(seed=-1),
-        SamplingParams(temperature=float("nan")),
-        SamplingParams(top_p=0.0),
-        SamplingParams(top_k=-2),
-        SamplingParams(stop=("",)),
-        SamplingParams(max_tokens=10**5000),
+    for field, value in (
+        ("seed", 10**30),
+        ("seed", -1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("stop", ("",)),
+        ("max_tokens", 10**5000),
+        ("max_tokens", 0),
     ):
+        with pytest.raises(SamplingError, match=field) as raised:
+            SamplingParams(**{field: value})
+        assert isinstance(raised.value, ValueError) and raised.value.parameter == field
+        bad = SamplingParams(temperature=0.0, max_tokens=64)
+        setattr(bad, field, value)  # (vLLM's params are settable in place: the engine checks them again)
         with pytest.raises(ShellError, match="INVALID"):
             eng.add_request("x", "", [1, 2], bad)
         with pytest.raises(ShellError, match="INVALID"):
-            eng.generate([("ok", [1, 2], SamplingParams()), ("bad", [3], bad)])
+            eng.generate([("ok", [1, 2], SamplingParams(temperature=0.0, max_tokens=64)), ("bad", [3], bad)])
         assert sched_digest(eng.state) == before and not eng.requests
 
 
@@ -294,8 +303,8 @@ def plain_loop(eng: Engine, handed: list[Any]) -> list[BaseException]:
 
 
 LAST = [
-    ("a", list(range(1, 10)), SamplingParams(max_tokens=8)),
-    ("b", list(range(20, 25)), SamplingParams(max_tokens=8)),
+    ("a", list(range(1, 10)), SamplingParams(temperature=0.0, max_tokens=8)),
+    ("b", list(range(20, 25)), SamplingParams(temperature=0.0, max_tokens=8)),
 ]
 # (both end on the same step, which fills a's fourth block: that step has KV events)
 

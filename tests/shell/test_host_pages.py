@@ -47,7 +47,9 @@ def through_faults(eng: Engine, tok: Any, turns: int = 3) -> tuple[list[Any], in
         asks = []
         for c in range(3):
             history[c].append({"role": "user", "content": f"Tell me about topic {c}, part {turn}."})
-            asks.append(("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(max_tokens=10)))
+            asks.append(
+                ("", tok.encode(tok.apply_chat_template(history[c])), SamplingParams(temperature=0.0, max_tokens=10))
+            )
         for c, done in enumerate(eng.generate(asks)):
             if done.finish_reason == "error":
                 errors += 1

@@ -118,7 +118,12 @@ def test_a_requests_tokens_are_its_own_in_every_company(
     c = model.config
     pool = 100 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # (100 tokens of pages: the batch needs ~400)
     lines = table(
-        model, tok, prompts, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0), pool, batch_invariant=True
+        model,
+        tok,
+        prompts,
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
+        pool,
+        batch_invariant=True,
     )
     assert [line["identical"] for line in lines] == [8] * len(lines), lines
     assert any(line["preempted"] for line in lines)  # (the preempting pool did preempt)

@@ -45,9 +45,9 @@ def _serve(
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=30),
+        SamplingParams(temperature=0.0, max_tokens=30),
         SamplingParams(max_tokens=30, temperature=1.0, seed=2),
-        SamplingParams(max_tokens=2),
+        SamplingParams(temperature=0.0, max_tokens=2),
     ],
 )
 def test_overlap_gives_the_completions_of_waiting(model: object, params: SamplingParams) -> None:
@@ -82,12 +82,14 @@ def test_a_failed_step_ends_its_requests_and_those_whose_ids_it_lost(model: obje
         return real(*a)
 
     eng.model = type("M", (), {"forward": staticmethod(flaky), "device": model.device, "config": model.config})()
-    done = eng.generate([(f"p{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)])
+    done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=12)) for i, p in enumerate(prompts)])
     assert any(c.finish_reason == "error" and "injected" in (c.error or "") for c in done)
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows and not eng.state.awaiting
     eng.model = model
-    (again,) = eng.generate([("q", prompts[0], SamplingParams(max_tokens=5))])  # and it serves on
-    (clean,) = Engine(model, StopAt(), block_size=4).generate([("q", prompts[0], SamplingParams(max_tokens=5))])
+    (again,) = eng.generate([("q", prompts[0], SamplingParams(temperature=0.0, max_tokens=5))])  # and it serves on
+    (clean,) = Engine(model, StopAt(), block_size=4).generate(
+        [("q", prompts[0], SamplingParams(temperature=0.0, max_tokens=5))]
+    )
     assert again.token_ids == clean.token_ids
 
 

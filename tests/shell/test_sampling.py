@@ -76,7 +76,7 @@ def test_the_race_draws_the_filtered_distribution() -> None:
     """10,000 draws (counters 0..9999) from logits whose top-3 nucleus is known: each kept token at its
     renormalised probability within 3 standard errors, the rest never."""
     logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
-    p = SamplingParams(temperature=1.0, top_k=3)
+    p = SamplingParams(max_tokens=64, temperature=1.0, top_k=3)
     n = 10_000
     draws = sample_batch(logits.expand(n, -1), [p] * n, [11] * n, range(n)).tolist()
     want = torch.tensor([0.4, 0.25, 0.15]) / 0.8

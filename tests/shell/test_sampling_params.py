@@ -13,7 +13,7 @@ import torch
 from pagedkv.models.llama import IdTokenizer, random_llama
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.errors import ShellError
-from pagedkv.shell.sampling import SamplingParams, params_problem
+from pagedkv.shell.sampling import SamplingError, SamplingParams, params_problem
 from tests.shell.test_speculative import CFG, NGRAM, _prompts
 
 MODES = {"waiting": {}, "overlap": {"async_scheduling": True}, "speculation": {"speculative_config": NGRAM}}
@@ -50,11 +50,11 @@ def served_one(model: Any, item: Any, mode: str, tok: Any) -> Any:
 
 
 PENALIZED = [
-    SamplingParams(max_tokens=24, repetition_penalty=2.5),
-    SamplingParams(max_tokens=24, presence_penalty=1.2),
-    SamplingParams(max_tokens=24, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=2.5),
+    SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=1.2),
+    SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.7),
     SamplingParams(max_tokens=24, temperature=0.8, seed=3, repetition_penalty=0.9, frequency_penalty=-0.5),
-    SamplingParams(max_tokens=24),
+    SamplingParams(temperature=0.0, max_tokens=24),
     SamplingParams(max_tokens=24, temperature=1.1, seed=9, presence_penalty=-1.0),
 ]
 
@@ -106,8 +106,8 @@ def test_stop_reason_names_the_stop_string_or_id(model: Any) -> None:
 
 def test_logprobs_of_each_token_in_every_mode(model: Any) -> None:
     params = [
-        SamplingParams(max_tokens=12, logprobs=3),
-        SamplingParams(max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=12),
         SamplingParams(max_tokens=12, temperature=0.9, seed=4, logprobs=0),
     ]
     got = {mode: served(model, params, mode) for mode in MODES}
@@ -128,24 +128,30 @@ def test_logprobs_of_each_token_in_every_mode(model: Any) -> None:
 
 
 def test_stop_takes_a_string_or_any_sequence_and_the_rest_is_checked(model: Any) -> None:
-    assert SamplingParams(stop="five").stop == ("five",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    assert SamplingParams(stop=None).stop == () and params_problem(SamplingParams(stop=["a", "b"])) is None
-    for bad, says in (
-        (SamplingParams(stop={"a"}), "stop"),
-        (SamplingParams(stop=[""]), "stop"),
-        (SamplingParams(n=0), "n must"),
-        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
-        (SamplingParams(presence_penalty=3), "presence_penalty"),
-        (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
-        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
-        (SamplingParams(ignore_eos=1), "ignore_eos"),
-        (SamplingParams(logprobs=21), "logprobs"),
-        (SamplingParams(logprobs=True), "logprobs"),
+    assert SamplingParams(temperature=0.0, max_tokens=64, stop="five").stop == ("five",) and SamplingParams(
+        temperature=0.0, max_tokens=64, stop=["a", "b"]
+    ).stop == ("a", "b")
+    assert (
+        SamplingParams(temperature=0.0, max_tokens=64, stop=None).stop == ()
+        and params_problem(SamplingParams(temperature=0.0, max_tokens=64, stop=["a", "b"])) is None
+    )
+    for fields, says in (
+        (dict(temperature=0.0, max_tokens=64, stop={"a"}), "stop"),
+        (dict(temperature=0.0, max_tokens=64, stop=[""]), "stop"),
+        (dict(temperature=0.0, max_tokens=64, n=0), "n must"),
+        (dict(temperature=0.0, max_tokens=64, repetition_penalty=0), "repetition_penalty"),
+        (dict(temperature=0.0, max_tokens=64, presence_penalty=3), "presence_penalty"),
+        (dict(temperature=0.0, max_tokens=64, frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(temperature=0.0, max_tokens=4, min_tokens=5), "min_tokens"),
+        (dict(temperature=0.0, max_tokens=64, ignore_eos=1), "ignore_eos"),
+        (dict(temperature=0.0, max_tokens=64, logprobs=21), "logprobs"),
+        (dict(temperature=0.0, max_tokens=64, logprobs=True), "logprobs"),
     ):
-        assert says in (params_problem(bad) or ""), bad
+        with pytest.raises(SamplingError, match=says):  # (refused when built: vLLM's VLLMValidationError)
+            SamplingParams(**fields)  # type: ignore[arg-type]
     eng = Engine(model, IdTokenizer(), block_size=4, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ShellError, match="n=2: a request here is one sequence"):
-        eng.add_request("x", "", [1, 2], SamplingParams(n=2))
+        eng.add_request("x", "", [1, 2], SamplingParams(temperature=0.0, max_tokens=64, n=2))
     assert not eng.requests and not eng.state.live
 
 
@@ -153,15 +159,24 @@ def test_logit_bias_stop_token_ids_and_the_stop_string_kept_in_every_mode(model:
     """Issue 60: ``logit_bias``, ``stop_token_ids`` and ``include_stop_str_in_output`` were taken by the server and
     ignored. A +100 bias makes greedy pick its id; a request's own stop id ends it (``stop_reason`` the id, not
     before ``min_tokens``, whatever ``ignore_eos``); a stop string kept stays in the text; in every mode."""
-    plains = served(model, [SamplingParams(max_tokens=8)] * 5, "waiting")  # (each row's prompt: its tokens plain)
+    plains = served(
+        model, [SamplingParams(temperature=0.0, max_tokens=8)] * 5, "waiting"
+    )  # (each row's prompt: its tokens plain)
     other = next(t for t in range(5, 50) if all(t not in c.token_ids for c in plains))
     text = IdTokenizer().decode(plains[3].token_ids[:3])
     params = [
-        SamplingParams(max_tokens=8, logit_bias={other: 100.0}),
-        SamplingParams(max_tokens=8, logit_bias={other: 100.0}, stop_token_ids=[other]),
-        SamplingParams(max_tokens=8, logit_bias={other: 100.0}, stop_token_ids=[other], min_tokens=3, ignore_eos=True),
-        SamplingParams(max_tokens=8, stop=text[-2:], include_stop_str_in_output=True),
-        SamplingParams(max_tokens=8, logit_bias={other: 99.0, plains[4].token_ids[0]: 100.0}),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={other: 100.0}),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={other: 100.0}, stop_token_ids=[other]),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            logit_bias={other: 100.0},
+            stop_token_ids=[other],
+            min_tokens=3,
+            ignore_eos=True,
+        ),
+        SamplingParams(temperature=0.0, max_tokens=8, stop=text[-2:], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={other: 99.0, plains[4].token_ids[0]: 100.0}),
     ]
     for mode in MODES:
         biased, stopped, held, kept, two = served(model, params, mode)
@@ -170,13 +185,16 @@ def test_logit_bias_stop_token_ids_and_the_stop_string_kept_in_every_mode(model:
         assert len(held.token_ids) == 4 and other not in held.token_ids[:3] and held.token_ids[3] == other, mode
         assert kept.finish_reason == "stop" and kept.text.endswith(text[-2:]) and kept.stop_reason == text[-2:]
         assert two.token_ids == [plains[4].token_ids[0]] * 8, mode  # (the larger bias wins)
-    for bad, says in (
-        (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
-        (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
-        (SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
-        (SamplingParams(include_stop_str_in_output=1), "include_stop_str_in_output"),  # type: ignore[arg-type]
+    for fields, says in (
+        (dict(temperature=0.0, max_tokens=64, logit_bias={1: 101.0}), "logit_bias"),
+        (dict(temperature=0.0, max_tokens=64, logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(temperature=0.0, max_tokens=64, stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(temperature=0.0, max_tokens=64, include_stop_str_in_output=1), "include_stop_str_in_output"),
     ):
-        assert (params_problem(bad) or "").startswith(says)
+        with pytest.raises(SamplingError, match=f"^{says}"):
+            SamplingParams(**fields)  # type: ignore[arg-type]
     eng = Engine(model, IdTokenizer(), block_size=4, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ShellError, match="logit_bias' token id"):
-        eng.add_request("x", "", [1, 2], SamplingParams(logit_bias={CFG.vocab_size: 1.0}))
+        eng.add_request(
+            "x", "", [1, 2], SamplingParams(temperature=0.0, max_tokens=64, logit_bias={CFG.vocab_size: 1.0})
+        )

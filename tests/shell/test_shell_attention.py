@@ -260,7 +260,10 @@ def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None
     cfg = replace(
         SMOLLM2_SHAPES, vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
     )
-    prompts = [(f"p{i}", [(5 * i + j) % 97 for j in range(9 + 4 * i)], SamplingParams(max_tokens=6)) for i in range(3)]
+    prompts = [
+        (f"p{i}", [(5 * i + j) % 97 for j in range(9 + 4 * i)], SamplingParams(temperature=0.0, max_tokens=6))
+        for i in range(3)
+    ]
     for dtype, prefill_calls in ((torch.bfloat16, True), (torch.float32, False)):
         model = random_llama(cfg, seed=1, dtype=dtype)
         plain = [c.token_ids for c in Engine(model, IdTokenizer(), block_size=4).generate(prompts)]

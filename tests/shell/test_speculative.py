@@ -60,7 +60,7 @@ def _run(model: object, prompts: list[list[int]], params: SamplingParams, spec: 
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=40),
         SamplingParams(max_tokens=40, temperature=0.9, seed=5),
         SamplingParams(max_tokens=40, temperature=1.3, top_k=8, top_p=0.9, seed=11),
     ],
@@ -101,7 +101,7 @@ def test_verify_steps_go_one_query_token_a_row_where_the_buffers_hold_them(model
     """A step of decodes and verifies runs the decode path (one query token a forward row: the decode kernel
     and its graphs); a rank without token rows runs them as varlen rows; both give decoding's tokens."""
     prompts = _prompts(4, seed=7)
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
     want, _, _ = _run(model, prompts, params, None, max_num_seqs=4)
     ref = Engine(model, IdTokenizer(), block_size=4, max_num_seqs=4)  # (a rank sized without speculation)
     for rank, flat in ((None, True), (ref.rank, False)):
@@ -123,13 +123,16 @@ def test_verify_steps_go_one_query_token_a_row_where_the_buffers_hold_them(model
 def test_stop_tokens_and_max_tokens_cut_a_verify(model: object) -> None:
     prompts = _prompts(6, seed=4)
     for mt in (1, 2, 3, 7):
-        params = SamplingParams(max_tokens=mt)
+        params = SamplingParams(temperature=0.0, max_tokens=mt)
         assert _run(model, prompts, params, NGRAM)[0] == _run(model, prompts, params, None)[0]
 
     class StopAt(IdTokenizer):  # a stop token the random model samples now and then
         stop_token_ids = frozenset({7, 19, 33})
 
-    for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=1.0, seed=2)):
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=40),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=2),
+    ):
         runs = []
         for spec in (None, NGRAM):
             eng = Engine(model, StopAt(), speculative_config=spec, block_size=4, max_num_seqs=8)
@@ -145,7 +148,7 @@ def test_verification_is_the_rejection_rule_for_a_point_mass_draft() -> None:
     logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0]] * 2)
     p = torch.softmax(logits[0], -1)
     n, draft = 20_000, 3
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(max_tokens=64, temperature=1.0)
     counts = torch.zeros(6)
     kept = 0
     for seeds in range(0, n, 1000):
@@ -211,7 +214,9 @@ def test_a_speculative_run_is_recorded_and_replays_digest_for_digest(model: obje
         max_num_seqs=4,
         kv_cache_memory_bytes=4 * CFG_POOL,
     )  # (a small pool: its digests and checks are quick)
-    eng.generate([(f"p{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(_prompts(4, seed=6))])
+    eng.generate(
+        [(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=24)) for i, p in enumerate(_prompts(4, seed=6))]
+    )
     eng.finish_trace()
     lines = trace.getvalue().splitlines()
     assert any('"drafts"' in line for line in lines) and any('"verify"' in line for line in lines)

@@ -8,7 +8,7 @@ What crosses the pipe, in order. To the engine: ``("add", [(rid, prompt_ids, par
 request's sequences), ``("cancel", [rid, ...])``, ``("stop", None)``. Back, first ``("ready", tokenizer, info)`` or
 ``("failed", message)``, then a message a flush (before a step when requests were taken or cancelled, and after
 each step): ``("pass", events, gauges)``, the events in the order they happened: ``("accepted", rids)``,
-``("refused", rids, message)``, ``("tokens", [(rid, token), ...])`` (a step's, in order), ``("done", completion,
+``("refused", rids, message)``, ``("tokens", [(rid, token, logprob entry or None), ...])`` (a step's, in order), ``("done", completion,
 stepped)`` (``stepped``: it ended in a step, not by a cancel); last ``("closed",)``. The engine's side sends ids;
 the text is made here (vLLM's split too: the front end detokenizes), so a request with stop strings is
 detokenized on both sides (the engine's stop rule needs its text).
@@ -115,6 +115,8 @@ class Sequence:
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.text: TextSoFar | None = None  # (made once the engine has taken it; its ids: the tokens that came)
         self.sent = 0  # characters of the text handed out
+        self.token_lps: list[tuple[int, Any]] = []  # each token's logprob entry, where its params ask them
+        self.lps_sent = 0  # entries a stream handed out
         self.arrived = time.perf_counter()
         self.last: float | None = None  # when its last token arrived
 
@@ -250,9 +252,11 @@ class EngineLoop:
         for ev in events:
             kind = ev[0]
             if kind == "tokens":
-                for rid, token in ev[1]:
+                for rid, token, entry in ev[1]:
                     s = self.live.get(rid)
                     if s is not None and s.text is not None:
+                        if entry is not None:
+                            s.token_lps.append((token, entry))
                         self._token(s, s.text, token, now, out)
             elif kind == "done":
                 self._done(ev[1], ev[2], now, out)
@@ -364,7 +368,7 @@ class _Core:
         self.wake = threading.Event()
         self.live: set[str] = set()
         self.events: list[tuple[Any, ...]] = []
-        self.tokens: list[tuple[str, int]] = []
+        self.tokens: list[tuple[str, int, Any]] = []  # (rid, token, its logprob entry where asked)
         self.faults = 0
         threading.Thread(target=self._listen, name="pagedkv-engine-inbox", daemon=True).start()
 
@@ -445,7 +449,9 @@ class _Core:
         self.events.append(("done", c, False))
 
     def _on_token(self, rid: Any, token: int) -> None:
-        self.tokens.append((rid, token))
+        live = self.engine.requests.get(rid)  # (its logprob entry, where asked: taken before the callback)
+        lps = live.completion.logprobs if live is not None and live.params.logprobs is not None else None
+        self.tokens.append((rid, token, lps[-1] if lps else None))
 
     def _flush(self) -> None:
         events, self.events = self.events, []

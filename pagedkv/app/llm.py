@@ -86,7 +86,8 @@ class CompletionOutput:
 class RequestOutput:
     """A prompt's result, as vLLM's: its ``n`` sequences in ``outputs``, the prompt's tokens served from the
     prefix cache (``num_cached_tokens``), its times (``metrics``); ``prompt`` is None for a prompt given as ids
-    alone; ``prompt_logprobs`` None (not served: ``SamplingParams`` refuses asking them), ``lora_request`` None."""
+    alone; ``prompt_logprobs`` where ``SamplingParams(prompt_logprobs=k)`` asked them (a dict a prompt token, the
+    first None), ``lora_request`` None."""
 
     request_id: str
     prompt: str | None
@@ -95,7 +96,7 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     lora_request: None = None
 
 
@@ -341,6 +342,7 @@ class LLM:
                     [_output(i, c) for i, c in enumerate(seqs)],
                     num_cached_tokens=seqs[0].cached_tokens,
                     metrics=metrics,
+                    prompt_logprobs=seqs[0].prompt_logprobs,
                 )
             )
         return out

@@ -72,13 +72,12 @@ FIELDS = {  # the request's field -> SamplingParams' (vLLM's names; max_completi
     "skip_special_tokens": "skip_special_tokens",
     "truncate_prompt_tokens": "truncate_prompt_tokens",
     "allowed_token_ids": "allowed_token_ids",
+    "prompt_logprobs": "prompt_logprobs",
 }
 # vLLM's request fields (its CompletionRequest and ChatCompletionRequest) that pagedkv serve does not serve, each with
 # the values that mean it is not used (a request may send those: clients send their defaults); any other value is a
 # 400 naming the field, never a field taken and ignored. (Structured outputs: issue 65.)
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
@@ -328,6 +327,8 @@ class OpenAIServer:
     def _params(self, body: dict[str, Any], chat: bool) -> SamplingParams:
         given = {FIELDS[k]: v for k, v in body.items() if k in FIELDS and v is not None}
         given.update(_asked_logprobs(body, chat))
+        if _echo(body, chat) and given.get("logprobs") is not None and "prompt_logprobs" not in given:
+            given["prompt_logprobs"] = given["logprobs"]  # (vLLM's: echoed tokens carry their logprobs too)
         if (
             "logit_bias" in given
         ):  # (JSON's keys are strings: vLLM reads them as ids, the bias clamped to OpenAI's range)
@@ -379,9 +380,11 @@ class OpenAIServer:
             every = options.get("continuous_usage_stats", False) if options.get("include_usage") else None
             stream = self._stream(request, rid, seqs, chat, usage, every)
             return StreamingResponse(stream, media_type="text/event-stream")
-        return Awaited(self._whole(rid, seqs, chat, usage), lambda: self.loop.cancel([s.rid for s in seqs]))
+        return Awaited(self._whole(rid, seqs, chat, usage, body), lambda: self.loop.cancel([s.rid for s in seqs]))
 
-    async def _whole(self, rid: str, seqs: list[Sequence], chat: bool, usage: dict[str, int]) -> Response:
+    async def _whole(
+        self, rid: str, seqs: list[Sequence], chat: bool, usage: dict[str, int], body: dict[str, Any]
+    ) -> Response:
         done: list[Completion] = []
         for s in seqs:
             while True:
@@ -403,9 +406,15 @@ class OpenAIServer:
             for i, c in enumerate(done)
         ]  # fmt: skip
         asked = seqs[0].params.logprobs if seqs else None
-        if asked is not None:  # (OpenAI's shapes: the chat API's and the completions API's)
-            for choice, c in zip(choices, done):
-                choice["logprobs"] = openai_logprobs(c, asked, chat)
+        echo = bool(seqs) and _echo(body, chat)
+        for choice, c, s in zip(choices, done, seqs):
+            if asked is not None:  # (OpenAI's shapes: the chat API's and the completions API's)
+                lead = c.prompt_logprobs if echo else None
+                choice["logprobs"] = openai_logprobs(c, asked, chat, lead, self.tokenizer.decode)
+            if s.params.prompt_logprobs is not None:  # (vLLM's field: a dict a prompt token, the first null)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(c)
+            if echo:  # (the prompt's text before the completion's, vLLM's echo)
+                choice["text"] = self.tokenizer.decode(c.prompt_token_ids) + c.text
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": usage})  # fmt: skip
@@ -429,14 +438,23 @@ class OpenAIServer:
             done = sum(len(s.text.ids) if s.text is not None else 0 for s in seqs)
             return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}
 
+        asked = seqs[0].params.logprobs if seqs else None
+        offsets = [0] * len(seqs)  # (the completions API's text_offset: the characters sent before a chunk)
+
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+            lps = None
+            if asked is not None and not role:  # (the logprobs of the tokens come since the last chunk)
+                s = seqs[i]
+                fresh, s.lps_sent = s.token_lps[s.lps_sent :], len(s.token_lps)
+                lps = logprob_shape(logprob_rows(fresh, asked), chat, offsets[i]) if fresh or text else None
+                offsets[i] += len(text or "")
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish}
+                choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "logprobs": lps, "finish_reason": finish}
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             if every:
                 out["usage"] = counted()
@@ -529,25 +547,60 @@ def _asked_logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
         if asked is not None and not (type(asked) is int and 0 <= asked <= MAX_LOGPROBS):
             raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null", "logprobs")
         k = asked
-    if k is not None and body.get("stream"):
-        raise BadRequest("logprobs with stream is not served by pagedkv serve (ask them without stream)", "logprobs")
+    for name in ("echo", "prompt_logprobs"):
+        if body.get(name) and body.get("stream"):
+            raise BadRequest(f"{name} with stream is not served by pagedkv serve (ask it without stream)", name)
+    echo = body.get("echo")
+    if echo is not None and type(echo) is not bool:
+        raise BadRequest("echo must be true or false", "echo")
+    if echo and chat:
+        raise BadRequest("echo is served by the completions API (the chat API's echo is not served)", "echo")
     return {} if k is None else {"logprobs": k}
 
 
-def openai_logprobs(c: Completion, k: int, chat: bool) -> dict[str, Any] | None:
-    """A completion's logprobs in OpenAI's shape: the chat API's ``{"content": [{token, logprob, bytes,
-    top_logprobs}]}``, or the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``; ``k``: the
-    most likely ids given a token (vLLM's -9999.0 for a logprob of minus infinity, which JSON cannot carry)."""
+def _echo(body: dict[str, Any], chat: bool) -> bool:
+    return not chat and body.get("echo") is True
+
+
+def openai_logprobs(
+    c: Completion,
+    k: int,
+    chat: bool,
+    echoed: list[dict[int, Logprob] | None] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> dict[str, Any] | None:
+    """A completion's logprobs in OpenAI's shape (``logprob_shape``); ``k``: the most likely ids given a token;
+    ``echoed``: the prompt's logprobs, its tokens first (the completions API's echo: the first token's null, its text
+    ``decode``'s)."""
     if c.logprobs is None:
         return None
+    rows = logprob_rows(list(zip(c.token_ids, c.logprobs)), k)
+    if echoed is not None and not chat:
+        first = Logprob(None, 0, decode(c.prompt_token_ids[:1]) if decode else "")  # type: ignore[arg-type]
+        lead = [
+            (first, []) if row is None else logprob_rows([(t, row)], k)[0] for t, row in zip(c.prompt_token_ids, echoed)
+        ]
+        rows = lead + rows
+    return logprob_shape(rows, chat)
 
-    def value(x: float) -> float:
-        return max(x, -9999.0)
+
+def logprob_rows(entries: list[tuple[int, dict[int, Logprob]]], k: int) -> list[tuple[Logprob, list[Logprob]]]:
+    """Each (token, its logprob entry): the token's own ``Logprob`` and the ``k`` most likely, in rank order."""
+    return [(row[t], sorted(row.values(), key=lambda lp: lp.rank)[:k]) for t, row in entries]
+
+
+def logprob_shape(rows: list[tuple[Logprob, list[Logprob]]], chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's shape of tokens' logprobs: the chat API's ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    or the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets from ``offset``: a
+    stream's chunk counts the text before it); vLLM's -9999.0 for a logprob of minus infinity, which JSON cannot
+    carry."""
+
+    def value(x: float | None) -> float | None:
+        return None if x is None else max(x, -9999.0)
 
     def text(lp: Logprob) -> str:
         return lp.decoded_token or ""
 
-    rows = [(row[t], sorted(row.values(), key=lambda lp: lp.rank)[:k]) for t, row in zip(c.token_ids, c.logprobs)]
     if chat:
         return {
             "content": [
@@ -563,16 +616,31 @@ def openai_logprobs(c: Completion, k: int, chat: bool) -> dict[str, Any] | None:
                 for own, top in rows
             ]
         }
-    offsets, at = [], 0
+    offsets, at = [], offset
     for own, _ in rows:
         offsets.append(at)
         at += len(text(own))
     return {
         "tokens": [text(own) for own, _ in rows],
         "token_logprobs": [value(own.logprob) for own, _ in rows],
-        "top_logprobs": [{text(lp): value(lp.logprob) for lp in top} for _, top in rows],
+        "top_logprobs": [
+            None if own.logprob is None else {text(lp): value(lp.logprob) for lp in top} for own, top in rows
+        ],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(c: Completion) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: a prompt token's ``{id: {logprob, rank, decoded_token}}``, the first null."""
+    if c.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if row is None
+        else {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+              for t, lp in row.items()}
+        for row in c.prompt_logprobs
+    ]  # fmt: skip
 
 
 def sse(obj: dict[str, Any]) -> str:

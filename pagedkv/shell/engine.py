@@ -48,6 +48,7 @@ from pagedkv.shell.recorder import Recorder
 from pagedkv.shell.sampling import (
     NO_HISTORY,
     History,
+    Logprob,
     SamplingParams,
     params_problem,
     request_seed,
@@ -217,6 +218,8 @@ class Engine:
         self.requests: dict[RequestId, Live] = {}  # live requests (waiting or running in the scheduler)
         self._next_id = 0  # generate()'s ids: req-0, req-1, ... skipping any a live request holds
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
+        self._scoring: list[tuple[Live, int, int]] = []  # this step's prompt positions to score: (its request, the
+        # prompt token its logits score, its row among the step's logits)
         self.launch_bound = self._launch_bound_tokens(model, args.async_scheduling)  # (the most tokens a forward's
         # launches outweigh)
         self.graphs: GraphDecoder | None = None
@@ -257,10 +260,12 @@ class Engine:
     def _add(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Live:
         params = self._checked(rid, params)  # (a checked copy: later changes to the caller's params reach nothing)
         prompt_ids = self._kept(params, prompt_ids)
-        req = SeqRequest(rid, tuple(prompt_ids), max_tokens=self._max_tokens(params, prompt_ids))
+        req = self._request(rid, prompt_ids, params)
         self.state = self._submitted(self.state, req, params)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         live = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
+        if params.prompt_logprobs is not None:  # (the first token has none: vLLM's shape)
+            live.completion.prompt_logprobs = [None]
         self.requests[rid] = live
         self.stats.prompt_tokens += len(prompt_ids)
         self.outcomes.record(lambda r: r.submit(req, self.state))
@@ -276,6 +281,16 @@ class Engine:
         if problem is not None:  # refused here, not by the step that would sample with it
             raise refuse(ErrorCode.INVALID, f"request {shown(rid)}: {problem}", request=rid)
         return params.clone()
+
+    def _request(self, rid: RequestId, prompt_ids: list[int], params: SamplingParams) -> SeqRequest:
+        """What the scheduler keeps of a request (a checked ``params``): a request scoring its prompt
+        (``prompt_logprobs``) reads no prefix cache, for every position of it is computed (vLLM's rule)."""
+        return SeqRequest(
+            rid,
+            tuple(prompt_ids),
+            max_tokens=self._max_tokens(params, prompt_ids),
+            max_hit=None if params.prompt_logprobs is None else 0,
+        )
 
     def _kept(self, params: SamplingParams, prompt_ids: list[int]) -> list[int]:
         """The prompt's ids served: its last ``truncate_prompt_tokens`` (vLLM's; -1: as many as the longest request
@@ -572,6 +587,7 @@ class Engine:
         outs: list[torch.Tensor] = []
         where: dict[RequestId, int] = {}  # each sampled request's first logits row
         verify, samples = dict(plan.verify), plan.samples
+        self._scoring = []
         forwards = [piece for meta in plan.metadata for piece in self._pieces(meta, bool(verify))]
         flat = self._flat_rows()
         riding = ride_along(forwards, flat) if flat and not verify else [(f, None) for f in forwards]
@@ -579,9 +595,11 @@ class Engine:
             out = self._forward(meta, verify, where, sum(len(o) for o in outs), lead)
             # (a replay's logits live in its graph's buffer, which a later forward of the step may replay again)
             outs.append(out.clone() if k + 1 < len(riding) and self.graphs is not None else out)
-        if not samples:  # no forward, or every row mid-way through its prompt: nothing to sample
+        logits = None if not outs else outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self._scoring and logits is not None:
+            self._score_prompts(logits)
+        if not samples or logits is None:  # no forward, or every row mid-way through its prompt: nothing to sample
             return None, None
-        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         if verify:  # (a row verifying drafts: each position's logits row, request and counter)
             pick, live, counters = Speculation.positions(samples, verify, where, dict(zip(samples, bound)))
         else:
@@ -600,6 +618,44 @@ class Engine:
         lps = None if all(k is None for k in ks) else token_logprobs(logits, ids, [k or 0 for k in ks])
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids, lps
+
+    def _score_prompts(self, logits: torch.Tensor) -> None:
+        """The prompt tokens this step's forwards scored (``_scoring``), their logprobs and the k most likely ids'
+        onto their completions' ``prompt_logprobs`` (one read of the device: a step carrying such a prompt waits
+        for its forward)."""
+        scoring, self._scoring = self._scoring, []
+        rows = to_device([at for _, _, at in scoring], torch.int64, logits.device)
+        tokens = to_device([tok for _, tok, _ in scoring], torch.int64, logits.device)
+        ks = [x.params.prompt_logprobs or 0 for x, _, _ in scoring]
+        values = token_logprobs(logits[rows], tokens, ks).tolist()
+        for (live, tok, _), k, row in zip(scoring, ks, values):
+            lps = live.completion.prompt_logprobs
+            if lps is not None:
+                lps.append(Logprob.rows(row, tok, k, self.tokenizer.decode))
+
+    def _scored(self, meta: KVMetadata, at: list[int] | None, base: int) -> list[int] | None:
+        """``at`` (the forward's logits rows: None, each row's last token) with the positions appended whose logits
+        score a prompt token of a request asking ``prompt_logprobs`` and not scored yet (position p scores token
+        p + 1; a preempted request's recompute scores none again), each noted in ``_scoring``; ``at`` itself where
+        no row asks."""
+        extra: list[tuple[Live, int, int]] = []
+        start = 0
+        for r in meta.rows:
+            live = self.requests.get(r.request_id)
+            lps = None if live is None else live.completion.prompt_logprobs
+            if live is not None and lps is not None:
+                prompt = live.completion.prompt_token_ids
+                lo = max(r.kv_start_pos, len(lps) - 1)
+                hi = min(r.kv_start_pos + r.query_len, len(prompt) - 1)
+                extra += [(live, prompt[p + 1], start + p - r.kv_start_pos) for p in range(lo, hi)]
+            start += r.query_len
+        if not extra:
+            return at
+        if at is None:
+            at = [end - 1 for end in itertools.accumulate(r.query_len for r in meta.rows)]
+        first = base + len(at)
+        self._scoring += [(live, tok, first + i) for i, (live, tok, _) in enumerate(extra)]
+        return at + [pos for _, _, pos in extra]
 
     def _history(
         self, samples: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]], live: list[Live]
@@ -652,10 +708,12 @@ class Engine:
             # laid out a token a row, each row's last token's logits; else the forward's own (each row's last)
             at = [end - 1 for end in itertools.accumulate(r.query_len for r in meta.rows)] if flat else None
             where.update(zip(rows, range(base, base + len(rows))))
+        if meta.phase is Phase.PREFILL and not isinstance(meta.rows, DecodeRows):  # (a prompt's chunk: scored?)
+            at = self._scored(meta, at, base)
         at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):
             out = self.graphs.decode(tokens, batch)  # (every row's logits: a verify step's positions picked here)
-            return out if at_dev is None or len(at_dev) == len(out) else out[at_dev]
+            return out if at is None or at == list(range(len(out))) else out[at_dev]
         out = self.model.forward(
             tokens, batch, self.pool, self.backend, self.layout, *(() if at_dev is None else (at_dev,))
         )
@@ -756,10 +814,7 @@ class Engine:
             state = self.state
             for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
                 checked = self._checked(rid, params)
-                kept = self._kept(checked, ids)
-                state = self._submitted(
-                    state, SeqRequest(rid, tuple(kept), max_tokens=self._max_tokens(checked, kept)), params
-                )
+                state = self._submitted(state, self._request(rid, self._kept(checked, ids), checked), params)
             lives = [self._add(rid, text, ids, params) for rid, text, ids, params in items]
             while self.has_unfinished():
                 for comp in self._step(on_token):

@@ -34,6 +34,9 @@ class Completion:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or stop id that ended it (None: the model's eos token)
+    # SamplingParams(prompt_logprobs=k): each prompt token's logprobs given those before it (vLLM's shape: the
+    # first token's None), filled as the prompt's chunks are computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -54,7 +54,6 @@ class RequestOutputKind(IntEnum):
 # vLLM's fields that pagedkv does not serve, each with the value that means it is not used: any other value is
 # refused by name when the params are built (docs/vllm-api.md says why each is not served)
 NOT_SERVED: dict[str, Any] = {
-    "prompt_logprobs": None,
     "prompt_logprob_token_ids": None,
     "prompt_logprob_start": None,
     "logprob_token_ids": None,
@@ -89,7 +88,9 @@ class SamplingParams:
     those of the ``logprobs`` most likely ids, from the model's logits (before penalties and temperature, vLLM's raw
     logprobs; -1: every id, as vLLM: refused past 20 here), on the completion; ``stop_token_ids``: ids that end it
     besides the model's (kept in its tokens, ``stop_reason`` the id; held back before ``min_tokens``, and
-    ``ignore_eos`` leaves them stopping); ``include_stop_str_in_output``: the stop string that ended it stays in its
+    ``ignore_eos`` leaves them stopping); ``prompt_logprobs``: each prompt token's logprob given the tokens before it
+    and those of the k most likely ids there (vLLM's; the first token's None; such a request reads no prefix cache,
+    as vLLM's, for every position is computed); ``include_stop_str_in_output``: the stop string that ended it stays in its
     text; ``logit_bias``: ``{token id: bias}`` added to those ids' logits before anything else (OpenAI's range,
     [-100, 100]); ``allowed_token_ids``: the only ids it may sample; ``detokenize`` False: no text, ids alone;
     ``skip_special_tokens`` False: special tokens' text kept; ``truncate_prompt_tokens``: only the prompt's last k
@@ -277,6 +278,11 @@ def params_problem(params: object) -> str | None:
         (
             "logprobs",
             p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS),
+            f"an integer in [0, {MAX_LOGPROBS}] or None",
+        ),
+        (
+            "prompt_logprobs",
+            p.prompt_logprobs is None or (type(p.prompt_logprobs) is int and 0 <= p.prompt_logprobs <= MAX_LOGPROBS),
             f"an integer in [0, {MAX_LOGPROBS}] or None",
         ),
         (

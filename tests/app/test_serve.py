@@ -216,7 +216,7 @@ def test_a_client_gone_cancels_its_request_and_its_blocks_go_back(served: Served
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
-        ({"prompt": "x", "logprobs": 2, "stream": True}, "logprobs"),  # (served, but not streamed)
+        ({"prompt": "x", "echo": True, "stream": True}, "echo"),  # (served, but not streamed)
         ({"prompt": [1, 2, 10**9]}, None),  # (an id outside the vocabulary: the engine's refusal)
     ],
 )
@@ -644,7 +644,7 @@ def test_logprobs_in_openais_shapes_and_the_chat_template_fields(served: Served)
     own = eng.generate([("", ids, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))])[0]
     r = httpx.post(f"{served.url}/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0,
                                                          "logprobs": 2}, timeout=60).json()  # fmt: skip
-    lp = r["choices"][0]["logprobs"]
+    lp = lp_whole = r["choices"][0]["logprobs"]
     assert lp["tokens"] == [own.logprobs[i][t].decoded_token for i, t in enumerate(own.token_ids)]
     own_values = [own.logprobs[i][t].logprob for i, t in enumerate(own.token_ids)]
     assert lp["token_logprobs"] == pytest.approx(own_values, abs=1e-4)  # (another process's threads: float order)
@@ -656,8 +656,20 @@ def test_logprobs_in_openais_shapes_and_the_chat_template_fields(served: Served)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)  # (greedy: its token is the likeliest)
+    streamed = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                              temperature=0, logprobs=True, top_logprobs=3, stream=True)  # fmt: skip
+    pieces = [item for c in streamed if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(p.token, p.logprob) for p in pieces] == [(c.token, c.logprob) for c in content]  # (as whole, in chunks)
+    text = ""
+    tokens: list[str] = []
+    for c in client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0, logprobs=2, stream=True):
+        lp = c.choices[0].logprobs
+        if lp is not None:
+            assert lp.text_offset == [len(text) + sum(map(len, lp.tokens[:j])) for j in range(len(lp.tokens))]
+            tokens += lp.tokens
+        text += c.choices[0].text
+    assert tokens == lp_whole["tokens"] and text == r["choices"][0]["text"]
     for body, param in (
-        ({"prompt": "x", "logprobs": 2, "stream": True}, "logprobs"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
@@ -684,3 +696,36 @@ def test_logprobs_in_openais_shapes_and_the_chat_template_fields(served: Served)
         extra_body={"chat_template": template, "continue_final_message": True, "add_generation_prompt": False},
     )
     assert going.usage.prompt_tokens == len(served.tok.encode("<user|Hi><assistant|Hello, I am"))
+
+
+def test_prompt_logprobs_and_echo_as_vllm_serves_them(served: Served) -> None:
+    """Issue 64: ``echo`` and ``prompt_logprobs`` were refused. vLLM's ``prompt_logprobs`` field gives each prompt
+    token's ``{id: {logprob, rank, decoded_token}}`` (the first null), the engine's own; ``echo`` puts the prompt's
+    text before the completion's and, with ``logprobs``, the prompt's tokens before its tokens (the first's null)."""
+    ids = served.tok.encode("The sky is blue because")
+    eng = Engine(served.model, served.tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+    own = eng.generate([("", ids, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1))])[0]
+    url = f"{served.url}/v1/completions"
+    r = httpx.post(url, json={"prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}, timeout=60)
+    choice = r.json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    assert [got[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(
+        [own.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i],
+        abs=1e-4,  # type: ignore[index]
+    )
+    r = httpx.post(url, json={"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1},
+                   timeout=60).json()["choices"][0]  # fmt: skip
+    prompt_text = served.tok.decode(ids)
+    assert r["text"].startswith(prompt_text) and r["text"] == prompt_text + choice["text"]
+    lp = r["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == r["text"] and lp["text_offset"][len(ids)] == len(prompt_text)
+    for body, param in (
+        ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r2 = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+        assert r2.status_code == 400 and r2.json()["error"]["param"] == param, r2.text

@@ -44,7 +44,9 @@ def check_kind(value: Any) -> int:
         return 0
     assert isinstance(value.request_id, str) and (value.prompt is None or isinstance(value.prompt, str))
     assert isinstance(value.prompt_token_ids, list) and all(type(t) is int for t in value.prompt_token_ids)
-    assert value.finished is True and isinstance(value.num_cached_tokens, int) and value.prompt_logprobs is None
+    assert value.finished is True and isinstance(value.num_cached_tokens, int)
+    scored = value.prompt_logprobs
+    assert scored is None or (len(scored) == len(value.prompt_token_ids) and scored[0] is None)
     assert value.metrics is not None and value.metrics.num_generation_tokens == sum(
         len(c.token_ids) for c in value.outputs
     )

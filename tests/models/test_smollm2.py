@@ -296,3 +296,45 @@ def test_repetition_penalty_and_logprobs_equal_transformers(
     assert plain.token_ids != want  # (the penalty changed them)
     got = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs or [])]
     assert got == pytest.approx([float(r[t]) for r, t in zip(raw, want)], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_equal_transformers_in_chunks_overlapped_and_beside_a_cached_prefix(
+    hf: tuple[object, object], ours: tuple[Llama, Tokenizer]
+) -> None:
+    """Issue 64: ``prompt_logprobs`` were refused. Each prompt token's logprob given the tokens before it (and the k
+    likeliest ids there) is transformers' log-softmax of its logits at the position before, whether the prompt runs
+    whole or in 16-token chunks beside other requests, waiting or overlapped; the first token's is None; such a
+    request reads no prefix cache (every position computed) and scores each token once; the trace records it
+    (``max_hit``) and replays."""
+    import io
+
+    from pagedkv.core.verify.trace import replay
+
+    ref_model, _ = hf
+    _, tok = ours
+    text = prompt_text(tok, "Name three rivers of Europe and say where each one rises.", None)
+    ids = tok.encode(text)
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([ids])).logits[0].float()  # type: ignore[operator]
+    want = torch.log_softmax(logits, -1)
+    ask = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    for kw in ({}, {"max_num_batched_tokens": 16}, {"max_num_batched_tokens": 16, "async_scheduling": True}):
+        trace = io.StringIO()
+        eng = engine(ours, kv_cache_memory_bytes=16 << 20, **kw)
+        warm = eng.generate([(text, ids, SamplingParams(temperature=0.0, max_tokens=2))])[0]  # (its prefix cached)
+        c, other = eng.generate([(text, ids, ask), ("", tok.encode("Hello there"), ask)])
+        assert warm.token_ids and c.cached_tokens == 0 and c.prompt_logprobs is not None, kw
+        assert len(c.prompt_logprobs) == len(ids) and c.prompt_logprobs[0] is None, kw
+        got = [entry[t].logprob for t, entry in zip(ids[1:], c.prompt_logprobs[1:])]  # type: ignore[index]
+        assert got == pytest.approx([float(want[p, t]) for p, t in enumerate(ids[1:])], abs=2e-3), kw
+        for p, entry in enumerate(c.prompt_logprobs[1:]):  # (the two likeliest ids there, ranked)
+            top = sorted((e for e in entry.values() if e.rank <= 2), key=lambda e: e.rank)  # type: ignore[union-attr]
+            assert [e.logprob for e in top] == pytest.approx(want[p].topk(2).values.tolist(), abs=2e-3)
+        assert other.prompt_logprobs is not None and len(other.prompt_logprobs) == len(other.prompt_token_ids)
+    eng = engine(ours, kv_cache_memory_bytes=16 << 20, trace=trace)
+    eng.generate([(text, ids, ask)])
+    eng.finish_trace()
+    assert '"max_hit": 0' in trace.getvalue()
+    events = list(replay(trace.getvalue().splitlines(), check=True))
+    assert events and all(ev.divergence is None and ev.result["ok"] and not ev.violations for ev in events)

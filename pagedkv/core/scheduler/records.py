@@ -71,6 +71,9 @@ class SeqRequest:
     # the chain hashes of the prompt's full blocks, computed once at ``submit`` (with prefix caching): every
     # admission and commit of the request takes them (``RequestSpec.block_hashes``) instead of hashing again
     block_hashes: tuple[bytes, ...] = ()
+    # the prefix-cache hit is at most this many tokens (``RequestSpec.max_hit``; 0: the cache is not read, as a
+    # request scoring its prompt needs every position computed); None: no bound but the cache's
+    max_hit: int | None = None
 
     @property
     def is_diffusion(self) -> bool:
@@ -83,7 +86,11 @@ class SeqRequest:
             return RequestSpec(self.request_id, self.rows, self.extra_keys)
         tokens = self.prompt + self.output if self.output else self.prompt  # (the same tuple while no output)
         return RequestSpec(
-            self.request_id, (RowSpec.of_tokens(tokens),), self.extra_keys, block_hashes=self.block_hashes
+            self.request_id,
+            (RowSpec.of_tokens(tokens),),
+            self.extra_keys,
+            max_hit=self.max_hit,
+            block_hashes=self.block_hashes,
         )
 
 

@@ -108,6 +108,8 @@ def submit_event(req: SeqRequest) -> dict[str, Any]:
         ev.update(prompt=list(req.prompt), max_tokens=req.max_tokens)
     if req.extra_keys:
         ev["extra_keys"] = _listed(req.extra_keys)
+    if req.max_hit is not None:  # (written only when set: a trace without it reads as before)
+        ev["max_hit"] = req.max_hit
     return ev
 
 

@@ -156,7 +156,10 @@ def apply_scheduler(
         prompt = ev.get("prompt")
         if not isinstance(prompt, list):
             return Failure(invalid('submit needs "prompt" (token ids) or "rows" (a diffusion request)', field="prompt"))
-        req = SeqRequest(rid, tuple(prompt), max_tokens=ev.get("max_tokens", 16), extra_keys=tuple(extra))
+        most = ev.get("max_hit")
+        if most is not None and not (type(most) is int and most >= 0):
+            return Failure(invalid('"max_hit" must be a non-negative integer', field="max_hit"))
+        req = SeqRequest(rid, tuple(prompt), max_tokens=ev.get("max_tokens", 16), extra_keys=tuple(extra), max_hit=most)
     return submit(state, req).map(lambda s: (s, {}, None))
 
 

@@ -1,7 +1,7 @@
 # bad sampling values are refused when SamplingParams is built
 from pagedkv import SamplingParams, VLLMValidationError
 
-for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"n": 0}, {"prompt_logprobs": 1}):
+for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"n": 0}, {"prompt_logprobs": 50}):
     try:
         SamplingParams(**bad)
     except VLLMValidationError as e:

@@ -134,6 +134,7 @@ def hash_full_blocks(
         if len(cfg.rules) > 1 and events is not None
         else {}
     )  # (nothing built on the step loop otherwise)
+    first = parent
     for j in range(done, full):
         k = j - lo  # (block j's place in the span)
         if ahead:
@@ -149,11 +150,25 @@ def hash_full_blocks(
             h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
             if given is not None and j < len(given) and given[j] != h:
                 raise GivenHashError(j, h)
+        new.append(h)
+        parent = h
+    hashes = new[1:]
+    if events is None:  # (each group's blocks in one pass: not let go already, not cached already, and no other
+        # block holding the same content; a state group's block is the row's live state, cached only when the row
+        # ends on this boundary)
+        for g, group_blocks in enumerate(blocks):
+            if not states or g not in states:
+                txn.index.add_many(g, hashes, group_blocks[done:full])
+        return record.with_hashes(b"".join(new))
+    parent = first
+    for j in range(done, full):  # (the same, block by block, each store's event in order)
+        k = j - lo
+        h = hashes[j - done]
+        if ahead:
+            following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
         for g, group_blocks in enumerate(blocks):
             b = group_blocks[j]
-            # not let go already, not cached already, and no other block holds the same content; a state
-            # group's block is the row's live state (cached only when the row ends on this boundary)
-            if b and (not states or g not in states) and add(g, h, b) and events is not None:
+            if b and (not states or g not in states) and add(g, h, b):
                 start, up = runs.get(g, (k, parent if j else None))
                 events.append(
                     BlockStored(
@@ -168,7 +183,6 @@ def hash_full_blocks(
                 )
                 if g in runs:
                     runs[g] = (k + 1, h)
-        new.append(h)
         parent = h
     return record.with_hashes(b"".join(new))
 

@@ -331,6 +331,38 @@ class PrefixIndexEdit:
         self.size += 1
         return True
 
+    def add_many(self, g: int, hashes: Sequence[BlockHash], blocks: Sequence[int]) -> int:
+        """``add`` of (g, ``hashes[i]``, ``blocks[i]``) for each i in order, in one pass (a block 0, the null block,
+        skipped); how many were added. What a commit of many blocks of one group runs."""
+        node = self.node
+        store = (self.base if node is None else node)._here()
+        entries, revs = store.maps[g], store.revs
+        rev, one = revs[g], revs[0] if len(revs) == 1 else None
+        duplicates, touched = self.duplicates, self.touched
+        log: list[Undo] | None = None
+        n = 0
+        for h, block in zip(hashes, blocks):
+            if not block:
+                continue
+            old = entries.get(h)
+            if old is not None and not duplicates:
+                continue  # the same content sits in another block
+            if block in one if one is not None else any(block in r for r in revs):
+                continue  # this block holds a content
+            if log is None:
+                log = self._writable()[1] if self.node is None else self.base._diff  # (the same store's dicts)
+            if (g, h) not in touched:
+                touched.add((g, h))
+                log.append((g, h, old))  # type: ignore[union-attr]
+            if (~g, block) not in touched:
+                touched.add((~g, block))
+                log.append((~g, block, None))  # type: ignore[union-attr]
+            entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
+            rev[block] = h
+            n += 1
+        self.size += n
+        return n
+
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
         node = self.node

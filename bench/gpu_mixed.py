@@ -52,7 +52,12 @@ def main() -> None:
     def add(prompt_len: int, new: int) -> None:
         nonlocal n
         start = rng.randrange(len(ids) - prompt_len)
-        eng.add_request(f"r{n}", "", ids[start : start + prompt_len], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+        eng.add_request(
+            f"r{n}",
+            "",
+            ids[start : start + prompt_len],
+            SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True),
+        )
         n += 1
 
     for _ in range(args.rows):

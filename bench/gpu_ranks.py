@@ -31,7 +31,8 @@ def main() -> int:
     same = True
     for batch in (1, 8, 64):
         reqs = [
-            (f"p{i}", [rng.randrange(49152) for _ in range(64)], SamplingParams(temperature=0.0, max_tokens=32)) for i in range(batch)
+            (f"p{i}", [rng.randrange(49152) for _ in range(64)], SamplingParams(temperature=0.0, max_tokens=32))
+            for i in range(batch)
         ]
         res = {}
         for world in (1, 2):

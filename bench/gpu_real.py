@@ -142,7 +142,9 @@ def child(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     built = time.perf_counter() - t0
     ids = make_prompts(args.prompts, 0, vocab)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new)  # (IdTokenizer has no stop ids: every request runs to max_tokens)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.new
+    )  # (IdTokenizer has no stop ids: every request runs to max_tokens)
     reqs = [("", p, params) for p in ids]
     ptoks, new = sum(map(len, ids)), args.prompts * args.new
     floor = (2 * layer * (ptoks + new) + 2 * head * new) / (args.tflops * 1e12)

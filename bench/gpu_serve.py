@@ -203,7 +203,9 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
             def run(n: int) -> float:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                done = eng.generate([("", i, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for i in ids])
+                done = eng.generate(
+                    [("", i, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for i in ids]
+                )
                 torch.cuda.synchronize()
                 outs[ahead] = [c.token_ids for c in done]
                 return time.perf_counter() - t0
@@ -257,7 +259,9 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
         while k < len(reqs) and reqs[k][0] <= now:
             rid = f"mix-{k}"
             arrive[rid] = t0 + reqs[k][0]
-            eng.add_request(rid, "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True))
+            eng.add_request(
+                rid, "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+            )
             k += 1
         if eng.has_unfinished():
             done += eng.step(on_token)

@@ -99,7 +99,10 @@ def main() -> None:
                 gc.callbacks.append(cb := lambda phase, info: counts.__setitem__(0, counts[0] + (phase == "start")))
                 t0 = time.perf_counter()
                 done = eng.generate(
-                    [(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=args.new)) for i, p in enumerate(prompts[:b])]
+                    [
+                        (f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=args.new))
+                        for i, p in enumerate(prompts[:b])
+                    ]
                 )
                 ours.append(b * args.new / (time.perf_counter() - t0))
                 gc.callbacks.remove(cb)

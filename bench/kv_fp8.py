@@ -51,7 +51,10 @@ def accuracy(new: int) -> None:
             outs.append(model.forward(torch.tensor(p), batch, eng.pool, eng.backend, eng.layout)[0])
             eng.worker.remove([f"x{i}"])
         logits[dt] = outs
-        runs[dt] = [c.token_ids for c in eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=new)) for p in prompts])]
+        runs[dt] = [
+            c.token_ids
+            for c in eng.generate([("", p, SamplingParams(temperature=0.0, max_tokens=new)) for p in prompts])
+        ]
     print(
         f"SmolLM2-135M-Instruct, CPU, greedy, {new} tokens for each of {len(prompts)} chat questions; fp32 pages "
         "as the reference\n"

@@ -66,14 +66,21 @@ def step_ms(tokens: int) -> float:
 
 
 class Gc:
-    """Counts CPython's collections (gc.callbacks)."""
+    """Counts CPython's collections and the seconds they take (gc.callbacks), the oldest generation's apart."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count = self.full = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
         gc.callbacks.append(self._cb)
 
     def _cb(self, phase: str, info: dict[str, int]) -> None:
-        self.count += phase == "start"
+        if phase == "start":
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
 
 
 def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace, ours: bool) -> dict[str, Any]:
@@ -109,7 +116,13 @@ def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace,
         while pending and pending[0][1][0] <= clock:
             i, (_, ids, out) = pending.pop(0)
             t0 = time.perf_counter()  # (the front end's Request hashes the prompt's blocks: intake, as submit's)
-            request = Request(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), None, block_hasher=hasher)
+            request = Request(
+                f"r{i}",
+                ids,
+                SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+                None,
+                block_hasher=hasher,
+            )
             sched.add_request(request)
             intake += time.perf_counter() - t0
         if not sched.has_requests():
@@ -132,7 +145,8 @@ def run_vllm(work: list[tuple[float, list[int], int]], args: argparse.Namespace,
         clock += step_ms(so.total_num_scheduled_tokens)
         step += 1
     return {"times": times, "intake": intake, "hit": hit, "prompt": total, "preempted": preempted, "steps": step,
-            "gc": collections.count, "digest": digest.hexdigest()[:12], "clock_s": clock / 1e3}  # fmt: skip
+            "gc": collections.count, "gc_full": collections.full, "gc_s": collections.seconds,
+            "digest": digest.hexdigest()[:12], "clock_s": clock / 1e3}  # fmt: skip
 
 
 def run_pagedkv(work: list[tuple[float, list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -185,7 +199,8 @@ def run_pagedkv(work: list[tuple[float, list[int], int]], args: argparse.Namespa
         clock += step_ms(plan.num_tokens)
         step += 1
     return {"times": times, "intake": intake, "hit": hit, "prompt": total, "preempted": preempted, "steps": step,
-            "gc": collections.count, "digest": "-", "clock_s": clock / 1e3}  # fmt: skip
+            "gc": collections.count, "gc_full": collections.full, "gc_s": collections.seconds,
+            "digest": "-", "clock_s": clock / 1e3}  # fmt: skip
 
 
 def child(args: argparse.Namespace) -> None:
@@ -241,7 +256,7 @@ def main() -> None:
         f"vLLM {vllm.__version__}; GC on; median of {args.repeats} run(s) a variant, each in its own process"
     )
     print("\n| variant | scheduler CPU a step p50 / p99 (ms) | total (s) | vs vLLM | intake (s) | hit rate | "
-          "preemptions | steps | GC runs | schedule digest | wall (s) |")  # fmt: skip
+          "preemptions | steps | GC runs (full) / s | schedule digest | wall (s) |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for v in variants:
         xs = runs[v]
@@ -251,7 +266,8 @@ def main() -> None:
         print(
             f"| {v} | {1e3 * pct(mid['times'], 0.5):.2f} / {1e3 * pct(mid['times'], 0.99):.2f} | {tot:.1f} | "
             f"{ratio} | {mid['intake']:.1f} | {100 * mid['hit'] / max(mid['prompt'], 1):.2f}% "
-            f"({mid['hit']:,} tokens) | {mid['preempted']} | {mid['steps']} | {mid['gc']} | {mid['digest']} | "
+            f"({mid['hit']:,} tokens) | {mid['preempted']} | {mid['steps']} | "
+            f"{mid['gc']} ({mid['gc_full']}) / {mid['gc_s']:.2f} | {mid['digest']} | "
             f"{mid['wall']:.0f} |"
         )
 

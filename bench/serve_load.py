@@ -165,7 +165,9 @@ def main() -> None:
         offline = Engine(model, tok, **kw)  # (warm: kernels, graphs; then the timed run)
         offline.generate([("", tok.encode(p), SamplingParams(temperature=0.0, max_tokens=4)) for p, _ in work[:4]])
         t0 = time.perf_counter()
-        done = offline.generate([("", tok.encode(p), SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)) for p, o in work])
+        done = offline.generate(
+            [("", tok.encode(p), SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)) for p, o in work]
+        )
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         off_s = time.perf_counter() - t0

@@ -115,7 +115,11 @@ def run(ours: bool, mode: str, n: int, steps: int, seed: int, events: bool = Tru
         prompt = head + [rng.randrange(1, 1000) for _ in range(250 - len(head) + rng.randrange(-40, 40))]
         out = min(1 + int(rng.expovariate(1 / 128)), max_len - len(prompt))
         return Request(
-            f"q{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), pooling_params=None, block_hasher=hasher
+            f"q{i}",
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=hasher,
         )
 
     class Sink:

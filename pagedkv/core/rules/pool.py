@@ -52,7 +52,7 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
             if gone is not None and events is not None:
                 events.append(BlockRemoved(gone[1], gone[0], x))
         return tuple(out)
-    evicted = index.evict_many(out)  # (the cached ones leave the index, in order)
+    evicted = index.evict_many(out, report=events is not None)  # (the cached ones leave the index, in order)
     if evicted and events is not None:
         events.extend(BlockRemoved(h, g, x) for x, g, h in evicted)
     return tuple(out)

@@ -17,7 +17,7 @@ What makes that safe where the core is used:
   rolls them back. A reroot first computes the inverse log, reading only, then marks itself pending and
   writes (idempotent writes of logged values); an interrupt there is finished by the next access.
 - The store's dicts hold bytes and ints (and, for duplicates, tuples of ints), which CPython's GC does not
-  walk; a log is one list a version. Memory is what the live versions' logs hold: a version nobody holds is
+  walk; a log is one dict of dicts a version. Memory is what the live versions' logs hold: a version nobody holds is
   collected with its log.
 - States are single-thread values: two threads must not read different versions of one lineage at once
   (``pickle`` materializes one: a copy to cross a thread or a process).
@@ -38,9 +38,10 @@ from pagedkv.core.rules.hashing import BlockHash, CacheKey
 
 GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
 
-# An undo entry: (code, key, old). Code g >= 0: group g's map, hash -> block(s); code ~g < 0: group g's
-# reverse map, block -> hash. ``old`` None: the key was absent.
-Undo = tuple[int, Any, Any]
+# An undo log: code -> {key: old}, each key's first old value. Code g >= 0: group g's map, hash -> block(s); code
+# ~g < 0: group g's reverse map, block -> hash. ``old`` None: the key was absent. (A dict a code: a write logs with
+# one ``setdefault`` and allocates no tuple, which a commit of hundreds of blocks would hand the GC by the thousand.)
+Undo = dict[int, dict[Any, Any]]
 
 
 class _Store:
@@ -62,12 +63,13 @@ def _finish(store: _Store) -> None:
     """Complete the pending reroot: its writes (idempotent), then the pointers, the mark cleared last."""
     node, after, log, inverse = store.pending  # type: ignore[misc]
     dict_of = store.dict_of
-    for code, key, old in log:
+    for code, olds in log.items():
         d = dict_of(code)
-        if old is None:
-            d.pop(key, None)
-        else:
-            d[key] = old
+        for key, old in olds.items():
+            if old is None:
+                d.pop(key, None)
+            else:
+                d[key] = old
     after._diff, after._next = inverse, node
     node._diff = node._next = None
     store.current = node
@@ -92,9 +94,17 @@ def _reroot(target: PrefixIndex) -> None:
         log = node._diff
         if log is None:
             raise InvariantError("a prefix-index version off its store has no log")
-        inverse = [(code, key, dict_of(code).get(key)) for code, key, _ in log]  # (each key once in a log)
+        inverse = {code: {key: d.get(key) for key in olds} for code, olds in log.items() for d in (dict_of(code),)}
         store.pending = (node, node._next, log, inverse)
         _finish(store)
+
+
+def _olds(log: Undo, code: int) -> dict[Any, Any]:
+    """The log's old values of the map ``code`` names (made on its first write)."""
+    olds = log.get(code)
+    if olds is None:
+        olds = log[code] = {}
+    return olds
 
 
 class PrefixIndex:
@@ -114,7 +124,7 @@ class PrefixIndex:
 
     def __init__(self, store: _Store, size: int, root: BlockHash, num_blocks: int) -> None:
         self._store = store
-        self._diff: list[Undo] | None = None  # applied to ``_next``'s contents, gives this version's
+        self._diff: Undo | None = None  # applied to ``_next``'s contents, gives this version's
         self._next: PrefixIndex | None = None
         self.size = size
         self.root = root  # the parent of every first block (root_hash of the pool's namespace)
@@ -210,12 +220,11 @@ class PrefixIndexEdit:
     edit rolls it forward. ``persistent`` hands the new version out. Reads see the edit's own writes.
     """
 
-    __slots__ = ("base", "node", "touched", "size", "duplicates")
+    __slots__ = ("base", "node", "size", "duplicates")
 
     def __init__(self, base: PrefixIndex, duplicates: bool = False) -> None:
         self.base = base
         self.node: PrefixIndex | None = None  # the version being written, from the first write on
-        self.touched: set[tuple[int, Any]] = set()  # (code, key) whose old value base's log holds
         self.size = base.size
         self.duplicates = duplicates  # a content already cached caches another block too
 
@@ -224,14 +233,14 @@ class PrefixIndexEdit:
         node = self.node
         return self.base._here() if node is None else node._here()
 
-    def _writable(self) -> tuple[_Store, list[Undo]]:
+    def _writable(self) -> tuple[_Store, Undo]:
         """The store holding the edit's contents, and the log of its old values (base's)."""
         node = self.node
         if node is None:
             base = self.base
             store = base._here()
             node = self.node = PrefixIndex(store, base.size, base.root, base.num_blocks)
-            base._diff, base._next = [], node  # (base leaves the store before anything is written)
+            base._diff, base._next = {}, node  # (base leaves the store before anything is written)
             store.current = node
             return store, base._diff
         store = node._here()
@@ -267,14 +276,15 @@ class PrefixIndexEdit:
         node = self.node
         return (self.base if node is None else node)._here().revs
 
-    def evict_many(self, blocks: Sequence[int]) -> list[tuple[int, int, BlockHash]]:
-        """``evict`` of each of ``blocks`` in order, in one pass: (block, group, hash) of those that were cached."""
+    def evict_many(self, blocks: Sequence[int], report: bool = True) -> list[tuple[int, int, BlockHash]]:
+        """``evict`` of each of ``blocks`` in order, in one pass: (block, group, hash) of those that were cached
+        (``report`` False: none listed, where nobody reads them)."""
         node = self.node
         store = (self.base if node is None else node)._here()
         revs, maps = store.revs, store.maps
         gone: list[tuple[int, int, BlockHash]] = []
-        log = None
-        touched = self.touched
+        logs: list[tuple[dict[Any, Any], dict[Any, Any]]] | None = None  # each group's old values: map, reverse
+        n = 0
         for block in blocks:
             for g, rev in enumerate(revs):
                 h = rev.get(block)
@@ -282,24 +292,24 @@ class PrefixIndexEdit:
                     break
             else:
                 continue
-            if log is None:
+            if logs is None:
                 log = self._writable()[1] if self.node is None else self.base._diff
+                logs = [(_olds(log, k), _olds(log, ~k)) for k in range(len(revs))]  # type: ignore[arg-type]
+            olds, back = logs[g]
             entries = maps[g]
             cur = entries[h]
-            if (~g, block) not in touched:
-                touched.add((~g, block))
-                log.append((~g, block, h))  # type: ignore[union-attr]
-            if (g, h) not in touched:
-                touched.add((g, h))
-                log.append((g, h, cur))  # type: ignore[union-attr]
+            back.setdefault(block, h)
+            olds.setdefault(h, cur)
             del rev[block]
             if type(cur) is tuple:  # a key with duplicates keeps the others, in order
                 rest = tuple(b for b in cur if b != block)
                 entries[h] = rest[0] if len(rest) == 1 else rest
             else:
                 del entries[h]
-            gone.append((block, g, h))
-        self.size -= len(gone)
+            n += 1
+            if report:
+                gone.append((block, g, h))
+        self.size -= n
         return gone
 
     def set(self, key: CacheKey, block: int) -> None:
@@ -319,13 +329,8 @@ class PrefixIndexEdit:
         if block in revs[0] if len(revs) == 1 else any(block in rev for rev in revs):
             return False  # this block holds a content
         log = self._writable()[1] if node is None else self.base._diff
-        touched = self.touched  # (a key's first old value logged: what undoes the edit)
-        if (g, h) not in touched:
-            touched.add((g, h))
-            log.append((g, h, old))  # type: ignore[union-attr]
-        if (~g, block) not in touched:
-            touched.add((~g, block))
-            log.append((~g, block, None))  # type: ignore[union-attr]
+        _olds(log, g).setdefault(h, old)  # type: ignore[arg-type]  # (a key's first old value: what undoes the edit)
+        _olds(log, ~g).setdefault(block, None)  # type: ignore[arg-type]
         entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
         revs[g][block] = h  # the reverse entry, for eviction
         self.size += 1
@@ -338,8 +343,9 @@ class PrefixIndexEdit:
         store = (self.base if node is None else node)._here()
         entries, revs = store.maps[g], store.revs
         rev, one = revs[g], revs[0] if len(revs) == 1 else None
-        duplicates, touched = self.duplicates, self.touched
-        log: list[Undo] | None = None
+        duplicates = self.duplicates
+        olds: dict[Any, Any] | None = None  # (the log's old values of this group's map, and of its reverse map)
+        back: dict[Any, Any] = {}
         n = 0
         for h, block in zip(hashes, blocks):
             if not block:
@@ -349,14 +355,11 @@ class PrefixIndexEdit:
                 continue  # the same content sits in another block
             if block in one if one is not None else any(block in r for r in revs):
                 continue  # this block holds a content
-            if log is None:
+            if olds is None:
                 log = self._writable()[1] if self.node is None else self.base._diff  # (the same store's dicts)
-            if (g, h) not in touched:
-                touched.add((g, h))
-                log.append((g, h, old))  # type: ignore[union-attr]
-            if (~g, block) not in touched:
-                touched.add((~g, block))
-                log.append((~g, block, None))  # type: ignore[union-attr]
+                olds, back = _olds(log, g), _olds(log, ~g)  # type: ignore[arg-type]
+            olds.setdefault(h, old)
+            back.setdefault(block, None)
             entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
             rev[block] = h
             n += 1
@@ -376,13 +379,8 @@ class PrefixIndexEdit:
         log = self._writable()[1] if node is None else self.base._diff
         entries = store.maps[g]
         cur = entries[h]
-        touched = self.touched
-        if (~g, block) not in touched:
-            touched.add((~g, block))
-            log.append((~g, block, h))  # type: ignore[union-attr]
-        if (g, h) not in touched:
-            touched.add((g, h))
-            log.append((g, h, cur))  # type: ignore[union-attr]
+        _olds(log, ~g).setdefault(block, h)  # type: ignore[arg-type]
+        _olds(log, g).setdefault(h, cur)  # type: ignore[arg-type]
         del rev[block]
         if type(cur) is tuple:  # a key with duplicates keeps the others, in order
             rest = tuple(b for b in cur if b != block)
@@ -397,5 +395,5 @@ class PrefixIndexEdit:
         if node is None:
             return self.base
         node.size = self.size
-        self.base, self.node, self.touched = node, None, set()  # (the edit goes on from the new version)
+        self.base, self.node = node, None  # (the edit goes on from the new version)
         return node

@@ -220,6 +220,7 @@ class Engine:
         self._last: tuple[tuple[RequestId, ...], torch.Tensor] | None = None  # the last step's samples, on the device
         self._scoring: list[tuple[Live, int, int]] = []  # this step's prompt positions to score: (its request, the
         # prompt token its logits score, its row among the step's logits)
+        self._scorers: set[RequestId] = set()  # requests asking prompt logprobs whose prompt is not scored yet
         self.launch_bound = self._launch_bound_tokens(model, args.async_scheduling)  # (the most tokens a forward's
         # launches outweigh)
         self.graphs: GraphDecoder | None = None
@@ -266,6 +267,7 @@ class Engine:
         live = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
         if params.prompt_logprobs is not None:  # (the first token has none: vLLM's shape)
             live.completion.prompt_logprobs = [None]
+            self._scorers.add(rid)
         self.requests[rid] = live
         self.stats.prompt_tokens += len(prompt_ids)
         self.outcomes.record(lambda r: r.submit(req, self.state))
@@ -632,12 +634,16 @@ class Engine:
             lps = live.completion.prompt_logprobs
             if lps is not None:
                 lps.append(Logprob.rows(row, tok, k, self.tokenizer.decode))
+                if len(lps) >= len(live.completion.prompt_token_ids):  # (its whole prompt scored)
+                    self._scorers.discard(live.completion.request_id)
 
     def _scored(self, meta: KVMetadata, at: list[int] | None, base: int) -> list[int] | None:
         """``at`` (the forward's logits rows: None, each row's last token) with the positions appended whose logits
         score a prompt token of a request asking ``prompt_logprobs`` and not scored yet (position p scores token
         p + 1; a preempted request's recompute scores none again), each noted in ``_scoring``; ``at`` itself where
         no row asks."""
+        requests = self.requests
+        self._scorers = {rid for rid in self._scorers if rid in requests}  # (an ended one scores nothing more)
         extra: list[tuple[Live, int, int]] = []
         start = 0
         for r in meta.rows:
@@ -708,7 +714,7 @@ class Engine:
             # laid out a token a row, each row's last token's logits; else the forward's own (each row's last)
             at = [end - 1 for end in itertools.accumulate(r.query_len for r in meta.rows)] if flat else None
             where.update(zip(rows, range(base, base + len(rows))))
-        if meta.phase is Phase.PREFILL and not isinstance(meta.rows, DecodeRows):  # (a prompt's chunk: scored?)
+        if self._scorers and meta.phase is Phase.PREFILL and not isinstance(meta.rows, DecodeRows):  # (scored?)
             at = self._scored(meta, at, base)
         at_dev = None if at is None else to_device(at, torch.int64, self.model.device)
         if self.graphs is not None and batch.metadata.phase is Phase.DECODE and self.graphs.fits(batch.num_rows):

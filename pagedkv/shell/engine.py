@@ -258,8 +258,12 @@ class Engine:
         with self._entered("add_request"):
             self._add(rid, prompt, prompt_ids, params)
 
-    def _add(self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Live:
-        params = self._checked(rid, params)  # (a checked copy: later changes to the caller's params reach nothing)
+    def _add(
+        self, rid: RequestId, prompt: str, prompt_ids: list[int], params: SamplingParams, checked: bool = False
+    ) -> Live:
+        """``checked``: ``params`` are ``_checked``'s copy already (``generate``'s)."""
+        if not checked:  # (a checked copy: later changes to the caller's params reach nothing)
+            params = self._checked(rid, params)
         prompt_ids = self._kept(params, prompt_ids)
         req = self._request(rid, prompt_ids, params)
         self.state = self._submitted(self.state, req, params)
@@ -317,9 +321,8 @@ class Engine:
         return max(1, self._longest_request() - len(prompt_ids))
 
     def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
-        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, sampling parameters it cannot
-        sample with, or a token id the model's vocabulary does not have) and nothing changed."""
-        params = self._checked(req.request_id, params)
+        """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
+        vocabulary does not have) and nothing changed; ``params``: ``_checked``'s."""
         vocab = self.model.config.vocab_size
         bad = next(
             (t for t in req.prompt or () if type(t) is int and not 0 <= t < vocab), None
@@ -816,12 +819,12 @@ class Engine:
         ``req-N``, N counting up from the engine's last (a fresh engine: req-0, req-1, ... in order), skipping
         ids live requests hold; all of them are taken, or none (``ShellError``, the engine as it was)."""
         with self._entered("generate"):
-            items = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
+            fresh = [(self._fresh_id(), text, ids, params) for text, ids, params in prompts]
+            items = [(rid, text, ids, self._checked(rid, params)) for rid, text, ids, params in fresh]
             state = self.state
             for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-                checked = self._checked(rid, params)
-                state = self._submitted(state, self._request(rid, self._kept(checked, ids), checked), params)
-            lives = [self._add(rid, text, ids, params) for rid, text, ids, params in items]
+                state = self._submitted(state, self._request(rid, self._kept(params, ids), params), params)
+            lives = [self._add(rid, text, ids, params, checked=True) for rid, text, ids, params in items]
             while self.has_unfinished():
                 for comp in self._step(on_token):
                     if on_finish is not None:

@@ -13,6 +13,7 @@ request asks them, come from the same logits in one more pass (``token_logprobs`
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -172,8 +173,12 @@ class SamplingParams:
             raise SamplingError(problem, parameter=name, value=getattr(self, name, None))
 
     def clone(self) -> SamplingParams:
-        """A checked copy (what the engine keeps of a request: later changes to these params do not reach it)."""
-        return replace(self)
+        """A copy (what the engine keeps of a request, once checked: later changes to these params do not reach
+        it; its mutable fields copied too)."""
+        out = copy.copy(self)
+        if self.logit_bias is not None:
+            out.logit_bias = dict(self.logit_bias)
+        return out
 
     @property
     def penalized(self) -> bool:

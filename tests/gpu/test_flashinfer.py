@@ -146,7 +146,8 @@ def test_an_engine_on_fp8_pages_runs_on_flashinfer_with_graphs() -> None:
 
     model = random_llama(SMOLLM2_SHAPES, dtype=torch.bfloat16, device="cuda")
     prompts = [
-        (f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(temperature=0.0, max_tokens=6)) for i in range(4)
+        (f"p{i}", [(11 * i + j) % 49152 for j in range(30 + 7 * i)], SamplingParams(temperature=0.0, max_tokens=6))
+        for i in range(4)
     ]
     eng = Engine(
         model, IdTokenizer(), backend="flashinfer", block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8"

@@ -25,7 +25,9 @@ def test_the_pages_take_what_the_fraction_leaves(fraction: float) -> None:
     eng = Engine(model, IdTokenizer(), gpu_memory_utilization=fraction, max_num_batched_tokens=4096, cuda_graphs=False)
     pages = eng.rank.sizing.total_bytes
     torch.cuda.reset_peak_memory_stats(dev)
-    done = eng.generate([("", list(range(1, 200 + 7 * i)), SamplingParams(temperature=0.0, max_tokens=16)) for i in range(8)])
+    done = eng.generate(
+        [("", list(range(1, 200 + 7 * i)), SamplingParams(temperature=0.0, max_tokens=16)) for i in range(8)]
+    )
     peak = torch.cuda.max_memory_allocated(dev) - base
     assert all(len(c.token_ids) == 16 for c in done)
     assert pages > 0.5 * (fraction * total - (torch.cuda.memory_allocated(dev) - base - pages))  # most of what is left

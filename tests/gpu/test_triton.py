@@ -45,7 +45,8 @@ def test_graph_replay_equals_the_eager_step(rig: decode_rig.DecodeRig, batch_siz
 def test_an_engine_on_triton_gives_the_torch_backends_tokens() -> None:
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
     prompts = [
-        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(temperature=0.0, max_tokens=12)) for i in range(4)
+        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(temperature=0.0, max_tokens=12))
+        for i in range(4)
     ]
     runs = {}
     for backend in ("torch", "triton"):
@@ -84,7 +85,8 @@ def test_prefill_forwards_replay_graphs_and_give_the_eager_tokens() -> None:
     eager forward; greedy tokens equal the engine's with graphs off in every case."""
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
     short = [
-        (f"s{i}", [(3 * i + j) % 49152 for j in range(20 + 7 * i)], SamplingParams(temperature=0.0, max_tokens=1)) for i in range(4)
+        (f"s{i}", [(3 * i + j) % 49152 for j in range(20 + 7 * i)], SamplingParams(temperature=0.0, max_tokens=1))
+        for i in range(4)
     ]
     long = [("l", [(11 + j) % 49152 for j in range(1200)], SamplingParams(temperature=0.0, max_tokens=4))]
     runs = {}
@@ -118,7 +120,8 @@ def test_a_prefill_forward_over_the_bucket_replays_in_pieces_between_requests() 
     graphs off."""
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
     prompts = [
-        (f"p{i}", [(13 * i + j) % 49152 for j in range(100 + 5 * i)], SamplingParams(temperature=0.0, max_tokens=6)) for i in range(8)
+        (f"p{i}", [(13 * i + j) % 49152 for j in range(100 + 5 * i)], SamplingParams(temperature=0.0, max_tokens=6))
+        for i in range(8)
     ]
     runs = {}
     for graphs in (True, False):
@@ -153,7 +156,8 @@ def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dt
 def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() -> None:
     model = random_llama(SMOLLM2_SHAPES, device="cuda")
     prompts = [
-        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(temperature=0.0, max_tokens=12)) for i in range(4)
+        (f"p{i}", [(7 * i + j) % 49152 for j in range(40 + 9 * i)], SamplingParams(temperature=0.0, max_tokens=12))
+        for i in range(4)
     ]
     runs = {}
     for backend in ("torch", "triton"):
@@ -172,7 +176,11 @@ def test_verified_tokens_are_the_decoded_tokens_in_bf16(drafts: int) -> None:
     parted at batch 8 with two drafts while the decode kernel's splits followed the number of rows)."""
     model = random_llama(SMOLLM2_SHAPES, device="cuda", dtype=torch.bfloat16)
     prompts = [
-        (f"p{i}", [(5 * i + j % 7) % 49152 for j in range(30 + 11 * i)] * 2, SamplingParams(temperature=0.0, max_tokens=24))
+        (
+            f"p{i}",
+            [(5 * i + j % 7) % 49152 for j in range(30 + 11 * i)] * 2,
+            SamplingParams(temperature=0.0, max_tokens=24),
+        )
         for i in range(8)
     ]
     runs = {}

@@ -15,59 +15,19 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
 from bench.gpu_serve import WORDS  # noqa: E402
+from bench.llama_shapes import SHAPES, build  # noqa: E402
 from pagedkv.models.gguf import load_tokenizer_meta  # noqa: E402
-from pagedkv.models.hf import hf_config  # noqa: E402
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.engine_args import freeze_startup  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams  # noqa: E402
-
-SHAPES = {  # transformers LlamaConfig fields
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    ),
-    "llama-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
-    ),
-    "llama-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
-    ),
-}
-
-
-def build(shape: str, device: str) -> tuple[Llama, int, int]:
-    """The model, its matrix parameters a token (the layers') and the LM head's."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, **SHAPES[shape]
-    )
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    with tempfile.TemporaryDirectory() as d:
-        hf.config.architectures = ["LlamaForCausalLM"]  # (as the model's save_pretrained names it)
-        hf.config.save_pretrained(d)  # (the config alone: read as `--model DIR` reads it)
-        _, ours, _ = hf_config(d)
-    sd = {k: v for k, v in hf.state_dict().items()}
-    model = Llama(ours, sd, dtype=torch.bfloat16, device=device)  # type: ignore[arg-type]
-    del hf, sd
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    layer = sum(
-        p.numel()
-        for L in model.layers
-        for k, p in L.items()
-        if k in ("qkv", "o", "gate_up", "down")  # (q, k, v, gate and up are views into qkv and gate_up)
-    )
-    return model, layer, model.lm_head.numel()
 
 
 def prompts(tok: Tokenizer, n: int, new: int) -> list[tuple[str, list[int], SamplingParams]]:

@@ -24,51 +24,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHAPES = {  # transformers LlamaConfig fields
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    ),
-    "llama-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
-    ),
-    "llama-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
-    ),
-}
-VOCAB = 128_256
-
-
-def build(shape: str, device: str) -> tuple[Any, int, int]:
-    """The model (pagedkv's Llama over transformers' random weights), its layers' matrix parameters a token, the LM
-    head's."""
-    import torch
-    import transformers
-
-    from pagedkv.models.hf import hf_config
-    from pagedkv.models.llama import Llama
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, **SHAPES[shape]
-    )
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    with tempfile.TemporaryDirectory() as d:
-        hf.config.architectures = ["LlamaForCausalLM"]
-        hf.config.save_pretrained(d)
-        _, ours, _ = hf_config(d)
-    sd = dict(hf.state_dict())
-    model = Llama(ours, sd, dtype=torch.bfloat16, device=device)  # type: ignore[arg-type]
-    del hf, sd
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    layer = sum(p.numel() for L in model.layers for k, p in L.items() if k in ("qkv", "o", "gate_up", "down"))
-    return model, layer, model.lm_head.numel()
+sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+from llama_shapes import SHAPES, build  # noqa: E402
 
 
 def variant(name: str) -> Any:

@@ -433,10 +433,10 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
     from pagedkv.shell.errors import BackendUnavailable
 
     try:
-        from pagedkv.models.hf import load_tokenizer, model_source, weights_dtype
+        from pagedkv.models.hf import load_tokenizer, weights_dtype
 
         dtype = weights_dtype(args.dtype, args.device)
-        source = model_source(args.model) if args.model else None  # (a hub id: its snapshot; the default's: None)
+        source = model_dir(args)
         if source is not None:
             model, tok, args.model_name = load_model(source, dtype=dtype, device=args.device)
         else:
@@ -473,12 +473,21 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
         ) from None
 
 
+def model_dir(args: argparse.Namespace) -> str | None:
+    """Where ``--model``'s checkpoint is (``models.hf.model_source``: a hub id's snapshot; None for the packaged
+    model), found once and kept on ``args`` (the engine and the generation config both ask)."""
+    from pagedkv.models.hf import model_source
+
+    if not hasattr(args, "model_dir"):
+        args.model_dir = model_source(args.model) if args.model else None
+    return args.model_dir  # type: ignore[no-any-return]
+
+
 def read_generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling defaults of ``--generation-config`` (``auto``: the model's own ``generation_config.json``)."""
-    from pagedkv.models.hf import generation_defaults, model_source
+    from pagedkv.models.hf import generation_defaults
 
-    model = model_source(args.model) if args.model else None
-    source = {"auto": model, "vllm": None}.get(args.generation_config, args.generation_config)
+    source = {"auto": model_dir(args), "vllm": None}.get(args.generation_config, args.generation_config)
     return generation_defaults(source) if source else {}
 
 

@@ -297,8 +297,7 @@ class LLM:
 
         longest = self.engine.longest_request()
         for (_, ids), p in zip(prompts, params):  # (vLLM's check, before anything runs)
-            keep = p.truncate_prompt_tokens
-            n = len(ids) if keep is None else min(len(ids), longest if keep == -1 else keep)
+            n = len(self.engine.served_prompt(p, ids))
             if n >= longest:
                 raise SamplingError(
                     f"The decoder prompt (length {n}) leaves no room for a token within the maximum model length of "

@@ -229,7 +229,7 @@ class Engine:
             self.graphs = GraphDecoder(model, rank, self.backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         self.stats = EngineStats()
-        self._longest: int | None = None  # longest_request(), once a max_tokens=None asks it
+        self._longest: int | None = None  # longest_request(), once asked
         self.outcomes = Outcomes(
             tokenizer, None if trace is None else Recorder(trace, self.cache, sched, expect=trace_expect)
         )
@@ -264,7 +264,7 @@ class Engine:
         """``checked``: ``params`` are ``_checked``'s copy already (``generate``'s)."""
         if not checked:  # (a checked copy: later changes to the caller's params reach nothing)
             params = self._checked(rid, params)
-        prompt_ids = self._kept(params, prompt_ids)
+        prompt_ids = self.served_prompt(params, prompt_ids)
         req = self._request(rid, prompt_ids, params)
         self.state = self._submitted(self.state, req, params)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
@@ -298,27 +298,22 @@ class Engine:
             max_hit=None if params.prompt_logprobs is None else 0,
         )
 
-    def _kept(self, params: SamplingParams, prompt_ids: list[int]) -> list[int]:
-        """The prompt's ids served: its last ``truncate_prompt_tokens`` (vLLM's; -1: as many as the longest request
-        holds), or all of them."""
+    def served_prompt(self, params: SamplingParams, prompt_ids: list[int]) -> list[int]:
+        """The prompt's ids a request with ``params`` is served: its last ``truncate_prompt_tokens`` (vLLM's; -1: as
+        many as the longest request holds), or all of them."""
         keep = params.truncate_prompt_tokens
         if keep is None or not isinstance(prompt_ids, (list, tuple)):
             return prompt_ids
         if keep == -1:
-            keep = self._longest_request()
+            keep = self.longest_request()
         return list(prompt_ids[-keep:]) if len(prompt_ids) > keep else prompt_ids
-
-    def _longest_request(self) -> int:
-        if self._longest is None:
-            self._longest = self.longest_request()
-        return self._longest
 
     def _max_tokens(self, params: SamplingParams, prompt_ids: Sequence[int]) -> int:
         """``max_tokens``, or (None, vLLM's) as many as the longest request leaves after the prompt (at least one: a
         prompt of the whole length is refused by its length, not here)."""
         if params.max_tokens is not None:
             return params.max_tokens
-        return max(1, self._longest_request() - len(prompt_ids))
+        return max(1, self.longest_request() - len(prompt_ids))
 
     def _submitted(self, state: Any, req: SeqRequest, params: SamplingParams) -> Any:
         """``state`` with ``req`` submitted, or ``ShellError`` (the core's refusal, or a token id the model's
@@ -373,7 +368,10 @@ class Engine:
         """The most tokens (prompt and generated) one request may hold: ``max_model_len``, or less where the pool
         cannot hold that many for one request alone (its prompt taken whole, or under ``grow_prefill`` a token at a
         time: ``CacheConfig.held_growing``). What a server advertises and checks prompts against (vLLM refuses to
-        start where its pool cannot hold ``max_model_len``; pagedkv serve does where it was asked for)."""
+        start where its pool cannot hold ``max_model_len``; pagedkv serve does where it was asked for). Found once (the
+        pool's geometry never changes)."""
+        if self._longest is not None:
+            return self._longest
         cfg, usable = self.cache, self.cache.usable_blocks
         holds = (lambda n: cfg.held_growing(n, 1) <= usable) if self.state.config.grow_prefill else None
         fits, over = 0, cfg.length_limit + 1  # (fits holds; over does not)
@@ -381,6 +379,7 @@ class Engine:
             mid = (fits + over) // 2
             ok = holds(mid) if holds is not None else cfg.row_blocks(mid) <= usable
             fits, over = (mid, over) if ok else (fits, mid)
+        self._longest = fits
         return fits
 
     def has_unfinished(self) -> bool:
@@ -823,7 +822,7 @@ class Engine:
             items = [(rid, text, ids, self._checked(rid, params)) for rid, text, ids, params in fresh]
             state = self.state
             for rid, _, ids, params in items:  # all of them are taken, or none (the engine as it was)
-                state = self._submitted(state, self._request(rid, self._kept(params, ids), params), params)
+                state = self._submitted(state, self._request(rid, self.served_prompt(params, ids), params), params)
             lives = [self._add(rid, text, ids, params, checked=True) for rid, text, ids, params in items]
             while self.has_unfinished():
                 for comp in self._step(on_token):

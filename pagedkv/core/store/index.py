@@ -320,21 +320,7 @@ class PrefixIndexEdit:
 
     def add(self, g: int, h: BlockHash, block: int) -> bool:
         """Cache ``block`` under (g, h) unless the hash is cached already or the block is; added?"""
-        node = self.node
-        store = (self.base if node is None else node)._here()
-        entries, revs = store.maps[g], store.revs
-        old = entries.get(h)
-        if old is not None and not self.duplicates:
-            return False  # the same content sits in another block
-        if block in revs[0] if len(revs) == 1 else any(block in rev for rev in revs):
-            return False  # this block holds a content
-        log = self._writable()[1] if node is None else self.base._diff
-        _olds(log, g).setdefault(h, old)  # type: ignore[arg-type]  # (a key's first old value: what undoes the edit)
-        _olds(log, ~g).setdefault(block, None)  # type: ignore[arg-type]
-        entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)
-        revs[g][block] = h  # the reverse entry, for eviction
-        self.size += 1
-        return True
+        return self.add_many(g, (h,), (block,)) == 1
 
     def add_many(self, g: int, hashes: Sequence[BlockHash], blocks: Sequence[int]) -> int:
         """``add`` of (g, ``hashes[i]``, ``blocks[i]``) for each i in order, in one pass (a block 0, the null block,
@@ -368,27 +354,8 @@ class PrefixIndexEdit:
 
     def evict(self, block: int) -> CacheKey | None:
         """Drop ``block``'s entry (its content is about to be overwritten); the key it had, if any."""
-        node = self.node
-        store = (self.base if node is None else node)._here()
-        for g, rev in enumerate(store.revs):
-            h = rev.get(block)
-            if h is not None:
-                break
-        else:
-            return None
-        log = self._writable()[1] if node is None else self.base._diff
-        entries = store.maps[g]
-        cur = entries[h]
-        _olds(log, ~g).setdefault(block, h)  # type: ignore[arg-type]
-        _olds(log, g).setdefault(h, cur)  # type: ignore[arg-type]
-        del rev[block]
-        if type(cur) is tuple:  # a key with duplicates keeps the others, in order
-            rest = tuple(b for b in cur if b != block)
-            entries[h] = rest[0] if len(rest) == 1 else rest
-        else:
-            del entries[h]
-        self.size -= 1
-        return g, h
+        gone = self.evict_many((block,))
+        return (gone[0][1], gone[0][2]) if gone else None
 
     def persistent(self) -> PrefixIndex:
         node = self.node

@@ -138,6 +138,18 @@ def are_token_ids(ids: Sequence[object]) -> bool:
     return True
 
 
+def are_packed_ids(value: object) -> bool:
+    """An ``array("Q")``: token ids by construction (the array holds only unsigned 64-bit integers), so a growth or
+    a fill takes one with no per-id check: what a caller that keeps a request's ids as it receives them hands
+    over (pagedkv's vLLM manager), each id checked once, when it joined the array.
+
+    >>> from array import array
+    >>> are_packed_ids(array("Q", [1, 2])), are_packed_ids(array("q", [1])), are_packed_ids([1])
+    (True, False, False)
+    """
+    return type(value) is array and value.typecode == "Q"
+
+
 def is_seq(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     """A list or a tuple: what the core's batch arguments and per-row lists are. A str, bytes, a mapping, a set
     or a named tuple (``Placeholders(2)`` is one growth, not a list of rows) is not one.

@@ -150,7 +150,7 @@ def check_request_spec(spec: object) -> KVError | None:
             field="content",
         )
     given = spec.block_hashes
-    if not isinstance(given, tuple) or not all(type(h) is bytes for h in given):
+    if not isinstance(given, tuple) or not set(map(type, given)) <= {bytes}:
         return invalid(
             f"request {shown(rid)}: block_hashes must be a tuple of bytes", request=rid, field="block_hashes"
         )

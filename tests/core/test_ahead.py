@@ -77,6 +77,27 @@ def test_one_id_at_a_time_into_positions_not_computed_keeps_the_row_awaiting_the
     assert row_token_ids(s, 0) == (1, 2, 3, 4, 5, 6) and check_invariants(s) == []
 
 
+def test_an_array_of_ids_grows_and_fills_a_row_as_a_list_does_and_a_wrong_one_is_refused() -> None:
+    """Issue 62: ``array("Q")`` ids (checked when they joined the array, so taken with no per-id check) give the
+    same state as a list's; an array of another type code is refused as any non-list is, nothing changed."""
+    from array import array
+
+    def grown(ids: object) -> object:
+        s = admitted(caching(), [1, 2, 3])
+        s = append(s, "a", [ids]).unwrap().state
+        s = append(s, "a", [Placeholders(3)]).unwrap().state
+        s = commit(s, "a", [len(row_token_ids(s, 0)) + 3]).unwrap().state
+        return fill(s, "a", [array("Q", [9, 10, 11]) if type(ids) is array else [9, 10, 11]]).unwrap().state
+
+    by_list, by_array = grown([4, 5, 6, 7, 8]), grown(array("Q", [4, 5, 6, 7, 8]))
+    assert digest(by_array) == digest(by_list) and row_token_ids(by_array, 0) == tuple(range(1, 12))
+    assert check_invariants(by_array) == []
+    s = admitted(caching(), [1, 2, 3])
+    for bad in (array("q", [4]), array("d", [4.0])):
+        got = append(s, "a", [bad])
+        assert got.failure().code.value == "INVALID" and digest(s) == digest(admitted(caching(), [1, 2, 3]))
+
+
 def test_fill_under_the_schedule_caching_point_hashes_only_known_blocks() -> None:
     s = admitted(caching(caching_point="schedule"), [1, 2, 3])
     s = append(s, "a", [Placeholders(5)]).unwrap().state

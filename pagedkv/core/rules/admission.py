@@ -9,6 +9,7 @@ evicts its own hit).
 from __future__ import annotations
 
 from functools import partial
+from itertools import chain
 from typing import Any
 
 from returns.result import Failure, Result, Success
@@ -173,7 +174,8 @@ def _shape(state: KVState, spec: RequestSpec, checked: bool = False) -> KVError 
     if (
         err is None
         and not width_checked
-        and any(len(h) != state.config.hash_width for h in (*spec.block_hashes, *_row_hashes(spec)))
+        and not set(map(len, chain(spec.block_hashes, *(row.block_hashes for row in spec.rows))))
+        <= {state.config.hash_width}
     ):
         width = state.config.hash_width
         return invalid(
@@ -182,10 +184,6 @@ def _shape(state: KVState, spec: RequestSpec, checked: bool = False) -> KVError 
             field="block_hashes",
         )
     return err
-
-
-def _row_hashes(spec: RequestSpec) -> tuple[bytes, ...]:
-    return tuple(h for row in spec.rows for h in row.block_hashes)
 
 
 def _hit(state: KVState, spec: RequestSpec) -> Hit | KVError:

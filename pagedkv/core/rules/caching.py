@@ -135,21 +135,23 @@ def hash_full_blocks(
         else {}
     )  # (nothing built on the step loop otherwise)
     first = parent
-    for j in range(done, full):
+    upto = min(full, max(taken, done))  # blocks done..upto take the caller's hashes, checked at C speed
+    if upto > done:
+        theirs = given[done:upto]  # type: ignore[index]
+        if set(map(type, theirs)) != {bytes} or set(map(len, theirs)) != {hw}:  # (a hash the record cannot hold)
+            raise GivenHashError(
+                next(j for j, h in enumerate(theirs, done) if type(h) is not bytes or len(h) != hw), None, hw
+            )
+        new.extend(theirs)
+        parent = theirs[-1]
+    for j in range(upto, full):
         k = j - lo  # (block j's place in the span)
         if ahead:
             following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
-        if j < taken:
-            h = given[j]  # type: ignore[index]
-            if type(h) is not bytes or len(h) != hw:  # (a hash the row's record cannot hold)
-                raise GivenHashError(j, None, hw)
-        else:
-            extra = (
-                (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
-            )
-            h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
-            if given is not None and j < len(given) and given[j] != h:
-                raise GivenHashError(j, h)
+        extra = (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
+        h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
+        if given is not None and j < len(given) and given[j] != h:
+            raise GivenHashError(j, h)
         new.append(h)
         parent = h
     hashes = new[1:]

@@ -8,9 +8,10 @@ tail, the rest in its record) and stop at the first growth by a count.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from returns.result import Failure, Result, Success
 
@@ -22,6 +23,7 @@ from pagedkv.core.errors import (
     InvariantError,
     KVError,
     RequestId,
+    are_packed_ids,
     are_token_ids,
     ids_problem,
     invalid,
@@ -45,7 +47,7 @@ class Placeholders(NamedTuple):
 
 
 # One row's growth in an append: a token count (the row's ids stop there), its token ids, or placeholders.
-Growth = int | Sequence[int] | Placeholders
+Growth = int | Sequence[int] | Placeholders  # (token ids: a list, a tuple or an array("Q"))
 
 
 def append(state: KVState, request_id: RequestId, rows: Sequence[Growth]) -> Result[Step[Appended], KVError]:
@@ -259,7 +261,7 @@ def _plan_growth(
                 return invalid(
                     f"request {shown(rid)} row {i}: cannot append {shown(n)} tokens", request=rid, field="num_tokens"
                 )
-        elif isinstance(item, (list, tuple)):
+        elif isinstance(item, (list, tuple)) or are_packed_ids(item):
             if type(txn.row_tail[req.slots[i]]) is Awaiting:  # ids go where the known ones end: fill first
                 slot = req.slots[i]
                 return invalid(
@@ -268,14 +270,15 @@ def _plan_growth(
                     request=rid,
                     field="tokens",
                 )
-            if not are_token_ids(item):  # (at C speed; the loop names a bad one)
-                bad = next(t for t in item if not is_token_id(t))
+            ids = cast(Sequence[int], item)
+            if type(ids) is not array and not are_token_ids(ids):  # (at C speed; the loop names a bad one)
+                bad = next(t for t in ids if not is_token_id(t))
                 return invalid(
                     f"request {shown(rid)} row {i}: token ids must be non-negative integers below 2**64, got {shown(bad)}",
                     request=rid,
                     field="tokens",
                 )
-            n = len(item)
+            n = len(ids)
         else:
             return invalid(
                 f"request {shown(rid)} row {i}: growth must be a count or a list of token ids, got {shown(item)}",
@@ -325,7 +328,7 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
             raise InvariantError("a row with a token tail has token ids")
         if type(item) is Placeholders:  # the known ids stay a prefix; the rest await theirs
             tails[slot] = as_tail(tail, True)
-        elif isinstance(item, (list, tuple)):
+        elif isinstance(item, (list, tuple)) or type(item) is array:
             ids, tails[slot] = with_more_ids(ids, tail, pack_ids(item), txn.config.block_size, awaiting=False)
         else:
             if tail:

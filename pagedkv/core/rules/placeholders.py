@@ -22,6 +22,7 @@ from pagedkv.core.errors import (
     InvariantError,
     KVError,
     RequestId,
+    are_packed_ids,
     are_token_ids,
     invalid,
     is_int,
@@ -107,7 +108,7 @@ def _fill_one(txn: Txn, rid: RequestId, rows: Sequence[Sequence[int]]) -> KVErro
     cfg = txn.config
     first = len(txn.events)
     for i, (slot, ids) in enumerate(zip(req.slots, rows)):
-        if not isinstance(ids, (list, tuple)) or not are_token_ids(ids):
+        if not are_packed_ids(ids) and (not isinstance(ids, (list, tuple)) or not are_token_ids(ids)):
             return invalid(
                 f"fill of request {shown(rid)} row {i}: ids must be a list of token ids below 2**64",
                 request=rid,

@@ -282,25 +282,32 @@ class PrefixIndexEdit:
         node = self.node
         store = (self.base if node is None else node)._here()
         revs, maps = store.revs, store.maps
+        one = revs[0] if len(revs) == 1 else None  # (one group: a block's entry is a single pop away)
         gone: list[tuple[int, int, BlockHash]] = []
         logs: list[tuple[dict[Any, Any], dict[Any, Any]]] | None = None  # each group's old values: map, reverse
-        n = 0
+        n = g = 0
+        rev = one
         for block in blocks:
-            for g, rev in enumerate(revs):
-                h = rev.get(block)
-                if h is not None:
-                    break
+            if one is not None:
+                h = one.get(block)
+                if h is None:
+                    continue
             else:
-                continue
+                for g, rev in enumerate(revs):
+                    h = rev.get(block)
+                    if h is not None:
+                        break
+                else:
+                    continue
             if logs is None:
                 log = self._writable()[1] if self.node is None else self.base._diff
                 logs = [(_olds(log, k), _olds(log, ~k)) for k in range(len(revs))]  # type: ignore[arg-type]
             olds, back = logs[g]
             entries = maps[g]
             cur = entries[h]
-            back.setdefault(block, h)
+            back.setdefault(block, h)  # (each old value logged before its key is written)
             olds.setdefault(h, cur)
-            del rev[block]
+            del rev[block]  # type: ignore[union-attr]
             if type(cur) is tuple:  # a key with duplicates keeps the others, in order
                 rest = tuple(b for b in cur if b != block)
                 entries[h] = rest[0] if len(rest) == 1 else rest

@@ -17,8 +17,8 @@ class _Record(Protocol):
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
-    """Token ids as the tail stores them: eight little-endian bytes each."""
-    return array("Q", ids).tobytes()
+    """Token ids as the tail stores them: eight little-endian bytes each (an ``array("Q")`` as it is)."""
+    return ids.tobytes() if type(ids) is array else array("Q", ids).tobytes()
 
 
 class Awaiting(bytes):

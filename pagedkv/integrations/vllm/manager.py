@@ -17,7 +17,6 @@ states cached in a step.
 
 from __future__ import annotations
 
-from array import array
 from typing import Any
 
 from returns.result import Failure
@@ -52,6 +51,7 @@ from pagedkv.integrations.vllm.requests import (
     is_waiting,
     reads_cache,
     release_reason,
+    token_ids,
 )
 from pagedkv.integrations.vllm.stream import EventStream, ManagerError, Refused, Transaction
 
@@ -137,9 +137,6 @@ class PagedKVCacheManager:
         self._requests: dict[str, Any] = {}
         # each request's ids and vLLM's hashes as tuples, made once while they stay the same: (tokens, ids, hashes)
         self._seen: dict[str, tuple[int, tuple[int, ...] | None, tuple[bytes, ...] | None]] = {}
-        # each admitted request's ids as an array("Q"), extended as its tokens come back: the ids the core's rows
-        # grow and fill by, each converted (and so checked) once, sliced at C speed
-        self._packed: dict[str, array[int]] = {}
         # (a window, or an align-mode Mamba group, lets blocks go at each commit: every call is applied)
         self._lag = not any(geometry.windows) and not any(geometry.aligned)
         self._aligned = [g for g, a in enumerate(geometry.aligned) if a]
@@ -400,7 +397,6 @@ class PagedKVCacheManager:
         self._hashed.pop(rid, None)
         self._requests.pop(rid, None)
         self._seen.pop(rid, None)
-        self._packed.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
         self._flush()
@@ -444,24 +440,10 @@ class PagedKVCacheManager:
         rid, n = request.request_id, request.num_tokens
         got = self._seen.get(rid)
         if got is None or got[0] != n or got[1] is None:
-            got = (n, tuple(request.all_token_ids), got[2] if got is not None and got[0] == n else None)
+            got = (n, tuple(token_ids(request)), got[2] if got is not None and got[0] == n else None)
             self._seen[rid] = got
         ids: tuple[int, ...] = got[1]  # type: ignore[assignment]
         return ids if upto is None or upto >= n else ids[:upto]
-
-    def _ids_from(self, request: Any, start: int, stop: int) -> array[int]:
-        """The request's ids ``[start, stop)`` as an ``array("Q")`` (the core takes one with no per-id check): its
-        array extended by the tokens that came back since the last call."""
-        rid, n = request.request_id, request.num_tokens
-        packed = self._packed.get(rid)
-        if packed is None:
-            packed = self._packed[rid] = array("Q", request.all_token_ids)
-        elif len(packed) != n:
-            if len(packed) > n:  # (never seen: vLLM's rows only grow; kept exact all the same)
-                del packed[n:]
-            else:
-                packed.extend(request.all_token_ids[len(packed) :])
-        return packed[start:stop]
 
     def _hashes(self, request: Any) -> tuple[bytes, ...]:
         """vLLM's block hashes of the request as a tuple, made once while they stay the same."""
@@ -637,7 +619,7 @@ class PagedKVCacheManager:
         if not self.enable_caching:
             return target - length
         if target <= known and row_known(state, slot) == length:
-            return self._ids_from(request, length, target)
+            return token_ids(request, length, target)
         return Placeholders(target - length)
 
     def _to_cache(self, request: Any, through: int) -> None:
@@ -681,7 +663,7 @@ class PagedKVCacheManager:
             for request, _, upto in items:
                 rid = request.request_id
                 start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
-                fills.append((rid, [self._ids_from(request, start, upto) if upto > start else []]))
+                fills.append((rid, [token_ids(request, start, upto) if upto > start else []]))
                 known[rid] = max(start, upto)
             if any(ids for _, (ids,) in fills):
                 txn.apply(fill_many(txn.state, fills), "fill")
@@ -730,7 +712,7 @@ class PagedKVCacheManager:
         state = txn.state
         known, upto = row_known(state, slot), min(request.num_tokens, state.row_len[slot])
         if known < upto:
-            txn.apply(fill(state, request.request_id, [self._ids_from(request, known, upto)]), "fill")
+            txn.apply(fill(state, request.request_id, [token_ids(request, known, upto)]), "fill")
 
     def _catch_up(self, txn: Transaction, request: Any, slot: int) -> None:
         """The core's row brought to the length vLLM sees: the ids that came back filled in, then the growth

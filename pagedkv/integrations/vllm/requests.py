@@ -6,6 +6,8 @@ freed."""
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -34,6 +36,35 @@ def block_keys(request: Any) -> tuple[tuple[Key, ...], tuple[Content, ...], tupl
     )
     first: tuple[Key, ...] = (("cache_salt", request.cache_salt),) if request.cache_salt else ()
     return every, content, first
+
+
+_WIDE = 256  # (from this many ids on, numpy's fixed ~5 us pays)
+
+
+def token_ids(request: Any, start: int = 0, stop: int | None = None) -> Sequence[int]:
+    """The request's token ids ``[start, stop)`` as an ``array("Q")``, which the core takes with no per-id check
+    (each id converted, and so checked, here). vLLM 0.34 keeps a request's ids in an ``array("i")`` (its
+    ``TokenBuffer``), whose slices are made into lists: its ids are widened from the buffer at C speed where they are many
+    (numpy, which vLLM installs; ~7 us for 8,192 ids against ~290 for a slice); 0.33's, a list, is converted as it is. Ids that
+    are no token ids (a negative one) come back as a list, for the core to refuse naming the first."""
+    buf = request._all_token_ids
+    stop = len(buf) if stop is None else min(stop, len(buf))
+    if stop <= start:
+        return array("Q")
+    if stop - start >= _WIDE and isinstance(buf, array) and buf.typecode == "i":
+        import numpy as np  # (vLLM's own dependency: this manager exists only where vLLM does)
+
+        wide = np.frombuffer(buf, dtype=np.int32, count=stop - start, offset=start * 4)
+        if wide.min() < 0:
+            return list(buf[start:stop])
+        out = array("Q")
+        out.frombytes(wide.astype("<u8").tobytes())
+        return out
+    part = buf[start:stop]
+    try:
+        return array("Q", part)
+    except (OverflowError, TypeError):
+        return list(part)
 
 
 def event_fields(request: Any) -> RequestFields:

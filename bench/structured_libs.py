@@ -1,5 +1,5 @@
 """Grammar libraries for structured outputs on this machine (issue 65's choice): xgrammar and llguidance, each with
-the model's own vocabulary (SmolLM2's, transformers' tokenizer over pagedkv's tokenizer.json: ``app.llm.hf_tokenizer``),
+the model's own vocabulary (SmolLM2's, transformers' tokenizer over pagedkv's tokenizer.json: ``models.tokenizer.hf_tokenizer``),
 timed on what a serving step pays: handing the vocabulary over (once an engine), compiling a grammar (once a
 grammar: cached by its text), making a matcher (once a request), and filling the batch's token bitmask (every step),
 at the grammar's start and in the middle of a JSON string. One thread; a library not installed is skipped with why.
@@ -29,7 +29,7 @@ PREFIX = '{"name": "Ada Lovel'  # (the middle of a string: most ids allowed, the
 
 
 def tokenizer() -> Any:
-    from pagedkv.app.llm import hf_tokenizer
+    from pagedkv.models.tokenizer import hf_tokenizer
     from pagedkv.models.gguf import load_tokenizer_meta
     from pagedkv.models.tokenizer import Tokenizer
 

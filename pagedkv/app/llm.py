@@ -20,7 +20,7 @@ from typing import Any, NotRequired, Required, TypedDict, cast
 from pagedkv.app.args import auto_threads
 from pagedkv.models.hf import generation_defaults, load_model, model_source, weights_dtype
 from pagedkv.models.llama import Llama
-from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.models.tokenizer import Tokenizer, hf_tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.outcomes import Completion
@@ -296,7 +296,9 @@ class LLM:
         from pagedkv.app.report import progress_bar
 
         longest = self.engine.longest_request()
-        for (_, ids), p in zip(prompts, params):  # (vLLM's check, before anything runs)
+        for (_, ids), p in zip(prompts, params):  # (vLLM's checks, before anything runs)
+            if p.structured_outputs is not None:  # (a constraint that cannot compile: the library's reason)
+                self.engine.grammars().grammar(p.structured_outputs)
             n = len(self.engine.served_prompt(p, ids))
             if n >= longest:
                 raise SamplingError(
@@ -353,24 +355,6 @@ class LLM:
             params.seed = (self.seed * 0x9E3779B97F4A7C15 + self._drawn * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
             self._drawn += 1
         return params
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` as Hugging Face's ``PreTrainedTokenizerFast`` over the same ``tokenizer.json`` (its chat
-    template, eos and bos tokens set), where transformers is installed and ``tokenizer`` is pagedkv's; else
-    ``tokenizer`` itself."""
-    if not isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    try:
-        from tokenizers import Tokenizer as Raw
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return tokenizer
-    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=Raw.from_str(tokenizer.to_json()), eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token
-    )
-    hf.chat_template = tokenizer.chat_template_source
-    return hf
 
 
 def _not_served(**given: Any) -> None:

@@ -76,12 +76,10 @@ FIELDS = {  # the request's field -> SamplingParams' (vLLM's names; max_completi
 }
 # vLLM's request fields (its CompletionRequest and ChatCompletionRequest) that pagedkv serve does not serve, each with
 # the values that mean it is not used (a request may send those: clients send their defaults); any other value is a
-# 400 naming the field, never a field taken and ignored. (Structured outputs: issue 65.)
+# 400 naming the field, never a field taken and ignored.
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (None,),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
@@ -115,6 +113,35 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "media_io_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
 }
+
+
+def _constraint(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's structured outputs as ``StructuredOutputsParams``' fields: vLLM's ``structured_outputs`` (its
+    fields as an object, ``extra_body`` for OpenAI's clients), or OpenAI's ``response_format`` (``json_object``: any
+    JSON object; ``json_schema``: its ``schema``; ``text``: none), not both; a 400 naming the field otherwise."""
+    given, fmt = body.get("structured_outputs"), body.get("response_format")
+    if given is not None and fmt not in (None, {"type": "text"}):
+        raise BadRequest("give structured_outputs or response_format, not both", "response_format")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise BadRequest(
+                "structured_outputs must be an object of StructuredOutputsParams' fields", "structured_outputs"
+            )
+        return given
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest('response_format json_schema needs {"json_schema": {"name", "schema"}}', "response_format")
+        return {"json": schema}
+    raise BadRequest('response_format type must be "text", "json_object" or "json_schema"', "response_format")
 
 
 class BadRequest(Exception):
@@ -338,6 +365,9 @@ class OpenAIServer:
             ):
                 raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
             given["logit_bias"] = {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
+        constraint = _constraint(body)
+        if constraint is not None:
+            given["structured_outputs"] = constraint
         most = given.get("max_tokens")
         if type(most) is int and most > self.max_model_len:
             raise BadRequest(

@@ -212,3 +212,21 @@ def _environment() -> jinja2.Environment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` as Hugging Face's ``PreTrainedTokenizerFast`` over the same ``tokenizer.json`` (its chat
+    template, eos and bos tokens set), where transformers is installed and ``tokenizer`` is pagedkv's; else
+    ``tokenizer`` itself."""
+    if not isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    try:
+        from tokenizers import Tokenizer as Raw
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return tokenizer
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=Raw.from_str(tokenizer.to_json()), eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token
+    )
+    hf.chat_template = tokenizer.chat_template_source
+    return hf

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -49,6 +50,7 @@ from pagedkv.shell.sampling import (
     NO_HISTORY,
     History,
     Logprob,
+    SamplingError,
     SamplingParams,
     params_problem,
     request_seed,
@@ -56,6 +58,7 @@ from pagedkv.shell.sampling import (
     token_logprobs,
 )
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig
+from pagedkv.shell.structured import Grammars
 from pagedkv.shell.transfer import to_device
 
 FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (Engine._token_rows)
@@ -221,6 +224,9 @@ class Engine:
         self._scoring: list[tuple[Live, int, int]] = []  # this step's prompt positions to score: (its request, the
         # prompt token its logits score, its row among the step's logits)
         self._scorers: set[RequestId] = set()  # requests asking prompt logprobs whose prompt is not scored yet
+        self._grammars: Grammars | None = None  # structured outputs' compiler, made for the first constrained request
+        self._held: dict[RequestId, tuple[Future[Any], Live, SeqRequest]] = {}  # constrained requests whose grammar
+        # is compiling: out of the scheduler until it is ready (``_release_held``)
         self.launch_bound = self._launch_bound_tokens(model, args.async_scheduling)  # (the most tokens a forward's
         # launches outweigh)
         self.graphs: GraphDecoder | None = None
@@ -264,18 +270,59 @@ class Engine:
         """``checked``: ``params`` are ``_checked``'s copy already (``generate``'s)."""
         if not checked:  # (a checked copy: later changes to the caller's params reach nothing)
             params = self._checked(rid, params)
+        if rid in self._held:
+            raise refuse(
+                ErrorCode.DUPLICATE_REQUEST, f"request {shown(rid)} is live (its grammar compiles)", request=rid
+            )
         prompt_ids = self.served_prompt(params, prompt_ids)
         req = self._request(rid, prompt_ids, params)
-        self.state = self._submitted(self.state, req, params)
+        so = params.structured_outputs
+        compiled = None if so is None else self.grammars().compile(so)
+        state = self._submitted(self.state, req, params)  # (refused now, whether it enters now or once compiled)
         text = TextSoFar(self.tokenizer) if params.stop else None  # the text only where stop strings need it
         live = Live(Completion(rid, prompt, list(prompt_ids)), params, request_seed(rid, params), text)
-        if params.prompt_logprobs is not None:  # (the first token has none: vLLM's shape)
+        self.stats.prompt_tokens += len(prompt_ids)
+        if compiled is not None and not compiled.done():  # held out of the scheduler until its grammar is ready
+            self._held[rid] = (compiled, live, req)
+            return live
+        if compiled is not None:
+            live.constraint = self.grammars().matcher(compiled.result())
+        self.state = state
+        self._entered_scheduler(live, req)
+        return live
+
+    def _entered_scheduler(self, live: Live, req: SeqRequest) -> None:
+        """``live`` is submitted (``req``): live in the engine, its submit recorded."""
+        rid = req.request_id
+        if live.params.prompt_logprobs is not None:  # (the first token has none: vLLM's shape)
             live.completion.prompt_logprobs = [None]
             self._scorers.add(rid)
         self.requests[rid] = live
-        self.stats.prompt_tokens += len(prompt_ids)
-        self.outcomes.record(lambda r: r.submit(req, self.state))
-        return live
+        so = live.params.structured_outputs
+        self.outcomes.record(lambda r: r.submit(req, self.state, None if so is None else so.as_dict()))
+
+    def grammars(self) -> Grammars:
+        """The engine's grammar compiler (structured outputs), over its tokenizer's vocabulary: made once."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
+
+    def _release_held(self) -> None:
+        """Constrained requests whose grammar is ready submitted to the scheduler, in the order they were added
+        (waiting for the first when nothing else could run); one whose grammar failed ends with ``error``."""
+        if not self.state.live and (self.overlap is None or self.overlap.pending is None):
+            wait([f for f, _, _ in self._held.values()], return_when=FIRST_COMPLETED)
+        for rid, (compiled, live, req) in list(self._held.items()):
+            if not compiled.done():
+                continue
+            del self._held[rid]
+            error = compiled.exception()
+            if error is not None:
+                self.outcomes.failed([live], f"structured_outputs could not be compiled: {one_line(error)}")
+                continue
+            live.constraint = self.grammars().matcher(compiled.result())
+            self.state = self._submitted(self.state, req, live.params)
+            self._entered_scheduler(live, req)
 
     def _checked(self, rid: RequestId, params: SamplingParams) -> SamplingParams:
         """A checked copy of ``params``, or ``ShellError`` (``INVALID``): sampling parameters it cannot sample with
@@ -284,6 +331,11 @@ class Engine:
         problem = params_problem(params)
         if problem is None and params.n != 1:  # (LLM.generate fans n out into requests of one sequence each)
             problem = f"n={params.n}: a request here is one sequence (LLM.generate serves n of them a prompt)"
+        if problem is None and params.structured_outputs is not None:  # (a constraint that cannot compile: now)
+            try:
+                self.grammars().grammar(params.structured_outputs)
+            except SamplingError as e:
+                problem = str(e)
         if problem is not None:  # refused here, not by the step that would sample with it
             raise refuse(ErrorCode.INVALID, f"request {shown(rid)}: {problem}", request=rid)
         return params.clone()
@@ -343,6 +395,9 @@ class Engine:
         generated so far) given back here, and never by ``step`` (a token of it still on the device is dropped).
         ``ShellError`` (``UNKNOWN_REQUEST``) for an id no live request holds."""
         with self._entered("cancel"):
+            held = self._held.pop(rid, None)
+            if held is not None:  # (its grammar still compiling: it never entered the scheduler)
+                return self.outcomes.cancelled(held[1])
             cancelled = cancel(self.state, rid)
             if isinstance(cancelled, Failure):  # an unknown or ended request
                 raise ShellError(cancelled.failure())
@@ -390,6 +445,7 @@ class Engine:
             bool(self.state.live)
             or (self.overlap is not None and self.overlap.pending is not None)
             or bool(self.outcomes.outbox)
+            or bool(self._held)
         )
 
     def step(self, on_token: Callable[[RequestId, int], None] | None = None) -> list[Completion]:
@@ -411,11 +467,15 @@ class Engine:
             return self._step(on_token)
 
     def _step(self, on_token: Callable[[RequestId, int], None] | None) -> list[Completion]:
+        if self._held:
+            self._release_held()
         if not self.state.live and (self.overlap is None or self.overlap.pending is None):
             return self.outcomes.hand_out()  # (only completions kept back: handed out, no step planned)
         t0 = time.perf_counter()
         st, spec = self.state, self.speculation
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
+        if drafts and self._grammars is not None:  # (a constrained request drafts nothing: its grammar decides)
+            drafts = {rid: d for rid, d in drafts.items() if self.requests[rid].constraint is None}
         self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
         self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
@@ -428,10 +488,18 @@ class Engine:
         try:
             if self.host_pages is not None:  # the host tier's copies, in order, before the forward reads a block
                 self.host_pages.apply(scheduled_events)  # (one that fails fails the step: its requests end)
+            if self.overlap is not None and self.overlap.pending is not None and any(x.constraint for x in bound):
+                # a constrained row's mask needs its last token: the last step's ids read now (the same tokens)
+                self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
+                recorded = True
+                read = self.overlap.land()
+                if read is not None:
+                    self._take_read(*read, on_token)
             ids, lps = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
             # while the device runs them: the host's work that does not wait for this step's tokens
-            self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
-            recorded = True
+            if not recorded:
+                self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))
+                recorded = True
             self.outcomes.note_prefills(plan, self.requests)
             stop: list[RequestId]
             if self.overlap is not None:  # the last step's ids read while this one runs; this one's come next
@@ -614,6 +682,11 @@ class Engine:
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
         params = [x.params for x in live]
+        constrained = [
+            (i, x.constraint) for i, x in enumerate(live) if x.constraint is not None and not x.constraint.ended
+        ]
+        if constrained:  # (structured outputs: the ids each grammar allows, before anything else of the sampling)
+            logits = self.grammars().masked(logits, constrained)
         history = (
             self._history(samples, verify, live) if any(p.penalized or p.min_tokens for p in params) else NO_HISTORY
         )

@@ -14,6 +14,7 @@ from pagedkv.core.outputs.metadata import Phase
 from pagedkv.core.scheduler import FinishReason, StepPlan
 from pagedkv.shell.detok import TextSoFar
 from pagedkv.shell.recorder import Recorder
+from pagedkv.shell.structured import Constrained
 from pagedkv.shell.engine_args import EngineStats
 from pagedkv.shell.sampling import Logprob, SamplingParams, cut_at_stop
 from pagedkv.shell.speculative import Speculation
@@ -52,6 +53,7 @@ class Live:
     started: bool = False  # its first prefill ran: its cached tokens are known, and an end by the plan is "length"
     handed_out: bool = False  # its completion left the engine (step's return, or cancel's): nothing more joins it
     stop_from: int = 0  # the text before it is exempt from stop strings (what came before min_tokens)
+    constraint: Constrained | None = None  # its grammar's matcher (structured outputs), advanced by each token
 
 
 class Outcomes:
@@ -115,6 +117,10 @@ class Outcomes:
                 extra = cast("tuple[int, ...]", live.params.stop_token_ids)  # (a tuple once made)
                 stop_id = tok in stop_ids or (bool(extra) and tok in extra)
                 if (stop_id or live.text is not None) and self._stopped(live, tok, stop_id, eos):
+                    live.completion.finish_reason = "stop"
+                    stop.append(rid)
+                    break
+                if live.constraint is not None and live.constraint.accept(tok):  # (its grammar ends with it)
                     live.completion.finish_reason = "stop"
                     stop.append(rid)
                     break

@@ -44,8 +44,15 @@ class Recorder:
         self.out.write(json.dumps(end_event(self.events)) + "\n")
         self.out.flush()
 
-    def submit(self, req: SeqRequest, after: SchedState | None = None) -> None:
-        self._line(submit_event(req), after)
+    def submit(
+        self, req: SeqRequest, after: SchedState | None = None, constraint: dict[str, Any] | None = None
+    ) -> None:
+        """A submitted request; ``constraint``: its structured outputs' constraint (written only when set: the
+        scheduler replays without it, for the tokens it kept to are in the trace)."""
+        ev = submit_event(req)
+        if constraint is not None:
+            ev["structured_outputs"] = constraint
+        self._line(ev, after)
 
     def cancel(self, rid: RequestId, after: SchedState | None = None) -> None:
         self._line({"op": "cancel", "request": rid}, after)

@@ -60,7 +60,6 @@ NOT_SERVED: dict[str, Any] = {
     "logprob_token_ids": None,
     "flat_logprobs": False,
     "spaces_between_special_tokens": True,
-    "structured_outputs": None,
     "extra_args": None,
     "bad_words": None,
     "skip_reading_prefix_cache": None,
@@ -96,7 +95,9 @@ class SamplingParams:
     [-100, 100]); ``allowed_token_ids``: the only ids it may sample; ``detokenize`` False: no text, ids alone;
     ``skip_special_tokens`` False: special tokens' text kept; ``truncate_prompt_tokens``: only the prompt's last k
     tokens are served (-1: as many as the model's length takes; ``LLM``'s); ``output_kind``: vLLM's (``LLM`` hands
-    out finished requests: ``CUMULATIVE`` and ``FINAL_ONLY`` mean that there). The fields in ``NOT_SERVED`` are
+    out finished requests: ``CUMULATIVE`` and ``FINAL_ONLY`` mean that there); ``structured_outputs``: a
+    ``StructuredOutputsParams`` (or a mapping of its fields) whose constraint every token keeps to
+    (``shell/structured.py``). The fields in ``NOT_SERVED`` are
     refused by name unless they hold the value meaning they are not used.
 
     >>> p = SamplingParams(max_tokens=8)
@@ -130,7 +131,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
-    structured_outputs: Any = None
+    structured_outputs: Any = None  # StructuredOutputsParams | None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
     extra_args: Mapping[str, Any] | None = None
@@ -164,6 +165,10 @@ class SamplingParams:
             self.stop_token_ids = tuple(ids)
         if self.top_k == -1:  # (vLLM's other "off")
             self.top_k = 0
+        if isinstance(self.structured_outputs, Mapping):  # (its fields, as a server's request sends them)
+            from pagedkv.shell.structured import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.of(dict(self.structured_outputs))
         allowed = self.allowed_token_ids
         if isinstance(allowed, Sequence) and not isinstance(allowed, (tuple, str)):
             self.allowed_token_ids = tuple(allowed)
@@ -310,6 +315,13 @@ def params_problem(params: object) -> str | None:
     for name, ok, what in checks:
         if not ok:
             return f"{name} must be {what}, got {shown(getattr(p, name)):.60}"
+    if p.structured_outputs is not None:
+        from pagedkv.shell.structured import StructuredOutputsParams
+
+        if not isinstance(p.structured_outputs, StructuredOutputsParams):
+            return (
+                f"structured_outputs must be StructuredOutputsParams or None, got {type(p.structured_outputs).__name__}"
+            )
     return None
 
 

@@ -521,7 +521,7 @@ def test_every_field_of_vllms_requests_is_served_or_refused_by_name(served: Serv
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
         r = httpx.post(url, json={"prompt": "x", "max_tokens": 1, name: off[-1]}, timeout=30)
         assert r.status_code == 200, (name, r.text)
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x"}}  # (structured outputs: tests/app/test_structured.py)
     r = httpx.post(url, json={"prompt": "x", "response_format": schema}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     client = served.client()

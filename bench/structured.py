@@ -1,0 +1,114 @@
+"""Structured outputs' cost and validity on SmolLM2 (issue 65), one table: the same prompts with every request
+constrained (five JSON schemas, compiled before: the steady state) and without, alternated; a request's time to its
+first token with a schema seen before, with a new one (its compile reported apart) and without; and how many of
+``--requests`` answers (five schemas, greedy and sampled) parse and validate against their schema (jsonschema).
+
+    .venv/bin/python bench/structured.py                      # CPU, batch 16
+    .venv/bin/python bench/structured.py --device cuda --batch 256 --requests 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.app.test_structured import ASKS, SCHEMAS  # noqa: E402  (the tests' five schemas and questions)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=16, help="requests a run (max_num_seqs)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=200, help="answers checked against their schema")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import jsonschema
+    import torch
+
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedkv.shell.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    model, meta = Llama.smollm2(device=args.device)
+    tok = Tokenizer(meta)
+    engine = Engine(model, tok, max_num_seqs=args.batch)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": a}], True) for a in ASKS]
+
+    def params(i: int, constrained: bool, temperature: float = 0.0, seed: int | None = None) -> Any:
+        so = StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]) if constrained else None
+        return SamplingParams(temperature=temperature, seed=seed, max_tokens=args.max_tokens, structured_outputs=so)
+
+    def batch(constrained: bool) -> tuple[float, int]:
+        work = [(prompts[i % 5], tok.encode(prompts[i % 5]), params(i, constrained)) for i in range(args.batch)]
+        t0 = time.perf_counter()
+        done = engine.generate(work)
+        return time.perf_counter() - t0, sum(len(c.token_ids) for c in done)
+
+    def first_token(p: Any) -> float:
+        t0, seen = time.perf_counter(), []
+        engine.generate(
+            [(prompts[0], tok.encode(prompts[0]), p)], on_token=lambda rid, t: seen.append(time.perf_counter())
+        )
+        return seen[0] - t0
+
+    batch(True), batch(False)  # (warm: every schema compiled, the kernels loaded)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for constrained in (True, False):
+            seconds, tokens = batch(constrained)
+            rates[constrained].append(tokens / seconds)
+    one = dict(temperature=0.0, max_tokens=1)
+    ttft = {"seen": [], "plain": []}
+    for _ in range(args.repeats):
+        ttft["seen"].append(
+            first_token(SamplingParams(**one, structured_outputs=StructuredOutputsParams(json=SCHEMAS[0])))
+        )
+        ttft["plain"].append(first_token(SamplingParams(**one)))
+    fresh = {"type": "object", "properties": {"k": {"type": "integer"}, "v": {"type": "string"}}, "required": ["k"]}
+    t0 = time.perf_counter()
+    engine.grammars().compile(StructuredOutputsParams(json=fresh)).result()
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    ttft_new = first_token(
+        SamplingParams(**one, structured_outputs=StructuredOutputsParams(json={**fresh, "title": "n"}))
+    )
+
+    work = [
+        (prompts[i % 5], tok.encode(prompts[i % 5]), params(i, True, *((0.0, None) if i % 2 == 0 else (0.8, i))))
+        for i in range(args.requests)
+    ]
+    valid = 0
+    for i, c in enumerate(engine.generate(work)):
+        try:
+            jsonschema.validate(json.loads(c.text), SCHEMAS[i % 5])
+            valid += c.finish_reason == "stop"
+        except (ValueError, jsonschema.ValidationError):
+            pass
+
+    med = statistics.median
+    print(f"SmolLM2 on {args.device} ({args.threads} threads), batch {args.batch}, up to {args.max_tokens} tokens, "
+          f"median of {args.repeats}, alternated\n")  # fmt: skip
+    print("| | tokens/s | vs plain | TTFT ms (one request) | vs plain |\n|---|---:|---:|---:|---:|")
+    plain_rate, plain_ttft = med(rates[False]), med(ttft["plain"])
+    print(f"| every request constrained (schemas seen before) | {med(rates[True]):,.1f} | "
+          f"{med(rates[True]) / plain_rate:.3f}x | {med(ttft['seen']) * 1e3:.1f} | {med(ttft['seen']) / plain_ttft:.3f}x |")  # fmt: skip
+    print(f"| no constraint | {plain_rate:,.1f} | 1.000x | {plain_ttft * 1e3:.1f} | 1.000x |")
+    print(f"| a new schema (compiled off the step: {compile_ms:.1f} ms) | | | {ttft_new * 1e3:.1f} | "
+          f"{ttft_new / plain_ttft:.3f}x |")  # fmt: skip
+    print(f"\n{valid} of {args.requests} answers (five schemas, greedy and sampled) parse, validate and stop: "
+          f"{valid / args.requests:.1%}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Structured outputs: a request's constraint (vLLM's ``StructuredOutputsParams``: a JSON schema, a regex, a choice,
+an EBNF grammar, any JSON object, a structural tag) held to at every token it samples.
+
+The grammar library is xgrammar (the ``structured`` extra; chosen by measurement, bench/structured_libs.py: on
+SmolLM2's vocabulary it fills a mask in 2.5-8.5 us and makes a matcher in 5 us, llguidance in 32-91 us and 647 us).
+The engine's ``Grammars`` hands the tokenizer's vocabulary to it once, checks a constraint when its request is
+added (a constraint that cannot compile is refused then, with the library's reason: ``SamplingError``), and
+compiles it in a thread of its own, off the step: the request is held out of the scheduler until its grammar is
+ready (``Engine._held``), and a compiled grammar is kept by its text, so a constraint seen before is ready at once.
+Each request then has a matcher (``Constrained``); a step fills the mask of every constrained row it samples and
+applies it to their logits before anything else of the sampling pass (``masked``), and each token a request
+takes advances its matcher; a grammar that ends ends the request (``stop``), one the model cannot finish within
+``max_tokens`` ends with ``length``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedkv.shell.sampling import SamplingError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint (``json``: a JSON schema, as a dict or its text;
+    ``regex``; ``choice``: the strings it may be; ``grammar``: EBNF (GBNF's form, as xgrammar and llama.cpp read it);
+    ``json_object``: any JSON object; ``structural_tag``: xgrammar's structural tag, as JSON text), and the options
+    a JSON schema is compiled with (``disable_any_whitespace``: no whitespace between its tokens;
+    ``disable_additional_properties``: no property the schema does not name; ``whitespace_pattern`` is not served
+    by xgrammar and is refused, as vLLM's xgrammar backend does).
+
+    >>> StructuredOutputsParams(choice=["yes", "no"]).kind
+    'choice'
+    >>> StructuredOutputsParams(regex="a+", choice=["a"])
+    Traceback (most recent call last):
+    ...
+    pagedkv.shell.sampling.SamplingError: structured_outputs: one kind of constraint, not 2 (regex, choice)
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    _key: tuple[str, str, bool, bool] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise SamplingError(
+                f"structured_outputs: one kind of constraint, not {len(given)}"
+                + (f" ({', '.join(given)})" if given else f" (one of {', '.join(KINDS)})"),
+                parameter="structured_outputs",
+                value=given,
+            )
+        self._key = None
+        self.key  # noqa: B018 - every field's type checked now, the text made once
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool, bool]:
+        """(kind, its text, disable_any_whitespace, disable_additional_properties): what a compiled grammar is kept
+        by."""
+        if self._key is None:
+            self._key = (self.kind, _text(self), bool(self.disable_any_whitespace), self.disable_additional_properties)
+        return self._key
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields set, as JSON (the trace's record of the constraint; ``of`` reads it back)."""
+        kind, text, compact, closed = self.key
+        out: dict[str, Any] = {kind: json.loads(text) if kind in ("json", "choice") else text}
+        if kind == "json_object":
+            out[kind] = True
+        if compact:
+            out["disable_any_whitespace"] = True
+        if closed:
+            out["disable_additional_properties"] = True
+        return out
+
+    @staticmethod
+    def of(value: object) -> StructuredOutputsParams:
+        """``value`` as the params: the params themselves, or a mapping of their fields (what a server's request and
+        ``extra_body`` send); ``SamplingError`` naming what is wrong."""
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            raise SamplingError(
+                f"structured_outputs must be StructuredOutputsParams or a mapping of its fields, got {type(value).__name__}",
+                parameter="structured_outputs",
+                value=value,
+            )
+        known = {k for k in StructuredOutputsParams.__dataclass_fields__ if not k.startswith("_")}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SamplingError(
+                f"structured_outputs has no field {', '.join(map(str, unknown))} (its fields: {', '.join(sorted(known))})",
+                parameter="structured_outputs",
+                value=value,
+            )
+        return StructuredOutputsParams(**value)
+
+
+def _text(p: StructuredOutputsParams) -> str:
+    """The constraint as the text it compiles from (a schema's JSON with sorted keys, a choice's list as JSON), its
+    fields' types checked."""
+
+    def bad(what: str) -> SamplingError:
+        return SamplingError(f"structured_outputs.{what}", parameter="structured_outputs", value=p.kind)
+
+    for name in ("disable_any_whitespace", "disable_additional_properties"):
+        if type(getattr(p, name)) is not bool:
+            raise bad(f"{name} must be true or false")
+    if p.whitespace_pattern is not None:
+        raise bad("whitespace_pattern is not served (xgrammar has none; vLLM's xgrammar backend refuses it too)")
+    kind = p.kind
+    if kind == "json":
+        schema = p.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise bad(f"json is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+        return json.dumps(schema)  # (its properties in the order given: the order the object's fields are made in)
+    if kind == "choice":
+        if not isinstance(p.choice, (list, tuple)) or not p.choice or not all(type(c) is str for c in p.choice):
+            raise bad("choice must be a non-empty list of strings")
+        return json.dumps(list(p.choice))
+    if kind == "json_object":
+        if p.json_object is not True:
+            raise bad("json_object must be true when given")
+        return ""
+    value = getattr(p, kind)
+    if type(value) is not str or not value:
+        raise bad(f"{kind} must be a non-empty string")
+    return str(value)
+
+
+def _ebnf_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+class Grammars:
+    """The engine's grammar compiler over its tokenizer's vocabulary (handed over once), each constraint compiled
+    once, in a thread of its own, and kept by its text (module docstring)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError as e:  # (the extra is not installed: every constrained request is refused by name)
+            raise SamplingError(
+                f"structured_outputs needs xgrammar (pip install 'pagedkv[structured]'): {e}",
+                parameter="structured_outputs",
+            ) from None
+        from pagedkv.models.tokenizer import hf_tokenizer
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer(tokenizer), vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar")
+        self._lock = threading.Lock()
+        self._compiled: dict[tuple[str, str, bool, bool], Future[Any]] = {}  # by key: done or on its way
+
+    def grammar(self, p: StructuredOutputsParams) -> Any:
+        """The constraint as xgrammar's ``Grammar`` (no vocabulary: cheap), or ``SamplingError`` with the library's
+        reason: what the engine checks when the request is added."""
+        xgr = self.xgr
+        kind, text, compact, closed = p.key
+        try:
+            if kind == "json":
+                schema = json.loads(text)
+                if closed and isinstance(schema, dict):
+                    schema = _closed(schema)
+                return xgr.Grammar.from_json_schema(
+                    json.dumps(schema),
+                    any_whitespace=not compact,
+                    separators=(",", ":") if compact else None,
+                    strict_mode=True,
+                )
+            if kind == "json_object":
+                return xgr.Grammar.builtin_json_grammar()
+            if kind == "regex":
+                return xgr.Grammar.from_regex(text)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text)))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(text)
+            return xgr.Grammar.from_structural_tag(text)
+        except Exception as e:  # noqa: BLE001 - the library's reason, whatever its class, is the refusal's
+            why = (
+                re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__
+            )
+            raise SamplingError(
+                f"structured_outputs.{kind} cannot be compiled: {why}", parameter="structured_outputs", value=kind
+            ) from None
+
+    def compile(self, p: StructuredOutputsParams) -> Future[Any]:
+        """The compiled grammar of ``p``, on its way (a thread compiles it) or ready (seen before); ``grammar`` must
+        have taken ``p`` first."""
+        key = p.key
+        with self._lock:
+            got = self._compiled.get(key)
+            if got is None or (got.done() and got.exception() is not None):
+                grammar = self.grammar(p)
+                got = self._compiled[key] = self._pool.submit(self.compiler.compile_grammar, grammar)
+        return got
+
+    def matcher(self, compiled: Any) -> Constrained:
+        return Constrained(self.xgr.GrammarMatcher(compiled))
+
+    def masked(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constrained]]) -> torch.Tensor:
+        """``logits`` with each of ``rows``' ids its grammar does not allow next out of reach (``-inf``): the masks
+        filled on the host, applied where the logits are (xgrammar's kernel on CUDA, its CPU one here)."""
+        xgr = self.xgr
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for k, (_, c) in enumerate(rows):
+            c.matcher.fill_next_token_bitmask(mask, k)
+        picked = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
+        part = logits.index_select(0, picked).float()
+        xgr.apply_token_bitmask_inplace(part, mask.to(logits.device), vocab_size=min(part.shape[1], self.vocab_size))
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        out.index_copy_(0, picked, part)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``additionalProperties: false`` on every object that does not say (vLLM's
+    ``disable_additional_properties``)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+                out["additionalProperties"] = False
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    closed: dict[str, Any] = walk(schema)
+    return closed
+
+
+class Constrained:
+    """One request's place in its grammar: its matcher, advanced by each token the request takes."""
+
+    __slots__ = ("matcher", "ended")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.ended = False  # the grammar is complete: nothing more may follow
+
+    def accept(self, token: int) -> bool:
+        """Take ``token``; does the grammar end with it (or refuse it: then nothing more may follow either)?"""
+        if self.ended:
+            return True
+        if not self.matcher.accept_token(token):
+            self.ended = True
+            return True
+        self.ended = self.matcher.is_terminated()
+        return self.ended

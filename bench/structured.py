@@ -1,7 +1,9 @@
-"""Structured outputs' cost and validity on SmolLM2 (issue 65), one table: the same prompts with every request
-constrained (five JSON schemas, compiled before: the steady state) and without, alternated; a request's time to its
-first token with a schema seen before, with a new one (its compile reported apart) and without; and how many of
-``--requests`` answers (five schemas, greedy and sampled) parse and validate against their schema (jsonschema).
+"""Structured outputs' cost and validity on SmolLM2 (issue 65), one table: the decode step of a full batch with
+every request constrained (five JSON schemas, compiled before: the steady state) and without, alternated (the
+median step that decodes the whole batch and prefills nothing: a constrained request ends when its JSON does, so
+whole runs would compare other batches), as tokens/s; a request's time to its first token with a schema seen
+before, with a new one (its compile reported apart) and without; and how many of ``--requests`` answers (five
+schemas, greedy and sampled) parse and validate against their schema (jsonschema), with why the others did not.
 
     .venv/bin/python bench/structured.py                      # CPU, batch 16
     .venv/bin/python bench/structured.py --device cuda --batch 256 --requests 1000
@@ -10,6 +12,7 @@ first token with a schema seen before, with a new one (its compile reported apar
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -26,7 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=16, help="requests a run (max_num_seqs)")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=48, help="a timed run's tokens a request")
+    ap.add_argument("--answer-tokens", type=int, default=200, help="an answer's most tokens (the validity run)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=200, help="answers checked against their schema")
     ap.add_argument("--threads", type=int, default=2)
@@ -43,18 +47,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, meta = Llama.smollm2(device=args.device)
     tok = Tokenizer(meta)
-    engine = Engine(model, tok, max_num_seqs=args.batch)
+    engine = Engine(model, tok, max_num_seqs=args.batch, time_steps=True)
     prompts = [tok.apply_chat_template([{"role": "user", "content": a}], True) for a in ASKS]
 
-    def params(i: int, constrained: bool, temperature: float = 0.0, seed: int | None = None) -> Any:
+    def params(i: int, constrained: bool, temperature: float = 0.0, seed: int | None = None, most: int = 0) -> Any:
         so = StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]) if constrained else None
-        return SamplingParams(temperature=temperature, seed=seed, max_tokens=args.max_tokens, structured_outputs=so)
+        return SamplingParams(temperature=temperature, seed=seed, max_tokens=most or args.max_tokens,
+                              structured_outputs=so, ignore_eos=not constrained)  # fmt: skip
 
-    def batch(constrained: bool) -> tuple[float, int]:
+    def batch(constrained: bool) -> float:
+        """The median step that decoded the whole batch (and prefilled nothing), in seconds."""
         work = [(prompts[i % 5], tok.encode(prompts[i % 5]), params(i, constrained)) for i in range(args.batch)]
-        t0 = time.perf_counter()
-        done = engine.generate(work)
-        return time.perf_counter() - t0, sum(len(c.token_ids) for c in done)
+        assert engine.step_times is not None
+        engine.step_times.clear()
+        engine.generate(work)
+        full = [s for decodes, prefill, s in engine.step_times if decodes == args.batch and not prefill]
+        return med(full)
 
     def first_token(p: Any) -> float:
         t0, seen = time.perf_counter(), []
@@ -63,12 +71,12 @@ def main() -> None:
         )
         return seen[0] - t0
 
+    med = statistics.median
     batch(True), batch(False)  # (warm: every schema compiled, the kernels loaded)
     rates: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.repeats):
         for constrained in (True, False):
-            seconds, tokens = batch(constrained)
-            rates[constrained].append(tokens / seconds)
+            rates[constrained].append(args.batch / batch(constrained))
     one = dict(temperature=0.0, max_tokens=1)
     ttft = {"seen": [], "plain": []}
     for _ in range(args.repeats):
@@ -85,29 +93,33 @@ def main() -> None:
     )
 
     work = [
-        (prompts[i % 5], tok.encode(prompts[i % 5]), params(i, True, *((0.0, None) if i % 2 == 0 else (0.8, i))))
+        (prompts[i % 5], tok.encode(prompts[i % 5]),
+         params(i, True, *((0.0, None) if i % 2 == 0 else (0.8, i)), most=args.answer_tokens))
         for i in range(args.requests)
-    ]
-    valid = 0
+    ]  # fmt: skip
+    valid, why = 0, collections.Counter[str]()
     for i, c in enumerate(engine.generate(work)):
+        if c.finish_reason != "stop":
+            why[f"ended with {c.finish_reason} (schema {i % 5})"] += 1
+            continue
         try:
             jsonschema.validate(json.loads(c.text), SCHEMAS[i % 5])
-            valid += c.finish_reason == "stop"
-        except (ValueError, jsonschema.ValidationError):
-            pass
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as e:
+            why[f"{type(e).__name__} (schema {i % 5})"] += 1
 
-    med = statistics.median
     print(f"SmolLM2 on {args.device} ({args.threads} threads), batch {args.batch}, up to {args.max_tokens} tokens, "
           f"median of {args.repeats}, alternated\n")  # fmt: skip
-    print("| | tokens/s | vs plain | TTFT ms (one request) | vs plain |\n|---|---:|---:|---:|---:|")
+    print("| | tokens/s (a full batch's decode step) | vs plain | TTFT ms (one request) | vs plain |")
+    print("|---|---:|---:|---:|---:|")
     plain_rate, plain_ttft = med(rates[False]), med(ttft["plain"])
     print(f"| every request constrained (schemas seen before) | {med(rates[True]):,.1f} | "
           f"{med(rates[True]) / plain_rate:.3f}x | {med(ttft['seen']) * 1e3:.1f} | {med(ttft['seen']) / plain_ttft:.3f}x |")  # fmt: skip
     print(f"| no constraint | {plain_rate:,.1f} | 1.000x | {plain_ttft * 1e3:.1f} | 1.000x |")
     print(f"| a new schema (compiled off the step: {compile_ms:.1f} ms) | | | {ttft_new * 1e3:.1f} | "
           f"{ttft_new / plain_ttft:.3f}x |")  # fmt: skip
-    print(f"\n{valid} of {args.requests} answers (five schemas, greedy and sampled) parse, validate and stop: "
-          f"{valid / args.requests:.1%}")  # fmt: skip
+    print(f"\n{valid} of {args.requests} answers (five schemas, greedy and sampled, up to {args.answer_tokens} tokens) "
+          f"stop, parse and validate: {valid / args.requests:.1%}" + "".join(f"; {n} {w}" for w, n in why.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from pagedkv.shell.sampling import (
     token_logprobs,
 )
 from pagedkv.shell.speculative import Speculation, SpeculativeConfig
-from pagedkv.shell.structured import Grammars
+from pagedkv.shell.structured import Constrained, Grammars
 from pagedkv.shell.transfer import to_device
 
 FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (Engine._token_rows)
@@ -474,8 +474,11 @@ class Engine:
         t0 = time.perf_counter()
         st, spec = self.state, self.speculation
         drafts = None if spec is None else spec.drafts(st.running, st.prefilling, self.requests)
-        if drafts and self._grammars is not None:  # (a constrained request drafts nothing: its grammar decides)
-            drafts = {rid: d for rid, d in drafts.items() if self.requests[rid].constraint is None}
+        if drafts and self._grammars is not None:  # (a constrained request's drafts cut where its grammar refuses)
+            drafts = {
+                rid: d if (c := self.requests[rid].constraint) is None else c.drafts_kept(d)
+                for rid, d in drafts.items()
+            }
         self.state, plan = schedule(st, drafts).unwrap()
         scheduled_events = self.state.kv_events
         self.stats.steps += 1 if self.overlap is None or not plan.is_empty else 0
@@ -682,9 +685,7 @@ class Engine:
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
         params = [x.params for x in live]
-        constrained = [
-            (i, x.constraint) for i, x in enumerate(live) if x.constraint is not None and not x.constraint.ended
-        ]
+        constrained = self._constrained(samples, verify, bound) if self._grammars is not None else []
         if constrained:  # (structured outputs: the ids each grammar allows, before anything else of the sampling)
             logits = self.grammars().masked(logits, constrained)
         history = (
@@ -695,6 +696,21 @@ class Engine:
         lps = None if all(k is None for k in ks) else token_logprobs(logits, ids, [k or 0 for k in ks])
         self._last = None if verify else (samples, ids)  # (a verify's ids are not one a row)
         return ids, lps
+
+    @staticmethod
+    def _constrained(
+        samples: Sequence[RequestId], verify: dict[RequestId, tuple[int, ...]], bound: list[Live]
+    ) -> list[tuple[int, Constrained, tuple[int, ...]]]:
+        """The constrained requests among the sampled: (their first row among the sampled logits, their matcher,
+        the drafts they verify: a row a position)."""
+        out, row = [], 0
+        for rid, x in zip(samples, bound):
+            drafts = verify.get(rid, ())
+            c = x.constraint
+            if c is not None and not c.ended:
+                out.append((row, c, drafts))
+            row += 1 + len(drafts)
+        return out
 
     def _score_prompts(self, logits: torch.Tensor) -> None:
         """The prompt tokens this step's forwards scored (``_scoring``), their logprobs and the k most likely ids'

@@ -358,7 +358,9 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch
     key = _mix(_mix(seeds.to(torch.int64) & _M32) ^ (counters.to(torch.int64) & _M32))
     ids = _mix(torch.arange(vocab, dtype=torch.int64, device=seeds.device) * 0x9E3779B1)
     bits = _mix(key[:, None] ^ ids[None, :]) >> 8  # 24 uniform bits
-    return -torch.log((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))
+    # (the largest rounds to 1.0 in float32, whose variate would be 0: held at the next one up, 2**-25, for a
+    # token out of reach (p 0: masked, past top-k or top-p) must lose the race, and 0 / 0 would win it as NaN)
+    return (-torch.log((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))).clamp_min(2.0**-25)
 
 
 @dataclass(frozen=True, slots=True)

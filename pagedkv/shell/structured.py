@@ -227,19 +227,33 @@ class Grammars:
     def matcher(self, compiled: Any) -> Constrained:
         return Constrained(self.xgr.GrammarMatcher(compiled))
 
-    def masked(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constrained]]) -> torch.Tensor:
-        """``logits`` with each of ``rows``' ids its grammar does not allow next out of reach (``-inf``): the masks
-        filled on the host, applied where the logits are (xgrammar's kernel on CUDA, its CPU one here)."""
+    def masked(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constrained, Sequence[int]]]) -> torch.Tensor:
+        """``logits`` with the ids each constrained request's grammar does not allow out of reach (``-inf``): ``rows``
+        holds (its first logits row, its matcher, its drafts), and a request verifying drafts has a row a position,
+        the j-th masked as its grammar stands after the first j drafts. The masks are filled on the host and applied
+        where the logits are, unpacked by torch's ops (1.3 ms at 16 rows of 49,152 ids on this 2-core CPU, where
+        xgrammar's ``apply_token_bitmask_inplace`` takes 3.7)."""
         xgr = self.xgr
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for k, (_, c) in enumerate(rows):
+        at = [first + j for first, _, drafts in rows for j in range(1 + len(drafts))]
+        mask = xgr.allocate_token_bitmask(len(at), self.vocab_size)
+        k = 0
+        for _, c, drafts in rows:
             c.matcher.fill_next_token_bitmask(mask, k)
-        picked = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
-        part = logits.index_select(0, picked).float()
-        xgr.apply_token_bitmask_inplace(part, mask.to(logits.device), vocab_size=min(part.shape[1], self.vocab_size))
-        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        out.index_copy_(0, picked, part)
-        return out
+            k += 1
+            for t in drafts:  # (``drafts_kept`` cut them where the grammar refuses: each is taken)
+                c.matcher.accept_token(t)
+                c.matcher.fill_next_token_bitmask(mask, k)
+                k += 1
+            if drafts:
+                c.matcher.rollback(len(drafts))
+        dev, vocab = logits.device, logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)  # (the mask's bits, lowest first, as xgrammar packs)
+        allowed = ((mask.to(dev).unsqueeze(-1) >> shifts) & 1).view(len(at), -1)[:, :vocab].bool()
+        if len(at) < logits.shape[0]:  # (rows not constrained keep every id)
+            keep = torch.ones(logits.shape, dtype=torch.bool, device=dev)
+            keep[torch.tensor(at, dtype=torch.int64, device=dev)] = allowed
+            allowed = keep
+        return logits.float().masked_fill(~allowed, float("-inf"))  # (a new tensor: the logits may be a graph's)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -271,6 +285,19 @@ class Constrained:
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.ended = False  # the grammar is complete: nothing more may follow
+
+    def drafts_kept(self, drafts: tuple[int, ...]) -> tuple[int, ...]:
+        """``drafts`` cut before the first the grammar refuses (and after one that ends it): what a verify may try."""
+        n = 0
+        for t in drafts:
+            if self.ended or not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break
+        if n:
+            self.matcher.rollback(n)
+        return drafts[:n]
 
     def accept(self, token: int) -> bool:
         """Take ``token``; does the grammar end with it (or refuse it: then nothing more may follow either)?"""

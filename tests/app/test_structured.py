@@ -175,16 +175,20 @@ def test_overlap_and_ngram_drafts_give_the_same_tokens_and_the_trace_records_the
     ] + [SamplingParams(temperature=0, max_tokens=40)]  # (one unconstrained beside them)
     prompts.append(prompts[0])
 
+    engines = []
+
     def run(**kw: Any) -> list[list[int]]:
         eng = Engine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=8, **kw)
         out = [c.token_ids for c in eng.generate([(p, tok.encode(p), q) for p, q in zip(prompts, params)])]
         eng.finish_trace()
+        engines.append(eng)
         return out
 
     trace = io.StringIO()
     plain = run(trace=trace)
     assert run(async_scheduling=True) == plain
     assert run(speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
+    assert engines[-1].stats.accepted_tokens > 0  # (drafts the grammar let through were verified and taken)
     submits = [json.loads(line) for line in trace.getvalue().splitlines() if '"submit"' in line]
     recorded = {s["request"]: s.get("structured_outputs") for s in submits}  # (a held request enters once compiled)
     assert [recorded[f"req-{i}"] for i in range(len(params))] == [{"json": s} for s in SCHEMAS] + [None]

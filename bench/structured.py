@@ -5,7 +5,7 @@ whole runs would compare other batches), as tokens/s; a request's time to its fi
 before, with a new one (its compile reported apart) and without; and how many of ``--requests`` answers (five
 schemas, greedy and sampled) parse and validate against their schema (jsonschema), with why the others did not.
 
-    .venv/bin/python bench/structured.py                      # CPU, batch 16
+    .venv/bin/python bench/structured.py --server             # CPU, batch 16; the answers through the server too
     .venv/bin/python bench/structured.py --device cuda --batch 256 --requests 1000
 """
 
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=200, help="answers checked against their schema")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server", action="store_true", help="also send --requests through pagedkv serve (openai client)")
     args = ap.parse_args()
 
     import jsonschema
@@ -120,6 +121,51 @@ def main() -> None:
           f"{ttft_new / plain_ttft:.3f}x |")  # fmt: skip
     print(f"\n{valid} of {args.requests} answers (five schemas, greedy and sampled, up to {args.answer_tokens} tokens) "
           f"stop, parse and validate: {valid / args.requests:.1%}" + "".join(f"; {n} {w}" for w, n in why.items()))  # fmt: skip
+    if args.server:
+        through_server(args.requests, args.answer_tokens)
+
+
+def through_server(requests: int, most: int) -> None:
+    """``requests`` answers through ``pagedkv serve`` (SmolLM2 in its engine process) with OpenAI's client, 16 at a
+    time, half greedy and half sampled, each with ``response_format`` json_schema: how many parse and validate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from pagedkv.models.llama import Llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from tests.app.test_serve import NAME, Served
+
+    model, meta = Llama.smollm2()
+    served = Served(model, Tokenizer(meta))
+    client = served.client(timeout=600)
+
+    def one(i: int) -> str | None:
+        schema = SCHEMAS[i % 5]
+        got = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": ASKS[i % 5]}], max_tokens=most,
+            temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        )  # fmt: skip
+        c = got.choices[0]
+        if c.finish_reason != "stop":
+            return f"ended with {c.finish_reason} (schema {i % 5})"
+        try:
+            jsonschema.validate(json.loads(c.message.content), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            return f"{type(e).__name__} (schema {i % 5})"
+        return None
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            why = collections.Counter(w for w in pool.map(one, range(requests)) if w is not None)
+    finally:
+        served.close()
+    valid = requests - sum(why.values())
+    print(f"through pagedkv serve (openai client, response_format json_schema, 16 at a time, "
+          f"{time.perf_counter() - t0:.0f} s): {valid} of {requests} stop, parse and validate: {valid / requests:.1%}"
+          + "".join(f"; {n} {w}" for w, n in why.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ import torch
 from pagedkv.shell.sampling import SamplingError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# the longest run of whitespace between two of a JSON answer's tokens (xgrammar's ``max_whitespace_cnt``; vLLM leaves it
+# unbounded): deep pretty-printed JSON needs less, and a small model's whitespace loop (sampled SmolLM2 wrote newlines
+# to max_tokens in 1 of 200 answers) cannot run on
+MAX_WHITESPACE = 32
 
 
 @dataclass(slots=True)
@@ -190,14 +194,16 @@ class Grammars:
                 schema = json.loads(text)
                 if closed and isinstance(schema, dict):
                     schema = _closed(schema)
+            elif kind == "json_object":
+                schema = {"type": "object"}
+            if kind in ("json", "json_object"):
                 return xgr.Grammar.from_json_schema(
                     json.dumps(schema),
                     any_whitespace=not compact,
                     separators=(",", ":") if compact else None,
                     strict_mode=True,
+                    max_whitespace_cnt=None if compact else MAX_WHITESPACE,
                 )
-            if kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
             if kind == "regex":
                 return xgr.Grammar.from_regex(text)
             if kind == "choice":

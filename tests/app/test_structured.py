@@ -65,7 +65,7 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "title": {"type": "string", "maxLength": 40},
             "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-            "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action", "science fiction"]}},
+            "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action", "science fiction"]}, "maxItems": 4},
             "rating": {"type": "number", "minimum": 0, "maximum": 10},
         },
         "required": ["title", "year", "genres"],

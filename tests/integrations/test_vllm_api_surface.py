@@ -27,3 +27,17 @@ def test_every_public_method_of_vllms_llm_has_a_row() -> None:
     public = {m for m in dir(LLM) if not m.startswith("_") and callable(getattr(LLM, m))}
     rows = page_tables()["LLM"]
     assert public <= set(rows), sorted(public - set(rows))
+
+
+def test_structured_outputs_params_has_vllms_fields_and_defaults() -> None:
+    """pagedkv's ``StructuredOutputsParams`` is vLLM's: every public field, with vLLM's default (issue 65)."""
+    import dataclasses
+
+    from vllm.sampling_params import StructuredOutputsParams as Theirs
+
+    from pagedkv.sampling_params import StructuredOutputsParams as Ours
+
+    def public(cls: type) -> dict[str, object]:
+        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+
+    assert public(Ours) == public(Theirs)

@@ -1,5 +1,5 @@
 """Grammar libraries for structured outputs on this machine (issue 65's choice): xgrammar and llguidance, each with
-the model's own vocabulary (SmolLM2's, transformers' tokenizer over pagedkv's tokenizer.json: ``models.tokenizer.hf_tokenizer``),
+the model's own vocabulary (SmolLM2's, transformers' tokenizer over pagedkv's tokenizer.json: ``models.tokenizer.Tokenizer.as_hf``),
 timed on what a serving step pays: handing the vocabulary over (once an engine), compiling a grammar (once a
 grammar: cached by its text), making a matcher (once a request), and filling the batch's token bitmask (every step),
 at the grammar's start and in the middle of a JSON string. One thread; a library not installed is skipped with why.
@@ -29,11 +29,10 @@ PREFIX = '{"name": "Ada Lovel'  # (the middle of a string: most ids allowed, the
 
 
 def tokenizer() -> Any:
-    from pagedkv.models.tokenizer import hf_tokenizer
     from pagedkv.models.gguf import load_tokenizer_meta
     from pagedkv.models.tokenizer import Tokenizer
 
-    return hf_tokenizer(Tokenizer(load_tokenizer_meta()))
+    return Tokenizer(load_tokenizer_meta()).as_hf()
 
 
 def run_xgrammar(tok: Any, batch: int) -> dict[str, float]:

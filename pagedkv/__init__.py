@@ -28,7 +28,7 @@ _EXPORTS = {  # name -> (module, its name there)
     "SamplingParams": ("pagedkv.shell.sampling", "SamplingParams"),
     "RequestOutputKind": ("pagedkv.shell.sampling", "RequestOutputKind"),
     "VLLMValidationError": ("pagedkv.shell.sampling", "SamplingError"),
-    "StructuredOutputsParams": ("pagedkv.shell.structured", "StructuredOutputsParams"),
+    "StructuredOutputsParams": ("pagedkv.shell.sampling", "StructuredOutputsParams"),
     "EngineArgs": ("pagedkv.shell.engine_args", "EngineArgs"),
 }
 __all__ = ["__version__", *_EXPORTS]

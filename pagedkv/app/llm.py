@@ -20,7 +20,7 @@ from typing import Any, NotRequired, Required, TypedDict, cast
 from pagedkv.app.args import auto_threads
 from pagedkv.models.hf import generation_defaults, load_model, model_source, weights_dtype
 from pagedkv.models.llama import Llama
-from pagedkv.models.tokenizer import Tokenizer, hf_tokenizer
+from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.outcomes import Completion
@@ -180,7 +180,8 @@ class LLM:
         the chat template and special tokens), where transformers is installed; else pagedkv's ``Tokenizer`` (its
         ``encode``, ``decode`` and ``apply_chat_template`` to text)."""
         if self._hf_tokenizer is None:
-            self._hf_tokenizer = hf_tokenizer(self.tokenizer)
+            tok = self.tokenizer
+            self._hf_tokenizer = tok.as_hf() if isinstance(tok, Tokenizer) else tok
         return self._hf_tokenizer
 
     def get_world_size(self, include_dp: bool = True) -> int:

@@ -102,6 +102,22 @@ class Tokenizer:
         """The model's chat template (Jinja text), or None where it has none."""
         return self._template_source
 
+    def as_hf(self) -> Any:
+        """This tokenizer as Hugging Face's ``PreTrainedTokenizerFast`` over the same ``tokenizer.json`` (its chat
+        template, eos and bos tokens set), where transformers is installed; else itself. What ``LLM.get_tokenizer``
+        hands out and what structured outputs hand the grammar library (``shell/structured.py`` asks for it by
+        name: the shell imports no model)."""
+        try:
+            from tokenizers import Tokenizer as Raw
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:
+            return self
+        hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+            tokenizer_object=Raw.from_str(self.to_json()), eos_token=self.eos_token, bos_token=self.bos_token
+        )
+        hf.chat_template = self.chat_template_source
+        return hf
+
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` holds it (the ``tokenizers`` library's own format)."""
         return str(self._tok.to_str())
@@ -212,21 +228,3 @@ def _environment() -> jinja2.Environment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` as Hugging Face's ``PreTrainedTokenizerFast`` over the same ``tokenizer.json`` (its chat
-    template, eos and bos tokens set), where transformers is installed and ``tokenizer`` is pagedkv's; else
-    ``tokenizer`` itself."""
-    if not isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    try:
-        from tokenizers import Tokenizer as Raw
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return tokenizer
-    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=Raw.from_str(tokenizer.to_json()), eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token
-    )
-    hf.chat_template = tokenizer.chat_template_source
-    return hf

@@ -20,142 +20,16 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pagedkv.shell.sampling import SamplingError
+from pagedkv.shell.sampling import SamplingError, StructuredOutputsParams
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # the longest run of whitespace between two of a JSON answer's tokens (xgrammar's ``max_whitespace_cnt``; vLLM leaves it
 # unbounded): deep pretty-printed JSON needs less, and a small model's whitespace loop (sampled SmolLM2 wrote newlines
 # to max_tokens in 1 of 200 answers) cannot run on
 MAX_WHITESPACE = 32
-
-
-@dataclass(slots=True)
-class StructuredOutputsParams:
-    """vLLM's ``StructuredOutputsParams``: exactly one constraint (``json``: a JSON schema, as a dict or its text;
-    ``regex``; ``choice``: the strings it may be; ``grammar``: EBNF (GBNF's form, as xgrammar and llama.cpp read it);
-    ``json_object``: any JSON object; ``structural_tag``: xgrammar's structural tag, as JSON text), and the options
-    a JSON schema is compiled with (``disable_any_whitespace``: no whitespace between its tokens;
-    ``disable_additional_properties``: no property the schema does not name; ``whitespace_pattern`` is not served
-    by xgrammar and is refused, as vLLM's xgrammar backend does).
-
-    >>> StructuredOutputsParams(choice=["yes", "no"]).kind
-    'choice'
-    >>> StructuredOutputsParams(regex="a+", choice=["a"])
-    Traceback (most recent call last):
-    ...
-    pagedkv.shell.sampling.SamplingError: structured_outputs: one kind of constraint, not 2 (regex, choice)
-    """
-
-    json: str | dict[str, Any] | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = None
-    _key: tuple[str, str, bool, bool] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise SamplingError(
-                f"structured_outputs: one kind of constraint, not {len(given)}"
-                + (f" ({', '.join(given)})" if given else f" (one of {', '.join(KINDS)})"),
-                parameter="structured_outputs",
-                value=given,
-            )
-        self._key = None
-        self.key  # noqa: B018 - every field's type checked now, the text made once
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) is not None)
-
-    @property
-    def key(self) -> tuple[str, str, bool, bool]:
-        """(kind, its text, disable_any_whitespace, disable_additional_properties): what a compiled grammar is kept
-        by."""
-        if self._key is None:
-            self._key = (self.kind, _text(self), bool(self.disable_any_whitespace), self.disable_additional_properties)
-        return self._key
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields set, as JSON (the trace's record of the constraint; ``of`` reads it back)."""
-        kind, text, compact, closed = self.key
-        out: dict[str, Any] = {kind: json.loads(text) if kind in ("json", "choice") else text}
-        if kind == "json_object":
-            out[kind] = True
-        if compact:
-            out["disable_any_whitespace"] = True
-        if closed:
-            out["disable_additional_properties"] = True
-        return out
-
-    @staticmethod
-    def of(value: object) -> StructuredOutputsParams:
-        """``value`` as the params: the params themselves, or a mapping of their fields (what a server's request and
-        ``extra_body`` send); ``SamplingError`` naming what is wrong."""
-        if isinstance(value, StructuredOutputsParams):
-            return value
-        if not isinstance(value, dict):
-            raise SamplingError(
-                f"structured_outputs must be StructuredOutputsParams or a mapping of its fields, got {type(value).__name__}",
-                parameter="structured_outputs",
-                value=value,
-            )
-        known = {k for k in StructuredOutputsParams.__dataclass_fields__ if not k.startswith("_")}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise SamplingError(
-                f"structured_outputs has no field {', '.join(map(str, unknown))} (its fields: {', '.join(sorted(known))})",
-                parameter="structured_outputs",
-                value=value,
-            )
-        return StructuredOutputsParams(**value)
-
-
-def _text(p: StructuredOutputsParams) -> str:
-    """The constraint as the text it compiles from (a schema's JSON with sorted keys, a choice's list as JSON), its
-    fields' types checked."""
-
-    def bad(what: str) -> SamplingError:
-        return SamplingError(f"structured_outputs.{what}", parameter="structured_outputs", value=p.kind)
-
-    for name in ("disable_any_whitespace", "disable_additional_properties"):
-        if type(getattr(p, name)) is not bool:
-            raise bad(f"{name} must be true or false")
-    if p.whitespace_pattern is not None:
-        raise bad("whitespace_pattern is not served (xgrammar has none; vLLM's xgrammar backend refuses it too)")
-    kind = p.kind
-    if kind == "json":
-        schema = p.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise bad(f"json is not JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
-        return json.dumps(schema)  # (its properties in the order given: the order the object's fields are made in)
-    if kind == "choice":
-        if not isinstance(p.choice, (list, tuple)) or not p.choice or not all(type(c) is str for c in p.choice):
-            raise bad("choice must be a non-empty list of strings")
-        return json.dumps(list(p.choice))
-    if kind == "json_object":
-        if p.json_object is not True:
-            raise bad("json_object must be true when given")
-        return ""
-    value = getattr(p, kind)
-    if type(value) is not str or not value:
-        raise bad(f"{kind} must be a non-empty string")
-    return str(value)
 
 
 def _ebnf_string(s: str) -> str:
@@ -174,11 +48,10 @@ class Grammars:
                 f"structured_outputs needs xgrammar (pip install 'pagedkv[structured]'): {e}",
                 parameter="structured_outputs",
             ) from None
-        from pagedkv.models.tokenizer import hf_tokenizer
-
         self.xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer(tokenizer), vocab_size=vocab_size)
+        as_hf = getattr(tokenizer, "as_hf", None)  # (pagedkv's tokenizer; a Hugging Face one is taken as it is)
+        self.info = xgr.TokenizerInfo.from_huggingface(as_hf() if as_hf else tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar")
         self._lock = threading.Lock()

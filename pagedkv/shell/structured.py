@@ -26,6 +26,7 @@ import torch
 
 from pagedkv.shell.sampling import SamplingError, StructuredOutputsParams
 
+KEPT = 512  # compiled grammars kept by their text (a few MB at most for schemas like the benchmark's)
 # the longest run of whitespace between two of a JSON answer's tokens (xgrammar's ``max_whitespace_cnt``; vLLM leaves it
 # unbounded): deep pretty-printed JSON needs less, and a small model's whitespace loop (sampled SmolLM2 wrote newlines
 # to max_tokens in 1 of 200 answers) cannot run on
@@ -55,7 +56,8 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar")
         self._lock = threading.Lock()
-        self._compiled: dict[tuple[str, str, bool, bool], Future[Any]] = {}  # by key: done or on its way
+        self._compiled: dict[tuple[str, str, bool, bool], Future[Any]] = {}  # by key: done or on its way, the
+        # most recently asked last; at most KEPT (a server's clients may send a new schema each request)
 
     def grammar(self, p: StructuredOutputsParams) -> Any:
         """The constraint as xgrammar's ``Grammar`` (no vocabulary: cheap), or ``SamplingError`` with the library's
@@ -97,10 +99,14 @@ class Grammars:
         have taken ``p`` first."""
         key = p.key
         with self._lock:
-            got = self._compiled.get(key)
+            got = self._compiled.pop(key, None)
             if got is None or (got.done() and got.exception() is not None):
-                grammar = self.grammar(p)
-                got = self._compiled[key] = self._pool.submit(self.compiler.compile_grammar, grammar)
+                got = self._pool.submit(self.compiler.compile_grammar, self.grammar(p))
+            self._compiled[key] = got  # (the most recently asked last)
+            if len(self._compiled) > KEPT:  # the least recently asked that is done goes (a request holds its own)
+                old = next((k for k, f in self._compiled.items() if f.done()), None)
+                if old is not None:
+                    del self._compiled[old]
         return got
 
     def matcher(self, compiled: Any) -> Constrained:

@@ -65,7 +65,11 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "title": {"type": "string", "maxLength": 40},
             "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-            "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action", "science fiction"]}, "maxItems": 4},
+            "genres": {
+                "type": "array",
+                "items": {"enum": ["drama", "comedy", "action", "science fiction"]},
+                "maxItems": 4,
+            },
             "rating": {"type": "number", "minimum": 0, "maximum": 10},
         },
         "required": ["title", "year", "genres"],
@@ -264,3 +268,19 @@ def test_the_server_answers_400_for_a_constraint_that_cannot_compile(served: Any
     ):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="SmolLM2-135M-Instruct", prompt="a", max_tokens=4, extra_body=body)
+
+
+def test_compiled_grammars_are_kept_by_text_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's clients may send a new schema with every request: the compiled ones kept are bounded, the least
+    recently asked going first; one asked again is ready at once."""
+    import pagedkv.shell.structured as structured
+    from pagedkv.models.gguf import load_tokenizer_meta
+    from pagedkv.models.tokenizer import Tokenizer
+
+    monkeypatch.setattr(structured, "KEPT", 3)
+    grammars = structured.Grammars(Tokenizer(load_tokenizer_meta()), 49152)
+    for n in range(1, 7):
+        grammars.compile(StructuredOutputsParams(regex=f"a{{{n}}}")).result()
+        grammars.compile(StructuredOutputsParams(regex="a{1}")).result()  # (kept: asked again each time)
+    assert sorted(key[1] for key in grammars._compiled) == ["a{1}", "a{5}", "a{6}"]
+    assert grammars.compile(StructuredOutputsParams(regex="a{6}")).done()

@@ -299,7 +299,7 @@ class LLM:
         longest = self.engine.longest_request()
         for (_, ids), p in zip(prompts, params):  # (vLLM's checks, before anything runs)
             if p.structured_outputs is not None:  # (a constraint that cannot compile: the library's reason)
-                self.engine.grammars().grammar(p.structured_outputs)
+                self.engine.grammars().compile(p.structured_outputs)  # (its compile started: the engine finds it)
             n = len(self.engine.served_prompt(p, ids))
             if n >= longest:
                 raise SamplingError(

@@ -331,9 +331,9 @@ class Engine:
         problem = params_problem(params)
         if problem is None and params.n != 1:  # (LLM.generate fans n out into requests of one sequence each)
             problem = f"n={params.n}: a request here is one sequence (LLM.generate serves n of them a prompt)"
-        if problem is None and params.structured_outputs is not None:  # (a constraint that cannot compile: now)
-            try:
-                self.grammars().grammar(params.structured_outputs)
+        if problem is None and params.structured_outputs is not None:  # (a constraint that cannot compile: now; its
+            try:  # compile starts off the step, and ``_add`` finds it on its way)
+                self.grammars().compile(params.structured_outputs)
             except SamplingError as e:
                 problem = str(e)
         if problem is not None:  # refused here, not by the step that would sample with it

@@ -33,10 +33,6 @@ KEPT = 512  # compiled grammars kept by their text (a few MB at most for schemas
 MAX_WHITESPACE = 32
 
 
-def _ebnf_string(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
-
-
 class Grammars:
     """The engine's grammar compiler over its tokenizer's vocabulary (handed over once), each constraint compiled
     once, in a thread of its own, and kept by its text (module docstring)."""
@@ -61,7 +57,7 @@ class Grammars:
 
     def grammar(self, p: StructuredOutputsParams) -> Any:
         """The constraint as xgrammar's ``Grammar`` (no vocabulary: cheap), or ``SamplingError`` with the library's
-        reason: what the engine checks when the request is added."""
+        reason (``compile`` builds it once for each constraint it has not kept)."""
         xgr = self.xgr
         kind, text, compact, closed = p.key
         try:
@@ -82,7 +78,9 @@ class Grammars:
             if kind == "regex":
                 return xgr.Grammar.from_regex(text)
             if kind == "choice":
-                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text)))
+                return xgr.Grammar.from_ebnf(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
+                )
             if kind == "grammar":
                 return xgr.Grammar.from_ebnf(text)
             return xgr.Grammar.from_structural_tag(text)
@@ -95,8 +93,8 @@ class Grammars:
             ) from None
 
     def compile(self, p: StructuredOutputsParams) -> Future[Any]:
-        """The compiled grammar of ``p``, on its way (a thread compiles it) or ready (seen before); ``grammar`` must
-        have taken ``p`` first."""
+        """The compiled grammar of ``p``, on its way (a thread compiles it) or ready (seen before); ``SamplingError``
+        at once for a constraint that cannot compile (``grammar``): what the engine checks when a request is added."""
         key = p.key
         with self._lock:
             got = self._compiled.pop(key, None)

@@ -112,10 +112,11 @@ def test_the_trace_header_carries_the_tier_and_replay_checks_its_copies(
 
 @pytest.mark.slow
 def test_the_model_checker_covers_the_tier() -> None:
-    """One host block, two request ids, three usable blocks: exhaustive (76,578 states), every transition's copies
-    checked in order (``copy_violations``), no violation."""
-    result = check(CheckConfig(window=None, host_blocks=1, requests=2, usable_blocks=3, max_model_len=6))
-    assert result.violation == [] and result.exhaustive and result.states > 50_000
+    """One host block, two request ids, three usable blocks, prompts of up to 4 tokens: exhaustive (30,266 states;
+    the planted bug below is found in it too), every transition's copies checked in order (``copy_violations``), no
+    violation."""
+    result = check(CheckConfig(window=None, host_blocks=1, requests=2, usable_blocks=3, max_model_len=4))
+    assert result.violation == [] and result.exhaustive and result.states > 30_000
 
 
 def test_a_load_whose_slot_a_store_reuses_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.core.errors import GivenHashError, InvariantError
+from pagedkv.core.errors import GivenHashError, InvariantError, KVError
 from pagedkv.core.outputs.events import BlockStored
 from pagedkv.core.rules.hashing import BlockKeys
 from pagedkv.core.store.state import Request, Row
@@ -75,6 +75,35 @@ def cache_full_blocks(
         txn.rows[slot] = new
 
 
+def cache_rows(txn: Txn, rows: Sequence[tuple[Request, int, int, int, Sequence[bytes] | None]]) -> KVError | None:
+    """``cache_full_blocks`` of each (request, row, slot, computed, given) in order, for a loop of many rows (a
+    decode step's rows that fill a block): where the pool reports no events, the index writes of all of them in
+    one pass a group, in the order row by row gives. A caller's hash the core's own differs from refuses (the
+    transition is dropped: nothing of it stands)."""
+    if not txn.config.enable_prefix_caching:
+        return None
+    epoch = txn.base.cache_epoch
+    records, tails = txn.rows, txn.row_tail
+    adds: list[tuple[list[bytes], list[int]]] | None = (
+        None if txn.config.kv_events else [([], []) for _ in txn.config.rules]
+    )
+    for req, i, slot, computed, given in rows:
+        if req.cache_epoch != epoch:
+            continue
+        record = records[slot]
+        try:
+            new = hash_full_blocks(txn, req, i, slot, computed, record, tails[slot], given, adds)
+        except GivenHashError as e:
+            return e.refusal(req.request_id)
+        if new is not record:
+            records[slot] = new
+    if adds is not None:
+        for g, (hashes, blocks) in enumerate(adds):
+            if hashes:
+                txn.index.add_many(g, hashes, blocks)
+    return None
+
+
 def hash_full_blocks(
     txn: Txn,
     req: Request,
@@ -84,8 +113,11 @@ def hash_full_blocks(
     record: Row,
     tail: bytes | None,
     given: Sequence[bytes] | None = None,
+    adds: list[tuple[list[bytes], list[int]]] | None = None,
 ) -> Row:
-    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. Under
+    """Hash row i's full computed blocks not hashed yet, cache each content once; the new record. ``adds``:
+    where the index writes of a pool without events gather (``cache_rows``: each group's hashes and blocks, in
+    order), instead of being made here. Under
     ``hash_lookahead`` each hash also covers the ids after its block (vLLM's EAGLE lookahead hashes: a
     drafter's KV at a block's last position depends on them), and a block waits for them. ``given[j]`` is
     block j's chain hash as the caller computed it (vLLM's ``request.block_hashes``): taken as it is, or
@@ -160,7 +192,11 @@ def hash_full_blocks(
         # ends on this boundary)
         for g, group_blocks in enumerate(blocks):
             if not states or g not in states:
-                txn.index.add_many(g, hashes, group_blocks[done:full])
+                if adds is None:
+                    txn.index.add_many(g, hashes, group_blocks[done:full])
+                else:
+                    adds[g][0].extend(hashes)
+                    adds[g][1].extend(group_blocks[done:full])
         return record.with_hashes(b"".join(new))
     parent = first
     for j in range(done, full):  # (the same, block by block, each store's event in order)

@@ -26,7 +26,7 @@ from pagedkv.core.errors import (
     pairs_of,
     shown,
 )
-from pagedkv.core.rules.caching import cache_full_blocks
+from pagedkv.core.rules.caching import cache_full_blocks, cache_rows
 from pagedkv.core.store.state import SLOT_SHIFT, KVState, Request, Step
 from pagedkv.core.store.txn import Txn, each
 
@@ -181,6 +181,11 @@ def commit_each(
     done = txn.row_computed.own_for(len(ids))
     generations: list[tuple[int, int]] = []
     freed = 0
+    # the rows that fill blocks, cached together (``cache_rows``) once nothing else caches in between; where the
+    # pool reports events, each row's go with its effect: cached at once
+    filled: list[tuple[Request, int, int, int, Sequence[bytes] | None]] | None = (
+        None if cfg.kv_events or not cfg.enable_prefix_caching else []
+    )
     for k, rid in enumerate(ids):
         try:
             req = get(rid) if type(rid) is str or type(rid) is int else None
@@ -206,13 +211,21 @@ def commit_each(
                 leaf[o] = c
                 first = len(txn.events)
                 if before // bs != c // bs:  # blocks completed: the caching rule
-                    try:
-                        cache_full_blocks(txn, req, 0, slot, c, hashes.get(rid) if hashes else None)
-                    except GivenHashError as e:  # (a hash the core's own differs from: check_given_hashes)
-                        return e.refusal(rid)
+                    if filled is not None:
+                        filled.append((req, 0, slot, c, hashes.get(rid) if hashes else None))
+                    else:
+                        try:
+                            cache_full_blocks(txn, req, 0, slot, c, hashes.get(rid) if hashes else None)
+                        except GivenHashError as e:  # (a hash the core's own differs from: check_given_hashes)
+                            return e.refusal(rid)
                 if effects is not None:
                     effects.append(Committed(rid, None, 0, tuple(txn.events[first:])))
                 continue
+        if filled:  # (the general rule caches too: the rows before it first)
+            refused = cache_rows(txn, filled)
+            if refused is not None:
+                return refused
+            filled.clear()
         if counts is None:
             got = _commit_one(
                 txn,
@@ -229,6 +242,10 @@ def commit_each(
         freed += got.freed_blocks
         if effects is not None:
             effects.append(got)
+    if filled:
+        refused = cache_rows(txn, filled)
+        if refused is not None:
+            return refused
     return generations, freed
 
 

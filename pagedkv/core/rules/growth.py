@@ -123,6 +123,9 @@ def grow_each(
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
     generations: list[tuple[int, int]] = []
+    # rows that open a block, popped together once nothing else pops in between (one group, a block each): the
+    # free queue's head in their order, the blocks one pop at a time would give them
+    opening: list[tuple[int, int, int, Growth]] | None = [] if len(cfg.rules) == 1 and paged == 1 else None
     for k, rid in enumerate(ids):
         try:
             req = get(rid) if type(rid) is str or type(rid) is int else None
@@ -150,11 +153,17 @@ def grow_each(
                     elif tail is not None:
                         tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
                     continue
-                if paged <= txn.free_blocks:  # it opens a block: the row rule, and the request's generation
+                if opening is not None and len(opening) < txn.free_blocks:  # it opens a block: the row rule
+                    growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
+                    opening.append((k, slot, n + 1, growth))
+                    continue
+                if opening is None and paged <= txn.free_blocks:  # (and the request's generation)
                     growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
                     _grow_row(txn, slot, n + 1, 1, growth)
                     generations.append((k, txn.new_layout(slot)))
                     continue
+        if opening:  # (the general rule may pop: the rows before it take theirs first)
+            _open_rows(txn, opening, generations)
         if rows is not None:
             if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
                 return invalid(f"append to request {shown(rid)} must give one entry per row, got None", field="tokens")
@@ -165,7 +174,19 @@ def grow_each(
             return got
         if got:
             generations.append((k, got))
+    if opening:
+        _open_rows(txn, opening, generations)
     return generations
+
+
+def _open_rows(txn: Txn, opening: list[tuple[int, int, int, Growth]], generations: list[tuple[int, int]]) -> None:
+    """The rows ``grow_each`` found opening a block (batch index, slot, new length, growth), in order: one pop for
+    all of them, then each row's rule (``_grow_row``) with its block and its request's generation."""
+    fresh = pool.pop_blocks(txn, len(opening))
+    for (k, slot, new_len, growth), b in zip(opening, fresh):
+        _grow_row(txn, slot, new_len, 1, growth, (b,))
+        generations.append((k, txn.new_layout(slot)))
+    opening.clear()
 
 
 _MANY = object()  # a growth other than one token for a single row
@@ -316,9 +337,10 @@ def _plan_growth(
     return grown, need
 
 
-def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> None:
+def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth, popped: tuple[int, ...] = ()) -> None:
     """One row grows to ``new_len`` with ``extra`` new blocks a group; its ids stay known while it
-    grows by ids (whole blocks join its record, the open block's stay in its tail)."""
+    grows by ids (whole blocks join its record, the open block's stay in its tail). ``popped``: a one-group row's
+    new blocks, taken from the free queue already (``_open_rows``)."""
     records, tails = txn.rows, txn.row_tail
     record = records[slot]
     tail = tails[slot]
@@ -335,7 +357,9 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth) -> No
                 ids += tail
             tails[slot] = None
     txn.row_len[slot] = new_len
-    blocks = _extended(txn, record.blocks, extra) if extra else record.blocks
+    blocks = (
+        (record.blocks[0] + popped,) if popped else _extended(txn, record.blocks, extra) if extra else record.blocks
+    )
     if ids is not record.ids or extra:
         records[slot] = Row(blocks, ids, record.hashes, record.pending, record.hw)
 

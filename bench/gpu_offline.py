@@ -54,29 +54,60 @@ def engine(model: Llama, tok: Tokenizer, args: argparse.Namespace, **kw: object)
     )
 
 
+def kind(name: str) -> str:
+    """A device kernel's kind, from its name: where a run's device time goes."""
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
+        return "matrix products"
+    if any(k in n for k in ("paged_decode", "_decode_", "split", "merge")):
+        return "decode attention"
+    if any(k in n for k in ("varlen", "flash", "prefill", "attn")):
+        return "prefill attention"
+    if "kv_write" in n or "index_copy" in n or "index_put" in n:
+        return "KV write"
+    if any(k in n for k in ("reduce", "mean", "norm")):
+        return "norms (reductions)"
+    if "cat" in n:
+        return "concatenations"
+    if any(k in n for k in ("elementwise", "vectorized", "unrolled", "copy")):
+        return "elementwise"
+    return "other"
+
+
 def profile(model: Llama, tok: Tokenizer, reqs: list, args: argparse.Namespace) -> None:
-    """The device's kernels and the host's time over ten decode-only steps at ``--max-num-seqs`` rows."""
+    """Where one overlapped ``generate`` of every prompt spends the device's time: its kernels grouped by kind
+    (device time each, its share of the run's wall time), and the device's idle time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    eng = engine(model, tok, args)
-    for i, (text, ids, p) in enumerate(reqs[: args.max_num_seqs]):
-        eng.add_request(f"r{i}", text, ids, p)
-    while eng.state.waiting or eng.state.prefilling:  # (until every row decodes)
-        eng.step()
-    for _ in range(3):
-        eng.step()
+    eng = engine(model, tok, args, async_scheduling=True)
+    eng.generate(reqs[:8])
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        eng.step()
-    torch.cuda.synchronize()
-    print(f"decode-only steps at {len(eng.state.running)} rows: {(time.perf_counter() - t) * 100:.2f} ms a step\n")
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(10):
-            eng.step()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        eng.generate(reqs)
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        wall = time.perf_counter() - t
+    kinds: dict[str, list[float]] = {}
+    top: dict[str, float] = {}
+    for e in p.key_averages():
+        us = e.device_time_total
+        if us <= 0:
+            continue
+        kinds.setdefault(kind(e.key), [0.0, 0])
+        kinds[kind(e.key)][0] += us / 1e6
+        kinds[kind(e.key)][1] += e.count
+        top[e.key] = top.get(e.key, 0.0) + us / 1e6
+    busy = sum(v[0] for v in kinds.values())
+    print(
+        f"one overlapped generate: {wall:.2f} s wall (profiled), device busy {busy:.2f} s, idle {wall - busy:.2f} s\n"
+    )
+    print("| kernels | device s | of wall | launches |\n|---|---:|---:|---:|")
+    for k, (s, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {k} | {s:.2f} | {s / wall:.1%} | {n:,} |")
+    print("\n| kernel | device s |\n|---|---:|")
+    for k, s in sorted(top.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"| {k[:90]} | {s:.3f} |")
 
 
 def main() -> None:
@@ -90,7 +121,9 @@ def main() -> None:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape tiny)")
     ap.add_argument("--kv-gib", type=float, default=40.0)
-    ap.add_argument("--profile", action="store_true", help="only: torch.profiler over decode-only steps at full batch")
+    ap.add_argument(
+        "--profile", action="store_true", help="only: where one overlapped run's device time goes (its kernels by kind)"
+    )
     args = ap.parse_args()
     tok = Tokenizer(load_tokenizer_meta())
     t0 = time.perf_counter()

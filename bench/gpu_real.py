@@ -12,7 +12,8 @@ turned off (where the 8B regression of issue 63 hides):
   varlen prefill kernel, launched eagerly, as before c2422c8);
 - ``no-cap``: no 512-token cap on a prompt's chunk a step (``long_prefill_token_threshold`` 0, as before f91b4fe);
 - ``no-ride``: decode rows never ride in a prompt's forward (as before d0d92cc);
-- ``none``: all three off.
+- ``none``: all three off;
+- ``unfused``: the forward's elementwise work in torch's kernels, not ``shell.fused``'s (issue 63's fusion off).
 
     python bench/gpu_real.py --shape llama-8b --trees main=.,dca3de6=.devold/dca3de6 --variants default,none
 """
@@ -65,6 +66,21 @@ def variant(name: str) -> Any:
             for obj, attr, value in reversed(saved):
                 setattr(obj, attr, value)
 
+    if name == "unfused":
+        try:
+            import pagedkv.shell.fused as fused
+        except ImportError:
+            return None
+
+        @contextlib.contextmanager
+        def off() -> Any:
+            fused.ENABLED = False
+            try:
+                yield
+            finally:
+                fused.ENABLED = True
+
+        return off()
     needs = {"eager-prefill": "_token_rows", "no-cap": "prefill_chunk_cap", "no-ride": "ride_along"}
     have = {"_token_rows": hasattr(E.Engine, "_token_rows"), "prefill_chunk_cap": hasattr(EngineArgs, "prefill_chunk_cap"),
             "ride_along": hasattr(E, "ride_along")}  # fmt: skip

@@ -5,7 +5,9 @@ are written to the page pool once per layer."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 from functools import partial
 
@@ -209,30 +211,107 @@ class Llama:
         places = self._attention(layout)
         tables = self._rope_tables(pos)
         local = tables if self.local_inv_freq is None else self._rope_tables(pos, self.local_inv_freq)
-        split = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
+        add_norm, rope_write, act_mul = self._elementwise(x, rms, norm is None, pool)
+        pending: torch.Tensor | None = None  # the last sublayer's output, added to the residual by the next norm
         for i, (L, (slot, group, attn)) in enumerate(zip(self.layers, places)):
             cos, sin = local if c.window_of(i) else tables
-            h = rms(x, L["ln1"])
-            qkv = mm(h, L["qkv"], L.get("qkv_bias"))
-            q, k, v = torch.split(qkv, split, dim=-1)  # one product for the three projections
-            q, k = q.reshape(-1, self.n_heads, hd), k.reshape(-1, self.n_kv_heads, hd)
-            if "q_norm" in L:  # Qwen3: each head normalised before the rotation
-                q, k = rms(q, L["q_norm"]), rms(k, L["k_norm"])
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            v = v.reshape(-1, self.n_kv_heads, hd)
-            pool.write(slot, k, v, batch.slot_mappings[group], attn.kv_scales)  # this step's K/V, once, before reads
+            h, x = add_norm(x, pending, L["ln1"])
+            qkv = mm(h, L["qkv"], L.get("qkv_bias"))  # one product for the three projections
+            # this step's K/V written, once, before reads; the queries rotated
+            q = rope_write(qkv, L, cos, sin, slot, batch.slot_mappings[group], attn)
             a = backend.forward(q, pool.k[slot], pool.v[slot], batch, attn)
             a = self.reduce(mm(a.reshape(x.shape[0], -1), L["o"]))  # row-parallel when sharded
             if "o_bias" in L:
                 a = a + L["o_bias"]  # once, after the partial sums
-            x = x + (rms(a, L["post_attn"]) if "post_attn" in L else a)
-            h = rms(x, L["ln2"])
-            gate, up = mm(h, L["gate_up"]).chunk(2, dim=-1)
-            m = self.reduce(mm(self.act(gate) * up, L["down"]))
-            x = x + (rms(m, L["post_ffn"]) if "post_ffn" in L else m)
+            h, x = add_norm(x, rms(a, L["post_attn"]) if "post_attn" in L else a, L["ln2"])
+            m = self.reduce(mm(act_mul(mm(h, L["gate_up"])), L["down"]))
+            pending = rms(m, L["post_ffn"]) if "post_ffn" in L else m
         last = (batch.query_start_loc[1:] - 1).long().to(self.device) if logits_at is None else logits_at
-        logits = mm(rms(x[last], self.norm), self.lm_head).float()
+        logits = mm(rms(x[last] + pending[last] if pending is not None else x[last], self.norm), self.lm_head).float()
         return logits if c.final_softcap is None else torch.tanh(logits / c.final_softcap) * c.final_softcap
+
+    def _elementwise(
+        self, x: torch.Tensor, rms: Callable[..., torch.Tensor], own_norms: bool, pool: PagePool
+    ) -> tuple[
+        Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        Callable[..., torch.Tensor],
+        Callable[[torch.Tensor], torch.Tensor],
+    ]:
+        """A forward's elementwise work between its products: ``add_norm(x, y, w)`` (the residual ``x + y``, or ``x``
+        for ``y`` None, and its norm: (norm, sum)), ``rope_write`` (the queries rotated and returned, the keys rotated
+        and written with the values to the pages), ``act_mul`` (the gated activation of the gate-and-up product). On
+        CUDA, Triton kernels of ``shell.fused`` (one each), where they compute this model's layer: its own norms (a
+        batch-invariant backend's stay), a rotation of whole heads of a power-of-two size before no per-head norm,
+        pages of the model's dtype, silu; else torch's."""
+        c, eps = self.config, self.config.rms_norm_eps
+        kernels: Any = fused() if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else None  # (loads Triton)
+        fuse = kernels is not None and kernels.serves(x)
+        if fuse and own_norms:
+
+            def add_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out: tuple[torch.Tensor, torch.Tensor] = (
+                    kernels.rms_norm(x, w, eps) if y is None else kernels.rms_norm(y, w, eps, residual=x)
+                )
+                return out
+        else:
+
+            def add_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                s = x if y is None else x + y
+                return rms(s, w), s
+
+        whole = c.head_dim & (c.head_dim - 1) == 0  # (the kernel's tile: a power of two)
+        if fuse and whole and not c.qk_norm and pool.state is None and pool.dtype == x.dtype:
+            heads, kv_heads = self.n_heads, self.n_kv_heads
+
+            def rope_write(*a: Any) -> torch.Tensor:  # (qkv, L, cos, sin, slot, mapping, attn)
+                qkv, _, cos, sin, slot, mapping, _ = a
+                q: torch.Tensor = kernels.rope_write(
+                    qkv, cos, sin, pool.k[slot], pool.v[slot], mapping, heads, kv_heads
+                )
+                return q
+
+        else:
+            rope_write = partial(self._rope_write, pool=pool, rms=rms)
+        if fuse and c.activation == "silu":
+            act_mul = kernels.silu_mul
+        else:
+
+            def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
+                gate, up = gate_up.chunk(2, dim=-1)
+                return self.act(gate) * up
+
+        return add_norm, rope_write, act_mul
+
+    def _rope_write(
+        self,
+        qkv: torch.Tensor,
+        L: dict[str, torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot: int,
+        mapping: torch.Tensor,
+        attn: LayerAttention,
+        *,
+        pool: PagePool,
+        rms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The queries of the QKV product rotated, (tokens, heads, head_dim); its keys (normalised by head first with
+        ``rms``, Qwen3's) rotated and written with its values through the slot mapping (``PagePool.write``)."""
+        hd = self.config.head_dim
+        q, k, v = torch.split(qkv, [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q, k = q.reshape(-1, self.n_heads, hd), k.reshape(-1, self.n_kv_heads, hd)
+        if "q_norm" in L:  # Qwen3: each head normalised before the rotation
+            q, k = rms(q, L["q_norm"]), rms(k, L["k_norm"])
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        pool.write(slot, k, v.reshape(-1, self.n_kv_heads, hd), mapping, attn.kv_scales)
+        return q
+
+
+def fused() -> Any:
+    """``shell.fused``, imported where its kernels may serve (it loads Triton: a CPU run never does)."""
+    from pagedkv.shell import fused as kernels
+
+    return kernels
 
 
 def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:

@@ -7,10 +7,12 @@ for prefix caching) or only a count.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.core.errors import (
+    are_packed_ids,
     INT_ID_LIMIT,
     KVError,
     RequestId,
@@ -33,14 +35,16 @@ class RowSpec:
     ``prefix_len``/``target_len`` (given together) make it a diffusion row: a
     stable prefix kept across denoising steps and a target span rewritten at
     each. ``spans`` are sorted, non-overlapping ``[start, end)`` full-attention
-    spans; the rest of the row is causal.
+    spans; the rest of the row is causal. ``tokens``: a tuple of ids, or an
+    ``array("Q")`` (ids by construction: taken with no per-id check, and packed
+    at C speed: what a caller that keeps a long prompt's ids so hands over).
 
     >>> RowSpec.of_tokens([5, 6, 7]).num_tokens
     3
     """
 
     num_tokens: int
-    tokens: tuple[int, ...] | None = None
+    tokens: tuple[int, ...] | array[int] | None = None
     prefix_len: int | None = None
     target_len: int | None = None
     spans: tuple[Span, ...] = ()
@@ -67,7 +71,7 @@ class RowSpec:
         planned before the last one's tokens are back, draft and lookahead slots)."""
         return RowSpec(
             len(tokens) + placeholders,
-            tuple(tokens),
+            tokens if are_packed_ids(tokens) else tuple(tokens),  # type: ignore[arg-type]
             prefix_len,
             target_len,
             tuple((start, end) for start, end in spans),
@@ -198,12 +202,14 @@ def _check_row(row: object, where: str) -> KVError | None:
             field="placeholders",
         )
     if row.tokens is not None:
-        if not isinstance(row.tokens, tuple) or len(row.tokens) != n - w:
+        packed = are_packed_ids(row.tokens)  # (an array("Q") holds token ids by construction)
+        if not (packed or isinstance(row.tokens, tuple)) or len(row.tokens) != n - w:
             return invalid(
-                f"{where}: tokens must be a tuple of num_tokens - placeholders ({shown(n - w)}) ids", field="tokens"
+                f"{where}: tokens must be a tuple (or an array('Q')) of num_tokens - placeholders ({shown(n - w)}) ids",
+                field="tokens",
             )
         toks = row.tokens  # judged at C speed (the types, then the range as unsigned 64-bit); the loop names a bad id
-        if not are_token_ids(toks):
+        if not packed and not are_token_ids(toks):
             bad = next(t for t in toks if not is_token_id(t))
             return invalid(
                 f"{where}: token ids must be non-negative integers below 2**64, got {shown(bad)}", field="tokens"

@@ -231,3 +231,28 @@ def test_check_invariants_reports_broken_states() -> None:
     assert "the free queue has a cycle" in check_invariants(cycle)
     lost = replace(s, free_blocks=s.free_blocks - 1)
     assert any("free_blocks" in m for m in check_invariants(lost))
+
+
+def test_a_row_of_an_array_of_ids_is_the_row_of_their_tuple() -> None:
+    """``RowSpec.of_tokens(array("Q", ids))`` keeps the array (no per-id check, packed at C speed: what a long prompt
+    costs at each admission otherwise): admitted and decoded, the state is the one the tuple of the same ids gives;
+    an array of the wrong length or of another type code is refused."""
+    from array import array
+
+    from pagedkv.core import decode_step, digest
+    from pagedkv.core.errors import ErrorCode
+
+    s = initial_state(CacheConfig(block_size=4, num_blocks=32, enable_prefix_caching=True))
+    ids = [(7 * i) % 50 + 1 for i in range(37)]
+    states = []
+    for tokens in (array("Q", ids), ids):
+        row = RowSpec.of_tokens(tokens)
+        assert type(row.tokens) is (array if tokens is not ids else tuple)
+        t = admit(s, RequestSpec("a", (row,))).unwrap().state
+        states.append(decode_step(decode_step(t, ["a"], [3]).unwrap().state, ["a"], [4]).unwrap().state)
+    assert digest(states[0]) == digest(states[1])
+    assert admit(states[0], RequestSpec("b", (RowSpec.of_tokens(array("Q", ids)),))).unwrap().effect.cached_tokens == (
+        36,
+    )
+    for bad in (RowSpec(5, array("Q", [1, 2])), RowSpec(2, array("q", [1, 2]))):  # type: ignore[arg-type]
+        assert admit(s, RequestSpec("c", (bad,))).failure().code is ErrorCode.INVALID

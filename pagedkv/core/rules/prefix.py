@@ -187,7 +187,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple
                     h = hash_packed(
                         parent,
                         packed[k * width : (k + 1) * width],
-                        keys.ahead(j, bs, tokens[(j + 1) * bs : (j + 1) * bs + ahead]),
+                        keys.ahead(j, bs, tuple(tokens[(j + 1) * bs : (j + 1) * bs + ahead])),
                     )
                 else:
                     h = hash_packed(

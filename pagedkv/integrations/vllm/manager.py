@@ -17,6 +17,7 @@ states cached in a step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from returns.result import Failure
@@ -136,7 +137,7 @@ class PagedKVCacheManager:
         self._hashed: dict[str, int] = {}
         self._requests: dict[str, Any] = {}
         # each request's ids and vLLM's hashes as tuples, made once while they stay the same: (tokens, ids, hashes)
-        self._seen: dict[str, tuple[int, tuple[int, ...] | None, tuple[bytes, ...] | None]] = {}
+        self._seen: dict[str, tuple[int, Sequence[int] | None, tuple[bytes, ...] | None]] = {}
         # (a window, or an align-mode Mamba group, lets blocks go at each commit: every call is applied)
         self._lag = not any(geometry.windows) and not any(geometry.aligned)
         self._aligned = [g for g, a in enumerate(geometry.aligned) if a]
@@ -434,15 +435,16 @@ class PagedKVCacheManager:
         given = self._hashes(request)  # (vLLM hashed the full blocks already: the core takes its hashes)
         return RequestSpec(request.request_id, (row,), every, max_hit, first, content, given)
 
-    def _ids(self, request: Any, upto: int | None = None) -> tuple[int, ...]:
-        """The request's first ``upto`` token ids (all of them by default) as a tuple, made once while its tokens
-        stay the same (a request waiting for blocks is looked up and tried at every step)."""
+    def _ids(self, request: Any, upto: int | None = None) -> Sequence[int]:
+        """The request's first ``upto`` token ids (all of them by default) as an ``array("Q")`` (which the core takes
+        with no per-id check and packs at C speed), made once while its tokens stay the same (a request waiting for
+        blocks is looked up and tried at every step)."""
         rid, n = request.request_id, request.num_tokens
         got = self._seen.get(rid)
         if got is None or got[0] != n or got[1] is None:
-            got = (n, tuple(token_ids(request)), got[2] if got is not None and got[0] == n else None)
+            got = (n, token_ids(request), got[2] if got is not None and got[0] == n else None)
             self._seen[rid] = got
-        ids: tuple[int, ...] = got[1]  # type: ignore[assignment]
+        ids: Sequence[int] = got[1]  # type: ignore[assignment]
         return ids if upto is None or upto >= n else ids[:upto]
 
     def _hashes(self, request: Any) -> tuple[bytes, ...]:

@@ -244,7 +244,8 @@ class Llama:
         batch-invariant backend's stay), a rotation of whole heads of a power-of-two size before no per-head norm,
         pages of the model's dtype, silu; else torch's."""
         c, eps = self.config, self.config.rms_norm_eps
-        kernels: Any = fused() if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else None  # (loads Triton)
+        interpret = os.environ.get("PAGEDKV_FUSED") == "interpret"  # (the tests': the kernels in Triton's interpreter)
+        kernels: Any = fused() if x.is_cuda or interpret else None  # (loads Triton)
         fuse = kernels is not None and kernels.serves(x)
         if fuse and own_norms:
 

@@ -13,7 +13,8 @@ of a norm's sum and the device's exp and rsqrt may differ in float32's last plac
 so a row's bits never depend on the batch (batch-invariant mode keeps its own norms: ``shell.invariant``).
 
 ``serves(t)`` says whether the kernels serve a tensor (CUDA and triton; ``ENABLED`` off turns them off, for A/B
-runs); the kernels also run in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), as the tests check them.
+runs); the kernels also run in Triton's interpreter on the CPU where both ``TRITON_INTERPRET=1`` and
+``PAGEDKV_FUSED=interpret`` are set, as the tests check them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import os
 import torch
 
 ENABLED = os.environ.get("PAGEDKV_FUSED", "1") != "0"  # (bench/gpu_real.py's variant "unfused" turns it off)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# on the CPU only where asked for by name, in Triton's interpreter (the tests'): TRITON_INTERPRET alone, which other
+# code sets for kernels of its own, never moves a CPU forward into the interpreter
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PAGEDKV_FUSED") == "interpret"
 
 try:
     import triton

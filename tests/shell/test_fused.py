@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("triton", reason="the fused kernels are Triton's (pip install triton)")
 
 
-def interpreted(code: str) -> None:
-    """Run ``code`` with Triton's interpreter; its assertions are the test's."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDKV_FUSED="1")
+def interpreted(code: str, fused: str = "interpret") -> None:
+    """Run ``code`` with Triton's interpreter (the kernels asked for on the CPU: ``PAGEDKV_FUSED=interpret``); its
+    assertions are the test's."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDKV_FUSED=fused)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -99,4 +100,25 @@ def test_an_engine_gives_the_same_tokens_with_the_kernels_as_without() -> None:
         fused.ENABLED = False
         assert run() == with_kernels
         """
+    )
+
+
+def test_a_cpu_forward_never_enters_the_interpreter_unless_asked() -> None:
+    """TRITON_INTERPRET=1 alone (which other code sets for kernels of its own: vLLM-Omni's tests do, for the whole
+    test session) leaves a CPU forward in torch: the kernels' module is not even imported."""
+    interpreted(
+        """
+        import sys
+        from dataclasses import replace
+        from pagedkv.models.llama import SMOLLM2_SHAPES, IdTokenizer, random_llama
+        from pagedkv.shell.engine import Engine
+        from pagedkv.shell.sampling import SamplingParams
+
+        cfg = replace(SMOLLM2_SHAPES, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2)
+        eng = Engine(random_llama(cfg), IdTokenizer(), kv_cache_memory_bytes=1 << 20)
+        eng.generate([("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))])
+        assert "pagedkv.shell.fused" not in sys.modules
+        """,
+        fused="1",
     )

@@ -57,6 +57,8 @@ def engine(model: Llama, tok: Tokenizer, args: argparse.Namespace, **kw: object)
 def kind(name: str) -> str:
     """A device kernel's kind, from its name: where a run's device time goes."""
     n = name.lower()
+    if any(k in n for k in ("_rms_kernel", "_rope_write_kernel", "_silu_mul_kernel")):
+        return "fused elementwise (shell.fused)"
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
         return "matrix products"
     if any(k in n for k in ("paged_decode", "_decode_", "split", "merge")):

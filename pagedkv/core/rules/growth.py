@@ -126,6 +126,7 @@ def grow_each(
     # rows that open a block, popped together once nothing else pops in between (one group, a block each): the
     # free queue's head in their order, the blocks one pop at a time would give them
     opening: list[tuple[int, int, int, Growth]] | None = [] if len(cfg.rules) == 1 and paged == 1 else None
+    opened: set[int] = set()  # their slots
     for k, rid in enumerate(ids):
         try:
             req = get(rid) if type(rid) is str or type(rid) is int else None
@@ -136,6 +137,9 @@ def grow_each(
         else:
             token = _one_token(rows[k])  # type: ignore[assignment]
         if token is not _MANY and req is not None and (slot := req.decode_slot) >= 0:
+            if opening and slot in opened:  # (a request named twice: its first growth stands before the second)
+                _open_rows(txn, opening, generations)
+                opened.clear()
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
@@ -156,6 +160,7 @@ def grow_each(
                 if opening is not None and len(opening) < txn.free_blocks:  # it opens a block: the row rule
                     growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
                     opening.append((k, slot, n + 1, growth))
+                    opened.add(slot)
                     continue
                 if opening is None and paged <= txn.free_blocks:  # (and the request's generation)
                     growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
@@ -164,6 +169,7 @@ def grow_each(
                     continue
         if opening:  # (the general rule may pop: the rows before it take theirs first)
             _open_rows(txn, opening, generations)
+            opened.clear()
         if rows is not None:
             if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
                 return invalid(f"append to request {shown(rid)} must give one entry per row, got None", field="tokens")

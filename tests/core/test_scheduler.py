@@ -8,7 +8,7 @@ from typing import Any
 from returns.result import Failure
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RowSpec, digest
@@ -284,6 +284,15 @@ def served(cache: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], l
     budget=st.sampled_from([4, 8, 16, 64]),
     lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2)), min_size=2, max_size=4),
     later=st.integers(0, 12),
+)
+@example(  # (a hit that needs more blocks than the pool: an align-mode state group's; served without it now)
+    layout="mamba_align",
+    usable=11,
+    grow_prefill=False,
+    caching=True,
+    budget=4,
+    lengths=[(4, 1, 0), (37, 1, 0)],
+    later=0,
 )
 def test_a_request_served_alone_in_the_empty_pool_is_served_in_company(
     layout: str, usable: int, grow_prefill: bool, caching: bool, budget: int, lengths: list[Any], later: int

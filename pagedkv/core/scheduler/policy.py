@@ -146,6 +146,10 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     keep = cfg.watermark_blocks if d.running or not nothing_yet else 0  # the watermark, for decode growth
     admitted = admit(d.kv, spec, reserve=keep, checked=True)  # (its form checked when it arrived: submit)
+    if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.UNSCHEDULABLE and spec.max_hit != 0:
+        # a hit can make a request need more blocks than the pool has (an align-mode state group's block taken over
+        # beside its own): served without it, as it would be alone, rather than ended
+        admitted = admit(d.kv, replace(spec, max_hit=0), reserve=keep, checked=True)
     if isinstance(admitted, Failure):
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:

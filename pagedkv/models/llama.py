@@ -244,8 +244,7 @@ class Llama:
         batch-invariant backend's stay), a rotation of whole heads of a power-of-two size before no per-head norm,
         pages of the model's dtype, silu; else torch's."""
         c, eps = self.config, self.config.rms_norm_eps
-        interpret = os.environ.get("PAGEDKV_FUSED") == "interpret"  # (the tests': the kernels in Triton's interpreter)
-        kernels: Any = fused() if x.is_cuda or interpret else None  # (loads Triton)
+        kernels: Any = fused() if x.is_cuda or INTERPRET else None  # (loads Triton)
         fuse = kernels is not None and kernels.serves(x)
         if fuse and own_norms:
 
@@ -306,6 +305,9 @@ class Llama:
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         pool.write(slot, k, v.reshape(-1, self.n_kv_heads, hd), mapping, attn.kv_scales)
         return q
+
+
+INTERPRET = os.environ.get("PAGEDKV_FUSED") == "interpret"  # (the tests': the kernels in Triton's interpreter on a CPU)
 
 
 def fused() -> Any:

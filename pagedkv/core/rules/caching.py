@@ -63,14 +63,21 @@ def caches(txn: Txn, req: Request) -> bool:
 
 
 def cache_full_blocks(
-    txn: Txn, req: Request, i: int, slot: int, computed: int, given: Sequence[bytes] | None = None
+    txn: Txn,
+    req: Request,
+    i: int,
+    slot: int,
+    computed: int,
+    given: Sequence[bytes] | None = None,
+    adds: list[tuple[list[bytes], list[int]]] | None = None,
 ) -> None:
     """Put row i's newly full computed blocks into the cache index (once per content), where ``req`` caches;
-    ``given``: the row's chain hashes as the caller computed them (``hash_full_blocks``)."""
+    ``given``: the row's chain hashes as the caller computed them; ``adds``: where the index writes gather
+    (``hash_full_blocks``)."""
     if not caches(txn, req):
         return
     record = txn.rows[slot]
-    new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot], given)
+    new = hash_full_blocks(txn, req, i, slot, computed, record, txn.row_tail[slot], given, adds)
     if new is not record:
         txn.rows[slot] = new
 
@@ -80,27 +87,17 @@ def cache_rows(txn: Txn, rows: Sequence[tuple[Request, int, int, int, Sequence[b
     decode step's rows that fill a block): where the pool reports no events, the index writes of all of them in
     one pass a group, in the order row by row gives. A caller's hash the core's own differs from refuses (the
     transition is dropped: nothing of it stands)."""
-    if not txn.config.enable_prefix_caching:
-        return None
-    epoch = txn.base.cache_epoch
-    records, tails = txn.rows, txn.row_tail
     adds: list[tuple[list[bytes], list[int]]] | None = (
         None if txn.config.kv_events else [([], []) for _ in txn.config.rules]
     )
     for req, i, slot, computed, given in rows:
-        if req.cache_epoch != epoch:
-            continue
-        record = records[slot]
         try:
-            new = hash_full_blocks(txn, req, i, slot, computed, record, tails[slot], given, adds)
+            cache_full_blocks(txn, req, i, slot, computed, given, adds)
         except GivenHashError as e:
             return e.refusal(req.request_id)
-        if new is not record:
-            records[slot] = new
-    if adds is not None:
-        for g, (hashes, blocks) in enumerate(adds):
-            if hashes:
-                txn.index.add_many(g, hashes, blocks)
+    for g, (hashes, blocks) in enumerate(adds or ()):
+        if hashes:
+            txn.index.add_many(g, hashes, blocks)
     return None
 
 

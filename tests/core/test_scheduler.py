@@ -294,6 +294,9 @@ def served(cache: CacheConfig, sched: SchedulerConfig, reqs: list[SeqRequest], l
     lengths=[(4, 1, 0), (37, 1, 0)],
     later=0,
 )
+@example(  # (a preempted request whose whole sequence no longer fits: readmitted a chunk at a time now)
+    layout="window8", usable=16, grow_prefill=False, caching=True, budget=4, lengths=[(31, 7, 0), (31, 6, 0)], later=0
+)
 def test_a_request_served_alone_in_the_empty_pool_is_served_in_company(
     layout: str, usable: int, grow_prefill: bool, caching: bool, budget: int, lengths: list[Any], later: int
 ) -> None:

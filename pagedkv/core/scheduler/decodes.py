@@ -173,12 +173,13 @@ def readmission_refusal(d: Planning, rid: RequestId) -> KVError | None:
     waiting queue's head would be judged with its blocks back): then it is not preempted, it ends."""
     req = d.seqs[rid]
     kv = release(d.kv, rid, "preempted").unwrap().state
-    return admission_refusal(d, kv, replace(req, output=d.output(rid)).spec())
+    return admission_refusal(d, kv, replace(req, output=d.output(rid)).spec(), readmitted=True)
 
 
-def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec) -> KVError | None:
+def admission_refusal(d: Planning, kv: KVState, spec: RequestSpec, *, readmitted: bool = False) -> KVError | None:
     """Why the scheduler can never admit ``spec`` into ``kv``'s pool, whatever the pool holds then: ``refusal``
-    (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time)."""
-    if d.state.config.grow_prefill and spec.rows[0].prefix_len is None:
+    (its blocks at once), or under ``grow_prefill`` ``growing_refusal`` (a chunk's at a time), as for a
+    ``readmitted`` (preempted) request, which takes its blocks a chunk at a time where they do not fit at once."""
+    if (d.state.config.grow_prefill or readmitted) and spec.rows[0].prefix_len is None:
         return growing_refusal(kv, spec, checked=True)  # (checked when the request arrived)
     return refusal(kv, spec, checked=True)

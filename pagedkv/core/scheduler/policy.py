@@ -33,7 +33,7 @@ from pagedkv.core.scheduler.lifecycle import Move
 from pagedkv.core.scheduler.planning import Planning
 from pagedkv.core.scheduler.records import DiffusionRun, Prefilled, SchedState, StepPlan
 from pagedkv.core.outputs.snapshot import publish
-from pagedkv.core.spec import RowSpec
+from pagedkv.core.spec import RequestSpec, RowSpec
 
 
 def schedule(
@@ -66,8 +66,9 @@ def _prefill_chunks(d: Planning) -> None:
             return
         if rid in prefilling and rid in d.running:  # (a chunk's growth may have preempted it)
             slot = d.kv.requests[rid].slots[0]
-            computed = d.kv.row_computed[slot]
-            total = _sequence_len(d, rid) if cfg.grow_prefill else d.kv.row_len[slot]
+            computed, length = d.kv.row_computed[slot], d.kv.row_len[slot]
+            total = _sequence_len(d, rid)
+            grows = cfg.grow_prefill or length < total  # (or a preempted request readmitted a chunk at a time)
             remaining = total - computed
             q = (
                 min(remaining, d.budget, cfg.chunk_cap)
@@ -75,12 +76,12 @@ def _prefill_chunks(d: Planning) -> None:
                 else (remaining if remaining <= d.budget else 0)
             )
             kv_cfg = d.kv.config
-            if q and cfg.grow_prefill:  # (a row near the pool's size: chunks its windows hold at once)
+            if q and grows:  # (a row near the pool's size: chunks its windows hold at once)
                 q = max(1, kv_cfg.growing_chunk(total, q))
             bs = kv_cfg.block_size
             if kv_cfg.stops_at_block_end and computed % bs:  # (an align-mode state group: vLLM's aligned split)
                 q = min(q, bs - computed % bs)
-            if q and cfg.grow_prefill and not _grow_chunk(d, rid, computed + q):
+            if q and grows and not _grow_chunk(d, rid, computed + q):
                 continue  # preempted itself: it waits, its blocks back
             if q:
                 d.prefill.append((rid, q))
@@ -132,17 +133,12 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
     req = d.seqs[rid]
     output = d.output(rid) if req.rows is None else ()
     spec = replace(req, output=output).spec() if output else req.spec()
-    if cfg.grow_prefill and req.rows is None:  # only the first chunk's blocks (past the hit) now
+    if cfg.grow_prefill and req.rows is None:
         never = admission_refusal(d, d.kv, spec)
         if never is not None:
             d.end(rid, Move.REFUSE, never)
             return "done"
-        hit = find_hit(d.kv, spec).num_blocks * d.kv.config.block_size
-        total = len(req.prompt) + len(output)
-        chunk = min(total - hit, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else total - hit
-        held = hit + max(d.kv.config.growing_chunk(total, chunk), 1)  # (a row near the pool's size: smaller chunks)
-        row = spec.rows[0]
-        spec = replace(spec, rows=(RowSpec.of_tokens(row.tokens[:held]),))  # type: ignore[index]
+        spec = _first_chunk(d, spec)
     nothing_yet = not (d.decode or d.prefill or d.diffusion)
     keep = cfg.watermark_blocks if d.running or not nothing_yet else 0  # the watermark, for decode growth
     admitted = admit(d.kv, spec, reserve=keep, checked=True)  # (its form checked when it arrived: submit)
@@ -150,6 +146,11 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         # a hit can make a request need more blocks than the pool has (an align-mode state group's block taken over
         # beside its own): served without it, as it would be alone, rather than ended
         admitted = admit(d.kv, replace(spec, max_hit=0), reserve=keep, checked=True)
+    if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.UNSCHEDULABLE and output:
+        # a preempted request whose whole sequence no longer fits at once (a window group's blocks freed as it ran):
+        # readmitted as it ran, a chunk at a time (``readmission_refusal`` let it be preempted only so)
+        spec = _first_chunk(d, spec)
+        admitted = admit(d.kv, spec, reserve=keep, checked=True)
     if isinstance(admitted, Failure):
         err = admitted.failure()
         if err.code is ErrorCode.NO_CAPACITY:
@@ -169,8 +170,8 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
         d.move(rid, Move.ADMIT_DIFFUSION)
         d.budget -= tokens
         return "done"
-    remaining = (spec.rows[0].num_tokens if cfg.grow_prefill else len(req.prompt) + len(output)) - cached
-    q = min(remaining, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else remaining  # (grow_prefill: what it holds)
+    remaining = spec.rows[0].num_tokens - cached  # (its first chunk's, where it grows a chunk at a time)
+    q = min(remaining, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else remaining
     if q > d.budget and not nothing_yet:
         return "stop"
     d.apply(step)
@@ -180,6 +181,18 @@ def _admit_head(d: Planning, rid: RequestId) -> str:
     d.budget -= q
     _cache_ahead(d, rid, cached + q)
     return "done"
+
+
+def _first_chunk(d: Planning, spec: RequestSpec) -> RequestSpec:
+    """An LLM request admitted a chunk at a time: ``spec`` with only its hit and first chunk's tokens (a row near
+    the pool's size takes a smaller chunk); the later chunks' blocks grow as they are planned."""
+    cfg, kv_cfg = d.state.config, d.kv.config
+    row = spec.rows[0]
+    total = row.num_tokens
+    hit = find_hit(d.kv, spec).num_blocks * kv_cfg.block_size
+    chunk = min(total - hit, d.budget, cfg.chunk_cap) if cfg.chunked_prefill else total - hit
+    held = hit + max(kv_cfg.growing_chunk(total, chunk), 1)
+    return replace(spec, rows=(RowSpec.of_tokens(row.tokens[:held]),))  # type: ignore[index]
 
 
 def _cache_ahead(d: Planning, rid: RequestId, through: int) -> None:
@@ -205,7 +218,7 @@ def _plan(d: Planning) -> tuple[SchedState, StepPlan]:
     for rid, q in d.prefill:
         slot = kv.requests[rid].slots[0]
         target = kv.row_computed[slot] + q
-        total = _sequence_len(d, rid) if state.config.grow_prefill else kv.row_len[slot]
+        total = _sequence_len(d, rid)
         chunks.append(Prefilled(rid, q, target, target == total))
     samples = tuple(d.decode) + tuple(c.request_id for c in chunks if c.samples) + tuple(r for r, _ in d.verify)
     plan = StepPlan(

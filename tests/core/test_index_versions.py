@@ -30,36 +30,59 @@ def contents(idx: PrefixIndex) -> dict[Any, int]:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["add", "evict", "read_base", "abandon", "commit"]),
+        st.sampled_from(["add", "evict", "add_many", "evict_many", "read_base", "abandon", "commit"]),
         st.integers(0, 1),  # group
         st.integers(0, len(HASHES) - 1),
         st.integers(1, 15),  # block
         st.integers(0, 30),  # which version to edit from
+        # (hash, block) pairs of an add_many (block 0: the null block, skipped), blocks of an evict_many
+        st.lists(st.tuples(st.integers(0, len(HASHES) - 1), st.integers(0, 15)), max_size=6),
     ),
     max_size=80,
 )
 
 
-@given(ops, st.booleans())
-def test_every_version_reads_as_it_was_made(script: list[tuple[str, int, int, int, int]], duplicates: bool) -> None:
-    versions = [PrefixIndex.empty(num_blocks=16, num_groups=2)]
+def model_add(model: dict[Any, Any], key: Any, b: int, duplicates: bool) -> bool:
+    """``add`` as the model has it: added?"""
+    taken = any(b in blocks for blocks in model.values())
+    fresh = key not in model or duplicates
+    if fresh and not taken and b:
+        model[key] = model.get(key, ()) + (b,)
+        return True
+    return False
+
+
+def model_evict(model: dict[Any, Any], b: int) -> Any:
+    """``evict`` as the model has it: the key the block was cached under."""
+    key = next((k for k, blocks in model.items() if b in blocks), None)
+    if key is not None:
+        model[key] = tuple(x for x in model[key] if x != b)
+        if not model[key]:
+            del model[key]
+    return key
+
+
+@given(ops, st.booleans(), st.sampled_from([1, 2]))
+def test_every_version_reads_as_it_was_made(script: list[Any], duplicates: bool, num_groups: int) -> None:
+    """Single writes and the batched ones (``add_many``, ``evict_many`` reported or not, which take C-speed bulk
+    paths where no pair needs judging one by one) read as the model's writes one at a time."""
+    versions = [PrefixIndex.empty(num_blocks=16, num_groups=num_groups)]
     models: list[dict[Any, Any]] = [{}]
     edit, model, base_at = versions[0].edit(duplicates), {}, 0
-    for op, g, h, b, pick in script:
+    for op, g, h, b, pick, many in script:
+        g %= num_groups
         if op == "add":
-            key = (g, HASHES[h])
-            taken = any(b in blocks for blocks in model.values())
-            fresh = key not in model or duplicates
-            assert edit.add(g, HASHES[h], b) == (fresh and not taken)
-            if fresh and not taken:
-                model[key] = model.get(key, ()) + (b,)
+            assert edit.add(g, HASHES[h], b) == model_add(model, (g, HASHES[h]), b, duplicates)
+        elif op == "add_many":
+            added = sum(model_add(model, (g, HASHES[x]), y, duplicates) for x, y in many)
+            assert edit.add_many(g, [HASHES[x] for x, _ in many], [y for _, y in many]) == added
         elif op == "evict":
-            key = next((k for k, blocks in model.items() if b in blocks), None)
-            assert edit.evict(b) == key
-            if key is not None:
-                model[key] = tuple(x for x in model[key] if x != b)
-                if not model[key]:
-                    del model[key]
+            assert edit.evict(b) == model_evict(model, b)
+        elif op == "evict_many":
+            blocks = [y for _, y in many if y] + (list(range(15, 0, -1)) if pick % 3 == 0 else [])  # (or all)
+            report = pick % 2 == 0
+            gone = [(y, *key) for y in blocks for key in [model_evict(model, y)] if key is not None]
+            assert edit.evict_many(blocks, report=report) == (gone if report else [])
         elif op == "read_base":  # (a transition reading its old state mid-edit: the edit rolls back, then on)
             assert contents(versions[base_at]) == models[base_at]
         elif op == "abandon":  # (a refusal or an exception: the edit is dropped, its version never made)

@@ -72,46 +72,57 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     recently freed, reused last), or under the ``vllm`` policy those without a hash at the head together
     (vLLM's ``prepend_n``: they can never be hit, so they are reused first). Each leaf of the refcounts and
     links is copied once, then written in place."""
+    if 0 in blocks:
+        blocks = [b for b in blocks if b]
     refcount = txn.refcount
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
-    counts = refcount.own_many({b >> sh for b in blocks})
-    vllm = txn.config.free_queue != "tail"  # ("vllm", "vllm-omni": vLLM's block pool either way)
-    revs = txn.index.reverse_maps() if vllm and txn.config.enable_prefix_caching else None
-    rev0 = revs[0] if revs is not None and len(revs) == 1 else None
-    cached = (
-        None if revs is None else rev0.__contains__ if rev0 is not None else (lambda b: any(b in r for r in revs))
-    )  # (a block cached in any group goes to the tail)
-    tail: list[int] = []
-    head: list[int] = []
+    ks = {b >> sh for b in blocks}
+    counts = refcount.own_many(ks)
+    freed: list[int] = []
     for b in blocks:
-        if not b:
-            continue
         leaf = counts[b >> sh]
-        rc = leaf[b & m] - 1
-        if rc < 0:
+        i = b & m
+        rc = leaf[i]
+        if rc == 1:
+            leaf[i] = 0
+            freed.append(b)
+        elif rc > 1:
+            leaf[i] = rc - 1
+        else:
             raise InvariantError(f"block {b} released more often than it was referenced")
-        leaf[b & m] = rc
-        if not rc:
-            (head if vllm and (cached is None or not cached(b)) else tail).append(b)
-    link_free(txn, tail, head)
+    if txn.config.free_queue == "tail":  # ("vllm", "vllm-omni": vLLM's block pool either way)
+        link_free(txn, freed, (), ks)
+    elif not txn.config.enable_prefix_caching:
+        link_free(txn, (), freed, ks)
+    else:  # (a block cached in any group goes to the tail)
+        revs = txn.index.reverse_maps()
+        if len(revs) == 1:
+            rev = revs[0]
+            tail = [b for b in freed if b in rev]
+            head = [b for b in freed if b not in rev] if len(tail) != len(freed) else ()
+        else:
+            tail = [b for b in freed if any(b in r for r in revs)]
+            head = [b for b in freed if not any(b in r for r in revs)]
+        link_free(txn, tail, head, ks)
 
 
-def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int]) -> None:
+def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int], leaves: set[int] | None = None) -> None:
     """Put blocks no one holds in the free queue: ``tail`` after its tail, in order; then ``head`` before
-    its head, in order (``head[0]`` first)."""
+    its head, in order (``head[0]`` first). ``leaves``: the leaves that hold them, where the caller knows."""
     if not tail and not head:
         return
     nxt, prv = txn.nxt, txn.prv
     sh, m = nxt.shift, nxt.mask
     first, last = nxt[0], prv[0]  # (0 for an empty queue: the null block is the list's sentinel)
-    ks = {b >> sh for b in (*tail, *head)} | {0, first >> sh, last >> sh}
+    ks = {b >> sh for b in (*tail, *head)} if leaves is None else set(leaves)
+    ks.update((0, first >> sh, last >> sh))
     after, before = nxt.own_many(ks), prv.own_many(ks)
     if tail:
-        prev = last
-        for b in tail:
-            after[prev >> sh][prev & m] = b
-            before[b >> sh][b & m] = prev
-            prev = b
+        prevs = [last, *tail]
+        for p, b in zip(prevs, tail):
+            after[p >> sh][p & m] = b
+            before[b >> sh][b & m] = p
+        prev = tail[-1]
         after[prev >> sh][prev & m] = 0
         before[0][0] = prev
         first = after[0][0]

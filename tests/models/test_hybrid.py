@@ -200,3 +200,32 @@ def test_grow_prefill_serves_prompts_whose_whole_reservation_does_not_fit(
             assert all(ev.divergence is None for ev in replay(lines))
     assert outcome[False] == ["length", "length", "UNSCHEDULABLE", "UNSCHEDULABLE"]
     assert outcome[True] == ["length"] * 4
+
+
+@pytest.mark.slow
+def test_the_host_tier_serves_a_hybrid_model(models: tuple[Any, Llama]) -> None:
+    """Issue 66: three conversations of five turns (each turn's prompt its whole history, 40 to about 150 tokens)
+    in a pool of 39 blocks that cannot keep them all: with a host tier, the window group's visible blocks and the
+    full group's come back from it on a hit. Every answer equals transformers' run of its prompt alone, with the
+    tier and without it, and the tier more than doubles the prefix hit rate (0.14 -> 0.74, measured)."""
+    hf, ours = models
+    page = 2 * 2 * ours.config.num_kv_heads * ours.config.head_dim * 4 * 8  # (two layer slots of K and V, fp32)
+
+    def conversations(gib: float | None) -> tuple[list[tuple[list[int], list[int]]], Engine]:
+        eng = engine(ours, kv_cache_memory_bytes=40 * page, kv_offloading_size=gib, max_num_batched_tokens=64)
+        history, out = prompts(3, 40, 11), []
+        for turn in range(5):
+            asks = [(f"c{i}t{turn}", h, SamplingParams(temperature=0.0, max_tokens=12)) for i, h in enumerate(history)]
+            for i, done in enumerate(eng.generate(asks)):
+                out.append((history[i], done.token_ids))
+                history[i] = history[i] + list(done.token_ids) + prompts(1, 16, 100 + 10 * turn + i)[0]
+        return out, eng
+
+    plain, without = conversations(None)
+    tiered, tier = conversations(0.003)
+    assert [ids for _, ids in tiered] == [ids for _, ids in plain]
+    for prompt, ids in tiered:
+        assert ids == reference(hf, prompt, 12)
+    pages = tier.host_pages
+    assert pages is not None and pages.loaded > 0
+    assert tier.state.kv.prefix_hit_rate >= 2 * without.state.kv.prefix_hit_rate > 0

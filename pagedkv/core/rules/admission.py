@@ -18,6 +18,7 @@ import pagedkv.core.rules.pool as pool
 from pagedkv.core.outputs.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.rules.hashing import BlockKeys
+from pagedkv.core.rules.kinds import HOSTED, Pop
 from pagedkv.core.rules.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.store.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
@@ -152,7 +153,7 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
     if need <= state.free_blocks:
         return Failure(invalid(f"request {shown(spec.request_id)} fits: admit it", request=spec.request_id))
     txn = Txn(state)
-    pinned = list(dict.fromkeys(b for row_ids in hit.ids for ids in row_ids for b in ids if b))
+    pinned = list(dict.fromkeys(b for row_ids in hit.ids for ids in row_ids for b in ids if b > 0))
     for b in pinned:  # (vLLM's touch: no allocation below evicts a hit)
         pool.take_hit(txn, b)
     taken: list[list[tuple[int, ...]]] = []
@@ -311,20 +312,22 @@ def _reserve(
                 take_state(txn, saved)
             for b in r.hit_taken(group_ids, first):
                 pool.take_hit(txn, b)
-    # the host tier's hits (positions past a row's device hit) pinned, with their slots: no pop below drops them
+    # the host tier's hit blocks pinned, with their slots, position by position: no pop below drops them
     loads = [
-        {j: [txn.host.touch((g, hashes[j])) for g in range(len(rules))] for j in range(d, hit.num_blocks)}
-        for hashes, d in zip(hit.hashes, hit.on_device)
-    ]
+        [(j, g, txn.host.touch((g, hashes[j]))) for j in range(hit.num_blocks) for g, ids in enumerate(row_ids)
+         if ids[j] == HOSTED]
+        for hashes, row_ids in zip(hit.hashes, hit.ids)
+    ] if txn.config.host_blocks else None  # fmt: skip
     pop = partial(pool.pop_blocks, txn)
     slots, blocks = [], []
     for r_i, (row, nb, row_ids, hashes, c, row_firsts) in enumerate(
         zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts)
     ):
-        rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
-        for j, at in loads[r_i].items() if loads else ():  # those blocks into the fresh ones at their positions
-            for g, ids in enumerate(rb):
-                pool.onload(txn, g, hashes[j], at[g], ids[j])
+        rb = tuple(
+            r.admitted(_fresh_for_hosted(ids, pop), nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts)
+        )
+        for j, g, slot in loads[r_i] if loads else ():  # those blocks into the fresh ones at their positions
+            pool.onload(txn, g, hashes[j], slot, rb[g][j])
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
@@ -336,6 +339,16 @@ def _reserve(
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks
+
+
+def _fresh_for_hosted(ids: tuple[int, ...], pop: Pop) -> tuple[int, ...]:
+    """A group's hit ids with a fresh block at each position the host tier holds (``HOSTED``), popped in position
+    order before the row's others (its blocks then come off the free queue as one pop of them all would give)."""
+    n = ids.count(HOSTED)
+    if not n:
+        return ids
+    fresh = iter(pop(n))
+    return tuple(next(fresh) if b == HOSTED else b for b in ids)
 
 
 def take_state(txn: Txn, saved: int) -> None:

@@ -42,7 +42,9 @@ class GroupKind(StrEnum):
 
 
 Pop = Callable[[int], tuple[int, ...]]  # the pool's: n fresh blocks, least recently freed first
-Cached = Callable[[bytes], "int | None"]  # the prefix cache of one group: a chain hash's block, or None
+Cached = Callable[[bytes], "int | None"]  # the prefix cache of one group: a chain hash's block, HOSTED, or None
+# a hit's block that the host tier holds (core/store/host.py), not the device: admission loads it into a fresh block
+HOSTED = -1
 
 
 class KindRules:
@@ -58,6 +60,9 @@ class KindRules:
     full_hit: ClassVar[bool] = True  # the hit is scanned left to right over these groups (the others cut it back)
     eagle_margin: ClassVar[bool] = False  # under vLLM's EAGLE drop the hit search holds one block more
     event_covers_run: ClassVar[bool] = False  # its BlockStored carries the ids since its last store (vLLM's align)
+    # the host tier keeps its evicted blocks and a hit loads them back (``HOSTED``): a block of keys, read where it
+    # is, never a live state rewritten in place
+    tiered: ClassVar[bool] = True
     __slots__ = ("window", "chunk")
 
     def __init__(self, window: int | None = None, chunk: int | None = None) -> None:
@@ -105,20 +110,21 @@ class KindRules:
 
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
         """Admitting a row of ``nb`` positions whose hit gave ``hit`` here, first visible block ``first``: the
-        fresh blocks it pops, and the hit blocks it shares (``hit_taken``)."""
-        return nb - max(len(hit), min(first, nb)), self.hit_taken(hit, first)
+        fresh blocks it pops (those the host tier's hit blocks are loaded into among them), and the hit blocks it
+        shares (``hit_taken``)."""
+        return nb - max(len(hit), min(first, nb)) + hit.count(HOSTED), self.hit_taken(hit, first)
 
     def hit_taken(self, hit: tuple[int, ...], first: int) -> tuple[int, ...]:
-        """The hit blocks a row shares (a reference each), taken before any fresh block is popped."""
-        return tuple(b for b in hit[first:] if b)
+        """The device's hit blocks a row shares (a reference each), taken before any fresh block is popped."""
+        return tuple(b for b in hit[first:] if b > 0)
 
     def taken_over(self, hit: tuple[int, ...]) -> int | None:
         """The hit block a row takes over (out of the cache: it will be rewritten), if any."""
         return None
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
-        """A row's list of ``nb`` positions from its hit: the null block where no query looks (before
-        ``first``), the hit's blocks, then fresh ones."""
+        """A row's list of ``nb`` positions from its hit (its ``HOSTED`` positions given fresh blocks already):
+        the null block where no query looks (before ``first``), the hit's blocks, then fresh ones."""
         kept = hit if not first else tuple(0 if j < first else b for j, b in enumerate(hit))
         skip = max(0, min(first, nb) - len(hit))
         return kept + (0,) * skip + pop(nb - len(hit) - skip)
@@ -144,12 +150,13 @@ class KindRules:
 
     def holds(self, cached: Cached, chains: Sequence[Sequence[bytes]], n: int, peek: bool, block_size: int) -> bool:
         """Does this group hold a hit of ``n`` blocks for every row: each block a query at the boundary can see
-        (the block after it too, under ``peek``)?"""
+        (the block after it too, under ``peek``), on the device or in the host tier?"""
         first = self.first_visible_block(n * block_size, block_size)
         return all(cached(chain[j]) is not None for chain in chains for j in range(first, n + peek))
 
     def hit_ids(self, cached: Cached, chain: Sequence[bytes], n: int, block_size: int) -> tuple[int, ...]:
-        """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look)."""
+        """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look; ``HOSTED`` where
+        the host tier holds the block)."""
         first = self.first_visible_block(n * block_size, block_size)
         return tuple(_known(cached, chain[j]) if j >= first else 0 for j in range(n))
 
@@ -236,6 +243,7 @@ class MambaState(KindRules):
     holds_state = True
     recurrent = True
     full_hit = False
+    tiered = False
 
     def most_held(self, nb: int) -> int:
         return 1
@@ -286,6 +294,7 @@ class MambaAlign(KindRules):
     stops_at_block_end = True
     full_hit = False
     event_covers_run = True
+    tiered = False
 
     def first_visible_position(self, position: int) -> int:
         return max(0, position - 1)  # the state after the token before (vLLM's skipped tokens: n - 1)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pagedkv.core.errors import GivenHashError, InvariantError
 from pagedkv.core.rules.hashing import BlockHash, BlockKeys
 from pagedkv.core.store.index import PrefixIndex
-from pagedkv.core.rules.kinds import Cached
+from pagedkv.core.rules.kinds import HOSTED, Cached
 from pagedkv.core.outputs.metadata import segments_of
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.store.state import KVState
@@ -33,9 +33,6 @@ class Hit:
     hashes: tuple[tuple[BlockHash, ...], ...]  # per row: chain hashes of the hit blocks
     ids: tuple[tuple[tuple[int, ...], ...], ...]  # per row, per group: hit block ids (0 = null)
     full_blocks: int = 0  # the full-attention groups' hit alone, before window and state groups cut it back
-    # per row, how many of its hit blocks are on the device (the rest are in the host tier, loaded into fresh
-    # blocks at admission: core/store/host.py); empty: all of them
-    on_device: tuple[int, ...] = ()
 
 
 def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False) -> Hit:
@@ -75,12 +72,13 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
             hit -= 1
     ids = []
     for chain, device in zip(chains, on_device):
+        beyond = frozenset(chain[device:hit])  # (the full groups' positions past the device's end: the tier's)
         per_group = []
         for g, rules in enumerate(cfg.rules):
-            per_group.append(rules.hit_ids(_cached_in(cache, g), chain, min(hit, device), bs))
+            view = _beyond(cache, g, beyond) if rules.full_hit and beyond else _cached_in(state, g)
+            per_group.append(rules.hit_ids(view, chain, hit, bs))
         ids.append(tuple(per_group))
-    hosted = tuple(min(hit, d) for d in on_device) if any(d < hit for d in on_device) else ()
-    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks, hosted)
+    return Hit(hit, tuple(tuple(c[:hit]) for c in chains), tuple(ids), full_blocks)
 
 
 def _reconcile(state: KVState, chains: list[list[BlockHash]], full: int, spec: RequestSpec, drop: bool) -> int:
@@ -128,13 +126,29 @@ def _holds(state: KVState, chains: list[list[BlockHash]], groups: list[int], n: 
     """Do ``groups`` (one kind) hold a hit of ``n`` blocks for every row: a window group every block a query at
     the boundary can see (and the block after it, under ``peek``), a state group a state saved where the hit
     ends, a different one for each row (it is taken over)."""
-    cfg, cache = state.config, state.cache
-    return all(cfg.rules[g].holds(_cached_in(cache, g), chains, n, peek, cfg.block_size) for g in groups)
+    cfg = state.config
+    return all(cfg.rules[g].holds(_cached_in(state, g), chains, n, peek, cfg.block_size) for g in groups)
 
 
-def _cached_in(cache: PrefixIndex, g: int) -> Cached:
-    """Group ``g``'s view of the prefix cache: a chain hash's block, or None."""
-    return lambda h: cache.get((g, h))
+def _cached_in(state: KVState, g: int) -> Cached:
+    """Group ``g``'s view of the prefix cache: a chain hash's block on the device, else ``HOSTED`` where the host
+    tier holds it, or None."""
+    cache = state.cache
+    if not state.config.host_blocks:
+        return lambda h: cache.get((g, h))
+    tier = state.host.entries
+
+    def cached(h: BlockHash) -> int | None:
+        b = cache.get((g, h))
+        return b if b is not None else HOSTED if (g, h) in tier else None
+
+    return cached
+
+
+def _beyond(cache: PrefixIndex, g: int, hosted: frozenset[BlockHash]) -> Cached:
+    """A full group's view past a row's device hit: every position the full groups do not all hold on the device
+    is loaded from the tier (``hosted``), whichever of them holds it."""
+    return lambda h: HOSTED if h in hosted else cache.get((g, h))
 
 
 def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple[list[list[BlockHash]], list[int]]:

@@ -11,9 +11,9 @@ from typing import Any
 
 from pagedkv.core.config import GroupSpec
 from pagedkv.core.outputs.effects import events_of
-from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, BlockStored
 from pagedkv.core.errors import shown
-from pagedkv.core.rules.kinds import GroupKind
+from pagedkv.core.rules.kinds import HOSTED, GroupKind
 from pagedkv.core.rules.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.store.state import KVState, Request
@@ -234,8 +234,7 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
     hit = find_hit(before, spec)  # (the lookup itself is judged by the cache invariants)
     cached = hit.num_blocks * bs
     own, shared = 0, set()
-    on_device = hit.on_device or (hit.num_blocks,) * len(spec.rows)  # (the rest of the hit: the host tier's)
-    for row, ids, device in zip(spec.rows, hit.ids, on_device):
+    for row, ids in zip(spec.rows, hit.ids):
         start = max(cached, row.pending_tokens)
         start = min(start, row.prefix_len) if row.prefix_len is not None else start
         for g, group in enumerate(cfg.groups):
@@ -248,7 +247,7 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
                 if group.kind is GroupKind.MAMBA_ALIGN and hit.num_blocks <= j < nb - 1:
                     continue  # (an align-mode state group takes a block at the last position only)
                 if (j + 1) * bs - 1 >= lowest:  # a query from ``start`` on sees a position of block j
-                    if j < device:  # (a block the host tier holds is loaded into a fresh one)
+                    if j < len(ids[g]) and ids[g][j] != HOSTED:  # (one the host tier holds: into a fresh one)
                         shared.add(ids[g][j])
                     else:
                         own += 1
@@ -277,14 +276,22 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
 
 def copy_violations(state: KVState, effect: Any) -> list[str]:
     """A transition's host-tier copies (core/store/host.py) done in the order recorded, over what ``state`` held: each
-    store reads a device block that holds the content it names (cached under it, not loaded over earlier in the
-    list), each load a slot that holds the content it names (the tier's entry, not written over earlier)."""
-    device: dict[int, Any] = {}  # block -> content, as the copies so far left it
+    store reads a device block that holds the content it names (cached under it or cached earlier in the list, as a
+    window's block a decode step caches, lets go and reuses; not loaded over nor evicted earlier), each load a slot
+    that holds the content it names (the tier's entry, not written over earlier). A pool that reports no events
+    shows no block cached in the transition: a store of a block not cached before is taken as it says there."""
+    device: dict[int, Any] = {}  # block -> content, as the events so far left it
     slots: dict[int, Any] = {}  # slot -> content
     bad = []
     for e in events_of(effect):
-        if isinstance(e, BlockOffloaded):
+        if isinstance(e, BlockStored):
+            device[e.block_id] = (e.group, e.block_hash)
+        elif isinstance(e, BlockRemoved):
+            device[e.block_id] = None
+        elif isinstance(e, BlockOffloaded):
             held = device.get(e.block_id, state.cache.key_of(e.block_id))
+            if held is None and e.block_id not in device and not state.config.kv_events:
+                held = (e.group, e.block_hash)  # (cached in this transition, unseen where no events are reported)
             if held != (e.group, e.block_hash):
                 bad.append(f"a store of block {e.block_id} to slot {e.host_slot}: the block holds {held}")
             slots[e.host_slot] = (e.group, e.block_hash)

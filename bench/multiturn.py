@@ -7,19 +7,31 @@ costs where it cannot help. GC on, as engines run, with its collections a step.
 
     python bench/multiturn.py                                     # CPU, fp32
     python bench/multiturn.py --device cuda --dtype bfloat16 --conversations 64 --turns 8
+    python bench/multiturn.py --device cuda --shape llama-8b --conversations 32 --turns 6    # histories of 2-6k tokens
+    python bench/multiturn.py --pool-fraction 10                  # preemption-heavy: restored, or recomputed
+
+``--shape``: a random model of real shapes (bench/llama_shapes.py, transformers' init on the device), each
+conversation a ``--system``-token opening of its own, then per turn a ``--question`` of new ids after the answer.
+The table says whether the tier's answers are the ones the run without it gave (``--invariant``: batch-invariant
+kernels, so a block loaded back or a recompute gives the bits of a run alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
 import torch
 
-from pagedkv.models.llama import Llama
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_shapes import SHAPES, build
+
+from pagedkv.models.llama import IdTokenizer, Llama
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
@@ -27,30 +39,70 @@ from pagedkv.shell.sampling import SamplingParams
 TOPICS = ["rivers", "bread", "chess", "glass", "bees", "rain", "maps", "salt", "clocks", "snow", "ships", "tea"]
 
 
+class Chats:
+    """The conversations' prompts as token ids: on SmolLM2 the chat template over every message so far; on a random
+    model of real shapes (``--shape``) a ``system``-token opening of its own, then each turn's answer and a
+    ``question`` of new ids."""
+
+    def __init__(self, tok: Any, convs: int, system: int, question: int, vocab: int) -> None:
+        self.tok, self.system, self.question, self.vocab = tok, system, question, vocab
+        self.messages: list[list[dict[str, str]]] = [[] for _ in range(convs)]
+        self.ids: list[list[int]] = [[] for _ in range(convs)]
+
+    def _random(self, seed: int, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def ask(self, c: int, turn: int, reuse: bool) -> list[int]:
+        """Conversation ``c``'s prompt for ``turn`` (``reuse`` False: a new conversation of one turn)."""
+        if self.tok is None:
+            if not reuse or not self.ids[c]:
+                self.ids[c] = self._random(1_000_000 + 1000 * c + (0 if reuse else turn), self.system)
+            self.ids[c] += self._random(1000 * c + turn, self.question)
+            return list(self.ids[c])
+        if not reuse:  # (its own first words: nothing past the template's system prompt is shared)
+            self.messages[c] = []
+        topic = TOPICS[c % len(TOPICS)]
+        ask = f"Reader {c} asks: tell me something about {topic} ({turn})."
+        if not reuse:
+            ask = f"Question {c}.{turn}: tell me something about {topic}."
+        self.messages[c].append({"role": "user", "content": ask})
+        return self.tok.encode(self.tok.apply_chat_template(self.messages[c]))  # type: ignore[no-any-return]
+
+    def answered(self, c: int, ids: list[int]) -> None:
+        if self.tok is None:
+            self.ids[c] += ids
+        else:
+            self.messages[c].append({"role": "assistant", "content": self.tok.decode(ids)})
+
+
 def serve(
-    model: Any, tok: Any, convs: int, turns: int, answer: int, pool: int, gib: float | None, reuse: bool
-) -> dict[str, float]:
-    """``convs`` conversations of ``turns`` turns served together; the run's figures."""
-    eng = Engine(model, tok, kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib)
+    model: Any,
+    tok: Any,
+    convs: int,
+    turns: int,
+    answer: int,
+    pool: int,
+    gib: float | None,
+    reuse: bool,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """``convs`` conversations of ``turns`` turns served together; the run's figures and answers."""
+    eng = Engine(model, tok or IdTokenizer(), kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib,
+                 batch_invariant=args.invariant)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
-    history: list[list[dict[str, str]]] = [[] for _ in range(convs)]
+    chats = Chats(tok, convs, args.system, args.question, model.config.vocab_size)
     turn = [0] * convs
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     owner: dict[str, int] = {}
+    answers: dict[str, list[int]] = {}
 
     def submit(c: int) -> None:
-        if not reuse:  # (no reuse: every prompt a new conversation of one turn)
-            history[c] = []
-        topic = TOPICS[c % len(TOPICS)]
-        ask = f"Reader {c} asks: tell me something about {topic} ({turn[c]})."
-        if not reuse:  # (its own first words: nothing past the template's system prompt is shared)
-            ask = f"Question {c}.{turn[c]}: tell me something about {topic}."
-        history[c].append({"role": "user", "content": ask})
         rid = f"c{c}-t{turn[c]}"
         owner[rid] = c
+        prompt = chats.ask(c, turn[c], reuse)
         submitted[rid] = time.perf_counter()
-        eng.add_request(rid, "", tok.encode(tok.apply_chat_template(history[c])), params)
+        eng.add_request(rid, "", prompt, params)
 
     def on_token(rid: Any, _tok: int) -> None:
         first.setdefault(rid, time.perf_counter())
@@ -64,7 +116,8 @@ def serve(
         for done in eng.step(on_token):
             c = owner[done.request_id]
             made += len(done.token_ids)
-            history[c].append({"role": "assistant", "content": tok.decode(done.token_ids)})
+            answers[done.request_id] = list(done.token_ids)
+            chats.answered(c, list(done.token_ids))
             turn[c] += 1
             if turn[c] < turns:
                 submit(c)
@@ -76,11 +129,12 @@ def serve(
     return {
         "hit": eng.state.kv.prefix_hit_rate,
         "loaded": tier.loaded if tier else 0,
-        "ttft50": statistics.median(ttft) * 1e3,
-        "ttft90": ttft[min(int(0.9 * len(ttft)), len(ttft) - 1)] * 1e3,
+        "ttft50": statistics.median(ttft) * 1e3 if ttft else float("nan"),  # (none: every prompt over the pool)
+        "ttft90": ttft[min(int(0.9 * len(ttft)), len(ttft) - 1)] * 1e3 if ttft else float("nan"),
         "tps": made / wall,
         "gc": (sum(g["collections"] for g in gc.get_stats()) - gc0) / max(eng.stats.steps, 1),
         "preempted": eng.stats.preemptions,
+        "answers": answers,
     }
 
 
@@ -89,38 +143,50 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a random model of these shapes instead of SmolLM2")
+    ap.add_argument("--system", type=int, default=2048, help="--shape: a conversation's opening, in tokens")
+    ap.add_argument("--question", type=int, default=256, help="--shape: each turn's new tokens")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--answer", type=int, default=16, help="tokens an answer")
     ap.add_argument("--tier-gib", type=float, default=0.5)
+    ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
+    ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
-    tok = Tokenizer(meta)
+    if args.shape:
+        model = build(args.shape, args.device)[0]
+        tok, name = None, f"a random {args.shape}"
+        opening, each = args.system, args.question
+    else:
+        model, meta = Llama.smollm2(device=args.device, dtype=getattr(torch, args.dtype))
+        tok, name = Tokenizer(meta), "SmolLM2-135M-Instruct"
+        opening, each = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))), 24
     c = model.config
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
-    # a history's tokens at its last turn: the template's, and each turn's question and answer
-    last = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]))) + args.turns * (
-        24 + args.answer
-    )
-    pool = per_token * args.conversations * last // 4
+    last = opening + args.turns * (each + args.answer)  # a history's tokens at its last turn
+    pool = int(per_token * args.conversations * last / args.pool_fraction)
     print(
-        f"SmolLM2-135M-Instruct, {args.device} {args.dtype}, {args.threads} thread(s); {args.conversations} "
-        f"conversations x {args.turns} turns, {args.answer}-token answers; a pool of {pool >> 20} MiB (about a "
-        f"quarter of the live histories), a host tier of {args.tier_gib} GiB"
+        f"{name}, {args.device} {model.dtype}, {args.threads} thread(s); {args.conversations} conversations x "
+        f"{args.turns} turns (histories up to {last} tokens), {args.answer}-token answers; a pool of {pool >> 20} MiB "
+        f"(1/{args.pool_fraction:g} of the live histories), a host tier of {args.tier_gib} GiB"
+        + ("; batch-invariant" if args.invariant else "")
     )
     if model.device.type == "cuda":  # (kernels compiled and graphs warmed before anything is timed)
         for gib in (None, args.tier_gib):
-            serve(model, tok, 4, 2, 4, pool, gib, True)
+            serve(model, tok, 4, 2, 4, pool, gib, True, args)
     print("\n| workload | tier | prefix hit rate | tier blocks loaded | TTFT p50 (ms) | TTFT p90 (ms) | tok/s | "
-          "preempted | GC a step |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "preempted | answers as without the tier | GC a step |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for reuse in (True, False):
+        plain = None
         for gib in (None, args.tier_gib):
-            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse)
+            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
+            same = "-" if plain is None else "yes" if r["answers"] == plain else "NO"
+            plain = plain or r["answers"]
             print(
                 f"| {'multi-turn' if reuse else 'no reuse'} | {'-' if gib is None else f'{gib} GiB'} | {r['hit']:.1%} | "
-                f"{r['loaded']} | {r['ttft50']:.0f} | {r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | "
+                f"{r['loaded']} | {r['ttft50']:.0f} | {r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | {same} | "
                 f"{r['gc']:.2f} |",
                 flush=True,
             )

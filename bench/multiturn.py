@@ -114,9 +114,9 @@ def serve(
     made = 0
     while eng.has_unfinished():
         for done in eng.step(on_token):
-            c = owner[done.request_id]
+            c = owner[str(done.request_id)]
             made += len(done.token_ids)
-            answers[done.request_id] = list(done.token_ids)
+            answers[str(done.request_id)] = list(done.token_ids)
             chats.answered(c, list(done.token_ids))
             turn[c] += 1
             if turn[c] < turns:

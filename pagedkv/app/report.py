@@ -155,6 +155,7 @@ def summary(
         print(
             f"host tier           {kv.config.host_blocks} blocks; {tier.loaded} loaded back on hits "
             f"({tier.loaded * kv.config.block_size} tokens), {tier.stored} stored from the pool"
+            + (f", {tier.shed} shed under back-pressure" if tier.shed else "")
         )
     print(
         f"peak blocks in use  {st.peak_blocks} of {kv.config.usable_blocks} ({st.peak_blocks / kv.config.usable_blocks:.1%} "

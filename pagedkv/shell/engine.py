@@ -544,7 +544,7 @@ class Engine:
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             self.step_times.append((len(plan.decode), sum(q for _, q in plan.prefill), time.perf_counter() - t0))
-        self._kv_events(scheduled_events + output_events)
+        self._kv_events(scheduled_events + output_events + self._forget_unwritten())  # (stores shed: forgotten)
         return self.outcomes.hand_out()
 
     def _overlapped(

@@ -55,3 +55,27 @@ def test_the_same_tokens_with_the_tier_on_cuda(smollm2_bf16: tuple[Llama, Tokeni
     assert tier.host_pages is not None and tier.host_pages.stored and tier.host_pages.loaded
     assert tier.state.kv.prefix_hit_rate > without.state.kv.prefix_hit_rate
     assert tiered == plain
+
+
+def test_stores_shed_under_back_pressure_lose_hits_never_tokens(smollm2_bf16: tuple[Llama, Tokenizer]) -> None:
+    """Issue 66: with no room for stores on their way (``max_in_flight_bytes=0``), every store this step does not load
+    back is shed rather than waited for: the core forgets its entry (``forget_host``), so no hit loads it, and the
+    tokens are those of the run without the tier."""
+    from typing import Any
+
+    model, tok = smollm2_bf16
+    kw: dict[str, Any] = {"batch_invariant": True, "kv_cache_memory_bytes": 6 << 20}
+    plain, _ = conversations(model, tok, None, turns=4, **kw)
+    real = Engine.__init__
+
+    def tight(self: Engine, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        if self.host_pages is not None:
+            self.host_pages.max_in_flight_bytes = 0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "__init__", tight)
+        tiered, tier = conversations(model, tok, 0.05, turns=4, **kw)
+    pages = tier.host_pages
+    assert pages is not None and pages.shed > 0 and not pages.unwritten
+    assert tiered == plain

@@ -242,7 +242,7 @@ class Llama:
         and written with the values to the pages), ``act_mul`` (the gated activation of the gate-and-up product). On
         CUDA, Triton kernels of ``shell.fused`` (one each), where they compute this model's layer: its own norms (a
         batch-invariant backend's stay), a rotation of whole heads of a power-of-two size before no per-head norm,
-        pages of the model's dtype, silu; else torch's."""
+        pages of the model's dtype written straight (no wrapper watching the pool's writes), silu; else torch's."""
         c, eps = self.config, self.config.rms_norm_eps
         kernels: Any = fused() if x.is_cuda or INTERPRET else None  # (loads Triton)
         fuse = kernels is not None and kernels.serves(x)
@@ -260,7 +260,10 @@ class Llama:
                 return rms(s, w), s
 
         whole = c.head_dim & (c.head_dim - 1) == 0  # (the kernel's tile: a power of two)
-        if fuse and whole and not c.qk_norm and pool.state is None and pool.dtype == x.dtype:
+        # (the kernel writes the pages itself: a pool that watches its writes, kv_scales' calibration, sees them
+        # only through write)
+        own_pool = type(pool) is PagePool
+        if fuse and whole and own_pool and not c.qk_norm and pool.state is None and pool.dtype == x.dtype:
             heads, kv_heads = self.n_heads, self.n_kv_heads
 
             def rope_write(*a: Any) -> torch.Tensor:  # (qkv, L, cos, sin, slot, mapping, attn)

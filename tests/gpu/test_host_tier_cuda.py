@@ -14,7 +14,13 @@ from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded  # noqa: E
 from pagedkv.models.llama import Llama  # noqa: E402
 from pagedkv.models.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
-from tests.shell.test_host_pages import conversations  # noqa: E402
+from tests.shell.test_host_pages import conversations, copies_as_recorded  # noqa: E402
+
+
+def test_batched_copies_mean_what_the_recorded_order_means_on_cuda() -> None:
+    """Random copy sequences on the store and load streams (a store's copy over the bus still on its way when a
+    later load reads its slot, a slot a load still reads written by a later store): as the copies one by one."""
+    copies_as_recorded("cuda", seeds=100)
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,12 @@ def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
 def test_batched_copies_mean_what_the_recorded_order_means() -> None:
     """Stores first, then loads, a batch closed where that would change what a copy reads or writes: over random
     copy sequences (orders the core never records included), pages and slots end as the copies done one by one
-    leave them."""
+    leave them (tests/gpu/test_host_tier_cuda.py runs the same on CUDA's streams)."""
+    copies_as_recorded("cpu")
+
+
+def copies_as_recorded(device: str, seeds: int = 200) -> None:
+    """``test_batched_copies_mean_what_the_recorded_order_means`` on ``device``."""
     import random
 
     import torch
@@ -108,13 +113,13 @@ def test_batched_copies_mean_what_the_recorded_order_means() -> None:
     from pagedkv.shell.pool import PagePool
 
     h = bytes(16)
-    for seed in range(200):
+    for seed in range(seeds):
         rng = random.Random(seed)
-        pool = PagePool(CacheConfig(block_size=2, num_blocks=6), num_layers=2, kv_heads=1, head_dim=2)
+        pool = PagePool(CacheConfig(block_size=2, num_blocks=6), num_layers=2, kv_heads=1, head_dim=2, device=device)
         for t in [*pool.k, *pool.v]:
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
         pages = HostPages(pool, 4)
-        want_dev = [t.clone() for t in [*pool.k, *pool.v]]
+        want_dev = [t.cpu().clone() for t in [*pool.k, *pool.v]]
         want_host = torch.zeros((4, 4, *pool.k[0].shape[1:]))  # (page tensor, slot, ...)
         events = []
         for _ in range(rng.randrange(1, 9)):
@@ -128,9 +133,11 @@ def test_batched_copies_mean_what_the_recorded_order_means() -> None:
                 for i, d in enumerate(want_dev):
                     d[block] = want_host[i, slot]
         pages.apply(events)
-        got_host = torch.cat([host for _, host in pages.sides])
+        if device != "cpu":
+            torch.cuda.synchronize()
+        got_host = torch.cat([host.transpose(0, 1) for _, host in pages.sides])  # (a host side: slots, layers, ...)
         assert torch.equal(got_host, want_host), (seed, events)
-        assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], want_dev)), (seed, events)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip([*pool.k, *pool.v], want_dev)), (seed, events)
 
 
 def test_a_slot_whose_store_failed_is_never_read() -> None:

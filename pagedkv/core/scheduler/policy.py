@@ -9,7 +9,9 @@ unless ``allow_overtaking``); a permanent refusal ends it with that code.
 Decode growth that hits ``NO_CAPACITY`` preempts by recompute: the newest running
 request is released (``preempted``) and goes back to the front of the waiting
 queue; it is admitted again with its prompt and the tokens it generated, so its
-output continues unchanged (the prefix cache makes that cheap).
+output continues unchanged (the prefix cache makes that cheap), a chunk's blocks at a
+time where the whole sequence no longer fits the pool at once (a window group let blocks
+go as it ran: it is readmitted as it ran).
 
 Diffusion requests run at request level: one admission, every denoising step in
 one plan entry (metadata for the first step and for the later ones), released

@@ -60,7 +60,6 @@ class HostPages:
         self.in_flight: set[int] = set()  # the slots they write
         self.unwritten: set[int] = set()  # slots whose store failed (a later store to them writes them again)
         self.staging: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # load staging the load stream writes
-        self.loading: set[int] = set()  # the slots the events being applied load
         self.stored = 0  # blocks copied to the host, and back, since start-up
         self.loaded = 0
 
@@ -68,7 +67,7 @@ class HostPages:
         """The copies among ``events`` (a step's core events, in order)."""
         self.settle(wait=False)
         events = list(events)
-        self.loading = {e.host_slot for e in events if isinstance(e, BlockOnloaded)}  # (never shed: read this step)
+        loading = {e.host_slot for e in events if isinstance(e, BlockOnloaded)}  # (never shed: read this step)
         stores: list[tuple[int, int]] = []  # (device block, slot)
         loads: list[tuple[int, int]] = []  # (slot, device block)
         slots_written: set[int] = set()
@@ -78,19 +77,19 @@ class HostPages:
             if isinstance(e, BlockOffloaded):
                 block, slot = e.block_id, e.host_slot
                 if slot in slots_written or slot in loaded_slots or block in loaded_blocks:
-                    self._batch(stores, loads)
+                    self._batch(stores, loads, loading)
                     stores, loads, slots_written, loaded_slots, loaded_blocks = [], [], set(), set(), set()
                 stores.append((block, slot))
                 slots_written.add(slot)
             elif isinstance(e, BlockOnloaded):
                 slot, block = e.host_slot, e.block_id
                 if block in loaded_blocks:
-                    self._batch(stores, loads)
+                    self._batch(stores, loads, loading)
                     stores, loads, slots_written, loaded_slots, loaded_blocks = [], [], set(), set(), set()
                 loads.append((slot, block))
                 loaded_slots.add(slot)
                 loaded_blocks.add(block)
-        self._batch(stores, loads)
+        self._batch(stores, loads, loading)
 
     def settle(self, wait: bool = True) -> None:
         """Store batches whose copies have landed let go of their device staging, in order (``wait``: every one,
@@ -104,10 +103,11 @@ class HostPages:
         self.in_flight = {s for _, slots, _ in self.pending for s in slots}
         self.staging = [x for x in self.staging if not x[0].query()]  # type: ignore[no-untyped-call]
 
-    def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+    def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]], loading: set[int]) -> None:
+        """A batch's stores, then its loads (``loading``: every slot the events being applied load)."""
         if stores and self.store_stream is not None and self._in_flight_bytes() > self.max_in_flight_bytes:
-            shed = [(b, s) for b, s in stores if s not in self.loading]  # (back-pressure: a lost hit, never a wait)
-            stores = [(b, s) for b, s in stores if s in self.loading]
+            shed = [(b, s) for b, s in stores if s not in loading]  # (back-pressure: a lost hit, never a wait)
+            stores = [(b, s) for b, s in stores if s in loading]
             self.unwritten.update(s for _, s in shed)
             self.shed += len(shed)
         if stores:

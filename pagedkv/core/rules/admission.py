@@ -18,7 +18,7 @@ import pagedkv.core.rules.pool as pool
 from pagedkv.core.outputs.effects import Admitted, TurnedAway
 from pagedkv.core.errors import ErrorCode, GivenHashError, KVError, fail, invalid, shown
 from pagedkv.core.rules.hashing import BlockKeys
-from pagedkv.core.rules.kinds import HOSTED, Pop
+from pagedkv.core.rules.kinds import HOSTED
 from pagedkv.core.rules.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.store.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
@@ -323,9 +323,7 @@ def _reserve(
     for r_i, (row, nb, row_ids, hashes, c, row_firsts) in enumerate(
         zip(spec.rows, per_row, hit.ids, hit.hashes, computed, firsts)
     ):
-        rb = tuple(
-            r.admitted(_fresh_for_hosted(ids, pop), nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts)
-        )
+        rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
         for j, g, slot in loads[r_i] if loads else ():  # those blocks into the fresh ones at their positions
             pool.onload(txn, g, hashes[j], slot, rb[g][j])
         p = row.pending_tokens
@@ -339,16 +337,6 @@ def _reserve(
         slots.append(txn.new_slot(row.num_tokens, c, record, tail))
         blocks.append(rb)
     return slots, blocks
-
-
-def _fresh_for_hosted(ids: tuple[int, ...], pop: Pop) -> tuple[int, ...]:
-    """A group's hit ids with a fresh block at each position the host tier holds (``HOSTED``), popped in position
-    order before the row's others (its blocks then come off the free queue as one pop of them all would give)."""
-    n = ids.count(HOSTED)
-    if not n:
-        return ids
-    fresh = iter(pop(n))
-    return tuple(next(fresh) if b == HOSTED else b for b in ids)
 
 
 def take_state(txn: Txn, saved: int) -> None:

@@ -87,6 +87,8 @@ def cache_rows(txn: Txn, rows: Sequence[tuple[Request, int, int, int, Sequence[b
     decode step's rows that fill a block): where the pool reports no events, the index writes of all of them in
     one pass a group, in the order row by row gives. A caller's hash the core's own differs from refuses (the
     transition is dropped: nothing of it stands)."""
+    if not txn.config.enable_prefix_caching:
+        return None
     adds: list[tuple[list[bytes], list[int]]] | None = (
         None if txn.config.kv_events else [([], []) for _ in txn.config.rules]
     )

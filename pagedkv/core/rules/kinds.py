@@ -123,8 +123,10 @@ class KindRules:
         return None
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
-        """A row's list of ``nb`` positions from its hit (its ``HOSTED`` positions given fresh blocks already):
-        the null block where no query looks (before ``first``), the hit's blocks, then fresh ones."""
+        """A row's list of ``nb`` positions from its hit: the null block where no query looks (before ``first``),
+        the hit's blocks (a fresh one at each position the host tier holds, popped first: its bytes are loaded
+        into it), then fresh ones."""
+        hit = _fresh_for_hosted(hit, pop)
         kept = hit if not first else tuple(0 if j < first else b for j, b in enumerate(hit))
         skip = max(0, min(first, nb) - len(hit))
         return kept + (0,) * skip + pop(nb - len(hit) - skip)
@@ -159,6 +161,16 @@ class KindRules:
         the host tier holds the block)."""
         first = self.first_visible_block(n * block_size, block_size)
         return tuple(_known(cached, chain[j]) if j >= first else 0 for j in range(n))
+
+
+def _fresh_for_hosted(ids: tuple[int, ...], pop: Pop) -> tuple[int, ...]:
+    """A group's hit ids with a fresh block at each position the host tier holds (``HOSTED``), popped in position
+    order before the row's others (its blocks then come off the free queue as one pop of them all would give)."""
+    n = ids.count(HOSTED)
+    if not n:
+        return ids
+    fresh = iter(pop(n))
+    return tuple(next(fresh) if b == HOSTED else b for b in ids)
 
 
 def _known(cached: Cached, h: bytes) -> int:

@@ -90,9 +90,9 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
             leaf[i] = rc - 1
         else:
             raise InvariantError(f"block {b} released more often than it was referenced")
-    if txn.config.free_queue == "tail":  # ("vllm", "vllm-omni": vLLM's block pool either way)
+    if txn.config.free_queue == "tail":
         link_free(txn, freed, (), ks)
-    elif not txn.config.enable_prefix_caching:
+    elif not txn.config.enable_prefix_caching:  # ("vllm", "vllm-omni": vLLM's block pool either way)
         link_free(txn, (), freed, ks)
     else:  # (a block cached in any group goes to the tail)
         revs = txn.index.reverse_maps()

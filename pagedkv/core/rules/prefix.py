@@ -72,7 +72,7 @@ def find_hit(state: KVState, spec: RequestSpec, *, drop_last_block: bool = False
             hit -= 1
     ids = []
     for chain, device in zip(chains, on_device):
-        beyond = frozenset(chain[device:hit])  # (the full groups' positions past the device's end: the tier's)
+        beyond = frozenset(chain[device:hit]) if device < hit else None  # (the full groups' past the device's end)
         per_group = []
         for g, rules in enumerate(cfg.rules):
             view = _beyond(cache, g, beyond) if rules.full_hit and beyond else _cached_in(state, g)

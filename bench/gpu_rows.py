@@ -5,10 +5,12 @@ against the same rows in a batch of 8, eager and graph-replayed. A verify step r
 as token rows beside its drafts: where a product's rows follow the batch, a verified token can differ from
 the token decoding would have made (issue 48); issue 50 needs every row to be 'same'.
 
-    python bench/gpu_rows.py
+    python bench/gpu_rows.py [--shape llama-8b]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -16,20 +18,29 @@ import torch.nn.functional as F
 from pagedkv.shell.attention.triton_decode import paged_decode
 
 SIZES = (8, 16, 24, 32, 40, 64, 128, 256, 512)
-PRODUCTS = {  # (in, out) of SmolLM2-135M's matrices (hidden 576, 9 query / 3 KV heads of 64, MLP 1,536)
-    "qkv": (576, 960),
-    "o": (576, 576),
-    "gate_up": (576, 3072),
-    "down": (1536, 576),
-    "lm_head": (576, 49152),
+SHAPES = {  # (in, out) of each product
+    "smollm2": {  # SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1,536
+        "qkv": (576, 960),
+        "o": (576, 576),
+        "gate_up": (576, 3072),
+        "down": (1536, 576),
+        "lm_head": (576, 49152),
+    },
+    "llama-8b": {  # Llama-3.1-8B: hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336
+        "qkv": (4096, 6144),
+        "o": (4096, 4096),
+        "gate_up": (4096, 28672),
+        "down": (14336, 4096),
+        "lm_head": (4096, 128256),
+    },
 }
 
 
-def products() -> None:
+def products(shape: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("| product | " + " | ".join(f"{m} rows" for m in SIZES) + " |")
     print("|---|" + "---:|" * len(SIZES))
-    for name, (k, n) in PRODUCTS.items():
+    for name, (k, n) in SHAPES[shape].items():
         w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
         x = torch.randn(max(SIZES), k, device="cuda", generator=gen).bfloat16()
         alone = F.linear(x[:8], w)
@@ -41,12 +52,15 @@ def products() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def attention() -> None:
+HEADS = {"smollm2": (3, 3, 64), "llama-8b": (8, 4, 128)}  # KV heads, queries a KV head, head size
+
+
+def attention(shape: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    KVH, G, D, bs, width = 3, 3, 64, 16, 512  # SmolLM2's heads; tables 512 blocks wide (8,192 keys)
+    (KVH, G, D), bs, width = HEADS[shape], 16, 512  # tables 512 blocks wide (8,192 keys)
     n = max(SIZES)
     lens = torch.randint(1, 3000, (n,), device="cuda", generator=gen).to(torch.int32)
-    blocks = n * 200 + 1
+    blocks = n * (200 if D == 64 else 50) + 1
     k = torch.randn(blocks, bs, KVH, D, device="cuda", generator=gen).bfloat16()
     v = torch.randn(blocks, bs, KVH, D, device="cuda", generator=gen).bfloat16()
     table = torch.randint(1, blocks, (n, width), device="cuda", generator=gen).to(torch.int32)
@@ -70,6 +84,10 @@ def attention() -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the products' shapes")
+    shape = parser.parse_args().shape
+    print(f"{shape}'s products; ", end="")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; a row of 8 inside batches of M rows, bf16\n")
-    products()
-    attention()
+    products(shape)
+    attention(shape)

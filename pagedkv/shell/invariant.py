@@ -9,10 +9,13 @@ Three sources of difference, and what this module does about each:
   decode row of its own (the worker's token rows: ``Engine._token_rows``) and read by a kernel whose key splits
   have a fixed size, merged in order: the Triton decode kernel on CUDA (``triton_decode.SPLIT_KEYS``), the torch
   backend's ``split_attention`` elsewhere.
-- Matrix products: a GEMM library picks its kernel, and with it how a row's sums are cut, by the row count. Each
-  product runs over row chunks whose counts lie in a range where the device's GEMM keeps a row's bits
-  (``PRODUCT_ROWS``: measured, ``bench/rows.py`` and ``bench/gpu_rows.py``; tests/shell/test_invariant.py pins the
-  CPU's): fewer rows are padded with zeros, more are cut into chunks.
+- Matrix products: a GEMM library picks its kernel, and with it how a row's sums are cut, by the row count and the
+  matrix's shape. Each product runs over row chunks whose counts lie in a range where the device's GEMM keeps a
+  row's bits: fewer rows are padded with zeros, more are cut into chunks. The CPU's range is a constant
+  (``PRODUCT_ROWS``, ``bench/rows.py``; tests/shell/test_invariant.py pins it); on CUDA it follows the shape (an
+  H100's cuBLAS keeps a row's bits from 8 to 512 rows at SmolLM2's shapes but only to 16 for Llama-8B's 4,096 x
+  4,096 output projection: ``bench/gpu_rows.py``), so each weight's range is measured on the device at its first
+  product (``agreeing_rows``), before any graph captures it.
 - Norms: CUDA's reductions pick their layout by the row count too: there a norm runs over row chunks of one fixed
   size (``NORM_ROWS``). The CPU reduces each row alone in one order (no chunking).
 
@@ -32,10 +35,11 @@ from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import KVWrite
 from pagedkv.shell.worker import ForwardBatch
 
-# (fewest, most) rows a product runs over, by device type: the range in which the device's GEMM gives a row the
-# same bits at every row count (None: no bound). CPU (MKL, fp32): 1-3, 5-7 and 9-11 rows take other kernels,
-# every count from 12 agrees (bench/rows.py). CUDA (cuBLAS, bf16, H200): 8-512 rows agree (bench/gpu_rows.py).
-PRODUCT_ROWS: dict[str, tuple[int, int | None]] = {"cpu": (16, None), "cuda": (8, 512)}
+# (fewest, most) rows a product runs over where the range is the device's, whatever the shape (None: no bound).
+# CPU (MKL, fp32): 1-3, 5-7 and 9-11 rows take other kernels, every count from 12 agrees (bench/rows.py).
+PRODUCT_ROWS: dict[str, tuple[int, int | None]] = {"cpu": (16, None)}
+# CUDA: the counts a weight's range is measured within (``agreeing_rows``): cuBLAS' kernels below 8 rows differ
+PROBED_ROWS = (8, 512)
 NORM_ROWS: dict[str, int | None] = {"cpu": None, "cuda": 512}  # a norm's row chunk (None: the rows as they are)
 
 Product = Callable[..., torch.Tensor]
@@ -54,6 +58,36 @@ def row_product(fewest: int, most: int | None) -> Product:
         return _in_chunks(lambda part: plain_product(part, w, bias), x, fewest, most)
 
     return product
+
+
+def agreeing_rows(w: torch.Tensor, bias: torch.Tensor | None, fewest: int, most: int) -> tuple[int, int]:
+    """The longest range of row counts from ``fewest`` in which ``plain_product`` gives every row, at every
+    position of its chunk, the bits it gets in a chunk of ``fewest`` rows: measured on random rows of ``w``'s
+    device and dtype (the GEMM library picks its kernel by the row count and the shape, not by the values)."""
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(most, w.shape[1], device=w.device, generator=gen).to(w.dtype)
+    ref = torch.cat([plain_product(x[i : i + fewest], w, bias) for i in range(0, most, fewest)])
+    for m in range(fewest + 1, most + 1):
+        if not torch.equal(plain_product(x[:m], w, bias), ref[:m]):
+            return fewest, m - 1
+    return fewest, most
+
+
+class ProbedProduct:
+    """``plain_product`` over row chunks in each weight's own range (``agreeing_rows``), measured at the weight's
+    first product and kept by its shape, dtype and bias. The first product of a shape must not run inside a
+    graph's capture (the measurement reads results back): a capture's warm-up forward runs it first."""
+
+    def __init__(self, fewest: int, most: int) -> None:
+        self.fewest, self.most = fewest, most
+        self.ranges: dict[tuple[tuple[int, ...], torch.dtype, bool], tuple[int, int]] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        key = (tuple(w.shape), w.dtype, bias is not None)
+        rows = self.ranges.get(key)
+        if rows is None:
+            rows = self.ranges[key] = agreeing_rows(w, bias, self.fewest, self.most)
+        return _in_chunks(lambda part: plain_product(part, w, bias), x, *rows)
 
 
 def row_norm(rows: int | None) -> Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]:
@@ -96,8 +130,9 @@ class InvariantBackend:
         self.name = f"invariant/{attention.name}"
         self.capturable = getattr(attention, "capturable", False)
         self.fp8_pages = getattr(attention, "fp8_pages", False)
-        fewest, most = PRODUCT_ROWS.get(device.type, PRODUCT_ROWS["cpu"])
-        self.product = row_product(fewest, most)
+        self.product: Product = (
+            ProbedProduct(*PROBED_ROWS) if device.type == "cuda" else row_product(*PRODUCT_ROWS["cpu"])
+        )
         self.norm = row_norm(NORM_ROWS.get(device.type, NORM_ROWS["cpu"]))
 
     @property

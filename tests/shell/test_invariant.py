@@ -12,7 +12,7 @@ import torch
 from pagedkv.core.config import InvalidConfig
 from pagedkv.shell.attention.torch_ref import SPLIT_KEYS, split_attention
 from pagedkv.shell.engine_args import EngineArgs
-from pagedkv.shell.invariant import PRODUCT_ROWS, row_norm, row_product
+from pagedkv.shell.invariant import PRODUCT_ROWS, ProbedProduct, agreeing_rows, row_norm, row_product
 from pagedkv.shell.sampling import SamplingParams
 from tests.invariance_rig import chat_prompts, table
 
@@ -34,6 +34,24 @@ def test_a_product_keeps_a_rows_bits_at_every_row_count(k: int, n: int) -> None:
             assert torch.equal(product(x[at : at + m], w), whole[at : at + m]), (m, at)
     bias = torch.randn(n, generator=gen)
     assert torch.equal(product(x[:3], w, bias), product(x, w, bias)[:3])
+
+
+def test_the_probe_measures_the_range_a_gemm_keeps_a_rows_bits_in() -> None:
+    """``agreeing_rows`` (CUDA's rule: a weight's range measured at its first product) finds on this CPU what
+    ``PRODUCT_ROWS`` says of it: from 16 rows every count agrees, and a lone row takes another kernel than two
+    (MKL's 1-3 rows: bench/rows.py); ``ProbedProduct`` keeps a range a shape and serves rows in it bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    for k, n in SHAPES[:4]:
+        w = torch.randn(n, k, generator=gen) / k**0.5
+        assert agreeing_rows(w, None, 16, 100) == (16, 100), (k, n)
+        assert agreeing_rows(w, torch.randn(n, generator=gen), 16, 40) == (16, 40), (k, n)
+        assert agreeing_rows(w, None, 1, 40) == (1, 1), (k, n)
+    product = ProbedProduct(16, 64)
+    w, x = torch.randn(960, 576, generator=gen) / 24, torch.randn(300, 576, generator=gen)
+    whole = product(x, w)
+    for m in COUNTS:
+        assert torch.equal(product(x[3 : 3 + m], w), whole[3 : 3 + m]), m
+    assert product.ranges == {((960, 576), torch.float32, False): (16, 64)}
 
 
 def test_row_chunks_pad_and_cut() -> None:

@@ -16,9 +16,9 @@ beside it. A batch's loads, on the load stream, copy their slots' runs into devi
 pages; the forward waits for them (it reads the loaded blocks). Both streams start behind the work queued before
 them (a store reads what a forward wrote; a load may overwrite a block a forward read); a load starts behind the
 gathers of the stores before it and behind the copies of those still bringing its slots; a store behind the loads
-before it (a slot a load still reads is not written over). Back-pressure: while the stores on their way hold more
-device staging than ``max_in_flight_bytes``, a new store is shed (never waited for) unless this step loads its
-slot: its slot joins ``unwritten`` and the engine has the core forget its entry, a lost future hit and never a wrong
+before it (a slot a load still reads is not written over). Back-pressure: the device staging of the stores on their way never
+passes ``max_in_flight_bytes``: a batch's stores go in order while their blocks fit what is left of it, and the rest
+are shed (never waited for), except a store whose slot this step loads (it always goes): its slot joins ``unwritten`` and the engine has the core forget its entry, a lost future hit and never a wrong
 token (``shed`` counts them). Elsewhere the copies are plain synchronous index copies.
 
 A store that fails fails its step (the engine's fault rule) and leaves its slots in ``unwritten``: the engine has
@@ -54,6 +54,7 @@ class HostPages:
         self.store_stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call]
         self.read: torch.cuda.Event | None = None  # the last store batch's gather: its blocks read
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.block_bytes = sum(dev[:, 0].numel() * dev.element_size() for dev, _ in self.sides)  # a store's staging
         # store batches on their way to the host: (landed event, slots, device staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, list[int], list[torch.Tensor]]] = []
         self.shed = 0  # stores shed under back-pressure
@@ -105,11 +106,19 @@ class HostPages:
 
     def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]], loading: set[int]) -> None:
         """A batch's stores, then its loads (``loading``: every slot the events being applied load)."""
-        if stores and self.store_stream is not None and self._in_flight_bytes() > self.max_in_flight_bytes:
-            shed = [(b, s) for b, s in stores if s not in loading]  # (back-pressure: a lost hit, never a wait)
-            stores = [(b, s) for b, s in stores if s in loading]
-            self.unwritten.update(s for _, s in shed)
-            self.shed += len(shed)
+        if stores and self.store_stream is not None:  # (back-pressure: a lost hit, never a wait)
+            room = (self.max_in_flight_bytes - self._in_flight_bytes()) // self.block_bytes
+            if room < len(stores):
+                kept: list[tuple[int, int]] = []
+                shed: list[tuple[int, int]] = []
+                for store in stores:
+                    if store[1] in loading or len(kept) < room:
+                        kept.append(store)
+                    else:
+                        shed.append(store)
+                stores = kept
+                self.unwritten.update(s for _, s in shed)
+                self.shed += len(shed)
         if stores:
             slots = [s for _, s in stores]
             try:

@@ -95,8 +95,8 @@ def _double_free(monkeypatch: pytest.MonkeyPatch) -> None:
 def _refcount_left_by_refused_admission(monkeypatch: pytest.MonkeyPatch) -> None:
     original = admission_mod.admit
 
-    def admit(state: KVState, spec: Any) -> Any:
-        result = original(state, spec)
+    def admit(state: KVState, spec: Any, **kw: Any) -> Any:
+        result = original(state, spec, **kw)
         if isinstance(result, Failure) and result.failure().code.value == "NO_CAPACITY":
             # a mutable manager that took a reference, then found too few blocks and forgot to give it back
             head = state.free_next[0]

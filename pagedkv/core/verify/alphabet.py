@@ -23,7 +23,7 @@ from pagedkv.core.rules.growth import Placeholders, append
 from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.core.rules.placeholders import fill, truncate
 from pagedkv.core.rules.release import release, reset_prefix_cache
-from pagedkv.core.spec import RequestSpec, RowSpec
+from pagedkv.core.spec import RequestSpec, RowSpec, check_request_spec
 from pagedkv.core.store.state import KVState, Step
 from pagedkv.core.store.tails import Awaiting
 from pagedkv.core.verify.record import keys_json, row_json
@@ -200,8 +200,11 @@ def _cut(rid: str) -> Callable[[KVState], Any]:
 
 
 def _admit(spec: RequestSpec) -> Callable[[KVState], Any]:
-    # admitting an id that is present is refused (DUPLICATE_REQUEST): skip it without the work
-    return lambda s: None if spec.request_id in s.requests else admit(s, spec)
+    # admitting an id that is present is refused (DUPLICATE_REQUEST): skip it without the work. The spec's form is
+    # checked once, here, as a scheduler checks a request when it arrives (admit's ``checked``)
+    if check_request_spec(spec) is not None:
+        raise ValueError(f"the alphabet's admission {spec} is malformed")
+    return lambda s: None if spec.request_id in s.requests else admit(s, spec, checked=True)
 
 
 def _turn_away(spec: RequestSpec) -> Callable[[KVState], Any]:

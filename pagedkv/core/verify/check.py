@@ -194,9 +194,9 @@ def _judged(ev: Event, state: KVState, outcome: Any) -> list[str]:
     """An admission's outcome against the admission count (``admission_violations``); other events: []."""
     if ev.spec is None:
         return []
-    if isinstance(outcome, Failure):
-        return admission_violations(state, ev.spec, None, outcome.failure().code.value)
-    return admission_violations(state, ev.spec, outcome.unwrap().state, None)
+    if isinstance(outcome, Failure):  # (an event's spec is the alphabet's: checked when it was built)
+        return admission_violations(state, ev.spec, None, outcome.failure().code.value, checked=True)
+    return admission_violations(state, ev.spec, outcome.unwrap().state, None, checked=True)
 
 
 def _trace(cfg: CheckConfig, parents: dict[Any, Any], key: tuple[Any, ...], last: Any = None) -> list[str]:

@@ -214,13 +214,16 @@ def _cache_index(s: KVState, bad: list[str]) -> None:
         bad.append("a block carries a hash the cache index lost")
 
 
-def admission_violations(before: KVState, spec: RequestSpec, after: KVState | None, refused: str | None) -> list[str]:
+def admission_violations(
+    before: KVState, spec: RequestSpec, after: KVState | None, refused: str | None, *, checked: bool = False
+) -> list[str]:
     """An admission's outcome judged by a count written out here, apart from admission's own: the blocks
     the request holds alone (every group of every row, from the first position it computes on: its hit or
     the KV that arrives from elsewhere; a hit block shared by rows once, one of the host tier's a fresh block)
     and those it takes from the free
     queue. A refusal for good (``UNSCHEDULABLE``) must mean it cannot run alone in the pool; a refusal for
-    capacity, that the free blocks are too few; a success, that it took exactly those blocks.
+    capacity, that the free blocks are too few; a success, that it took exactly those blocks. ``checked``: the
+    spec is known well formed (the checker's alphabet checks each once), as admit's.
 
     >>> from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, initial_state
     >>> s = initial_state(CacheConfig(block_size=4, num_blocks=9))
@@ -228,7 +231,7 @@ def admission_violations(before: KVState, spec: RequestSpec, after: KVState | No
     >>> admission_violations(s, spec, admit(s, spec).unwrap().state, None)
     []
     """
-    if check_request_spec(spec) is not None:
+    if not checked and check_request_spec(spec) is not None:
         return []  # malformed: INVALID, judged by the spec's own checks
     cfg, rid, bs = before.config, spec.request_id, before.config.block_size
     hit = find_hit(before, spec)  # (the lookup itself is judged by the cache invariants)

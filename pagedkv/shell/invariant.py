@@ -86,6 +86,12 @@ class ProbedProduct:
         key = (tuple(w.shape), w.dtype, bias is not None)
         rows = self.ranges.get(key)
         if rows is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise refuse(
+                    ErrorCode.INVALID,
+                    f"a batch-invariant product of a new shape {tuple(w.shape)} inside a graph's capture: its row "
+                    "range is measured eagerly first (a warm-up forward)",
+                )
             rows = self.ranges[key] = agreeing_rows(w, bias, self.fewest, self.most)
         return _in_chunks(lambda part: plain_product(part, w, bias), x, *rows)
 

@@ -256,3 +256,33 @@ def test_a_row_of_an_array_of_ids_is_the_row_of_their_tuple() -> None:
     )
     for bad in (RowSpec(5, array("Q", [1, 2])), RowSpec(2, array("q", [1, 2]))):  # type: ignore[arg-type]
         assert admit(s, RequestSpec("c", (bad,))).failure().code is ErrorCode.INVALID
+
+
+def test_a_long_rows_ids_are_kept_in_chunks_and_read_across_them() -> None:
+    """A row's ids live in chunks of 1,024 (``store.tails.Ids``: a block moving past copies the last chunk, never
+    the row's history). A 1,100-token prompt (its ids in two chunks) decoding past position 1,104 keeps every id,
+    hashes the blocks on either side of the chunks' seam (one span read across it) as a fresh prompt of the same
+    ids does (a second request hits all 69 blocks), its events carry each block's ids, and the invariants hold
+    (whole chunks, the last one short and not empty)."""
+    from pagedkv.core import decode_step
+    from pagedkv.core.store.state import row_token_ids
+    from pagedkv.core.store.tails import CHUNK
+    from pagedkv.core.verify.invariants import check_invariants
+
+    prompt = [(7 * k) % 5000 + 1 for k in range(1100)]
+    s = initial_state(CacheConfig(block_size=16, num_blocks=200, enable_prefix_caching=True, kv_events=True))
+    s = admit(s, RequestSpec("a", (RowSpec.of_tokens(prompt),))).unwrap().state
+    decoded, stored = [], []
+    for k in range(6):
+        step = decode_step(s, ["a"], [9000 + k]).unwrap()
+        s = step.state
+        decoded.append(9000 + k)
+        stored += [ev for ev in step.effect.events if type(ev).__name__ == "BlockStored"]
+        assert check_invariants(s) == [], k
+    slot = s.requests["a"].slots[0]
+    ids = prompt + decoded
+    assert row_token_ids(s, slot) == tuple(ids)
+    assert [len(c) for c in s.rows[slot].ids] == [CHUNK, (1104 - 1024) * 8]  # (the open block's ids in the tail)
+    assert [tuple(ev.token_ids) for ev in stored] == [tuple(ids[j * 16 : (j + 1) * 16]) for j in range(69)]
+    hit = admit(s, RequestSpec("b", (RowSpec.of_tokens(ids[:1105]),))).unwrap()
+    assert hit.effect.cached_tokens == (1104,)

@@ -22,7 +22,7 @@ from pagedkv.core.rules.kinds import HOSTED
 from pagedkv.core.rules.prefix import Hit, find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.store.state import NO_PENDING, Blocks, KVState, Pending, Request, Row, RowLayout, Step
-from pagedkv.core.store.tails import as_tail, pack_ids
+from pagedkv.core.store.tails import as_tail, ids_plus, pack_ids
 from pagedkv.core.store.txn import Txn
 
 
@@ -330,7 +330,7 @@ def _reserve(
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING
         if cfg.enable_prefix_caching and row.tokens is not None:  # the ids stay known while the row grows by ids
-            record = Row(rb, pack_ids(row.tokens), b"".join(hashes), pending, cfg.hash_width)
+            record = Row(rb, ids_plus((), pack_ids(row.tokens)), b"".join(hashes), pending, cfg.hash_width)
             tail = as_tail(b"", row.placeholders > 0)  # (its last positions await their ids)
         else:
             record, tail = Row(rb, None, b"".join(hashes), pending, cfg.hash_width), None

@@ -13,7 +13,7 @@ from pagedkv.core.errors import GivenHashError, InvariantError, KVError
 from pagedkv.core.outputs.events import BlockStored
 from pagedkv.core.rules.hashing import BlockKeys
 from pagedkv.core.store.state import Request, Row
-from pagedkv.core.store.tails import known_ids, pack_ids, unpack_ids
+from pagedkv.core.store.tails import ids_span, known_ids, pack_ids, unpack_ids
 from pagedkv.core.store.txn import Txn
 
 
@@ -48,11 +48,11 @@ def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
         raise InvariantError("a row that is hashed holds its ids")
     c = record.chunked
     if end <= c:
-        blob = record.ids[start << 3 : end << 3]
+        blob = ids_span(record.ids, start, end)
     elif start >= c:
         blob = (tail or b"")[(start - c) << 3 : (end - c) << 3]
     else:
-        blob = record.ids[start << 3 :] + (tail or b"")[: (end - c) << 3]
+        blob = ids_span(record.ids, start, c) + (tail or b"")[: (end - c) << 3]
     return blob
 
 

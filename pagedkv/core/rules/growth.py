@@ -34,7 +34,7 @@ from pagedkv.core.errors import (
     shown,
 )
 from pagedkv.core.store.state import SLOT_SHIFT, Blocks, KVState, Request, Row, Step
-from pagedkv.core.store.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
+from pagedkv.core.store.tails import Awaiting, as_tail, ids_plus, known_ids, pack_ids, with_more_ids
 from pagedkv.core.store.txn import Txn
 
 
@@ -360,7 +360,7 @@ def _grow_row(txn: Txn, slot: int, new_len: int, extra: int, item: Growth, poppe
             ids, tails[slot] = with_more_ids(ids, tail, pack_ids(item), txn.config.block_size, awaiting=False)
         else:
             if tail:
-                ids += tail
+                ids = ids_plus(ids, tail)
             tails[slot] = None
     txn.row_len[slot] = new_len
     blocks = (

@@ -31,7 +31,7 @@ from pagedkv.core.errors import (
     shown,
 )
 from pagedkv.core.store.state import SLOT_SHIFT, KVState, Row, Step
-from pagedkv.core.store.tails import Awaiting, as_tail, known_ids, pack_ids, with_more_ids
+from pagedkv.core.store.tails import Awaiting, as_tail, ids_cut, known_ids, pack_ids, with_more_ids
 from pagedkv.core.store.txn import Txn, each
 
 
@@ -228,7 +228,7 @@ def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None
     """A row's known ids cut to the first ``n`` positions (those past them go with the cut)."""
     if tail is None:
         if record.ids is not None and record.chunked > n:
-            record = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw)
+            record = Row(record.blocks, ids_cut(record.ids, n), record.hashes, record.pending, record.hw)
         return record, tail
     known = known_ids(record, tail)
     if known > n:
@@ -237,6 +237,6 @@ def _cut_ids(record: Row, tail: bytes | None, n: int) -> tuple[Row, bytes | None
         else:
             if record.ids is None:
                 raise InvariantError("a row with a token tail has token ids")
-            record, tail = Row(record.blocks, record.ids[: n << 3], record.hashes, record.pending, record.hw), b""
+            record, tail = Row(record.blocks, ids_cut(record.ids, n), record.hashes, record.pending, record.hw), b""
         known = n
     return record, as_tail(tail, known < n)

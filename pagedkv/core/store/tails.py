@@ -2,9 +2,10 @@
 not track), the ids of whole blocks in the row's record and the rest in its tail; the tail's type marks a
 row whose later positions await their ids (``Awaiting``: it grew by placeholders).
 
-The record's ids are ``Ids``: a tuple of chunks of ``CHUNK`` bytes (1,024 ids), but the last, which holds the rest and is never
-empty. A block's ids join a row by copying its last chunk at most, never the row's whole history: a 12,288-token
-row copied 96 KiB, page faults and all, at each block it moved past (55 us a row in a decode step of 64 such rows)."""
+The record's ids are ``Ids``: a tuple of chunks of ``CHUNK`` bytes (1,024 ids) but the last, which holds the rest
+and is never empty. A block's ids join a row by copying its last chunk at most, never the row's whole history: a
+12,288-token row copied 96 KiB, page faults and all, at each block it moved past (55 us a row in a decode step of 64
+such rows)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,6 @@ class HostPages:
         # store batches on their way to the host: (landed event, slots, device staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, list[int], list[torch.Tensor]]] = []
         self.shed = 0  # stores shed under back-pressure
-        self.in_flight: set[int] = set()  # the slots they write
         self.unwritten: set[int] = set()  # slots whose store failed (a later store to them writes them again)
         self.staging: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # load staging the load stream writes
         self.stored = 0  # blocks copied to the host, and back, since start-up
@@ -102,7 +101,6 @@ class HostPages:
                 break
             landed.synchronize()
             self.pending.pop(0)
-        self.in_flight = {s for _, slots, _ in self.pending for s in slots}
         self.staging = [x for x in self.staging if not x[0].query()]  # type: ignore[no-untyped-call]
 
     def _batch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]], loading: set[int]) -> None:
@@ -147,7 +145,7 @@ class HostPages:
 
     def _in_flight_bytes(self) -> int:
         """The device staging the stores on their way hold."""
-        return sum(t.numel() * t.element_size() for *_, gathered in self.pending for t in gathered)
+        return sum(len(slots) for _, slots, _ in self.pending) * self.block_bytes
 
     def _store(self, blocks: list[int], slots: list[int]) -> None:
         self.stored += len(blocks)
@@ -174,7 +172,6 @@ class HostPages:
             landed.record(stream)
         self.read = read
         self.pending.append((landed, slots, gathered))  # (the device staging kept until the copy has landed)
-        self.in_flight.update(slots)
 
     def _load(self, slots: list[int], blocks: list[int]) -> None:
         self.loaded += len(blocks)

@@ -80,10 +80,10 @@ class ProbedProduct:
 
     def __init__(self, fewest: int, most: int) -> None:
         self.fewest, self.most = fewest, most
-        self.ranges: dict[tuple[tuple[int, ...], torch.dtype, bool], tuple[int, int]] = {}
+        self.ranges: dict[tuple[torch.Size, torch.dtype, bool], tuple[int, int]] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        key = (tuple(w.shape), w.dtype, bias is not None)
+        key = (w.shape, w.dtype, bias is not None)
         rows = self.ranges.get(key)
         if rows is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():

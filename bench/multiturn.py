@@ -89,6 +89,8 @@ def serve(
     """``convs`` conversations of ``turns`` turns served together; the run's figures and answers."""
     eng = Engine(model, tok or IdTokenizer(), kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib,
                  batch_invariant=args.invariant)  # fmt: skip
+    if eng.host_pages is not None and args.in_flight_gib is not None:  # (HostPages' bound on the stores in flight)
+        eng.host_pages.max_in_flight_bytes = int(args.in_flight_gib * 2**30)
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
     chats = Chats(tok, convs, args.system, args.question, model.config.vocab_size)
     turn = [0] * convs
@@ -150,6 +152,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--answer", type=int, default=16, help="tokens an answer")
     ap.add_argument("--tier-gib", type=float, default=0.5)
+    ap.add_argument("--in-flight-gib", type=float, help="the tier's bound on stores in flight (default 1 GiB)")
     ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
     ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
     args = ap.parse_args()

@@ -30,11 +30,11 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     leaves = nxt.leaves
     out = []
     b = leaves[0][0]
-    for _ in range(k):
-        if b == 0:
-            raise InvariantError("a pop on an empty free queue: capacity was not checked")
+    for _ in range(k):  # (past the tail, the walk reaches the sentinel 0 and goes round: refused below)
         out.append(b)
         b = leaves[b >> sh][b & m]
+    if 0 in out:
+        raise InvariantError("a pop on an empty free queue: capacity was not checked")
     nxt[0] = b
     txn.prv[b] = 0
     txn.free_blocks -= k
@@ -78,32 +78,38 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
     ks = {b >> sh for b in blocks}
     counts = refcount.own_many(ks)
-    freed: list[int] = []
+    cfg = txn.config
+    revs = txn.index.reverse_maps() if cfg.free_queue != "tail" and cfg.enable_prefix_caching else None
+    rev = revs[0] if revs is not None and len(revs) == 1 else None
+    freed: list[int] = []  # (one group under the vllm policy: the cached ones, to the tail)
+    head: list[int] = []
     for b in blocks:
         leaf = counts[b >> sh]
         i = b & m
         rc = leaf[i]
         if rc == 1:
             leaf[i] = 0
-            freed.append(b)
+            if rev is None or b in rev:
+                freed.append(b)
+            else:
+                head.append(b)
         elif rc > 1:
             leaf[i] = rc - 1
         else:
             raise InvariantError(f"block {b} released more often than it was referenced")
-    if txn.config.free_queue == "tail":
+    if cfg.free_queue == "tail":
         link_free(txn, freed, (), ks)
-    elif not txn.config.enable_prefix_caching:  # ("vllm", "vllm-omni": vLLM's block pool either way)
+    elif revs is None:  # ("vllm", "vllm-omni" without prefix caching: vLLM's block pool either way)
         link_free(txn, (), freed, ks)
+    elif rev is not None:
+        link_free(txn, freed, head, ks)
     else:  # (a block cached in any group goes to the tail)
-        revs = txn.index.reverse_maps()
-        if len(revs) == 1:
-            rev = revs[0]
-            tail = [b for b in freed if b in rev]
-            head = [b for b in freed if b not in rev] if len(tail) != len(freed) else ()
-        else:
-            tail = [b for b in freed if any(b in r for r in revs)]
-            head = [b for b in freed if not any(b in r for r in revs)]
-        link_free(txn, tail, head, ks)
+        link_free(
+            txn,
+            [b for b in freed if any(b in r for r in revs)],
+            [b for b in freed if not any(b in r for r in revs)],
+            ks,
+        )
 
 
 def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int], leaves: set[int] | None = None) -> None:
@@ -118,11 +124,11 @@ def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int], leaves: set[in
     ks.update((0, first >> sh, last >> sh))
     after, before = nxt.own_many(ks), prv.own_many(ks)
     if tail:
-        prevs = [last, *tail]
-        for p, b in zip(prevs, tail):
-            after[p >> sh][p & m] = b
-            before[b >> sh][b & m] = p
-        prev = tail[-1]
+        prev = last
+        for b in tail:
+            after[prev >> sh][prev & m] = b
+            before[b >> sh][b & m] = prev
+            prev = b
         after[prev >> sh][prev & m] = 0
         before[0][0] = prev
         first = after[0][0]

@@ -609,8 +609,9 @@ class PagedKVCacheManager:
             block = self._block
             new = self._blocks_cls(tuple([block[b] for b in ids] for ids in opened))
         self._len[rid] = length
-        if self.enable_caching:
-            self._to_cache(request, min(computed + num_new_tokens, length))
+        through = min(computed + num_new_tokens, length)
+        if self.enable_caching and through // bs > self._hashed[rid]:  # (a decode inside its block: nothing to cache)
+            self._to_cache(request, through)
         return new
 
     def _growth(self, request: Any, known: int, state: KVState, slot: int, target: int) -> Any:

@@ -81,7 +81,7 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     cfg = txn.config
     revs = txn.index.reverse_maps() if cfg.free_queue != "tail" and cfg.enable_prefix_caching else None
     rev = revs[0] if revs is not None and len(revs) == 1 else None
-    freed: list[int] = []  # (one group under the vllm policy: the cached ones, to the tail)
+    freed: list[int] = []  # the blocks whose last reference went (one cached group: its cached ones; the rest in head)
     head: list[int] = []
     for b in blocks:
         leaf = counts[b >> sh]

@@ -11,6 +11,7 @@ block: no scan of the pool.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Sequence
 
 from pagedkv.core.errors import InvariantError
@@ -79,9 +80,11 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     ks = {b >> sh for b in blocks}
     counts = refcount.own_many(ks)
     cfg = txn.config
-    revs = txn.index.reverse_maps() if cfg.free_queue != "tail" and cfg.enable_prefix_caching else None
-    rev = revs[0] if revs is not None and len(revs) == 1 else None
-    freed: list[int] = []  # the blocks whose last reference went (one cached group: its cached ones; the rest in head)
+    # under the vllm policy with prefix caching, the blocks cached in any group go to the tail, the rest to the head
+    sides = cfg.free_queue != "tail" and cfg.enable_prefix_caching
+    revs = txn.index.reverse_maps() if sides else []
+    cached = revs[0] if len(revs) == 1 else ChainMap(*revs) if revs else None
+    freed: list[int] = []  # the blocks whose last reference went (``cached``: the cached ones; the rest in head)
     head: list[int] = []
     for b in blocks:
         leaf = counts[b >> sh]
@@ -89,7 +92,7 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
         rc = leaf[i]
         if rc == 1:
             leaf[i] = 0
-            if rev is None or b in rev:
+            if cached is None or b in cached:
                 freed.append(b)
             else:
                 head.append(b)
@@ -97,19 +100,10 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
             leaf[i] = rc - 1
         else:
             raise InvariantError(f"block {b} released more often than it was referenced")
-    if cfg.free_queue == "tail":
-        link_free(txn, freed, (), ks)
-    elif revs is None:  # ("vllm", "vllm-omni" without prefix caching: vLLM's block pool either way)
-        link_free(txn, (), freed, ks)
-    elif rev is not None:
+    if sides or cfg.free_queue == "tail":
         link_free(txn, freed, head, ks)
-    else:  # (a block cached in any group goes to the tail)
-        link_free(
-            txn,
-            [b for b in freed if any(b in r for r in revs)],
-            [b for b in freed if not any(b in r for r in revs)],
-            ks,
-        )
+    else:  # ("vllm", "vllm-omni" without prefix caching: vLLM's block pool either way)
+        link_free(txn, (), freed, ks)
 
 
 def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int], leaves: set[int] | None = None) -> None:

@@ -38,7 +38,7 @@ from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.rules.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.store.index import PrefixIndex
 from pagedkv.core.spec import Span
-from pagedkv.core.store.tails import Ids, ids_count, ids_plus, known_ids, unpack_ids
+from pagedkv.core.store.tails import Ids, ids_count, ids_plus, known_ids, packed_known, unpack_ids
 from pagedkv.core.store.vec import Vec
 
 Blocks = tuple[tuple[int, ...], ...]  # per group: block ids by position (0 = null)
@@ -200,8 +200,7 @@ def row_token_ids(state: KVState, slot: int) -> tuple[int, ...] | None:
     if row.ids is None:
         return None
     tail = state.row_tail[slot]
-    packed = b"".join(row.ids)
-    return unpack_ids(packed + tail if tail else packed)
+    return unpack_ids(packed_known(row.ids, tail))
 
 
 def row_known(state: KVState, slot: int) -> int:

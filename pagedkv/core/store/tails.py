@@ -70,6 +70,11 @@ def ids_cut(ids: Ids, n: int) -> Ids:
     return ids[:k] + ((ids[k][:r],) if r else ())
 
 
+def packed_known(ids: Ids, tail: bytes | None) -> bytes:
+    """A row's known ids, packed in one ``bytes``: its record's chunks, then its tail."""
+    return b"".join((*ids, tail)) if tail else b"".join(ids)
+
+
 def pack_ids(ids: Iterable[int]) -> bytes:
     """Token ids as the tail stores them: eight little-endian bytes each (an ``array("Q")`` as it is)."""
     return ids.tobytes() if type(ids) is array else array("Q", ids).tobytes()

@@ -23,6 +23,7 @@ from returns.result import Failure
 
 from pagedkv.core.verify.invariants import admission_violations, check_invariants, copy_violations
 from pagedkv.core.store.state import KVState, free_queue, initial_state
+from pagedkv.core.store.tails import packed_known
 from pagedkv.core.outputs.effects import takes_generation
 from pagedkv.core.verify.alphabet import CheckConfig, Event, default_alphabet
 from pagedkv.core.verify.record import end_event, policy_keys
@@ -48,7 +49,7 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
                         rename[b] = len(rename)
                 groups.append(tuple(map(rename.__getitem__, ids)))
             tail = tails[slot]
-            known = None if record.ids is None else b"".join((*record.ids, tail or b""))  # the ids, packed
+            known = None if record.ids is None else packed_known(record.ids, tail)
             rows.append((row_len[slot], computed[slot], layout, tuple(groups), known, record.hashes, record.pending))
         requests.append((rid, req.extra_keys, req.keys.first, req.keys.content, req.cache_epoch == epoch, tuple(rows)))
     n = s.config.num_blocks

@@ -124,8 +124,9 @@ def test_an_interrupt_anywhere_leaves_every_held_state_as_it_was(kind: str) -> N
         assert isinstance(expected, Success), (name, expected)
         for at in range(1, count.lines + 1):  # every line event of the core the call runs
             _, trap = _traced(call, state, at)
-            assert trap.fired, (name, at)
-            injected += 1
+            # (a run may end sooner than the first: a version the first had to reroot to may be current now)
+            assert trap.fired or trap.lines < at, (name, at)
+            injected += trap.fired
             for old, was in held:
                 assert digest(old) == was, f"{name}: a held state changed after an interrupt at line event {at}"
             assert check_invariants(state) == [], (name, at)
@@ -213,8 +214,9 @@ def test_an_interrupt_anywhere_in_the_scheduler_leaves_every_held_state_as_it_wa
         after = after[0] if isinstance(after, tuple) else after
         for at in range(1, count.lines + 1):
             _, trap = _traced(call, state, at)
-            assert trap.fired, (name, at)
-            injected += 1
+            # (a run may end sooner than the first: a version the first had to reroot to may be current now)
+            assert trap.fired or trap.lines < at, (name, at)
+            injected += trap.fired
             for old, was in held:
                 assert sched_digest(old) == was, f"{name}: a held state changed after an interrupt at {at}"
             again = call(state).unwrap()

@@ -27,21 +27,20 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     if not k:
         return ()
     nxt = txn.nxt
-    sh, m = nxt.shift, nxt.mask
-    leaves = nxt.leaves
+    after = nxt.values()
     out = []
-    b = leaves[0][0]
+    b = after[0]
     for _ in range(k):  # (past the tail, the walk reaches the sentinel 0 and goes round: refused below)
         out.append(b)
-        b = leaves[b >> sh][b & m]
+        b = after[b]
     if 0 in out:
         raise InvariantError("a pop on an empty free queue: capacity was not checked")
     nxt[0] = b
     txn.prv[b] = 0
     txn.free_blocks -= k
-    counts = txn.refcount.own_many({x >> sh for x in out})
+    counts = txn.refcount.writable(out)
     for x in out:
-        counts[x >> sh][x & m] = 1
+        counts[x] = 1
     index = txn.index
     events = txn.events if txn.config.kv_events else None
     if txn.config.host_blocks:  # (a cached block's bytes kept in the host tier before anything overwrites them:
@@ -71,14 +70,11 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     """Drop one reference to each of ``blocks``, in order (the null block, a position a window let go, is
     skipped); the blocks whose last reference goes join the free queue in this order: at the tail (most
     recently freed, reused last), or under the ``vllm`` policy those without a hash at the head together
-    (vLLM's ``prepend_n``: they can never be hit, so they are reused first). Each leaf of the refcounts and
-    links is copied once, then written in place."""
+    (vLLM's ``prepend_n``: they can never be hit, so they are reused first). The refcounts and links are
+    written in place, their old values logged first (core/store/rerooted.py)."""
     if 0 in blocks:
         blocks = [b for b in blocks if b]
-    refcount = txn.refcount
-    sh, m = refcount.shift, refcount.mask  # (every per-block vector has the same leaves)
-    ks = {b >> sh for b in blocks}
-    counts = refcount.own_many(ks)
+    counts = txn.refcount.writable(blocks)
     cfg = txn.config
     # under the vllm policy with prefix caching, the blocks cached in any group go to the tail, the rest to the head
     sides = cfg.free_queue != "tail" and cfg.enable_prefix_caching
@@ -87,53 +83,49 @@ def unref_many(txn: Txn, blocks: Sequence[int]) -> None:
     freed: list[int] = []  # the blocks whose last reference went (``cached``: the cached ones; the rest in head)
     head: list[int] = []
     for b in blocks:
-        leaf = counts[b >> sh]
-        i = b & m
-        rc = leaf[i]
+        rc = counts[b]
         if rc == 1:
-            leaf[i] = 0
+            counts[b] = 0
             if cached is None or b in cached:
                 freed.append(b)
             else:
                 head.append(b)
         elif rc > 1:
-            leaf[i] = rc - 1
+            counts[b] = rc - 1
         else:
             raise InvariantError(f"block {b} released more often than it was referenced")
     if sides or cfg.free_queue == "tail":
-        link_free(txn, freed, head, ks)
+        link_free(txn, freed, head)
     else:  # ("vllm", "vllm-omni" without prefix caching: vLLM's block pool either way)
-        link_free(txn, (), freed, ks)
+        link_free(txn, (), freed)
 
 
-def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int], leaves: set[int] | None = None) -> None:
+def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int]) -> None:
     """Put blocks no one holds in the free queue: ``tail`` after its tail, in order; then ``head`` before
-    its head, in order (``head[0]`` first). ``leaves``: the leaves that hold them, where the caller knows."""
+    its head, in order (``head[0]`` first)."""
     if not tail and not head:
         return
     nxt, prv = txn.nxt, txn.prv
-    sh, m = nxt.shift, nxt.mask
     first, last = nxt[0], prv[0]  # (0 for an empty queue: the null block is the list's sentinel)
-    ks = {b >> sh for b in (*tail, *head)} if leaves is None else set(leaves)
-    ks.update((0, first >> sh, last >> sh))
-    after, before = nxt.own_many(ks), prv.own_many(ks)
+    touched = (0, first, last, *tail, *head)  # (every link written below)
+    after, before = nxt.writable(touched), prv.writable(touched)
     if tail:
         prev = last
         for b in tail:
-            after[prev >> sh][prev & m] = b
-            before[b >> sh][b & m] = prev
+            after[prev] = b
+            before[b] = prev
             prev = b
-        after[prev >> sh][prev & m] = 0
-        before[0][0] = prev
-        first = after[0][0]
+        after[prev] = 0
+        before[0] = prev
+        first = after[0]
     if head:
         nxt_b = first
         for b in reversed(head):
-            after[b >> sh][b & m] = nxt_b
-            before[nxt_b >> sh][nxt_b & m] = b
+            after[b] = nxt_b
+            before[nxt_b] = b
             nxt_b = b
-        after[0][0] = nxt_b
-        before[nxt_b >> sh][nxt_b & m] = 0
+        after[0] = nxt_b
+        before[nxt_b] = 0
     txn.free_blocks += len(tail) + len(head)
 
 

@@ -3,24 +3,11 @@
 A production trace (long prompts: hundreds of blocks cached and evicted a step) makes the index the core's
 busiest structure: every block a prefill fills is cached, every block popped from the free queue may be
 evicted. A copy-on-write map pays a copy of a bucket and a leaf for most of those writes (~7 us each,
-measured); a plain dict, ~1 us. So the index is a *rerooted* persistent map (Baker; Conchon and Filliatre's
-persistent arrays): every version of one lineage shares one store of plain dicts, which holds the contents of
-one version, the current; every other version holds an undo log (``_diff``) toward the version after it
-(``_next``). Reading the current version is a dict lookup; reading another first *reroots* the store to it
-(applying the logs along the way and leaving their inverses behind), so every version stays readable and
-unchanged. An edit writes the store in place and logs each key's first old value on the version it edits.
-
-What makes that safe where the core is used:
-
-- A refusal, an exception or an interrupt in the middle of an edit leaves the edited version's log holding
-  every write made so far (a key's old value is logged before the key is written): reading that version
-  rolls them back. A reroot first computes the inverse log, reading only, then marks itself pending and
-  writes (idempotent writes of logged values); an interrupt there is finished by the next access.
-- The store's dicts hold bytes and ints (and, for duplicates, tuples of ints), which CPython's GC does not
-  walk; a log is one dict of dicts a version. Memory is what the live versions' logs hold: a version nobody holds is
-  collected with its log.
-- States are single-thread values: two threads must not read different versions of one lineage at once
-  (``pickle`` materializes one: a copy to cross a thread or a process).
+measured); a plain dict, ~1 us. So the index is a rerooted lineage (rerooted.py: every version shares one
+store of plain dicts, holding the current version's contents; the others hold undo logs): reading the current
+version is a dict lookup, and an edit writes the store in place and logs each key's first old value on the
+version it edits. The store's dicts hold bytes and ints (and, for duplicates, tuples of ints), which CPython's
+GC does not walk; a log is one dict of dicts a version.
 
 One block per content, unless the edit keeps duplicates (``CacheConfig.cache_duplicates``, vLLM's block
 pool: a block that fills with content another block already holds is cached too). A hash then maps to the
@@ -35,6 +22,7 @@ from typing import Any
 
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.rules.hashing import BlockHash, CacheKey
+from pagedkv.core.store.rerooted import Store, Version, fork
 
 GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
 
@@ -44,59 +32,32 @@ GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
 Undo = dict[int, dict[Any, Any]]
 
 
-class _Store:
+class _Store(Store):
     """The plain dicts one lineage of versions shares, holding the contents of ``current``."""
 
-    __slots__ = ("maps", "revs", "current", "pending")
+    __slots__ = ("maps", "revs")
 
     def __init__(self, num_groups: int) -> None:
+        super().__init__()
         self.maps: list[dict[bytes, Any]] = [{} for _ in range(num_groups)]  # hash -> block, or blocks
         self.revs: list[dict[int, bytes]] = [{} for _ in range(num_groups)]  # block -> hash
-        self.current: PrefixIndex | None = None
-        self.pending: tuple[Any, ...] | None = None  # a reroot whose writes an interrupt may have cut short
 
     def dict_of(self, code: int) -> dict[Any, Any]:
         return self.maps[code] if code >= 0 else self.revs[~code]
 
+    def inverse(self, log: Undo) -> Undo:
+        dict_of = self.dict_of
+        return {code: {key: d.get(key) for key in olds} for code, olds in log.items() for d in (dict_of(code),)}
 
-def _finish(store: _Store) -> None:
-    """Complete the pending reroot: its writes (idempotent), then the pointers, the mark cleared last."""
-    node, after, log, inverse = store.pending  # type: ignore[misc]
-    dict_of = store.dict_of
-    for code, olds in log.items():
-        d = dict_of(code)
-        for key, old in olds.items():
-            if old is None:
-                d.pop(key, None)
-            else:
-                d[key] = old
-    after._diff, after._next = inverse, node
-    node._diff = node._next = None
-    store.current = node
-    store.pending = None
-
-
-def _reroot(target: PrefixIndex) -> None:
-    """Make ``target`` the version its store holds: each log on the way to the current version applied, its
-    inverse left on the version it came from."""
-    store = target._store
-    if store.pending is not None:
-        _finish(store)
-    path = []
-    node = target
-    while store.current is not node:
-        path.append(node)
-        node = node._next  # type: ignore[assignment]
-        if node is None:
-            raise InvariantError("a prefix-index version is not linked to its store's current one")
-    dict_of = store.dict_of
-    for node in reversed(path):  # (node._next is the current version)
-        log = node._diff
-        if log is None:
-            raise InvariantError("a prefix-index version off its store has no log")
-        inverse = {code: {key: d.get(key) for key in olds} for code, olds in log.items() for d in (dict_of(code),)}
-        store.pending = (node, node._next, log, inverse)
-        _finish(store)
+    def apply(self, log: Undo) -> None:
+        dict_of = self.dict_of
+        for code, olds in log.items():
+            d = dict_of(code)
+            for key, old in olds.items():
+                if old is None:
+                    d.pop(key, None)
+                else:
+                    d[key] = old
 
 
 def _olds(log: Undo, code: int) -> dict[Any, Any]:
@@ -107,7 +68,7 @@ def _olds(log: Undo, code: int) -> dict[Any, Any]:
     return olds
 
 
-class PrefixIndex:
+class PrefixIndex(Version[_Store]):
     """A persistent map (group, hash) -> block id with the reverse lookup ``key_of(block)``.
 
     Reads like a mapping: ``key in index``, ``index[key]``, ``index.get(key)``,
@@ -120,12 +81,10 @@ class PrefixIndex:
     (True, True, None, 1)
     """
 
-    __slots__ = ("_store", "_diff", "_next", "size", "root", "num_blocks")
+    __slots__ = ("size", "root", "num_blocks")
 
     def __init__(self, store: _Store, size: int, root: BlockHash, num_blocks: int) -> None:
-        self._store = store
-        self._diff: Undo | None = None  # applied to ``_next``'s contents, gives this version's
-        self._next: PrefixIndex | None = None
+        super().__init__(store)
         self.size = size
         self.root = root  # the parent of every first block (root_hash of the pool's namespace)
         self.num_blocks = num_blocks
@@ -138,13 +97,6 @@ class PrefixIndex:
         out = PrefixIndex(store, 0, root, num_blocks)
         store.current = out
         return out
-
-    def _here(self) -> _Store:
-        """The store, holding this version's contents."""
-        store = self._store
-        if store.current is not self or store.pending is not None:  # (the common case: one attribute, one compare)
-            _reroot(self)
-        return store
 
     def __len__(self) -> int:
         return self.size
@@ -238,13 +190,10 @@ class PrefixIndexEdit:
         node = self.node
         if node is None:
             base = self.base
-            store = base._here()
-            node = self.node = PrefixIndex(store, base.size, base.root, base.num_blocks)
-            base._diff, base._next = {}, node  # (base leaves the store before anything is written)
-            store.current = node
-            return store, base._diff
+            node = self.node = PrefixIndex(base._store, base.size, base.root, base.num_blocks)
+            return fork(base, node, {}), base._diff
         store = node._here()
-        return store, self.base._diff  # type: ignore[return-value]
+        return store, self.base._diff
 
     def get(self, key: CacheKey) -> int | None:
         block = self._store().maps[key[0]].get(key[1])
@@ -301,7 +250,7 @@ class PrefixIndexEdit:
                     continue
             if logs is None:
                 log = self._writable()[1] if self.node is None else self.base._diff
-                logs = [(_olds(log, k), _olds(log, ~k)) for k in range(len(revs))]  # type: ignore[arg-type]
+                logs = [(_olds(log, k), _olds(log, ~k)) for k in range(len(revs))]
             olds, back = logs[g]
             entries = maps[g]
             cur = entries[h]
@@ -350,7 +299,7 @@ class PrefixIndexEdit:
                 continue  # this block holds a content
             if olds is None:
                 log = self._writable()[1] if self.node is None else self.base._diff  # (the same store's dicts)
-                olds, back = _olds(log, g), _olds(log, ~g)  # type: ignore[arg-type]
+                olds, back = _olds(log, g), _olds(log, ~g)
             olds.setdefault(h, old)
             back.setdefault(block, None)
             entries[h] = block if old is None else (old, block) if type(old) is int else (*old, block)

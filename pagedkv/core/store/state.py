@@ -3,8 +3,9 @@ edits is txn.py's).
 
 Layout, chosen for the decode step with CPython's GC on (bench/peers.py):
 
-- Per block, ``refcount``, ``free_next`` and ``free_prev`` are integer ``Vec``
-  values (leaves of ``array('q')``, which the GC never walks). The free queue is
+- Per block, ``refcount``, ``free_next`` and ``free_prev`` are ``IntArray``
+  values (rerooted.py: one ``array('q')`` a lineage, which the GC never walks,
+  written in place: a transition costs the entries it writes, indexed flat). The free queue is
   a doubly linked list over block ids with block 0 (the null block, never free)
   as the sentinel: ``free_next[0]`` is the head, ``free_prev[0]`` the tail.
   Popping the head, pushing the tail and unlinking any block are O(1) writes.
@@ -37,6 +38,7 @@ from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.rules.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
 from pagedkv.core.store.index import PrefixIndex
+from pagedkv.core.store.rerooted import IntArray
 from pagedkv.core.spec import Span
 from pagedkv.core.store.tails import Ids, ids_count, ids_plus, known_ids, packed_known, unpack_ids
 from pagedkv.core.store.vec import Vec
@@ -129,9 +131,9 @@ class KVState:
     """The whole core state. A value: transitions return new ones, old ones stay valid."""
 
     config: CacheConfig
-    refcount: Vec[int]  # by block id; block 0 is never referenced
-    free_next: Vec[int]  # free-queue links by block id; 0 is the sentinel
-    free_prev: Vec[int]
+    refcount: IntArray  # by block id; block 0 is never referenced
+    free_next: IntArray  # free-queue links by block id; 0 is the sentinel
+    free_prev: IntArray
     free_blocks: int
     requests: Map[RequestId, Request]
     row_len: Vec[int]  # by row slot: seq_len
@@ -229,9 +231,9 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
     prv = [n - 1] + list(range(0, n - 1))
     return KVState(
         config=config,
-        refcount=Vec.of([0] * n, ints=True),
-        free_next=Vec.of(nxt, ints=True),
-        free_prev=Vec.of(prv, ints=True),
+        refcount=IntArray.of([0] * n),
+        free_next=IntArray.of(nxt),
+        free_prev=IntArray.of(prv),
         free_blocks=n - 1,
         requests=Map(),
         row_len=Vec.of((), ints=True, shift=SLOT_SHIFT),
@@ -253,13 +255,12 @@ def initial_state(config: CacheConfig, *, generation: int = 0, epoch: int = 0, c
 def free_queue(state: KVState) -> list[int]:
     """The free queue from head (next to be allocated) to tail. O(free blocks)."""
     out = []
-    vec = state.free_next
-    leaves, sh, m = vec.leaves, vec.shift, (1 << vec.shift) - 1
+    after = state.free_next.values()
     limit = state.config.num_blocks
-    b = leaves[0][0]
+    b = after[0]
     while b:
         out.append(b)
-        b = leaves[b >> sh][b & m]
+        b = after[b]
         if len(out) >= limit:
             raise InvariantError("the free queue has a cycle (a block was freed twice)")
     return out

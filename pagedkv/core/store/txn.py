@@ -18,6 +18,7 @@ from pagedkv.core.errors import ErrorCode, KVError, RequestId, invalid, is_reque
 from pagedkv.core.outputs.events import KVEvent
 from pagedkv.core.store.host import HostEdit
 from pagedkv.core.store.index import PrefixIndexEdit
+from pagedkv.core.store.rerooted import IntArrayEdit
 from pagedkv.core.store.state import EMPTY_ROW, KVState, Request, Row, Step
 from pagedkv.core.store.vec import VecEdit
 
@@ -66,9 +67,9 @@ class Txn:
         self.prefix_queries = s.prefix_queries
         self.prefix_hits = s.prefix_hits
         self.events: list[KVEvent] = []
-        self._refcount: VecEdit[int] | None = None
-        self._nxt: VecEdit[int] | None = None
-        self._prv: VecEdit[int] | None = None
+        self._refcount: IntArrayEdit | None = None
+        self._nxt: IntArrayEdit | None = None
+        self._prv: IntArrayEdit | None = None
         self._row_len: VecEdit[int] | None = None
         self._row_computed: VecEdit[int] | None = None
         self._row_tail: VecEdit[bytes | None] | None = None
@@ -88,24 +89,24 @@ class Txn:
         return self._host
 
     @property
-    def refcount(self) -> VecEdit[int]:
+    def refcount(self) -> IntArrayEdit:
         e = self._refcount
         if e is None:
-            e = self._refcount = VecEdit(self.base.refcount)
+            e = self._refcount = IntArrayEdit(self.base.refcount)
         return e
 
     @property
-    def nxt(self) -> VecEdit[int]:  # the free queue's forward links
+    def nxt(self) -> IntArrayEdit:  # the free queue's forward links
         e = self._nxt
         if e is None:
-            e = self._nxt = VecEdit(self.base.free_next)
+            e = self._nxt = IntArrayEdit(self.base.free_next)
         return e
 
     @property
-    def prv(self) -> VecEdit[int]:  # and its backward links
+    def prv(self) -> IntArrayEdit:  # and its backward links
         e = self._prv
         if e is None:
-            e = self._prv = VecEdit(self.base.free_prev)
+            e = self._prv = IntArrayEdit(self.base.free_prev)
         return e
 
     @property

@@ -1,7 +1,9 @@
 """A persistent array that CPython's cyclic GC never walks element by element.
 
-The core keeps its per-block and per-row numbers here: refcounts, free-queue
-links, row lengths. pyrsistent's ``PVector`` would do the job, but its C
+The core keeps its per-row-slot numbers and records here (row lengths, computed
+counts, tails, rows; the per-block ones are rerooted.py's ``IntArray``s, written
+in place: a transition there writes a few scattered entries of a large array, and
+here a decode step writes every row). pyrsistent's ``PVector`` would do the job, but its C
 traverse visits every element of every young vector, so a step that leaves a
 new 65,536-entry vector behind pays for all of it in each collection (83% of a
 step at 1,024 running requests, measured; see bench/RESULTS.md).

@@ -9,6 +9,7 @@ costs where it cannot help. GC on, as engines run, with its collections a step.
     python bench/multiturn.py --device cuda --dtype bfloat16 --conversations 64 --turns 8
     python bench/multiturn.py --device cuda --shape llama-8b --conversations 32 --turns 6    # histories of 2-6k tokens
     python bench/multiturn.py --pool-fraction 10                  # preemption-heavy: restored, or recomputed
+    python bench/multiturn.py --workloads no-reuse --repeats 3    # the tier's cost alone, runs alternated
 
 ``--shape``: a random model of real shapes (bench/llama_shapes.py, transformers' init on the device), each
 conversation a ``--system``-token opening of its own, then per turn a ``--question`` of new ids after the answer.
@@ -155,6 +156,8 @@ def main() -> None:
     ap.add_argument("--in-flight-gib", type=float, help="the tier's bound on stores in flight (default 1 GiB)")
     ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
     ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
+    ap.add_argument("--workloads", default="multi-turn,no-reuse", help="which of multi-turn,no-reuse to run")
+    ap.add_argument("--repeats", type=int, default=1, help="runs without and with the tier, alternated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.shape:
@@ -181,18 +184,29 @@ def main() -> None:
     print("\n| workload | tier | prefix hit rate | tier blocks loaded | TTFT p50 (ms) | TTFT p90 (ms) | tok/s | "
           "preempted | answers as without the tier | GC a step |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    asked = args.workloads.split(",")
     for reuse in (True, False):
+        if ("multi-turn" if reuse else "no-reuse") not in asked:
+            continue
         plain = None
-        for gib in (None, args.tier_gib):
-            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
-            same = "-" if plain is None else "yes" if r["answers"] == plain else "NO"
-            plain = plain or r["answers"]
-            print(
-                f"| {'multi-turn' if reuse else 'no reuse'} | {'-' if gib is None else f'{gib} GiB'} | {r['hit']:.1%} | "
-                f"{r['loaded']} | {r['ttft50']:.0f} | {r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | {same} | "
-                f"{r['gc']:.2f} |",
-                flush=True,
-            )
+        tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
+        for _ in range(args.repeats):
+            for gib in (None, args.tier_gib):
+                r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
+                same = "-" if plain is None else "yes" if r["answers"] == plain else "NO"
+                plain = plain or r["answers"]
+                tps[gib].append(r["tps"])
+                print(
+                    f"| {'multi-turn' if reuse else 'no reuse'} | {'-' if gib is None else f'{gib} GiB'} | "
+                    f"{r['hit']:.1%} | {r['loaded']} | {r['ttft50']:.0f} | {r['ttft90']:.0f} | {r['tps']:.1f} | "
+                    f"{r['preempted']} | {same} | {r['gc']:.2f} |",
+                    flush=True,
+                )
+        if args.repeats > 1:
+            off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
+            print(f"\n{'multi-turn' if reuse else 'no reuse'}: tok/s median {off:.1f} without the tier, {on:.1f} with "
+                  f"it ({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
+                  f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

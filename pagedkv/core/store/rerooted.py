@@ -134,13 +134,17 @@ class _IntStore(Store):
         return idx, list(map(data.__getitem__, idx))
 
     def apply(self, log: Any) -> None:
-        data = self.data
         if type(log) is array:
-            data[:] = log
-            return
-        idx, olds = log
-        for i in range(min(len(idx), len(olds)) - 1, -1, -1):
-            data[idx[i]] = olds[i]
+            self.data[:] = log
+        else:
+            _undo(self.data, log)
+
+
+def _undo(data: array[int], log: tuple[list[int], list[int]]) -> None:
+    """A sparse log's old values written back, the last logged first (an entry logged twice ends at its first)."""
+    idx, olds = log
+    for i in range(min(len(idx), len(olds)) - 1, -1, -1):
+        data[idx[i]] = olds[i]
 
 
 class IntArray(Version[_IntStore]):
@@ -246,8 +250,7 @@ class IntArrayEdit:
         many = len(idx) + len(indices)
         if many >= DENSE_MIN and many * DENSE > base.n:  # (many writes: one copy of the array as it was)
             whole = data[:]
-            for i in range(min(len(idx), len(olds)) - 1, -1, -1):
-                whole[idx[i]] = olds[i]
+            _undo(whole, log)
             base._diff = whole
             return data
         olds += map(data.__getitem__, indices)  # (the old values first: see _IntStore.inverse)

@@ -8,12 +8,11 @@ traverse visits every element of every young vector, so a step that leaves a
 new 65,536-entry vector behind pays for all of it in each collection (83% of a
 step at 1,024 running requests, measured; see bench/RESULTS.md).
 
-A ``Vec`` is a tuple of leaves of ``2**shift`` entries. Integer leaves are
+A ``Vec`` is a tuple of leaves of ``2**shift`` entries (the state's slot vectors: 32). Integer leaves are
 ``array('q')`` (the GC never walks their items); object leaves are tuples
 (untracked by the GC once their items are). An edit copies the top tuple once
 and each leaf it touches once, so a transition costs O(leaves + entries
-written): a 65,536-block pool copies 64 pointers and a few 8 KiB leaves per
-transition, never the pool.
+written); a decode step, which writes every row, copies each leaf once.
 
 A ``VecEdit`` is the private working copy a transition writes through; it never
 escapes the transition, and ``persistent()`` hands back a new ``Vec`` that
@@ -32,23 +31,10 @@ from pagedkv.core.errors import shown
 T = TypeVar("T")
 
 
-def leaf_shift(n: int) -> int:
-    """log2 of the leaf size for ``n`` entries: about n**(2/3), from 32 up to 1024.
-
-    A transition pays for the top tuple (n / leaf entries, copied once) and for each leaf it
-    writes (copied once, ~100 ns up to 1,024 integers): few, large leaves keep the first small
-    without making the second dear.
-
-    >>> leaf_shift(10), leaf_shift(4_096), leaf_shift(65_536), leaf_shift(10**6)
-    (5, 8, 10, 10)
-    """
-    return min(10, max(5, 2 * (max(n, 1) - 1).bit_length() // 3))
-
-
 class Vec(Generic[T]):
     """An immutable array of ints (``ints=True``) or objects, in leaves.
 
-    >>> v = Vec.of(range(5), ints=True)
+    >>> v = Vec.of(range(5), ints=True, shift=5)
     >>> e = v.edit(); e[2] = 40; w = e.persistent()
     >>> list(v), list(w), len(w)
     ([0, 1, 2, 3, 4], [0, 1, 40, 3, 4], 5)
@@ -63,26 +49,12 @@ class Vec(Generic[T]):
         self.ints = ints
 
     @staticmethod
-    def of(items: Iterable[T], *, ints: bool, shift: int | None = None) -> Vec[T]:
+    def of(items: Iterable[T], *, ints: bool, shift: int) -> Vec[T]:
         data = list(items)
-        sh = leaf_shift(len(data)) if shift is None else shift
-        size = 1 << sh
+        size = 1 << shift
         make = (lambda xs: array("q", xs)) if ints else tuple
         leaves = tuple(make(data[k : k + size]) for k in range(0, len(data), size))
-        return Vec(leaves, len(data), sh, ints)
-
-    @staticmethod
-    def filled(value: T, n: int, *, ints: bool, shift: int | None = None) -> Vec[T]:
-        """``n`` copies of ``value`` in O(sqrt(n)): every full leaf is the same (immutable) object."""
-        sh = leaf_shift(n) if shift is None else shift
-        size = 1 << sh
-
-        def make(k: int) -> Any:
-            return array("q", [value]) * k if ints else (value,) * k  # type: ignore[type-var]
-
-        full, rest = divmod(n, size)
-        leaves = (make(size),) * full + ((make(rest),) if rest else ())
-        return Vec(leaves, n, sh, ints)
+        return Vec(leaves, len(data), shift, ints)
 
     def __len__(self) -> int:
         return self.n
@@ -106,14 +78,6 @@ class Vec(Generic[T]):
 
     def edit(self) -> VecEdit[T]:
         return VecEdit(self)
-
-    def set(self, i: int, value: T) -> Vec[T]:
-        """A new vector with entry ``i`` replaced (this one is unchanged)."""
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        e = VecEdit(self)
-        e[i] = value
-        return e.persistent()
 
 
 class VecEdit(Generic[T]):
@@ -161,24 +125,6 @@ class VecEdit(Generic[T]):
         leaf = self.leaves[k] = leaf[:] if self.ints else list(leaf)
         owned.add(k)
         return leaf
-
-    def own_many(self, ks: Iterable[int]) -> list[Any]:
-        """Own the leaves ``ks`` (copying those not owned yet) and return every leaf: the ones in
-        ``ks`` may be written in place."""
-        owned = self.owned
-        if owned is None:
-            self.leaves = list(self.leaves)
-            owned = self.owned = set()
-        leaves = self.leaves
-        fresh = [k for k in ks if k not in owned]
-        if self.ints:
-            for k in fresh:
-                leaves[k] = leaves[k][:]  # (a slice of an array is a new array)
-        else:
-            for k in fresh:
-                leaves[k] = list(leaves[k])
-        owned.update(fresh)
-        return leaves  # type: ignore[no-any-return]
 
     def own_all(self) -> list[Any]:
         """Copy every leaf now and return them, for a loop that writes everywhere

@@ -10,8 +10,8 @@ state, kept only when the call completes; a refusal leaves the manager as it was
 when short; ``ManagerError`` where vLLM's manager would have done what the core refused).
 
 In a pool without windows a running request's call is cut to what moves blocks: the manager keeps each row
-as vLLM sees it and tells the core what opens a block at once and what fills one in a queued batch (the
-section on rows below). One class, in one file: its sections are what vLLM reads, the rows, and the Mamba
+as vLLM sees it and tells the core what opens a block and what fills one in a queued batch (the section on
+rows below). One class, in one file: its sections are what vLLM reads, the rows, and the Mamba
 states cached in a step.
 """
 
@@ -40,6 +40,7 @@ from pagedkv.core import (
     reset_prefix_cache,
 )
 from pagedkv.core.errors import ErrorCode, InvariantError, KVError
+from pagedkv.core.outputs.effects import events_of
 from pagedkv.core.rules.prefix import find_hit
 from pagedkv.core.store.state import KVState, row_known
 from pagedkv.integrations.vllm.geometry import translate, vllm_modules
@@ -142,8 +143,14 @@ class PagedKVCacheManager:
         self._lag = not any(geometry.windows) and not any(geometry.aligned)
         self._aligned = [g for g, a in enumerate(geometry.aligned) if a]
         self._cached_now: set[tuple[int, bytes]] = set()  # Mamba states cached this step: (group, hash)
-        self._queue: list[tuple[Any, int, int]] = []  # blocks to cache: (request, through, its known tokens then)
+        self._queue: list[tuple[Any, int, int, Any]] = []  # blocks to cache: (request, through, known tokens, place)
         self._queued: set[str] = set()  # the requests in it
+        # rows that opened blocks, in order: (request, its known tokens then, its length, the blocks handed out, place);
+        # their blocks, read off the free queue's head, are the ones the core's pops will give (one group, no host tier)
+        self._opening: list[tuple[Any, int, int, tuple[int, ...], Any]] = []
+        self._opened: dict[str, int] = {}  # the requests in it, each its place in it
+        self._ahead = 0  # the blocks handed out ahead of the core's pops
+        self._defer = self.config.opening_blocks == 1 and len(self.config.rules) == 1 and not self.config.host_blocks
         self._blocks_cls = kvm.KVCacheBlocks
         self._block = self._stream.blocks
         self.empty_kv_cache_blocks = kvm.KVCacheBlocks(tuple(() for _ in geometry.caps))
@@ -385,8 +392,8 @@ class PagedKVCacheManager:
     def free(self, request: Any) -> None:
         """The request's blocks go back (tail first, group by group), its cached blocks stay cached."""
         rid = request.request_id
-        if rid in self._queued:  # (its blocks cached before they go back; others' commute with the frees)
-            self._flush()
+        if rid in self._queued or self._opening:  # (its blocks cached before they go back, the openings' pops made
+            self._flush()  # before a free moves the free queue's head; others' caching commutes with the frees)
         if rid in self._state.requests:
             txn = Transaction(self._state)
             try:
@@ -468,8 +475,8 @@ class PagedKVCacheManager:
         """Blocks in use over usable blocks, as vLLM's block pool reports it (the null block not counted)."""
         usable = self.config.num_blocks - 1
         return (
-            1.0 - self._state.free_blocks / usable if usable else 0.0
-        )  # (a row's length kept by the manager takes no block)
+            1.0 - (self._state.free_blocks - self._ahead) / usable if usable else 0.0
+        )  # (a row's length kept by the manager takes no block; the blocks handed out ahead do)
 
     def make_prefix_cache_stats(self) -> Any:
         if not self.log_stats:
@@ -500,12 +507,16 @@ class PagedKVCacheManager:
 
     # -- what the scheduler reads of a request ---------------------------------------------------------------
     def get_blocks(self, request_id: str) -> Any:
+        if request_id in self._opened:
+            self._flush()
         if request_id not in self._state.requests:
             return self.empty_kv_cache_blocks
         block = self._block
         return self._blocks_cls(tuple([block[b] for b in ids] for ids in request_blocks(self._state, request_id)[0]))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id in self._opened:
+            self._flush()
         if request_id not in self._state.requests:
             return tuple([] for _ in range(self.num_kv_cache_groups))
         return tuple(list(ids) for ids in request_blocks(self._state, request_id)[0])
@@ -560,12 +571,14 @@ class PagedKVCacheManager:
     # The rows of pagedkv's vLLM manager as vLLM sees them, and what of them the core is told when.
     #
     # In a pool without windows a running request's call is cut to what moves blocks (``_running``).
-    # Slots inside a row's open block take none: the manager keeps the row's length itself (``_len``) and the
-    # core's row catches up when it next opens a block (one ``append``, at once: its new blocks are the answer)
-    # or when ``state`` is read. A block to cache is queued with its place in the event stream, and the queue is
-    # applied as one batch (``_flush``: the rows' catch-up, ``fill`` of the ids each call knew, ``cache_ahead``)
-    # before anything reads the cache or frees a queued row's blocks: vLLM keeps every block that fills
-    # (duplicate contents too), so caching a block in use commutes with the pops and frees of other rows between.
+    # Slots inside a row's open block take none: the manager keeps the row's length itself (``_len``). A call that
+    # opens a block answers with the blocks the core's pop will give (in a pool of one group without a host tier:
+    # the free queue's next ones, read off its head, ``_ahead_blocks``) and is queued; elsewhere its ``append`` is
+    # applied at once. A block to cache is queued too. Each queued call holds its place in the event stream, and
+    # the queue is applied as one batch (``_flush``: the openings' growth in their order, each pop checked against
+    # what was handed out, the other rows' catch-up, ``fill`` of the ids each call knew, ``cache_ahead``) before
+    # anything reads the cache or the free queue or frees blocks: vLLM keeps every block that fills (duplicate
+    # contents too), so caching a block in use commutes with the pops of other rows between.
     # A window lets blocks go at each commit: there every call is applied as it comes (``_catch_up``, ``_grow``).
 
     @property
@@ -591,10 +604,20 @@ class PagedKVCacheManager:
         length = max(min(computed + slots, self.max_model_len), n)
         bs, state = self.block_size, self._state
         opens = -(-length // bs) - -(-n // bs)
-        if opens * self.num_kv_cache_groups > state.free_blocks - reserved_blocks:
+        if opens * self.num_kv_cache_groups > state.free_blocks - self._ahead - reserved_blocks:
             return None  # (as vLLM: even a call that takes no block, when the reserve is short)
         new = self.empty_kv_cache_blocks
-        if opens:
+        if opens and self._defer:
+            if rid in self._opened:  # (a second growth in one batch: the first one's applied)
+                self._flush()
+                state = self._state
+            blocks = self._ahead_blocks(opens)
+            self._stream.allocated(blocks)
+            self._opened[rid] = len(self._opening)
+            self._opening.append((request, request.num_tokens, length, blocks, self._stream.hold_place()))
+            block = self._block
+            new = self._blocks_cls(([block[b] for b in blocks],))
+        elif opens:
             slot = state.requests[rid].slots[0]
             txn = Transaction(state)
             try:
@@ -625,15 +648,28 @@ class PagedKVCacheManager:
             return token_ids(request, length, target)
         return Placeholders(target - length)
 
+    def _ahead_blocks(self, k: int) -> tuple[int, ...]:
+        """The next ``k`` blocks the core's pops will give, after those handed out ahead: the free queue from its
+        head (nothing else pops or frees while openings wait: every other call applies them first)."""
+        after = self._state.free_next.values()
+        b = after[self._opening[-1][3][-1]] if self._opening else after[0]
+        out = []
+        for _ in range(k):
+            out.append(b)
+            b = after[b]
+        if 0 in out:
+            raise InvariantError("blocks handed out past the free queue's tail: capacity was not checked")
+        self._ahead += k
+        return tuple(out)
+
     def _to_cache(self, request: Any, through: int) -> None:
         """The blocks before ``through`` whose ids (and the lookahead ids after them) are known, queued to be
         cached in this call's place in the event stream."""
         rid = request.request_id
         full = self._full_blocks(request, through)
         if full > self._hashed[rid]:
-            self._queue.append((request, through, request.num_tokens))
+            self._queue.append((request, through, request.num_tokens, self._stream.hold_place()))
             self._queued.add(rid)
-            self._stream.hold_place()
             self._hashed[rid] = full
 
     def _full_blocks(self, request: Any, through: int) -> int:
@@ -642,49 +678,89 @@ class PagedKVCacheManager:
         return full
 
     def _flush(self) -> None:
-        """The queued blocks cached, as one batch: the rows brought to vLLM's lengths (placeholders), the ids
-        each call knew filled in, the blocks cached, each call's events in the place it held."""
-        if not self._queue:
+        """The queued calls applied, as one batch: the rows that opened blocks grown in their order (their pops give
+        the blocks handed out), the other rows brought to vLLM's lengths (placeholders), the ids each call knew filled
+        in, the blocks cached; each call's events in the place it held."""
+        if not self._queue and not self._opening:
             return
-        items, self._queue = self._queue, []
+        (items, self._queue), (openers, self._opening) = (self._queue, []), (self._opening, [])
         self._queued.clear()
+        self._opened.clear()
+        ahead, self._ahead = self._ahead, 0
         state = self._state
         txn = Transaction(state)
-        rids = list(dict.fromkeys(request.request_id for request, _, _ in items))
-        slots = {rid: state.requests[rid].slots[0] for rid in rids}
+        places: list[tuple[Any, Any, Sequence[Any]]] = []  # (place, request, the core's events of its call)
         try:
-            first = {request.request_id: (request, upto) for request, _, upto in reversed(items)}  # (its first call)
+            if openers:
+                self._open(txn, openers, places)
+            state = txn.state
+            rids = list(dict.fromkeys(request.request_id for request, _, _, _ in items))
+            slots = {rid: state.requests[rid].slots[0] for rid in rids}
+            first = {request.request_id: (request, upto) for request, _, upto, _ in reversed(items)}  # (its first call)
             behind = [
                 (rid, [self._growth(*first[rid], state, slots[rid], self._len[rid])])
                 for rid in rids
                 if self._len[rid] > state.row_len[slots[rid]]
             ]
             if behind:
-                txn.apply(append_many(state, behind), "append")
+                grown = txn.apply(append_many(state, behind), "append")
+                if grown.effect.events:
+                    raise InvariantError("a growth inside open blocks sends no events")
             known = {rid: row_known(txn.state, slots[rid]) for rid in rids}
             fills = []
-            for request, _, upto in items:
+            for request, _, upto, _ in items:
                 rid = request.request_id
                 start, upto = known[rid], min(upto, txn.state.row_len[slots[rid]])
                 fills.append((rid, [token_ids(request, start, upto) if upto > start else []]))
                 known[rid] = max(start, upto)
-            if any(ids for _, (ids,) in fills):
-                txn.apply(fill_many(txn.state, fills), "fill")
-            txn.apply(
-                cache_ahead_many(
-                    txn.state,
-                    [(r.request_id, [through]) for r, through, _ in items],
-                    hashes={r.request_id: r.block_hashes for r, _, _ in items},
-                ),
-                "cache_ahead",
-            )
-        except Refused as r:  # (each item was checked when queued: a bug, and nothing is lost by raising)
-            self._queue = items + self._queue
-            self._queued.update(r.request_id for r, _, _ in items)
+            filled = None
+            if items and any(ids for _, (ids,) in fills):
+                filled = txn.apply(fill_many(txn.state, fills), "fill").effect
+            if items:
+                cached = txn.apply(
+                    cache_ahead_many(
+                        txn.state,
+                        [(r.request_id, [through]) for r, through, _, _ in items],
+                        hashes={r.request_id: r.block_hashes for r, _, _, _ in items},
+                    ),
+                    "cache_ahead",
+                ).effect
+                for k, (request, _, _, place) in enumerate(items):
+                    events = events_of(cached[k]) if filled is None else events_of((filled[k], cached[k]))
+                    places.append((place, request, events))
+        except Refused as r:  # (each call was checked when it came: a bug, and nothing is lost by raising)
+            self._queue, self._opening, self._ahead = items + self._queue, openers + self._opening, ahead
+            self._queued.update(r.request_id for r, _, _, _ in items)
+            self._opened.update((o[0].request_id, k) for k, o in enumerate(self._opening))
             raise r.manager_error() from None
-        self._state = self._stream.keep_queued(txn, [request for request, _, _ in items])
+        self._state = self._stream.keep_queued(txn, places)
         for rid in rids:
             self._hashed[rid] = self._state.rows[slots[rid]].num_hashed
+
+    def _open(self, txn: Transaction, openers: list[Any], places: list[tuple[Any, Any, Sequence[Any]]]) -> None:
+        """The rows that opened blocks grown in their order, in one ``append_many``: each pop gives the blocks its
+        call handed out (checked), each call's evictions go in its place."""
+        state = txn.state
+        slots = [state.requests[request.request_id].slots[0] for request, _, _, _, _ in openers]
+        grown = txn.apply(
+            append_many(
+                state,
+                [
+                    (request.request_id, [self._growth(request, known, state, slot, length)])
+                    for (request, known, length, _, _), slot in zip(openers, slots)
+                ],
+            ),
+            "append",
+        )
+        rows, whose = txn.state.rows, {}
+        for k, ((request, _, _, blocks, _), slot) in enumerate(zip(openers, slots)):
+            if rows[slot].blocks[0][-len(blocks) :] != blocks:
+                raise InvariantError(f"request {request.request_id!r}: the core's pop is not the blocks handed out")
+            whose.update(dict.fromkeys(blocks, k))
+        events: list[list[Any]] = [[] for _ in openers]
+        for ev in grown.effect.events:  # (a pop's evictions: BlockRemoved of a block handed out)
+            events[whose[ev.block_id]].append(ev)
+        places.extend((place, request, evs) for (request, _, _, _, place), evs in zip(openers, events))
 
     def _mirror(self, request: Any) -> None:
         """The manager's view of a request's row, after a call the core applied."""

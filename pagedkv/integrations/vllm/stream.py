@@ -17,7 +17,7 @@ from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.outputs.effects import events_of
-from pagedkv.core.errors import InvariantError, KVError
+from pagedkv.core.errors import KVError
 from pagedkv.core.outputs.events import BlockStored
 from pagedkv.core.rules.prefix import Hit
 from pagedkv.core.spec import RequestSpec
@@ -98,7 +98,6 @@ class EventStream:
         self.blocks = [KVCacheBlock(i) for i in range(blocks)]
         self.blocks[0].is_null = True
         self._events: list[Any] = []  # our msgspec structs, or _Place
-        self._places: list[_Place] = []  # the places queued calls hold, in queue order
 
     def keep(self, txn: Transaction, request: Any) -> KVState:
         """A completed call: its events (the request's fields on its stores) and its metrics; its state."""
@@ -110,35 +109,34 @@ class EventStream:
                     fields = fields or (None if request is None else event_fields(request))
                     self._send(events, fields)
         if self.metrics is not None:
-            blocks = self.blocks
             for b in txn.touched:
-                self.metrics.on_block_accessed(blocks[b])
-            for b in txn.allocated:
-                if self.caching:  # vLLM's pool forgets a popped block's metrics (its eviction) first
-                    self.metrics.on_block_evicted(blocks[b])
-                self.metrics.on_block_allocated(blocks[b])
+                self.metrics.on_block_accessed(self.blocks[b])
+            self.allocated(txn.allocated)
         return txn.state
 
-    def hold_place(self) -> None:
-        """A place in the stream for the events of a queued call."""
-        if self.enabled:
-            place = _Place()
-            self._events.append(place)
-            self._places.append(place)
+    def allocated(self, blocks: Sequence[int]) -> None:
+        """The metrics of blocks a queued call took from the free queue (told at once: they read no state)."""
+        if self.metrics is not None:
+            for b in blocks:
+                if self.caching:  # vLLM's pool forgets a popped block's metrics (its eviction) first
+                    self.metrics.on_block_evicted(self.blocks[b])
+                self.metrics.on_block_allocated(self.blocks[b])
 
-    def keep_queued(self, txn: Transaction, requests: Sequence[Any]) -> KVState:
-        """The queue applied: ``txn``'s effects are per-call tuples (one effect per queued call, in queue
-        order), each call's events go in the place it held; an effect of the whole batch (the rows' growth)
-        sends none."""
+    def hold_place(self) -> _Place | None:
+        """A place in the stream for the events of a queued call (None where events are off)."""
+        if not self.enabled:
+            return None
+        place = _Place()
+        self._events.append(place)
+        return place
+
+    def keep_queued(self, txn: Transaction, calls: Sequence[tuple[_Place | None, Any, Sequence[Any]]]) -> KVState:
+        """The queue applied: each queued call's core events (``calls``: its place, its request, its events) as
+        vLLM's, in the place it held; the state."""
         if self.enabled:
-            per_call = [effect for effect in txn.effects if isinstance(effect, tuple)]
-            if any(events_of(e) for e in txn.effects if not isinstance(e, tuple)):
-                raise InvariantError("the growth sends no events")
-            for k, (place, request) in enumerate(zip(self._places, requests, strict=True)):
-                events = [e for effects in per_call for e in events_of(effects[k])]
-                if events:
+            for place, request, events in calls:
+                if events and place is not None:
                     place.events = to_vllm(events, self.config, request=event_fields(request), external=self._external)
-            self._places.clear()
         return txn.state
 
     def announce(self, hit: Hit, spec: RequestSpec, fields: RequestFields) -> None:

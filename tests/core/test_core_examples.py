@@ -9,6 +9,7 @@ from pagedkv.core import (
     ErrorCode,
     GroupSpec,
     InvalidConfig,
+    Placeholders,
     RequestSpec,
     RowSpec,
     admit,
@@ -160,6 +161,27 @@ def test_batched_appends_are_all_or_nothing() -> None:
     step = append_decode(s, ["a", "b"]).unwrap()
     assert step.effect.allocations == (("a", 3), ("b", 4))
     assert step.state == append_many(s, [("a", [1]), ("b", [1])]).unwrap().state
+
+
+def test_a_batch_of_growths_that_open_blocks_pops_as_one_after_another() -> None:
+    """Rows opening blocks in one ``append_many`` (one token, several, placeholders, a count; one named twice) take
+    the blocks and generations that appends one after another give them; past the pool, the first that does not fit
+    is refused with what was left for it."""
+    s = pool(usable=24, enable_prefix_caching=True)
+    for rid, n in (("a", 4), ("b", 3), ("c", 8), ("d", 1)):
+        s = admit(s, RequestSpec(rid, (RowSpec.of_tokens(list(range(1, n + 1))),))).unwrap().state
+    items = [("a", [[9]]), ("b", [[1, 2, 3, 4, 5, 6]]), ("c", [Placeholders(9)]), ("a", [[7] * 5]), ("d", [2])]
+    one_by_one = s
+    for rid, rows in items:
+        one_by_one = append(one_by_one, rid, rows).unwrap().state
+    step = append_many(s, items).unwrap()
+    assert digest(step.state) == digest(one_by_one)  # (a popped block's stale back link is no part of the state)
+    assert free_queue(step.state) == free_queue(one_by_one)
+    assert [request_blocks(step.state, r) for r in "abcd"] == [request_blocks(one_by_one, r) for r in "abcd"]
+    assert [g for _, g in step.effect.allocations] == sorted(g for _, g in step.effect.allocations)
+    full = append_many(s, [("a", [[9] * 8]), ("b", [[1] * 70]), ("c", [1])]).failure()  # (5 blocks held, a takes 2)
+    assert full.code is ErrorCode.NO_CAPACITY and full.request == "b"
+    assert (full.requested, full.available) == (18, 24 - 5 - 2)
 
 
 def test_commit_is_absolute_and_never_decreases() -> None:

@@ -123,10 +123,12 @@ def grow_each(
     lens = txn.row_len.own_for(len(ids))
     tails = txn.row_tail.own_for(len(ids)) if cfg.enable_prefix_caching else None
     generations: list[tuple[int, int]] = []
-    # rows that open a block, popped together once nothing else pops in between (one group, a block each): the
-    # free queue's head in their order, the blocks one pop at a time would give them
-    opening: list[tuple[int, int, int, Growth]] | None = [] if len(cfg.rules) == 1 and paged == 1 else None
+    # one-row requests that open blocks, popped together once nothing else pops in between (one group): the free
+    # queue's head in their order, the blocks one pop at a time would give them; (batch index, slot, new length,
+    # new blocks, growth)
+    opening: list[tuple[int, int, int, int, Growth]] | None = [] if len(cfg.rules) == 1 and paged == 1 else None
     opened: set[int] = set()  # their slots
+    popping = 0  # the blocks they take
     for k, rid in enumerate(ids):
         try:
             req = get(rid) if type(rid) is str or type(rid) is int else None
@@ -138,8 +140,7 @@ def grow_each(
             token = _one_token(rows[k])  # type: ignore[assignment]
         if token is not _MANY and req is not None and (slot := req.decode_slot) >= 0:
             if opening and slot in opened:  # (a request named twice: its first growth stands before the second)
-                _open_rows(txn, opening, generations)
-                opened.clear()
+                popping = _open_rows(txn, opening, opened, generations)
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
@@ -157,42 +158,61 @@ def grow_each(
                     elif tail is not None:
                         tail_leaf[o] = tail + token.to_bytes(8, "little")  # type: ignore[union-attr]
                     continue
-                if opening is not None and len(opening) < txn.free_blocks:  # it opens a block: the row rule
+                if opening is not None and popping < txn.free_blocks:  # it opens a block: the row rule
                     growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
-                    opening.append((k, slot, n + 1, growth))
+                    opening.append((k, slot, n + 1, 1, growth))
                     opened.add(slot)
+                    popping += 1
                     continue
                 if opening is None and paged <= txn.free_blocks:  # (and the request's generation)
                     growth = _ONE_PLACEHOLDER if token is _PLACEHOLDER else 1 if token is None else [token]
                     _grow_row(txn, slot, n + 1, 1, growth)
                     generations.append((k, txn.new_layout(slot)))
                     continue
-        if opening:  # (the general rule may pop: the rows before it take theirs first)
-            _open_rows(txn, opening, generations)
-            opened.clear()
+        if opening and (req is None or any(s in opened for s in req.slots)):  # (named twice: the first one stands)
+            popping = _open_rows(txn, opening, opened, generations)
+        growth_rows: Sequence[Growth] | None
         if rows is not None:
             if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
                 return invalid(f"append to request {shown(rid)} must give one entry per row, got None", field="tokens")
-            got = _grow(txn, rid, rows[k])
+            growth_rows = rows[k]
         else:
-            got = _grow(txn, rid, None if toks is None else [[toks[k]]] * (len(req.slots) if req is not None else 1))
-        if isinstance(got, KVError):
-            return got
-        if got:
-            generations.append((k, got))
+            growth_rows = None if toks is None else [[toks[k]]] * (len(req.slots) if req is not None else 1)
+        planned = _planned(txn, rid, growth_rows, popping)
+        if isinstance(planned, KVError):
+            return planned
+        req, grown, need = planned
+        if need and opening is not None and len(grown) == 1:  # one row opening blocks: popped with the others
+            opening.append((k, *grown[0]))
+            opened.add(grown[0][0])
+            popping += need
+            continue
+        if need and opening:  # (the general rule pops: the rows before it take theirs first)
+            popping = _open_rows(txn, opening, opened, generations)
+        for slot, new_len, extra, item in grown:
+            _grow_row(txn, slot, new_len, extra, item)
+        if need:
+            generations.append((k, txn.new_layout(req.slots[0])))
     if opening:
-        _open_rows(txn, opening, generations)
+        _open_rows(txn, opening, opened, generations)
     return generations
 
 
-def _open_rows(txn: Txn, opening: list[tuple[int, int, int, Growth]], generations: list[tuple[int, int]]) -> None:
-    """The rows ``grow_each`` found opening a block (batch index, slot, new length, growth), in order: one pop for
-    all of them, then each row's rule (``_grow_row``) with its block and its request's generation."""
-    fresh = pool.pop_blocks(txn, len(opening))
-    for (k, slot, new_len, growth), b in zip(opening, fresh):
-        _grow_row(txn, slot, new_len, 1, growth, (b,))
+def _open_rows(
+    txn: Txn, opening: list[tuple[int, int, int, int, Growth]], opened: set[int], generations: list[tuple[int, int]]
+) -> int:
+    """The one-row requests ``grow_each`` found opening blocks (batch index, slot, new length, new blocks, growth),
+    in order: one pop for all of them, then each row's rule (``_grow_row``) with its blocks and its request's
+    generation. Nothing is left pending (returns the blocks still to pop: 0)."""
+    fresh = pool.pop_blocks(txn, sum(extra for _, _, _, extra, _ in opening))
+    at = 0
+    for k, slot, new_len, extra, growth in opening:
+        _grow_row(txn, slot, new_len, extra, growth, fresh[at : at + extra])
+        at += extra
         generations.append((k, txn.new_layout(slot)))
     opening.clear()
+    opened.clear()
+    return 0
 
 
 _MANY = object()  # a growth other than one token for a single row
@@ -240,8 +260,12 @@ def decode_batch(
 _ONES = [(1,) * n for n in range(9)]
 
 
-def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | int:
-    """Apply one request's growth to ``txn``; the generation taken, 0 if none, or the error."""
+def _planned(
+    txn: Txn, rid: RequestId, rows: Sequence[Growth] | None, popping: int = 0
+) -> tuple[Request, list[tuple[int, int, int, Growth]], int] | KVError:
+    """One request's growth judged on ``txn`` (``popping`` blocks already promised to rows before it): the request,
+    each growing row's (slot, new length, new blocks per group, growth) and the blocks all groups need; or the
+    refusal. Nothing is written."""
     if not is_request_id(rid):
         return invalid(f"request id must be a string or a 64-bit integer, got {shown(rid)}", field="request")
     req = txn.base.requests.get(rid)
@@ -259,17 +283,16 @@ def _grow(txn: Txn, rid: RequestId, rows: Sequence[Growth] | None) -> KVError | 
     if isinstance(planned, KVError):
         return planned
     grown, need = planned
-    if need > txn.free_blocks:
+    free = txn.free_blocks - popping
+    if need > free:
         return KVError(
             ErrorCode.NO_CAPACITY,
-            f"request {shown(rid)} needs {need} more blocks; {txn.free_blocks} are free",
+            f"request {shown(rid)} needs {need} more blocks; {free} are free",
             request=rid,
             requested=need,
-            available=txn.free_blocks,
+            available=free,
         )
-    for slot, new_len, extra, item in grown:
-        _grow_row(txn, slot, new_len, extra, item)
-    return txn.new_layout(req.slots[0]) if need else 0
+    return req, grown, need
 
 
 def _plan_growth(

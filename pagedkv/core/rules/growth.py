@@ -116,7 +116,9 @@ def grow_each(
     the length limit, the pool has its block): inside its open block it changes its length (and its
     tail, the open block's ids), and only that; opening a block, it goes through the row rule
     (``_grow_row``). Everything else (a count that stops the row's ids, placeholders, several rows, a
-    refusal) is ``_grow``'s."""
+    refusal) is judged by the request's rule (``_planned``), then grown row by row. In a pool of one group, the
+    one-row requests that open blocks are popped together (``_open_rows``: the blocks one pop at a time would
+    give them), each judged against the blocks promised to those before it."""
     cfg = txn.config
     bs, limit, mask, paged = (cfg.block_size, cfg.length_limit, (1 << SLOT_SHIFT) - 1, cfg.opening_blocks)
     get = txn.base.requests.get
@@ -149,7 +151,7 @@ def grow_each(
             else:
                 tail_leaf = tails[hi]
                 tail = tail_leaf[o]
-            # (a count stops a row's ids, a row awaiting ids takes no more: both are _grow's)
+            # (a count stops a row's ids, a row awaiting ids takes no more: both are the general rule's)
             if n < limit and (tail is None or (token is not None and type(tail) is bytes)):
                 if n % bs:  # the token goes into the open block
                     leaf[o] = n + 1

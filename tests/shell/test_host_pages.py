@@ -201,3 +201,31 @@ def test_a_failed_store_is_forgotten_by_the_core_and_the_trace_replays(
     (forget,) = [json.loads(line) for line in lines if '"op": "forget_host"' in line]
     assert forget["slots"] == sorted(failed[0][1]) and forget["expect"]["forgotten"] >= 1
     assert all(ev.divergence is None for ev in replay(lines))
+
+
+def test_the_store_gather_kernel_reads_what_index_select_reads() -> None:
+    """shell.host_copy's gather (the stores' read on CUDA) in Triton's interpreter on the CPU (a process of its own:
+    the interpreter is chosen when Triton is first imported): every page dtype's bytes, pages of a size in 32-bit
+    words and not (fp8), a block named twice, none; on a GPU, tests/gpu/test_host_tier_cuda.py's copies check it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("triton", reason="the gather is a Triton kernel (pip install triton)")
+    code = """
+        import torch
+        from pagedkv.shell.host_copy import gather_pages
+
+        for dt, page in ((torch.bfloat16, (4, 2, 8)), (torch.float32, (2, 3)), (torch.float8_e4m3fn, (3, 1, 2))):
+            pages = (torch.randn(5, 11, *page) * 3).to(dt)
+            at = torch.tensor([3, 0, 10, 3, 7])
+            got = gather_pages(pages, at)
+            want = pages.transpose(0, 1).index_select(0, at)
+            assert got.shape == want.shape and got.dtype == dt and got.is_contiguous()
+            assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), dt
+            assert gather_pages(pages, at[:0]).shape == (0, 5, *page)
+        """
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -148,7 +148,7 @@ class PagedKVCacheManager:
         # rows that opened blocks, in order: (request, its known tokens then, its length, the blocks handed out, place);
         # their blocks, read off the free queue's head, are the ones the core's pops will give (one group, no host tier)
         self._opening: list[tuple[Any, int, int, tuple[int, ...], Any]] = []
-        self._opened: dict[str, int] = {}  # the requests in it, each its place in it
+        self._opened: set[str] = set()  # the requests in it
         self._ahead = 0  # the blocks handed out ahead of the core's pops
         self._defer = self.config.opening_blocks == 1 and len(self.config.rules) == 1 and not self.config.host_blocks
         self._blocks_cls = kvm.KVCacheBlocks
@@ -613,7 +613,7 @@ class PagedKVCacheManager:
                 state = self._state
             blocks = self._ahead_blocks(opens)
             self._stream.allocated(blocks)
-            self._opened[rid] = len(self._opening)
+            self._opened.add(rid)
             self._opening.append((request, request.num_tokens, length, blocks, self._stream.hold_place()))
             block = self._block
             new = self._blocks_cls(([block[b] for b in blocks],))
@@ -731,7 +731,7 @@ class PagedKVCacheManager:
         except Refused as r:  # (each call was checked when it came: a bug, and nothing is lost by raising)
             self._queue, self._opening, self._ahead = items + self._queue, openers + self._opening, ahead
             self._queued.update(r.request_id for r, _, _, _ in items)
-            self._opened.update((o[0].request_id, k) for k, o in enumerate(self._opening))
+            self._opened.update(o[0].request_id for o in self._opening)
             raise r.manager_error() from None
         self._state = self._stream.keep_queued(txn, places)
         for rid in rids:

@@ -131,6 +131,15 @@ def _group(ev: CoreStored) -> int:
     return ev.group
 
 
+class EventTypes(NamedTuple):
+    """The classes ``to_vllm`` builds: this module's structs, or vLLM's own (``vllm.distributed.kv_events``: the same
+    names, fields and defaults), as the manager hands them to vLLM's scheduler."""
+
+    stored: Any = None
+    removed: Any = None
+    cleared: Any = None
+
+
 def to_vllm(
     events: Iterable[KVEvent],
     config: CacheConfig,
@@ -138,6 +147,7 @@ def to_vllm(
     *,
     request: RequestFields | None = None,
     external: Callable[[bytes], int | bytes] = int64_hash,
+    types: EventTypes | None = None,
 ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
     chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks. The host
@@ -145,13 +155,16 @@ def to_vllm(
     sends its CPU tier's; a load back (``BlockOnloaded``) is announced by nobody, as there.
     ``request``: the stores carry its adapter and session and each block's extra keys, as vLLM's manager
     sends them; ``external``: a hash as the events carry it (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``:
-    the int64 form, or the bytes)."""
+    the int64 form, or the bytes); ``types``: the classes built (vLLM's own, where its scheduler takes them)."""
+    stored_cls, removed_cls, cleared_cls = (
+        (BlockStored, BlockRemoved, AllBlocksCleared) if types is None else (types.stored, types.removed, types.cleared)
+    )
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     lora_id, lora_name, session_id = request if request is not None else (None, None, None)
     last: tuple[int, bytes] | None = None  # (group, hash) of the block the last BlockStored ended with
     for ev in _by_group(events):
         if isinstance(ev, CoreStored):
-            if out and last == (ev.group, ev.parent_hash) and isinstance(out[-1], BlockStored):
+            if out and last == (ev.group, ev.parent_hash) and isinstance(out[-1], stored_cls):
                 prev = out[-1]
                 prev.block_hashes.append(external(ev.block_hash))
                 prev.token_ids.extend(ev.token_ids)
@@ -163,7 +176,7 @@ def to_vllm(
                 g = config.groups[ev.group]
                 keys = None if request is None else [event_keys(ev.extra_keys) if ev.extra_keys else None]
                 out.append(
-                    BlockStored(
+                    stored_cls(
                         block_hashes=[external(ev.block_hash)],
                         parent_block_hash=None if ev.parent_hash is None else external(ev.parent_hash),
                         token_ids=list(ev.token_ids),
@@ -183,24 +196,24 @@ def to_vllm(
             continue
         last = None
         if isinstance(ev, BlockOffloaded):  # (vLLM's offloading connector's store: the hash and group alone)
-            out.append(_host_stored(external(ev.block_hash), ev.group))
+            out.append(_host_stored(external(ev.block_hash), ev.group, stored_cls))
         elif isinstance(ev, HostBlockRemoved):  # (one removal a run of a group's, as the connector batches them)
             tail = out[-1] if out else None
-            if isinstance(tail, BlockRemoved) and tail.medium == MEDIUM_CPU and tail.group_idx == ev.group:
+            if isinstance(tail, removed_cls) and tail.medium == MEDIUM_CPU and tail.group_idx == ev.group:
                 tail.block_hashes.append(external(ev.block_hash))
             else:
-                out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=MEDIUM_CPU, group_idx=ev.group))
+                out.append(removed_cls(block_hashes=[external(ev.block_hash)], medium=MEDIUM_CPU, group_idx=ev.group))
         elif isinstance(ev, CoreRemoved):
-            out.append(BlockRemoved(block_hashes=[external(ev.block_hash)], medium=medium, group_idx=ev.group))
+            out.append(removed_cls(block_hashes=[external(ev.block_hash)], medium=medium, group_idx=ev.group))
         elif isinstance(ev, CoreCleared):
-            out.append(AllBlocksCleared())
+            out.append(cleared_cls())
     return out
 
 
-def _host_stored(block_hash: int | bytes, group: int) -> BlockStored:
+def _host_stored(block_hash: int | bytes, group: int, cls: Any = None) -> BlockStored:
     """A block the host tier keeps, as vLLM's offloading connector announces a block its CPU tier stored (its
     events tracker's payload without self-describing events: the hash and the group, ``block_size`` 0)."""
-    return BlockStored(
+    return (cls or BlockStored)(
         block_hashes=[block_hash],
         parent_block_hash=None,
         token_ids=[],

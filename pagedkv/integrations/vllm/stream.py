@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 from returns.result import Failure
 
 from pagedkv.core.config import CacheConfig
@@ -23,7 +22,7 @@ from pagedkv.core.rules.prefix import Hit
 from pagedkv.core.spec import RequestSpec
 from pagedkv.core.rules.hashing import BlockKeys
 from pagedkv.core.store.state import KVState
-from pagedkv.integrations.vllm.events import RequestFields, int64_hash, to_vllm
+from pagedkv.integrations.vllm.events import EventTypes, RequestFields, int64_hash, to_vllm
 from pagedkv.integrations.vllm.requests import event_fields
 
 
@@ -85,11 +84,7 @@ class EventStream:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
         self.config, self.enabled, self.caching, self.metrics = config, enabled, caching, metrics
-        self._kinds = {
-            "BlockStored": kv_events.BlockStored,
-            "BlockRemoved": kv_events.BlockRemoved,
-            "AllBlocksCleared": kv_events.AllBlocksCleared,
-        }
+        self._types = EventTypes(kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared)
         # hashes as vLLM's events carry them (its maybe_convert_block_hash), the setting read once
         self._external: Callable[[bytes], int | bytes] = (
             int64_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else bytes
@@ -97,7 +92,7 @@ class EventStream:
         # the KVCacheBlock objects handed to the scheduler carry block ids only, one per id, made once
         self.blocks = [KVCacheBlock(i) for i in range(blocks)]
         self.blocks[0].is_null = True
-        self._events: list[Any] = []  # our msgspec structs, or _Place
+        self._events: list[Any] = []  # vLLM's event objects, or _Place
 
     def keep(self, txn: Transaction, request: Any) -> KVState:
         """A completed call: its events (the request's fields on its stores) and its metrics; its state."""
@@ -136,7 +131,9 @@ class EventStream:
         if self.enabled:
             for place, request, events in calls:
                 if events and place is not None:
-                    place.events = to_vllm(events, self.config, request=event_fields(request), external=self._external)
+                    place.events = to_vllm(
+                        events, self.config, request=event_fields(request), external=self._external, types=self._types
+                    )
         return txn.state
 
     def announce(self, hit: Hit, spec: RequestSpec, fields: RequestFields) -> None:
@@ -165,19 +162,16 @@ class EventStream:
             self.metrics.reset()
 
     def take(self) -> list[Any]:
-        """The events since the last call, as vLLM's own objects."""
+        """The events since the last call, as vLLM's own objects (built so as they were kept)."""
         if not self._events:
             return []
         events, self._events = self._events, []
-        kinds = self._kinds
-        return [
-            kinds[type(e).__name__](**msgspec.structs.asdict(e))
-            for x in events
-            for e in (x.events if isinstance(x, _Place) else (x,))
-        ]
+        return [e for x in events for e in (x.events if isinstance(x, _Place) else (x,))]
 
     def _send(self, events: Sequence[Any], fields: RequestFields | None) -> None:
         if events:
             self._events.extend(
-                to_vllm(events, self.config, request=fields or RequestFields(), external=self._external)
+                to_vllm(
+                    events, self.config, request=fields or RequestFields(), external=self._external, types=self._types
+                )
             )

@@ -38,6 +38,7 @@ from pagedkv.core.errors import ErrorCode
 from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
 from pagedkv.shell.errors import refuse
 from pagedkv.shell.pool import PagePool
+from pagedkv.shell.transfer import to_device
 
 
 class HostPages:
@@ -160,7 +161,7 @@ class HostPages:
             stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (the forwards wrote these blocks)
             if self.stream is not None:  # (a slot a load still reads is not written over)
                 stream.wait_stream(self.stream)
-            at = _on_device(blocks, self.pool.device)
+            at = to_device(blocks, torch.long, self.pool.device)
             # the blocks read at device speed, a slot's bytes contiguous: (blocks, layers, *page), one gather a side
             # (shell.host_copy's kernel: each page's run copied as words)
             from pagedkv.shell.host_copy import gather_pages
@@ -193,7 +194,7 @@ class HostPages:
             for landed, written, _ in self.pending:  # (a slot a store is still bringing to the host: on the device)
                 if wanted.intersection(written):
                     self.stream.wait_event(landed)
-            at = _on_device(blocks, self.pool.device)
+            at = to_device(blocks, torch.long, self.pool.device)
             for dev, host in self.sides:
                 staged = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=self.pool.device)
                 for i, slot, n in _runs(slots):
@@ -203,12 +204,6 @@ class HostPages:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         self.staging.append((event, held))
-
-
-def _on_device(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an int64 tensor on ``device``, copied from pinned memory on the current stream: the host goes on at
-    once (from pageable memory the copy can hold the host until the stream, which waits for the forward, reaches it)."""
-    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -142,7 +142,8 @@ def grow_each(
             token = _one_token(rows[k])  # type: ignore[assignment]
         if token is not _MANY and req is not None and (slot := req.decode_slot) >= 0:
             if opening and slot in opened:  # (a request named twice: its first growth stands before the second)
-                popping = _open_rows(txn, opening, opened, generations)
+                _open_rows(txn, opening, opened, generations)
+                popping = 0
             hi, o = slot >> SLOT_SHIFT, slot & mask
             leaf = lens[hi]
             n = leaf[o]
@@ -172,7 +173,8 @@ def grow_each(
                     generations.append((k, txn.new_layout(slot)))
                     continue
         if opening and (req is None or any(s in opened for s in req.slots)):  # (named twice: the first one stands)
-            popping = _open_rows(txn, opening, opened, generations)
+            _open_rows(txn, opening, opened, generations)
+            popping = 0
         growth_rows: Sequence[Growth] | None
         if rows is not None:
             if rows[k] is None:  # (None is the decode path's "one token a row", not a growth an append may name)
@@ -190,7 +192,8 @@ def grow_each(
             popping += need
             continue
         if need and opening:  # (the general rule pops: the rows before it take theirs first)
-            popping = _open_rows(txn, opening, opened, generations)
+            _open_rows(txn, opening, opened, generations)
+            popping = 0
         for slot, new_len, extra, item in grown:
             _grow_row(txn, slot, new_len, extra, item)
         if need:
@@ -202,10 +205,10 @@ def grow_each(
 
 def _open_rows(
     txn: Txn, opening: list[tuple[int, int, int, int, Growth]], opened: set[int], generations: list[tuple[int, int]]
-) -> int:
+) -> None:
     """The one-row requests ``grow_each`` found opening blocks (batch index, slot, new length, new blocks, growth),
     in order: one pop for all of them, then each row's rule (``_grow_row``) with its blocks and its request's
-    generation. Nothing is left pending (returns the blocks still to pop: 0)."""
+    generation; nothing is left pending."""
     fresh = pool.pop_blocks(txn, sum(extra for _, _, _, extra, _ in opening))
     at = 0
     for k, slot, new_len, extra, growth in opening:
@@ -214,7 +217,6 @@ def _open_rows(
         generations.append((k, txn.new_layout(slot)))
     opening.clear()
     opened.clear()
-    return 0
 
 
 _MANY = object()  # a growth other than one token for a single row

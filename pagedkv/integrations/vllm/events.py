@@ -135,9 +135,9 @@ class EventTypes(NamedTuple):
     """The classes ``to_vllm`` builds: this module's structs, or vLLM's own (``vllm.distributed.kv_events``: the same
     names, fields and defaults), as the manager hands them to vLLM's scheduler."""
 
-    stored: Any = None
-    removed: Any = None
-    cleared: Any = None
+    stored: Any
+    removed: Any
+    cleared: Any
 
 
 def to_vllm(

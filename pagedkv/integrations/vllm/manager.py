@@ -752,14 +752,15 @@ class PagedKVCacheManager:
             ),
             "append",
         )
-        rows, whose = txn.state.rows, {}
-        for k, ((request, _, _, blocks, _), slot) in enumerate(zip(openers, slots)):
+        rows = txn.state.rows
+        for (request, _, _, blocks, _), slot in zip(openers, slots):
             if rows[slot].blocks[0][-len(blocks) :] != blocks:
                 raise InvariantError(f"request {request.request_id!r}: the core's pop is not the blocks handed out")
-            whose.update(dict.fromkeys(blocks, k))
         events: list[list[Any]] = [[] for _ in openers]
-        for ev in grown.effect.events:  # (a pop's evictions: BlockRemoved of a block handed out)
-            events[whose[ev.block_id]].append(ev)
+        if grown.effect.events:  # (a pop's evictions: BlockRemoved of a block handed out, in its call's place)
+            whose = {b: k for k, (_, _, _, blocks, _) in enumerate(openers) for b in blocks}
+            for ev in grown.effect.events:
+                events[whose[ev.block_id]].append(ev)
         places.extend((place, request, evs) for (request, _, _, _, place), evs in zip(openers, events))
 
     def _mirror(self, request: Any) -> None:

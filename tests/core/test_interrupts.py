@@ -4,8 +4,9 @@ The promise the core's representation keeps (docs/core.md, "State"): a transitio
 refusal, any exception or a ``KeyboardInterrupt`` at any line of the core leaves every state the caller still
 holds exactly as it was, digest for digest, its invariants holding, and the same call made again gives the
 same state as if nothing had happened. Here a ``KeyboardInterrupt`` is raised at line events of the core's
-code (through ``sys.settrace``), spread over every call of a scripted run, over three pools: full attention
-with prefix caching and vLLM's policies, a sliding window beside it, and a Mamba state group.
+code (through ``sys.settrace``), spread over every call of a scripted run, over four pools: full attention
+with prefix caching and vLLM's policies, a sliding window beside it, a Mamba state group, and a host tier (blocks
+kept there as pops evict them, a full tier dropping entries, a hit there loaded back, ``forget_host``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pagedkv.core import (
     commit,
     decode_step,
     digest,
+    forget_host,
     initial_state,
     release,
     release_many,
@@ -43,6 +45,31 @@ CORE = str(Path(__file__).resolve().parents[2] / "pagedkv" / "core")
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 Call = Callable[[KVState], Any]
+
+
+OTHER = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+THIRD = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40]
+
+
+def _tier_script() -> list[tuple[str, Call]]:
+    """A pool of 6 usable blocks and a tier of 3: a's cached blocks evicted by x's pops go to the tier (the full
+    tier drops one it took in the same transition), y's pops store x's and drop entries earlier transitions made,
+    x's prompt again hits in the tier (its entries touched and pinned, loaded back), a slot forgotten."""
+    return [
+        ("admit a", lambda s: admit(s, RequestSpec("a", (RowSpec.of_tokens(PROMPT),)))),
+        ("commit a", lambda s: commit(s, "a", [10])),
+        ("release a", lambda s: release(s, "a", "finished")),
+        ("admit x (a's blocks to the tier)", lambda s: admit(s, RequestSpec("x", (RowSpec.of_tokens(OTHER),)))),
+        ("commit x", lambda s: commit(s, "x", [10])),
+        ("release x", lambda s: release(s, "x", "finished")),
+        ("admit y (x's to the tier, a's dropped)", lambda s: admit(s, RequestSpec("y", (RowSpec.of_tokens(THIRD),)))),
+        ("commit y", lambda s: commit(s, "y", [10])),
+        ("release y", lambda s: release(s, "y", "finished")),
+        ("admit b (x's prompt: a hit in the tier)", lambda s: admit(s, RequestSpec("b", (RowSpec.of_tokens(OTHER),)))),
+        ("forget host slot 0", lambda s: forget_host(s, [0])),
+        ("release b", lambda s: release(s, "b", "cancelled")),
+        ("reset prefix cache", lambda s: reset_prefix_cache(s)),
+    ]
 
 
 def _script(schedule_caching: bool) -> list[tuple[str, Call]]:
@@ -70,6 +97,8 @@ def _config(kind: str) -> CacheConfig:
     if kind == "mamba":
         groups += (GroupSpec("mamba", GroupKind.MAMBA),)
     vllm = kind == "full"
+    if kind == "tier":
+        return CacheConfig(block_size=2, num_blocks=7, enable_prefix_caching=True, host_blocks=3)
     return CacheConfig(
         block_size=2,
         num_blocks=40,
@@ -112,13 +141,13 @@ def _traced(call: Call, state: KVState, at: int) -> tuple[Any, _Interrupt]:
         sys.settrace(None)
 
 
-@pytest.mark.parametrize("kind", ["full", "window", "mamba"])
+@pytest.mark.parametrize("kind", ["full", "window", "mamba", "tier"])
 def test_an_interrupt_anywhere_leaves_every_held_state_as_it_was(kind: str) -> None:
     cfg = _config(kind)
     held: list[tuple[KVState, str]] = []
     state = initial_state(cfg)
     injected = 0
-    for name, call in _script(cfg.caching_point == "schedule"):
+    for name, call in _tier_script() if kind == "tier" else _script(cfg.caching_point == "schedule"):
         held.append((state, digest(state)))
         expected, count = _traced(call, state, 0)  # the call's line events, and its outcome uninterrupted
         assert isinstance(expected, Success), (name, expected)

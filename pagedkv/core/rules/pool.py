@@ -15,7 +15,7 @@ from collections import ChainMap
 from collections.abc import Sequence
 
 from pagedkv.core.errors import InvariantError
-from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved, KVEvent
 from pagedkv.core.rules.hashing import BlockHash
 from pagedkv.core.store.state import Request
 from pagedkv.core.store.txn import Txn
@@ -41,19 +41,14 @@ def pop_blocks(txn: Txn, k: int) -> tuple[int, ...]:
     counts = txn.refcount.writable(out)
     for x in out:
         counts[x] = 1
-    index = txn.index
     events = txn.events if txn.config.kv_events else None
-    if txn.config.host_blocks:  # (a cached block's bytes kept in the host tier before anything overwrites them:
-        for x in out:  # core/store/host.py; its events and the eviction's, block by block)
-            key = index.key_of(x)
-            if key is not None:
-                offload(txn, key[0], key[1], x)
-            gone = index.evict(x)
-            if gone is not None and events is not None:
-                events.append(BlockRemoved(gone[1], gone[0], x))
+    host = txn.config.host_blocks
+    evicted = txn.index.evict_many(out, report=events is not None or bool(host))  # (the cached ones, in order)
+    if not evicted:
         return tuple(out)
-    evicted = index.evict_many(out, report=events is not None)  # (the cached ones leave the index, in order)
-    if evicted and events is not None:
+    if host:  # (a cached block's bytes kept in the host tier before anything overwrites them: core/store/host.py)
+        offload_many(txn, evicted, events)
+    elif events is not None:
         events.extend(BlockRemoved(h, g, x) for x, g, h in evicted)
     return tuple(out)
 
@@ -187,20 +182,20 @@ def free_rows_as_vllm_omni(txn: Txn, rows: Sequence[Sequence[Sequence[int]]]) ->
             unref_many(txn, sorted(b for blocks in r for b in blocks))
 
 
-def offload(txn: Txn, g: int, h: BlockHash, block: int) -> None:
-    """A cached block the pool evicts, kept in the tier (when it is not there already): ``BlockOffloaded``, and
-    ``HostBlockRemoved`` for an entry it drops."""
-    tier = txn.host
-    key = (g, h)
-    if key in tier.entries:
-        return
-    got = tier.put(key, txn.config.host_blocks)
-    if got is None:
-        return
-    slot, dropped = got
-    if dropped is not None:
-        txn.events.append(HostBlockRemoved(dropped[1], dropped[0], slot))
-    txn.events.append(BlockOffloaded(h, g, block, slot))
+def offload_many(txn: Txn, evicted: list[tuple[int, int, BlockHash]], events: list[KVEvent] | None) -> None:
+    """Cached blocks the pool evicts, (block, group, hash) each in order, kept in the tier (those not there
+    already): per block ``HostBlockRemoved`` for an entry it drops, ``BlockOffloaded``, then (``events``: the
+    pool reports them) the eviction's ``BlockRemoved``."""
+    kept = txn.host.put_many([(g, h) for _, g, h in evicted], txn.config.host_blocks)
+    out = txn.events
+    for (block, g, h), got in zip(evicted, kept):
+        if got is not None:
+            slot, dropped = got
+            if dropped is not None:
+                out.append(HostBlockRemoved(dropped[1], dropped[0], slot))
+            out.append(BlockOffloaded(h, g, block, slot))
+        if events is not None:
+            events.append(BlockRemoved(h, g, block))
 
 
 def onload(txn: Txn, g: int, h: BlockHash, slot: int, block: int) -> None:

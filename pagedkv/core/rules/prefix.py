@@ -136,7 +136,7 @@ def _cached_in(state: KVState, g: int) -> Cached:
     cache = state.cache
     if not state.config.host_blocks:
         return lambda h: cache.get((g, h))
-    tier = state.host.entries
+    tier = state.host  # (read through the version: the closure may outlive a write to the tier)
 
     def cached(h: BlockHash) -> int | None:
         b = cache.get((g, h))
@@ -157,7 +157,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple
     it (the hit is common to all rows). With a host tier a chain runs on through blocks the tier holds for every
     group, once the device's end; per row, how many of its chain's blocks are on the device."""
     cfg, cache = state.config, state.cache
-    tier = state.host.entries if cfg.host_blocks else None
+    tier = state.host if cfg.host_blocks else None
     on_device: list[int] = []
     bs = cfg.block_size
     full = [g for g, rules in enumerate(cfg.rules) if rules.full_hit]  # full attention, MLA

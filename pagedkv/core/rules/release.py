@@ -18,7 +18,7 @@ from pagedkv.core.rules.caching import save_states
 from pagedkv.core.rules.commit import forget_ahead
 from pagedkv.core.outputs.effects import HostForgotten, PrefixCacheReset, Released, ReleaseReason, WasReset
 from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_int, is_request_id, shown
-from pagedkv.core.store.host import EMPTY_HOST
+from pagedkv.core.store.host import HostTier
 from pagedkv.core.outputs.events import AllBlocksCleared, HostBlockRemoved, KVEvent
 from pagedkv.core.store.index import PrefixIndex
 from pagedkv.core.store.state import KVState, Request, Step, initial_state
@@ -153,7 +153,7 @@ def reset_prefix_cache(state: KVState) -> Result[Step[PrefixCacheReset], KVError
         )
     dropped = len(state.cache)
     empty = PrefixIndex.empty(state.config.num_blocks, len(state.config.groups), state.cache.root)
-    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1, host=EMPTY_HOST)  # (the host tier's too)
+    nxt = replace(state, cache=empty, cache_epoch=state.cache_epoch + 1, host=HostTier.empty())  # (the host tier's too)
     # every successful reset says so, an empty cache's too: vLLM's block pool does, and a router counts on it
     return Success(Step(nxt, PrefixCacheReset(dropped, (AllBlocksCleared(),) if state.config.kv_events else ())))
 

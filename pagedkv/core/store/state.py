@@ -28,12 +28,12 @@ integers and bytes per request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from immutables import Map
 
-from pagedkv.core.store.host import EMPTY_HOST, HostTier
+from pagedkv.core.store.host import HostTier
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import InvariantError, RequestId
 from pagedkv.core.rules.hashing import NO_KEYS, BlockHash, BlockKeys, Key, root_hash
@@ -150,7 +150,9 @@ class KVState:
     cache_epoch: int  # bumped by reset_prefix_cache: older requests no longer insert
     prefix_queries: int  # tokens looked up at admission
     prefix_hits: int  # of which came from the cache
-    host: HostTier = EMPTY_HOST  # the prefix cache's host tier (empty unless config.host_blocks: core/store/host.py)
+    host: HostTier = field(
+        default_factory=HostTier.empty
+    )  # the host tier (empty unless config.host_blocks: store/host.py)
 
     @property
     def usage(self) -> float:

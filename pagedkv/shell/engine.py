@@ -470,6 +470,8 @@ class Engine:
         if self._held:
             self._release_held()
         if not self.state.live and (self.overlap is None or self.overlap.pending is None):
+            if self.host_pages is not None:  # (idle: the last stores' copies issued, nothing left waiting)
+                self.host_pages.send()
             return self.outcomes.hand_out()  # (only completions kept back: handed out, no step planned)
         t0 = time.perf_counter()
         st, spec = self.state, self.speculation
@@ -499,6 +501,8 @@ class Engine:
                 if read is not None:
                     self._take_read(*read, on_token)
             ids, lps = self._launch(plan, bound)  # the forwards and the sampling, queued on the device
+            if self.host_pages is not None:  # (the stores' copies to the host issued once the forward is queued)
+                self.host_pages.send()
             # while the device runs them: the host's work that does not wait for this step's tokens
             if not recorded:
                 self.outcomes.record(lambda r: r.schedule(self.state, plan, drafts))

@@ -9,10 +9,12 @@ that would break this closes the batch (the core makes such orders rare: a trans
 loaded block is its row's alone).
 
 On CUDA the copies run on streams of their own and the host waits for none of them. A batch's stores, on the store
-stream, gather their blocks into device staging (the blocks read: an event), then copy each run of consecutive
-slots straight into the pinned host tensor. A store only has to read its block before the block is overwritten, so
-the forward waits for the gather, on the device and at device speed, never for the copy over the bus, which runs
-beside it. A batch's loads, on the load stream, copy their slots' runs into device staging and scatter them into the
+stream, gather their blocks into device staging (the blocks read: an event); a copy stream then copies each run of
+consecutive slots straight into the pinned host tensor. A store only has to read its block before the block is
+overwritten, so the forward waits for the gather, on the device and at device speed, never for the copy over the
+bus, which runs beside it (and the next gathers, on their own stream, never queue behind it); the host issues those
+copies (a call a run of slots) only once the step's forward is launched (``send``, the engine's call after its
+launch): before it, a step's stores cost the host one gather a side. A batch's loads, on the load stream, copy their slots' runs into device staging and scatter them into the
 pages; the forward waits for them (it reads the loaded blocks). Both streams start behind the work queued before
 them (a store reads what a forward wrote; a load may overwrite a block a forward read); a load starts behind the
 gathers of the stores before it and behind the copies of those still bringing its slots; a store behind the loads
@@ -54,11 +56,15 @@ class HostPages:
                       for dev in (pool.k_all, pool.v_all)]  # fmt: skip
         self.stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # the loads' (CUDA)
         self.store_stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call]
+        self.copy_stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # to host
         self.read: torch.cuda.Event | None = None  # the last store batch's gather: its blocks read
         self.max_in_flight_bytes = max_in_flight_bytes
         self.block_bytes = sum(dev[:, 0].numel() * dev.element_size() for dev, _ in self.sides)  # a store's staging
         # store batches on their way to the host: (landed event, slots, device staging a side), oldest first
         self.pending: list[tuple[torch.cuda.Event, list[int], list[torch.Tensor]]] = []
+        # store batches gathered whose copies to the host are not issued yet (``send``): (slots, staging, gathered
+        # event), in order
+        self.unsent: list[tuple[list[int], list[torch.Tensor], torch.cuda.Event]] = []
         self.shed = 0  # stores shed under back-pressure
         self.unwritten: set[int] = set()  # slots whose store failed (a later store to them writes them again)
         self.staging: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # load staging the load stream writes
@@ -93,9 +99,37 @@ class HostPages:
                 loaded_blocks.add(block)
         self._batch(stores, loads, loading)
 
+    def send(self) -> None:
+        """Issue the copies to the host of the store batches gathered so far, in their order (on the store stream,
+        behind their gathers): the engine calls it once a step's forward is launched, so the host's calls for them
+        never delay a forward. A copy that fails to be issued leaves its batch's slots (and those after) in
+        ``unwritten``."""
+        unsent, self.unsent = self.unsent, []
+        copy = self.copy_stream
+        if not unsent or copy is None:
+            return
+        try:
+            with torch.cuda.stream(copy):
+                while unsent:
+                    slots, gathered, read = unsent[0]
+                    copy.wait_event(read)  # (behind its gather; the copies of the batches before it, in order)
+                    for on_device, (_, host) in zip(gathered, self.sides):  # (over the bus, beside the forward)
+                        for i, slot, n in _runs(slots):
+                            host[slot : slot + n].copy_(on_device[i : i + n], non_blocking=True)
+                    landed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    landed.record(copy)
+                    self.pending.append((landed, slots, gathered))  # (the staging kept until the copy has landed)
+                    unsent.pop(0)
+        except BaseException:
+            for slots, _, _ in unsent:
+                self.unwritten.update(slots)  # (their entries stay in the core's tier: never read from here on)
+            raise
+
     def settle(self, wait: bool = True) -> None:
-        """Store batches whose copies have landed let go of their device staging, in order (``wait``: every one,
-        each waited for); load staging no longer written let go."""
+        """Store batches whose copies have landed let go of their device staging, in order (``wait``: every one
+        issued first and each waited for); load staging no longer written let go."""
+        if wait:
+            self.send()
         while self.pending:
             landed = self.pending[0][0]
             if not wait and not landed.query():  # type: ignore[no-untyped-call]
@@ -145,8 +179,9 @@ class HostPages:
                 compute.wait_stream(self.stream)
 
     def _in_flight_bytes(self) -> int:
-        """The device staging the stores on their way hold."""
-        return sum(len(slots) for _, slots, _ in self.pending) * self.block_bytes
+        """The device staging the stores on their way hold (their copies issued or not)."""
+        blocks = sum(len(slots) for _, slots, _ in self.pending) + sum(len(slots) for slots, _, _ in self.unsent)
+        return blocks * self.block_bytes
 
     def _store(self, blocks: list[int], slots: list[int]) -> None:
         self.stored += len(blocks)
@@ -169,13 +204,8 @@ class HostPages:
             gathered = [gather_pages(dev, at) for dev, _ in self.sides]
             read = torch.cuda.Event()  # type: ignore[no-untyped-call]
             read.record(stream)
-            for on_device, (_, host) in zip(gathered, self.sides):  # (over the bus, beside the forward)
-                for i, slot, n in _runs(slots):
-                    host[slot : slot + n].copy_(on_device[i : i + n], non_blocking=True)
-            landed = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            landed.record(stream)
         self.read = read
-        self.pending.append((landed, slots, gathered))  # (the device staging kept until the copy has landed)
+        self.unsent.append((slots, gathered, read))  # (their copies to the host: ``send``, once the forward is queued)
 
     def _load(self, slots: list[int], blocks: list[int]) -> None:
         self.loaded += len(blocks)
@@ -185,6 +215,7 @@ class HostPages:
                 at = torch.tensor(blocks, dtype=torch.long, device=dev.device)
                 dev.index_copy_(1, at, host.index_select(0, src).transpose(0, 1).to(dev.device))
             return
+        self.send()  # (a slot a store before it writes: its copy issued, so the load can wait for it)
         held = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # (forwards may read these blocks)

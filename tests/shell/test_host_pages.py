@@ -133,6 +133,7 @@ def copies_as_recorded(device: str, seeds: int = 200) -> None:
                 for i, d in enumerate(want_dev):
                     d[block] = want_host[i, slot]
         pages.apply(events)
+        pages.settle()  # (every store's copy to the host issued and landed: ``send`` comes after a forward's launch)
         if device != "cpu":
             torch.cuda.synchronize()
         got_host = torch.cat([host.transpose(0, 1) for _, host in pages.sides])  # (a host side: slots, layers, ...)

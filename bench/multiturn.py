@@ -89,7 +89,7 @@ def serve(
 ) -> dict[str, Any]:
     """``convs`` conversations of ``turns`` turns served together; the run's figures and answers."""
     eng = Engine(model, tok or IdTokenizer(), kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib,
-                 batch_invariant=args.invariant)  # fmt: skip
+                 batch_invariant=args.invariant, async_scheduling=args.overlap)  # fmt: skip
     if eng.host_pages is not None and args.in_flight_gib is not None:  # (HostPages' bound on the stores in flight)
         eng.host_pages.max_in_flight_bytes = int(args.in_flight_gib * 2**30)
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--in-flight-gib", type=float, help="the tier's bound on stores in flight (default 1 GiB)")
     ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
     ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
+    ap.add_argument("--overlap", action="store_true", help="async_scheduling: the next step planned while one runs")
     ap.add_argument("--workloads", default="multi-turn,no-reuse", help="which of multi-turn,no-reuse to run")
     ap.add_argument("--repeats", type=int, default=1, help="runs without and with the tier, alternated")
     args = ap.parse_args()
@@ -177,6 +178,7 @@ def main() -> None:
         f"{args.turns} turns (histories up to {last} tokens), {args.answer}-token answers; a pool of {pool >> 20} MiB "
         f"(1/{args.pool_fraction:g} of the live histories), a host tier of {args.tier_gib} GiB"
         + ("; batch-invariant" if args.invariant else "")
+        + ("; overlapped scheduling" if args.overlap else "")
     )
     if model.device.type == "cuda":  # (kernels compiled and graphs warmed before anything is timed)
         for gib in (None, args.tier_gib):

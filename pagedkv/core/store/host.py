@@ -131,10 +131,6 @@ class HostEdit:
         self.next_slot, self.spare = tier.next_slot, tier.spare
         self.pinned: set[Key] = set()  # entries this transition loads: never dropped by it
 
-    def __contains__(self, key: Key) -> bool:
-        node = self.node
-        return key in (self.base if node is None else node)._here().entries
-
     def _writable(self) -> tuple[_Store, Undo]:
         """The store holding the edit's contents, and the log of its old values (base's)."""
         node = self.node

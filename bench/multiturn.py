@@ -8,13 +8,19 @@ costs where it cannot help. GC on, as engines run, with its collections a step.
     python bench/multiturn.py                                     # CPU, fp32
     python bench/multiturn.py --device cuda --dtype bfloat16 --conversations 64 --turns 8
     python bench/multiturn.py --device cuda --shape llama-8b --conversations 32 --turns 6    # histories of 2-6k tokens
-    python bench/multiturn.py --pool-fraction 10                  # preemption-heavy: restored, or recomputed
+    python bench/multiturn.py --workloads preemption --pool-fraction 10 --answer 256 --system 64 --question 16
+                                                                  # preempted requests restored, or recomputed
     python bench/multiturn.py --workloads no-reuse --repeats 3    # the tier's cost alone, runs alternated
 
 ``--shape``: a random model of real shapes (bench/llama_shapes.py, transformers' init on the device), each
 conversation a ``--system``-token opening of its own, then per turn a ``--question`` of new ids after the answer.
 The table says whether the tier's answers are the ones the run without it gave (``--invariant``: batch-invariant
-kernels, so a block loaded back or a recompute gives the bits of a run alone).
+kernels, so a block loaded back or a recompute gives the bits of a run alone). ``--workloads preemption``: every
+prompt new (no reuse), answers long against the prompts, so the running requests outgrow the pool and are
+preempted; a preempted request's computed blocks stay cached, and those evicted while it waits go to the tier, so
+its resume loads them back instead of computing them again. A reference run first, its pool holding every history
+(nothing preempted); then the small pool without the tier (recomputed) and with it (restored), alternated: their
+answers against the reference's (``--invariant`` for bit-equality), tokens/s, preemptions, blocks loaded.
 """
 
 from __future__ import annotations
@@ -157,7 +163,7 @@ def main() -> None:
     ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
     ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
     ap.add_argument("--overlap", action="store_true", help="async_scheduling: the next step planned while one runs")
-    ap.add_argument("--workloads", default="multi-turn,no-reuse", help="which of multi-turn,no-reuse to run")
+    ap.add_argument("--workloads", default="multi-turn,no-reuse", help="which of multi-turn,no-reuse,preemption to run")
     ap.add_argument("--repeats", type=int, default=1, help="runs without and with the tier, alternated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,7 +190,7 @@ def main() -> None:
         for gib in (None, args.tier_gib):
             serve(model, tok, 4, 2, 4, pool, gib, True, args)
     print("\n| workload | tier | prefix hit rate | tier blocks loaded | TTFT p50 (ms) | TTFT p90 (ms) | tok/s | "
-          "preempted | answers as without the tier | GC a step |")  # fmt: skip
+          "preempted | answers as without the tier (preemption: as the reference) | GC a step |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     asked = args.workloads.split(",")
     for reuse in (True, False):
@@ -198,17 +204,47 @@ def main() -> None:
                 same = "-" if plain is None else "yes" if r["answers"] == plain else "NO"
                 plain = plain or r["answers"]
                 tps[gib].append(r["tps"])
-                print(
-                    f"| {'multi-turn' if reuse else 'no reuse'} | {'-' if gib is None else f'{gib} GiB'} | "
-                    f"{r['hit']:.1%} | {r['loaded']} | {r['ttft50']:.0f} | {r['ttft90']:.0f} | {r['tps']:.1f} | "
-                    f"{r['preempted']} | {same} | {r['gc']:.2f} |",
-                    flush=True,
-                )
-        if args.repeats > 1:
-            off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
-            print(f"\n{'multi-turn' if reuse else 'no reuse'}: tok/s median {off:.1f} without the tier, {on:.1f} with "
-                  f"it ({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
-                  f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
+                row("multi-turn" if reuse else "no reuse", gib, r, same)
+        summary("multi-turn" if reuse else "no reuse", tps, args)
+    if "preemption" in asked:
+        preemption(model, tok, per_token * args.conversations * last, pool, args)
+
+
+def row(workload: str, gib: float | None, r: dict[str, Any], same: str) -> None:
+    print(
+        f"| {workload} | {'-' if gib is None else f'{gib} GiB'} | {r['hit']:.1%} | {r['loaded']} | {r['ttft50']:.0f} | "
+        f"{r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | {same} | {r['gc']:.2f} |",
+        flush=True,
+    )
+
+
+def summary(workload: str, tps: dict[float | None, list[float]], args: argparse.Namespace) -> None:
+    """The runs' median tok/s without and with the tier (with ``--repeats`` over 1)."""
+    if args.repeats > 1:
+        off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
+        print(f"\n{workload}: tok/s median {off:.1f} without the tier, {on:.1f} with it "
+              f"({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
+              f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
+
+
+def preemption(model: Any, tok: Any, whole: int, pool: int, args: argparse.Namespace) -> None:
+    """``--workloads preemption``: a reference run whose pool (``whole`` bytes) holds every history, then the
+    ``pool``-byte runs without and with the tier, alternated, each run's answers against the reference's."""
+    convs, turns, answer = args.conversations, args.turns, args.answer
+    ref = serve(model, tok, convs, turns, answer, whole, None, False, args)
+    row("preemption, every history in the pool", None, ref, "-")
+    tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
+    for _ in range(args.repeats):
+        for gib in (None, args.tier_gib):
+            r = serve(model, tok, convs, turns, answer, pool, gib, False, args)
+            tps[gib].append(r["tps"])
+            row(
+                "preemption" + (", restored" if gib else ", recomputed"),
+                gib,
+                r,
+                "yes" if r["answers"] == ref["answers"] else "NO",
+            )
+    summary("preemption", tps, args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ Undo = tuple[dict[Key, Any], dict[int, Any]]
 class _Store(Store):
     """The dicts one lineage of versions shares, holding the contents of ``current``."""
 
-    __slots__ = ("entries", "by_tick")
+    __slots__ = ("by_tick", "entries")
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,7 +62,7 @@ class HostTier(Version[_Store]):
     ``next_slot`` (slots ``[0, next_slot)`` have been handed out; a full tier reuses a dropped entry's) and
     ``spare`` (handed-out slots no entry holds, ``forget_host``'s, taken again first)."""
 
-    __slots__ = ("size", "oldest", "next_tick", "next_slot", "spare")
+    __slots__ = ("next_slot", "next_tick", "oldest", "size", "spare")
 
     def __init__(
         self, store: _Store, size: int, oldest: int, next_tick: int, next_slot: int, spare: tuple[int, ...]
@@ -122,7 +122,7 @@ class HostEdit:
     current, each entry's first old value logged on the version edited (``base``) before it is written, so
     reading ``base`` again (a refusal, an exception) rolls the edit back; ``done`` hands the new version out."""
 
-    __slots__ = ("base", "node", "size", "oldest", "next_tick", "next_slot", "spare", "pinned")
+    __slots__ = ("base", "next_slot", "next_tick", "node", "oldest", "pinned", "size", "spare")
 
     def __init__(self, tier: HostTier) -> None:
         self.base = tier

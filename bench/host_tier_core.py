@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state, release
+from pagedkv.core.outputs.events import BlockOffloaded
 
 BLOCK = 16
 
@@ -37,7 +38,7 @@ def pagedkv_run(args: argparse.Namespace, host: int) -> tuple[float, int]:
     t = time.perf_counter()
     for spec in specs:
         step = admit(s, spec).unwrap()
-        kept += sum(type(e).__name__ == "BlockOffloaded" for e in step.effect.events)
+        kept += sum(isinstance(e, BlockOffloaded) for e in step.effect.events)
         s = commit(step.state, spec.request_id, [n]).unwrap().state
         s = release(s, spec.request_id, "finished").unwrap().state
     return time.perf_counter() - t, kept

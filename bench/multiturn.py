@@ -194,20 +194,32 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     asked = args.workloads.split(",")
     for reuse in (True, False):
-        if ("multi-turn" if reuse else "no-reuse") not in asked:
-            continue
-        plain = None
-        tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
-        for _ in range(args.repeats):
-            for gib in (None, args.tier_gib):
-                r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
-                same = "-" if plain is None else "yes" if r["answers"] == plain else "NO"
-                plain = plain or r["answers"]
-                tps[gib].append(r["tps"])
-                row("multi-turn" if reuse else "no reuse", gib, r, same)
-        summary("multi-turn" if reuse else "no reuse", tps, args)
-    if "preemption" in asked:
-        preemption(model, tok, per_token * args.conversations * last, pool, args)
+        if ("multi-turn" if reuse else "no-reuse") in asked:
+            alternated(model, tok, "multi-turn" if reuse else "no reuse", pool, reuse, None, args)
+    if "preemption" in asked:  # (the reference: a pool that holds every history, nothing preempted)
+        whole = per_token * args.conversations * last
+        ref = serve(model, tok, args.conversations, args.turns, args.answer, whole, None, False, args)
+        row("preemption, every history in the pool", None, ref, "-")
+        alternated(model, tok, "preemption", pool, False, ref["answers"], args)
+
+
+def alternated(
+    model: Any, tok: Any, workload: str, pool: int, reuse: bool, reference: Any, args: argparse.Namespace
+) -> None:
+    """Runs without and with the tier, alternated ``--repeats`` times, a row each, each run's answers against
+    ``reference``'s (None: the first run's); then the runs' median tok/s a side (with ``--repeats`` over 1)."""
+    tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
+    for _ in range(args.repeats):
+        for gib in (None, args.tier_gib):
+            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
+            row(workload, gib, r, "-" if reference is None else "yes" if r["answers"] == reference else "NO")
+            reference = reference or r["answers"]
+            tps[gib].append(r["tps"])
+    if args.repeats > 1:
+        off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
+        print(f"\n{workload}: tok/s median {off:.1f} without the tier, {on:.1f} with it "
+              f"({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
+              f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
 
 
 def row(workload: str, gib: float | None, r: dict[str, Any], same: str) -> None:
@@ -216,35 +228,6 @@ def row(workload: str, gib: float | None, r: dict[str, Any], same: str) -> None:
         f"{r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | {same} | {r['gc']:.2f} |",
         flush=True,
     )
-
-
-def summary(workload: str, tps: dict[float | None, list[float]], args: argparse.Namespace) -> None:
-    """The runs' median tok/s without and with the tier (with ``--repeats`` over 1)."""
-    if args.repeats > 1:
-        off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
-        print(f"\n{workload}: tok/s median {off:.1f} without the tier, {on:.1f} with it "
-              f"({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
-              f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
-
-
-def preemption(model: Any, tok: Any, whole: int, pool: int, args: argparse.Namespace) -> None:
-    """``--workloads preemption``: a reference run whose pool (``whole`` bytes) holds every history, then the
-    ``pool``-byte runs without and with the tier, alternated, each run's answers against the reference's."""
-    convs, turns, answer = args.conversations, args.turns, args.answer
-    ref = serve(model, tok, convs, turns, answer, whole, None, False, args)
-    row("preemption, every history in the pool", None, ref, "-")
-    tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
-    for _ in range(args.repeats):
-        for gib in (None, args.tier_gib):
-            r = serve(model, tok, convs, turns, answer, pool, gib, False, args)
-            tps[gib].append(r["tps"])
-            row(
-                "preemption" + (", restored" if gib else ", recomputed"),
-                gib,
-                r,
-                "yes" if r["answers"] == ref["answers"] else "NO",
-            )
-    summary("preemption", tps, args)
 
 
 if __name__ == "__main__":

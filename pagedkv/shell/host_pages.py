@@ -14,16 +14,16 @@ consecutive slots straight into the pinned host tensor. A store only has to read
 overwritten, so the forward waits for the gather, on the device and at device speed, never for the copy over the
 bus, which runs beside it (and the next gathers, on their own stream, never queue behind it); the host issues those
 copies (a call a run of slots) only once the step's forward is launched (``send``, the engine's call after its
-launch): before it, a step's stores cost the host one gather a side. A batch's loads, on the load stream, copy
-their slots' runs into device staging and scatter them into the pages; the forward waits for them (it reads the
-loaded blocks). Both streams start behind the work queued before them (a store reads what a forward wrote; a load
-may overwrite a block a forward read); a load starts behind the gathers of the stores before it and behind the
-copies of those still bringing its slots (issued first); a store behind the loads before it (a slot a load still
-reads is not written over). Back-pressure: the device staging of the stores on their
-way never passes ``max_in_flight_bytes``: a batch's stores go in order while their blocks fit what is left of it,
-and the rest are shed (never waited for), except a store whose slot this step loads (it always goes): a shed store's
-slot joins ``unwritten`` and the engine has the core forget its entry, a lost future hit and never a wrong token
-(``shed`` counts them). Elsewhere the copies are plain synchronous index copies.
+launch): before it, a step's stores cost the host one gather a side. A batch's loads, on the load stream, copy their
+slots' runs into device staging and scatter them into the pages; the forward waits for them (it reads the loaded
+blocks). Both streams start behind the work queued before them (a store reads what a forward wrote; a load may
+overwrite a block a forward read); a load starts behind the gathers of the stores before it and behind the copies of
+those still bringing its slots (issued first); a store behind the loads before it (a slot a load still reads is not
+written over). Back-pressure: the device staging of the stores on their way never passes ``max_in_flight_bytes``: a
+batch's stores go in order while their blocks fit what is left of it, and the rest are shed (never waited for),
+except a store whose slot this step loads (it always goes): a shed store's slot joins ``unwritten`` and the engine
+has the core forget its entry, a lost future hit and never a wrong token (``shed`` counts them). Elsewhere the
+copies are plain synchronous index copies.
 
 A store that fails fails its step (the engine's fault rule) and leaves its slots in ``unwritten``: the engine has
 the core forget their entries (``forget_host``) once the step's requests have ended, so no hit loads them; until

@@ -26,14 +26,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.core.rules.hashing import BlockHash
-from pagedkv.core.store.rerooted import Store, Version, fork
+from pagedkv.core.store.rerooted import DictStore, Version, fork
 
 Key = tuple[int, BlockHash]  # (group, chain hash)
-# An undo log: each entry's and each tick's first old value (None: absent), the two dicts' in that order.
-Undo = tuple[dict[Key, Any], dict[int, Any]]
+ENTRIES, BY_TICK = 0, 1  # the undo log's codes (rerooted.DictUndo): the entries' old values, the ticks'
 
 
-class _Store(Store):
+class _Store(DictStore):
     """The dicts one lineage of versions shares, holding the contents of ``current``."""
 
     __slots__ = ("by_tick", "entries")
@@ -43,17 +42,8 @@ class _Store(Store):
         self.entries: dict[Key, tuple[int, int]] = {}  # (group, hash) -> (slot, tick)
         self.by_tick: dict[int, Key] = {}  # tick -> (group, hash): the LRU order
 
-    def inverse(self, log: Undo) -> Undo:
-        entries, by_tick = self.entries, self.by_tick
-        return {k: entries.get(k) for k in log[0]}, {t: by_tick.get(t) for t in log[1]}
-
-    def apply(self, log: Undo) -> None:
-        for d, olds in ((self.entries, log[0]), (self.by_tick, log[1])):
-            for key, old in olds.items():
-                if old is None:
-                    d.pop(key, None)  # type: ignore[arg-type]
-                else:
-                    d[key] = old  # type: ignore[index]
+    def dict_of(self, code: int) -> dict[Any, Any]:
+        return self.entries if code == ENTRIES else self.by_tick
 
 
 class HostTier(Version[_Store]):
@@ -131,15 +121,17 @@ class HostEdit:
         self.next_slot, self.spare = tier.next_slot, tier.spare
         self.pinned: set[Key] = set()  # entries this transition loads: never dropped by it
 
-    def _writable(self) -> tuple[_Store, Undo]:
-        """The store holding the edit's contents, and the log of its old values (base's)."""
+    def _writable(self) -> tuple[_Store, tuple[dict[Key, Any], dict[int, Any]]]:
+        """The store holding the edit's contents, and the log of its old values (base's): the entries', the ticks'."""
         node = self.node
         if node is None:
             base = self.base
             node = self.node = HostTier(base._store, 0, 0, 0, 0, ())
-            return fork(base, node, ({}, {})), base._diff
-        store = node._here()
-        return store, self.base._diff
+            store = fork(base, node, {ENTRIES: {}, BY_TICK: {}})
+        else:
+            store = node._here()
+        log = self.base._diff
+        return store, (log[ENTRIES], log[BY_TICK])
 
     def done(self) -> HostTier:
         node = self.node

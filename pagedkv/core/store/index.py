@@ -22,17 +22,15 @@ from typing import Any
 
 from pagedkv.core.errors import InvariantError
 from pagedkv.core.rules.hashing import BlockHash, CacheKey
-from pagedkv.core.store.rerooted import Store, Version, fork
+from pagedkv.core.store.rerooted import DictStore, DictUndo, Version, fork
 
 GROUP_BITS = 6  # up to 64 KV cache groups (CacheConfig refuses more)
 
-# An undo log: code -> {key: old}, each key's first old value. Code g >= 0: group g's map, hash -> block(s); code
-# ~g < 0: group g's reverse map, block -> hash. ``old`` None: the key was absent. (A dict a code: a write logs with
-# one ``setdefault`` and allocates no tuple, which a commit of hundreds of blocks would hand the GC by the thousand.)
-Undo = dict[int, dict[Any, Any]]
+# An undo log's codes (rerooted.DictUndo): g >= 0, group g's map, hash -> block(s); ~g < 0, group g's reverse map,
+# block -> hash.
 
 
-class _Store(Store):
+class _Store(DictStore):
     """The plain dicts one lineage of versions shares, holding the contents of ``current``."""
 
     __slots__ = ("maps", "revs")
@@ -45,22 +43,8 @@ class _Store(Store):
     def dict_of(self, code: int) -> dict[Any, Any]:
         return self.maps[code] if code >= 0 else self.revs[~code]
 
-    def inverse(self, log: Undo) -> Undo:
-        dict_of = self.dict_of
-        return {code: {key: d.get(key) for key in olds} for code, olds in log.items() for d in (dict_of(code),)}
 
-    def apply(self, log: Undo) -> None:
-        dict_of = self.dict_of
-        for code, olds in log.items():
-            d = dict_of(code)
-            for key, old in olds.items():
-                if old is None:
-                    d.pop(key, None)
-                else:
-                    d[key] = old
-
-
-def _olds(log: Undo, code: int) -> dict[Any, Any]:
+def _olds(log: DictUndo, code: int) -> dict[Any, Any]:
     """The log's old values of the map ``code`` names (made on its first write)."""
     olds = log.get(code)
     if olds is None:
@@ -185,7 +169,7 @@ class PrefixIndexEdit:
         node = self.node
         return self.base._here() if node is None else node._here()
 
-    def _writable(self) -> tuple[_Store, Undo]:
+    def _writable(self) -> tuple[_Store, DictUndo]:
         """The store holding the edit's contents, and the log of its old values (base's)."""
         node = self.node
         if node is None:

@@ -108,6 +108,36 @@ def _reroot(target: Version[Any]) -> None:
         _finish(store)
 
 
+# -- plain dicts ------------------------------------------------------------------------------------------------
+# Their log: code -> {key: old}, each key's first old value (None: the key was absent), one dict a code, so that a
+# write logs with one ``setdefault`` and allocates no tuple. A kind of dicts store names its dicts by code.
+
+DictUndo = dict[int, dict[Any, Any]]
+
+
+class DictStore(Store):
+    """Plain dicts one lineage shares (the prefix index's, the host tier's), each named by a code (``dict_of``)."""
+
+    __slots__ = ()
+
+    def dict_of(self, code: int) -> dict[Any, Any]:
+        raise NotImplementedError
+
+    def inverse(self, log: DictUndo) -> DictUndo:
+        dict_of = self.dict_of
+        return {code: {key: d.get(key) for key in olds} for code, olds in log.items() for d in (dict_of(code),)}
+
+    def apply(self, log: DictUndo) -> None:
+        dict_of = self.dict_of
+        for code, olds in log.items():
+            d = dict_of(code)
+            for key, old in olds.items():
+                if old is None:
+                    d.pop(key, None)
+                else:
+                    d[key] = old
+
+
 # -- an integer array --------------------------------------------------------------------------------
 # Its log, one of two kinds: sparse, the written entries' indices and old values in the order they were logged
 # (two lists, applied backwards, so an entry logged twice ends at its first old value); or dense, a copy of the

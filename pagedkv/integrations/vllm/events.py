@@ -140,6 +140,9 @@ class EventTypes(NamedTuple):
     cleared: Any
 
 
+OURS = EventTypes(BlockStored, BlockRemoved, AllBlocksCleared)
+
+
 def to_vllm(
     events: Iterable[KVEvent],
     config: CacheConfig,
@@ -147,7 +150,7 @@ def to_vllm(
     *,
     request: RequestFields | None = None,
     external: Callable[[bytes], int | bytes] = int64_hash,
-    types: EventTypes | None = None,
+    types: EventTypes = OURS,
 ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """pagedkv's events as vLLM's, in order (a run of stores group by group); consecutive stores of one
     chain in one group merged into one ``BlockStored``, as vLLM sends a request's newly full blocks. The host
@@ -156,9 +159,7 @@ def to_vllm(
     ``request``: the stores carry its adapter and session and each block's extra keys, as vLLM's manager
     sends them; ``external``: a hash as the events carry it (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``:
     the int64 form, or the bytes); ``types``: the classes built (vLLM's own, where its scheduler takes them)."""
-    stored_cls, removed_cls, cleared_cls = (
-        (BlockStored, BlockRemoved, AllBlocksCleared) if types is None else (types.stored, types.removed, types.cleared)
-    )
+    stored_cls, removed_cls, cleared_cls = types
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     lora_id, lora_name, session_id = request if request is not None else (None, None, None)
     last: tuple[int, bytes] | None = None  # (group, hash) of the block the last BlockStored ended with
@@ -210,10 +211,10 @@ def to_vllm(
     return out
 
 
-def _host_stored(block_hash: int | bytes, group: int, cls: Any = None) -> BlockStored:
+def _host_stored(block_hash: int | bytes, group: int, cls: Any) -> BlockStored:
     """A block the host tier keeps, as vLLM's offloading connector announces a block its CPU tier stored (its
     events tracker's payload without self-describing events: the hash and the group, ``block_size`` 0)."""
-    return (cls or BlockStored)(
+    return cls(  # type: ignore[no-any-return]
         block_hashes=[block_hash],
         parent_block_hash=None,
         token_ids=[],

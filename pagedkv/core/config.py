@@ -171,11 +171,8 @@ class CacheConfig:
                 raise InvalidConfig(f"{key} must be a positive integer or null, got {shown(value)}")
         if not is_int(self.host_blocks) or not 0 <= self.host_blocks < 1 << 31:
             raise InvalidConfig(f"host_blocks must be an integer in [0, 2**31), got {shown(self.host_blocks)}")
-        if self.host_blocks and not (self.enable_prefix_caching and all(r.tiered for r in rules)):
-            raise InvalidConfig(
-                "host_blocks (a host tier for the prefix cache) needs prefix caching and groups of keys (full "
-                "attention, MLA, sliding-window, chunked-local): state groups (Mamba) are not served with it yet"
-            )
+        if self.host_blocks and not self.enable_prefix_caching:
+            raise InvalidConfig("host_blocks (a host tier for the prefix cache) needs prefix caching")
 
     @property
     def has_windows(self) -> bool:

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.config import InvalidConfig
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded
 from pagedkv.shell.errors import refuse
@@ -45,16 +44,15 @@ from pagedkv.shell.transfer import to_device
 
 
 class HostPages:
-    """``blocks`` host slots for every layer's K and V pages of ``pool``: one host tensor a side, ``(slots, layers,
+    """``blocks`` host slots for every layer's pages of ``pool`` (``pool.whole``: K and V; a hybrid pool's pages, a
+    block's K and V or a Mamba layer's state): one host tensor a side, ``(slots, layers,
     *page)`` (a slot's bytes contiguous: one copy a run of consecutive slots, straight into pinned memory)."""
 
     def __init__(self, pool: PagePool, blocks: int, max_in_flight_bytes: int = 1 << 30) -> None:
-        if pool.k_all is None or pool.v_all is None:
-            raise InvalidConfig("the host tier keeps attention pages alone (a pool without Mamba states)")
         self.pool = pool
         cuda = pool.device.type == "cuda"
         self.sides = [(dev, torch.zeros((blocks, dev.shape[0], *dev.shape[2:]), dtype=dev.dtype, pin_memory=cuda))
-                      for dev in (pool.k_all, pool.v_all)]  # fmt: skip
+                      for dev in pool.whole]  # fmt: skip
         self.stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # the loads' (CUDA)
         self.store_stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call]
         self.copy_stream = torch.cuda.Stream(pool.device) if cuda else None  # type: ignore[no-untyped-call] # to host

@@ -76,15 +76,16 @@ class PagePool:
         shape = (nb, bs, kv_heads, head_dim)
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []
-        self.k_all: torch.Tensor | None
-        self.v_all: torch.Tensor | None
+        # every layer's pages in one tensor a side, ``(layers, num_blocks, ...)``, each layer's a view of it: a copy of
+        # some blocks in every layer is one index operation (the host tier's: shell/host_pages.py). K and V; a hybrid
+        # pool's one side, its pages (a block's K and V, or a Mamba layer's state)
+        self.whole: tuple[torch.Tensor, ...]
         if state is None:
             # zeros: block 0 (the null block) and padding slots hold finite values, never garbage
-            # every layer's pages one tensor a side (``k_all``: (layers, *shape)), each layer's a view of it: a copy
-            # of some blocks in every layer is one index operation (the host tier's: shell/host_pages.py)
-            self.k_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
-            self.v_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
-            self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+            k_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+            v_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+            self.k, self.v = list(k_all.unbind(0)), list(v_all.unbind(0))
+            self.whole = (k_all, v_all)
         else:
             page = 2 * bs * kv_heads * head_dim
             if state.elements > page:
@@ -92,10 +93,11 @@ class PagePool:
                     f"a state of {state.elements} elements does not fit a page of {page} "
                     f"(block size {bs}): plan the pool with plan_rank"
                 )
-            raw = [torch.zeros((nb, page), dtype=dtype, device=self.device) for _ in range(num_layers)]
+            pages = torch.zeros((num_layers, nb, page), dtype=dtype, device=self.device)
+            raw = list(pages.unbind(0))
             kv = [r.view(nb, 2, bs, kv_heads, head_dim) for r in raw]
             self.k, self.v = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
-            self.k_all = self.v_all = None  # (a layer's K, V and state share its page: no tensor of every layer)
+            self.whole = (pages,)  # (a layer's K, V and state share its page)
             c = math.prod(state.conv)
             self.conv = [r[:, :c].view(nb, *state.conv) for r in raw]
             self.ssm = [r[:, c : state.elements].view(nb, *state.ssm) for r in raw]

@@ -1,8 +1,8 @@
 """Mamba2 + attention hybrids served from their own checkpoints (issue 34): transformers' random-init Bamba and
 GraniteMoeHybrid (its pure-torch Mamba2 path; granite with experts, multipliers and RoPE), saved with
 ``save_pretrained``, give transformers' greedy tokens through the engine: batched and alone, prompts over several
-blocks, prefill in chunks (the state carried from chunk to chunk), a prefix hit that takes a saved state over, and
-preemption by recompute in a pool too small for the batch."""
+blocks, prefill in chunks (the state carried from chunk to chunk), a prefix hit that takes a saved state over,
+preemption by recompute in a pool too small for the batch, and a host tier that brings saved states back."""
 
 from __future__ import annotations
 
@@ -172,6 +172,37 @@ def test_preemption_by_recompute_in_a_small_pool(checkpoint: tuple[Any, ...]) ->
     assert eng.stats.preemptions > 0
     assert [c.token_ids for c in got] == [reference(hf, p, 24) for p in batch]
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks
+
+
+def test_the_host_tier_brings_saved_states_back(checkpoint: tuple[Any, ...]) -> None:
+    """Issue 66: three conversations of four turns (each turn's prompt its history, 40 to 136 tokens, each ending
+    where a block ends once 8 answer tokens are computed: a state is saved there) in a pool of 24 blocks that cannot
+    keep them all. With a host tier an evicted saved state (and the attention blocks before it) is kept and a hit
+    loads it into a fresh state block: every answer equals transformers' run of its prompt alone, with the tier and
+    without it, and the tier more than triples the prefix hit rate (0.21 -> 0.68, measured: the last turn hits all
+    112 tokens of its history instead of none)."""
+    hf, model, tok, _ = checkpoint
+    page = 2 * BLOCK * 2 * 32 * 4
+
+    def conversations(gib: float | None) -> tuple[list[tuple[list[int], list[int], int]], Engine]:
+        eng = engine(model, tok, kv_cache_memory_bytes=25 * page, kv_offloading_size=gib, max_num_batched_tokens=64)
+        history, out = prompts((40, 40, 40), 11), []
+        for turn in range(4):
+            asks = [(f"c{i}t{turn}", h, SamplingParams(temperature=0.0, max_tokens=9)) for i, h in enumerate(history)]
+            for i, done in enumerate(eng.generate(asks)):
+                out.append((history[i], done.token_ids, done.cached_tokens))
+                history[i] = history[i] + list(done.token_ids[:8]) + prompts((24,), 100 + 10 * turn + i)[0]
+        return out, eng
+
+    plain, without = conversations(None)
+    tiered, tier = conversations(0.001)
+    assert [ids for _, ids, _ in tiered] == [ids for _, ids, _ in plain]
+    for prompt, ids, _ in tiered:
+        assert ids == reference(hf, prompt, 9)
+    assert [hit for *_, hit in tiered][-3:] == [112] * 3 and [hit for *_, hit in plain][-3:] == [0] * 3
+    pages = tier.host_pages
+    assert pages is not None and pages.loaded > 0
+    assert tier.state.kv.prefix_hit_rate >= 3 * without.state.kv.prefix_hit_rate > 0
 
 
 def test_generate_serves_the_directory(checkpoint: tuple[Any, ...], capsys: pytest.CaptureFixture[str]) -> None:

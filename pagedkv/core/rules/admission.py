@@ -325,7 +325,7 @@ def _reserve(
     ):
         rb = tuple(r.admitted(ids, nb, first, pop) for r, ids, first in zip(rules, row_ids, row_firsts))
         for j, g, slot in loads[r_i] if loads else ():  # those blocks into the fresh ones at their positions
-            pool.onload(txn, g, hashes[j], slot, rb[g][j])
+            pool.onload(txn, g, hashes[j], slot, rules[g].loaded_into(rb[g], j))
         p = row.pending_tokens
         # destination blocks: what the prefix cache already holds is present; the rest arrives
         pending: Pending = (p, frozenset(range(hit.num_blocks, cfg.blocks_for(p)))) if p else NO_PENDING

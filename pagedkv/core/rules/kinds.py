@@ -60,9 +60,6 @@ class KindRules:
     full_hit: ClassVar[bool] = True  # the hit is scanned left to right over these groups (the others cut it back)
     eagle_margin: ClassVar[bool] = False  # under vLLM's EAGLE drop the hit search holds one block more
     event_covers_run: ClassVar[bool] = False  # its BlockStored carries the ids since its last store (vLLM's align)
-    # the host tier keeps its evicted blocks and a hit loads them back (``HOSTED``): a block of keys, read where it
-    # is, never a live state rewritten in place
-    tiered: ClassVar[bool] = True
     __slots__ = ("window", "chunk")
 
     def __init__(self, window: int | None = None, chunk: int | None = None) -> None:
@@ -121,6 +118,11 @@ class KindRules:
     def taken_over(self, hit: tuple[int, ...]) -> int | None:
         """The hit block a row takes over (out of the cache: it will be rewritten), if any."""
         return None
+
+    def loaded_into(self, ids: tuple[int, ...], position: int) -> int:
+        """The fresh block of a row's admitted list ``ids`` that the host tier's hit block at ``position`` is loaded
+        into."""
+        return ids[position]
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
         """A row's list of ``nb`` positions from its hit: the null block where no query looks (before ``first``),
@@ -255,7 +257,6 @@ class MambaState(KindRules):
     holds_state = True
     recurrent = True
     full_hit = False
-    tiered = False
 
     def most_held(self, nb: int) -> int:
         return 1
@@ -270,10 +271,14 @@ class MambaState(KindRules):
         return ()
 
     def taken_over(self, hit: tuple[int, ...]) -> int | None:
-        return hit[-1] if hit else None
+        return hit[-1] if hit and hit[-1] != HOSTED else None
+
+    def loaded_into(self, ids: tuple[int, ...], position: int) -> int:
+        return ids[-1]  # (the state lives at the row's last position)
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
-        return (0,) * (nb - 1) + ((hit[-1],) if hit else pop(1))
+        # the saved state taken over, or a fresh block: the row's own state, or the tier's saved one loaded into it
+        return (0,) * (nb - 1) + ((hit[-1],) if hit and hit[-1] != HOSTED else pop(1))
 
     def growth_blocks(self, opened: int) -> int:
         return 0
@@ -306,7 +311,6 @@ class MambaAlign(KindRules):
     stops_at_block_end = True
     full_hit = False
     event_covers_run = True
-    tiered = False
 
     def first_visible_position(self, position: int) -> int:
         return max(0, position - 1)  # the state after the token before (vLLM's skipped tokens: n - 1)
@@ -321,10 +325,13 @@ class MambaAlign(KindRules):
         return block_size
 
     def admission_cost(self, nb: int, hit: tuple[int, ...], first: int) -> tuple[int, tuple[int, ...]]:
-        return int(nb > len(hit)), self.hit_taken(hit, first)  # one fresh block, at the last position
+        # one fresh block at the last position; one for the hit's state where the host tier holds it
+        return int(nb > len(hit)) + hit.count(HOSTED), self.hit_taken(hit, first)
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
-        # the hit's state block (the null block before it), then one fresh block at the last position
+        # the hit's state block (the null block before it; a fresh one the tier's state is loaded into, popped
+        # first), then one fresh block at the last position
+        hit = _fresh_for_hosted(hit, pop)
         return tuple(0 if j < first else b for j, b in enumerate(hit)) + _aligned(nb - len(hit), pop)
 
     def growth_blocks(self, opened: int) -> int:

@@ -167,7 +167,7 @@ def _expand(
         parents[k2] = (key, ev.to_json(state))
         result.states += 1
         broken = invariants(new) + _judged(ev, state, outcome) + _generation_rule(ev, state, step)
-        broken += copy_violations(state, step.effect)
+        broken += copy_violations(state, step.effect, new)
         if broken:
             result.depth += 1
             result.violation, result.trace = broken, _trace(cfg, parents, k2)

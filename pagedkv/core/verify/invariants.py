@@ -279,15 +279,17 @@ def admission_violations(
     return []
 
 
-def copy_violations(state: KVState, effect: Any) -> list[str]:
+def copy_violations(state: KVState, effect: Any, after: KVState) -> list[str]:
     """A transition's host-tier copies (core/store/host.py) done in the order recorded, over what ``state`` held: each
     store reads a device block that holds the content it names (cached under it or cached earlier in the list, as a
     window's block a decode step caches, lets go and reuses; not loaded over nor evicted earlier), each load a slot
-    that holds the content it names (the tier's entry, not written over earlier). A pool that reports no events
+    that holds the content it names (the tier's entry, not written over earlier) into a block that a row of ``after``
+    (the state the transition made) holds in the load's group, that row's alone. A pool that reports no events
     shows no block cached in the transition: a store of a block not cached before is taken as it says there."""
     device: dict[int, Any] = {}  # block -> content, as the events so far left it
     slots: dict[int, Any] = {}  # slot -> content
     bad = []
+    held_in: dict[int, set[int]] | None = None  # per group, the blocks the rows of ``after`` hold (made at a load)
     for e in events_of(effect):
         if isinstance(e, BlockStored):
             device[e.block_id] = (e.group, e.block_hash)
@@ -305,5 +307,13 @@ def copy_violations(state: KVState, effect: Any) -> list[str]:
             held = slots.get(e.host_slot, (e.group, e.block_hash) if was and was[0] == e.host_slot else None)
             if held != (e.group, e.block_hash):
                 bad.append(f"a load of slot {e.host_slot} into block {e.block_id}: the slot holds {held}")
+            if held_in is None:
+                held_in = {}
+                for req in after.requests.values():
+                    for x in req.slots:
+                        for g, ids in enumerate(after.rows[x].blocks):
+                            held_in.setdefault(g, set()).update(ids)
+            if e.block_id not in held_in.get(e.group, ()) or after.refcount[e.block_id] != 1 or not e.block_id:
+                bad.append(f"a load into block {e.block_id}: no row holds it alone in group {e.group}")
             device[e.block_id] = (e.group, e.block_hash)
     return bad

@@ -184,7 +184,7 @@ def replay(lines: Iterable[str], *, check: bool = False) -> Iterator[EventResult
             elif rule is False and ordered["generation"] != previous_generation:
                 violations += (f"a successful {ordered['op']} took a generation without changing a block layout",)
             if effect is not None and isinstance(before, KVState):
-                violations += tuple(copy_violations(before, effect))  # (the host tier's copies, in order)
+                violations += tuple(copy_violations(before, effect, kv_of(state)))  # (the host tier's copies, in order)
         if check and ordered["op"] == "admit" and isinstance(before, KVState):
             violations += tuple(_judge_admission(before, line, state if ordered["ok"] else None, ordered["error"]))
         previous_generation = kv_of(state).generation

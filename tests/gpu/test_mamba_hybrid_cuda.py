@@ -3,7 +3,8 @@ whose K and V blocks lie a page apart, CUDA-graph decode capturing the mixer's s
 CPU engine on the torch reference (which tests/models/test_mamba_hybrid.py holds equal to transformers 5.24's Bamba
 and GraniteMoeHybrid; the GPU machine's transformers 5.17 gives other tokens for Bamba from the same weights, so
 it is the oracle only where it is 5.24 or newer), batched with chunked prefill and preemption; ``mamba_ssm``'s
-kernels, where they import, give the torch mixer's tokens."""
+kernels, where they import, give the torch mixer's tokens; the host tier brings saved states back over CUDA's
+streams."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pagedkv.models.hybrid import HybridModel  # noqa: E402
 from pagedkv.models.llama import IdTokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams  # noqa: E402
-from tests.models.test_mamba_hybrid import BLOCK, hf_model, prompts  # noqa: E402
+from tests.models.test_mamba_hybrid import BLOCK, TIER_POOL, conversations, hf_model, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["bamba", "granite"])
@@ -94,3 +95,16 @@ def test_mamba_ssm_kernels_give_the_reference_tokens(models: tuple[Any, Path]) -
     _, want = serve(ours(path, "torch"), batch, 16, max_num_batched_tokens=32)
     _, got = serve(ours(path, "mamba_ssm"), batch, 16, max_num_batched_tokens=32)
     assert got == want
+
+
+def test_the_host_tier_brings_saved_states_back_on_the_device(models: tuple[Any, Path]) -> None:
+    """tests/models/test_mamba_hybrid.py's conversations on the device: the tier's copies (a hybrid pool's pages,
+    gathered by the Triton kernel, over the copy stream, loaded on the load stream) give the tokens of the run
+    without it, and the saved states come back (the last turn hits its whole history)."""
+    _, path = models
+    plain = conversations(Engine(ours(path), IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **TIER_POOL))
+    eng = Engine(ours(path), IdTokenizer(), block_size=BLOCK, max_num_seqs=4, kv_offloading_size=0.001, **TIER_POOL)
+    tiered = conversations(eng)
+    assert [ids for _, ids, _ in tiered] == [ids for _, ids, _ in plain]
+    assert [hit for *_, hit in tiered][-3:] == [112] * 3 and [hit for *_, hit in plain][-3:] == [0] * 3
+    assert eng.host_pages is not None and eng.host_pages.loaded > 0 and eng.host_pages.stored > 0

@@ -174,6 +174,23 @@ def test_preemption_by_recompute_in_a_small_pool(checkpoint: tuple[Any, ...]) ->
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks
 
 
+# a pool of 24 usable blocks (a block: K and V of 16 tokens, 2 KV heads of 32, fp32), prompts in chunks of 64
+TIER_POOL: dict[str, Any] = dict(kv_cache_memory_bytes=25 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=64)
+
+
+def conversations(eng: Engine) -> list[tuple[list[int], list[int], int]]:
+    """Three conversations of four turns through ``eng``, each turn's prompt its history (40 tokens, then each
+    answer's 8 computed tokens and 24 new ones: a turn ends on a block's end, where its state is saved); per
+    request (prompt, answer, cached tokens)."""
+    history, out = prompts((40, 40, 40), 11), []
+    for turn in range(4):
+        asks = [(f"c{i}t{turn}", h, SamplingParams(temperature=0.0, max_tokens=9)) for i, h in enumerate(history)]
+        for i, done in enumerate(eng.generate(asks)):
+            out.append((history[i], done.token_ids, done.cached_tokens))
+            history[i] = history[i] + list(done.token_ids[:8]) + prompts((24,), 100 + 10 * turn + i)[0]
+    return out
+
+
 def test_the_host_tier_brings_saved_states_back(checkpoint: tuple[Any, ...]) -> None:
     """Issue 66: three conversations of four turns (each turn's prompt its history, 40 to 136 tokens, each ending
     where a block ends once 8 answer tokens are computed: a state is saved there) in a pool of 24 blocks that cannot
@@ -182,20 +199,8 @@ def test_the_host_tier_brings_saved_states_back(checkpoint: tuple[Any, ...]) -> 
     without it, and the tier more than triples the prefix hit rate (0.21 -> 0.68, measured: the last turn hits all
     112 tokens of its history instead of none)."""
     hf, model, tok, _ = checkpoint
-    page = 2 * BLOCK * 2 * 32 * 4
-
-    def conversations(gib: float | None) -> tuple[list[tuple[list[int], list[int], int]], Engine]:
-        eng = engine(model, tok, kv_cache_memory_bytes=25 * page, kv_offloading_size=gib, max_num_batched_tokens=64)
-        history, out = prompts((40, 40, 40), 11), []
-        for turn in range(4):
-            asks = [(f"c{i}t{turn}", h, SamplingParams(temperature=0.0, max_tokens=9)) for i, h in enumerate(history)]
-            for i, done in enumerate(eng.generate(asks)):
-                out.append((history[i], done.token_ids, done.cached_tokens))
-                history[i] = history[i] + list(done.token_ids[:8]) + prompts((24,), 100 + 10 * turn + i)[0]
-        return out, eng
-
-    plain, without = conversations(None)
-    tiered, tier = conversations(0.001)
+    plain, without = conversations(engine(model, tok, **TIER_POOL))
+    tiered, tier = conversations(engine(model, tok, kv_offloading_size=0.001, **TIER_POOL))
     assert [ids for _, ids, _ in tiered] == [ids for _, ids, _ in plain]
     for prompt, ids, _ in tiered:
         assert ids == reference(hf, prompt, 9)

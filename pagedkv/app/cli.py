@@ -119,6 +119,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="ids after each block its hash also covers (vLLM's EAGLE lookahead hashes)",
     )
     c.add_argument(
+        "--host-blocks",
+        type=bounded_int(0, 16),
+        default=d.host_blocks,
+        help="keep the blocks the pool evicts in a host tier of this many blocks, and load hits there back "
+        "(CacheConfig.host_blocks; 0: none)",
+    )
+    c.add_argument(
         "--long-prompts",
         action="store_true",
         help="also admit a prompt long enough that its prefix hit leaves window positions null",
@@ -205,6 +212,7 @@ def _check(args: argparse.Namespace) -> int:
             long_prompts=args.long_prompts,
             ahead=args.ahead,
             hash_lookahead=args.hash_lookahead,
+            host_blocks=args.host_blocks,
         )
         cfg.cache_config()
         writable_target(args.out)  # before the search: a counterexample found must have somewhere to go

@@ -122,6 +122,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--kv-offloading-size", "0"], "--kv-offloading-size"),
     (["generate", "hi", "--kv-offloading-backend", "lmcache"], "--kv-offloading-backend"),
     (["generate", "hi", "--kv-offloading-size", "1", "--no-prefix-caching"], "it needs prefix caching"),
+    (["check", "--host-blocks", "1", "--no-prefix-caching"], "needs prefix caching"),
+    (["check", "--host-blocks", "17"], "--host-blocks"),
     (["denoise", "--steps", "0"], "--steps"),
     (["denoise", "--image-tokens", "-5"], "--image-tokens"),
     (["denoise", "--blocks", "0"], "--blocks"),
@@ -267,6 +269,18 @@ def test_check_reports_progress_as_it_goes() -> None:
     assert {PROGRESS_EVERY, 2 * PROGRESS_EVERY, 3 * PROGRESS_EVERY} <= {s for s, _ in seen}  # by states
     assert [d for _, d in seen] == sorted(d for _, d in seen) and set(range(1, result.depth)) <= {d for _, d in seen}
     assert [s for s, _ in seen] == sorted(s for s, _ in seen)
+
+
+def test_check_explores_a_host_tier_beside_a_state_group(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--host-blocks`` reaches the checker's tier: 837 states with a state group and one host block, 379 without."""
+    args = ["check", "--blocks", "3", "--requests", "2", "--window", "0", "--max-model-len", "4", "--mamba"]
+    assert main([*args, "--host-blocks", "1"]) == 0
+    tiered = capsys.readouterr().out
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert "violations:      0" in tiered and "(exhaustive)" in tiered
+    count = [int(out.split("states explored: ")[1].split()[0]) for out in (tiered, plain)]
+    assert count[0] > count[1], count
 
 
 def test_denoise_that_runs_nothing_fails(capsys: pytest.CaptureFixture[str]) -> None:

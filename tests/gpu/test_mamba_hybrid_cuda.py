@@ -23,7 +23,7 @@ from pagedkv.models.hybrid import HybridModel  # noqa: E402
 from pagedkv.models.llama import IdTokenizer  # noqa: E402
 from pagedkv.shell.engine import Engine  # noqa: E402
 from pagedkv.shell.sampling import SamplingParams  # noqa: E402
-from tests.models.test_mamba_hybrid import BLOCK, TIER_POOL, conversations, hf_model, prompts  # noqa: E402
+from tests.models.test_mamba_hybrid import BLOCK, PAGE_BYTES, TIER_POOL, conversations, hf_model, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["bamba", "granite"])
@@ -63,8 +63,12 @@ def reference(hf: Any, path: Path, batch: list[list[int]], new: int) -> list[lis
     return want
 
 
+def engine(model: HybridModel, **kw: Any) -> Engine:
+    return Engine(model, IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **kw)
+
+
 def serve(model: HybridModel, batch: list[list[int]], new: int, **kw: Any) -> tuple[Engine, list[list[int]]]:
-    eng = Engine(model, IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **kw)
+    eng = engine(model, **kw)
     done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=new)) for i, p in enumerate(batch)])
     return eng, [c.token_ids for c in done]
 
@@ -80,9 +84,7 @@ def test_triton_and_graphs_give_transformers_tokens(models: tuple[Any, Path]) ->
 def test_chunked_prefill_and_preemption_on_the_device(models: tuple[Any, Path]) -> None:
     hf, path = models
     batch = prompts((50, 44, 38, 60), 5)
-    eng, got = serve(
-        ours(path), batch, 24, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=24
-    )
+    eng, got = serve(ours(path), batch, 24, kv_cache_memory_bytes=21 * PAGE_BYTES, max_num_batched_tokens=24)
     assert eng.stats.preemptions > 0
     assert got == reference(hf, path, batch, 24)
 
@@ -102,8 +104,8 @@ def test_the_host_tier_brings_saved_states_back_on_the_device(models: tuple[Any,
     gathered by the Triton kernel, over the copy stream, loaded on the load stream) give the tokens of the run
     without it, and the saved states come back (the last turn hits its whole history)."""
     _, path = models
-    plain = conversations(Engine(ours(path), IdTokenizer(), block_size=BLOCK, max_num_seqs=4, **TIER_POOL))
-    eng = Engine(ours(path), IdTokenizer(), block_size=BLOCK, max_num_seqs=4, kv_offloading_size=0.001, **TIER_POOL)
+    plain = conversations(engine(ours(path), **TIER_POOL))
+    eng = engine(ours(path), kv_offloading_size=0.001, **TIER_POOL)
     tiered = conversations(eng)
     assert [ids for _, ids, _ in tiered] == [ids for _, ids, _ in plain]
     assert [hit for *_, hit in tiered][-3:] == [112] * 3 and [hit for *_, hit in plain][-3:] == [0] * 3

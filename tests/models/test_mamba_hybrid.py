@@ -22,6 +22,7 @@ from pagedkv.shell.sampling import SamplingParams  # noqa: E402
 from tests.models.test_hf_checkpoints import VOCAB, save_tokenizer  # noqa: E402
 
 BLOCK = 16
+PAGE_BYTES = 2 * BLOCK * 2 * 32 * 4  # a block's page: K and V of 16 tokens, 2 KV heads of 32, fp32
 
 
 def hf_model(kind: str) -> Any:
@@ -167,15 +168,15 @@ def test_preemption_by_recompute_in_a_small_pool(checkpoint: tuple[Any, ...]) ->
     hf, model, tok, _ = checkpoint
     batch = prompts((50, 44, 38, 60), 5)
     # 20 usable blocks: each request holds its attention blocks and 3 state blocks, 4 of them do not fit
-    eng = engine(model, tok, kv_cache_memory_bytes=21 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=64)
+    eng = engine(model, tok, kv_cache_memory_bytes=21 * PAGE_BYTES, max_num_batched_tokens=64)
     got = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=24)) for i, p in enumerate(batch)])
     assert eng.stats.preemptions > 0
     assert [c.token_ids for c in got] == [reference(hf, p, 24) for p in batch]
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks
 
 
-# a pool of 24 usable blocks (a block: K and V of 16 tokens, 2 KV heads of 32, fp32), prompts in chunks of 64
-TIER_POOL: dict[str, Any] = dict(kv_cache_memory_bytes=25 * 2 * BLOCK * 2 * 32 * 4, max_num_batched_tokens=64)
+# a pool of 24 usable blocks, prompts in chunks of 64
+TIER_POOL: dict[str, Any] = dict(kv_cache_memory_bytes=25 * PAGE_BYTES, max_num_batched_tokens=64)
 
 
 def conversations(eng: Engine) -> list[tuple[list[int], list[int], int]]:

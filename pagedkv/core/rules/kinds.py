@@ -278,7 +278,8 @@ class MambaState(KindRules):
 
     def admitted(self, hit: tuple[int, ...], nb: int, first: int, pop: Pop) -> tuple[int, ...]:
         # the saved state taken over, or a fresh block: the row's own state, or the tier's saved one loaded into it
-        return (0,) * (nb - 1) + ((hit[-1],) if hit and hit[-1] != HOSTED else pop(1))
+        saved = self.taken_over(hit)
+        return (0,) * (nb - 1) + ((saved,) if saved is not None else pop(1))
 
     def growth_blocks(self, opened: int) -> int:
         return 0

@@ -11,6 +11,7 @@ costs where it cannot help. GC on, as engines run, with its collections a step.
     python bench/multiturn.py --workloads preemption --pool-fraction 10 --answer 256 --system 64 --question 16
                                                                   # preempted requests restored, or recomputed
     python bench/multiturn.py --workloads no-reuse --repeats 3    # the tier's cost alone, runs alternated
+    python bench/multiturn.py --store-threshold 2                 # and a tier that keeps contents seen twice
 
 ``--shape``: a random model of real shapes (bench/llama_shapes.py, transformers' init on the device), each
 conversation a ``--system``-token opening of its own, then per turn a ``--question`` of new ids after the answer.
@@ -21,6 +22,8 @@ preempted; a preempted request's computed blocks stay cached, and those evicted 
 its resume loads them back instead of computing them again. A reference run first, its pool holding every history
 (nothing preempted); then the small pool without the tier (recomputed) and with it (restored), alternated: their
 answers against the reference's (``--invariant`` for bit-equality), tokens/s, preemptions, blocks loaded.
+``--store-threshold N``: a third side, a tier that keeps only contents seen in N uses (a request computing one, a
+hit; vLLM's offloading store_threshold): where nothing is reused, nothing is stored.
 """
 
 from __future__ import annotations
@@ -92,10 +95,13 @@ def serve(
     gib: float | None,
     reuse: bool,
     args: argparse.Namespace,
+    threshold: int = 0,
 ) -> dict[str, Any]:
-    """``convs`` conversations of ``turns`` turns served together; the run's figures and answers."""
+    """``convs`` conversations of ``turns`` turns served together; the run's figures and answers. ``threshold``: the
+    tier keeps only contents seen in that many uses (``kv_offloading_store_threshold``)."""
     eng = Engine(model, tok or IdTokenizer(), kv_cache_memory_bytes=pool, max_num_seqs=convs, kv_offloading_size=gib,
-                 batch_invariant=args.invariant, async_scheduling=args.overlap)  # fmt: skip
+                 kv_offloading_store_threshold=threshold, batch_invariant=args.invariant,
+                 async_scheduling=args.overlap)  # fmt: skip
     if eng.host_pages is not None and args.in_flight_gib is not None:  # (HostPages' bound on the stores in flight)
         eng.host_pages.max_in_flight_bytes = int(args.in_flight_gib * 2**30)
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
@@ -138,6 +144,7 @@ def serve(
     return {
         "hit": eng.state.kv.prefix_hit_rate,
         "loaded": tier.loaded if tier else 0,
+        "stored": tier.stored if tier else 0,
         "ttft50": statistics.median(ttft) * 1e3 if ttft else float("nan"),  # (none: every prompt over the pool)
         "ttft90": ttft[min(int(0.9 * len(ttft)), len(ttft) - 1)] * 1e3 if ttft else float("nan"),
         "tps": made / wall,
@@ -160,6 +167,7 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=16, help="tokens an answer")
     ap.add_argument("--tier-gib", type=float, default=0.5)
     ap.add_argument("--in-flight-gib", type=float, help="the tier's bound on stores in flight (default 1 GiB)")
+    ap.add_argument("--store-threshold", type=int, default=0, help="the tier keeps a content seen in N uses (N >= 2)")
     ap.add_argument("--pool-fraction", type=float, default=4.0, help="the pool holds 1/N of the live histories")
     ap.add_argument("--invariant", action="store_true", help="batch_invariant: every answer's bits as alone")
     ap.add_argument("--overlap", action="store_true", help="async_scheduling: the next step planned while one runs")
@@ -185,11 +193,12 @@ def main() -> None:
         f"(1/{args.pool_fraction:g} of the live histories), a host tier of {args.tier_gib} GiB"
         + ("; batch-invariant" if args.invariant else "")
         + ("; overlapped scheduling" if args.overlap else "")
+        + (f"; the tier keeps contents seen in {args.store_threshold} uses" if args.store_threshold > 1 else "")
     )
     if model.device.type == "cuda":  # (kernels compiled and graphs warmed before anything is timed)
         for gib in (None, args.tier_gib):
             serve(model, tok, 4, 2, 4, pool, gib, True, args)
-    print("\n| workload | tier | prefix hit rate | tier blocks loaded | TTFT p50 (ms) | TTFT p90 (ms) | tok/s | "
+    print("\n| workload | tier | prefix hit rate | tier blocks stored / loaded | TTFT p50 (ms) | TTFT p90 (ms) | tok/s | "
           "preempted | answers as without the tier (preemption: as the reference) | GC a step |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     asked = args.workloads.split(",")
@@ -206,25 +215,36 @@ def main() -> None:
 def alternated(
     model: Any, tok: Any, workload: str, pool: int, reuse: bool, reference: Any, args: argparse.Namespace
 ) -> None:
-    """Runs without and with the tier, alternated ``--repeats`` times, a row each, each run's answers against
-    ``reference``'s (None: the first run's); then the runs' median tok/s a side (with ``--repeats`` over 1)."""
-    tps: dict[float | None, list[float]] = {None: [], args.tier_gib: []}
+    """Runs without and with the tier (and with ``--store-threshold``'s, where given), alternated ``--repeats``
+    times, a row each, each run's answers against ``reference``'s (None: the first run's); then the runs' median
+    tok/s a side against the side without (with ``--repeats`` over 1)."""
+    sides: list[tuple[float | None, int]] = [(None, 0), (args.tier_gib, 0)]
+    if args.store_threshold > 1:
+        sides.append((args.tier_gib, args.store_threshold))
+    tps: dict[tuple[float | None, int], list[float]] = {side: [] for side in sides}
     for _ in range(args.repeats):
-        for gib in (None, args.tier_gib):
-            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args)
-            row(workload, gib, r, "-" if reference is None else "yes" if r["answers"] == reference else "NO")
+        for gib, threshold in sides:
+            r = serve(model, tok, args.conversations, args.turns, args.answer, pool, gib, reuse, args, threshold)
+            same = "-" if reference is None else "yes" if r["answers"] == reference else "NO"
+            row(workload, gib, r, same, threshold)
             reference = reference or r["answers"]
-            tps[gib].append(r["tps"])
+            tps[gib, threshold].append(r["tps"])
     if args.repeats > 1:
-        off, on = statistics.median(tps[None]), statistics.median(tps[args.tier_gib])
-        print(f"\n{workload}: tok/s median {off:.1f} without the tier, {on:.1f} with it "
-              f"({on / off - 1 if off else float('nan'):+.1%}); runs {min(tps[None]):.1f}-{max(tps[None]):.1f} and "
-              f"{min(tps[args.tier_gib]):.1f}-{max(tps[args.tier_gib]):.1f}\n", flush=True)  # fmt: skip
+        off = statistics.median(tps[None, 0])
+        print(f"\n{workload}: tok/s median {off:.1f} without the tier (runs {min(tps[None, 0]):.1f}-"
+              f"{max(tps[None, 0]):.1f})", flush=True)  # fmt: skip
+        for gib, threshold in sides[1:]:
+            on = statistics.median(tps[gib, threshold])
+            print(f"  with it{f' (kept at {threshold} uses)' if threshold else ''}: {on:.1f} "
+                  f"({on / off - 1 if off else float('nan'):+.1%}; runs {min(tps[gib, threshold]):.1f}-"
+                  f"{max(tps[gib, threshold]):.1f})", flush=True)  # fmt: skip
 
 
-def row(workload: str, gib: float | None, r: dict[str, Any], same: str) -> None:
+def row(workload: str, gib: float | None, r: dict[str, Any], same: str, threshold: int = 0) -> None:
+    tier = "-" if gib is None else f"{gib} GiB" + (f", kept at {threshold} uses" if threshold else "")
     print(
-        f"| {workload} | {'-' if gib is None else f'{gib} GiB'} | {r['hit']:.1%} | {r['loaded']} | {r['ttft50']:.0f} | "
+        f"| {workload} | {tier} | {r['hit']:.1%} | {r['stored']} / {r['loaded']} | "
+        f"{r['ttft50']:.0f} | "
         f"{r['ttft90']:.0f} | {r['tps']:.1f} | {r['preempted']} | {same} | {r['gc']:.2f} |",
         flush=True,
     )

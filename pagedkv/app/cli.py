@@ -126,6 +126,19 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "(CacheConfig.host_blocks; 0: none)",
     )
     c.add_argument(
+        "--host-store-threshold",
+        type=bounded_int(0, 16),
+        default=d.host_store_threshold,
+        help="the host tier keeps an evicted block only once its content was seen in this many uses "
+        "(CacheConfig.host_store_threshold; below 2: every one)",
+    )
+    c.add_argument(
+        "--host-tracker-size",
+        type=bounded_int(1, 1 << 16),
+        default=d.host_tracker_size,
+        help="contents the host tier's use table counts (CacheConfig.host_tracker_size)",
+    )
+    c.add_argument(
         "--long-prompts",
         action="store_true",
         help="also admit a prompt long enough that its prefix hit leaves window positions null",
@@ -213,6 +226,8 @@ def _check(args: argparse.Namespace) -> int:
             ahead=args.ahead,
             hash_lookahead=args.hash_lookahead,
             host_blocks=args.host_blocks,
+            host_store_threshold=args.host_store_threshold,
+            host_tracker_size=args.host_tracker_size,
         )
         cfg.cache_config()
         writable_target(args.out)  # before the search: a counterexample found must have somewhere to go

@@ -216,6 +216,14 @@ def add_parser(sub: Any, command: str = "generate") -> argparse.ArgumentParser:
         default="native",
         help="vLLM's: the tier's implementation (native: pagedkv's own)",
     )
+    g.add_argument(
+        "--kv-offloading-store-threshold",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vLLM's offloading store_threshold: the tier keeps an evicted block only once its content was seen in N "
+        "uses (a request computing it, a hit); below 2 every one",
+    )
     budget.add_argument(
         "--gpu-memory-utilization",
         type=unit_interval,
@@ -453,6 +461,7 @@ def build_engine(args: argparse.Namespace, trace: TextIO | None) -> tuple[Any, A
             batch_invariant=args.batch_invariant,
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend,
+            kv_offloading_store_threshold=args.kv_offloading_store_threshold,
         )
         dtype = weights_dtype(args.dtype, args.device)
         source = model_dir(args)

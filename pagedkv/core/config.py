@@ -89,6 +89,11 @@ class CacheConfig:
     # a second tier of the prefix cache (vLLM's --kv-offloading-size): a cached block the pool evicts is kept in one
     # of this many host blocks (its own LRU), and a hit there loads it back (core/store/host.py); 0: off
     host_blocks: int = 0
+    # which evicted blocks the tier keeps (vLLM's offloading store_threshold): at 2 or more, only a content seen in
+    # this many uses (a row computing it, an admission hitting it), counted in a table of ``host_tracker_size``
+    # contents (its least recently used dropped); below 2 every evicted block (core/store/host.py)
+    host_store_threshold: int = 0
+    host_tracker_size: int = 64_000
     rules: tuple[KindRules, ...] = field(init=False, repr=False, compare=False)  # each group's (core/rules/kinds.py)
     state_group_set: frozenset[int] = field(init=False, repr=False, compare=False)  # groups whose block is a live state
     opening_blocks: int = field(init=False, repr=False, compare=False)  # blocks a row's growth takes a block it opens
@@ -173,6 +178,12 @@ class CacheConfig:
             raise InvalidConfig(f"host_blocks must be an integer in [0, 2**31), got {shown(self.host_blocks)}")
         if self.host_blocks and not self.enable_prefix_caching:
             raise InvalidConfig("host_blocks (a host tier for the prefix cache) needs prefix caching")
+        for key, low in (("host_store_threshold", 0), ("host_tracker_size", 1)):
+            value = getattr(self, key)
+            if not is_int(value) or not low <= value < 1 << 31:
+                raise InvalidConfig(f"{key} must be an integer in [{low}, 2**31), got {shown(value)}")
+        if self.host_store_threshold > 1 and not self.host_blocks:
+            raise InvalidConfig("host_store_threshold chooses what the host tier keeps: it needs host_blocks")
 
     @property
     def has_windows(self) -> bool:

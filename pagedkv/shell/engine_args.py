@@ -60,6 +60,11 @@ class EngineArgs:
     # cached block the pool evicts is kept in host memory, a hit there loaded back (core/store/host.py, shell/host_pages.py)
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    # vLLM's offloading store_threshold (its kv_connector_extra_config): at 2 or more the tier keeps only contents
+    # seen in that many uses (a request computing it, a hit), counted for the last ``kv_offloading_tracker_size``
+    # contents; below 2 every evicted block (CacheConfig.host_store_threshold)
+    kv_offloading_store_threshold: int = 0
+    kv_offloading_tracker_size: int = 64_000
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:
@@ -80,6 +85,15 @@ class EngineArgs:
             )
         if size is not None and not self.enable_prefix_caching:
             raise InvalidConfig("kv_offloading_size keeps the prefix cache's evicted blocks: it needs prefix caching")
+        threshold, tracked = self.kv_offloading_store_threshold, self.kv_offloading_tracker_size
+        if type(threshold) is not int or not 0 <= threshold < 1 << 31:
+            raise InvalidConfig(f"kv_offloading_store_threshold must be a non-negative integer, got {threshold!r}")
+        if type(tracked) is not int or not 1 <= tracked < 1 << 31:
+            raise InvalidConfig(f"kv_offloading_tracker_size must be a positive integer, got {tracked!r}")
+        if threshold > 1 and size is None:
+            raise InvalidConfig(
+                "kv_offloading_store_threshold chooses what the host tier keeps: it needs kv_offloading_size"
+            )
         fraction = self.gpu_memory_utilization
         if fraction is not None and (type(fraction) not in (int, float) or not 0 < fraction <= 1):
             raise InvalidConfig(f"gpu_memory_utilization must be a number in (0, 1] or None, got {fraction!r}")
@@ -205,6 +219,8 @@ class EngineArgs:
             kv_dtype=kv_dtype,
             kv_scales=kv_scales if kv_scales is not None else scales_for(model, kv_dtype, calibration, backend),
             host_bytes=int(self.kv_offloading_size * 2**30) if self.kv_offloading_size else 0,
+            host_store_threshold=self.kv_offloading_store_threshold,
+            host_tracker_size=self.kv_offloading_tracker_size,
         )
 
 

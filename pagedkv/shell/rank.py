@@ -312,11 +312,14 @@ def rank_for(
     kv_dtype: torch.dtype | None = None,
     kv_scales: Mapping[str, tuple[float, float]] | None = None,
     host_bytes: int = 0,
+    host_store_threshold: int = 0,
+    host_tracker_size: int = 64_000,
     **policies: str,
 ) -> Rank:
     """The whole path for one model on one device: plan its layers, size the pool for the budget,
     the geometry, the pages and the worker. ``kv_dtype``: the pages' dtype where it is not the model's (fp8, with
-    ``kv_scales``). ``host_bytes``: the prefix cache's host tier (core/store/host.py), in blocks of the pages' size.
+    ``kv_scales``). ``host_bytes``: the prefix cache's host tier (core/store/host.py), in blocks of the pages' size;
+    ``host_store_threshold``, ``host_tracker_size``: which evicted blocks it keeps (CacheConfig's).
     ``policies``: CacheConfig's ``caching_point``, ``free_queue``."""
     plan = plan_for(model, block_size=block_size, kv_dtype=kv_dtype)
     sizing = size_pool(plan, device=model.device, kv_cache_memory_bytes=kv_cache_memory_bytes)
@@ -328,6 +331,8 @@ def rank_for(
         enable_prefix_caching=enable_prefix_caching,
         max_model_len=max_model_len,
         host_blocks=host_blocks,
+        host_store_threshold=host_store_threshold if host_blocks else 0,
+        host_tracker_size=host_tracker_size,
         **policies,
     )
     return build_rank(

@@ -12,7 +12,7 @@ from pagedkv.app.cli import main
 from pagedkv.core import CacheConfig, GroupKind, GroupSpec, RequestSpec, RowSpec, admit, commit, digest, initial_state
 from pagedkv.core import release, reset_prefix_cache
 from pagedkv.core.config import InvalidConfig
-from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, HostBlockRemoved
+from pagedkv.core.outputs.events import BlockOffloaded, BlockOnloaded, BlockRemoved, BlockStored, HostBlockRemoved
 from pagedkv.core.store.host import HostEdit
 from pagedkv.core.store.state import KVState
 from pagedkv.core.verify.alphabet import CheckConfig
@@ -84,10 +84,19 @@ def test_a_tier_the_core_cannot_keep_is_refused(kw: dict[str, object], says: str
         CacheConfig(block_size=4, num_blocks=7, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("threshold, hit", [(0, 12), (2, 8)])
 def test_the_trace_header_carries_the_tier_and_replay_checks_its_copies(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], threshold: int, hit: int
 ) -> None:
-    config = {"block_size": 4, "num_blocks": 7, "enable_prefix_caching": True, "host_blocks": 4}
+    """The tier in the header (``host_store_threshold`` too, written only when not the default) and replayed: c's
+    third block loaded from the tier, or (kept only at two uses) computed again."""
+    from pagedkv.core.verify.record import policy_keys
+
+    cfg = CacheConfig(
+        block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=4, host_store_threshold=threshold
+    )
+    config = {"block_size": 4, "num_blocks": 7, "enable_prefix_caching": True, **policy_keys(cfg)}
+    assert config.get("host_store_threshold") == (threshold or None) and "host_tracker_size" not in config
     events = []
     for rid, toks in (("a", A), ("b", B), ("c", A)):
         events += [
@@ -99,7 +108,7 @@ def test_the_trace_header_carries_the_tier_and_replay_checks_its_copies(
     path.write_text("\n".join(json.dumps(e) for e in [{"pagedkv_trace": 1, "config": config}, *events]) + "\n")
     assert main(["replay", "--check", "--json", str(path)]) == 0
     rs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert rs[6]["cached_tokens"] == [12]  # (c's third block loaded from the tier)
+    assert rs[6]["cached_tokens"] == [hit]
 
 
 @pytest.mark.slow
@@ -241,12 +250,95 @@ def test_a_state_loaded_into_the_wrong_position_is_caught(monkeypatch: pytest.Mo
     assert result.violation and "no row holds it alone" in result.violation[0]
 
 
+def test_under_a_store_threshold_the_tier_keeps_only_contents_seen_twice() -> None:
+    """``host_store_threshold=2`` (vLLM's offloading store_threshold): b's admission evicts a's third block, a
+    content one row computed once: not kept (no ``BlockOffloaded``, its ``BlockRemoved`` still), so c (a's prompt
+    again) hits two blocks, not three, and computes the third a second time; d's pops then evict it (seen twice: kept)
+    and b's two (seen once: not kept); e hits all three, the third loaded from the tier. Without the threshold every
+    evicted block is kept."""
+    kinds = {}
+    for threshold in (0, 2):
+        cfg = CacheConfig(
+            block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=4, host_store_threshold=threshold
+        )
+        s, got = initial_state(cfg), []
+        for rid, toks in (("a", A), ("b", B), ("c", A), ("d", C), ("e", A)):
+            s, effect = served(s, rid, toks)
+            got.append(
+                (effect.cached_tokens[0], [type(e).__name__ for e in effect.events if type(e) is not BlockStored])
+            )
+        kinds[threshold] = got
+    assert kinds[2] == [
+        (0, []),
+        (0, ["BlockRemoved"]),
+        (8, ["BlockRemoved"]),
+        (0, ["BlockRemoved", "BlockRemoved", "BlockOffloaded", "BlockRemoved"]),
+        (12, ["BlockRemoved", "BlockOnloaded"]),
+    ]
+    assert [c for c, _ in kinds[0]] == [0, 0, 12, 0, 12] and kinds[0][1][1] == ["BlockOffloaded", "BlockRemoved"]
+    assert len(s.host) == 1 and sorted(n for n, _ in s.host.uses.values()) == [1] * 6 + [2] * 3
+
+
+def test_the_use_table_keeps_its_size_dropping_the_least_recently_used() -> None:
+    """A use table of 4 contents: a's three blocks, then b's three: a's first two dropped (the least recently
+    used); c (a's prompt) hits a's first two (each a new entry: a's third and b's first dropped for them) and
+    computes a's third again: each of a's counts 1, and b's first two are gone."""
+    cfg = CacheConfig(
+        block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=4, host_store_threshold=2,
+        host_tracker_size=4,
+    )  # fmt: skip
+    s, _ = served(initial_state(cfg), "a", A)
+    first = list(s.host.uses)
+    s, _ = served(s, "b", B)
+    assert len(s.host.uses) == 4 and first[2] in s.host.uses and first[0] not in s.host.uses
+    b_last = list(s.host.uses)[-1]
+    s, c = served(s, "c", A)
+    assert c.cached_tokens == (8,) and set(s.host.uses) == {*first, b_last}
+    assert [s.host.uses[h][0] for h in first] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"host_store_threshold": 2}, "needs host_blocks"),
+        ({"host_blocks": 4, "host_store_threshold": -1}, "host_store_threshold must be"),
+        ({"host_blocks": 4, "host_tracker_size": 0}, "host_tracker_size must be"),
+        ({"host_blocks": 4, "host_tracker_size": True}, "host_tracker_size must be"),
+    ],
+)
+def test_a_store_threshold_the_core_cannot_keep_is_refused(kw: dict[str, object], says: str) -> None:
+    with pytest.raises(InvalidConfig, match=says):
+        CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, **kw)  # type: ignore[arg-type]
+
+
+THRESHOLD_CHECK = CheckConfig(
+    window=None, host_blocks=1, requests=1, usable_blocks=3, max_model_len=4, host_store_threshold=2,
+    host_tracker_size=2, max_states=4_000,
+)  # fmt: skip
+
+
+def test_the_model_checker_covers_the_store_threshold() -> None:
+    """A bounded search (the exhaustive one, 32,692 states, is docs/checking.md's): no violation, stores judged
+    against the use table."""
+    result = check(THRESHOLD_CHECK)
+    assert result.violation == [] and result.states >= 4_000
+
+
+def test_a_store_below_the_threshold_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the tier keeps every evicted block whatever its uses. The checker finds a store of a content seen
+    once."""
+    monkeypatch.setattr(HostEdit, "worth_keeping", lambda self, h, threshold: True)
+    result = check(THRESHOLD_CHECK)
+    assert result.violation and "fewer than host_store_threshold 2" in result.violation[0] and result.trace
+
+
 def _tier_of(s: KVState) -> tuple[object, ...]:
     t = s.host
-    return dict(t.entries), dict(t.by_tick), len(t), t.next_tick, t.next_slot, t.spare
+    return dict(t.entries), dict(t.by_tick), len(t), t.next_tick, t.next_slot, t.spare, dict(t.uses), t.uses_oldest
 
 
-def test_every_version_of_the_tier_reads_as_it_was_made() -> None:
+@pytest.mark.parametrize("threshold", [0, 2])
+def test_every_version_of_the_tier_reads_as_it_was_made(threshold: int) -> None:
     """The tier is written in place with undo logs (store/host.py): each state a run of admissions, hits in the
     tier, drops and ``forget_host`` left behind reads, in any order afterwards and pickled, exactly as it did when
     it was made; a branch taken from an old state leaves the newer ones as they were."""
@@ -255,7 +347,10 @@ def test_every_version_of_the_tier_reads_as_it_was_made() -> None:
 
     from pagedkv.core import forget_host
 
-    s = initial_state(CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=2))
+    s = initial_state(
+        CacheConfig(block_size=4, num_blocks=7, enable_prefix_caching=True, host_blocks=2, host_store_threshold=threshold,
+                    host_tracker_size=5)
+    )  # fmt: skip
     states, seen = [s], [_tier_of(s)]
     for rid, toks in [("a", A), ("b", B), ("c", C), ("d", A), ("e", B), ("f", C), ("g", B)]:
         s, _ = served(s, rid, toks)

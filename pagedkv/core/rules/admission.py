@@ -312,6 +312,9 @@ def _reserve(
                 take_state(txn, saved)
             for b in r.hit_taken(group_ids, first):
                 pool.take_hit(txn, b)
+    if cfg.host_store_threshold > 1:  # (a use of each content hit: what the tier keeps, core/store/host.py)
+        for hashes in hit.hashes:
+            txn.host.use(hashes, cfg.host_store_threshold, cfg.host_tracker_size)
     # the host tier's hit blocks pinned, with their slots, position by position: no pop below drops them
     loads = [
         [(j, g, txn.host.touch((g, hashes[j]))) for j in range(hit.num_blocks) for g, ids in enumerate(row_ids)

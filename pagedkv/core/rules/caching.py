@@ -186,6 +186,8 @@ def hash_full_blocks(
         new.append(h)
         parent = h
     hashes = new[1:]
+    if cfg.host_store_threshold > 1:  # (a use of each content the row computed: what the tier keeps, host.py)
+        txn.host.use(hashes, cfg.host_store_threshold, cfg.host_tracker_size)
     if events is None:  # (each group's blocks in one pass: not let go already, not cached already, and no other
         # block holding the same content; a state group's block is the row's live state, cached only when the row
         # ends on this boundary)

@@ -22,40 +22,52 @@ map's copy-on-write cost ~6 us a block kept, measured on bench/multiturn.py's no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedkv.core.rules.hashing import BlockHash
 from pagedkv.core.store.rerooted import DictStore, Version, fork
 
 Key = tuple[int, BlockHash]  # (group, chain hash)
-ENTRIES, BY_TICK = 0, 1  # the undo log's codes (rerooted.DictUndo): the entries' old values, the ticks'
+# the undo log's codes (rerooted.DictUndo): the entries' old values, the ticks'; the use counts', their ticks'
+ENTRIES, BY_TICK, USES, USES_BY_TICK = 0, 1, 2, 3
 
 
 class _Store(DictStore):
     """The dicts one lineage of versions shares, holding the contents of ``current``."""
 
-    __slots__ = ("by_tick", "entries")
+    __slots__ = ("by_tick", "entries", "uses", "uses_by_tick")
 
     def __init__(self) -> None:
         super().__init__()
         self.entries: dict[Key, tuple[int, int]] = {}  # (group, hash) -> (slot, tick)
         self.by_tick: dict[int, Key] = {}  # tick -> (group, hash): the LRU order
+        self.uses: dict[BlockHash, tuple[int, int]] = {}  # hash -> (uses seen, tick): ``host_store_threshold``'s
+        self.uses_by_tick: dict[int, BlockHash] = {}  # tick -> hash: the use table's LRU order
 
     def dict_of(self, code: int) -> dict[Any, Any]:
-        return self.entries if code == ENTRIES else self.by_tick
+        return (self.entries, self.by_tick, self.uses, self.uses_by_tick)[code]
 
 
 class HostTier(Version[_Store]):
     """One version of the tier: its entries and LRU order (read through ``entries`` / ``by_tick``, views valid
     until another version of the lineage is read), ``oldest`` (no entry has a smaller tick), ``next_tick``,
     ``next_slot`` (slots ``[0, next_slot)`` have been handed out; a full tier reuses a dropped entry's) and
-    ``spare`` (handed-out slots no entry holds, ``forget_host``'s, taken again first)."""
+    ``spare`` (handed-out slots no entry holds, ``forget_host``'s, taken again first); under
+    ``host_store_threshold`` the use table (``uses``: hash -> (uses seen, tick), ``uses_by_tick``; its ticks from
+    the same ``next_tick``, ``uses_oldest`` as ``oldest``)."""
 
-    __slots__ = ("next_slot", "next_tick", "oldest", "size", "spare")
+    __slots__ = ("next_slot", "next_tick", "oldest", "size", "spare", "uses_oldest")
 
     def __init__(
-        self, store: _Store, size: int, oldest: int, next_tick: int, next_slot: int, spare: tuple[int, ...]
+        self,
+        store: _Store,
+        size: int,
+        oldest: int,
+        next_tick: int,
+        next_slot: int,
+        spare: tuple[int, ...],
+        uses_oldest: int = 0,
     ) -> None:
         super().__init__(store)
         self.size = size
@@ -63,6 +75,7 @@ class HostTier(Version[_Store]):
         self.next_tick = next_tick
         self.next_slot = next_slot
         self.spare = spare
+        self.uses_oldest = uses_oldest
 
     @staticmethod
     def empty() -> HostTier:
@@ -88,22 +101,39 @@ class HostTier(Version[_Store]):
         """tick -> (group, hash): the LRU order, to read now (a view, as ``entries``)."""
         return self._here().by_tick
 
+    @property
+    def uses(self) -> Mapping[BlockHash, tuple[int, int]]:
+        """hash -> (uses seen, tick): the use table (``host_store_threshold``), to read now (a view)."""
+        return self._here().uses
+
     def __repr__(self) -> str:
         return f"HostTier({len(self)} entries, next slot {self.next_slot})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A copy of this version alone (a state crossing a thread or a process: materialized)."""
-        return _rebuilt, (dict(self.entries), self.oldest, self.next_tick, self.next_slot, self.spare)
+        return _rebuilt, (
+            dict(self.entries), self.oldest, self.next_tick, self.next_slot, self.spare, dict(self.uses),
+            self.uses_oldest,
+        )  # fmt: skip
 
 
 def _rebuilt(
-    entries: dict[Key, tuple[int, int]], oldest: int, next_tick: int, next_slot: int, spare: tuple[int, ...]
+    entries: dict[Key, tuple[int, int]],
+    oldest: int,
+    next_tick: int,
+    next_slot: int,
+    spare: tuple[int, ...],
+    uses: dict[BlockHash, tuple[int, int]],
+    uses_oldest: int,
 ) -> HostTier:
     out = HostTier.empty()
     store = out._store
     store.entries.update(entries)
     store.by_tick.update({tick: key for key, (_, tick) in entries.items()})
+    store.uses.update(uses)
+    store.uses_by_tick.update({tick: h for h, (_, tick) in uses.items()})
     out.size, out.oldest, out.next_tick, out.next_slot, out.spare = len(entries), oldest, next_tick, next_slot, spare
+    out.uses_oldest = uses_oldest
     return out
 
 
@@ -112,33 +142,36 @@ class HostEdit:
     current, each entry's first old value logged on the version edited (``base``) before it is written, so
     reading ``base`` again (a refusal, an exception) rolls the edit back; ``done`` hands the new version out."""
 
-    __slots__ = ("base", "next_slot", "next_tick", "node", "oldest", "pinned", "size", "spare")
+    __slots__ = ("base", "next_slot", "next_tick", "node", "oldest", "pinned", "size", "spare", "uses_oldest")
 
     def __init__(self, tier: HostTier) -> None:
         self.base = tier
         self.node: HostTier | None = None  # the version being written, from the first write on
         self.size, self.oldest, self.next_tick = tier.size, tier.oldest, tier.next_tick
-        self.next_slot, self.spare = tier.next_slot, tier.spare
+        self.next_slot, self.spare, self.uses_oldest = tier.next_slot, tier.spare, tier.uses_oldest
         self.pinned: set[Key] = set()  # entries this transition loads: never dropped by it
 
     def _writable(self) -> tuple[_Store, tuple[dict[Key, Any], dict[int, Any]]]:
         """The store holding the edit's contents, and the log of its old values (base's): the entries', the ticks'."""
+        store = self._forked()
+        log = self.base._diff
+        return store, (log[ENTRIES], log[BY_TICK])
+
+    def _forked(self) -> _Store:
+        """The store holding the edit's contents, the edit's version its current (a fork on the first write)."""
         node = self.node
         if node is None:
             base = self.base
             node = self.node = HostTier(base._store, 0, 0, 0, 0, ())
-            store = fork(base, node, {ENTRIES: {}, BY_TICK: {}})
-        else:
-            store = node._here()
-        log = self.base._diff
-        return store, (log[ENTRIES], log[BY_TICK])
+            return fork(base, node, {ENTRIES: {}, BY_TICK: {}, USES: {}, USES_BY_TICK: {}})
+        return node._here()
 
     def done(self) -> HostTier:
         node = self.node
         if node is None:  # (nothing written: the pointer ``oldest`` may have moved, which changes nothing)
             return self.base
-        node.size, node.oldest, node.next_tick, node.next_slot, node.spare = (
-            self.size, self.oldest, self.next_tick, self.next_slot, self.spare
+        node.size, node.oldest, node.next_tick, node.next_slot, node.spare, node.uses_oldest = (
+            self.size, self.oldest, self.next_tick, self.next_slot, self.spare, self.uses_oldest
         )  # fmt: skip
         self.base, self.node = node, None  # (the edit goes on from the new version)
         return node
@@ -227,3 +260,42 @@ class HostEdit:
                 return key
             tick += 1
         return None
+
+    # -- the use table (``host_store_threshold``: vLLM's offloading store_threshold) ----------------------------------
+    def use(self, hashes: Sequence[BlockHash], threshold: int, capacity: int) -> None:
+        """One more use of each content of ``hashes`` (a row computed it, an admission hit it), the most recently
+        used; counted up to ``threshold`` (what decides), in a table of ``capacity`` contents at most (the least
+        recently used one dropped for a new one)."""
+        store = self._forked()
+        log = self.base._diff
+        olds, ticks = log[USES], log[USES_BY_TICK]
+        uses, by_tick = store.uses, store.uses_by_tick
+        for h in hashes:
+            tick = self.next_tick
+            cur = uses.get(h)
+            olds.setdefault(h, cur)  # (each old value logged before its key is written)
+            ticks.setdefault(tick, None)
+            if cur is not None:
+                count, was = cur
+                ticks.setdefault(was, h)
+                del by_tick[was]
+                uses[h] = (min(count + 1, threshold), tick)
+            else:
+                if len(uses) >= capacity:
+                    oldest = self.uses_oldest
+                    while oldest not in by_tick:  # (the pointer moves past ticks taken away: no scan)
+                        oldest += 1
+                    self.uses_oldest = oldest
+                    gone = by_tick.pop(oldest)
+                    ticks.setdefault(oldest, gone)
+                    olds.setdefault(gone, uses[gone])
+                    del uses[gone]
+                uses[h] = (1, tick)
+            by_tick[tick] = h
+            self.next_tick = tick + 1
+
+    def worth_keeping(self, h: BlockHash, threshold: int) -> bool:
+        """Has the content ``h`` been seen in ``threshold`` uses (a block the pool evicts is kept only then)?"""
+        node = self.node
+        got = (self.base if node is None else node)._here().uses.get(h)
+        return got is not None and got[0] >= threshold

@@ -54,6 +54,8 @@ class CheckConfig:
     ahead: bool = False  # rows that run ahead of their tokens: placeholders, their ids filling in, tail cuts
     hash_lookahead: int = 0  # CacheConfig.hash_lookahead: each block's hash covers the ids after it
     host_blocks: int = 0  # CacheConfig.host_blocks: evicted blocks kept in a host tier, hits there loaded back
+    host_store_threshold: int = 0  # CacheConfig.host_store_threshold: the tier keeps contents seen in this many uses
+    host_tracker_size: int = 64_000  # CacheConfig.host_tracker_size: the use table's size
 
     def cache_config(self) -> CacheConfig:
         groups: tuple[GroupSpec, ...] = (GroupSpec("full"),)
@@ -76,6 +78,8 @@ class CheckConfig:
             cache_duplicates=self.duplicates,
             hash_lookahead=self.hash_lookahead,
             host_blocks=self.host_blocks,
+            host_store_threshold=self.host_store_threshold,
+            host_tracker_size=self.host_tracker_size,
         )
 
 

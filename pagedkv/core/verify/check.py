@@ -70,12 +70,13 @@ def canonical_key(s: KVState) -> tuple[Any, ...]:
 
 def _host_key(s: KVState) -> tuple[Any, ...]:
     """The host tier up to a renaming of slots and ticks: its entries in LRU order (the order decides which goes
-    next) and how many slots are still unused."""
+    next), how many slots are still unused, and its use table's counts in LRU order."""
     tier = s.host
-    if not len(tier):
+    if not len(tier) and not tier.uses:
         return ()
     order = sorted(tier.entries.items(), key=lambda kv: kv[1][1])
-    return tuple(k for k, _ in order), s.config.host_blocks - tier.next_slot + len(tier.spare)
+    uses = tuple((h, n) for h, (n, _) in sorted(tier.uses.items(), key=lambda kv: kv[1][1]))  # (in LRU order)
+    return tuple(k for k, _ in order), s.config.host_blocks - tier.next_slot + len(tier.spare), uses
 
 
 def _id_key(r: Any) -> tuple[str, Any]:

@@ -52,6 +52,11 @@ def canonical(state: KVState) -> tuple[object, ...]:
     host = (
         (tuple(sorted((g, h.hex(), slot, tick) for (g, h), (slot, tick) in tier.entries.items())), tier.next_slot)
         + ((tier.spare,) if tier.spare else ())  # (spare slots: forget_host's; absent otherwise, as before)
+        + (  # (the use table: host_store_threshold's; absent otherwise, as before)
+            (tuple(sorted((h.hex(), n, tick) for h, (n, tick) in tier.uses.items())),)
+            if state.config.host_store_threshold > 1
+            else ()
+        )
         if state.config.host_blocks
         else ()
     )

@@ -60,7 +60,8 @@ def check_invariants(state: KVState) -> list[str]:
 
 def _host_tier(s: KVState, bad: list[str]) -> None:
     """The host tier: within its capacity, each entry its own slot among those handed out, its LRU order the
-    entries' ticks one for one, no tick below ``oldest`` nor from the future; empty without a tier."""
+    entries' ticks one for one, no tick below ``oldest`` nor from the future; empty without a tier. Its use table
+    (``host_store_threshold``) likewise: within its size, counts up to the threshold, its own ticks."""
     tier, cap = s.host, s.config.host_blocks
     slots = [slot for slot, _ in tier.entries.values()]
     ticks = {tick: key for key, (_, tick) in tier.entries.items()}
@@ -71,6 +72,17 @@ def _host_tier(s: KVState, bad: list[str]) -> None:
         bad.append("host tier: two entries (or an entry and a spare slot) share a slot, or one was never handed out")
     if dict(tier.by_tick.items()) != ticks or any(not tier.oldest <= t < tier.next_tick for t in ticks):
         bad.append("host tier: its LRU order is not its entries' ticks")
+    uses, threshold = tier.uses, s.config.host_store_threshold
+    use_ticks = {tick: h for h, (_, tick) in uses.items()}
+    if uses and (threshold < 2 or len(uses) > s.config.host_tracker_size):
+        bad.append(f"host tier: {len(uses)} contents in the use table (threshold {threshold}, size "
+                   f"{s.config.host_tracker_size})")  # fmt: skip
+    if any(not 1 <= n <= threshold for n, _ in uses.values()) or (
+        dict(tier._here().uses_by_tick.items()) != use_ticks
+        or any(not tier.uses_oldest <= t < tier.next_tick for t in use_ticks)
+        or set(use_ticks) & set(ticks)
+    ):
+        bad.append("host tier: a use count outside [1, threshold], or the use table's LRU order not its ticks")
 
 
 def _token_ids(s: KVState, slot: int, where: str, bad: list[str]) -> None:
@@ -284,12 +296,14 @@ def copy_violations(state: KVState, effect: Any, after: KVState) -> list[str]:
     store reads a device block that holds the content it names (cached under it or cached earlier in the list, as a
     window's block a decode step caches, lets go and reuses; not loaded over nor evicted earlier), each load a slot
     that holds the content it names (the tier's entry, not written over earlier) into a block that a row of ``after``
-    (the state the transition made) holds in the load's group, that row's alone. A pool that reports no events
+    (the state the transition made) holds in the load's group, that row's alone; under ``host_store_threshold`` each
+    store a content seen in that many uses (the new state's count; one a full use table dropped is passed over). A pool that reports no events
     shows no block cached in the transition: a store of a block not cached before is taken as it says there."""
     device: dict[int, Any] = {}  # block -> content, as the events so far left it
     slots: dict[int, Any] = {}  # slot -> content
     bad = []
     held_in: dict[int, set[int]] | None = None  # per group, the blocks the rows of ``after`` hold (made at a load)
+    threshold, uses = state.config.host_store_threshold, after.host.uses
     for e in events_of(effect):
         if isinstance(e, BlockStored):
             device[e.block_id] = (e.group, e.block_hash)
@@ -302,6 +316,11 @@ def copy_violations(state: KVState, effect: Any, after: KVState) -> list[str]:
             if held != (e.group, e.block_hash):
                 bad.append(f"a store of block {e.block_id} to slot {e.host_slot}: the block holds {held}")
             slots[e.host_slot] = (e.group, e.block_hash)
+            if threshold > 1:  # (a content the tier keeps was seen in that many uses: the new state's count)
+                seen = uses.get(e.block_hash)
+                if (seen[0] if seen else 0) < threshold and (seen or len(uses) < state.config.host_tracker_size):
+                    bad.append(f"a store of block {e.block_id}: its content was seen in {seen[0] if seen else 0} "
+                               f"uses, fewer than host_store_threshold {threshold}")  # fmt: skip
         elif isinstance(e, BlockOnloaded):
             was = state.host.entries.get((e.group, e.block_hash))
             held = slots.get(e.host_slot, (e.group, e.block_hash) if was and was[0] == e.host_slot else None)

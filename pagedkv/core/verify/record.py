@@ -67,6 +67,8 @@ def policy_keys(cache: CacheConfig) -> dict[str, str | bool | int]:
         "hash_lookahead": (0, cache.hash_lookahead),
         "kv_events": (True, cache.kv_events),
         "host_blocks": (0, cache.host_blocks),
+        "host_store_threshold": (0, cache.host_store_threshold),
+        "host_tracker_size": (64_000, cache.host_tracker_size),
     }
     return {k: v for k, (default, v) in keys.items() if v != default}
 

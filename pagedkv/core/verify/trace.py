@@ -96,6 +96,8 @@ def parse_trace_header(line: str) -> tuple[CacheConfig, SchedulerConfig | None]:
             hash_lookahead=cfg.get("hash_lookahead", 0),
             kv_events=cfg.get("kv_events", True),
             host_blocks=cfg.get("host_blocks", 0),
+            host_store_threshold=cfg.get("host_store_threshold", 0),
+            host_tracker_size=cfg.get("host_tracker_size", 64_000),
         ), sched
     except (InvalidConfig, TypeError, ValueError) as e:
         raise TraceHeaderError(f"line 1: bad config: {e}") from None

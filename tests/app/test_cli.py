@@ -122,6 +122,13 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["generate", "hi", "--kv-offloading-size", "0"], "--kv-offloading-size"),
     (["generate", "hi", "--kv-offloading-backend", "lmcache"], "--kv-offloading-backend"),
     (["generate", "hi", "--kv-offloading-size", "1", "--no-prefix-caching"], "it needs prefix caching"),
+    (["generate", "hi", "--kv-offloading-store-threshold", "2"], "it needs kv_offloading_size"),
+    (
+        ["generate", "hi", "--kv-offloading-size", "1", "--kv-offloading-store-threshold", "-1"],
+        "must be a non-negative",
+    ),
+    (["check", "--host-store-threshold", "2"], "it needs host_blocks"),
+    (["check", "--host-blocks", "1", "--host-tracker-size", "0"], "--host-tracker-size"),
     (["check", "--host-blocks", "1", "--no-prefix-caching"], "needs prefix caching"),
     (["check", "--host-blocks", "17"], "--host-blocks"),
     (["denoise", "--steps", "0"], "--steps"),

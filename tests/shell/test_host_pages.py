@@ -76,6 +76,26 @@ def test_the_same_tokens_with_the_tier_and_more_of_each_prompt_hit(smollm2: tupl
     assert small == conversations(model, tok, None, kv_cache_memory_bytes=6 << 20)[0]
 
 
+@pytest.mark.slow
+def test_a_tier_that_keeps_contents_seen_twice_stores_less_and_answers_the_same(
+    smollm2: tuple[Any, dict[str, Any]],
+) -> None:
+    """``kv_offloading_store_threshold=2`` (vLLM's store_threshold): the same tokens as without a tier, fewer blocks
+    stored than the tier that keeps every evicted one (a history's blocks go to the host once a later turn used
+    them), and still more of each prompt hit than without the tier."""
+    from pagedkv.models.tokenizer import Tokenizer
+
+    model, meta = smollm2
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    plain, without = conversations(model, tok, None, turns=4)
+    every, tier = conversations(model, tok, 0.05, turns=4)
+    picked, picky = conversations(model, tok, 0.05, turns=4, kv_offloading_store_threshold=2)
+    assert picked == plain == every
+    assert picky.host_pages is not None and tier.host_pages is not None
+    assert 0 < picky.host_pages.stored < tier.host_pages.stored and picky.host_pages.loaded > 0
+    assert tier.state.kv.prefix_hit_rate >= picky.state.kv.prefix_hit_rate > without.state.kv.prefix_hit_rate
+
+
 def test_a_failed_load_ends_its_step_and_nothing_it_touched_is_read(
     smollm2: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -106,6 +106,11 @@ class HostTier(Version[_Store]):
         """hash -> (uses seen, tick): the use table (``host_store_threshold``), to read now (a view)."""
         return self._here().uses
 
+    @property
+    def uses_by_tick(self) -> Mapping[int, BlockHash]:
+        """tick -> hash: the use table's LRU order, to read now (a view, as ``uses``)."""
+        return self._here().uses_by_tick
+
     def __repr__(self) -> str:
         return f"HostTier({len(self)} entries, next slot {self.next_slot})"
 

@@ -78,7 +78,7 @@ def _host_tier(s: KVState, bad: list[str]) -> None:
         bad.append(f"host tier: {len(uses)} contents in the use table (threshold {threshold}, size "
                    f"{s.config.host_tracker_size})")  # fmt: skip
     if any(not 1 <= n <= threshold for n, _ in uses.values()) or (
-        dict(tier._here().uses_by_tick.items()) != use_ticks
+        dict(tier.uses_by_tick.items()) != use_ticks
         or any(not tier.uses_oldest <= t < tier.next_tick for t in use_ticks)
         or set(use_ticks) & set(ticks)
     ):

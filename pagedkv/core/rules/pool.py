@@ -184,8 +184,9 @@ def free_rows_as_vllm_omni(txn: Txn, rows: Sequence[Sequence[Sequence[int]]]) ->
 
 def offload_many(txn: Txn, evicted: list[tuple[int, int, BlockHash]], events: list[KVEvent] | None) -> None:
     """Cached blocks the pool evicts, (block, group, hash) each in order, kept in the tier (those not there
-    already; under ``host_store_threshold`` those whose content was seen in that many uses): per block ``HostBlockRemoved`` for an entry it drops, ``BlockOffloaded``, then (``events``: the
-    pool reports them) the eviction's ``BlockRemoved``."""
+    already; under ``host_store_threshold`` those whose content was seen in that many uses): per block
+    ``HostBlockRemoved`` for an entry it drops, ``BlockOffloaded``, then (``events``: the pool reports them) the
+    eviction's ``BlockRemoved``."""
     cfg, host = txn.config, txn.host
     threshold = cfg.host_store_threshold
     # under ``host_store_threshold`` only a content seen in that many uses is kept (the rest: a None, not kept)

@@ -297,8 +297,9 @@ def copy_violations(state: KVState, effect: Any, after: KVState) -> list[str]:
     window's block a decode step caches, lets go and reuses; not loaded over nor evicted earlier), each load a slot
     that holds the content it names (the tier's entry, not written over earlier) into a block that a row of ``after``
     (the state the transition made) holds in the load's group, that row's alone; under ``host_store_threshold`` each
-    store a content seen in that many uses (the new state's count; one a full use table dropped is passed over). A pool that reports no events
-    shows no block cached in the transition: a store of a block not cached before is taken as it says there."""
+    store a content seen in that many uses (the new state's count; one a full use table dropped is passed over). A
+    pool that reports no events shows no block cached in the transition: a store of a block not cached before is taken
+    as it says there."""
     device: dict[int, Any] = {}  # block -> content, as the events so far left it
     slots: dict[int, Any] = {}  # slot -> content
     bad = []

@@ -331,7 +331,7 @@ def rank_for(
         enable_prefix_caching=enable_prefix_caching,
         max_model_len=max_model_len,
         host_blocks=host_blocks,
-        host_store_threshold=host_store_threshold if host_blocks else 0,
+        host_store_threshold=host_store_threshold,
         host_tracker_size=host_tracker_size,
         **policies,
     )

@@ -327,7 +327,8 @@ def test_the_model_checker_covers_the_store_threshold() -> None:
 def test_a_store_below_the_threshold_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: the tier keeps every evicted block whatever its uses. The checker finds a store of a content seen
     once."""
-    monkeypatch.setattr(HostEdit, "worth_keeping", lambda self, h, threshold: True)
+    real = HostEdit.put_many
+    monkeypatch.setattr(HostEdit, "put_many", lambda self, keys, capacity, threshold=0: real(self, keys, capacity))
     result = check(THRESHOLD_CHECK)
     assert result.violation and "fewer than host_store_threshold 2" in result.violation[0] and result.trace
 

@@ -187,14 +187,10 @@ def offload_many(txn: Txn, evicted: list[tuple[int, int, BlockHash]], events: li
     already; under ``host_store_threshold`` those whose content was seen in that many uses): per block
     ``HostBlockRemoved`` for an entry it drops, ``BlockOffloaded``, then (``events``: the pool reports them) the
     eviction's ``BlockRemoved``."""
-    cfg, host = txn.config, txn.host
-    threshold = cfg.host_store_threshold
-    # under ``host_store_threshold`` only a content seen in that many uses is kept (the rest: a None, not kept)
-    chosen = [x for x in evicted if host.worth_keeping(x[2], threshold)] if threshold > 1 else evicted
-    got_of = dict(zip((x[0] for x in chosen), host.put_many([(g, h) for _, g, h in chosen], cfg.host_blocks)))
+    cfg = txn.config
+    kept = txn.host.put_many([(g, h) for _, g, h in evicted], cfg.host_blocks, cfg.host_store_threshold)
     out = txn.events
-    for block, g, h in evicted:
-        got = got_of.get(block)
+    for (block, g, h), got in zip(evicted, kept):
         if got is not None:
             slot, dropped = got
             if dropped is not None:

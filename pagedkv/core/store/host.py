@@ -197,16 +197,17 @@ class HostEdit:
         self.pinned.add(key)
         return slot
 
-    def put_many(self, keys: list[Key], capacity: int) -> list[tuple[int, Key | None] | None]:
+    def put_many(self, keys: list[Key], capacity: int, threshold: int = 0) -> list[tuple[int, Key | None] | None]:
         """Each of ``keys`` in order kept, the most recently used: its slot and the entry dropped for it (when the
-        tier is full, the least recently used one not pinned); None for a key the tier holds already, or when every
-        entry is pinned (not kept)."""
+        tier is full, the least recently used one not pinned); None for a key not kept: the tier holds it already,
+        every entry is pinned, or (``threshold`` 2 or more: ``host_store_threshold``) its content was seen in fewer
+        uses (the use table, ``use``)."""
         out: list[tuple[int, Key | None] | None] = []
         store, (olds, ticks) = self._writable()
-        entries, by_tick = store.entries, store.by_tick
+        entries, by_tick, uses = store.entries, store.by_tick, store.uses
         for key in keys:
             dropped: Key | None = None
-            if key in entries:
+            if key in entries or (threshold > 1 and uses.get(key[1], (0,))[0] < threshold):
                 out.append(None)
                 continue
             if self.spare:
@@ -298,9 +299,3 @@ class HostEdit:
                 uses[h] = (1, tick)
             by_tick[tick] = h
             self.next_tick = tick + 1
-
-    def worth_keeping(self, h: BlockHash, threshold: int) -> bool:
-        """Has the content ``h`` been seen in ``threshold`` uses (a block the pool evicts is kept only then)?"""
-        node = self.node
-        got = (self.base if node is None else node)._here().uses.get(h)
-        return got is not None and got[0] >= threshold

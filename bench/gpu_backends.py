@@ -59,7 +59,7 @@ def main() -> None:
             done = eng.generate([(t, i, SamplingParams(temperature=0.0, max_tokens=NEW)) for t, i in zip(texts, ids)])
             runs[name] = [c.token_ids for c in done]
             print(
-                f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.graphs.replays) if eng.graphs else 'off'}"
+                f"{name}: {time.perf_counter() - t0:.2f} s, graphs {'replayed ' + str(eng.runner.graphs.replays) if eng.runner.graphs else 'off'}"
             )
     base = runs["triton eager"]
     print("\n| run | tokens equal to triton eager | first divergence (prompt, token) |")

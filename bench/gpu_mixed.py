@@ -46,7 +46,7 @@ def main() -> None:
     eng = Engine(
         model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=4096, time_steps=True, **kw
     )
-    print(f"backend {eng.backend.name}, graphs {'captured' if eng.graphs else 'off'}, {args.rows} rows decoding")
+    print(f"backend {eng.backend.name}, graphs {'captured' if eng.runner.graphs else 'off'}, {args.rows} rows decoding")
     n = 0
 
     def add(prompt_len: int, new: int) -> None:

@@ -37,8 +37,14 @@ def variant(name: str) -> Any:
     """Turn off what ``name`` says (a context of monkeypatches on this tree's engine); what a tree lacks is None."""
     import contextlib
 
+    import importlib.util
+
     import pagedkv.shell.engine as E
     from pagedkv.shell.engine_args import EngineArgs
+
+    # (the forward's layout: the model runner's since shell/runner.py; an older tree's in the engine)
+    R: Any = importlib.import_module("pagedkv.shell.runner") if importlib.util.find_spec("pagedkv.shell.runner") else E
+    runs = getattr(R, "ModelRunner", E.Engine)
 
     @contextlib.contextmanager
     def patched() -> Any:
@@ -49,17 +55,13 @@ def variant(name: str) -> Any:
             setattr(obj, attr, value)
 
         if name in ("eager-prefill", "none"):
-            real = E.Engine._token_rows
-            put(
-                E.Engine,
-                "_token_rows",
-                lambda self, meta, verifying: real(self, meta, verifying) if verifying else False,
-            )
-            put(E.Engine, "_pieces", lambda self, meta, verify: [meta])
+            real = runs._token_rows
+            put(runs, "_token_rows", lambda self, meta, verifying: real(self, meta, verifying) if verifying else False)
+            put(runs, "_pieces", lambda self, meta, verify: [meta])
         if name in ("no-cap", "none"):
             put(EngineArgs, "prefill_chunk_cap", lambda self, model, backend: 0)
         if name in ("no-ride", "none"):
-            put(E, "ride_along", lambda forwards, most: [(f, None) for f in forwards])
+            put(R, "ride_along", lambda forwards, most: [(f, None) for f in forwards])
         try:
             yield
         finally:
@@ -82,8 +84,8 @@ def variant(name: str) -> Any:
 
         return off()
     needs = {"eager-prefill": "_token_rows", "no-cap": "prefill_chunk_cap", "no-ride": "ride_along"}
-    have = {"_token_rows": hasattr(E.Engine, "_token_rows"), "prefill_chunk_cap": hasattr(EngineArgs, "prefill_chunk_cap"),
-            "ride_along": hasattr(E, "ride_along")}  # fmt: skip
+    have = {"_token_rows": hasattr(runs, "_token_rows"), "prefill_chunk_cap": hasattr(EngineArgs, "prefill_chunk_cap"),
+            "ride_along": hasattr(R, "ride_along")}  # fmt: skip
     if name == "default":
         return contextlib.nullcontext()
     if name == "none":

@@ -83,7 +83,7 @@ def equality(tok: Tokenizer) -> list[str]:
         eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=4, cuda_graphs=graphs)
         done = eng.generate([(t, i, SamplingParams(temperature=0.0, max_tokens=32)) for t, i in zip(texts, ids)])
         runs[name] = [c.token_ids for c in done]
-        lines.append(f"{name}: backend {eng.backend.name}, graphs {'captured' if eng.graphs else 'off'}")
+        lines.append(f"{name}: backend {eng.backend.name}, graphs {'captured' if eng.runner.graphs else 'off'}")
     lines.append(f"fp32 graph path == transformers (4 prompts x 32 tokens): {runs['fp32 graphs'] == theirs}")
     lines.append(f"fp32 graph path == fp32 eager path: {runs['fp32 graphs'] == runs['fp32 eager']}")
     for k, (a, b) in enumerate(zip(runs["bf16 graphs"], runs["fp32 graphs"])):
@@ -99,8 +99,8 @@ def floor_ms(eng: Engine, rows: int) -> float:
     """The bare replay of the engine's own graph for ``rows`` rows, over what is installed now."""
     import triton
 
-    assert eng.graphs is not None
-    g = eng.graphs.graphs[eng.graphs.bucket(rows)][0]
+    assert eng.runner.graphs is not None
+    g = eng.runner.graphs.graphs[eng.runner.graphs.bucket(rows)][0]
     return float(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median"))
 
 
@@ -112,15 +112,16 @@ class Breakdown:
 
     def __init__(self, eng: Engine) -> None:
         import pagedkv.shell.engine as engine_module
+        import pagedkv.shell.runner as runner_module
 
         self.acc = dict.fromkeys(self.PARTS, 0.0)
         self.steps = 0
         self._wrap(engine_module, "schedule", "schedule")
         self._wrap(engine_module, "on_output", "on_output")
-        self._wrap(engine_module, "sample_batch", "sample")
+        self._wrap(runner_module, "sample_batch", "sample")
         self._wrap(eng.worker, "install", "install")
-        if eng.graphs is not None:
-            self._wrap(eng.graphs, "decode", "forward")
+        if eng.runner.graphs is not None:
+            self._wrap(eng.runner.graphs, "decode", "forward")
 
     def _wrap(self, obj: Any, name: str, part: str) -> None:
         f = getattr(obj, name)

@@ -43,7 +43,7 @@ def build_engine(fail_at: frozenset[int] = frozenset(), trace: str | None = None
     out = open(trace, "w", encoding="utf-8") if trace else None
     engine = Engine(model, Tokenizer(meta), kv_cache_memory_bytes=32 << 20, max_num_seqs=8, trace=out)
     if fail_at:
-        real, launches = engine._launch, [0]
+        real, launches = engine.runner.run, [0]
 
         def launch(*a: Any) -> Any:
             launches[0] += 1
@@ -51,7 +51,7 @@ def build_engine(fail_at: frozenset[int] = frozenset(), trace: str | None = None
                 raise RuntimeError("a device fault")
             return real(*a)
 
-        engine._launch = launch  # type: ignore[method-assign]
+        engine.runner.run = launch  # type: ignore[method-assign]
     return engine
 
 

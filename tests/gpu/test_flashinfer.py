@@ -98,7 +98,7 @@ def test_an_engine_on_flashinfer_gives_triton_s_tokens() -> None:
         eng = Engine(model, tok, backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20, cuda_graphs=graphs)
         runs[(backend, graphs)] = [c.token_ids for c in eng.generate(reqs)]
         assert eng.state.kv.free_blocks == eng.cache.usable_blocks
-        assert (eng.graphs is not None and eng.graphs.replays > 0) == graphs
+        assert (eng.runner.graphs is not None and eng.runner.graphs.replays > 0) == graphs
         if backend == "triton+flashinfer":
             assert all(n > 0 for n in eng.backend.calls.values()), eng.backend.calls  # type: ignore[attr-defined]
     assert runs[("flashinfer", True)] == runs[("flashinfer", False)]
@@ -155,5 +155,5 @@ def test_an_engine_on_fp8_pages_runs_on_flashinfer_with_graphs() -> None:
     assert eng.pool.fp8
     done = eng.generate(prompts)
     assert [len(c.token_ids) for c in done] == [6] * 4
-    assert eng.graphs is not None and eng.graphs.replays > 0
+    assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks

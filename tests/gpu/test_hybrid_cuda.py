@@ -52,7 +52,7 @@ def engine(model: Llama, **kw: Any) -> Engine:
 def test_the_defaults_on_cuda_run_the_hybrid_model_as_transformers_does(models: tuple[Any, Llama]) -> None:
     hf, ours = models
     eng = engine(ours)
-    assert eng.backend.name == "triton" and eng.graphs is not None  # the engine's defaults on CUDA
+    assert eng.backend.name == "triton" and eng.runner.graphs is not None  # the engine's defaults on CUDA
     assert [g.kind.value for g in eng.cache.groups] == ["full", "sliding_window"] and eng.cache.groups[
         1
     ].window == WINDOW
@@ -60,7 +60,7 @@ def test_the_defaults_on_cuda_run_the_hybrid_model_as_transformers_does(models: 
         eng = engine(ours)
         (c,) = eng.generate([("p", prompt, SamplingParams(temperature=0.0, max_tokens=40))])
         assert c.token_ids == reference(hf, prompt, 40)
-        assert eng.graphs is not None and eng.graphs.replays > 0  # decode ran from the graphs
+        assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0  # decode ran from the graphs
 
 
 def test_triton_and_graphs_equal_the_reference_batched_with_preemption_and_hits(models: tuple[Any, Llama]) -> None:

@@ -77,7 +77,7 @@ def test_triton_and_graphs_give_transformers_tokens(models: tuple[Any, Path]) ->
     hf, path = models
     batch = prompts((70, 45, 9), 1)
     eng, got = serve(ours(path), batch, 16, kv_cache_memory_bytes=8 << 20)
-    assert eng.backend.name == "triton" and eng.graphs is not None
+    assert eng.backend.name == "triton" and eng.runner.graphs is not None
     assert got == reference(hf, path, batch, 16)
 
 

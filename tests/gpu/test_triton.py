@@ -71,7 +71,7 @@ def test_the_engine_replays_graphs_and_gives_the_eager_tokens() -> None:
         eng = Engine(
             model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
         )
-        assert (eng.graphs is not None) == graphs and (not graphs or eng.graphs.captures == 1)
+        assert (eng.runner.graphs is not None) == graphs and (not graphs or eng.runner.graphs.captures == 1)
         runs[graphs] = [c.token_ids for c in eng.generate(prompts)]
     assert runs[True] == runs[False]
     alone = Engine(model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
@@ -102,14 +102,14 @@ def test_prefill_forwards_replay_graphs_and_give_the_eager_tokens() -> None:
         )
         assert eng.worker.token_rows == (min(eng.args.max_num_batched_tokens, 512) if graphs else 0)
         assert eng.state.config.long_prefill_token_threshold == (512 if graphs and cap is None else 0)
-        before = 0 if eng.graphs is None else eng.graphs.replays
+        before = 0 if eng.runner.graphs is None else eng.runner.graphs.replays
         runs[graphs, cap, "short"] = [c.token_ids for c in eng.generate(short)]  # one prefill forward, a token each
         if graphs:
-            assert eng.graphs.replays == before + 1  # the prompts' forward: replayed
-            before = eng.graphs.replays
+            assert eng.runner.graphs.replays == before + 1  # the prompts' forward: replayed
+            before = eng.runner.graphs.replays
         runs[graphs, cap, "long"] = [c.token_ids for c in eng.generate(long)]
         if graphs:  # chunks of 512, 512, 176 replayed, then 3 decodes; or one eager chunk of 1,200, then 3 decodes
-            assert eng.graphs.replays == before + (6 if cap is None else 3)
+            assert eng.runner.graphs.replays == before + (6 if cap is None else 3)
     for part in ("short", "long"):
         assert runs[True, None, part] == runs[False, None, part] == runs[True, 0, part]
 
@@ -128,11 +128,11 @@ def test_a_prefill_forward_over_the_bucket_replays_in_pieces_between_requests() 
         eng = Engine(
             model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
         )
-        before = 0 if eng.graphs is None else eng.graphs.replays
+        before = 0 if eng.runner.graphs is None else eng.runner.graphs.replays
         runs[graphs] = [c.token_ids for c in eng.generate(prompts)]
         assert eng.stats.steps == 6  # (the prompts in one step, then five decodes)
         if graphs:
-            assert eng.graphs.replays == before + 2 + 5
+            assert eng.runner.graphs.replays == before + 2 + 5
     assert runs[True] == runs[False]
 
 
@@ -164,7 +164,7 @@ def test_an_engine_on_fp8_pages_gives_the_torch_backends_tokens_with_graphs() ->
         eng = Engine(
             model, IdTokenizer(), backend=backend, block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8"
         )
-        assert eng.pool.fp8 and (eng.graphs is not None) == (backend == "triton")
+        assert eng.pool.fp8 and (eng.runner.graphs is not None) == (backend == "triton")
         runs[backend] = [c.token_ids for c in eng.generate(prompts)]
     assert runs["triton"] == runs["torch"]
 
@@ -194,7 +194,7 @@ def test_verified_tokens_are_the_decoded_tokens_in_bf16(drafts: int) -> None:
             speculative_config=spec,
         )
         runs[spec is None] = [c.token_ids for c in eng.generate(prompts)]
-        assert eng.graphs is not None and eng.graphs.replays > 0
+        assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
         assert (eng.stats.verifies > 0) == (spec is not None)
     assert runs[False] == runs[True]
 

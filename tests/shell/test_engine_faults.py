@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import pagedkv.shell.engine as engine_module
+import pagedkv.shell.runner as runner_module
 from pagedkv.core.verify.invariants import check_invariants
 from pagedkv.core.verify.trace import replay
 
@@ -123,7 +123,7 @@ def serve(
 ) -> Engine:
     eng = keep_handed(Engine(faulty if where == "forward" and faulty else model, IdTokenizer(), trace=trace, **SMALL))  # type: ignore[arg-type]
     if faulty is not None and where != "forward":
-        target = {"install": (eng.worker, "install"), "sample": (engine_module, "sample_batch")}.get(where)
+        target = {"install": (eng.worker, "install"), "sample": (runner_module, "sample_batch")}.get(where)
         if target is not None:
             obj, name = target
             real = getattr(obj, name)

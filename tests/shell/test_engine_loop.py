@@ -120,10 +120,14 @@ def test_decode_tokens_come_from_the_last_steps_ids(model: Any) -> None:
         eng.add_request(rid, "", ids, p)
     for _ in range(3):  # both prompts prefilled, then decoding
         eng.step()
-    samples, ids = eng._last  # type: ignore[misc]
+    samples, ids = eng.runner.last  # type: ignore[misc]
     meta = schedule(eng.state).unwrap()[1].metadata[0]
     rows = tuple(r.request_id for r in meta.rows)
     assert meta.phase is Phase.DECODE and rows == samples
-    assert eng._tokens(meta, rows) is ids
-    eng._last = (tuple(reversed(samples)), ids.flip(0))
-    assert eng._tokens(meta, rows).tolist() == [eng.requests[r].completion.token_ids[-1] for r in rows] == ids.tolist()
+    assert eng.runner._tokens(meta, rows, eng.state) is ids
+    eng.runner.last = (tuple(reversed(samples)), ids.flip(0))
+    assert (
+        eng.runner._tokens(meta, rows, eng.state).tolist()
+        == [eng.requests[r].completion.token_ids[-1] for r in rows]
+        == ids.tolist()
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pagedkv.core import CacheConfig
 from pagedkv.core.outputs.metadata import KVMetadata, Phase
 from pagedkv.core.scheduler import SchedulerConfig, SeqRequest, new_scheduler, schedule, submit
-from pagedkv.shell.engine import FLAT_READS, graph_pieces
+from pagedkv.shell.runner import FLAT_READS, graph_pieces
 
 
 def prefill(lengths: list[int], cached: int = 0) -> KVMetadata:
@@ -92,7 +92,7 @@ def test_a_steps_decodes_ride_in_its_first_prefill_forward_that_holds_them() -> 
     the decode forward gone; over the bucket or the reads, or of another generation, nothing rides."""
     from dataclasses import replace
 
-    from pagedkv.shell.engine import ride_along
+    from pagedkv.shell.runner import ride_along
 
     lengths = [100, 105, 110, 115, 120, 125, 130, 135]
     pieces = graph_pieces(prefill(lengths), 512)  # 430 + 510 tokens

@@ -120,15 +120,15 @@ def test_a_requests_tokens_are_its_own_in_every_company(
     chunked) gives every request the token ids and the logprob bits it got alone. Steps that take in a prompt while
     others decode run one forward, the decode rows riding in the prompt's (``ride_along``): the same bits."""
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.runner import ModelRunner
 
-    real, rode = Engine._forward, []
+    real, rode = ModelRunner._forward, []
 
-    def forward(self: Engine, *a: Any) -> Any:
-        rode.append(len(a) > 4 and a[4] is not None)
+    def forward(self: ModelRunner, *a: Any) -> Any:
+        rode.append(len(a) > 5 and a[5] is not None)  # (its lead: the decode rows riding)
         return real(self, *a)
 
-    monkeypatch.setattr(Engine, "_forward", forward)
+    monkeypatch.setattr(ModelRunner, "_forward", forward)
 
     model, meta = smollm2
     tok = Tokenizer(meta)  # type: ignore[arg-type]

@@ -81,11 +81,11 @@ def test_a_failed_step_ends_its_requests_and_those_whose_ids_it_lost(model: obje
             raise RuntimeError("injected")
         return real(*a)
 
-    eng.model = type("M", (), {"forward": staticmethod(flaky), "device": model.device, "config": model.config})()
+    eng.runner.model = type("M", (), {"forward": staticmethod(flaky), "device": model.device, "config": model.config})()
     done = eng.generate([(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=12)) for i, p in enumerate(prompts)])
     assert any(c.finish_reason == "error" and "injected" in (c.error or "") for c in done)
     assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows and not eng.state.awaiting
-    eng.model = model
+    eng.runner.model = model
     (again,) = eng.generate([("q", prompts[0], SamplingParams(temperature=0.0, max_tokens=5))])  # and it serves on
     (clean,) = Engine(model, StopAt(), block_size=4).generate(
         [("q", prompts[0], SamplingParams(temperature=0.0, max_tokens=5))]

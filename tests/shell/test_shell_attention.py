@@ -269,7 +269,7 @@ def test_the_phase_backend_routes_decode_and_prefill_to_their_backends() -> None
         plain = [c.token_ids for c in Engine(model, IdTokenizer(), block_size=4).generate(prompts)]
         both = PhaseBackend(TorchBackend(), Other())
         eng = Engine(model, IdTokenizer(), block_size=4)
-        eng.backend = both  # the engine's forwards through the phase backend
+        eng.runner.backend = both  # the engine's forwards (its model runner's) through the phase backend
         assert [c.token_ids for c in eng.generate(prompts)] == plain
         assert both.name == "torch+other" and both.calls["torch"] > 0
         assert (both.calls["other"] > 0) == prefill_calls, both.calls

@@ -122,7 +122,7 @@ class EngineArgs:
         """Query tokens a step may lay out one a forward row (``Worker``), for the decode kernel and its CUDA
         graphs: with speculation, every request and all its drafts (a verify step); where decode steps replay
         graphs (a CUDA ``model``, a capturable ``backend``), a prefill chunk of up to ``GRAPH_ROWS`` tokens too
-        (``Engine._forward``: a step that carries one runs as graph replays, not layer by layer), unless the model
+        (``ModelRunner._forward``: a step that carries one runs as graph replays, not layer by layer), unless the model
         keeps Mamba states (a state steps through a row's tokens in order: they are never rows of their own); 0
         else."""
         spec = SpeculativeConfig.of(self.speculative_config)

@@ -6,7 +6,7 @@ Three sources of difference, and what this module does about each:
 
 - Attention: a kernel that cuts a row's keys by the batch (a split count, a block size chosen from the longest
   row), and a prefix read by a prefill kernel where a decode read it before. Every query token is laid out as a
-  decode row of its own (the worker's token rows: ``Engine._token_rows``) and read by a kernel whose key splits
+  decode row of its own (the worker's token rows: ``ModelRunner._token_rows``) and read by a kernel whose key splits
   have a fixed size, merged in order: the Triton decode kernel on CUDA (``triton_decode.SPLIT_KEYS``), the torch
   backend's ``split_attention`` elsewhere.
 - Matrix products: a GEMM library picks its kernel, and with it how a row's sums are cut, by the row count and the

@@ -22,10 +22,13 @@ its front end computed, the hashing included; pagedkv's ``submit``, which hashes
 tokens each request's first chunk found cached over its prompt tokens), preemptions, steps, and whether the two vLLM
 variants scheduled identically (a digest of every step's scheduled tokens and preemptions). vLLM's chunked prefill
 and prefix caching on; pagedkv's scheduler with chunked prefill and prefix caching, the same budget, seats and pool.
-Run it where vLLM is installed (``.ci/vllm_env.sh VENV 0.34.0``):
+``--peers-workload`` replays ../shared/peers' workload instead of a trace file (``peers_records``: its draws, in
+Mooncake's format, every request arriving at once; ``--max-num-seqs`` the running requests it keeps). Run it where
+vLLM is installed (``.ci/vllm_env.sh VENV 0.34.0``):
 
     VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 2000
     VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 3993 --blocks 100000
+    VENV/bin/python bench/production.py --peers-workload --requests 4000 --max-num-seqs 256 --blocks 40000
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -53,17 +58,48 @@ VLLM_POLICIES = dict(caching_point="schedule", free_queue="vllm", cache_duplicat
 
 def prompts(path: str, n: int) -> list[tuple[float, list[int], int]]:
     """The first ``n`` requests of the trace: (arrival ms, prompt ids, output tokens)."""
-    out = []
+    records = []
     with open(path) as f:
         for line in f:
-            if len(out) >= n:
+            if len(records) >= n:
                 break
-            r = json.loads(line)
-            ids: list[int] = []
-            for h in r["hash_ids"]:
-                take = min(CHUNK, r["input_length"] - len(ids))
-                ids.extend((h * 2_654_435_761 + k * 40_503) % VOCAB + 1 for k in range(take))
-            out.append((float(r["timestamp"]), ids, max(1, int(r["output_length"]))))
+            records.append(json.loads(line))
+    return work_of(records)
+
+
+def work_of(records: list[dict[str, Any]]) -> list[tuple[float, list[int], int]]:
+    """Trace records (Mooncake's format) as (arrival ms, prompt ids, output tokens): a chunk's ids a function of its
+    hash id, so equal hash ids share prefixes exactly."""
+    out = []
+    for r in records:
+        ids: list[int] = []
+        for h in r["hash_ids"]:
+            take = min(CHUNK, r["input_length"] - len(ids))
+            ids.extend((h * 2_654_435_761 + k * 40_503) % VOCAB + 1 for k in range(take))
+        out.append((float(r["timestamp"]), ids, max(1, int(r["output_length"]))))
+    return out
+
+
+def peers_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` requests drawn as ../shared/peers' harness draws its workload (its defaults: prompts lognormal around
+    250 tokens, sigma 1.0, 4 to 2,048; outputs lognormal around 200, sigma 0.8, 1 to 1,024; 30% of them one of 8
+    shared 512-token prefixes followed by their own tokens), in Mooncake's format, every one arriving at 0 (the
+    harness keeps its running requests topped up from a queue: here the scheduler's seats, ``--max-num-seqs``). A
+    shared prefix is one chunk (hash id 0-7); a request's own tokens are chunks of hash ids no other request has."""
+    out = []
+    fresh = 8  # (hash ids 0-7: the shared prefixes)
+    for i in range(n):
+        r = random.Random(seed * 1_000_003 + i + 1)
+        length = max(4, min(round(r.lognormvariate(math.log(250), 1.0)), 2048))
+        output = max(1, min(round(r.lognormvariate(math.log(200), 0.8)), 1024))
+        shared = r.random() < 0.3
+        prefix = [r.randrange(8)] if shared else []
+        if shared:
+            length = CHUNK + min(length, 2048 - CHUNK)
+        own = -(-(length - CHUNK * len(prefix)) // CHUNK)
+        out.append({"timestamp": 0, "input_length": length, "output_length": output,
+                    "hash_ids": prefix + list(range(fresh, fresh + own))})  # fmt: skip
+        fresh += own
     return out
 
 
@@ -211,7 +247,7 @@ def run_pagedkv(work: list[tuple[float, list[int], int]], args: argparse.Namespa
 
 
 def child(args: argparse.Namespace) -> None:
-    work = prompts(args.trace, args.requests)
+    work = work_of(peers_records(args.requests)) if args.trace is None else prompts(args.trace, args.requests)
     t0 = time.perf_counter()
     if args.variant == "pagedkv":
         out = run_pagedkv(work, args)
@@ -228,7 +264,13 @@ def pct(xs: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True, help="a Mooncake FAST'25 trace (JSON Lines)")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="a Mooncake FAST'25 trace (JSON Lines)")
+    source.add_argument(
+        "--peers-workload",
+        action="store_true",
+        help="../shared/peers' workload instead (short prompts decoding, 30%% sharing a prefix; all arrive at once)",
+    )
     ap.add_argument("--requests", type=int, default=2000, help="its first N requests")
     ap.add_argument("--blocks", type=int, default=20_000, help="the pool, in 16-token blocks (the null block included)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -263,7 +305,8 @@ def main() -> None:
     base = sum(middle(runs["vllm"])["times"]) if "vllm" in runs else None
     policies = "its own cache policies" if args.own_policies else "vLLM's cache policies"
     print(
-        f"{os.path.basename(args.trace)}, first {args.requests} requests; pool {args.blocks} blocks of 16, "
+        f"{os.path.basename(args.trace) if args.trace else 'the peers harness workload'}, first {args.requests} "
+        f"requests; pool {args.blocks} blocks of 16, "
         f"max_num_seqs {args.max_num_seqs}, {args.budget} tokens a step, chunked prefill and prefix caching on; "
         f"vLLM {vllm.__version__}; GC on; median of {args.repeats} run(s) a variant, each in its own process; "
         f"pagedkv's scheduler with {policies}"

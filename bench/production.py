@@ -28,7 +28,7 @@ vLLM is installed (``.ci/vllm_env.sh VENV 0.34.0``):
 
     VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 2000
     VENV/bin/python bench/production.py --trace synthetic_trace.jsonl --requests 3993 --blocks 100000
-    VENV/bin/python bench/production.py --peers-workload --requests 4000 --max-num-seqs 256 --blocks 40000
+    VENV/bin/python bench/production.py --peers-workload --requests 2000 --max-num-seqs 256 --blocks 40000 --repeats 3
 """
 
 from __future__ import annotations

@@ -448,7 +448,8 @@ class Engine:
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.cache.usable_blocks - self.state.kv.free_blocks)
         self.state, ended = on_output(self.state, sampled, stop).unwrap()
         output_events = self.state.kv_events
-        Speculation.cut(self.worker, self.state.kv, plan.verify)  # (rows that verified drafts: cut back)
+        if plan.verify:  # (rows that verified drafts: cut back; a plan verifies only where speculation is on)
+            Speculation.cut(self.worker, self.state.kv, plan.verify)
         if ended:  # the engine consistent and the completions kept before anything that may raise
             self.worker.remove([rid for rid, _ in ended])
             gone = [self.requests.pop(rid) for rid, _ in ended]

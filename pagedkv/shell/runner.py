@@ -191,9 +191,10 @@ class ModelRunner:
         if pick != list(range(len(logits))):
             logits = logits[to_device(pick, torch.int64, logits.device)]
         params = [x.params for x in live]
-        constrained = self._constrained(samples, verify, bound) if grammars is not None else []
-        if grammars is not None and constrained:  # (structured outputs: the ids each grammar allows, first)
-            logits = grammars.masked(logits, constrained)
+        if grammars is not None:  # (structured outputs: the ids each grammar allows, before the rest of the sampling)
+            constrained = self._constrained(samples, verify, bound)
+            if constrained:
+                logits = grammars.masked(logits, constrained)
         history = (
             self._history(samples, verify, live, state.awaiting)
             if any(p.penalized or p.min_tokens for p in params)

@@ -12,7 +12,7 @@ import inspect
 import json
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,10 +135,11 @@ def _generation_reused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _hit_evicted_by_its_own_admission(monkeypatch: pytest.MonkeyPatch) -> None:
-    def take_hit(txn: Txn, b: int) -> None:
-        txn.refcount[b] = txn.refcount[b] + 1  # the hit stays in the free queue, where a pop can take it
+    def take_hits(txn: Txn, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            txn.refcount[b] = txn.refcount[b] + 1  # the hit stays in the free queue, where a pop can take it
 
-    monkeypatch.setattr(pool, "take_hit", take_hit)
+    monkeypatch.setattr(pool, "take_hits", take_hits)
 
 
 PLANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -209,7 +210,7 @@ def test_full_window_and_mamba_is_exhaustive_without_a_violation() -> None:
 
 
 def _saved_state_left_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "take_state", lambda txn, b: pool.take_hit(txn, b))  # a second hit shares it
+    monkeypatch.setattr(admission, "take_state", lambda txn, b: pool.take_hits(txn, (b,)))  # a second hit shares it
 
 
 def _state_allocated_per_block(monkeypatch: pytest.MonkeyPatch) -> None:

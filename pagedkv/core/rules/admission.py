@@ -154,8 +154,7 @@ def turn_away(state: KVState, spec: RequestSpec) -> Result[Step[TurnedAway], KVE
         return Failure(invalid(f"request {shown(spec.request_id)} fits: admit it", request=spec.request_id))
     txn = Txn(state)
     pinned = list(dict.fromkeys(b for row_ids in hit.ids for ids in row_ids for b in ids if b > 0))
-    for b in pinned:  # (vLLM's touch: no allocation below evicts a hit)
-        pool.take_hit(txn, b)
+    pool.take_hits(txn, pinned)  # (vLLM's touch: no allocation below evicts a hit)
     taken: list[list[tuple[int, ...]]] = []
     for row in spec.rows:
         fresh = cfg.blocks_for(row.num_tokens) - hit.num_blocks
@@ -310,8 +309,7 @@ def _reserve(
             saved = r.taken_over(group_ids)
             if saved is not None:
                 take_state(txn, saved)
-            for b in r.hit_taken(group_ids, first):
-                pool.take_hit(txn, b)
+            pool.take_hits(txn, r.hit_taken(group_ids, first))
     if cfg.host_store_threshold > 1:  # (a use of each content hit: what the tier keeps, core/store/host.py)
         for hashes in hit.hashes:
             txn.host.use(hashes, cfg.host_store_threshold, cfg.host_tracker_size)
@@ -346,4 +344,4 @@ def take_state(txn: Txn, saved: int) -> None:
     """The saved state at a hit's boundary becomes the row's: out of the cache (it will be rewritten, so no
     other request may hit it), out of the free queue."""
     pool.evict(txn, saved)
-    pool.take_hit(txn, saved)
+    pool.take_hits(txn, (saved,))

@@ -161,8 +161,11 @@ class KindRules:
     def hit_ids(self, cached: Cached, chain: Sequence[bytes], n: int, block_size: int) -> tuple[int, ...]:
         """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look; ``HOSTED`` where
         the host tier holds the block)."""
-        first = self.first_visible_block(n * block_size, block_size)
-        return tuple(_known(cached, chain[j]) if j >= first else 0 for j in range(n))
+        first = min(self.first_visible_block(n * block_size, block_size), n)
+        ids = tuple(map(cached, chain[first:n]))
+        if None in ids:
+            raise InvariantError("a hit's block is cached")
+        return (0,) * first + ids if first else ids
 
 
 def _fresh_for_hosted(ids: tuple[int, ...], pop: Pop) -> tuple[int, ...]:

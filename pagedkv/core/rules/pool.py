@@ -124,21 +124,27 @@ def link_free(txn: Txn, tail: Sequence[int], head: Sequence[int]) -> None:
     txn.free_blocks += len(tail) + len(head)
 
 
-def take_hit(txn: Txn, b: int) -> None:
-    """One more reference to a cached block; out of the free queue if nobody held it."""
-    rc = txn.refcount[b]
-    if rc == 0:
-        unlink_free(txn, b)
-    txn.refcount[b] = rc + 1
-
-
-def unlink_free(txn: Txn, b: int) -> None:
-    """Take ``b`` out of the middle of the free queue (a prefix-cache hit)."""
-    nxt, prv = txn.nxt, txn.prv
-    before, after = prv[b], nxt[b]
-    nxt[before] = after
-    prv[after] = before
-    txn.free_blocks -= 1
+def take_hits(txn: Txn, blocks: Sequence[int]) -> None:
+    """One more reference to each of ``blocks`` (cached ones), in order; those nobody held leave the
+    free queue from where they stand (a prefix-cache hit). The refcounts and links are written in place, their old
+    values logged first: a run of neighbours leaving together writes only links of its own blocks and of the
+    blocks just outside it, so the blocks and their neighbours now are every entry written."""
+    if not blocks:
+        return
+    counts = txn.refcount.writable(blocks)
+    idle = [b for b in dict.fromkeys(blocks) if counts[b] == 0]  # (a block listed twice leaves the queue once)
+    for b in blocks:
+        counts[b] += 1
+    if not idle:
+        return
+    after, before = txn.nxt.values(), txn.prv.values()
+    touched = (*idle, *map(before.__getitem__, idle), *map(after.__getitem__, idle))
+    after, before = txn.nxt.writable(touched), txn.prv.writable(touched)
+    for b in idle:
+        p, n = before[b], after[b]
+        after[p] = n
+        before[n] = p
+    txn.free_blocks -= len(idle)
 
 
 def free_tail_first(txn: Txn, req: Request) -> None:

@@ -135,7 +135,10 @@ def _cached_in(state: KVState, g: int) -> Cached:
     tier holds it, or None."""
     cache = state.cache
     if not state.config.host_blocks:
-        return lambda h: cache.get((g, h))
+        get = cache.group_map(g).get  # (read while find_hit runs, which writes nothing)
+        if not state.config.cache_duplicates:  # (one block a content: every value a block id)
+            return get
+        return lambda h: b[0] if type(b := get(h)) is tuple else b
     tier = state.host  # (read through the version: the closure may outlive a write to the tier)
 
     def cached(h: BlockHash) -> int | None:
@@ -161,6 +164,8 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple
     on_device: list[int] = []
     bs = cfg.block_size
     full = [g for g, rules in enumerate(cfg.rules) if rules.full_hit]  # full attention, MLA
+    maps = [cache.group_map(g) for g in full]  # (read here only: nothing writes the index while the chain is walked)
+    only = maps[0] if len(maps) == 1 else None
     chains: list[list[BlockHash]] = []
     limit: int | None = None if spec.max_hit is None else spec.max_hit // bs + drop
     keys = BlockKeys.of(spec.extra_keys, content=spec.content, first=spec.first_block_keys, kind=cfg.block_hash)
@@ -209,7 +214,7 @@ def _full_chains(state: KVState, spec: RequestSpec, drop: bool = False) -> tuple
                     )
             if taken <= j < len(given) and given[j] != h:  # (a given hash checked: check_given_hashes)
                 raise GivenHashError(j, h)
-            if device is None and all((g, h) in cache for g in full):
+            if device is None and (h in only if only is not None else all(h in m for m in maps)):
                 pass
             elif tier is not None and all((g, h) in tier for g in full):  # (in the host tier: loaded at admission)
                 device = len(chain) if device is None else device

@@ -130,6 +130,12 @@ class PrefixIndex(Version[_Store]):
                 return g, h
         return None
 
+    def group_map(self, g: int) -> dict[BlockHash, Any]:
+        """Group ``g``'s hash -> block map as this version holds it (a block, or the tuple of a key's duplicates,
+        the first one a lookup's), for a loop that only reads it while nothing reads another version of this
+        lineage or writes it (a prefix lookup's walk: a dict read a block, no key tuple built)."""
+        return self._here().maps[g]
+
     def cached_blocks(self) -> int:
         """How many blocks carry a key (the reverse entries): ``len`` where the index is whole."""
         return sum(len(rev) for rev in self._here().revs)

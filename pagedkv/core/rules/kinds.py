@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from pagedkv.core.errors import InvariantError
 
@@ -162,9 +162,10 @@ class KindRules:
         """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look; ``HOSTED`` where
         the host tier holds the block)."""
         first = min(self.first_visible_block(n * block_size, block_size), n)
-        ids = tuple(map(cached, chain[first:n]))
-        if None in ids:
+        got = tuple(map(cached, chain[first:n]))
+        if None in got:
             raise InvariantError("a hit's block is cached")
+        ids = cast(tuple[int, ...], got)
         return (0,) * first + ids if first else ids
 
 

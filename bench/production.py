@@ -92,9 +92,9 @@ def peers_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
         r = random.Random(seed * 1_000_003 + i + 1)
         length = max(4, min(round(r.lognormvariate(math.log(250), 1.0)), 2048))
         output = max(1, min(round(r.lognormvariate(math.log(200), 0.8)), 1024))
-        shared = r.random() < 0.3
-        prefix = [r.randrange(8)] if shared else []
-        if shared:
+        prefix = []
+        if r.random() < 0.3:  # one of the shared prefixes, then the request's own tokens
+            prefix = [r.randrange(8)]
             length = CHUNK + min(length, 2048 - CHUNK)
         own = -(-(length - CHUNK * len(prefix)) // CHUNK)
         out.append({"timestamp": 0, "input_length": length, "output_length": output,

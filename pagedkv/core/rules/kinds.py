@@ -162,11 +162,10 @@ class KindRules:
         """The block ids a hit of ``n`` blocks gives a row (0 where no query of the row will look; ``HOSTED`` where
         the host tier holds the block)."""
         first = min(self.first_visible_block(n * block_size, block_size), n)
-        got = tuple(map(cached, chain[first:n]))
-        if None in got:
+        ids = tuple(map(cached, chain[first:n]))
+        if None in ids:
             raise InvariantError("a hit's block is cached")
-        ids = cast(tuple[int, ...], got)
-        return (0,) * first + ids if first else ids
+        return (0,) * first + cast(tuple[int, ...], ids)
 
 
 def _fresh_for_hosted(ids: tuple[int, ...], pop: Pop) -> tuple[int, ...]:

@@ -314,6 +314,11 @@ class PagedKVCacheManager:
                 ),
             )
         watermark = self.watermark_blocks if has_scheduled_reqs and is_waiting(request) else 0
+        if full_sequence_must_fit:  # (first: a request that waits for blocks is turned away before its spec is made)
+            full = min(request.num_tokens, self.max_model_len)
+            hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
+            if self.geometry.capped_need(txn.state, full, computed, hit_ids) + watermark > txn.state.free_blocks:
+                return None
         lookup = self.prefix_cache_lookup_enabled(request)
         known = min(need_slot, request.num_tokens)  # slots past the tokens (draft padding, lookahead slots)
         spec = self._spec(
@@ -321,11 +326,6 @@ class PagedKVCacheManager:
         )
         if self._aligned and num_new_computed_tokens and self._state_cached_now(txn.state, spec):
             return None  # (vLLM's MambaManager: a state cached this step is written by this step's forward)
-        if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
-            hit_ids = new_computed_blocks.get_block_ids() if new_computed_blocks is not None else ()
-            if self.geometry.capped_need(txn.state, full, computed, hit_ids) + watermark > txn.state.free_blocks:
-                return None
         admitted = admit(txn.state, spec, reserve=watermark + reserved_blocks)
         if isinstance(admitted, Failure) and admitted.failure().code is ErrorCode.NO_CAPACITY:
             return None

@@ -190,11 +190,13 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
 def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
     """A decode step with overlapped scheduling (``async_scheduling``) beside the engine that waits, and the graph
     floor: each step's time from whole runs, not synchronised step by step (that would undo the overlap): (a run
-    of ``new`` tokens - a run of 1) / (new - 1), medians of 3."""
+    of ``new`` tokens - a run of 1) / (new - 1), medians of 3. Then one more overlapped run with the host's time a step
+    inside ``step()`` and its wait for the last step's ids (``HostTime``; the run's prefill step among its steps): a
+    wait of ~0 says the step is the host's."""
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     rows = [
         f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
-        f"{'same tokens':>12}"
+        f"{'host ms/step':>14} {'ids wait ms':>13} {'same tokens':>12}"
     ]
     for b in sizes:
         ms, outs = {}, {}
@@ -212,14 +214,61 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
                 return time.perf_counter() - t0
 
             ms[ahead] = statistics.median((run(new) - run(1)) / (new - 1) * 1e3 for _ in range(3))
-            run(new)
+            if ahead:  # (overlapped: is the step the host's? its time inside step(), and the wait for the ids)
+                host = HostTime(eng)
+                run(new)
+                host.close()
+            else:
+                run(new)
             flo = floor_ms(eng, b)
             del eng
         rows.append(
             f"{b:>6} {ms[False]:>8.2f} {ms[True]:>11.2f} {flo:>9.2f} {ms[False] / flo:>11.2f} "
-            f"{ms[True] / flo:>14.2f} {str(outs[False] == outs[True]):>12}"
+            f"{ms[True] / flo:>14.2f} {host.step_ms():>14.2f} {host.wait_ms():>13.3f} {str(outs[False] == outs[True]):>12}"
         )
     return rows
+
+
+class HostTime:
+    """The host's seconds inside an engine's steps and, of those, in the wait for a step's ids to reach the host
+    (``Readback.tolist``): an overlapped step whose wait is ~0 is the host's (the device finished the step it reads
+    before the host asked), one that waits is the device's."""
+
+    def __init__(self, eng: Engine) -> None:
+        from pagedkv.shell import transfer
+
+        self.eng, self.transfer = eng, transfer
+        self.step_s = self.wait_s = 0.0
+        self.steps = 0
+        self._step, self._tolist = eng._step, transfer.Readback.tolist
+
+        def step(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return self._step(*a, **k)
+            finally:
+                self.step_s += time.perf_counter() - t
+                self.steps += 1
+
+        def tolist(readback: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return self._tolist(readback)
+            finally:
+                self.wait_s += time.perf_counter() - t
+
+        eng._step = step  # type: ignore[method-assign]
+        transfer.Readback.tolist = tolist  # type: ignore[method-assign,assignment]
+
+    def close(self) -> None:
+        self.eng._step = self._step  # type: ignore[method-assign]
+        self.transfer.Readback.tolist = self._tolist  # type: ignore[method-assign]
+
+    def step_ms(self) -> float:
+        return self.step_s / max(self.steps, 1) * 1e3
+
+    def wait_ms(self) -> float:
+        return self.wait_s / max(self.steps, 1) * 1e3
 
 
 def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> list[str]:

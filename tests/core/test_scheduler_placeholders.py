@@ -137,3 +137,29 @@ def test_a_run_ahead_is_a_trace_that_replays() -> None:
     assert any('"op": "tokens"' in x for x in lines) and any("null" in x for x in lines)
     results = list(replay(lines, check=True))
     assert len(results) == len(lines) - 1 and all(r.divergence is None and not r.violations for r in results)
+
+
+def test_fill_many_awaiting_only_skips_a_row_that_awaits_nothing() -> None:
+    """``on_tokens``' fill: a row that grew by a placeholder takes its id; one that did not grow since (not scheduled
+    in the step after) takes nothing, where ``fill`` refuses an id no position awaits; a row that keeps no ids
+    likewise; the state is the plain ``fill``'s for the row that grew."""
+    from pagedkv.core import RequestSpec, RowSpec, admit, commit, initial_state
+    from pagedkv.core.rules.growth import Placeholders, append
+    from pagedkv.core.rules.placeholders import fill, fill_many
+    from pagedkv.core.store.state import row_known
+
+    s = initial_state(CacheConfig(block_size=2, num_blocks=16, enable_prefix_caching=True))
+    for rid in ("grew", "still"):
+        s = admit(s, RequestSpec(rid, (RowSpec.of_tokens([1, 2, 3]),))).unwrap().state
+        s = commit(s, rid, [3]).unwrap().state
+    s = admit(s, RequestSpec("count", (RowSpec(3),))).unwrap().state  # (a row of a count: it keeps no ids)
+    s = append(s, "grew", [Placeholders(1)]).unwrap().state
+    assert isinstance(fill_many(s, [("still", [[9]])]), Failure)  # (plain: an id no position awaits is refused)
+    assert isinstance(fill_many(s, [("count", [[9]])]), Failure)
+    step = fill_many(s, [("grew", [[9]]), ("still", [[9]]), ("count", [[9]])], awaiting_only=True).unwrap()
+    alone = fill(s, "grew", [[9]]).unwrap().state
+    slot = {rid: step.state.requests[rid].slots[0] for rid in ("grew", "still", "count")}
+    assert row_known(step.state, slot["grew"]) == 4 == row_known(alone, slot["grew"])
+    assert row_known(step.state, slot["still"]) == row_known(s, slot["still"]) == 3
+    assert step.state.row_len[slot["count"]] == s.row_len[slot["count"]]
+    assert len(step.state.cache) == len(alone.cache) and check_invariants(step.state) == []

@@ -52,9 +52,13 @@ def fill(state: KVState, request_id: RequestId, rows: Sequence[Sequence[int]]) -
 
 
 def fill_many(
-    state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]]
+    state: KVState, items: Iterable[tuple[RequestId, Sequence[Sequence[int]]]], *, awaiting_only: bool = False
 ) -> Result[Step[tuple[Filled, ...]], KVError]:
     """Several ``fill`` as one transition (a step's sampled tokens, a step late): all, in order, or none.
+
+    ``awaiting_only``: a row with no position awaiting its id (it did not grow since, or keeps no ids) takes
+    nothing of its entry, where ``fill`` refuses one (``on_tokens``: the request was not scheduled in the step
+    after the one that sampled it).
 
     The fill loop judges the common row itself (one id for a one-row request's first awaited position, which is
     not computed: no block can be hashed by it; no lookahead hashes, whose ids a computed block may await),
@@ -94,6 +98,13 @@ def fill_many(
                             records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
                         out.append(Filled(rid, ()))
                         continue
+        if awaiting_only and (type(rows) is list or type(rows) is tuple):
+            req = get(rid) if type(rid) is str or type(rid) is int else None
+            if req is not None and len(req.slots) == len(rows):  # (a row awaiting nothing takes nothing)
+                rows = [
+                    ids if 0 < known_ids(txn.rows[s], txn.row_tail[s]) < txn.row_len[s] else ()
+                    for s, ids in zip(req.slots, rows)
+                ]
         got = _fill_one(txn, rid, rows)  # type: ignore[arg-type]
         if isinstance(got, KVError):
             return Failure(got)

@@ -19,7 +19,7 @@ from pagedkv.core.rules.release import release_many
 from pagedkv.core.scheduler.inputs import ended
 from pagedkv.core.scheduler.lifecycle import FinishReason, Move, advance, moved
 from pagedkv.core.scheduler.records import SchedState
-from pagedkv.core.store.state import KVState, row_known
+from pagedkv.core.store.state import KVState
 
 
 def on_output(
@@ -245,7 +245,7 @@ def on_tokens(
     All is checked before anything is applied; the state is as it was on a refusal."""
     if not isinstance(sampled, Mapping) or not _is_collection(finished):
         return Failure(_bad_arguments("on_tokens", sampled, finished))
-    live = sorted((rid for rid in state.awaiting if rid in state.seqs), key=_order)
+    live = _ordered([rid for rid in state.awaiting if rid in state.seqs])
     for field, rids in (("sampled", sampled), ("finished", finished)):
         for rid in rids:  # a live request that awaits no id: not this output's (an ended one's are ignored)
             if not is_request_id(rid) or (rid in state.seqs and rid not in state.awaiting):
@@ -267,20 +267,19 @@ def on_tokens(
                 )
             )
     log, kv = state.log.edit(), state.kv
-    fills = []
-    for rid in live:
-        tok = sampled[rid]
-        log.set_last(rid, tok)
-        req = kv.requests.get(rid)
-        if req is not None and 0 < row_known(kv, slot := req.slots[0]) < kv.row_len[slot]:  # (0: it keeps no ids)
-            fills.append((rid, [[tok]]))
+    tokens = [sampled[rid] for rid in live]
+    log.set_last_many(live, tokens)
+    admitted = kv.requests
+    # each admitted one's row fills the position its next decode grew by (a row that did not grow, or keeps no ids,
+    # takes nothing: ``awaiting_only``)
+    fills = [(rid, [[tok]]) for rid, tok in zip(live, tokens) if rid in admitted]
     events: list[KVEvent] = []
     if fills:
-        step = fill_many(kv, fills).unwrap()
+        step = fill_many(kv, fills, awaiting_only=True).unwrap()
         kv = step.state
         events.extend(events_of(step.effect))
     new = replace(state, kv=kv, log=log.persistent(), awaiting=frozenset())
-    ending = sorted({rid for rid in finished if rid in state.seqs}, key=_order)  # (one order)
+    ending = _ordered(list({rid for rid in finished if rid in state.seqs}))  # (one order)
     for rid in ending:
         new = ended(new, rid, "finished")
         events.extend(new.kv_events)
@@ -289,3 +288,13 @@ def on_tokens(
 
 def _order(rid: RequestId) -> tuple[str, RequestId]:
     return type(rid).__name__, rid
+
+
+def _ordered(rids: list[RequestId]) -> list[RequestId]:
+    """``rids`` in one order whatever set they came from: by ``_order`` (ids of one type: their own order, sorted
+    with no key; a mix of strings and ints compares by type name first)."""
+    try:
+        rids.sort()
+    except TypeError:
+        rids.sort(key=_order)
+    return rids

@@ -154,6 +154,15 @@ class TokenLogEdit:
         recent = self.recent[slot]
         self.recent[slot] = recent[:-8] + token.to_bytes(8, "little")
 
+    def set_last_many(self, rids: Sequence[RequestId], tokens: Sequence[int]) -> None:
+        """``set_last`` of ``rids[k]`` to ``tokens[k]`` for each k (a step's ids read a step late: the leaves the
+        batch writes copied once, then written in place)."""
+        get, recent, mask = self.slots.__getitem__, self.recent.own_for(len(rids)), (1 << _SHIFT) - 1
+        for rid, tok in zip(rids, tokens):
+            slot = get(rid)
+            leaf, o = recent[slot >> _SHIFT], slot & mask
+            leaf[o] = leaf[o][:-8] + tok.to_bytes(8, "little")
+
     def count(self, rid: RequestId) -> int:
         slot = self.slots[rid]
         return (len(self.done[slot]) + len(self.recent[slot])) >> 3

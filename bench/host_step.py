@@ -1,0 +1,107 @@
+"""The engine's host work a decode step on this CPU: the real engine, scheduler and worker at B rows, the model's
+forward stubbed (zero logits), with overlapped scheduling and without, each tree in its own process, alternated.
+
+On a GPU a decode step whose host work outlasts its graph replay is the host's (bench/gpu_serve.py --overlap: the
+ids' readback never waits); this measures that host work where no GPU is: a step is (a run of 64 new tokens - a run
+of 1) / 63, medians of 5, 128-token prompts, one request a row, GC on. A tiny random Llama stands behind the stub
+(the tokenizer and vocabulary SmolLM2's), so the numbers are the engine's, not a model's.
+
+    python bench/host_step.py --rows 256 --trees main=.,old=.devold/1dbe227 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = "the cache keeps pages of keys and values for every request while the scheduler admits".split()
+
+
+def child(rows: int) -> dict[str, float]:
+    """This process's tree (PYTHONPATH): host ms a decode step, waiting and overlapped."""
+    from dataclasses import replace
+
+    import torch
+
+    from pagedkv.models.llama import SMOLLM2_SHAPES, Llama, random_llama
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    _, meta = Llama.smollm2(device="cpu")
+    tok = Tokenizer(meta)  # type: ignore[arg-type]
+    shape = replace(SMOLLM2_SHAPES, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
+    model = random_llama(shape)
+    zeros = torch.zeros(4 * rows + 8192, 1024)
+
+    def forward(
+        tokens: object, batch: object, pool: object, backend: object, layout: object, at: object = None
+    ) -> object:
+        return zeros[: len(at) if at is not None else batch.num_rows]  # type: ignore[arg-type,attr-defined]
+
+    model.forward = forward  # type: ignore[method-assign]
+    rng = random.Random(0)
+    ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(rows)]
+    out = {}
+    for ahead in (False, True):
+        eng = Engine(
+            model,
+            tok,
+            kv_cache_memory_bytes=1 << 30,
+            max_num_seqs=rows,
+            max_num_batched_tokens=max(2048, 128 * min(rows, 64)),
+            async_scheduling=ahead,
+        )
+
+        def run(n: int) -> float:
+            t0 = time.perf_counter()
+            eng.generate([("", i, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for i in ids])  # noqa: B023
+            return time.perf_counter() - t0
+
+        run(4)
+        out["overlapped" if ahead else "waiting"] = statistics.median((run(64) - run(1)) / 63 * 1e3 for _ in range(5))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--trees", default="main=.", help="name=PATH,... (each tree run with PYTHONPATH=PATH)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.rows)))
+        return
+    trees = [t.split("=", 1) for t in args.trees.split(",")]
+    got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    for r in range(args.repeats):
+        for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+            cmd = [sys.executable, os.path.join(HERE, "host_step.py"), "--child", "--rows", str(args.rows)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
+            got[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    base = trees[0][0]
+    print(f"host ms a decode step, {args.rows} rows, forward stubbed, medians of {args.repeats} processes a tree")
+    print(f"| tree | waiting | overlapped | overlapped vs {base} | each overlapped run |")
+    print("|---|---:|---:|---:|---|")
+    ref = statistics.median(x["overlapped"] for x in got[base])
+    for name, _ in trees:
+        w = statistics.median(x["waiting"] for x in got[name])
+        o = statistics.median(x["overlapped"] for x in got[name])
+        runs = ", ".join(f"{x['overlapped']:.2f}" for x in got[name])
+        print(f"| {name} | {w:.2f} | {o:.2f} | {o / ref:.2f}x | {runs} |")
+
+
+if __name__ == "__main__":
+    main()

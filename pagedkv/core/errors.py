@@ -201,3 +201,22 @@ def is_request_id(value: object) -> bool:
     (True, True, False, False)
     """
     return type(value) is str or (type(value) is int and -INT_ID_LIMIT <= value < INT_ID_LIMIT)
+
+
+def ordered_ids(rids: list[RequestId]) -> list[RequestId]:
+    """``rids`` sorted in place into the core's one order of request ids, whatever set they came from: by type
+    name, then value (ids of one type: their own order, sorted with no key; a mix of strings and ints by type
+    name first).
+
+    >>> ordered_ids([3, "b", 1, "a"])
+    [1, 3, 'a', 'b']
+    """
+    try:
+        rids.sort()
+    except TypeError:
+        rids.sort(key=_id_order)
+    return rids
+
+
+def _id_order(rid: RequestId) -> tuple[str, RequestId]:
+    return type(rid).__name__, rid

@@ -11,7 +11,9 @@ import random
 import pytest
 from returns.result import Failure
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, RequestSpec, RowSpec, admit, commit, initial_state
+from pagedkv.core.rules.growth import Placeholders, append
+from pagedkv.core.rules.placeholders import fill, fill_many
 from pagedkv.core.scheduler import (
     SchedState,
     SchedulerConfig,
@@ -23,6 +25,7 @@ from pagedkv.core.scheduler import (
     submit,
 )
 from pagedkv.core.scheduler.digest import sched_digest
+from pagedkv.core.store.state import row_known
 from pagedkv.core.verify.invariants import check_invariants
 from tests.core.test_scheduler import llm, model
 
@@ -143,11 +146,6 @@ def test_fill_many_awaiting_only_skips_a_row_that_awaits_nothing() -> None:
     """``on_tokens``' fill: a row that grew by a placeholder takes its id; one that did not grow since (not scheduled
     in the step after) takes nothing, where ``fill`` refuses an id no position awaits; a row that keeps no ids
     likewise; the state is the plain ``fill``'s for the row that grew."""
-    from pagedkv.core import RequestSpec, RowSpec, admit, commit, initial_state
-    from pagedkv.core.rules.growth import Placeholders, append
-    from pagedkv.core.rules.placeholders import fill, fill_many
-    from pagedkv.core.store.state import row_known
-
     s = initial_state(CacheConfig(block_size=2, num_blocks=16, enable_prefix_caching=True))
     for rid in ("grew", "still"):
         s = admit(s, RequestSpec(rid, (RowSpec.of_tokens([1, 2, 3]),))).unwrap().state

@@ -76,6 +76,7 @@ def fill_many(
         records, tails = txn.rows.own_for(len(pairs[0])), txn.row_tail.own_for(len(pairs[0]))
         lens, computed = txn.row_len.leaves, txn.row_computed.leaves
     for rid, rows in zip(*pairs):
+        req = get(rid) if type(rid) is str or type(rid) is int else None
         if (
             common
             and (type(rows) is list or type(rows) is tuple)
@@ -83,28 +84,31 @@ def fill_many(
             and (type(ids := rows[0]) is list or type(ids) is tuple)
             and len(ids) == 1
             and is_token_id(ids[0])
+            and req is not None
+            and (slot := req.decode_slot) >= 0
         ):
-            req = get(rid) if type(rid) is str or type(rid) is int else None
-            if req is not None and (slot := req.decode_slot) >= 0:
-                hi, o = slot >> SLOT_SHIFT, slot & mask
-                tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
-                if type(tail) is Awaiting and record.ids is not None:
-                    known = known_ids(record, tail)
-                    if known < length and computed[hi][o] <= known:
-                        more, tails[hi][o] = with_more_ids(
-                            record.ids, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length
-                        )
-                        if more is not record.ids:
-                            records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
-                        out.append(Filled(rid, ()))
-                        continue
-        if awaiting_only and (type(rows) is list or type(rows) is tuple):
-            req = get(rid) if type(rid) is str or type(rid) is int else None
-            if req is not None and len(req.slots) == len(rows):  # (a row awaiting nothing takes nothing)
-                rows = [
-                    ids if 0 < known_ids(txn.rows[s], txn.row_tail[s]) < txn.row_len[s] else ()
-                    for s, ids in zip(req.slots, rows)
-                ]
+            hi, o = slot >> SLOT_SHIFT, slot & mask
+            tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
+            if type(tail) is Awaiting and record.ids is not None:
+                known = known_ids(record, tail)
+                if known < length and computed[hi][o] <= known:
+                    more, tails[hi][o] = with_more_ids(
+                        record.ids, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length
+                    )
+                    if more is not record.ids:
+                        records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)
+                    out.append(Filled(rid, ()))
+                    continue
+        if (  # (a row awaiting nothing takes nothing)
+            awaiting_only
+            and (type(rows) is list or type(rows) is tuple)
+            and req is not None
+            and len(req.slots) == len(rows)
+        ):
+            rows = [
+                ids if 0 < known_ids(txn.rows[s], txn.row_tail[s]) < txn.row_len[s] else ()
+                for s, ids in zip(req.slots, rows)
+            ]
         got = _fill_one(txn, rid, rows)  # type: ignore[arg-type]
         if isinstance(got, KVError):
             return Failure(got)

@@ -17,7 +17,18 @@ import pagedkv.core.rules.pool as pool
 from pagedkv.core.rules.caching import save_states
 from pagedkv.core.rules.commit import forget_ahead
 from pagedkv.core.outputs.effects import HostForgotten, PrefixCacheReset, Released, ReleaseReason, WasReset
-from pagedkv.core.errors import ErrorCode, KVError, RequestId, fail, ids_problem, invalid, is_int, is_request_id, shown
+from pagedkv.core.errors import (
+    ErrorCode,
+    KVError,
+    RequestId,
+    fail,
+    ids_problem,
+    invalid,
+    is_int,
+    is_request_id,
+    ordered_ids,
+    shown,
+)
 from pagedkv.core.store.host import HostTier
 from pagedkv.core.outputs.events import AllBlocksCleared, HostBlockRemoved, KVEvent
 from pagedkv.core.store.index import PrefixIndex
@@ -122,7 +133,7 @@ def reset(state: KVState) -> Result[Step[WasReset], KVError]:
     nxt = initial_state(
         state.config, generation=state.generation, epoch=state.epoch + 1, cache_epoch=state.cache_epoch + 1
     )
-    released = tuple(sorted(state.requests.keys(), key=_id_order))
+    released = tuple(ordered_ids(list(state.requests.keys())))
     events: tuple[KVEvent, ...] = (AllBlocksCleared(),) if len(state.cache) and state.config.kv_events else ()
     return Success(Step(nxt, WasReset(nxt.epoch, released, events)))
 
@@ -184,7 +195,3 @@ def forget_host(state: KVState, slots: object) -> Result[Step[HostForgotten], KV
     for slot, (group, block_hash) in gone:
         txn.events.append(HostBlockRemoved(block_hash, group, slot))
     return Success(Step(txn.done(), HostForgotten(asked, len(txn.events), tuple(txn.events))))
-
-
-def _id_order(rid: RequestId) -> tuple[str, str | int]:
-    return (type(rid).__name__, rid)

@@ -12,7 +12,16 @@ from returns.result import Failure, Result, Success
 from pagedkv.core.rules.commit import commit_many
 from pagedkv.core.rules.decode import commit_decode
 from pagedkv.core.outputs.effects import events_of
-from pagedkv.core.errors import KVError, RequestId, are_token_ids, invalid, is_request_id, is_token_id, shown
+from pagedkv.core.errors import (
+    KVError,
+    RequestId,
+    are_token_ids,
+    invalid,
+    is_request_id,
+    is_token_id,
+    ordered_ids,
+    shown,
+)
 from pagedkv.core.outputs.events import KVEvent
 from pagedkv.core.rules.placeholders import fill_many, truncate_many
 from pagedkv.core.rules.release import release_many
@@ -245,7 +254,7 @@ def on_tokens(
     All is checked before anything is applied; the state is as it was on a refusal."""
     if not isinstance(sampled, Mapping) or not _is_collection(finished):
         return Failure(_bad_arguments("on_tokens", sampled, finished))
-    live = _ordered([rid for rid in state.awaiting if rid in state.seqs])
+    live = ordered_ids([rid for rid in state.awaiting if rid in state.seqs])
     for field, rids in (("sampled", sampled), ("finished", finished)):
         for rid in rids:  # a live request that awaits no id: not this output's (an ended one's are ignored)
             if not is_request_id(rid) or (rid in state.seqs and rid not in state.awaiting):
@@ -279,22 +288,8 @@ def on_tokens(
         kv = step.state
         events.extend(events_of(step.effect))
     new = replace(state, kv=kv, log=log.persistent(), awaiting=frozenset())
-    ending = _ordered(list({rid for rid in finished if rid in state.seqs}))  # (one order)
+    ending = ordered_ids(list({rid for rid in finished if rid in state.seqs}))  # (one order)
     for rid in ending:
         new = ended(new, rid, "finished")
         events.extend(new.kv_events)
     return Success((replace(new, kv_events=tuple(events)), tuple((rid, FinishReason.FINISHED) for rid in ending)))
-
-
-def _order(rid: RequestId) -> tuple[str, RequestId]:
-    return type(rid).__name__, rid
-
-
-def _ordered(rids: list[RequestId]) -> list[RequestId]:
-    """``rids`` in one order whatever set they came from: by ``_order`` (ids of one type: their own order, sorted
-    with no key; a mix of strings and ints compares by type name first)."""
-    try:
-        rids.sort()
-    except TypeError:
-        rids.sort(key=_order)
-    return rids

@@ -148,15 +148,9 @@ class TokenLogEdit:
             recent = b""
         self.recent[slot] = recent + token.to_bytes(8, "little")
 
-    def set_last(self, rid: RequestId, token: int) -> None:
-        """``rid``'s last id becomes ``token`` (it stood for an id not known yet)."""
-        slot = self.slots[rid]
-        recent = self.recent[slot]
-        self.recent[slot] = recent[:-8] + token.to_bytes(8, "little")
-
     def set_last_many(self, rids: Sequence[RequestId], tokens: Sequence[int]) -> None:
-        """``set_last`` of ``rids[k]`` to ``tokens[k]`` for each k (a step's ids read a step late: the leaves the
-        batch writes copied once, then written in place)."""
+        """Each ``rids[k]``'s last id becomes ``tokens[k]`` (it stood for an id not known yet: a step's ids read a
+        step late); the leaves the batch writes copied once, then written in place."""
         get, recent, mask = self.slots.__getitem__, self.recent.own_for(len(rids)), (1 << _SHIFT) - 1
         for rid, tok in zip(rids, tokens):
             slot = get(rid)

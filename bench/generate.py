@@ -16,6 +16,7 @@ Workloads:
 
     python bench/generate.py                      # all three workloads, 3 timed runs each
     python bench/generate.py --workloads mixed --runs 5
+    python bench/generate.py --async-scheduling   # pagedkv's engine overlapped (on a CPU nothing to overlap: its cost)
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def _count_gc(phase: str, info: dict[str, int]) -> None:
         GC_RUNS[info["generation"]] += 1
 
 
-def run_pagedkv(model: Llama, tok: Tokenizer, work: Workload, rows: int) -> int:
-    eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=rows)
+def run_pagedkv(model: Llama, tok: Tokenizer, work: Workload, rows: int, ahead: bool = False) -> int:
+    eng = Engine(model, tok, kv_cache_memory_bytes=256 << 20, max_num_seqs=rows, async_scheduling=ahead)
     params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True) for _, new in work]
     gc.callbacks.append(_count_gc)
     try:
@@ -137,6 +138,9 @@ def main() -> None:
     ap.add_argument("--mixed", type=int, default=48, help="requests in the mixed workload")
     ap.add_argument("--runs", type=int, default=3, help="timed runs a side (alternating), after one warm-up each")
     ap.add_argument("--workloads", nargs="+", default=["batch1", "batch16", "mixed"])
+    ap.add_argument(
+        "--async-scheduling", action="store_true", help="pagedkv's engine overlapped (its ids read a step late)"
+    )
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -156,7 +160,7 @@ def main() -> None:
             work, width = mixed(tok, args.mixed), 16
         else:
             raise SystemExit(f"unknown workload {name!r} (batch1, batch16, mixed)")
-        ours_fn = lambda: run_pagedkv(model, tok, work, width)  # noqa: E731
+        ours_fn = lambda: run_pagedkv(model, tok, work, width, args.async_scheduling)  # noqa: E731
         theirs_fn = lambda: run_transformers(hf, pad, work, width)  # noqa: E731
         ours_fn(), theirs_fn()  # warm-up
         ours, theirs = [], []
@@ -169,7 +173,8 @@ def main() -> None:
         per = [round(g / max(STEPS[0], 1), 3) for g in GC_RUNS]
         print(f"  {name}: pagedkv's GC collections a step (gen 0 / 1 / 2, {STEPS[0]} steps): {per}")
     print(
-        f"greedy, no early stop, fp32, CPU ({torch.get_num_threads()} threads); baseline: transformers "
+        f"greedy, no early stop, fp32, CPU ({torch.get_num_threads()} threads), pagedkv "
+        f"{'overlapped' if args.async_scheduling else 'waiting'}; baseline: transformers "
         f"{__import__('transformers').__version__} generate, same run; median of {args.runs} alternating runs"
     )
     print(

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.errors import GivenHashError, InvariantError, KVError
-from pagedkv.core.outputs.events import BlockStored
+from pagedkv.core.outputs.events import BlockStored, KVEvent
 from pagedkv.core.rules.hashing import BlockKeys
 from pagedkv.core.store.state import Request, Row
-from pagedkv.core.store.tails import ids_span, known_ids, pack_ids, unpack_ids
+from pagedkv.core.store.tails import ids_count, ids_span, known_ids, pack_ids, unpack_ids
 from pagedkv.core.store.txn import Txn
 
 
@@ -126,26 +126,21 @@ def hash_full_blocks(
         given = req.given[i] or None
     cfg = txn.config
     bs = cfg.block_size
-    if record.ids is not None:
-        known = known_ids(record, tail)  # a block is hashed only over known ids (placeholders await theirs)
+    ids = record.ids
+    if ids is not None:  # a block is hashed only over known ids (placeholders await theirs): the record's, the tail's
+        chunked = ids_count(ids)
+        known = known_ids(record, tail)
     elif given and req.given and req.given[i]:
-        known = len(given) * bs
+        chunked = known = len(given) * bs
     else:
         return record
     ahead = cfg.hash_lookahead
-    layout = req.layouts[i]
-    cacheable = layout.prefix_len if layout.prefix_len is not None else txn.row_len[slot]
-    full = min(computed, cacheable, known - ahead) // bs
+    cacheable = req.layouts[i].prefix_len
+    full = min(computed, txn.row_len[slot] if cacheable is None else cacheable, known - ahead) // bs
     hw = record.hw
     done = len(record.hashes) // hw
     if full <= done:
         return record
-    blocks = record.blocks
-    states = cfg.state_group_set
-    new = [record.hashes]
-    parent = record.hashes[-hw:] if done else txn.base.cache.root
-    hash_packed = cfg.hash_fn
-    add = txn.index.add
     events = txn.events if cfg.kv_events else None
     keys = req.keys
     plain = None if keys.varies or ahead else keys.plain  # (most requests: every block hashes the same keys)
@@ -154,18 +149,19 @@ def hash_full_blocks(
     # the packed ids of every block to hash, from ``lo`` (a row of a count hashes none: its caller's hashes are
     # taken; those the caller hashed need no ids, unless the events carry them or a lookahead reads them)
     lo = done if events is not None or ahead else min(max(taken, done), full)
-    span = token_span(record, tail, lo * bs, full * bs + ahead) if record.ids is not None and lo < full else b""
-    unpacked = unpack_ids(span) if events is not None or ahead else ()  # (the events carry them as ints)
-    width = bs << 3
-    following = None
-    # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
-    # call's range, its null positions' ids too)
-    runs = (
-        {g: (0, parent if done else None) for g, rules in enumerate(cfg.rules) if rules.event_covers_run}
-        if len(cfg.rules) > 1 and events is not None
-        else {}
-    )  # (nothing built on the step loop otherwise)
+    if ids is None or lo >= full:
+        span = b""
+    else:  # (token_span's, with the record's count known)
+        a, b = lo * bs, full * bs + ahead
+        if b <= chunked:
+            span = ids_span(ids, a, b)
+        elif a >= chunked:
+            span = (tail or b"")[(a - chunked) << 3 : (b - chunked) << 3]
+        else:
+            span = ids_span(ids, a, chunked) + (tail or b"")[: (b - chunked) << 3]
+    parent = record.hashes[-hw:] if done else txn.base.cache.root
     first = parent
+    new = [record.hashes]
     upto = min(full, max(taken, done))  # blocks done..upto take the caller's hashes, checked at C speed
     if upto > done:
         theirs = given[done:upto]  # type: ignore[index]
@@ -175,23 +171,30 @@ def hash_full_blocks(
             )
         new.extend(theirs)
         parent = theirs[-1]
-    for j in range(upto, full):
-        k = j - lo  # (block j's place in the span)
-        if ahead:
-            following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
-        extra = (keys.ahead(j, bs, following) if following is not None else keys.at(j, bs)) if plain is None else plain
-        h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
-        if given is not None and j < len(given) and given[j] != h:
-            raise GivenHashError(j, h)
-        new.append(h)
-        parent = h
+    if upto < full:
+        hash_packed, width = cfg.hash_fn, bs << 3
+        unpacked = unpack_ids(span) if ahead else ()
+        for j in range(upto, full):
+            k = j - lo  # (block j's place in the span)
+            if plain is not None:
+                extra = plain
+            elif ahead:
+                extra = keys.ahead(j, bs, unpacked[(k + 1) * bs : (k + 1) * bs + ahead])
+            else:
+                extra = keys.at(j, bs)
+            h = hash_packed(parent, span[k * width : (k + 1) * width], extra)
+            if given is not None and j < len(given) and given[j] != h:
+                raise GivenHashError(j, h)
+            new.append(h)
+            parent = h
     hashes = new[1:]
     if cfg.host_store_threshold > 1:  # (a use of each content the row computed: what the tier keeps, host.py)
         txn.host.use(hashes, cfg.host_store_threshold, cfg.host_tracker_size)
+    states = cfg.state_group_set
     if events is None:  # (each group's blocks in one pass: not let go already, not cached already, and no other
         # block holding the same content; a state group's block is the row's live state, cached only when the row
         # ends on this boundary)
-        for g, group_blocks in enumerate(blocks):
+        for g, group_blocks in enumerate(record.blocks):
             if not states or g not in states:
                 if adds is None:
                     txn.index.add_many(g, hashes, group_blocks[done:full])
@@ -199,13 +202,42 @@ def hash_full_blocks(
                     adds[g][0].extend(hashes)
                     adds[g][1].extend(group_blocks[done:full])
         return record.with_hashes(b"".join(new))
-    parent = first
-    for j in range(done, full):  # (the same, block by block, each store's event in order)
+    _store_events(txn, req, record, events, span, lo, done, full, hashes, first)
+    return record.with_hashes(b"".join(new))
+
+
+def _store_events(
+    txn: Txn,
+    req: Request,
+    record: Row,
+    events: list[KVEvent],
+    span: bytes,
+    lo: int,
+    done: int,
+    full: int,
+    hashes: list[bytes],
+    parent: bytes,
+) -> None:
+    """Blocks ``done..full`` of a row (their ``hashes``, chained from ``parent``; their ids ``span`` from block
+    ``lo``) cached block by block, each store's ``BlockStored`` in order: the pool reports events."""
+    cfg = txn.config
+    bs, ahead, states, keys, add = cfg.block_size, cfg.hash_lookahead, cfg.state_group_set, req.keys, txn.index.add
+    plain = None if keys.varies or ahead else keys.plain
+    unpacked = unpack_ids(span)  # (the events carry them as ints)
+    following = None
+    # an align-mode state group's store carries the ids since its last store in this call (vLLM's event: the
+    # call's range, its null positions' ids too)
+    runs = (
+        {g: (0, parent if done else None) for g, rules in enumerate(cfg.rules) if rules.event_covers_run}
+        if len(cfg.rules) > 1
+        else {}
+    )
+    for j in range(done, full):
         k = j - lo
         h = hashes[j - done]
         if ahead:
             following = unpacked[(k + 1) * bs : (k + 1) * bs + ahead]
-        for g, group_blocks in enumerate(blocks):
+        for g, group_blocks in enumerate(record.blocks):
             b = group_blocks[j]
             if b and (not states or g not in states) and add(g, h, b):
                 start, up = runs.get(g, (k, parent if j else None))
@@ -223,7 +255,6 @@ def hash_full_blocks(
                 if g in runs:
                     runs[g] = (k + 1, h)
         parent = h
-    return record.with_hashes(b"".join(new))
 
 
 def save_states(txn: Txn, req: Request) -> None:

@@ -2,7 +2,9 @@
 built on the GPU with transformers in bf16, its config read by pagedkv's checkpoint reader), the prompts vLLM's side
 serves bit for bit (../shared/vllm_gpu/prompts.py: ``make_prompts(n, 0, vocab)``, median 150 tokens) x ``--new``
 tokens each, greedy, no early stop, one ``generate`` call, without and with overlapped scheduling, against the matrix
-products' floor (``--tflops``). Each tree (``--trees name=PATH``: this one, the last release tag's, a suspect commit's
+products' floor (``--tflops``) and against that floor plus the decode attention's reads of the KV pages at the card's
+copy bandwidth (measured in the run: a decode at 8B reads ~128 KB of K and V a key over 32 layers, a bound no
+kernel passes, which the products' floor leaves out). Each tree (``--trees name=PATH``: this one, the last release tag's, a suspect commit's
 checked out beside it) runs in a process of its own with PYTHONPATH at that tree, alternating over ``--repeats``; a
 tree that knows them also runs the variants named by ``--variants``, each with one of the engine's recent choices
 turned off (where the 8B regression of issue 63 hides):
@@ -127,9 +129,13 @@ def child(args: argparse.Namespace) -> None:
     reqs = [("", p, params) for p in ids]
     ptoks, new = sum(map(len, ids)), args.prompts * args.new
     floor = (2 * layer * (ptoks + new) + 2 * head * new) / (args.tflops * 1e12)
+    # the decode steps' keys: a request's j-th new token (j >= 1) is decoded over its prompt and j tokens
+    c = model.config
+    keys = sum((args.new - 1) * len(p) + (args.new - 1) * args.new // 2 for p in ids)
+    kv_bytes = keys * c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(torch.bfloat16).bits // 8
     out: dict[str, Any] = {"built_s": built, "floor_s": floor, "digest": prompts_digest(ids), "prompt_tokens": ptoks,
-                           "new_tokens": new, "runs": {},
-                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "CPU"}  # fmt: skip
+                           "new_tokens": new, "kv_bytes": kv_bytes, "copy_gbs": copy_bandwidth(args.device) / 1e9,
+                           "runs": {}, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "CPU"}  # fmt: skip
     for name in args.variants.split(","):
         ctx = variant(name)
         if ctx is None:
@@ -152,6 +158,27 @@ def child(args: argparse.Namespace) -> None:
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes a second a device-to-device copy of 1 GiB moves (read and written), best of 5: the rate the KV reads'
+    floor takes."""
+    import torch
+
+    if device != "cuda":
+        return float("inf")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / best
 
 
 def main() -> None:
@@ -190,13 +217,18 @@ def main() -> None:
                 print(f"{name} failed:\n{done.stdout[-2000:]}", file=sys.stderr)
                 continue
             results[name].append(json.loads(line[7:]))
-    first = next(x for xs in results.values() for x in xs)
+    first = next((x for xs in results.values() for x in xs), None)
+    if first is None:
+        sys.exit("no tree gave a result (each one's output is above)")
+    kv_s = first["kv_bytes"] / (first["copy_gbs"] * 1e9)
     what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"{args.shape} shapes, random init"
     print(f"\n{first['gpu']}; {what}, bf16; {args.prompts} prompts ({first['prompt_tokens']} "
           f"tokens, digest {first['digest']}) x {args.new} new; max_num_seqs {args.max_num_seqs}, budget {args.budget}; "
-          f"floor {first['floor_s']:.2f} s\n")  # fmt: skip
+          f"floor {first['floor_s']:.2f} s (products at {args.tflops:.0f} TFLOP/s); the decode's KV reads "
+          f"{first['kv_bytes'] / 1e12:.2f} TB at {first['copy_gbs']:,.0f} GB/s: {kv_s:.2f} s more\n")  # fmt: skip
     print(
-        "| tree | variant | plain s | tok/s | overlapped s | tok/s | overlapped / floor |\n|---|---|---:|---:|---:|---:|---:|"
+        "| tree | variant | plain s | tok/s | overlapped s | tok/s | overlapped / floor | overlapped / floor with KV reads |"
+        "\n|---|---|---:|---:|---:|---:|---:|---:|"
     )
     for name, xs in results.items():
         for v in dict.fromkeys(k.split("/")[0] for x in xs for k in x["runs"]):
@@ -205,7 +237,7 @@ def main() -> None:
             pm, om = p[len(p) // 2], o[len(o) // 2]
             new = first["new_tokens"]
             print(f"| {name} | {v} | {pm:.2f} | {new / pm:,.0f} | {om:.2f} | {new / om:,.0f} | "
-                  f"{om / first['floor_s']:.2f}x |")  # fmt: skip
+                  f"{om / first['floor_s']:.2f}x | {om / (first['floor_s'] + kv_s):.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

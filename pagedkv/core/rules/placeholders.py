@@ -31,7 +31,7 @@ from pagedkv.core.errors import (
     shown,
 )
 from pagedkv.core.store.state import SLOT_SHIFT, KVState, Row, Step
-from pagedkv.core.store.tails import Awaiting, as_tail, ids_cut, known_ids, pack_ids, with_more_ids
+from pagedkv.core.store.tails import Awaiting, as_tail, ids_count, ids_cut, known_ids, pack_ids, with_more_ids
 from pagedkv.core.store.txn import Txn, each
 
 
@@ -89,11 +89,12 @@ def fill_many(
         ):
             hi, o = slot >> SLOT_SHIFT, slot & mask
             tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
-            if type(tail) is Awaiting and record.ids is not None:
-                known = known_ids(record, tail)
+            if type(tail) is Awaiting and (held := record.ids) is not None:
+                chunked = ids_count(held)
+                known = chunked + (len(tail) >> 3)  # (known_ids's, the record's count kept for the fill)
                 if known < length and computed[hi][o] <= known:
                     more, tails[hi][o] = with_more_ids(
-                        record.ids, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length
+                        held, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length, chunked=chunked
                     )
                     if more is not record.ids:
                         records[hi][o] = Row(record.blocks, more, record.hashes, record.pending, record.hw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from returns.result import Failure, Result, Success
 
@@ -265,18 +265,18 @@ def on_tokens(
                         field=field,
                     )
                 )
-    for rid in live:
-        if not is_token_id(sampled.get(rid)):
-            return Failure(
-                invalid(
-                    f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
-                    f"{shown(sampled.get(rid))}",
-                    request=rid,
-                    field="sampled",
-                )
+    got = [sampled.get(rid) for rid in live]
+    if not are_token_ids(got):  # (the first one that is not, named)
+        rid = next(rid for rid, tok in zip(live, got) if not is_token_id(tok))
+        return Failure(
+            invalid(
+                f"request {shown(rid)} awaits the id of its last token; on_tokens needs it, got "
+                f"{shown(sampled.get(rid))}",
+                request=rid,
+                field="sampled",
             )
-    log, kv = state.log.edit(), state.kv
-    tokens = [sampled[rid] for rid in live]
+        )
+    log, kv, tokens = state.log.edit(), state.kv, cast(list[int], got)
     log.set_last_many(live, tokens)
     admitted = kv.requests
     # each admitted one's row fills the position its next decode grew by (a row that did not grow, or keeps no ids,

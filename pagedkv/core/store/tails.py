@@ -108,10 +108,14 @@ def unpack_ids(data: bytes) -> tuple[int, ...]:
     return tuple(a)
 
 
-def with_more_ids(ids: Ids, tail: bytes, packed: bytes, bs: int, *, awaiting: bool) -> tuple[Ids, bytes]:
+def with_more_ids(
+    ids: Ids, tail: bytes, packed: bytes, bs: int, *, awaiting: bool, chunked: int | None = None
+) -> tuple[Ids, bytes]:
     """A row's ids (its record's) and tail once ``packed`` ids follow its known ones: the blocks before the one
-    holding the last known id join the ids, the rest stay in the tail (marked while positions still await ids)."""
-    chunked = ids_count(ids)
+    holding the last known id join the ids, the rest stay in the tail (marked while positions still await ids).
+    ``chunked``: how many ids ``ids`` holds, where the caller has counted them."""
+    if chunked is None:
+        chunked = ids_count(ids)
     tail += packed
     last_block = (chunked + (len(tail) >> 3) - 1) // bs * bs
     if last_block > chunked:  # ids reached a new block: the blocks before join the record's

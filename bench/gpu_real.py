@@ -96,7 +96,13 @@ def variant(name: str) -> Any:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One tree's runs, in this process: the model built once, each variant plain and overlapped."""
+    """One tree's runs, in this process (``measure``), as a ``RESULT`` line."""
+    print("RESULT " + json.dumps(measure(args)), flush=True)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One tree's runs, in this process: the model built once, each variant plain and overlapped (``runs``:
+    "variant/plain" and "variant/overlap", seconds and steps), its floors' inputs beside them."""
     import torch
 
     for where in (args.prompts_dir, os.path.join(HERE, "..", "..", "shared", "vllm_gpu"), ".vw2/tools"):
@@ -157,7 +163,10 @@ def child(args: argparse.Namespace) -> None:
                 del eng, done
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
-    print("RESULT " + json.dumps(out), flush=True)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def copy_bandwidth(device: str) -> float:

@@ -26,7 +26,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+sys.path.append(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the repo root (appended: a PYTHONPATH tree stays the pagedkv imported)
 from tests.gpu.prompts import PROMPTS, prompt_text  # noqa: E402
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
@@ -157,13 +159,12 @@ def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) ->
     return ids, eng
 
 
-def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool = False) -> list[str]:
+def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool = False) -> list[dict[str, Any]]:
+    """Each batch's tokens/s, median full decode step, its graph floor and transformers' tokens/s on the same
+    prompts (``hf`` None: not run); with ``breakdown``, the host ms a step by part."""
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
     rng = random.Random(0)
-    rows = [
-        f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
-        f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"
-    ]
+    out: list[dict[str, Any]] = []
     for b in sizes:
         ids, eng = served(model, tok, rng, b, time_steps=True)
         eng.step_times = []
@@ -175,29 +176,40 @@ def batches(tok: Tokenizer, sizes: list[int], new: int, hf: Any, breakdown: bool
         ours = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
         full = [s for n, p, s in eng.step_times if n == b and p == 0]
         step = statistics.median(full) * 1e3 if full else float("nan")
-        flo = floor_ms(eng, b)
-        out, secs = hf_generate(hf, ids, new, tok.eos_token_id)
-        theirs = sum(len(r) for r in out) / secs
-        rows.append(
-            f"{b:>6} {ours:>14.0f} {step:>10.2f} {flo:>9.2f} {step / flo:>11.2f} {theirs:>19.0f} {ours / theirs:>11.2f}"
-        )
+        row = {"batch": b, "tok_s": ours, "step_ms": step, "floor_ms": floor_ms(eng, b), "hf_tok_s": float("nan")}
+        if hf is not None:
+            got, secs = hf_generate(hf, ids, new, tok.eos_token_id)
+            row["hf_tok_s"] = sum(len(r) for r in got) / secs
         if parts is not None:
-            rows.append(f"       host ms a step ({len(eng.step_times)} steps): {parts.line(len(eng.step_times))}")
+            row["breakdown"] = f"host ms a step ({len(eng.step_times)} steps): {parts.line(len(eng.step_times))}"
+        out.append(row)
         del eng
-    return rows
+    return out
 
 
-def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
+def batches_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        f"{'batch':>6} {'pagedkv tok/s':>14} {'decode ms':>10} {'floor ms':>9} {'step/floor':>11} "
+        f"{'transformers tok/s':>19} {'pagedkv/hf':>11}"
+    ]
+    for r in rows:
+        out.append(
+            f"{r['batch']:>6} {r['tok_s']:>14.0f} {r['step_ms']:>10.2f} {r['floor_ms']:>9.2f} "
+            f"{r['step_ms'] / r['floor_ms']:>11.2f} {r['hf_tok_s']:>19.0f} {r['tok_s'] / r['hf_tok_s']:>11.2f}"
+        )
+        if "breakdown" in r:
+            out.append(f"       {r['breakdown']}")
+    return out
+
+
+def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[dict[str, Any]]:
     """A decode step with overlapped scheduling (``async_scheduling``) beside the engine that waits, and the graph
     floor: each step's time from whole runs, not synchronised step by step (that would undo the overlap): (a run
     of ``new`` tokens - a run of 1) / (new - 1), medians of 3. Then one more overlapped run with the host's time a step
     inside ``step()`` and its wait for the last step's ids (``HostTime``; the run's prefill step among its steps): a
     wait of ~0 says the step is the host's."""
     model, _ = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
-    rows = [
-        f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
-        f"{'host ms/step':>14} {'ids wait ms':>13} {'same tokens':>12}"
-    ]
+    rows: list[dict[str, Any]] = []
     for b in sizes:
         ms, outs = {}, {}
         for ahead in (False, True):
@@ -223,10 +235,24 @@ def overlap(tok: Tokenizer, sizes: list[int], new: int) -> list[str]:
             flo = floor_ms(eng, b)
             del eng
         rows.append(
-            f"{b:>6} {ms[False]:>8.2f} {ms[True]:>11.2f} {flo:>9.2f} {ms[False] / flo:>11.2f} "
-            f"{ms[True] / flo:>14.2f} {host.step_ms():>14.2f} {host.wait_ms():>13.3f} {str(outs[False] == outs[True]):>12}"
-        )
+            {"batch": b, "wait_ms": ms[False], "overlap_ms": ms[True], "floor_ms": flo, "host_ms": host.step_ms(),
+             "ids_wait_ms": host.wait_ms(), "same": outs[False] == outs[True]}
+        )  # fmt: skip
     return rows
+
+
+def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        f"{'batch':>6} {'wait ms':>8} {'overlap ms':>11} {'floor ms':>9} {'wait/floor':>11} {'overlap/floor':>14} "
+        f"{'host ms/step':>14} {'ids wait ms':>13} {'same tokens':>12}"
+    ]
+    for r in rows:
+        flo = r["floor_ms"]
+        out.append(
+            f"{r['batch']:>6} {r['wait_ms']:>8.2f} {r['overlap_ms']:>11.2f} {flo:>9.2f} {r['wait_ms'] / flo:>11.2f} "
+            f"{r['overlap_ms'] / flo:>14.2f} {r['host_ms']:>14.2f} {r['ids_wait_ms']:>13.3f} {str(r['same']):>12}"
+        )
+    return out
 
 
 class HostTime:
@@ -271,8 +297,9 @@ class HostTime:
         return self.wait_s / max(self.steps, 1) * 1e3
 
 
-def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> list[str]:
-    """The ShareGPT-like workload, arriving over time (Poisson, ``rate`` requests a second)."""
+def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> dict[str, Any]:
+    """The ShareGPT-like workload, arriving over time (Poisson, ``rate`` requests a second): its figures and the
+    lines that print them (``lines``)."""
     rng = random.Random(1)
     systems = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
     reqs, t = [], 0.0
@@ -334,7 +361,7 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
         part = reqs[s : s + 64]
         _, secs = hf_generate(hf, [r[1] for r in part], [r[2] for r in part], tok.eos_token_id)
         hf_secs += secs
-    return [
+    lines = [
         f"{n} requests at {rate:g}/s over {reqs[-1][0]:.1f} s; prompts median {statistics.median(len(r[1]) for r in reqs):.0f} "
         f"tokens, outputs median {statistics.median(r[2] for r in reqs):.0f}; {eng.stats.preemptions} preemptions; "
         f"prefix cache hits {sum(c.cached_tokens for c in done)} tokens",
@@ -350,6 +377,15 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> lis
         f"with prompt tokens {sum(p > 0 for _, p, _ in steps)}; the slowest (decode rows, prompt tokens, ms): "
         + ", ".join(f"({r}, {p}, {t * 1e3:.1f})" for r, p, t in sorted(steps, key=lambda x: -x[2])[:8]),
     ]
+    return {
+        "tok_s": made / wall,
+        "hf_tok_s": made / hf_secs if hf is not None else float("nan"),
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(gaps, 0.5),
+        "itl_p99_ms": pct(gaps, 0.99),
+        "lines": lines,
+    }
 
 
 def main() -> None:
@@ -372,7 +408,7 @@ def main() -> None:
         print(
             "\n".join(
                 ["bf16, triton, CUDA graphs; 128-token prompts; decode ms a step"]
-                + overlap(tok, args.batches, args.new)
+                + overlap_table(overlap(tok, args.batches, args.new))
             )
         )
         return
@@ -382,11 +418,11 @@ def main() -> None:
     hf_generate(hf, [tok.encode("warm up")] * 4, 8, tok.eos_token_id)  # its first call's set-up stays out
     freeze_startup()  # as an engine process does (pagedkv generate, LLM): the start-up heap is not walked again
     out += ["", f"bf16, triton, CUDA graphs; 128-token prompts, {args.new} new tokens; transformers bf16 generate"]
-    out += batches(tok, args.batches, args.new, hf, args.breakdown)
+    out += batches_table(batches(tok, args.batches, args.new, hf, args.breakdown))
     if args.mix:
         out += ["", f"mixed workload (bf16, max_num_seqs 256, max_num_batched_tokens {args.budget})"] + mix(
             tok, args.mix, args.rate, None if args.skip_hf_mix else hf, args.budget
-        )
+        )["lines"]
     print("\n".join(out))
 
 

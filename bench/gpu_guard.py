@@ -1,0 +1,226 @@
+"""Every GPU figure of issue 63 in one device call, one table: each tree (``--trees name=PATH``: this one, the last
+release tag's or any older one checked out beside it) in a process of its own with PYTHONPATH at that tree, the
+trees alternated over ``--repeats``, the measuring code this checkout's for all of them (bench/gpu_serve.py's and
+bench/gpu_real.py's), and vLLM 0.25.1 on the same checkpoints and prompt ids where ../shared/vllm_gpu staged it.
+
+Rows (medians over the repeats; the last column: the first tree over the second):
+
+- SmolLM2-135M (the real weights, bf16): batch ``--batch`` offline tokens/s and transformers' ``generate`` on the
+  same prompts (``smollm2``); the overlapped decode step against its graph floor at 1 / 16 / 64 / 256 rows, with
+  the host's ms a step (``overlap``); the arrival mix's TTFT and ITL p50 / p99 with the engine alone (``mix``);
+- Llama-1B and -8B shapes (``llama-1b``, ``llama-8b``): offline tokens/s waiting and overlapped, against the
+  products' floor and the floor with the decode's KV reads; vLLM's offline tokens/s beside them where staged
+  (then both engines serve vLLM's side's checkpoint, ``/tmp/ckpt_<shape>``, and the same prompt ids).
+
+``--time-limit`` (seconds, default 540: a device call runs 600 at most) stops starting new parts once spent; a part
+not run says so. On the device machine, with vLLM staged (../shared/vllm_gpu/README.md) and pagedkv's wheels
+installed (bench/device_install.sh):
+
+    python bench/gpu_guard.py --trees main=.,ref=.devold/<tag> --vllm-tools .vw2/tools --prompts-dir .vw2/tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+
+PARTS = ("smollm2", "overlap", "mix", "llama-1b", "llama-8b")
+VLLM_SHAPES = {"llama-1b": "1b", "llama-8b": "8b"}  # (../shared/vllm_gpu's names for the shapes)
+
+
+def child(args: argparse.Namespace) -> None:
+    """This process's tree: the parts named, each one's figures, as one ``RESULT`` line."""
+    import torch
+
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "parts": {}}
+    parts = args.parts.split(",")
+    deadline = args.deadline
+    smol = [p for p in parts if p in ("smollm2", "overlap", "mix")]
+    if smol:
+        import gpu_serve
+
+        from pagedkv.models.llama import Llama
+        from pagedkv.models.tokenizer import Tokenizer
+
+        _, meta = Llama.smollm2(device="cpu")
+        tok = Tokenizer(meta)
+        for part in smol:
+            if time.time() > deadline:
+                continue
+            if part == "smollm2":
+                hf = gpu_serve.hf_model(torch.bfloat16)
+                gpu_serve.hf_generate(hf, [tok.encode("warm up")] * 4, 8, tok.eos_token_id)
+                out["parts"][part] = gpu_serve.batches(tok, [args.batch], args.new, hf)[0]
+                del hf
+            elif part == "overlap":
+                out["parts"][part] = gpu_serve.overlap(tok, [1, 16, 64, 256], 64)
+            else:
+                got = gpu_serve.mix(tok, args.mix, args.rate, None)
+                got.pop("lines")
+                out["parts"][part] = got
+            torch.cuda.empty_cache()
+    for part in parts:
+        if part not in VLLM_SHAPES or time.time() > deadline:
+            continue
+        import gpu_real
+
+        ckpt = f"/tmp/ckpt_{VLLM_SHAPES[part]}"
+        real = argparse.Namespace(
+            shape=part, checkpoint=ckpt if os.path.isdir(ckpt) else None, prompts_dir=args.prompts_dir,
+            prompts=args.prompts, new=128, max_num_seqs=256, budget=8192, kv_gib=40.0, tflops=args.tflops,
+            device="cuda", variants="default",
+        )  # fmt: skip
+        out["parts"][part] = gpu_real.measure(real)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_vllm(tools: str, shape: str, prompts: int, limit: float) -> dict[str, Any] | str:
+    """vLLM's offline run of ``shape`` (../shared/vllm_gpu's bench_vllm.py, vLLM in /tmp/site): its RESULT, or why
+    not."""
+    env = dict(os.environ, PYTHONPATH="/tmp/site")
+    cmd = [sys.executable, os.path.join(tools, "bench_vllm.py"), "--shape", VLLM_SHAPES[shape],
+           "--num-prompts", str(prompts), "--max-num-batched-tokens", "8192"]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(1.0, limit), check=False)
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        return f"failed: {(done.stdout + done.stderr).strip().splitlines()[-1:]}"
+    return json.loads(line[7:])  # type: ignore[no-any-return]
+
+
+def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts: list[str]) -> list[str]:
+    """One row a figure: each tree's median, the first tree over the second, vLLM's where it ran."""
+    names = list(results)
+    rows: list[tuple[str, str, list[float | None], float | None]] = []  # (figure, goal, per tree, vLLM's)
+
+    def med(name: str, get: Any) -> float | None:
+        xs = []
+        for r in results[name]:
+            try:
+                xs.append(float(get(r["parts"])))
+            except (KeyError, IndexError, TypeError, ZeroDivisionError):
+                pass
+        return statistics.median(xs) if xs else None
+
+    def add(figure: str, goal: str, get: Any, theirs: float | None = None) -> None:
+        rows.append((figure, goal, [med(n, get) for n in names], theirs))
+
+    if "smollm2" in parts:
+        add("SmolLM2 offline tok/s, batch 256", "", lambda p: p["smollm2"]["tok_s"])
+        add("  / transformers' generate", "", lambda p: p["smollm2"]["tok_s"] / p["smollm2"]["hf_tok_s"])
+    if "overlap" in parts:
+        for i, b in enumerate((1, 16, 64, 256)):
+            goal = "at most 1.05x" if b == 256 else ""
+            add(f"SmolLM2 overlapped step / floor, batch {b}", goal,
+                lambda p, i=i: p["overlap"][i]["overlap_ms"] / p["overlap"][i]["floor_ms"])  # fmt: skip
+        add("  host ms a step at 256 (overlapped)", "", lambda p: p["overlap"][3]["host_ms"])
+    if "mix" in parts:
+        add("arrival mix TTFT p50 ms", "", lambda p: p["mix"]["ttft_p50_ms"])
+        add("arrival mix TTFT p99 ms", "", lambda p: p["mix"]["ttft_p99_ms"])
+        add("arrival mix ITL p50 ms", "", lambda p: p["mix"]["itl_p50_ms"])
+        add("arrival mix ITL p99 ms", "", lambda p: p["mix"]["itl_p99_ms"])
+        add("  ITL p99 / p50", "at most 2x", lambda p: p["mix"]["itl_p99_ms"] / p["mix"]["itl_p50_ms"])
+    for shape in ("llama-1b", "llama-8b"):
+        if shape not in parts:
+            continue
+        v = vllm.get(shape)
+        vt = v["gen_tok_per_s"] if isinstance(v, dict) else None
+
+        def tok_s(p: dict[str, Any], kind: str, shape: str = shape) -> float:
+            got = p[shape]
+            return float(got["new_tokens"] / got["runs"][f"default/{kind}"]["s"])
+
+        def kv_floor(p: dict[str, Any], shape: str = shape) -> float:
+            got = p[shape]
+            return float(got["floor_s"] + got["kv_bytes"] / (got["copy_gbs"] * 1e9))
+
+        add(f"{shape} offline tok/s, waiting", "", lambda p, s=shape: tok_s(p, "plain", s))
+        add(f"{shape} offline tok/s, overlapped", "at least vLLM's", lambda p, s=shape: tok_s(p, "overlap", s), vt)
+        add(f"  {shape} overlapped / products' floor", "at most 1.3x" if shape == "llama-8b" else "",
+            lambda p, s=shape: p[s]["runs"]["default/overlap"]["s"] / p[s]["floor_s"])  # fmt: skip
+        add(f"  {shape} overlapped / floor with KV reads", "",
+            lambda p, s=shape: p[s]["runs"]["default/overlap"]["s"] / kv_floor(p, s))  # fmt: skip
+    head = " | ".join(names)
+    ratio = f"{names[0]} / {names[1]}" if len(names) > 1 else "-"
+    out = [f"| figure | goal | {head} | {ratio} | vLLM 0.25.1 |", "|---|---|" + "---:|" * (len(names) + 2)]
+    for figure, goal, vals, theirs in rows:
+        cells = " | ".join("-" if x is None else f"{x:,.2f}" if x < 100 else f"{x:,.0f}" for x in vals)
+        r = f"{vals[0] / vals[1]:.2f}x" if len(vals) > 1 and vals[0] and vals[1] else "-"
+        vcell = "-" if theirs is None else f"{theirs:,.0f} ({vals[0] / theirs:.2f}x)" if vals[0] else f"{theirs:,.0f}"
+        out.append(f"| {figure} | {goal} | {cells} | {r} | {vcell} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", default="main=.", help="name=PATH,... (each tree run with PYTHONPATH=PATH)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=256, help="SmolLM2's offline batch (beside transformers)")
+    ap.add_argument("--new", type=int, default=64, help="SmolLM2's new tokens a request")
+    ap.add_argument("--mix", type=int, default=400, help="requests in the arrival mix")
+    ap.add_argument("--rate", type=float, default=40.0, help="the arrival mix's requests a second")
+    ap.add_argument("--prompts", type=int, default=1000, help="prompts of the Llama shapes' runs (vLLM's too)")
+    ap.add_argument("--tflops", type=float, default=790.0)
+    ap.add_argument("--vllm-tools", help="../shared/vllm_gpu's scripts on the device (.vwN/tools): run vLLM there")
+    ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds; no part starts past it")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
+    if any(p in VLLM_SHAPES for p in parts) and not args.prompts_dir:
+        ap.error("the Llama parts need --prompts-dir (../shared/vllm_gpu's prompts.py: the ids vLLM's side serves)")
+    t0 = time.time()
+    deadline = t0 + args.time_limit
+    vllm: dict[str, Any] = {}
+    if args.vllm_tools:  # (first: its checkpoints are the ones both engines then serve)
+        for shape in (p for p in parts if p in VLLM_SHAPES):
+            vllm[shape] = run_vllm(args.vllm_tools, shape, args.prompts, deadline - time.time())
+            print(f"vLLM {shape}: {vllm[shape] if isinstance(vllm[shape], str) else 'done'}", file=sys.stderr)
+    trees = [t.split("=", 1) for t in args.trees.split(",")]
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for r in range(args.repeats):
+        for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
+            if time.time() > deadline:
+                print(f"{name}, repeat {r + 1}: not run (--time-limit spent)", file=sys.stderr)
+                continue
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:], "--deadline", str(deadline)]
+            if args.prompts_dir:
+                cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path), check=False)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
+                continue
+            results[name].append(json.loads(line[7:]))
+    first = next((x for xs in results.values() for x in xs), None)
+    if first is None:
+        sys.exit("no tree gave a result (each one's output is above)")
+    ran = {p for xs in results.values() for x in xs for p in x["parts"]}
+    missing = [p for p in parts if p not in ran]
+    print(f"\n{first['gpu']}; trees {args.trees}; {args.repeats} repeat(s), alternated; {time.time() - t0:.0f} s"
+          + (f"; not run (time): {', '.join(missing)}" if missing else "") + "\n")  # fmt: skip
+    print("\n".join(table(results, vllm, [p for p in parts if p in ran])))
+
+
+if __name__ == "__main__":
+    main()

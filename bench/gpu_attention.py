@@ -5,6 +5,8 @@ CUDA graph holding 20 back-to-back calls (the launch cost the engine's graphs hi
 is nan where it is not installed or has no kernel (float32).
 
     python bench/gpu_attention.py
+
+Then a decode batch of mixed lengths (``mixed_lengths``): programs a row swept.
 """
 
 from __future__ import annotations
@@ -195,5 +197,42 @@ def main() -> None:
         )  # type: ignore[operator]
 
 
+def mixed_lengths(bw: float, rows: int = 256) -> None:
+    """A decode batch as an offline run has it: ``rows`` rows of mixed lengths (ShareGPT-like prompts, median 150
+    tokens, up to ~1,100, each some way into its 128 new tokens) at Llama-8B's heads, shuffled pages, programs a
+    row swept (``auto_programs``' choice marked): a long row's splits on one program wait while short rows' programs
+    are done. Bits compared against one program a row (the programs change no result)."""
+    import random
+
+    from pagedkv.shell.attention.triton_decode import auto_programs
+
+    rng = random.Random(1)
+    lens = [min(1024, max(13, round(rng.lognormvariate(5.0, 0.8)))) + rng.randrange(1, 128) for _ in range(rows)]
+    H, KVH, D, bs, dev = 32, 8, 128, 16, "cuda"
+    need = [-(-n // bs) for n in lens]
+    k = torch.randn(sum(need) + 1, bs, KVH, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    perm = (torch.randperm(sum(need)) + 1).tolist()
+    table = torch.zeros(rows, 2048 // bs, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(need):
+        table[r, :n] = torch.tensor(perm[at : at + n], dtype=torch.int32)
+        at += n
+    table, seq = table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(rows, H, D, device=dev, dtype=torch.bfloat16)
+    floor = sum(lens) * KVH * D * 2 * k.element_size() / bw * 1e3
+    one = paged_decode(q, k, v, table, seq, D**-0.5, programs=1)
+    auto = auto_programs(rows, KVH, q.device)
+    print(f"\n{rows} rows of {min(lens)}-{max(lens)} keys (mean {sum(lens) / rows:.0f}), Llama-8B heads, bf16; "
+          f"KV floor {floor * 1e3:.1f} us")  # fmt: skip
+    print("| programs a row | us (graph) | of floor | bits as one program's |\n|---:|---:|---:|---|")
+    for programs in sorted({1, 2, 4, 8, auto}):
+        got = paged_decode(q, k, v, table, seq, D**-0.5, programs=programs)
+        ms = in_graph(lambda p=programs: paged_decode(q, k, v, table, seq, D**-0.5, programs=p))
+        mark = " (auto)" if programs == auto else ""
+        print(f"| {programs}{mark} | {ms * 1e3:.1f} | {floor / ms:.2f} | {torch.equal(got, one)} |", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    mixed_lengths(copy_bandwidth())

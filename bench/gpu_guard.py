@@ -12,8 +12,12 @@ Rows (medians over the repeats; the last column: the first tree over the second)
   products' floor and the floor with the decode's KV reads; vLLM's offline tokens/s beside them where staged
   (then both engines serve vLLM's side's checkpoint, ``/tmp/ckpt_<shape>``, and the same prompt ids).
 
-``--time-limit`` (seconds, default 540: a device call runs 600 at most) stops starting new parts once spent; a part
-not run says so. On the device machine, with vLLM staged (../shared/vllm_gpu/README.md) and pagedkv's wheels
+The parts run in the order named, each one for every tree before the next part starts (a child process a tree and
+part, the trees' order turned each part and repeat), so a part that ran compares its trees. ``--time-limit``
+(seconds, default 540: a device call runs 600 at most) stops starting children once spent; a part not run says so.
+What one call cannot hold, the next one can: ``--json-out FILE`` writes every result so far (its ``$OUT``, then
+carried back), ``--json-in FILE`` takes earlier ones in (the same card, warm, for ratios), and ``--table FILE...``
+prints the table from such files here, with no device. On the device machine, with vLLM staged (../shared/vllm_gpu/README.md) and pagedkv's wheels
 installed (bench/device_install.sh):
 
     python bench/gpu_guard.py --trees main=.,ref=.devold/<tag> --vllm-tools .vw2/tools --prompts-dir .vw2/tools
@@ -33,7 +37,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
 
-PARTS = ("smollm2", "overlap", "mix", "llama-1b", "llama-8b")
+PARTS = ("llama-8b", "overlap", "mix", "smollm2", "llama-1b")  # (the default order: the headline figures first)
 VLLM_SHAPES = {"llama-1b": "1b", "llama-8b": "8b"}  # (../shared/vllm_gpu's names for the shapes)
 
 
@@ -83,6 +87,30 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def run_child(args: argparse.Namespace, name: str, path: str, part: str, deadline: float) -> dict[str, Any] | None:
+    """One tree's ``part`` in a process of its own with PYTHONPATH at the tree: its RESULT (None, said, when it
+    failed)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        *sys.argv[1:],
+        "--parts",
+        part,
+        "--deadline",
+        str(deadline + 3600),
+    ]  # fmt: skip  (a child started runs its part through)
+    if args.prompts_dir:
+        cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path), check=False)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{name} {part} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[7:])  # type: ignore[no-any-return]
+
+
 def run_vllm(tools: str, shape: str, prompts: int, limit: float) -> dict[str, Any] | str:
     """vLLM's offline run of ``shape`` (../shared/vllm_gpu's bench_vllm.py, vLLM in /tmp/site): its RESULT, or why
     not."""
@@ -106,7 +134,7 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
 
     def med(name: str, get: Any) -> float | None:
         xs = []
-        for r in results[name]:
+        for r in results[name]:  # (each result holds the parts one child ran: those without this figure pass)
             try:
                 xs.append(float(get(r["parts"])))
             except (KeyError, IndexError, TypeError, ZeroDivisionError):
@@ -132,7 +160,7 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
         add("arrival mix ITL p99 ms", "", lambda p: p["mix"]["itl_p99_ms"])
         add("  ITL p99 / p50", "at most 2x", lambda p: p["mix"]["itl_p99_ms"] / p["mix"]["itl_p50_ms"])
     for shape in ("llama-1b", "llama-8b"):
-        if shape not in parts:
+        if shape not in parts and shape not in vllm:
             continue
         v = vllm.get(shape)
         vt = v["gen_tok_per_s"] if isinstance(v, dict) else None
@@ -176,6 +204,9 @@ def main() -> None:
     ap.add_argument("--vllm-tools", help="../shared/vllm_gpu's scripts on the device (.vwN/tools): run vLLM there")
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds; no part starts past it")
+    ap.add_argument("--json-out", help="write every result so far here (after each child)")
+    ap.add_argument("--json-in", nargs="+", help="earlier --json-out files: their results join this run's")
+    ap.add_argument("--table", nargs="+", metavar="FILE", help="print the table of --json-out files (no device)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -183,6 +214,16 @@ def main() -> None:
         child(args)
         return
     parts = [p for p in args.parts.split(",") if p]
+    if args.table:
+        runs = [json.load(open(f)) for f in args.table]
+        merged: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:
+            for name, xs in run["trees"].items():
+                merged.setdefault(name, []).extend(xs)
+        theirs = {k: v for run in runs for k, v in run.get("vllm", {}).items()}
+        got = {p for xs in merged.values() for x in xs for p in x["parts"]}
+        print("\n".join(table(merged, theirs, [p for p in PARTS if p in got])))
+        return
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
@@ -197,21 +238,25 @@ def main() -> None:
             print(f"vLLM {shape}: {vllm[shape] if isinstance(vllm[shape], str) else 'done'}", file=sys.stderr)
     trees = [t.split("=", 1) for t in args.trees.split(",")]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for path in args.json_in or ():
+        earlier = json.load(open(path))
+        vllm = {**earlier.get("vllm", {}), **vllm}
+        for name, xs in earlier["trees"].items():
+            results.setdefault(name, []).extend(xs)
+    turn = 0
     for r in range(args.repeats):
-        for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
-            if time.time() > deadline:
-                print(f"{name}, repeat {r + 1}: not run (--time-limit spent)", file=sys.stderr)
-                continue
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:], "--deadline", str(deadline)]
-            if args.prompts_dir:
-                cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path), check=False)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{name} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
-                continue
-            results[name].append(json.loads(line[7:]))
+        for part in parts:
+            for name, path in trees[turn % len(trees) :] + trees[: turn % len(trees)]:
+                if time.time() > deadline:
+                    print(f"{name} {part}, repeat {r + 1}: not run (--time-limit spent)", file=sys.stderr)
+                    continue
+                got = run_child(args, name, path, part, deadline)
+                if got is not None:
+                    results[name].append(got)
+                if args.json_out:  # (after each child: a call cut short keeps what ran)
+                    with open(args.json_out, "w") as f:
+                        json.dump({"trees": results, "vllm": vllm}, f)
+            turn += 1
     first = next((x for xs in results.values() for x in xs), None)
     if first is None:
         sys.exit("no tree gave a result (each one's output is above)")

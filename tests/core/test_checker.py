@@ -357,7 +357,7 @@ def test_placeholders_fills_and_cuts_are_exhaustive_without_a_violation() -> Non
 def _hash_over_a_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
     import pagedkv.core.rules.caching as caching_mod
 
-    monkeypatch.setattr(caching_mod, "known_ids", lambda record, tail: 1 << 20)  # every position taken as known
+    monkeypatch.setattr(caching_mod, "known_ids", lambda *_: 1 << 20)  # every position taken as known
 
 
 def _cut_frees_a_cached_block(monkeypatch: pytest.MonkeyPatch) -> None:

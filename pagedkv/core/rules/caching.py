@@ -42,11 +42,12 @@ def chain_of(config: CacheConfig, root: bytes, tokens: Sequence[int], keys: Bloc
     return tuple(out)
 
 
-def token_span(record: Row, tail: bytes | None, start: int, end: int) -> bytes:
-    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail."""
+def token_span(record: Row, tail: bytes | None, start: int, end: int, chunked: int | None = None) -> bytes:
+    """The packed token ids of positions ``[start, end)`` of a row, from its ids and its tail (``chunked``: the
+    record's count of ids, where the caller has it)."""
     if record.ids is None:
         raise InvariantError("a row that is hashed holds its ids")
-    c = record.chunked
+    c = record.chunked if chunked is None else chunked
     if end <= c:
         blob = ids_span(record.ids, start, end)
     elif start >= c:
@@ -128,8 +129,8 @@ def hash_full_blocks(
     bs = cfg.block_size
     ids = record.ids
     if ids is not None:  # a block is hashed only over known ids (placeholders await theirs): the record's, the tail's
-        chunked = ids_count(ids)
-        known = known_ids(record, tail)
+        chunked = ids_count(ids)  # (counted once, for both)
+        known = known_ids(record, tail, chunked)
     elif given and req.given and req.given[i]:
         chunked = known = len(given) * bs
     else:
@@ -149,16 +150,7 @@ def hash_full_blocks(
     # the packed ids of every block to hash, from ``lo`` (a row of a count hashes none: its caller's hashes are
     # taken; those the caller hashed need no ids, unless the events carry them or a lookahead reads them)
     lo = done if events is not None or ahead else min(max(taken, done), full)
-    if ids is None or lo >= full:
-        span = b""
-    else:  # (token_span's, with the record's count known)
-        a, b = lo * bs, full * bs + ahead
-        if b <= chunked:
-            span = ids_span(ids, a, b)
-        elif a >= chunked:
-            span = (tail or b"")[(a - chunked) << 3 : (b - chunked) << 3]
-        else:
-            span = ids_span(ids, a, chunked) + (tail or b"")[: (b - chunked) << 3]
+    span = token_span(record, tail, lo * bs, full * bs + ahead, chunked) if ids is not None and lo < full else b""
     parent = record.hashes[-hw:] if done else txn.base.cache.root
     first = parent
     new = [record.hashes]

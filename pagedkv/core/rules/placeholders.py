@@ -90,8 +90,8 @@ def fill_many(
             hi, o = slot >> SLOT_SHIFT, slot & mask
             tail, record, length = tails[hi][o], records[hi][o], lens[hi][o]
             if type(tail) is Awaiting and (held := record.ids) is not None:
-                chunked = ids_count(held)
-                known = chunked + (len(tail) >> 3)  # (known_ids's, the record's count kept for the fill)
+                chunked = ids_count(held)  # (counted once, for both)
+                known = known_ids(record, tail, chunked)
                 if known < length and computed[hi][o] <= known:
                     more, tails[hi][o] = with_more_ids(
                         held, tail, ids[0].to_bytes(8, "little"), bs, awaiting=known + 1 < length, chunked=chunked

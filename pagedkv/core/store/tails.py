@@ -97,9 +97,10 @@ def as_tail(ids: bytes, awaiting: bool) -> bytes:
     return Awaiting(ids) if awaiting else bytes(ids)
 
 
-def known_ids(record: _Record, tail: bytes | None) -> int:
-    """How many leading positions of a row have known token ids (its record's, then its tail's)."""
-    return record.chunked + (len(tail) >> 3 if tail is not None else 0)
+def known_ids(record: _Record, tail: bytes | None, chunked: int | None = None) -> int:
+    """How many leading positions of a row have known token ids (its record's, then its tail's); ``chunked``: the
+    record's count, where the caller has it."""
+    return (record.chunked if chunked is None else chunked) + (len(tail) >> 3 if tail is not None else 0)
 
 
 def unpack_ids(data: bytes) -> tuple[int, ...]:

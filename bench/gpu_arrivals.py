@@ -1,0 +1,228 @@
+"""The arrival mix at a real model's shapes, pagedkv beside vLLM on one card (issue 63: "under the arrival mix on the 8B
+shape, TTFT p50 and ITL p99 at most vLLM's"): the same checkpoint (../shared/vllm_gpu's, ``/tmp/ckpt_<shape>``), the
+same prompt ids (its ``prompts.make_prompts``), the same output lengths (lognormal, median ~100, ignore_eos) and the same
+Poisson arrival times, each engine driven the way a server drives it: requests added when their time comes, one engine
+step at a time, each token's time taken when the step hands it to the host. TTFT: from a request's arrival time to its
+first token; ITL: between a request's consecutive tokens.
+
+- pagedkv: ``Engine.add_request`` / ``Engine.step(on_token)``, overlapped scheduling (``async_scheduling``);
+- vLLM 0.25.1: its v1 ``LLMEngine`` (``add_request(request_id, {"prompt_token_ids": ...}, SamplingParams,
+  arrival_time=...)``, ``step()``, its outputs' token counts), its defaults otherwise (CUDA graphs, torch.compile,
+  async scheduling), with ``/tmp/site`` (../shared/vllm_gpu's install) on its path.
+
+Each engine in a process of its own, alternated over ``--repeats``; one table. On the device machine, vLLM staged
+(../shared/vllm_gpu/README.md) and its checkpoint built (``bench_vllm.py --shape 8b --build-only`` or a run of it):
+
+    python bench/gpu_arrivals.py --checkpoint /tmp/ckpt_8b --prompts-dir .vw2/tools --rate 20 --requests 400
+    python bench/gpu_arrivals.py --engines pagedkv --shape tiny --device cpu --requests 16 --rate 50   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
+    """(arrival second, prompt ids, new tokens) a request, in arrival order: what both engines serve."""
+    for where in (args.prompts_dir, os.path.join(HERE, "..", "..", "shared", "vllm_gpu")):
+        if where and os.path.exists(os.path.join(where, "prompts.py")):
+            sys.path.insert(0, os.path.abspath(where))
+            break
+    from prompts import make_prompts  # (../shared/vllm_gpu's: the ids vLLM's side serves)
+
+    ids = make_prompts(args.requests, args.seed, vocab)
+    rng = random.Random(args.seed + 1)
+    out, t = [], 0.0
+    for p in ids:
+        t += rng.expovariate(args.rate)
+        out.append((t, p, min(max(int(rng.lognormvariate(4.6, 0.7)), 4), args.max_new)))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(int(q * len(xs)), len(xs) - 1)] * 1e3 if xs else float("nan")
+
+
+def figures(reqs: list[tuple[float, list[int], int]], first: dict[str, float], gaps: list[float], wall: float) -> dict[str, Any]:  # fmt: skip
+    arrive = {f"a{k}": t for k, (t, _, _) in enumerate(reqs)}
+    ttft = [first[r] - arrive[r] for r in first]
+    return {
+        "requests": len(reqs),
+        "answered": len(first),
+        "tok_s": sum(n for _, _, n in reqs) / wall,
+        "wall_s": wall,
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(gaps, 0.5),
+        "itl_p99_ms": pct(gaps, 0.99),
+    }
+
+
+def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from pagedkv.models.llama import IdTokenizer
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
+
+    if args.checkpoint:
+        from pagedkv.models.hf import load_model
+
+        model = load_model(args.checkpoint, dtype="bfloat16", device=args.device)[0]
+    else:
+        from llama_shapes import build
+
+        model = build(args.shape, args.device)[0]
+    reqs = workload(args, model.config.vocab_size)
+    eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
+                 async_scheduling=args.device == "cuda")  # fmt: skip
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+
+    def on_token(rid: Any, _tok: int) -> None:
+        now = time.perf_counter() - t0
+        if rid not in first:
+            first[rid] = now
+        else:
+            gaps.append(now - last[rid])
+        last[rid] = now
+
+    t0 = time.perf_counter()
+    k = 0
+    while k < len(reqs) or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while k < len(reqs) and reqs[k][0] <= now:
+            eng.add_request(
+                f"a{k}", "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+            )
+            k += 1
+        if eng.has_unfinished():
+            eng.step(on_token)
+        elif k < len(reqs):
+            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
+    sync()
+    return figures(reqs, first, gaps, time.perf_counter() - t0)
+
+
+def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # (FlashInfer is not carried: bench_vllm.py's setting)
+    from vllm import EngineArgs, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine_args = EngineArgs(model=args.checkpoint, tokenizer=args.checkpoint, dtype="bfloat16",
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, max_model_len=2048,
+                             gpu_memory_utilization=0.9, enable_prefix_caching=False, seed=0,
+                             generation_config="vllm", load_format="safetensors")  # fmt: skip
+    eng = LLMEngine.from_engine_args(engine_args)
+    config = json.load(open(os.path.join(args.checkpoint, "config.json")))
+    reqs = workload(args, config["vocab_size"])
+    for k, (_, p, _) in enumerate(reqs[:8]):  # (the same warm-up as pagedkv's)
+        eng.add_request(
+            f"warm{k}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
+    while eng.has_unfinished_requests():
+        eng.step()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    gaps: list[float] = []
+    t0 = time.perf_counter()
+    base = time.time() - (time.perf_counter() - t0)  # (vLLM's arrival_time is wall-clock seconds)
+    k = 0
+    while k < len(reqs) or eng.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while k < len(reqs) and reqs[k][0] <= now:
+            params = SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+            eng.add_request(f"a{k}", {"prompt_token_ids": reqs[k][1]}, params, arrival_time=base + reqs[k][0])
+            k += 1
+        if eng.has_unfinished_requests():
+            outs = eng.step()
+            now = time.perf_counter() - t0
+            for out in outs:  # (each output's token ids so far: the new ones came with this step)
+                rid, n = out.request_id, len(out.outputs[0].token_ids)
+                for _ in range(n - seen.get(rid, 0)):
+                    if rid not in first:
+                        first[rid] = now
+                    else:
+                        gaps.append(now - last[rid])
+                    last[rid] = now
+                seen[rid] = n
+        elif k < len(reqs):
+            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
+    return figures(reqs, first, gaps, time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="vllm,pagedkv", help="comma list of vllm, pagedkv")
+    ap.add_argument("--checkpoint", help="the checkpoint both serve (../shared/vllm_gpu's /tmp/ckpt_<shape>)")
+    ap.add_argument("--shape", default="tiny", help="pagedkv alone, no checkpoint: a random model of these shapes")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--rate", type=float, default=20.0, help="requests a second (Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new", type=int, default=512, help="the most new tokens a request")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--kv-gib", type=float, default=40.0, help="pagedkv's KV pool")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
+    ap.add_argument("--vllm-path", default="/tmp/site", help="vLLM's install, put on its process' path")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        got = run_vllm(args) if args.child == "vllm" else run_pagedkv(args)
+        print("RESULT " + json.dumps(got), flush=True)
+        return
+    engines = [e for e in args.engines.split(",") if e]
+    if any(e not in ("vllm", "pagedkv") for e in engines):
+        ap.error(f"--engines takes vllm and pagedkv, got {args.engines!r}")
+    if "vllm" in engines and not args.checkpoint:
+        ap.error("vLLM serves a checkpoint: give --checkpoint (../shared/vllm_gpu's /tmp/ckpt_<shape>)")
+    results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for r in range(args.repeats):
+        for name in engines[r % len(engines) :] + engines[: r % len(engines)]:
+            env = dict(os.environ)
+            if name == "vllm":
+                env["PYTHONPATH"] = args.vllm_path
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", name]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
+                continue
+            results[name].append(json.loads(line[7:]))
+    print(f"\n{args.requests} requests at {args.rate:g}/s; {args.checkpoint or args.shape}; max_num_seqs "
+          f"{args.max_num_seqs}, budget {args.budget}; medians of {args.repeats}\n")  # fmt: skip
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s")
+    print("| engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 / p50 | tok/s | answered |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, xs in results.items():
+        if not xs:
+            print(f"| {name} | failed | | | | | | |")
+            continue
+        m = {k: statistics.median(x[k] for x in xs) for k in keys}
+        print(f"| {name} | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['itl_p50_ms']:.2f} | "
+              f"{m['itl_p99_ms']:.2f} | {m['itl_p99_ms'] / m['itl_p50_ms']:.2f}x | {m['tok_s']:,.0f} | "
+              f"{xs[0]['answered']} / {xs[0]['requests']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

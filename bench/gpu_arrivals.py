@@ -24,13 +24,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+from children import child_result, result, tree_env  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
@@ -54,19 +55,56 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(int(q * len(xs)), len(xs) - 1)] * 1e3 if xs else float("nan")
 
 
-def figures(reqs: list[tuple[float, list[int], int]], first: dict[str, float], gaps: list[float], wall: float) -> dict[str, Any]:  # fmt: skip
-    arrive = {f"a{k}": t for k, (t, _, _) in enumerate(reqs)}
-    ttft = [first[r] - arrive[r] for r in first]
-    return {
-        "requests": len(reqs),
-        "answered": len(first),
-        "tok_s": sum(n for _, _, n in reqs) / wall,
-        "wall_s": wall,
-        "ttft_p50_ms": pct(ttft, 0.5),
-        "ttft_p99_ms": pct(ttft, 0.99),
-        "itl_p50_ms": pct(gaps, 0.5),
-        "itl_p99_ms": pct(gaps, 0.99),
-    }
+class Clock:
+    """Requests served as they arrive, their tokens timed as each step hands them to the host: ``run`` adds each
+    request when its time comes (seconds from the run's start) and steps the engine while any is unfinished;
+    ``token`` marks a request's token (its first: the time to it from its arrival; the next ones: the gaps)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first: dict[Any, float] = {}
+        self.last: dict[Any, float] = {}
+        self.gaps: list[float] = []
+
+    def token(self, rid: Any, _tok: int | None = None) -> None:
+        now = time.perf_counter() - self.t0
+        if rid not in self.first:
+            self.first[rid] = now
+        else:
+            self.gaps.append(now - self.last[rid])
+        self.last[rid] = now
+
+    def run(
+        self, times: list[float], add: Callable[[int], None], step: Callable[[], None], busy: Callable[[], bool]
+    ) -> float:
+        """Request k added (``add(k)``) once ``times[k]`` seconds have passed, ``step()`` while ``busy()``, idle
+        waits slept: the run's wall seconds."""
+        self.t0 = time.perf_counter()
+        k = 0
+        while k < len(times) or busy():
+            now = time.perf_counter() - self.t0
+            while k < len(times) and times[k] <= now:
+                add(k)
+                k += 1
+            if busy():
+                step()
+            elif k < len(times):
+                time.sleep(max(0.0, times[k] - (time.perf_counter() - self.t0)))
+        return time.perf_counter() - self.t0
+
+    def figures(self, arrivals: dict[Any, float], made: int, wall: float) -> dict[str, Any]:
+        """TTFT and ITL percentiles (ms), tokens a second over the run."""
+        ttft = [self.first[r] - arrivals[r] for r in self.first]
+        return {
+            "requests": len(arrivals),
+            "answered": len(self.first),
+            "tok_s": made / wall,
+            "wall_s": wall,
+            "ttft_p50_ms": pct(ttft, 0.5),
+            "ttft_p99_ms": pct(ttft, 0.99),
+            "itl_p50_ms": pct(self.gaps, 0.5),
+            "itl_p99_ms": pct(self.gaps, 0.99),
+        }
 
 
 def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,33 +130,19 @@ def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    gaps: list[float] = []
+    clock = Clock()
 
-    def on_token(rid: Any, _tok: int) -> None:
-        now = time.perf_counter() - t0
-        if rid not in first:
-            first[rid] = now
-        else:
-            gaps.append(now - last[rid])
-        last[rid] = now
+    def add(k: int) -> None:
+        eng.add_request(
+            f"a{k}", "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+        )
 
-    t0 = time.perf_counter()
-    k = 0
-    while k < len(reqs) or eng.has_unfinished():
-        now = time.perf_counter() - t0
-        while k < len(reqs) and reqs[k][0] <= now:
-            eng.add_request(
-                f"a{k}", "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
-            )
-            k += 1
-        if eng.has_unfinished():
-            eng.step(on_token)
-        elif k < len(reqs):
-            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
+    def step() -> None:
+        eng.step(clock.token)
+
+    wall = clock.run([t for t, _, _ in reqs], add, step, eng.has_unfinished)
     sync()
-    return figures(reqs, first, gaps, time.perf_counter() - t0)
+    return clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
 
 
 def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,34 +163,22 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
         )
     while eng.has_unfinished_requests():
         eng.step()
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    gaps: list[float] = []
-    t0 = time.perf_counter()
-    base = time.time() - (time.perf_counter() - t0)  # (vLLM's arrival_time is wall-clock seconds)
-    k = 0
-    while k < len(reqs) or eng.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while k < len(reqs) and reqs[k][0] <= now:
-            params = SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
-            eng.add_request(f"a{k}", {"prompt_token_ids": reqs[k][1]}, params, arrival_time=base + reqs[k][0])
-            k += 1
-        if eng.has_unfinished_requests():
-            outs = eng.step()
-            now = time.perf_counter() - t0
-            for out in outs:  # (each output's token ids so far: the new ones came with this step)
-                rid, n = out.request_id, len(out.outputs[0].token_ids)
-                for _ in range(n - seen.get(rid, 0)):
-                    if rid not in first:
-                        first[rid] = now
-                    else:
-                        gaps.append(now - last[rid])
-                    last[rid] = now
-                seen[rid] = n
-        elif k < len(reqs):
-            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
-    return figures(reqs, first, gaps, time.perf_counter() - t0)
+    clock, seen = Clock(), dict[str, int]()
+    base = time.time() - time.perf_counter()  # (vLLM's arrival_time is wall-clock seconds: base + perf_counter)
+
+    def add(k: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+        eng.add_request(f"a{k}", {"prompt_token_ids": reqs[k][1]}, params, arrival_time=base + clock.t0 + reqs[k][0])
+
+    def step() -> None:
+        for out in eng.step():  # (each output's token ids so far: the new ones came with this step)
+            rid, n = out.request_id, len(out.outputs[0].token_ids)
+            for _ in range(n - seen.get(rid, 0)):
+                clock.token(rid)
+            seen[rid] = n
+
+    wall = clock.run([t for t, _, _ in reqs], add, step, eng.has_unfinished_requests)
+    return clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
 
 
 def main() -> None:
@@ -188,8 +200,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        got = run_vllm(args) if args.child == "vllm" else run_pagedkv(args)
-        print("RESULT " + json.dumps(got), flush=True)
+        result(run_vllm(args) if args.child == "vllm" else run_pagedkv(args))
         return
     engines = [e for e in args.engines.split(",") if e]
     if any(e not in ("vllm", "pagedkv") for e in engines):
@@ -199,16 +210,10 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     for r in range(args.repeats):
         for name in engines[r % len(engines) :] + engines[: r % len(engines)]:
-            env = dict(os.environ)
-            if name == "vllm":
-                env["PYTHONPATH"] = args.vllm_path
-            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", name]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{name} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
-                continue
-            results[name].append(json.loads(line[7:]))
+            env = tree_env(args.vllm_path, only=True) if name == "vllm" else dict(os.environ)
+            got = child_result([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", name], env, name)
+            if got is not None:
+                results[name].append(got)
     print(f"\n{args.requests} requests at {args.rate:g}/s; {args.checkpoint or args.shape}; max_num_seqs "
           f"{args.max_num_seqs}, budget {args.budget}; medians of {args.repeats}\n")  # fmt: skip
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s")

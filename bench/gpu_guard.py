@@ -29,13 +29,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+from children import child_result, result, tree_env  # noqa: E402
 
 PARTS = ("llama-8b", "overlap", "mix", "smollm2", "llama-1b")  # (the default order: the headline figures first)
 VLLM_SHAPES = {"llama-1b": "1b", "llama-8b": "8b"}  # (../shared/vllm_gpu's names for the shapes)
@@ -84,13 +84,12 @@ def child(args: argparse.Namespace) -> None:
             device="cuda", variants="default",
         )  # fmt: skip
         out["parts"][part] = gpu_real.measure(real)
-    print("RESULT " + json.dumps(out), flush=True)
+    result(out)
 
 
 def run_child(args: argparse.Namespace, name: str, path: str, part: str, deadline: float) -> dict[str, Any] | None:
     """One tree's ``part`` in a process of its own with PYTHONPATH at the tree: its RESULT (None, said, when it
     failed)."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -103,28 +102,18 @@ def run_child(args: argparse.Namespace, name: str, path: str, part: str, deadlin
     ]  # fmt: skip  (a child started runs its part through)
     if args.prompts_dir:
         cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path), check=False)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        print(f"{name} {part} failed:\n{(done.stdout + done.stderr)[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(line[7:])  # type: ignore[no-any-return]
+    got: dict[str, Any] | None = child_result(cmd, tree_env(path), f"{name} {part}", cwd=os.path.abspath(path))
+    return got
 
 
 def run_vllm(tools: str, shape: str, prompts: int, limit: float) -> dict[str, Any] | str:
     """vLLM's offline run of ``shape`` (../shared/vllm_gpu's bench_vllm.py, vLLM in /tmp/site): its RESULT, or why
     not."""
-    env = dict(os.environ, PYTHONPATH="/tmp/site")
     cmd = [sys.executable, os.path.join(tools, "bench_vllm.py"), "--shape", VLLM_SHAPES[shape],
            "--num-prompts", str(prompts), "--max-num-batched-tokens", "8192"]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(1.0, limit), check=False)
-    except subprocess.TimeoutExpired:
-        return "timed out"
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        return f"failed: {(done.stdout + done.stderr).strip().splitlines()[-1:]}"
-    return json.loads(line[7:])  # type: ignore[no-any-return]
+    env = dict(os.environ, PYTHONPATH="/tmp/site")
+    got: dict[str, Any] | None = child_result(cmd, env, f"vLLM {shape}", timeout=max(1.0, limit))
+    return "failed or timed out (its output above)" if got is None else got
 
 
 def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts: list[str]) -> list[str]:
@@ -221,8 +210,8 @@ def main() -> None:
             for name, xs in run["trees"].items():
                 merged.setdefault(name, []).extend(xs)
         theirs = {k: v for run in runs for k, v in run.get("vllm", {}).items()}
-        got = {p for xs in merged.values() for x in xs for p in x["parts"]}
-        print("\n".join(table(merged, theirs, [p for p in PARTS if p in got])))
+        have = {p for xs in merged.values() for x in xs for p in x["parts"]}
+        print("\n".join(table(merged, theirs, [p for p in PARTS if p in have])))
         return
     bad = [p for p in parts if p not in PARTS]
     if bad:

@@ -23,15 +23,14 @@ turned off (where the 8B regression of issue 63 hides):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+from children import child_result, result, tree_env  # noqa: E402
 from llama_shapes import SHAPES, build  # noqa: E402
 
 
@@ -97,7 +96,7 @@ def variant(name: str) -> Any:
 
 def child(args: argparse.Namespace) -> None:
     """One tree's runs, in this process (``measure``), as a ``RESULT`` line."""
-    print("RESULT " + json.dumps(measure(args)), flush=True)
+    result(measure(args))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,18 +213,13 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     for r in range(args.repeats):
         for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             variants = args.variants if name == trees[0][0] else "default"
             cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:], "--variants", variants]
             if args.prompts_dir:
                 cmd += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.abspath(path))
-            sys.stderr.write(done.stderr[-2000:])
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{name} failed:\n{done.stdout[-2000:]}", file=sys.stderr)
-                continue
-            results[name].append(json.loads(line[7:]))
+            got = child_result(cmd, tree_env(path), name, cwd=os.path.abspath(path), echo=True)
+            if got is not None:
+                results[name].append(got)
     first = next((x for xs in results.values() for x in xs), None)
     if first is None:
         sys.exit("no tree gave a result (each one's output is above)")

@@ -26,9 +26,9 @@ import sys
 
 import torch
 
-sys.path.append(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # the repo root (appended: a PYTHONPATH tree stays the pagedkv imported)
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path += [os.path.dirname(BENCH), BENCH]  # the repo root and bench/ (appended: a PYTHONPATH tree stays the pagedkv)
+from gpu_arrivals import Clock, pct  # noqa: E402
 from tests.gpu.prompts import PROMPTS, prompt_text  # noqa: E402
 from pagedkv.models.gguf import SMOLLM2_FILE, smollm2_path
 from pagedkv.models.llama import Llama
@@ -144,13 +144,15 @@ class Breakdown:
         return "  ".join(f"{p} {self.acc[p] / steps * 1e3:.2f}" for p in self.PARTS)
 
 
-def served(model: Any, tok: Tokenizer, rng: random.Random, b: int, **kw: Any) -> tuple[list[list[int]], Engine]:
-    """``b`` 128-token prompts, and an engine for them whose eager prefill path is warm."""
+def served(
+    model: Any, tok: Tokenizer, rng: random.Random, b: int, kv_bytes: int = 4 << 30, **kw: Any
+) -> tuple[list[list[int]], Engine]:
+    """``b`` 128-token prompts, and an engine for them (a pool of ``kv_bytes``) whose eager prefill path is warm."""
     ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(b)]
     eng = Engine(
         model,
         tok,
-        kv_cache_memory_bytes=4 << 30,
+        kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=b,
         max_num_batched_tokens=max(2048, 128 * min(b, 64)),
         **kw,
@@ -316,45 +318,23 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> dic
     )
     eng.generate([("", reqs[0][1][:16], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])  # warm
     eng.step_times = []
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    gaps: list[float] = []
-    arrive: dict[str, float] = {}
+    clock, done = Clock(), []
 
-    def on_token(rid: Any, _tok: int) -> None:
-        now = time.perf_counter()
-        if rid not in first:
-            first[rid] = now
-        else:
-            gaps.append(now - last[rid])
-        last[rid] = now
+    def add(k: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
+        eng.add_request(f"mix-{k}", "", reqs[k][1], params)
 
-    t0 = time.perf_counter()
-    k, done = 0, []
-    while k < len(reqs) or eng.has_unfinished():
-        now = time.perf_counter() - t0
-        while k < len(reqs) and reqs[k][0] <= now:
-            rid = f"mix-{k}"
-            arrive[rid] = t0 + reqs[k][0]
-            eng.add_request(
-                rid, "", reqs[k][1], SamplingParams(temperature=0.0, max_tokens=reqs[k][2], ignore_eos=True)
-            )
-            k += 1
-        if eng.has_unfinished():
-            done += eng.step(on_token)
-        elif k < len(reqs):
-            time.sleep(max(0.0, reqs[k][0] - (time.perf_counter() - t0)))
+    def step() -> None:
+        done.extend(eng.step(clock.token))
+
+    clock.run([r[0] for r in reqs], add, step, eng.has_unfinished)
     torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - clock.t0
     made = sum(r[2] for r in reqs)
-    ttft = sorted(first[r] - arrive[r] for r in first)
-    gaps.sort()
+    arrivals = {f"mix-{k}": r[0] for k, r in enumerate(reqs)}
+    ttft, gaps = [clock.first[r] - arrivals[r] for r in clock.first], clock.gaps
     steps = list(eng.step_times or [])
-    secs = sorted(t for *_, t in steps)
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(int(q * len(xs)), len(xs) - 1)] * 1e3
-
+    step_s = [t for *_, t in steps]
     hf_secs = 0.0
     # transformers: arrival-order static batches of 64, all at once (no arrival waits)
     for s in range(0, n if hf is not None else 0, 64):
@@ -373,17 +353,13 @@ def mix(tok: Tokenizer, n: int, rate: float, hf: Any, budget: int = 4096) -> dic
         ),
         f"TTFT ms p50 {pct(ttft, 0.5):.1f}  p90 {pct(ttft, 0.9):.1f}  p99 {pct(ttft, 0.99):.1f};  "
         f"ITL ms p50 {pct(gaps, 0.5):.2f}  p90 {pct(gaps, 0.9):.2f}  p99 {pct(gaps, 0.99):.2f}",
-        f"steps: {len(steps)}, ms p50 {pct(secs, 0.5):.2f}  p90 {pct(secs, 0.9):.2f}  p99 {pct(secs, 0.99):.2f}; "
+        f"steps: {len(steps)}, ms p50 {pct(step_s, 0.5):.2f}  p90 {pct(step_s, 0.9):.2f}  p99 {pct(step_s, 0.99):.2f}; "
         f"with prompt tokens {sum(p > 0 for _, p, _ in steps)}; the slowest (decode rows, prompt tokens, ms): "
         + ", ".join(f"({r}, {p}, {t * 1e3:.1f})" for r, p, t in sorted(steps, key=lambda x: -x[2])[:8]),
     ]
     return {
-        "tok_s": made / wall,
+        **clock.figures(arrivals, made, wall),
         "hf_tok_s": made / hf_secs if hf is not None else float("nan"),
-        "ttft_p50_ms": pct(ttft, 0.5),
-        "ttft_p99_ms": pct(ttft, 0.99),
-        "itl_p50_ms": pct(gaps, 0.5),
-        "itl_p99_ms": pct(gaps, 0.99),
         "lines": lines,
     }
 

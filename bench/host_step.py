@@ -14,17 +14,16 @@ timed on one state, the best of 15 x 50 calls (steady where the machine is not).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORDS = "the cache keeps pages of keys and values for every request while the scheduler admits".split()
+sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
+from children import child_result, result, tree_env  # noqa: E402
 
 
 def child(rows: int) -> dict[str, float]:
@@ -33,9 +32,10 @@ def child(rows: int) -> dict[str, float]:
 
     import torch
 
+    from gpu_serve import served
+
     from pagedkv.models.llama import SMOLLM2_SHAPES, Llama, random_llama
     from pagedkv.models.tokenizer import Tokenizer
-    from pagedkv.shell.engine import Engine
     from pagedkv.shell.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -49,18 +49,9 @@ def child(rows: int) -> dict[str, float]:
         return zeros[: len(at) if at is not None else batch.num_rows]
 
     model.forward = forward  # type: ignore[method-assign,assignment]
-    rng = random.Random(0)
-    ids = [tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)))[:128] for _ in range(rows)]
     out = {}
-    for ahead in (False, True):
-        eng = Engine(
-            model,
-            tok,
-            kv_cache_memory_bytes=1 << 30,
-            max_num_seqs=rows,
-            max_num_batched_tokens=max(2048, 128 * min(rows, 64)),
-            async_scheduling=ahead,
-        )
+    for ahead in (False, True):  # (the same prompts in both)
+        ids, eng = served(model, tok, random.Random(0), rows, kv_bytes=1 << 30, async_scheduling=ahead)
 
         def run(n: int) -> float:
             t0 = time.perf_counter()
@@ -115,18 +106,17 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.rows)))
+        result(child(args.rows))
         return
     trees = [t.split("=", 1) for t in args.trees.split(",")]
     got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for r in range(args.repeats):
         for name, path in trees[r % len(trees) :] + trees[: r % len(trees)]:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
             cmd = [sys.executable, os.path.join(HERE, "host_step.py"), "--child", "--rows", str(args.rows)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
-            got[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            one = child_result(cmd, tree_env(path, only=True), name)
+            if one is None:
+                sys.exit(1)
+            got[name].append(one)
     base = trees[0][0]
     print(f"host ms a decode step, {args.rows} rows, forward stubbed, medians of {args.repeats} processes a tree")
     print(f"| tree | waiting | overlapped | overlapped vs {base} | each overlapped run | on_tokens alone (ms) |")

@@ -6,6 +6,7 @@ step at a time, each token's time taken when the step hands it to the host. TTFT
 first token; ITL: between a request's consecutive tokens.
 
 - pagedkv: ``Engine.add_request`` / ``Engine.step(on_token)``, overlapped scheduling (``async_scheduling``);
+  ``pagedkv-sync``: the same without overlap (each step's tokens on the host before the next step is scheduled);
 - vLLM 0.25.1: its v1 ``LLMEngine`` (``add_request(request_id, {"prompt_token_ids": ...}, SamplingParams,
   arrival_time=...)``, ``step()``, its outputs' token counts), its defaults otherwise (CUDA graphs, torch.compile,
   async scheduling), with ``/tmp/site`` (../shared/vllm_gpu's install) on its path.
@@ -14,7 +15,7 @@ Each engine in a process of its own, alternated over ``--repeats``; one table. O
 (../shared/vllm_gpu/README.md) and its checkpoint built (``bench_vllm.py --shape 8b --build-only`` or a run of it):
 
     python bench/gpu_arrivals.py --checkpoint /tmp/ckpt_8b --prompts-dir .vw2/tools --rate 20 --requests 400
-    python bench/gpu_arrivals.py --engines pagedkv --shape tiny --device cpu --requests 16 --rate 50   # a smoke run
+    python bench/gpu_arrivals.py --engines pagedkv,pagedkv-sync --shape tiny --device cpu --requests 16 --rate 50 --kv-gib 1 --time-steps  # a smoke run
 """
 
 from __future__ import annotations
@@ -107,7 +108,24 @@ class Clock:
         }
 
 
-def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
+def step_figures(steps: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """The engine's timed steps (``time_steps``: each synchronised, so overlap is lost) by kind: those that carry
+    prompt tokens and those that decode only, ms p50 / p99, and the slowest eight (decode rows, prompt tokens, ms)."""
+    prompt = [t for _, p, t in steps if p]
+    decode = [t for _, p, t in steps if not p]
+    return {
+        "steps": len(steps),
+        "prompt_steps": len(prompt),
+        "prompt_tokens_p50": statistics.median([p for _, p, _ in steps if p]) if prompt else 0,
+        "prompt_step_p50_ms": pct(prompt, 0.5),
+        "prompt_step_p99_ms": pct(prompt, 0.99),
+        "decode_step_p50_ms": pct(decode, 0.5),
+        "decode_step_p99_ms": pct(decode, 0.99),
+        "slowest": [(r, p, round(t * 1e3, 2)) for r, p, t in sorted(steps, key=lambda x: -x[2])[:8]],
+    }
+
+
+def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     import torch
 
     from pagedkv.models.llama import IdTokenizer
@@ -125,11 +143,13 @@ def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
     reqs = workload(args, model.config.vocab_size)
     eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
-                 async_scheduling=args.device == "cuda")  # fmt: skip
+                 async_scheduling=overlap and args.device == "cuda", time_steps=args.time_steps)  # fmt: skip
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
+    if eng.step_times is not None:
+        eng.step_times.clear()
     clock = Clock()
 
     def add(k: int) -> None:
@@ -142,7 +162,8 @@ def run_pagedkv(args: argparse.Namespace) -> dict[str, Any]:
 
     wall = clock.run([t for t, _, _ in reqs], add, step, eng.has_unfinished)
     sync()
-    return clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
+    got = clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
+    return got | ({"steps": step_figures(eng.step_times)} if eng.step_times is not None else {})
 
 
 def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,7 +204,7 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="vllm,pagedkv", help="comma list of vllm, pagedkv")
+    ap.add_argument("--engines", default="vllm,pagedkv", help="comma list of vllm, pagedkv, pagedkv-sync")
     ap.add_argument("--checkpoint", help="the checkpoint both serve (../shared/vllm_gpu's /tmp/ckpt_<shape>)")
     ap.add_argument("--shape", default="tiny", help="pagedkv alone, no checkpoint: a random model of these shapes")
     ap.add_argument("--requests", type=int, default=400)
@@ -197,20 +218,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
     ap.add_argument("--vllm-path", default="/tmp/site", help="vLLM's install, put on its process' path")
+    ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result(run_vllm(args) if args.child == "vllm" else run_pagedkv(args))
+        result(run_vllm(args) if args.child == "vllm" else run_pagedkv(args, overlap=args.child == "pagedkv"))
         return
     engines = [e for e in args.engines.split(",") if e]
-    if any(e not in ("vllm", "pagedkv") for e in engines):
-        ap.error(f"--engines takes vllm and pagedkv, got {args.engines!r}")
+    if any(e not in ("vllm", "pagedkv", "pagedkv-sync") for e in engines):
+        ap.error(f"--engines takes vllm, pagedkv and pagedkv-sync, got {args.engines!r}")
     if "vllm" in engines and not args.checkpoint:
         ap.error("vLLM serves a checkpoint: give --checkpoint (../shared/vllm_gpu's /tmp/ckpt_<shape>)")
     results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     for r in range(args.repeats):
         for name in engines[r % len(engines) :] + engines[: r % len(engines)]:
-            env = tree_env(args.vllm_path, only=True) if name == "vllm" else dict(os.environ)
+            env = tree_env(args.vllm_path if name == "vllm" else os.path.join(HERE, ".."), only=name == "vllm")
             got = child_result([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", name], env, name)
             if got is not None:
                 results[name].append(got)
@@ -227,6 +249,10 @@ def main() -> None:
         print(f"| {name} | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['itl_p50_ms']:.2f} | "
               f"{m['itl_p99_ms']:.2f} | {m['itl_p99_ms'] / m['itl_p50_ms']:.2f}x | {m['tok_s']:,.0f} | "
               f"{xs[0]['answered']} / {xs[0]['requests']} |")  # fmt: skip
+    for name, xs in results.items():
+        for x in xs:
+            if "steps" in x:
+                print(f"{name} steps (timed, each synchronised): {x['steps']}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ output (the engine: the ids taken by their requests, ``on_output``). The runner 
 the captured graphs, the last step's ids on the device (the next decode's input), the prompt positions a
 forward scores. It decides how a forward is laid out (``_token_rows``: one query token a row, replayed from a
 graph, or as the model's own forward), how a prefill forward is cut for the graphs (``graph_pieces``) and
-whether the step's decode rows ride in it (``ride_along``). Nothing here waits for the device.
+whether the step's decode rows ride in a prompt's forward (``ride_along``). Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -83,15 +83,18 @@ def flat_reads(rows: Sequence[RowMetadata]) -> int | None:
     return reads
 
 
-def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, KVMetadata | None]]:
+def ride_along(forwards: list[KVMetadata], most: int, eager: int = 0) -> list[tuple[KVMetadata, KVMetadata | None]]:
     """A step's forwards (``graph_pieces``), each with the decode snapshot riding in it: the step's decode rows moved
-    into its first prefill forward that holds them too (every row causal, within ``most`` token rows and
-    ``FLAT_READS`` reads), leading its rows, each a row of one query token (what a prefill of that one position
-    computes). The step then runs one forward laid out a token a row (one graph replay) instead of one for the
-    decodes and one for the prompts' chunk: bench/gpu_serve.py's mix on an H200, a step that took in a prompt
-    replayed two or three graphs, 9-17 ms against 4.6 for a decode step, the inter-token latency's p99. Nothing
-    rides where nothing holds the decodes: the forwards as they were, each with ``None``. (A decode row is one query
-    token by its phase, and every one causal.)
+    into its first prefill forward that holds them too (every row one causal segment), leading its rows, each a row
+    of one query token (what a prefill of that one position computes). A forward laid out a token a row holds them
+    within ``most`` token rows and ``FLAT_READS`` reads: the step then replays one graph instead of one for the
+    decodes and one for the prompts' chunk (bench/gpu_serve.py's mix on an H200, a step that took in a prompt
+    replayed two or three graphs, 9-17 ms against 4.6 for a decode step, the inter-token latency's p99). A forward
+    that runs eagerly whatever rides in it (over ``most`` tokens or the reads) holds them within ``eager`` tokens
+    (0: none): the step then reads the model's weights once instead of twice, the decode graph's replay gone (Llama-8B
+    on an H100 under arrivals: a step that took in a prompt replayed the decodes' graph, ~6.7 ms, beside the
+    prompt's eager forward). Nothing rides where nothing holds the decodes: the forwards as they were, each with
+    ``None``. (A decode row is one query token by its phase, and every one causal.)
 
     >>> from pagedkv.core.outputs.metadata import DecodeRows, RowMetadata, Segment
     >>> from array import array
@@ -102,6 +105,8 @@ def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, 
     [('prefill', ['a', 'b'], True)]
     >>> [(f.phase.value, lead) for f, lead in ride_along([d, p], 4)]  # (5 rows: over the bucket)
     [('decode', None), ('prefill', None)]
+    >>> [(f.phase.value, lead is d) for f, lead in ride_along([d, p], 3, eager=8)]  # (p runs eagerly anyway)
+    [('prefill', True)]
     """
     alone: list[tuple[KVMetadata, KVMetadata | None]] = [(f, None) for f in forwards]
     decodes = [k for k, f in enumerate(forwards) if f.phase is Phase.DECODE]
@@ -112,8 +117,13 @@ def ride_along(forwards: list[KVMetadata], most: int) -> list[tuple[KVMetadata, 
     for k, f in enumerate(forwards):
         if f.phase is not Phase.PREFILL or (f.generation, f.epoch) != (d.generation, d.epoch):
             continue
-        own = flat_reads(f.rows) if f.num_query_tokens + len(d.rows) <= most else None
-        if own is None or reads + own > FLAT_READS:
+        own = flat_reads(f.rows)
+        if own is None:
+            continue
+        tokens = f.num_query_tokens + len(d.rows)
+        flat = tokens <= most and reads + own <= FLAT_READS
+        eagerly = (f.num_query_tokens > most or own > FLAT_READS) and tokens <= eager
+        if not (flat or eagerly):
             continue
         merged = replace(f, rows=(*d.rows, *f.rows))
         return [((merged, d) if j == k else (g, None)) for j, g in enumerate(forwards) if j != decodes[0]]
@@ -170,8 +180,8 @@ class ModelRunner:
         verify, samples = dict(plan.verify), plan.samples
         self._scoring = []
         forwards = [piece for meta in plan.metadata for piece in self._pieces(meta, bool(verify))]
-        flat = self._flat_rows()
-        riding = ride_along(forwards, flat) if flat and not verify else [(f, None) for f in forwards]
+        flat, eager = self._flat_rows(), 0 if self.batch_invariant else self.worker.max_tokens
+        riding = ride_along(forwards, flat, eager) if not verify else [(f, None) for f in forwards]
         for k, (meta, lead) in enumerate(riding):
             out = self._forward(meta, state, verify, where, sum(len(o) for o in outs), lead)
             # (a replay's logits live in its graph's buffer, which a later forward of the step may replay again)

@@ -136,6 +136,43 @@ def test_a_prefill_forward_over_the_bucket_replays_in_pieces_between_requests() 
     assert runs[True] == runs[False]
 
 
+def test_decode_rows_riding_in_an_eager_prompt_forward_give_the_torch_backends_tokens() -> None:
+    """Prompts of 600-700 tokens (over the 512-row bucket, the chunk cap off: eager forwards) arrive while others
+    decode: the decode rows ride in the prompt's eager forward (``ride_along``'s eager room), their attention through
+    the decode kernel (``decode_lead``), the prompt's through the varlen kernel; every request gets the tokens of an
+    engine on the torch backend served the same way (fp32)."""
+    from pagedkv.shell import runner
+
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    prompts = [[(17 * i + j) % 49152 for j in range(600 + 25 * i)] for i in range(5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    runs, rode = {}, []
+    real = runner.ride_along
+
+    def spy(forwards: list, most: int, eager: int = 0) -> list:
+        out = real(forwards, most, eager)
+        rode.append(any(lead is not None and f.num_query_tokens > most for f, lead in out))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "ride_along", spy)
+        for backend in ("torch", "triton"):
+            eng = Engine(
+                model, IdTokenizer(), backend=backend, kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
+                long_prefill_token_threshold=0,
+            )  # fmt: skip
+            done = []
+            for i, p in enumerate(prompts):
+                eng.add_request(f"p{i}", "", p, greedy)
+                done += eng.step() + eng.step()
+            while eng.has_unfinished():
+                done += eng.step()
+            runs[backend] = sorted((c.request_id, c.token_ids) for c in done)
+            assert eng.state.kv.free_blocks == eng.cache.usable_blocks  # every block back
+    assert sum(rode) >= 8  # (four arrivals a backend rode eagerly)
+    assert runs["triton"] == runs["torch"]
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pages_are_read_in_registers_as_the_dequantized_values(fp8: torch.dtype) -> None:
     """The decode and varlen kernels over fp8 pages equal fp32 math over the pages' values times their scales."""

@@ -108,3 +108,65 @@ def test_a_steps_decodes_ride_in_its_first_prefill_forward_that_holds_them() -> 
     stale = replace(d, generation=d.generation + 1)
     assert all(lead is None for _, lead in ride_along([stale, *pieces], 512))
     assert ride_along([d], 512) == [(d, None)]
+    # a forward that runs eagerly alone (over the bucket, or over the reads) holds them within ``eager`` tokens
+    big = prefill([600])
+    d, long = decodes(big, 30, 200), decodes(big, 30, FLAT_READS // 30)
+    assert ride_along([d, big], 512) == [(d, None), (big, None)]  # (no eager room given: nothing rides)
+    ((merged, lead),) = ride_along([d, big], 512, eager=630)
+    assert lead is d and list(merged.rows) == [*d.rows, *big.rows] and merged.num_query_tokens == 630
+    assert ride_along([d, big], 512, eager=629) == [(d, None), (big, None)]  # (630 tokens: over it)
+    assert all(lead is None for _, lead in ride_along([full, *pieces], 512, eager=8192))  # (each piece replays)
+    ((merged, lead),) = ride_along([long, big], 512, eager=8192)  # (reads: no bound where it runs eagerly)
+    assert lead is long and merged.num_query_tokens == 630
+
+
+def test_decode_rows_riding_in_an_eager_prompt_forward_get_their_own_tokens() -> None:
+    """The CPU engine (no graphs: every forward eager) takes a prompt in while other rows decode: the step runs
+    one forward, the decode rows leading the prompt's (``ride_along``'s eager room), and every request gets the
+    tokens, finish reasons and logprobs it gets with nothing riding (the same schedule, two forwards a step)."""
+    import pytest
+    import torch
+
+    from pagedkv.models.llama import IdTokenizer, random_llama
+    from pagedkv.shell import runner
+    from pagedkv.shell.engine import Engine
+    from pagedkv.shell.sampling import SamplingParams
+    from tests.shell.test_speculative import CFG, _prompts
+
+    torch.manual_seed(0)
+    model = random_llama(CFG)
+    prompts = _prompts(6, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+
+    def serve(ride: bool) -> tuple[list[object], int]:
+        rode = 0
+        real = runner.ride_along
+
+        def spy(forwards: list[KVMetadata], most: int, eager: int = 0) -> list[tuple[KVMetadata, object]]:
+            nonlocal rode
+            out = real(forwards, most, eager) if ride else [(f, None) for f in forwards]
+            rode += any(lead is not None for _, lead in out)
+            return out
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(runner, "ride_along", spy)
+            eng = Engine(model, IdTokenizer(), block_size=4, kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+            done = []
+            for i, p in enumerate(prompts):  # (one arrives every other step: it is taken in while others decode)
+                eng.add_request(f"p{i}", "", p, greedy)
+                done += eng.step()
+                done += eng.step()
+            while eng.has_unfinished():
+                done += eng.step()
+        assert eng.state.kv.free_blocks == eng.cache.usable_blocks and not eng.worker.rows  # everything back
+        got = sorted(
+            (c.request_id, c.token_ids, c.finish_reason, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+            for c in done
+        )
+        return got, rode
+
+    want, none = serve(False)
+    got, rode = serve(True)
+    assert none == 0 and rode >= 4, rode  # (a step took a prompt in beside decoding rows: it rode)
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert all(abs(a - b) < 1e-4 for g, w in zip(got, want) for a, b in zip(g[3], w[3]))

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedkv.core.config import GroupSpec
+from pagedkv.core.outputs.metadata import DecodeRows
 from pagedkv.shell.pool import KVWrite
 from pagedkv.shell.worker import ForwardBatch
 
@@ -66,7 +67,7 @@ class SegmentCall:
     segment: int = 0  # which segment of the rows (a backend that plans a call a segment keys its plan on it)
 
 
-_LAST: list[Any] = [None, None, None]  # the last forward's (metadata, device, calls): every layer asks again
+_LAST: list[Any] = [None, None, None, 0]  # the last forward's (metadata, device, calls, lead): every layer asks again
 
 
 def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
@@ -76,8 +77,29 @@ def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
     if _LAST[0] is meta and _LAST[1] == device:
         return _LAST[2]  # type: ignore[no-any-return]
     calls = _segment_calls(batch)
-    _LAST[:] = [meta, device, calls]  # (holding the snapshot keeps its identity from being reused)
+    _LAST[:] = [meta, device, calls, _lead(batch)]  # (holding the snapshot keeps its identity from being reused)
     return calls
+
+
+def decode_lead(batch: ForwardBatch) -> int:
+    """How many of a forward's first rows are one query token each, one causal segment (the decode rows riding in a
+    prompt's forward, ``runner.ride_along``): a backend with a decode kernel runs them through it, what a decode of
+    that position computes, with its splits over a long row's keys (a varlen kernel walks a row's keys in one
+    program). Once a forward, with its segment calls."""
+    segment_calls(batch)
+    return _LAST[3]  # type: ignore[no-any-return]
+
+
+def _lead(batch: ForwardBatch) -> int:
+    rows = batch.metadata.rows
+    if isinstance(rows, DecodeRows):
+        return len(rows)
+    n = 0
+    for r in rows:
+        if r.query_len != 1 or len(r.segments) != 1 or not r.segments[0].causal:
+            break
+        n += 1
+    return n
 
 
 def _segment_calls(batch: ForwardBatch) -> list[SegmentCall]:

@@ -1,6 +1,7 @@
 """The ``triton`` backend: decode forwards through the Triton split-KV kernel (no host syncs, so a
 CUDA graph can capture them); forwards with several query tokens (prefill, chunked prefill,
-denoising steps) through the varlen kernel, one call per segment of the core's metadata.
+denoising steps) through the varlen kernel, one call per segment of the core's metadata, the decode rows
+riding at their front (``runner.ride_along``) through the decode kernel.
 
 What the kernels do not compute (chunked local groups, an explicit head map of a tensor-parallel
 shard, a logit softcap) is refused with a message naming the backend that does: a layer is never
@@ -14,7 +15,7 @@ import torch
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.core.outputs.metadata import Phase
-from pagedkv.shell.attention.base import LayerAttention, SegmentCall, run_segments
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, decode_lead, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -64,14 +65,30 @@ class TritonBackend:
                 kv_scales=layer.kv_scales,
             )
 
+        lead = decode_lead(batch)  # (decode rows riding in a prompt's forward: the decode kernel's, its splits)
+        if lead:
+            dec = self._decode(
+                q[:lead],
+                k_pages,
+                v_pages,
+                table[:lead],
+                batch.seq_lens[:lead],
+                layer.scale,
+                programs=self.programs,
+                window=window,
+                kv_scales=layer.kv_scales,
+            )
+            if lead == batch.num_rows:
+                return dec
+
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             return self._varlen(
                 qp,
                 k_pages,
                 v_pages,
-                table,
-                call.cu_seqlens_q,
-                call.kv_lens,
+                table[lead:],
+                call.cu_seqlens_q[lead:],  # (the rows after the lead; their queries where they stand in qp)
+                call.kv_lens[lead:],
                 call.max_seqlen_q,
                 causal=call.causal,
                 scale=layer.scale,
@@ -79,4 +96,7 @@ class TritonBackend:
                 kv_scales=layer.kv_scales,
             )
 
-        return run_segments(q, batch, kernel)  # several query tokens: one native call per segment
+        out = run_segments(q, batch, kernel)  # several query tokens: one native call per segment
+        if lead:
+            out[:lead] = dec
+        return out

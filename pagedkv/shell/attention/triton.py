@@ -86,14 +86,15 @@ class TritonBackend:
                 qp,
                 k_pages,
                 v_pages,
-                table[lead:],
-                call.cu_seqlens_q[lead:],  # (the rows after the lead; their queries where they stand in qp)
-                call.kv_lens[lead:],
+                table,
+                call.cu_seqlens_q,
+                call.kv_lens,
                 call.max_seqlen_q,
                 causal=call.causal,
                 scale=layer.scale,
                 window=window,
                 kv_scales=layer.kv_scales,
+                first_row=lead,  # (the rows after the lead)
             )
 
         out = run_segments(q, batch, kernel)  # several query tokens: one native call per segment

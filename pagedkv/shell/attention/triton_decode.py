@@ -331,8 +331,12 @@ def auto_programs(batch: int, kv_heads: int, device: torch.device) -> int:
     ``MIN_PROGRAMS``: its rows are of mixed lengths, and one program a row would walk a long row's splits one after
     another while the short rows' programs sit done (H100, 256 rows of 14-1,130 keys at Llama-8B's heads: 142.7 us
     with one program a row, 117.6 with four, 117.4 with eight; the same bits). A row's programs past its splits
-    exit at once."""
-    return max(MIN_PROGRAMS, min(MAX_SPLITS, 8 * _multiprocessors(device.index) // (batch * kv_heads)))
+    exit at once. A power of two: the count is a constant of the compiled kernel, so the few there are all compile
+    when the graphs are captured, and an eager call of any batch (decode rows riding in a prompt's forward,
+    ``attention.base.decode_lead``) finds its program built (on the H100 a batch's own count compiled mid-serving:
+    TTFT p99 1.6 s at Llama-8B under arrivals)."""
+    share = 8 * _multiprocessors(device.index) // (batch * kv_heads)
+    return max(MIN_PROGRAMS, min(MAX_SPLITS, 1 << (share.bit_length() - 1) if share else 0))
 
 
 @functools.cache
@@ -346,7 +350,7 @@ def _multiprocessors(index: int | None) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row0"])
     def _varlen_kernel(
         Q,
         K,
@@ -355,6 +359,7 @@ if triton is not None:
         TABLE,
         CU_Q,
         KV_LENS,
+        row0,
         scale,
         stride_tb,
         stride_kb,
@@ -372,7 +377,7 @@ if triton is not None:
         WINDOW: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        r = tl.program_id(0)
+        r = tl.program_id(0) + row0
         kvh = tl.program_id(1)
         mt = tl.program_id(2)
         q0 = tl.load(CU_Q + r)
@@ -439,9 +444,13 @@ def paged_varlen(
     scale: float,
     window: int = 0,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    first_row: int = 0,
 ) -> torch.Tensor:
     """flash-attn varlen semantics over pages: q (tokens, heads, d); row r's queries are the last
-    ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all."""
+    ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all. ``first_row``:
+    the rows before it are not computed (their outputs' places left as they are: the decode rows riding in front,
+    which the decode kernel computes); a value the kernel does not specialise on, so no count of them compiles it
+    again."""
     if triton is None:
         raise RuntimeError("the Triton kernels need triton and a CUDA device")
     T, H, D = q.shape
@@ -450,7 +459,7 @@ def paged_varlen(
     GP = triton.next_power_of_2(G)
     BM = max(1, 64 // GP)
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
-    rows = cu_seqlens_q.numel() - 1
+    rows = cu_seqlens_q.numel() - 1 - first_row
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(),
         k_pages,
@@ -459,6 +468,7 @@ def paged_varlen(
         block_table,
         cu_seqlens_q.to(torch.int32),
         kv_lens.to(torch.int32),
+        first_row,
         scale * kv_scales[0],
         block_table.stride(0),
         k_pages.stride(0),

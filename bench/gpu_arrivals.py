@@ -143,7 +143,8 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     reqs = workload(args, model.config.vocab_size)
     eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
-                 async_scheduling=overlap and args.device == "cuda", time_steps=args.time_steps)  # fmt: skip
+                 async_scheduling=overlap and args.device == "cuda", time_steps=args.time_steps,
+                 long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -218,6 +219,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
     ap.add_argument("--vllm-path", default="/tmp/site", help="vLLM's install, put on its process' path")
+    ap.add_argument("--long-prefill-token-threshold", type=int, help="pagedkv's prompt chunk cap (default: its own)")
     ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

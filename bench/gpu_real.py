@@ -62,7 +62,7 @@ def variant(name: str) -> Any:
         if name in ("no-cap", "none"):
             put(EngineArgs, "prefill_chunk_cap", lambda self, model, backend: 0)
         if name in ("no-ride", "none"):
-            put(R, "ride_along", lambda forwards, most: [(f, None) for f in forwards])
+            put(R, "ride_along", lambda forwards, *_: [(f, None) for f in forwards])
         try:
             yield
         finally:

@@ -12,7 +12,7 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
-from pagedkv.shell.graphs import GRAPH_ROWS
+from pagedkv.shell.graphs import GRAPH_ROWS, launch_bound_tokens
 from pagedkv.shell.invariant import InvariantBackend
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
 from pagedkv.shell.rank import Rank, measured_budget, plan_for, rank_for
@@ -132,12 +132,16 @@ class EngineArgs:
         return rows if model is None else max(rows, self.graph_prefill_rows(model, backend))
 
     def prefill_chunk_cap(self, model: Any, backend: AttentionBackend | None) -> int:
-        """``long_prefill_token_threshold`` as the scheduler takes it: the one given, or where prefill forwards replay
-        graphs (``token_rows``) the tokens a captured bucket holds, so that a long prompt's chunks replay them too
-        instead of launching each layer from the host (a step of the decoding rows waits for each chunk); else 0."""
+        """``long_prefill_token_threshold`` as the scheduler takes it: the one given, or where prefill forwards of a
+        captured bucket's tokens replay graphs (``token_rows``, and the model's launches outweigh those tokens'
+        matrix work: ``graphs.launch_bound_tokens``) those tokens, so that a long prompt's chunks replay them too
+        instead of launching each layer from the host (a step of the decoding rows waits for each chunk); else 0,
+        as vLLM's (a model whose chunks would run eagerly anyway, Llama-1B's and -8B's shapes: a cap only read the
+        weights once more a chunk, and kept a long prompt's first token several steps away)."""
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
-        return self.graph_prefill_rows(model, backend)
+        rows = self.graph_prefill_rows(model, backend)
+        return rows if rows and launch_bound_tokens(model, self.async_scheduling) >= rows else 0
 
     def graph_prefill_rows(self, model: Any, backend: AttentionBackend | None) -> int:
         """Prompt tokens a prefill forward may lay out one a row for the decode graphs: where decode steps replay

@@ -24,6 +24,38 @@ from pagedkv.shell.worker import ForwardBatch
 
 GRAPH_ROWS = 512  # the most rows captured for token rows past max_num_seqs (vLLM's largest capture size)
 
+# A prefill forward laid out one token a row replays a captured graph (no launches from the host) but reads every
+# token's whole prefix through the decode kernel: it pays where the forward is bound by the host's launches (a small
+# model), and costs where the device's matrix work is (bench/gpu_real.py, Llama-8B shapes on an H100: 9.13 s overlapped
+# with every prefill forward so laid out, 7.62 eagerly). A forward is laid out so while its tokens' matrix products
+# take less than an eager forward's launches: a layer's ~25 kernels at ~4 us each, at a matrix rate a Hopper reaches.
+# Overlapped, the host launches while the device runs the step before, so a quarter of that is what launches cost
+# (Llama-1B shapes on the H100: 4.88 s overlapped with every prefill forward of 512 tokens so laid out, 4.10 eagerly;
+# plain, 5.37 against 6.57).
+LAUNCH_S_A_LAYER = 100e-6
+OVERLAPPED_LAUNCH_SHARE = 0.25
+MATRIX_FLOPS = 600e12
+
+
+def launch_bound_tokens(model: Any, overlapped: bool = False) -> int:
+    """The most tokens whose matrix products take less device time than an eager forward's launches
+    (``LAUNCH_S_A_LAYER``, a share of it ``overlapped``, ``MATRIX_FLOPS``): a prefill forward of at most that many
+    is laid out one token a row and replayed (``runner.ModelRunner``), and a long prompt's chunks are capped at a
+    graph's tokens only where they are so replayed (``EngineArgs.prefill_chunk_cap``). A model that does not say its
+    parameters: no bound (every forward a graph holds).
+
+    >>> class Shape:  # (Llama-8B's layers: 6.98 G matrix parameters a token)
+    ...     matmul_params, layers = 6_979_321_856, [None] * 32
+    >>> launch_bound_tokens(Shape()), launch_bound_tokens(Shape(), overlapped=True)
+    (137, 34)
+    """
+    params = getattr(model, "matmul_params", None)
+    layers = len(getattr(model, "layers", ()))
+    if not isinstance(params, int) or params <= 0 or not layers:
+        return 1 << 62
+    launch = LAUNCH_S_A_LAYER * (OVERLAPPED_LAUNCH_SHARE if overlapped else 1.0)
+    return max(1, int(launch * layers * MATRIX_FLOPS / (2 * params)))
+
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
     """Graph batch sizes for up to ``max_rows`` rows: powers of two, then steps of 32 past 64 (vLLM's

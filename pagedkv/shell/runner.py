@@ -21,7 +21,7 @@ import torch
 from pagedkv.core.errors import RequestId
 from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import SchedState, StepPlan, query_ids
-from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
+from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for, launch_bound_tokens
 from pagedkv.shell.install_rules import one_causal_segment
 from pagedkv.shell.outcomes import Live
 from pagedkv.shell.overlap import Overlap
@@ -32,17 +32,6 @@ from pagedkv.shell.structured import Constrained, Grammars
 from pagedkv.shell.transfer import to_device
 
 FLAT_READS = 1 << 20  # keys a prefill forward laid out one token a row may read in all (ModelRunner._token_rows)
-# A prefill forward laid out one token a row replays a captured graph (no launches from the host) but reads every
-# token's whole prefix through the decode kernel: it pays where the forward is bound by the host's launches (a small
-# model), and costs where the device's matrix work is (bench/gpu_real.py, Llama-8B shapes on an H100: 9.13 s overlapped
-# with every prefill forward so laid out, 7.62 eagerly). A forward is laid out so while its tokens' matrix products
-# take less than an eager forward's launches: a layer's ~25 kernels at ~4 us each, at a matrix rate a Hopper reaches.
-# Overlapped, the host launches while the device runs the step before, so a quarter of that is what launches cost
-# (Llama-1B shapes on the H100: 4.88 s overlapped with every prefill forward of 512 tokens so laid out, 4.10 eagerly;
-# plain, 5.37 against 6.57).
-LAUNCH_S_A_LAYER = 100e-6
-OVERLAPPED_LAUNCH_SHARE = 0.25
-MATRIX_FLOPS = 600e12
 
 __all__ = ["ModelRunner", "flat_reads", "graph_pieces", "ride_along"]
 
@@ -159,7 +148,7 @@ class ModelRunner:
         self._scoring: list[tuple[Live, int, int]] = []  # this step's prompt positions to score: (its request, the
         # prompt token its logits score, its row among the step's logits)
         self.scorers: set[RequestId] = set()  # requests asking prompt logprobs whose prompt is not scored yet
-        self.launch_bound = self._launch_bound_tokens(model, overlapped)  # (the most tokens a forward's launches
+        self.launch_bound = launch_bound_tokens(model, overlapped)  # (the most tokens a forward's launches
         # outweigh)
         self.graphs: GraphDecoder | None = None
         if graphs:
@@ -347,25 +336,6 @@ class ModelRunner:
         if verify or self.graphs is None or meta.phase is not Phase.PREFILL or self.launch_bound < self._graph_rows():
             return [meta]
         return graph_pieces(meta, self._graph_rows())
-
-    @staticmethod
-    def _launch_bound_tokens(model: Any, overlapped: bool = False) -> int:
-        """The most tokens whose matrix products take less device time than an eager forward's launches
-        (``LAUNCH_S_A_LAYER``, a share of it ``overlapped``, ``MATRIX_FLOPS``): a prefill forward of at most that many
-        is laid out one token a row and replayed. A model that does not say its parameters: no bound (every forward a
-        graph holds).
-
-        >>> class Shape:  # (Llama-8B's layers: 6.98 G matrix parameters a token)
-        ...     matmul_params, layers = 6_979_321_856, [None] * 32
-        >>> ModelRunner._launch_bound_tokens(Shape()), ModelRunner._launch_bound_tokens(Shape(), overlapped=True)
-        (137, 34)
-        """
-        params = getattr(model, "matmul_params", None)
-        layers = len(getattr(model, "layers", ()))
-        if not isinstance(params, int) or params <= 0 or not layers:
-            return 1 << 62
-        launch = LAUNCH_S_A_LAYER * (OVERLAPPED_LAUNCH_SHARE if overlapped else 1.0)
-        return max(1, int(launch * layers * MATRIX_FLOPS / (2 * params)))
 
     def _graph_rows(self) -> int:
         """The most token rows one graph replay takes (0 without graphs)."""

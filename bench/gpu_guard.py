@@ -10,7 +10,10 @@ Rows (medians over the repeats; the last column: the first tree over the second)
   the host's ms a step (``overlap``); the arrival mix's TTFT and ITL p50 / p99 with the engine alone (``mix``);
 - Llama-1B and -8B shapes (``llama-1b``, ``llama-8b``): offline tokens/s waiting and overlapped, against the
   products' floor and the floor with the decode's KV reads; vLLM's offline tokens/s beside them where staged
-  (then both engines serve vLLM's side's checkpoint, ``/tmp/ckpt_<shape>``, and the same prompt ids).
+  (then both engines serve vLLM's side's checkpoint, ``/tmp/ckpt_<shape>``, and the same prompt ids);
+- the arrival mix at Llama-8B's shapes (``arrivals``: bench/gpu_arrivals.py's, ``--arrivals`` requests at
+  ``--arrivals-rate`` a second, overlapped): TTFT and ITL p50 / p99, vLLM's ``LLMEngine`` on the same checkpoint,
+  prompt ids, output lengths and arrival times beside them where staged.
 
 The parts run in the order named, each one for every tree before the next part starts (a child process a tree and
 part, the trees' order turned each part and repeat), so a part that ran compares its trees. ``--time-limit``
@@ -37,8 +40,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
 from children import child_result, result, tree_env  # noqa: E402
 
-PARTS = ("llama-8b", "overlap", "mix", "smollm2", "llama-1b")  # (the default order: the headline figures first)
+PARTS = (
+    "llama-8b",
+    "arrivals",
+    "overlap",
+    "mix",
+    "smollm2",
+    "llama-1b",
+)  # (the default order: the headline figures first)
 VLLM_SHAPES = {"llama-1b": "1b", "llama-8b": "8b"}  # (../shared/vllm_gpu's names for the shapes)
+ARRIVALS_CKPT = "/tmp/ckpt_8b"  # (the arrival mix's checkpoint: vLLM's 8B one, where its run built it)
+
+
+def arrivals_args(args: argparse.Namespace) -> argparse.Namespace:
+    """bench/gpu_arrivals.py's arguments for the ``arrivals`` part (both engines')."""
+    return argparse.Namespace(
+        checkpoint=ARRIVALS_CKPT if os.path.isdir(ARRIVALS_CKPT) else None, shape="llama-8b",
+        requests=args.arrivals, rate=args.arrivals_rate, seed=0, max_new=512, max_num_seqs=256, budget=8192,
+        kv_gib=40.0, device="cuda", prompts_dir=args.prompts_dir, time_steps=False, long_prefill_token_threshold=None,
+    )  # fmt: skip
 
 
 def child(args: argparse.Namespace) -> None:
@@ -72,6 +92,11 @@ def child(args: argparse.Namespace) -> None:
                 got.pop("lines")
                 out["parts"][part] = got
             torch.cuda.empty_cache()
+    if "arrivals" in parts and time.time() <= deadline:
+        import gpu_arrivals
+
+        out["parts"]["arrivals"] = gpu_arrivals.run_pagedkv(arrivals_args(args), overlap=True)
+        torch.cuda.empty_cache()
     for part in parts:
         if part not in VLLM_SHAPES or time.time() > deadline:
             continue
@@ -116,6 +141,19 @@ def run_vllm(tools: str, shape: str, prompts: int, limit: float) -> dict[str, An
     return "failed or timed out (its output above)" if got is None else got
 
 
+def run_vllm_arrivals(args: argparse.Namespace, limit: float) -> dict[str, Any] | str:
+    """vLLM's side of the ``arrivals`` part (bench/gpu_arrivals.py's vLLM child, vLLM in /tmp/site): its figures, or
+    why not."""
+    a = arrivals_args(args)
+    if a.checkpoint is None:
+        return f"no checkpoint at {ARRIVALS_CKPT} (vLLM's llama-8b part, or bench_vllm.py --build-only, builds it)"
+    cmd = [sys.executable, os.path.join(HERE, "gpu_arrivals.py"), "--checkpoint", a.checkpoint, "--requests",
+           str(a.requests), "--rate", str(a.rate), "--prompts-dir", os.path.abspath(args.prompts_dir),
+           "--child", "vllm"]  # fmt: skip
+    got: dict[str, Any] | None = child_result(cmd, tree_env("/tmp/site", only=True), "vLLM arrivals", timeout=limit)
+    return "failed or timed out (its output above)" if got is None else got
+
+
 def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts: list[str]) -> list[str]:
     """One row a figure: each tree's median, the first tree over the second, vLLM's where it ran."""
     names = list(results)
@@ -148,6 +186,19 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
         add("arrival mix ITL p50 ms", "", lambda p: p["mix"]["itl_p50_ms"])
         add("arrival mix ITL p99 ms", "", lambda p: p["mix"]["itl_p99_ms"])
         add("  ITL p99 / p50", "at most 2x", lambda p: p["mix"]["itl_p99_ms"] / p["mix"]["itl_p50_ms"])
+    if "arrivals" in parts or "arrivals" in vllm:
+        va = vllm.get("arrivals")
+        for key, figure in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_p50_ms", "ITL p50"),
+                            ("itl_p99_ms", "ITL p99")):  # fmt: skip
+            goal = "at most vLLM's" if key in ("ttft_p50_ms", "itl_p99_ms") else ""
+            add(f"llama-8b arrival mix {figure} ms", goal, lambda p, k=key: p["arrivals"][k],
+                va[key] if isinstance(va, dict) else None)  # fmt: skip
+        add(
+            "  llama-8b arrival mix tok/s",
+            "",
+            lambda p: p["arrivals"]["tok_s"],
+            va["tok_s"] if isinstance(va, dict) else None,
+        )
     for shape in ("llama-1b", "llama-8b"):
         if shape not in parts and shape not in vllm:
             continue
@@ -171,10 +222,14 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
     head = " | ".join(names)
     ratio = f"{names[0]} / {names[1]}" if len(names) > 1 else "-"
     out = [f"| figure | goal | {head} | {ratio} | vLLM 0.25.1 |", "|---|---|" + "---:|" * (len(names) + 2)]
+
+    def shown(x: float) -> str:
+        return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
+
     for figure, goal, vals, theirs in rows:
-        cells = " | ".join("-" if x is None else f"{x:,.2f}" if x < 100 else f"{x:,.0f}" for x in vals)
+        cells = " | ".join("-" if x is None else shown(x) for x in vals)
         r = f"{vals[0] / vals[1]:.2f}x" if len(vals) > 1 and vals[0] and vals[1] else "-"
-        vcell = "-" if theirs is None else f"{theirs:,.0f} ({vals[0] / theirs:.2f}x)" if vals[0] else f"{theirs:,.0f}"
+        vcell = "-" if theirs is None else f"{shown(theirs)} ({vals[0] / theirs:.2f}x)" if vals[0] else shown(theirs)
         out.append(f"| {figure} | {goal} | {cells} | {r} | {vcell} |")
     return out
 
@@ -189,6 +244,8 @@ def main() -> None:
     ap.add_argument("--mix", type=int, default=400, help="requests in the arrival mix")
     ap.add_argument("--rate", type=float, default=40.0, help="the arrival mix's requests a second")
     ap.add_argument("--prompts", type=int, default=1000, help="prompts of the Llama shapes' runs (vLLM's too)")
+    ap.add_argument("--arrivals", type=int, default=400, help="requests of the arrival mix at Llama-8B's shapes")
+    ap.add_argument("--arrivals-rate", type=float, default=20.0, help="its requests a second (Poisson)")
     ap.add_argument("--tflops", type=float, default=790.0)
     ap.add_argument("--vllm-tools", help="../shared/vllm_gpu's scripts on the device (.vwN/tools): run vLLM there")
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
@@ -216,7 +273,7 @@ def main() -> None:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
-    if any(p in VLLM_SHAPES for p in parts) and not args.prompts_dir:
+    if any(p in VLLM_SHAPES or p == "arrivals" for p in parts) and not args.prompts_dir:
         ap.error("the Llama parts need --prompts-dir (../shared/vllm_gpu's prompts.py: the ids vLLM's side serves)")
     t0 = time.time()
     deadline = t0 + args.time_limit
@@ -225,6 +282,11 @@ def main() -> None:
         for shape in (p for p in parts if p in VLLM_SHAPES):
             vllm[shape] = run_vllm(args.vllm_tools, shape, args.prompts, deadline - time.time())
             print(f"vLLM {shape}: {vllm[shape] if isinstance(vllm[shape], str) else 'done'}", file=sys.stderr)
+        if "arrivals" in parts:  # (after its 8B run: the checkpoint both engines serve)
+            vllm["arrivals"] = run_vllm_arrivals(args, max(1.0, deadline - time.time()))
+            print(
+                f"vLLM arrivals: {vllm['arrivals'] if isinstance(vllm['arrivals'], str) else 'done'}", file=sys.stderr
+            )
     trees = [t.split("=", 1) for t in args.trees.split(",")]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     for path in args.json_in or ():

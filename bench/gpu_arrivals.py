@@ -203,7 +203,8 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
     return clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The script's arguments (bench/gpu_guard.py's ``arrivals`` part parses its own through it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="vllm,pagedkv", help="comma list of vllm, pagedkv, pagedkv-sync")
     ap.add_argument("--checkpoint", help="the checkpoint both serve (../shared/vllm_gpu's /tmp/ckpt_<shape>)")
@@ -222,6 +223,11 @@ def main() -> None:
     ap.add_argument("--long-prefill-token-threshold", type=int, help="pagedkv's prompt chunk cap (default: its own)")
     ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.child:
         result(run_vllm(args) if args.child == "vllm" else run_pagedkv(args, overlap=args.child == "pagedkv"))

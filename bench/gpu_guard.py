@@ -53,12 +53,16 @@ ARRIVALS_CKPT = "/tmp/ckpt_8b"  # (the arrival mix's checkpoint: vLLM's 8B one, 
 
 
 def arrivals_args(args: argparse.Namespace) -> argparse.Namespace:
-    """bench/gpu_arrivals.py's arguments for the ``arrivals`` part (both engines')."""
-    return argparse.Namespace(
-        checkpoint=ARRIVALS_CKPT if os.path.isdir(ARRIVALS_CKPT) else None, shape="llama-8b",
-        requests=args.arrivals, rate=args.arrivals_rate, seed=0, max_new=512, max_num_seqs=256, budget=8192,
-        kv_gib=40.0, device="cuda", prompts_dir=args.prompts_dir, time_steps=False, long_prefill_token_threshold=None,
-    )  # fmt: skip
+    """bench/gpu_arrivals.py's arguments for the ``arrivals`` part (both engines'): its own defaults, the guard's
+    requests, rate and prompts, vLLM's 8B checkpoint where its run built it (else a random model of those shapes)."""
+    import gpu_arrivals
+
+    given = ["--shape", "llama-8b", "--requests", str(args.arrivals), "--rate", str(args.arrivals_rate)]
+    if os.path.isdir(ARRIVALS_CKPT):
+        given += ["--checkpoint", ARRIVALS_CKPT]
+    if args.prompts_dir:
+        given += ["--prompts-dir", os.path.abspath(args.prompts_dir)]
+    return gpu_arrivals.parser().parse_args(given)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -148,8 +152,7 @@ def run_vllm_arrivals(args: argparse.Namespace, limit: float) -> dict[str, Any] 
     if a.checkpoint is None:
         return f"no checkpoint at {ARRIVALS_CKPT} (vLLM's llama-8b part, or bench_vllm.py --build-only, builds it)"
     cmd = [sys.executable, os.path.join(HERE, "gpu_arrivals.py"), "--checkpoint", a.checkpoint, "--requests",
-           str(a.requests), "--rate", str(a.rate), "--prompts-dir", os.path.abspath(args.prompts_dir),
-           "--child", "vllm"]  # fmt: skip
+           str(a.requests), "--rate", str(a.rate), "--prompts-dir", a.prompts_dir, "--child", "vllm"]  # fmt: skip
     got: dict[str, Any] | None = child_result(cmd, tree_env("/tmp/site", only=True), "vLLM arrivals", timeout=limit)
     return "failed or timed out (its output above)" if got is None else got
 

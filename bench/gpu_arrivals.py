@@ -156,6 +156,8 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
                  async_scheduling=overlap and args.device == "cuda", time_steps=args.time_steps,
                  long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
+    if args.flat_tokens is not None:  # (an experiment: the runner's launch bound, ModelRunner._flat_rows)
+        eng.runner.launch_bound = args.flat_tokens
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -232,6 +234,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
     ap.add_argument("--vllm-path", default="/tmp/site", help="vLLM's install, put on its process' path")
     ap.add_argument("--long-prefill-token-threshold", type=int, help="pagedkv's prompt chunk cap (default: its own)")
+    ap.add_argument(
+        "--flat-tokens",
+        type=int,
+        help="pagedkv's prefill forwards of at most this many tokens laid out "
+        "a token a row and replayed (the runner's launch bound overridden; default: its own)",
+    )
     ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     return ap

@@ -201,7 +201,7 @@ class OpenAIServer:
                 return await handler(request)  # type: ignore[no-any-return]
             except BadRequest as e:
                 response = error(e.status, str(e), e.param, e.kind)
-                if e.status in (408, 413):  # (the rest of the body is not read: the connection goes)
+                if e.status in (408, 413):  # (the rest of the body is not kept: the connection goes)
                     response.headers["Connection"] = "close"
                 return response
             except NeverTaken as e:
@@ -276,6 +276,7 @@ class OpenAIServer:
         limit = self.max_request_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
+            await _linger(request)
             raise _too_large(int(length), limit)
         raw = bytearray()
         try:
@@ -283,11 +284,16 @@ class OpenAIServer:
                 async for part in request.stream():
                     raw += part
                     if len(raw) > limit:
-                        raise _too_large(len(raw), limit)
+                        break
         except TimeoutError:
             raise BadRequest(
                 f"the request was not sent within {self.read_timeout:g} s", status=408, kind="RequestTimeout"
             ) from None
+        if len(raw) > limit:
+            size = len(raw)
+            del raw
+            await _linger(request)
+            raise _too_large(size, limit)
         try:
             body = await _off_loop(lambda: json.loads(raw), len(raw))
         except (ValueError, RecursionError) as e:
@@ -675,6 +681,26 @@ def vllm_prompt_logprobs(c: Completion) -> list[dict[str, dict[str, Any]] | None
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+LINGER_S = 2.0  # how long the rest of a refused body is read and dropped (``_linger``), at most
+LINGER_BYTES = 64 << 20  # and how much of it
+
+
+async def _linger(request: Request) -> None:
+    """What the client still sends of a body refused unread (413), read and dropped, for at most ``LINGER_S``
+    seconds and ``LINGER_BYTES`` (nginx's lingering close): a client that writes its whole body before it reads
+    the answer (httpx, requests) then reads the 413, where a connection closed on unread bytes is reset under it
+    and the answer lost. Nothing is kept; the connection still closes after the answer."""
+    dropped = 0
+    with anyio.move_on_after(LINGER_S):
+        while dropped <= LINGER_BYTES:
+            message = await request.receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 def _too_large(size: int, limit: int) -> BadRequest:

@@ -15,7 +15,7 @@ import torch
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.core.outputs.metadata import Phase
-from pagedkv.shell.attention.base import LayerAttention, SegmentCall, decode_lead, run_segments
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, decode_lead, run_segments, segment_calls
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -66,8 +66,12 @@ class TritonBackend:
             )
 
         lead = decode_lead(batch)  # (decode rows riding in a prompt's forward: the decode kernel's, its splits)
+        calls = segment_calls(batch)
+        whole = len(calls) == 1 and calls[0].token_index is None  # (one call over the forward's tokens in order)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if whole or lead else None  # (both kernels
+        # write their rows into it)
         if lead:
-            dec = self._decode(
+            self._decode(
                 q[:lead],
                 k_pages,
                 v_pages,
@@ -77,9 +81,10 @@ class TritonBackend:
                 programs=self.programs,
                 window=window,
                 kv_scales=layer.kv_scales,
+                out=out[:lead],  # type: ignore[index]
             )
             if lead == batch.num_rows:
-                return dec
+                return out  # type: ignore[return-value]
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             return self._varlen(
@@ -95,9 +100,12 @@ class TritonBackend:
                 window=window,
                 kv_scales=layer.kv_scales,
                 first_row=lead,  # (the rows after the lead)
+                out=out if whole else None,
             )
 
-        out = run_segments(q, batch, kernel)  # several query tokens: one native call per segment
+        if whole:
+            return kernel(q, calls[0])
+        got = run_segments(q, batch, kernel)  # several query tokens: one native call per segment
         if lead:
-            out[:lead] = dec
-        return out
+            got[:lead] = out[:lead]  # type: ignore[index]
+        return got

@@ -238,8 +238,10 @@ def paged_decode(
     tile: int | None = None,
     window: int = 0,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (batch, heads, head_dim) -> (batch, heads, head_dim): one query token per sequence.
+    """q (batch, heads, head_dim) -> (batch, heads, head_dim), q's dtype: one query token per sequence; written into
+    ``out`` where given (contiguous, q's shape and dtype: a forward's output whose first rows these are).
 
     A row's keys are cut into splits of ``SPLIT_KEYS`` (more where a row has more than ``MAX_SPLITS`` of them:
     then ``MAX_SPLITS`` equal ones, a tile's multiple), merged by their log-sum-exp in a fixed order: what a row
@@ -260,7 +262,7 @@ def paged_decode(
     width = split_width(block_table.shape[1] * bs)
     programs = min(width, programs or auto_programs(B, kvh, q.device))
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty((B, H, width, D), dtype=torch.float32, device=q.device)
+    parts = torch.empty((B, H, width, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, width), dtype=torch.float32, device=q.device)
     _split_kernel[(B, kvh, programs)](
         q.contiguous(),
@@ -268,7 +270,7 @@ def paged_decode(
         v_pages,
         block_table,
         seq_lens,
-        out,
+        parts,
         lse,
         scale * kv_scales[0] * LOG2E,
         block_table.stride(0),
@@ -286,11 +288,31 @@ def paged_decode(
         FP8_PAGES=k_pages.dtype in FP8,
         **prog,
     )
-    res = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    res = _output(q, out)
     _merge_kernel[(B * H,)](
-        out, lse, seq_lens, res, H=H, D=D, TILE=keys, SPLIT_KEYS=SPLIT_KEYS, CAP=MAX_SPLITS, WIDTH=width, WINDOW=window
+        parts,
+        lse,
+        seq_lens,
+        res,
+        H=H,
+        D=D,
+        TILE=keys,
+        SPLIT_KEYS=SPLIT_KEYS,
+        CAP=MAX_SPLITS,
+        WIDTH=width,
+        WINDOW=window,
     )
-    return res.to(q.dtype)
+    return res
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel writes its result, in q's dtype (its float32 values rounded to nearest even as it stores them,
+    what ``.to`` would do): ``out``, checked, or a new tensor of q's shape."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
+    return out
 
 
 def split_width(keys: int) -> int:
@@ -445,12 +467,13 @@ def paged_varlen(
     window: int = 0,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     first_row: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """flash-attn varlen semantics over pages: q (tokens, heads, d); row r's queries are the last
-    ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or see them all. ``first_row``:
-    the rows before it are not computed (their outputs' places left as they are: the decode rows riding in front,
-    which the decode kernel computes); a value the kernel does not specialise on, so no count of them compiles it
-    again."""
+    """flash-attn varlen semantics over pages: q (tokens, heads, d) -> the same, q's dtype (into ``out`` where given);
+    row r's queries are the last ``q_len`` positions of its ``kv_lens[r]`` keys (bottom-right aligned causal), or
+    see them all. ``first_row``: the rows before it are not computed (their outputs' places left as they are: the
+    decode rows riding in front, which the decode kernel writes there); a value the kernel does not specialise on,
+    so no count of them compiles it again."""
     if triton is None:
         raise RuntimeError("the Triton kernels need triton and a CUDA device")
     T, H, D = q.shape
@@ -458,7 +481,7 @@ def paged_varlen(
     G = H // kvh
     GP = triton.next_power_of_2(G)
     BM = max(1, 64 // GP)
-    out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    out = _output(q, out)
     rows = cu_seqlens_q.numel() - 1 - first_row
     _varlen_kernel[(rows, kvh, triton.cdiv(max_seqlen_q, BM))](
         q.contiguous(),
@@ -488,7 +511,7 @@ def paged_varlen(
         num_warps=4,
         num_stages=2,
     )
-    return out.to(q.dtype)
+    return out
 
 
 if triton is not None:

@@ -29,6 +29,7 @@ from bench.gpu_serve import WORDS
 from pagedkv.models.llama import IdTokenizer, Llama
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.shell.engine import Engine
+from pagedkv.shell.engine_args import freeze_startup
 from pagedkv.shell.sampling import SamplingParams
 
 
@@ -65,6 +66,7 @@ def main() -> None:
         model, tok, kv_cache_memory_bytes=8 << 30, max_num_seqs=256, max_num_batched_tokens=args.budget,
         time_steps=True, **kw,
     )  # fmt: skip
+    freeze_startup()  # as an engine process does: the start-up heap is not walked again
     print(f"backend {eng.backend.name}, graphs {'captured' if eng.runner.graphs else 'off'}, {args.rows} rows decoding")
     n = 0
 

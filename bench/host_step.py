@@ -3,7 +3,8 @@ forward stubbed (zero logits), with overlapped scheduling and without, each tree
 
 On a GPU a decode step whose host work outlasts its graph replay is the host's (bench/gpu_serve.py --overlap: the
 ids' readback never waits); this measures that host work where no GPU is: a step is (a run of 64 new tokens - a run
-of 1) / 63, medians of 5, 128-token prompts, one request a row, GC on. A tiny random Llama stands behind the stub
+of 1) / 63, medians of 5, 128-token prompts, one request a row, GC on (the start-up heap frozen, as an engine
+process has it: app, vLLM). A tiny random Llama stands behind the stub
 (the tokenizer and vocabulary SmolLM2's), so the numbers are the engine's, not a model's. Beside it, the core's
 ``on_tokens`` alone (the overlapped step's ids read a step late) at the same rows awaiting their ids: a pure call
 timed on one state, the best of 15 x 50 calls (steady where the machine is not).
@@ -14,6 +15,7 @@ timed on one state, the best of 15 x 50 calls (steady where the machine is not).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -36,6 +38,7 @@ def child(rows: int) -> dict[str, float]:
 
     from pagedkv.models.llama import SMOLLM2_SHAPES, Llama, random_llama
     from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.shell.engine_args import freeze_startup
     from pagedkv.shell.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -59,7 +62,9 @@ def child(rows: int) -> dict[str, float]:
             return time.perf_counter() - t0
 
         run(4)
+        freeze_startup()  # as an engine process does (vLLM's engine core too); undone before the engine goes
         out["overlapped" if ahead else "waiting"] = statistics.median((run(64) - run(1)) / 63 * 1e3 for _ in range(5))
+        gc.unfreeze()
     out["on_tokens"] = on_tokens_ms(rows)
     return out
 

@@ -21,6 +21,7 @@ Each engine in a process of its own, alternated over ``--repeats``; one table. O
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -161,7 +162,7 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
         eng.runner.launch_bound = args.flat_tokens
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
-    freeze_startup()  # as an engine process does (vLLM's engine core too): the start-up heap is not walked again
+    freeze_startup()  # as an engine process does (vLLM's engine core too): the start-up heap not walked again
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
     if eng.step_times is not None:
@@ -178,6 +179,7 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
 
     wall = clock.run([t for t, _, _ in reqs], add, step, eng.has_unfinished)
     sync()
+    gc.unfreeze()  # (the engine collectable again once it goes: a caller may build another in this process)
     got = clock.figures({f"a{k}": t for k, (t, _, _) in enumerate(reqs)}, sum(n for _, _, n in reqs), wall)
     return got | ({"steps": step_figures(eng.step_times)} if eng.step_times is not None else {})
 

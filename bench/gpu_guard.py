@@ -78,15 +78,18 @@ def child(args: argparse.Namespace) -> None:
 
         from pagedkv.models.llama import Llama
         from pagedkv.models.tokenizer import Tokenizer
+        from pagedkv.shell.engine_args import freeze_startup
 
         _, meta = Llama.smollm2(device="cpu")
         tok = Tokenizer(meta)
+        freeze_startup()  # as an engine process does (vLLM's too): the start-up heap is not walked again
         for part in smol:
             if time.time() > deadline:
                 continue
             if part == "smollm2":
                 hf = gpu_serve.hf_model(torch.bfloat16)
                 gpu_serve.hf_generate(hf, [tok.encode("warm up")] * 4, 8, tok.eos_token_id)
+                freeze_startup()  # (transformers' model too, as gpu_serve.py's own run has it)
                 out["parts"][part] = gpu_serve.batches(tok, [args.batch], args.new, hf)[0]
                 del hf
             elif part == "overlap":

@@ -205,6 +205,11 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
             lambda p: p["arrivals"]["tok_s"],
             va["tok_s"] if isinstance(va, dict) else None,
         )
+        for key, figure in (("first_call_p50_ms", "prompt steps' calls p50"),  # (those handing out first tokens)
+                            ("first_call_p99_ms", "prompt steps' calls p99"),
+                            ("other_call_p50_ms", "other steps' calls p50")):  # fmt: skip
+            add(f"  llama-8b arrival mix {figure} ms", "", lambda p, k=key: p["arrivals"][k],
+                va.get(key) if isinstance(va, dict) else None)  # fmt: skip
     for shape in ("llama-1b", "llama-8b"):
         if shape not in parts and shape not in vllm:
             continue

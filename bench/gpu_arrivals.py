@@ -100,6 +100,8 @@ class Clock:
     def figures(self, arrivals: dict[Any, float], made: int, wall: float) -> dict[str, Any]:
         """TTFT and ITL percentiles (ms), tokens a second over the run."""
         ttft = [self.first[r] - arrivals[r] for r in self.first]
+        firsts = [t for t, f in self.calls if f]
+        others = [t for t, f in self.calls if not f]
         return {
             "requests": len(arrivals),
             "answered": len(self.first),
@@ -111,12 +113,12 @@ class Clock:
             "itl_p99_ms": pct(self.gaps, 0.99),
             # The step calls as the caller sees them (either engine alike; overlapped, a call's wait is the step
             # before's device time): those that handed out first tokens (prompts' steps) and the others.
-            "first_call_p50_ms": pct([t for t, f in self.calls if f], 0.5),
-            "first_call_p99_ms": pct([t for t, f in self.calls if f], 0.99),
-            "other_call_p50_ms": pct([t for t, f in self.calls if not f], 0.5),
-            "other_call_p99_ms": pct([t for t, f in self.calls if not f], 0.99),
-            "first_calls": sum(1 for _, f in self.calls if f),
-            "firsts_a_call": sum(f for _, f in self.calls) / max(1, sum(1 for _, f in self.calls if f)),
+            "first_call_p50_ms": pct(firsts, 0.5),
+            "first_call_p99_ms": pct(firsts, 0.99),
+            "other_call_p50_ms": pct(others, 0.5),
+            "other_call_p99_ms": pct(others, 0.99),
+            "first_calls": len(firsts),
+            "firsts_a_call": len(self.first) / max(1, len(firsts)),
         }
 
 
@@ -145,14 +147,9 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     from pagedkv.shell.engine_args import freeze_startup
     from pagedkv.shell.sampling import SamplingParams
 
-    if args.checkpoint:
-        from pagedkv.models.hf import load_model
+    from llama_shapes import load
 
-        model = load_model(args.checkpoint, dtype="bfloat16", device=args.device)[0]
-    else:
-        from llama_shapes import build
-
-        model = build(args.shape, args.device)[0]
+    model = load(args.checkpoint, args.shape, args.device)[0]
     reqs = workload(args, model.config.vocab_size)
     eng = Engine(model, IdTokenizer(), kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,

@@ -194,22 +194,18 @@ def table(results: dict[str, list[dict[str, Any]]], vllm: dict[str, Any], parts:
         add("  ITL p99 / p50", "at most 2x", lambda p: p["mix"]["itl_p99_ms"] / p["mix"]["itl_p50_ms"])
     if "arrivals" in parts or "arrivals" in vllm:
         va = vllm.get("arrivals")
-        for key, figure in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_p50_ms", "ITL p50"),
-                            ("itl_p99_ms", "ITL p99")):  # fmt: skip
-            goal = "at most vLLM's" if key in ("ttft_p50_ms", "itl_p99_ms") else ""
-            add(f"llama-8b arrival mix {figure} ms", goal, lambda p, k=key: p["arrivals"][k],
-                va[key] if isinstance(va, dict) else None)  # fmt: skip
-        add(
-            "  llama-8b arrival mix tok/s",
-            "",
-            lambda p: p["arrivals"]["tok_s"],
-            va["tok_s"] if isinstance(va, dict) else None,
-        )
-        for key, figure in (("first_call_p50_ms", "prompt steps' calls p50"),  # (those handing out first tokens)
-                            ("first_call_p99_ms", "prompt steps' calls p99"),
-                            ("other_call_p50_ms", "other steps' calls p50")):  # fmt: skip
-            add(f"  llama-8b arrival mix {figure} ms", "", lambda p, k=key: p["arrivals"][k],
-                va.get(key) if isinstance(va, dict) else None)  # fmt: skip
+        mix8 = "llama-8b arrival mix"
+        for key, figure, goal in (
+            ("ttft_p50_ms", f"{mix8} TTFT p50 ms", "at most vLLM's"),
+            ("ttft_p99_ms", f"{mix8} TTFT p99 ms", ""),
+            ("itl_p50_ms", f"{mix8} ITL p50 ms", ""),
+            ("itl_p99_ms", f"{mix8} ITL p99 ms", "at most vLLM's"),
+            ("tok_s", f"  {mix8} tok/s", ""),
+            ("first_call_p50_ms", f"  {mix8} prompt steps' calls p50 ms", ""),  # (the calls handing out first tokens)
+            ("first_call_p99_ms", f"  {mix8} prompt steps' calls p99 ms", ""),
+            ("other_call_p50_ms", f"  {mix8} other steps' calls p50 ms", ""),
+        ):
+            add(figure, goal, lambda p, k=key: p["arrivals"][k], va.get(key) if isinstance(va, dict) else None)
     for shape in ("llama-1b", "llama-8b"):
         if shape not in parts and shape not in vllm:
             continue

@@ -47,14 +47,9 @@ def main() -> None:
     rng = random.Random(0)
     tok: Any
     if args.checkpoint or args.shape:
-        if args.checkpoint:
-            from pagedkv.models.hf import load_model
+        from bench.llama_shapes import load
 
-            model = load_model(args.checkpoint, dtype="bfloat16", device="cuda")[0]
-        else:
-            from bench.llama_shapes import build
-
-            model = build(args.shape, "cuda")[0]
+        model = load(args.checkpoint, args.shape, "cuda")[0]
         tok = IdTokenizer()
         ids = [rng.randrange(1000, model.config.vocab_size) for _ in range(4096)]
     else:

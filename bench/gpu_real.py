@@ -32,7 +32,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(HERE)  # (appended: a child's PYTHONPATH tree stays the pagedkv imported)
 from children import child_result, result, tree_env  # noqa: E402
-from llama_shapes import SHAPES, build  # noqa: E402
+from llama_shapes import SHAPES, load  # noqa: E402
 
 
 def variant(name: str) -> Any:
@@ -117,15 +117,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.shell.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    if args.checkpoint:  # (vLLM's side's checkpoint, ../shared/vllm_gpu/bench_vllm.py: the same weights, its vocab)
-        from pagedkv.models.hf import load_model
-
-        model = load_model(args.checkpoint, dtype="bfloat16", device=args.device)[0]
-        names = ("qkv", "o", "gate_up", "down")
-        layer = sum(p.numel() for L in model.layers for k, p in L.items() if k in names)
-        head = model.lm_head.numel()
-    else:
-        model, layer, head = build(args.shape, args.device)
+    model, layer, head = load(args.checkpoint, args.shape, args.device)  # (vLLM's side's checkpoint, or random)
     vocab = model.config.vocab_size
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     built = time.perf_counter() - t0
@@ -205,7 +197,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--tflops", type=float, default=790.0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (--shape tiny)")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (--shape tiny --kv-gib 1)")
     ap.add_argument("--checkpoint", help="a checkpoint directory to serve instead of --shape's random model")
     ap.add_argument("--prompts-dir", default=os.environ.get("PROMPTS_DIR"), help="where prompts.py is")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -141,11 +141,11 @@ def run_segments(
     q: torch.Tensor, batch: ForwardBatch, kernel: Callable[[torch.Tensor, SegmentCall], torch.Tensor]
 ) -> torch.Tensor:
     """Run ``kernel(q_part, call) -> out_part`` per segment call; the output is in token order."""
+    calls = segment_calls(batch)
+    if calls[0].token_index is None:  # (one segment a row: one call over the tokens as they stand, its output)
+        return kernel(q, calls[0])
     out = torch.empty_like(q)
-    for call in segment_calls(batch):
-        if call.token_index is None:
-            out = kernel(q, call)
-        else:
-            part = kernel(q.index_select(0, call.token_index), call)
-            out.index_copy_(0, call.token_index, part)
+    for call in calls:  # (several segments a row: each call's tokens gathered, run and put back in place)
+        index: torch.Tensor = call.token_index  # type: ignore[assignment]
+        out.index_copy_(0, index, kernel(q.index_select(0, index), call))
     return out

@@ -15,7 +15,7 @@ import torch
 from pagedkv.core.errors import ErrorCode
 from pagedkv.core.rules.kinds import GroupKind
 from pagedkv.core.outputs.metadata import Phase
-from pagedkv.shell.attention.base import LayerAttention, SegmentCall, decode_lead, run_segments, segment_calls
+from pagedkv.shell.attention.base import LayerAttention, SegmentCall, decode_lead, run_segments
 from pagedkv.shell.errors import BackendUnavailable, refuse
 from pagedkv.shell.worker import ForwardBatch
 
@@ -66,11 +66,9 @@ class TritonBackend:
             )
 
         lead = decode_lead(batch)  # (decode rows riding in a prompt's forward: the decode kernel's, its splits)
-        calls = segment_calls(batch)
-        whole = len(calls) == 1 and calls[0].token_index is None  # (one call over the forward's tokens in order)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if whole or lead else None  # (both kernels
-        # write their rows into it)
+        out: torch.Tensor | None = None  # (with a lead: one output, the decode rows' first)
         if lead:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self._decode(
                 q[:lead],
                 k_pages,
@@ -81,10 +79,10 @@ class TritonBackend:
                 programs=self.programs,
                 window=window,
                 kv_scales=layer.kv_scales,
-                out=out[:lead],  # type: ignore[index]
+                out=out[:lead],
             )
             if lead == batch.num_rows:
-                return out  # type: ignore[return-value]
+                return out
 
         def kernel(qp: torch.Tensor, call: SegmentCall) -> torch.Tensor:
             return self._varlen(
@@ -100,12 +98,7 @@ class TritonBackend:
                 window=window,
                 kv_scales=layer.kv_scales,
                 first_row=lead,  # (the rows after the lead)
-                out=out if whole else None,
+                out=out,  # (with a lead: rows of one segment, one call over the tokens in order, after the lead's)
             )
 
-        if whole:
-            return kernel(q, calls[0])
-        got = run_segments(q, batch, kernel)  # several query tokens: one native call per segment
-        if lead:
-            got[:lead] = out[:lead]  # type: ignore[index]
-        return got
+        return run_segments(q, batch, kernel)  # several query tokens: one native call per segment

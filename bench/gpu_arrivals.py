@@ -155,8 +155,10 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
                  async_scheduling=overlap and args.device == "cuda", time_steps=args.time_steps,
                  long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
-    if args.flat_tokens is not None:  # (an experiment: the runner's launch bound, ModelRunner._flat_rows)
-        eng.runner.launch_bound = args.flat_tokens
+    if args.flat_tokens is not None:  # (an experiment: the runner's layout rule, ModelRunner.flat_tokens)
+        eng.runner.flat_tokens = args.flat_tokens
+    if args.pieces:
+        eng.runner.pieces = True
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     freeze_startup()  # as an engine process does (vLLM's engine core too): the start-up heap not walked again
@@ -239,7 +241,12 @@ def parser() -> argparse.ArgumentParser:
         "--flat-tokens",
         type=int,
         help="pagedkv's prefill forwards of at most this many tokens laid out "
-        "a token a row and replayed (the runner's launch bound overridden; default: its own)",
+        "a token a row and replayed (ModelRunner.flat_tokens; default: its own)",
+    )
+    ap.add_argument(
+        "--pieces",
+        action="store_true",
+        help="pagedkv's prefill forwards over a replay's tokens cut into replays between requests (ModelRunner.pieces)",
     )
     ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)

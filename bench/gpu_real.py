@@ -15,7 +15,9 @@ turned off (where the 8B regression of issue 63 hides):
 - ``no-cap``: no 512-token cap on a prompt's chunk a step (``long_prefill_token_threshold`` 0, as before f91b4fe);
 - ``no-ride``: decode rows never ride in a prompt's forward (as before d0d92cc);
 - ``none``: all three off;
-- ``unfused``: the forward's elementwise work in torch's kernels, not ``shell.fused``'s (issue 63's fusion off).
+- ``unfused``: the forward's elementwise work in torch's kernels, not ``shell.fused``'s (issue 63's fusion off);
+- ``flat-N``: prefill forwards of at most N tokens laid out one token a row and replayed (``ModelRunner.flat_tokens``
+  given), ``flat-N-pieces``: and a forward over a replay's tokens cut into replays (``ModelRunner.pieces`` on).
 
     python bench/gpu_real.py --shape llama-8b --trees main=.,dca3de6=.devold/dca3de6 --variants default,none
 """
@@ -64,6 +66,14 @@ def variant(name: str) -> Any:
             put(EngineArgs, "prefill_chunk_cap", lambda self, model, backend: 0)
         if name in ("no-ride", "none"):
             put(R, "ride_along", lambda forwards, *_: [(f, None) for f in forwards])
+        if name.startswith("flat-"):  # flat-N[-pieces]: the runner's layout rule given (ModelRunner.flat_tokens)
+            most, init = int(name.split("-")[1]), runs.__init__
+
+            def given(self: Any, *a: Any, **k: Any) -> None:
+                init(self, *a, **k)
+                self.flat_tokens, self.pieces = most, name.endswith("-pieces") or self.pieces
+
+            put(runs, "__init__", given)
         try:
             yield
         finally:
@@ -92,6 +102,8 @@ def variant(name: str) -> Any:
         return contextlib.nullcontext()
     if name == "none":
         return patched() if all(have.values()) else None
+    if name.startswith("flat-"):  # (the first tree's variants only: this tree's runner)
+        return patched()
     return patched() if have[needs[name]] else None
 
 

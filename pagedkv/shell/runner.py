@@ -148,13 +148,15 @@ class ModelRunner:
         self._scoring: list[tuple[Live, int, int]] = []  # this step's prompt positions to score: (its request, the
         # prompt token its logits score, its row among the step's logits)
         self.scorers: set[RequestId] = set()  # requests asking prompt logprobs whose prompt is not scored yet
-        self.launch_bound = launch_bound_tokens(model, overlapped)  # (the most tokens a forward's launches
-        # outweigh)
         self.graphs: GraphDecoder | None = None
         if graphs:
             rows = max(graph_rows, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
             self.graphs = GraphDecoder(model, rank, backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
+        bound, most = launch_bound_tokens(model, overlapped), self._graph_rows()  # (the most tokens a forward's
+        # launches outweigh; the most a replay takes)
+        self.flat_tokens = rank.worker.token_rows if batch_invariant else min(most, bound)  # (``_token_rows``)
+        self.pieces = most > 0 and bound >= most  # (``_pieces``: a forward over a replay's tokens cut into replays)
 
     def run(
         self, plan: StepPlan, bound: list[Live], state: SchedState, grammars: Grammars | None
@@ -169,7 +171,7 @@ class ModelRunner:
         verify, samples = dict(plan.verify), plan.samples
         self._scoring = []
         forwards = [piece for meta in plan.metadata for piece in self._pieces(meta, bool(verify))]
-        flat, eager = self._flat_rows(), 0 if self.batch_invariant else self.worker.max_tokens
+        flat, eager = self.flat_tokens, 0 if self.batch_invariant else self.worker.max_tokens
         riding = ride_along(forwards, flat, eager) if not verify else [(f, None) for f in forwards]
         for k, (meta, lead) in enumerate(riding):
             out = self._forward(meta, state, verify, where, sum(len(o) for o in outs), lead)
@@ -333,7 +335,7 @@ class ModelRunner:
         """The forwards ``meta`` runs as: itself, or (a prefill forward with graphs captured, a model whose forwards
         of a graph's tokens are bound by the host's launches) ``graph_pieces``: a model whose matrix work outweighs
         its launches pays for every piece's reading of its weights."""
-        if verify or self.graphs is None or meta.phase is not Phase.PREFILL or self.launch_bound < self._graph_rows():
+        if verify or not self.pieces or meta.phase is not Phase.PREFILL:
             return [meta]
         return graph_pieces(meta, self._graph_rows())
 
@@ -341,12 +343,6 @@ class ModelRunner:
         """The most token rows one graph replay takes (0 without graphs)."""
         graphs = self.graphs
         return 0 if graphs is None or not graphs.buckets else min(graphs.buckets[-1], self.worker.token_rows)
-
-    def _flat_rows(self) -> int:
-        """The most query tokens a prefill forward laid out one a row takes (verify steps aside): the buffers' token
-        rows in batch-invariant mode (every such forward is), else a graph replay's, while the model's matrix work
-        for them stays under an eager forward's launches (``launch_bound``)."""
-        return self.worker.token_rows if self.batch_invariant else min(self._graph_rows(), self.launch_bound)
 
     def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
         """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A
@@ -358,7 +354,7 @@ class ModelRunner:
             return False
         if verifying:
             return meta.num_query_tokens <= self.worker.token_rows
-        if meta.num_query_tokens > self._flat_rows():
+        if meta.num_query_tokens > self.flat_tokens:
             return False
         if self.batch_invariant:  # (batch-invariant: every forward; shell.invariant)
             return True

@@ -21,7 +21,7 @@ import torch
 from pagedkv.core.errors import RequestId
 from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import SchedState, StepPlan, query_ids
-from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for, launch_bound_tokens
+from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
 from pagedkv.shell.install_rules import one_causal_segment
 from pagedkv.shell.outcomes import Live
 from pagedkv.shell.overlap import Overlap
@@ -153,10 +153,9 @@ class ModelRunner:
             rows = max(graph_rows, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
             self.graphs = GraphDecoder(model, rank, backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
-        bound, most = launch_bound_tokens(model, overlapped), self._graph_rows()  # (the most tokens a forward's
-        # launches outweigh; the most a replay takes)
-        self.flat_tokens = rank.worker.token_rows if batch_invariant else min(most, bound)  # (``_token_rows``)
-        self.pieces = most > 0 and bound >= most  # (``_pieces``: a forward over a replay's tokens cut into replays)
+        most = self._graph_rows()  # (the most token rows a replay takes)
+        self.flat_tokens = rank.worker.token_rows if batch_invariant else most  # (``_token_rows``)
+        self.pieces = most > 0  # (``_pieces``: a forward over a replay's tokens cut into replays between requests)
 
     def run(
         self, plan: StepPlan, bound: list[Live], state: SchedState, grammars: Grammars | None

@@ -157,8 +157,8 @@ def run_pagedkv(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
                  long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     if args.flat_tokens is not None:  # (an experiment: the runner's layout rule, ModelRunner.flat_tokens)
         eng.runner.flat_tokens = args.flat_tokens
-    if args.pieces:
-        eng.runner.pieces = True
+    if args.pieces is not None:
+        eng.runner.pieces = args.pieces == "on"
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.generate([("", p, warm) for _, p, _ in reqs[:8]])  # (first calls' set-up, graphs captured)
     freeze_startup()  # as an engine process does (vLLM's engine core too): the start-up heap not walked again
@@ -245,8 +245,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--pieces",
-        action="store_true",
-        help="pagedkv's prefill forwards over a replay's tokens cut into replays between requests (ModelRunner.pieces)",
+        choices=("on", "off"),
+        help="pagedkv's prefill forwards over a replay's tokens cut into replays between requests, or not "
+        "(ModelRunner.pieces; default: its own)",
     )
     ap.add_argument("--time-steps", action="store_true", help="pagedkv's steps timed (each synchronised) and shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)

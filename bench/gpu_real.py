@@ -17,7 +17,8 @@ turned off (where the 8B regression of issue 63 hides):
 - ``none``: all three off;
 - ``unfused``: the forward's elementwise work in torch's kernels, not ``shell.fused``'s (issue 63's fusion off);
 - ``flat-N``: prefill forwards of at most N tokens laid out one token a row and replayed (``ModelRunner.flat_tokens``
-  given), ``flat-N-pieces``: and a forward over a replay's tokens cut into replays (``ModelRunner.pieces`` on).
+  given), a forward over a replay's tokens never cut (``ModelRunner.pieces`` off); ``flat-N-pieces``: cut into
+  replays between requests (on).
 
     python bench/gpu_real.py --shape llama-8b --trees main=.,dca3de6=.devold/dca3de6 --variants default,none
 """
@@ -71,7 +72,7 @@ def variant(name: str) -> Any:
 
             def given(self: Any, *a: Any, **k: Any) -> None:
                 init(self, *a, **k)
-                self.flat_tokens, self.pieces = most, name.endswith("-pieces") or self.pieces
+                self.flat_tokens, self.pieces = most, name.endswith("-pieces")
 
             put(runs, "__init__", given)
         try:

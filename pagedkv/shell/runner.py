@@ -21,7 +21,7 @@ import torch
 from pagedkv.core.errors import RequestId
 from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import SchedState, StepPlan, query_ids
-from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for
+from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for, launch_bound_tokens
 from pagedkv.shell.install_rules import one_causal_segment
 from pagedkv.shell.outcomes import Live
 from pagedkv.shell.overlap import Overlap
@@ -126,7 +126,15 @@ class ModelRunner:
     ``requests``: the engine's live requests (read: their ids, params and prompts), the same dict the engine
     keeps. ``graphs``: capture the decode graphs over the worker's buffers now, up to ``graph_rows`` rows.
     ``overlapped``: the engine reads a step's ids a step late (the last step's ids are the next decode's input
-    on the device). ``batch_invariant``: every prefill forward laid out one query token a row."""
+    on the device). ``batch_invariant``: every prefill forward laid out one query token a row.
+
+    How a prefill forward is laid out, two decisions held as attributes (benches set them for A/B runs):
+    ``flat_tokens``, the most query tokens a forward laid out one a row and replayed takes (a replay's tokens at
+    every model size: under arrivals at Llama-8B's shapes on an H100, TTFT p50 42.6 ms with forwards of 34 tokens
+    or fewer replayed, 19.0 with those of 256, bench/gpu_arrivals.py); ``pieces``, whether a forward over a
+    replay's tokens is cut into replays between requests (``graph_pieces``: only a model whose launches outweigh a
+    replay's matrix work, ``graphs.launch_bound_tokens``; a larger one pays every piece's read of its weights where
+    a long step's eager launches hide behind its products)."""
 
     def __init__(
         self,
@@ -155,7 +163,7 @@ class ModelRunner:
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         most = self._graph_rows()  # (the most token rows a replay takes)
         self.flat_tokens = rank.worker.token_rows if batch_invariant else most  # (``_token_rows``)
-        self.pieces = most > 0  # (``_pieces``: a forward over a replay's tokens cut into replays between requests)
+        self.pieces = most > 0 and launch_bound_tokens(model, overlapped) >= most  # (``_pieces``)
 
     def run(
         self, plan: StepPlan, bound: list[Live], state: SchedState, grammars: Grammars | None
@@ -331,9 +339,7 @@ class ModelRunner:
         return out  # type: ignore[no-any-return]
 
     def _pieces(self, meta: KVMetadata, verify: bool) -> list[KVMetadata]:
-        """The forwards ``meta`` runs as: itself, or (a prefill forward with graphs captured, a model whose forwards
-        of a graph's tokens are bound by the host's launches) ``graph_pieces``: a model whose matrix work outweighs
-        its launches pays for every piece's reading of its weights."""
+        """The forwards ``meta`` runs as: itself, or (a prefill forward, ``pieces`` on) ``graph_pieces``."""
         if verify or not self.pieces or meta.phase is not Phase.PREFILL:
             return [meta]
         return graph_pieces(meta, self._graph_rows())

@@ -131,7 +131,7 @@ class ModelRunner:
     How a prefill forward is laid out, two decisions held as attributes (benches set them for A/B runs):
     ``flat_tokens``, the most query tokens a forward laid out one a row and replayed takes (a replay's tokens at
     every model size: under arrivals at Llama-8B's shapes on an H100, TTFT p50 42.6 ms with forwards of 34 tokens
-    or fewer replayed, 19.0 with those of 256, bench/gpu_arrivals.py); ``pieces``, whether a forward over a
+    or fewer replayed, 18.4 with those of 512, bench/gpu_arrivals.py); ``pieces``, whether a forward over a
     replay's tokens is cut into replays between requests (``graph_pieces``: only a model whose launches outweigh a
     replay's matrix work, ``graphs.launch_bound_tokens``; a larger one pays every piece's read of its weights where
     a long step's eager launches hide behind its products)."""

@@ -136,6 +136,38 @@ def test_a_prefill_forward_over_the_bucket_replays_in_pieces_between_requests() 
     assert runs[True] == runs[False]
 
 
+def test_a_model_whose_products_outweigh_its_launches_replays_what_a_bucket_holds_and_cuts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model that says Llama-8B's matrix parameters (its launch bound 34 tokens overlapped, under the 512-row
+    bucket): a prompt forward of 300 tokens is still laid out a token a row and replayed (``ModelRunner.flat_tokens``,
+    a bucket's tokens at every size), and eight prompts of 925 tokens in one step are not cut into replays
+    (``ModelRunner.pieces`` off): that step runs eagerly. Greedy tokens equal the engine's with graphs off."""
+    from pagedkv.models.llama import Llama
+
+    monkeypatch.setattr(Llama, "matmul_params", property(lambda self: 6_979_321_856))
+    model = random_llama(SMOLLM2_SHAPES, device="cuda")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    one = [("one", [(7 * j) % 49152 for j in range(300)], greedy)]
+    eight = [(f"p{i}", [(13 * i + j) % 49152 for j in range(100 + 5 * i)], greedy) for i in range(8)]
+    runs = {}
+    for graphs in (True, False):
+        eng = Engine(
+            model, IdTokenizer(), backend="triton", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs
+        )
+        if graphs:
+            assert (eng.runner.flat_tokens, eng.runner.pieces) == (512, False)
+        before = 0 if eng.runner.graphs is None else eng.runner.graphs.replays
+        runs[graphs, "one"] = [c.token_ids for c in eng.generate(one)]
+        if graphs:  # the prompt's forward and five decodes, each replayed
+            assert eng.runner.graphs.replays == before + 1 + 5
+            before = eng.runner.graphs.replays
+        runs[graphs, "eight"] = [c.token_ids for c in eng.generate(eight)]
+        if graphs:  # the prompts' forward eagerly, whole; five decodes replayed
+            assert eng.runner.graphs.replays == before + 5
+    assert runs[True, "one"] == runs[False, "one"] and runs[True, "eight"] == runs[False, "eight"]
+
+
 def test_decode_rows_riding_in_an_eager_prompt_forward_give_the_torch_backends_tokens() -> None:
     """Prompts of 600-700 tokens (over the 512-row bucket, the chunk cap off: eager forwards) arrive while others
     decode: the decode rows ride in the prompt's eager forward (``ride_along``'s eager room), their attention through

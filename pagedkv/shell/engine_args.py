@@ -12,7 +12,7 @@ import torch
 from pagedkv.core.config import InvalidConfig
 
 from pagedkv.shell.attention import AttentionBackend, get_backend
-from pagedkv.shell.graphs import GRAPH_ROWS, launch_bound_tokens
+from pagedkv.shell.graphs import GRAPH_ROWS, launches_outweigh
 from pagedkv.shell.invariant import InvariantBackend
 from pagedkv.shell.kv_scales import KV_CACHE_DTYPES, kv_dtype_of, scales_for
 from pagedkv.shell.rank import Rank, measured_budget, plan_for, rank_for
@@ -133,15 +133,15 @@ class EngineArgs:
 
     def prefill_chunk_cap(self, model: Any, backend: AttentionBackend | None) -> int:
         """``long_prefill_token_threshold`` as the scheduler takes it: the one given, or where prefill forwards of a
-        captured bucket's tokens replay graphs (``token_rows``, and the model's launches outweigh those tokens'
-        matrix work: ``graphs.launch_bound_tokens``) those tokens, so that a long prompt's chunks replay them too
+        captured bucket's tokens replay graphs (``token_rows``) and the model's launches outweigh those tokens'
+        matrix work (``graphs.launches_outweigh``) those tokens, so that a long prompt's chunks replay them too
         instead of launching each layer from the host (a step of the decoding rows waits for each chunk); else 0,
-        as vLLM's (a model whose chunks would run eagerly anyway, Llama-1B's and -8B's shapes: a cap only read the
-        weights once more a chunk, and kept a long prompt's first token several steps away)."""
+        as vLLM's (a model whose products outweigh its launches, Llama-1B's and -8B's shapes: a cap only reads the
+        weights once more a chunk, and keeps a long prompt's first token several steps away)."""
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         rows = self.graph_prefill_rows(model, backend)
-        return rows if rows and launch_bound_tokens(model, self.async_scheduling) >= rows else 0
+        return rows if launches_outweigh(model, rows, self.async_scheduling) else 0
 
     def graph_prefill_rows(self, model: Any, backend: AttentionBackend | None) -> int:
         """Prompt tokens a prefill forward may lay out one a row for the decode graphs: where decode steps replay

@@ -57,6 +57,19 @@ def launch_bound_tokens(model: Any, overlapped: bool = False) -> int:
     return max(1, int(launch * layers * MATRIX_FLOPS / (2 * params)))
 
 
+def launches_outweigh(model: Any, rows: int, overlapped: bool = False) -> bool:
+    """Do a forward's launches outweigh the matrix work of ``rows`` tokens (``launch_bound_tokens``)? Where they do
+    for a replay's rows, a prefill forward over them is cut into replays (``ModelRunner.pieces``) and a long
+    prompt's chunks are capped at them (``EngineArgs.prefill_chunk_cap``): one rule for both.
+
+    >>> class Shape:  # (Llama-8B's layers)
+    ...     matmul_params, layers = 6_979_321_856, [None] * 32
+    >>> launches_outweigh(Shape(), 512), launches_outweigh(Shape(), 32)
+    (False, True)
+    """
+    return rows > 0 and launch_bound_tokens(model, overlapped) >= rows
+
+
 def buckets_for(max_rows: int) -> tuple[int, ...]:
     """Graph batch sizes for up to ``max_rows`` rows: powers of two, then steps of 32 past 64 (vLLM's
     shape), and ``max_rows`` itself, so every batch size maps to the smallest bucket that holds it.

@@ -21,7 +21,7 @@ import torch
 from pagedkv.core.errors import RequestId
 from pagedkv.core.outputs.metadata import DecodeRows, KVMetadata, Phase, RowMetadata
 from pagedkv.core.scheduler import SchedState, StepPlan, query_ids
-from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for, launch_bound_tokens
+from pagedkv.shell.graphs import GRAPH_ROWS, GraphDecoder, buckets_for, launches_outweigh
 from pagedkv.shell.install_rules import one_causal_segment
 from pagedkv.shell.outcomes import Live
 from pagedkv.shell.overlap import Overlap
@@ -133,7 +133,7 @@ class ModelRunner:
     every model size: under arrivals at Llama-8B's shapes on an H100, TTFT p50 42.6 ms with forwards of 34 tokens
     or fewer replayed, 18.4 with those of 512, bench/gpu_arrivals.py); ``pieces``, whether a forward over a
     replay's tokens is cut into replays between requests (``graph_pieces``: only a model whose launches outweigh a
-    replay's matrix work, ``graphs.launch_bound_tokens``; a larger one pays every piece's read of its weights where
+    replay's matrix work, ``graphs.launches_outweigh``; a larger one pays every piece's read of its weights where
     a long step's eager launches hide behind its products)."""
 
     def __init__(
@@ -163,7 +163,7 @@ class ModelRunner:
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         most = self._graph_rows()  # (the most token rows a replay takes)
         self.flat_tokens = rank.worker.token_rows if batch_invariant else most  # (``_token_rows``)
-        self.pieces = most > 0 and launch_bound_tokens(model, overlapped) >= most  # (``_pieces``)
+        self.pieces = launches_outweigh(model, most, overlapped)  # (``_pieces``)
 
     def run(
         self, plan: StepPlan, bound: list[Live], state: SchedState, grammars: Grammars | None

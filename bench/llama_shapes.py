@@ -45,7 +45,7 @@ def build(shape: str, device: str) -> tuple[Any, int, int]:
     del hf, sd
     if device == "cuda":
         torch.cuda.empty_cache()
-    return model, _layer_params(model), model.lm_head.numel()
+    return model, model.matmul_params, model.lm_head.numel()
 
 
 def load(checkpoint: str | None, shape: str, device: str) -> tuple[Any, int, int]:
@@ -56,9 +56,4 @@ def load(checkpoint: str | None, shape: str, device: str) -> tuple[Any, int, int
     from pagedkv.models.hf import load_model
 
     model = load_model(checkpoint, dtype="bfloat16", device=device)[0]
-    return model, _layer_params(model), model.lm_head.numel()
-
-
-def _layer_params(model: Any) -> int:
-    """The layers' matrix parameters a token (q, k, v, gate and up are views into qkv and gate_up)."""
-    return sum(p.numel() for L in model.layers for k, p in L.items() if k in ("qkv", "o", "gate_up", "down"))
+    return model, model.matmul_params, model.lm_head.numel()

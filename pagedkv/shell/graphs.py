@@ -31,8 +31,6 @@ GRAPH_ROWS = 512  # the most rows captured for token rows past max_num_seqs (vLL
 # launches: a layer's ~25 kernels at ~4 us each, at a matrix rate a Hopper reaches. Overlapped, the host launches
 # while the device runs the step before, so a quarter of that is what launches cost (Llama-1B shapes on the H100:
 # 4.88 s overlapped with every prefill forward of 512 tokens so laid out, 4.10 eagerly; plain, 5.37 against 6.57).
-# The same bound decides a long prompt's chunk cap (EngineArgs.prefill_chunk_cap). A forward within a replay's
-# tokens is laid out one token a row at every size (ModelRunner.flat_tokens).
 LAUNCH_S_A_LAYER = 100e-6
 OVERLAPPED_LAUNCH_SHARE = 0.25
 MATRIX_FLOPS = 600e12
@@ -40,9 +38,8 @@ MATRIX_FLOPS = 600e12
 
 def launch_bound_tokens(model: Any, overlapped: bool = False) -> int:
     """The most tokens whose matrix products take less device time than an eager forward's launches
-    (``LAUNCH_S_A_LAYER``, a share of it ``overlapped``, ``MATRIX_FLOPS``): where a replay's tokens are within it, a
-    prefill forward over them is cut into replays (``ModelRunner.pieces``) and a long prompt's chunks are capped at
-    a replay's tokens (``EngineArgs.prefill_chunk_cap``). A model that does not say its parameters: no bound.
+    (``LAUNCH_S_A_LAYER``, a share of it ``overlapped``, ``MATRIX_FLOPS``): the bound ``launches_outweigh`` holds a
+    replay's tokens against. A model that does not say its parameters: no bound.
 
     >>> class Shape:  # (Llama-8B's layers: 6.98 G matrix parameters a token)
     ...     matmul_params, layers = 6_979_321_856, [None] * 32

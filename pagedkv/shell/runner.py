@@ -161,9 +161,11 @@ class ModelRunner:
             rows = max(graph_rows, min(rank.worker.token_rows, GRAPH_ROWS))  # (verify steps' token rows too)
             self.graphs = GraphDecoder(model, rank, backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
-        most = self._graph_rows()  # (the most token rows a replay takes)
-        self.flat_tokens = rank.worker.token_rows if batch_invariant else most  # (``_token_rows``)
-        self.pieces = launches_outweigh(model, most, overlapped)  # (``_pieces``)
+        # the most token rows one replay takes (0 without graphs)
+        g = self.graphs
+        self.replay_rows = 0 if g is None or not g.buckets else min(g.buckets[-1], rank.worker.token_rows)
+        self.flat_tokens = rank.worker.token_rows if batch_invariant else self.replay_rows  # (``_token_rows``)
+        self.pieces = launches_outweigh(model, self.replay_rows, overlapped)  # (``_pieces``)
 
     def run(
         self, plan: StepPlan, bound: list[Live], state: SchedState, grammars: Grammars | None
@@ -342,12 +344,7 @@ class ModelRunner:
         """The forwards ``meta`` runs as: itself, or (a prefill forward, ``pieces`` on) ``graph_pieces``."""
         if verify or not self.pieces or meta.phase is not Phase.PREFILL:
             return [meta]
-        return graph_pieces(meta, self._graph_rows())
-
-    def _graph_rows(self) -> int:
-        """The most token rows one graph replay takes (0 without graphs)."""
-        graphs = self.graphs
-        return 0 if graphs is None or not graphs.buckets else min(graphs.buckets[-1], self.worker.token_rows)
+        return graph_pieces(meta, self.replay_rows)
 
     def _token_rows(self, meta: KVMetadata, verifying: bool) -> bool:
         """Is this forward laid out one query token a row (the decode kernel, and its graphs where captured)? A

@@ -162,8 +162,10 @@ class ModelRunner:
             self.graphs = GraphDecoder(model, rank, backend, buckets=buckets_for(rows))
             self.graphs.capture()  # at start-up: every bucket, over the worker's persistent buffers
         # the most token rows one replay takes (0 without graphs)
-        g = self.graphs
-        self.replay_rows = 0 if g is None or not g.buckets else min(g.buckets[-1], rank.worker.token_rows)
+        decoder = self.graphs
+        self.replay_rows = (
+            0 if decoder is None or not decoder.buckets else min(decoder.buckets[-1], rank.worker.token_rows)
+        )
         self.flat_tokens = rank.worker.token_rows if batch_invariant else self.replay_rows  # (``_token_rows``)
         self.pieces = launches_outweigh(model, self.replay_rows, overlapped)  # (``_pieces``)
 

@@ -141,7 +141,7 @@ def test_a_model_whose_products_outweigh_its_launches_replays_what_a_bucket_hold
 ) -> None:
     """A model that says Llama-8B's matrix parameters (its launch bound 34 tokens overlapped, under the 512-row
     bucket): a prompt forward of 300 tokens is still laid out a token a row and replayed (``ModelRunner.flat_tokens``,
-    a bucket's tokens at every size), and eight prompts of 925 tokens in one step are not cut into replays
+    a bucket's tokens at every size), and eight prompts of 940 tokens in all in one step are not cut into replays
     (``ModelRunner.pieces`` off): that step runs eagerly. Greedy tokens equal the engine's with graphs off."""
     from pagedkv.models.llama import Llama
 
